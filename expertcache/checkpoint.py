@@ -1,0 +1,91 @@
+"""Read an HF checkpoint folder: config.json, safetensors (single or sharded), tokenizer.json."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .errors import CheckpointError
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: dict
+    files: dict[str, Path]  # tensor name -> safetensors file
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        try:
+            with safe_open(str(self.files[name]), "pt") as f:
+                return f.get_tensor(name)
+        except KeyError:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing; re-export the checkpoint") from None
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{self.files[name]}: cannot read tensor {name!r} ({e}); "
+                                  "re-download or re-export the checkpoint") from None
+
+    def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Load several tensors, opening each shard once."""
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            if n not in self.files:
+                raise CheckpointError(f"{self.path}: tensor {n!r} is missing; re-export the checkpoint")
+            by_file.setdefault(self.files[n], []).append(n)
+        out = {}
+        for file, ns in by_file.items():
+            try:
+                with safe_open(str(file), "pt") as f:
+                    out.update({n: f.get_tensor(n) for n in ns})
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{file}: corrupt safetensors file ({e}); re-download or re-export it") from None
+        return out
+
+    @property
+    def tokenizer_file(self) -> Path | None:
+        p = self.path / "tokenizer.json"
+        return p if p.exists() else None
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(f.stat().st_size for f in set(self.files.values()))
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder; pass --model a folder with config.json "
+                              "and *.safetensors")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: config.json is missing; copy it from the model's release") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}/config.json is not valid JSON ({e}); restore it from the release") from None
+    index = path / "model.safetensors.index.json"
+    files: dict[str, Path] = {}
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e}); restore it from the release") from None
+        for name, shard in weight_map.items():
+            if not (path / shard).exists():
+                raise CheckpointError(f"{path}: shard {shard} named by the index is missing; download it")
+            files[name] = path / shard
+    else:
+        shards = sorted(path.glob("*.safetensors"))
+        if not shards:
+            raise CheckpointError(f"{path}: no *.safetensors weights; convert the checkpoint to safetensors")
+        for shard in shards:
+            try:
+                with safe_open(str(shard), "pt") as f:
+                    files.update({k: shard for k in f.keys()})
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{shard}: corrupt safetensors file ({e}); re-download or re-export it") from None
+    return Checkpoint(path, config, files)

@@ -1,0 +1,132 @@
+"""Load a checkpoint into the engine: dense weights on the compute device, experts in a slow
+tier, a fast-tier expert cache between them, and a miss policy deciding on every miss."""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .cache import CacheConfig, ExpertCache
+from .checkpoint import open_checkpoint
+from .errors import CheckpointError, UnknownName
+from .moe import MoELayerRunner
+from .models import model_args
+from .policies import MissPolicy, make_policy
+from .stats import RunStats
+from .stores import open_store
+from .transformer import Transformer
+from .weights import dense_weights
+
+BUILTIN_MODEL = Path(__file__).parent / "data" / "model"
+ROUTING_COUNTS = "routing_counts.json"  # per layer, how often each expert is routed on calibration text
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    store: str = "ram"  # ram | disk | pinned
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    policy: str = "fetch-all"
+    initial: str = "auto"  # warm: most-routed experts first; cold: empty; auto: warm if counts exist
+    store_dir: Path | None = None
+    max_seq: int = 2048
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+class Engine:
+    def __init__(self, model_path: str | Path | None = None, config: EngineConfig = EngineConfig(),
+                 policy: MissPolicy | None = None):
+        self.path = Path(model_path) if model_path else BUILTIN_MODEL
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise UnknownName("device 'cuda' asked for but torch sees no CUDA device; use --device cpu")
+        dtype = torch.float32 if self.device.type == "cpu" else torch.float16
+        self.policy = policy or make_policy(config.policy)
+        ckpt = open_checkpoint(self.path)
+        self.args = model_args(ckpt.config)
+        self.checkpoint = ckpt
+        self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype)
+        self.cache = ExpertCache(config.cache, self.store, self.args.top_k, self.device, dtype)
+        self.stats = RunStats()
+        self.runner = MoELayerRunner(self.args, self.cache, self.policy, self.stats)
+        self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype), self.runner, self.device,
+                                 config.max_seq)
+        self.tokenizer = None
+        if ckpt.tokenizer_file is not None:
+            from tokenizers import Tokenizer
+            self.tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_file))
+        self.reset()
+
+    # -- residency -----------------------------------------------------------------------
+    def routing_counts(self) -> np.ndarray | None:
+        p = self.path / ROUTING_COUNTS
+        if not p.exists():
+            return None
+        counts = np.array(json.loads(p.read_text())["counts"], dtype=np.int64)
+        if counts.shape != (self.args.num_layers, self.args.num_experts):
+            raise CheckpointError(f"{p}: counts of shape {counts.shape} do not fit the model; "
+                                  "rerun `expertcache calibrate` or delete the file")
+        return counts
+
+    def reset(self) -> None:
+        """Start of a run: empty or warm cache, fresh statistics and policy state."""
+        initial = self.config.initial
+        counts = self.routing_counts() if initial in ("warm", "auto") else None
+        if initial == "warm" and counts is None:
+            raise CheckpointError(f"{self.path}: no {ROUTING_COUNTS} for a warm cache; "
+                                  "run `expertcache calibrate` or pass --initial cold")
+        if initial not in ("warm", "cold", "auto"):
+            raise UnknownName(f"unknown initial residency {initial!r}; choose warm, cold or auto")
+        self.cache.clear()
+        if counts is not None:
+            n = self.cache.per_layer if self.cache.cfg.quota == "layer" else \
+                self.cache.num_slots // self.args.num_layers
+            for layer in range(self.args.num_layers):
+                self.cache.fill(layer, np.argsort(-counts[layer], kind="stable")[:n])
+        self.policy.reset()
+        self.stats.__init__()
+        self.warm = counts is not None
+
+    # -- running -------------------------------------------------------------------------
+    def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
+        """ids [T] -> logits [T, V] (fp32), counting tokens and wall time."""
+        start = time.perf_counter()
+        logits = self.model.forward(ids.to(self.device), pos).float()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats.wall_s += time.perf_counter() - start
+        self.stats.tokens += ids.shape[0]
+        self.stats.peak_memory_bytes = peak_memory_bytes(self.device)
+        return logits
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise CheckpointError(f"{self.path}: no tokenizer.json; text input needs the model's tokenizer")
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
+
+    def budget(self) -> dict:
+        """Bytes of the fast tier: non-expert weights, the expert cache, the KV cache."""
+        kv = self.model.k_cache.nbytes + self.model.v_cache.nbytes
+        return {"dense_bytes": self.model.dense_bytes, "cache_bytes": self.cache.bytes, "kv_bytes": kv,
+                "slots_per_layer": self.cache.per_layer, "expert_bytes_slow": self.store.expert_bytes,
+                "expert_bytes_fast": self.cache.expert_bytes}
+
+    def close(self) -> None:
+        self.cache.close()
+        self.store.close()

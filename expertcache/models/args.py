@@ -1,0 +1,49 @@
+"""The shape of a decoder-only MoE transformer, common to every family."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    expert_dim: int  # F: each routed expert is SwiGLU H -> F -> H
+    norm_topk_prob: bool
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3); "full": over all heads (OLMoE)
+    clip_qkv: float | None = None
+    shared_expert_dim: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
+    max_position_embeddings: int = 4096
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.expert_dim
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def rope_theta(config: dict, default: float) -> float:
+    """transformers 5 writes rope_parameters.rope_theta; older configs say rope_theta."""
+    params = config.get("rope_parameters") or {}
+    return float(params.get("rope_theta", config.get("rope_theta", default)))
+
+
+def head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def num_experts(config: dict) -> int:
+    """Released Qwen3 checkpoints say num_experts; transformers 5 writes num_local_experts."""
+    return config.get("num_experts") or config["num_local_experts"]

@@ -1,0 +1,20 @@
+"""Mixtral: plain GQA attention, router softmax over the top-k logits (always renormalised)."""
+from .args import ModelArgs, head_dim, num_experts, rope_theta
+from .naming import per_expert_names
+
+ARCHITECTURE = "MixtralForCausalLM"
+
+
+def args_from_config(c: dict) -> ModelArgs:
+    return ModelArgs(
+        family="mixtral", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+        num_kv_heads=c["num_key_value_heads"], head_dim=head_dim(c), num_experts=num_experts(c),
+        top_k=c["num_experts_per_tok"], expert_dim=c["intermediate_size"], norm_topk_prob=True,
+        rope_theta=rope_theta(c, 1e6), rms_norm_eps=c.get("rms_norm_eps", 1e-5),
+        tie_word_embeddings=c.get("tie_word_embeddings", False),
+        max_position_embeddings=c.get("max_position_embeddings", 4096))
+
+
+def layer_names(i: int, a: ModelArgs) -> dict:
+    return per_expert_names(i, a, moe="block_sparse_moe", gate="gate", w1="w1", w3="w3", w2="w2")

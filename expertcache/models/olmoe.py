@@ -1,0 +1,21 @@
+"""OLMoE: q/k RMSNorm over all heads at once, optional qkv clipping, softmax router."""
+from .args import ModelArgs, head_dim, num_experts, rope_theta
+from .naming import per_expert_names
+
+ARCHITECTURE = "OlmoeForCausalLM"
+
+
+def args_from_config(c: dict) -> ModelArgs:
+    return ModelArgs(
+        family="olmoe", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+        num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], head_dim=head_dim(c),
+        num_experts=num_experts(c), top_k=c["num_experts_per_tok"], expert_dim=c["intermediate_size"],
+        norm_topk_prob=bool(c.get("norm_topk_prob", False)), rope_theta=rope_theta(c, 10000.0),
+        rms_norm_eps=c.get("rms_norm_eps", 1e-5), tie_word_embeddings=c.get("tie_word_embeddings", False),
+        attention_bias=c.get("attention_bias", False), qk_norm="full", clip_qkv=c.get("clip_qkv"),
+        max_position_embeddings=c.get("max_position_embeddings", 4096))
+
+
+def layer_names(i: int, a: ModelArgs) -> dict:
+    return per_expert_names(i, a, moe="mlp", gate="gate", w1="gate_proj", w3="up_proj", w2="down_proj")

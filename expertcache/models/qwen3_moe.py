@@ -1,0 +1,22 @@
+"""Qwen3-MoE: per-head q/k RMSNorm, no biases, softmax router, top-k renormalised if norm_topk_prob."""
+from .args import ModelArgs, head_dim, num_experts, rope_theta
+from .naming import dense_layers_unsupported, per_expert_names
+
+ARCHITECTURE = "Qwen3MoeForCausalLM"
+
+
+def args_from_config(c: dict) -> ModelArgs:
+    dense_layers_unsupported(c)
+    return ModelArgs(
+        family="qwen3_moe", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+        num_kv_heads=c["num_key_value_heads"], head_dim=head_dim(c), num_experts=num_experts(c),
+        top_k=c["num_experts_per_tok"], expert_dim=c["moe_intermediate_size"],
+        norm_topk_prob=bool(c.get("norm_topk_prob", False)), rope_theta=rope_theta(c, 10000.0),
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6), tie_word_embeddings=c.get("tie_word_embeddings", False),
+        attention_bias=c.get("attention_bias", False), qk_norm="head",
+        max_position_embeddings=c.get("max_position_embeddings", 4096))
+
+
+def layer_names(i: int, a: ModelArgs) -> dict:
+    return per_expert_names(i, a, moe="mlp", gate="gate", w1="gate_proj", w3="up_proj", w2="down_proj")

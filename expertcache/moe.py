@@ -1,0 +1,133 @@
+"""The MoE layer: route -> decide (policy) -> fetch/admit -> rewrite ids to slots ->
+expert compute over slots -> combine.
+
+Tokens are decided in order, so the cache a token sees reflects only the tokens before
+it, also when a whole window runs in one call. Compute is deferred and batched; a slot
+that a later token's fetch would overwrite first has its pending work computed.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .cache import ExpertCache
+from .models.args import ModelArgs
+from .policies import MissPolicy, Route
+from .stats import RunStats
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
+    """x [T, H], router [E, H] -> probs [T, E] (fp32), weights [T, k], ids [T, k]."""
+    probs = F.softmax(x @ router.t(), dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return probs, weights, ids
+
+
+def experts_gathered(x, slots, weights, w13, w2):
+    """Small batches: gather each assignment's slot weights and run two batched matmuls.
+    x [n, H], slots [n, k] (long), weights [n, k] -> [n, H]."""
+    n, k = slots.shape
+    flat = slots.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [n*k, H, 1]
+    g, u = torch.bmm(w13[flat], xs).squeeze(-1).chunk(2, dim=-1)
+    y = torch.bmm(w2[flat], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)  # [n*k, H]
+    return (y.view(n, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
+def experts_grouped(x, slots, weights, w13, w2):
+    """Large batches: sort assignments by slot and run one matmul pair per used slot."""
+    n, k = slots.shape
+    flat = slots.reshape(-1)
+    order = flat.argsort(stable=True)
+    used, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    token = order // k
+    xs = x[token]
+    out_rows, start = [], 0
+    for s, c in zip(used.tolist(), counts.tolist()):
+        g, u = (xs[start:start + c] @ w13[s].t()).chunk(2, dim=-1)
+        out_rows.append((F.silu(g) * u) @ w2[s].t())
+        start += c
+    y = torch.cat(out_rows) * weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token, y)
+
+
+def experts_compute(x, slots, weights, w13, w2):
+    return experts_gathered(x, slots, weights, w13, w2) if slots.numel() <= 64 else \
+        experts_grouped(x, slots, weights, w13, w2)
+
+
+class MoELayerRunner:
+    """Runs every MoE layer of a model against one cache and one policy."""
+
+    def __init__(self, args: ModelArgs, cache: ExpertCache, policy: MissPolicy, stats: RunStats):
+        self.args, self.cache, self.policy, self.stats = args, cache, policy, stats
+
+    def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (normed MoE input) -> routed experts' combined output [T, H]."""
+        a, cache, stats = self.args, self.cache, self.stats
+        probs, weights, ids = route(x, router, a.top_k, a.norm_topk_prob)
+        # The one host sync of the layer: decisions need the routes on the host.
+        probs_h, weights_h, ids_h = probs.cpu().numpy(), weights.cpu().numpy(), ids.cpu().numpy()
+        T, k = ids_h.shape
+        slots_h = np.zeros((T, k), dtype=np.int64)
+        gates_h = np.zeros((T, k), dtype=np.float32)
+        out = torch.empty_like(x)
+        owes = np.zeros(cache.num_slots, dtype=bool)  # slots with deferred compute
+        seg = 0
+
+        def compute(end: int) -> None:
+            nonlocal seg
+            if end > seg:
+                out[seg:end] = experts_compute(x[seg:end], torch.from_numpy(slots_h[seg:end]).to(x.device),
+                                               torch.from_numpy(gates_h[seg:end]).to(x.device), cache.w13, cache.w2)
+            seg, owes[:] = end, False
+
+        def load(t: int, e: int, kind: str) -> int:
+            slot = cache.victim(layer)
+            if owes[slot]:  # its old expert still owes work to earlier tokens: do it first
+                compute(t)
+            cache.start(layer, e, kind, slot)
+            return slot
+
+        cache.poll()
+        for t in range(T):
+            cache.eviction.tick()
+            r = Route(layer, ids_h[t], weights_h[t], probs_h[t])
+            hits = sum(cache.is_resident(layer, e) for e in r.experts.tolist())
+            d = self.policy.decide(r, cache)
+            stats.moe_calls += 1
+            stats.routed += k
+            stats.hits += hits
+            stats.misses += k - hits
+            if d.substituted:
+                stats.substitutions += d.substituted
+                stats.substituted_calls += 1
+                stats.substituted_mass += d.substituted_mass
+            cache.protected[:] = False
+            for e in d.experts:
+                if cache.slot_of[layer, e] >= 0:
+                    cache.protected[cache.slot_of[layer, e]] = True
+            for e in d.fetch:
+                if cache.slot_of[layer, e] < 0:
+                    cache.protected[load(t, e, "fetch")] = True
+                    stats.sync_fetches += 1
+                    stats.sync_fetch_bytes += cache.store.expert_bytes
+            for e in d.admit:
+                if cache.slot_of[layer, e] < 0:
+                    load(t, e, "admit")
+                    stats.background_fetches += 1
+                    stats.background_bytes += cache.store.expert_bytes
+            for j, (e, w) in enumerate(zip(d.experts, d.weights)):
+                slot = cache.slot_of[layer, e]
+                stats.stall_s += cache.wait(slot)  # fetched now, or still arriving from a prefetch
+                cache.eviction.touch(slot)
+                slots_h[t, j], gates_h[t, j] = slot, w
+                owes[slot] = True
+            for j in range(len(d.experts), k):  # fewer executed than routed: zero-weight padding
+                slots_h[t, j], gates_h[t, j] = slots_h[t, 0], 0.0
+        cache.protected[:] = False
+        compute(T)
+        return out

@@ -1,0 +1,53 @@
+"""Run statistics, counted by the engine and returned as data."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class RunStats:
+    tokens: int = 0  # tokens through the model (prompt, decode or teacher-forced)
+    moe_calls: int = 0  # one token at one MoE layer
+    routed: int = 0  # routed (token, expert) selections
+    hits: int = 0  # routed selections resident at decision time
+    misses: int = 0
+    sync_fetches: int = 0  # misses fetched on the critical path
+    sync_fetch_bytes: int = 0
+    substitutions: int = 0  # routed experts replaced or dropped
+    substituted_calls: int = 0  # calls with at least one substitution
+    substituted_mass: float = 0.0  # summed gate weight of substituted experts
+    background_fetches: int = 0  # admissions started off the critical path
+    prefetch_fetches: int = 0
+    prefetch_bytes: int = 0
+    background_bytes: int = 0
+    stall_s: float = 0.0  # time blocked waiting on transfers
+    wall_s: float = 0.0  # time in model forward calls
+    peak_memory_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.routed if self.routed else 0.0
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000 * self.wall_s / self.tokens if self.tokens else 0.0
+
+    @property
+    def fetches_per_token(self) -> float:
+        return self.sync_fetches / self.tokens if self.tokens else 0.0
+
+    @property
+    def mass_per_call(self) -> float:
+        return self.substituted_mass / self.moe_calls if self.moe_calls else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(hit_rate=self.hit_rate, ms_per_token=self.ms_per_token,
+                 fetches_per_token=self.fetches_per_token, substituted_mass_per_call=self.mass_per_call)
+        return d
+
+    def line(self) -> str:
+        return (f"{self.tokens} tokens, {self.ms_per_token:.2f} ms/token, hit rate {self.hit_rate:.1%}, "
+                f"{self.fetches_per_token:.2f} fetches/token ({self.sync_fetch_bytes / 2**20:.1f} MiB), "
+                f"stall {self.stall_s:.2f} s, {self.substitutions} substitutions "
+                f"(mass {self.mass_per_call:.4f}/call), peak memory {self.peak_memory_bytes / 2**20:.0f} MiB")

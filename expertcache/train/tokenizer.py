@@ -1,0 +1,26 @@
+"""Train the byte-level BPE tokenizer of the built-in model on the corpus."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .corpus import EOT
+
+
+def train_tokenizer(train_txt: Path, out_dir: Path, vocab_size: int = 8192) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style) with EOT as its only special token; writes tokenizer.json."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = train_txt.read_text(encoding="utf-8")
+    tok.train_from_iterator((d for d in text.split(EOT)), trainer=trainer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT, "bos_token": None,
+        "pad_token": EOT, "model_max_length": 4096, "add_prefix_space": False}, indent=1))
+    return tok

@@ -1,0 +1,72 @@
+"""Asynchronous expert transfers from the slow tier into cache slots.
+
+Fetches, background admissions and prefetches all go through `submit`, which returns
+a `Transfer`; `wait` blocks until its slot holds the expert and reports the stall.
+On CPU a thread pool runs the store's reads (O_DIRECT reads release the GIL); on CUDA
+the copies are issued on a separate stream and completion is a recorded event.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .stores import ExpertStore
+
+
+@dataclass
+class Transfer:
+    layer: int
+    expert: int
+    slot: int
+    kind: str  # "fetch" | "admit" | "prefetch"
+    future: Future | None = None
+    event: "torch.cuda.Event | None" = None
+
+    def done(self) -> bool:
+        if self.future is not None and not self.future.done():
+            return False
+        return self.event is None or self.event.query()
+
+
+class TransferEngine:
+    def __init__(self, store: ExpertStore, w13: torch.Tensor, w2: torch.Tensor, workers: int = 4):
+        self.store, self.w13, self.w2 = store, w13, w2
+        self.cuda = w13.is_cuda
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="expert-io")
+        self.stream = torch.cuda.Stream(device=w13.device) if self.cuda else None
+
+    def _copy(self, t: Transfer) -> int:
+        if self.stream is None:
+            return self.store.read_into(t.layer, t.expert, self.w13[t.slot], self.w2[t.slot])
+        with torch.cuda.stream(self.stream):
+            n = self.store.read_into(t.layer, t.expert, self.w13[t.slot], self.w2[t.slot])
+            t.event = torch.cuda.Event()
+            t.event.record(self.stream)
+        return n
+
+    def submit(self, layer: int, expert: int, slot: int, kind: str) -> Transfer:
+        t = Transfer(layer, expert, slot, kind)
+        if self.cuda and self.store.name == "pinned":
+            self._copy(t)  # already asynchronous: issue on the copy stream from this thread
+        else:
+            t.future = self.pool.submit(self._copy, t)
+        return t
+
+    def wait(self, t: Transfer) -> float:
+        """Block until t's slot holds its expert; returns seconds stalled. Raises the read's error."""
+        if t.done() and (t.future is None or t.future.exception() is None):
+            if t.event is not None:
+                torch.cuda.current_stream().wait_event(t.event)
+            return 0.0
+        start = time.perf_counter()
+        if t.future is not None:
+            t.future.result()
+        if t.event is not None:
+            t.event.synchronize()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
