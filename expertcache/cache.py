@@ -19,7 +19,7 @@ class CacheConfig:
     fraction: float = 0.25  # of each layer's experts
     bytes: int | None = None  # overrides fraction when given
     quota: str = "layer"  # "layer": each layer owns its slots; "global": any layer may take any slot
-    eviction: str = "lru"
+    eviction: str = "lru"  # the engine overrides it with EngineConfig.eviction or the policy's choice
     io_workers: int = 4
 
 

@@ -6,7 +6,7 @@ import json
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +33,7 @@ class EngineConfig:
     store: str = "ram"  # ram | disk | pinned
     cache: CacheConfig = field(default_factory=CacheConfig)
     policy: str = "fetch-all"
+    eviction: str | None = None  # None: the policy's preferred order (lru, or freq for the presets)
     initial: str = "auto"  # warm: most-routed experts first; cold: empty; auto: warm if counts exist
     store_dir: Path | None = None
     max_seq: int = 2048
@@ -59,7 +60,8 @@ class Engine:
         self.args = model_args(ckpt.config)
         self.checkpoint = ckpt
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype)
-        self.cache = ExpertCache(config.cache, self.store, self.args.top_k, self.device, dtype)
+        cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
+        self.cache = ExpertCache(cache_cfg, self.store, self.args.top_k, self.device, dtype)
         self.stats = RunStats()
         self.runner = MoELayerRunner(self.args, self.cache, self.policy, self.stats)
         self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype), self.runner, self.device,
@@ -104,6 +106,7 @@ class Engine:
     def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
         """ids [T] -> logits [T, V] (fp32), counting tokens and wall time."""
         start = time.perf_counter()
+        self.runner.token_base = self.stats.tokens
         logits = self.model.forward(ids.to(self.device), pos).float()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -26,15 +26,16 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
     return probs, weights, ids
 
 
-def experts_gathered(x, slots, weights, w13, w2):
-    """Small batches: gather each assignment's slot weights and run two batched matmuls.
-    x [n, H], slots [n, k] (long), weights [n, k] -> [n, H]."""
-    n, k = slots.shape
-    flat = slots.reshape(-1)
-    xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [n*k, H, 1]
-    g, u = torch.bmm(w13[flat], xs).squeeze(-1).chunk(2, dim=-1)
-    y = torch.bmm(w2[flat], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)  # [n*k, H]
-    return (y.view(n, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+def experts_one_token(x, slots, weights, w13, w2):
+    """Decode: one token, k matrix-vector products straight from the slots (no gather copy).
+    x [1, H], slots [1, k] (long), weights [1, k] -> [1, H]."""
+    xv, ids = x[0], slots[0].tolist()
+    g, u = torch.stack([w13[s] @ xv for s in ids]).chunk(2, dim=-1)  # [k, F] each
+    act = F.silu(g) * u * weights[0].unsqueeze(-1).to(x.dtype)
+    out = w2[ids[0]] @ act[0]
+    for j in range(1, len(ids)):
+        out.addmv_(w2[ids[j]], act[j])
+    return out.unsqueeze(0)
 
 
 def experts_grouped(x, slots, weights, w13, w2):
@@ -55,7 +56,7 @@ def experts_grouped(x, slots, weights, w13, w2):
 
 
 def experts_compute(x, slots, weights, w13, w2):
-    return experts_gathered(x, slots, weights, w13, w2) if slots.numel() <= 64 else \
+    return experts_one_token(x, slots, weights, w13, w2) if x.shape[0] == 1 else \
         experts_grouped(x, slots, weights, w13, w2)
 
 
@@ -64,6 +65,7 @@ class MoELayerRunner:
 
     def __init__(self, args: ModelArgs, cache: ExpertCache, policy: MissPolicy, stats: RunStats):
         self.args, self.cache, self.policy, self.stats = args, cache, policy, stats
+        self.token_base = 0  # index in the run of the first token of the current forward
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed MoE input) -> routed experts' combined output [T, H]."""
@@ -94,7 +96,7 @@ class MoELayerRunner:
 
         cache.poll()
         for t in range(T):
-            cache.eviction.tick()
+            cache.eviction.clock = self.token_base + t
             r = Route(layer, ids_h[t], weights_h[t], probs_h[t])
             hits = sum(cache.is_resident(layer, e) for e in r.experts.tolist())
             d = self.policy.decide(r, cache)

@@ -42,7 +42,7 @@ class CacheView(Protocol):
 class MissPolicy:
     """Base: fetch every miss. Output identical to the full model."""
     name = "fetch-all"
-    exact = True
+    eviction = "lru"  # the eviction order this policy prefers unless one is given
 
     def decide(self, route: Route, cache: CacheView) -> Decision:
         experts = route.experts.tolist()
@@ -56,7 +56,120 @@ class MissPolicy:
         return self.name
 
 
-POLICIES: dict[str, type[MissPolicy]] = {"fetch-all": MissPolicy}
+SUBSTITUTES = ("best", "drop", "window")
+
+
+class SubstitutingPolicy(MissPolicy):
+    """Substitutes the misses `should_fetch` declines.
+
+    sub=best: the best-ranked resident expert (by router probability) not already selected
+    for the token runs in the missed expert's place with its weight; sub=drop: the miss is
+    dropped and the kept weights renormalised; sub=window: like best, but only within the
+    router's top-`window` ranks. A miss with no resident substitute is fetched.
+    beta > 0: background admission; each expert accumulates the gate mass it was substituted
+    with and is admitted off the critical path once that reaches beta.
+    """
+
+    def __init__(self, sub: str = "best", window: float = 0, beta: float = 0.0):
+        if sub not in SUBSTITUTES:
+            raise UnknownName(f"unknown substitute choice {sub!r}; choose one of {', '.join(SUBSTITUTES)}")
+        if sub == "window" and window < 1:
+            raise UnknownName("sub=window needs window=M (the router's top-M ranks), e.g. window=16")
+        self.sub, self.window, self.beta = sub, int(window), float(beta)
+        self.account: dict[tuple[int, int], float] = {}
+
+    def reset(self) -> None:
+        self.account.clear()
+
+    def should_fetch(self, rank: int, weight: float) -> bool:
+        return False
+
+    def decide(self, route: Route, cache: CacheView) -> Decision:
+        layer, k = route.layer, len(route.experts)
+        routed, weights = route.experts.tolist(), route.weights.tolist()
+        resident = [cache.is_resident(layer, e) for e in routed]
+        if all(resident):
+            return Decision(routed, weights, [])
+        missed = [j for j in range(k) if not resident[j] and not self.should_fetch(j, weights[j])]
+        fetch = [routed[j] for j in range(k) if not resident[j] and j not in missed]
+        experts = {j: routed[j] for j in range(k) if j not in missed}
+        if missed and self.sub == "drop" and not experts:  # nothing would be left: fetch the first choice
+            experts[missed[0]] = routed[missed[0]]
+            fetch.append(routed[missed.pop(0)])
+        substituted, mass, admit = 0, 0.0, []
+        if missed and self.sub != "drop":
+            usable = cache.resident_mask(layer).copy()
+            usable[routed] = False  # never a second copy of an expert the token already routes to
+            if self.sub == "window":
+                inside = np.zeros_like(usable)
+                inside[np.argsort(-route.probs, kind="stable")[: self.window]] = True
+                usable &= inside
+            candidates = np.where(usable, route.probs, -1.0)
+            for j in missed:
+                best = int(candidates.argmax())
+                if candidates[best] < 0:  # no resident expert left to substitute: fetch
+                    experts[j] = routed[j]
+                    fetch.append(routed[j])
+                    continue
+                candidates[best] = -1.0
+                experts[j] = best
+                substituted += 1
+                mass += weights[j]
+                admit += self._account(layer, routed[j], weights[j])
+        elif missed:  # drop and renormalise
+            substituted, mass = len(missed), sum(weights[j] for j in missed)
+            for j in missed:
+                admit += self._account(layer, routed[j], weights[j])
+        order = sorted(experts)
+        kept = [weights[j] for j in order]
+        if self.sub == "drop" and missed:
+            total = sum(kept)
+            kept = [w / total for w in kept]
+        return Decision([experts[j] for j in order], kept, fetch, admit, substituted, mass)
+
+    def _account(self, layer: int, expert: int, weight: float) -> list[int]:
+        if self.beta <= 0:
+            return []
+        key = (layer, expert)
+        total = self.account.get(key, 0.0) + weight
+        if total >= self.beta:
+            self.account[key] = 0.0
+            return [expert]
+        self.account[key] = total
+        return []
+
+
+class SubstituteAll(SubstitutingPolicy):
+    name = "substitute-all"
+
+
+class ThresholdRule(SubstitutingPolicy):
+    """Fetch a miss if it is the first choice or its gate weight is >= tau."""
+    name = "threshold"
+
+    def __init__(self, tau: float = 0.15, **kw):
+        super().__init__(**kw)
+        self.tau = tau
+
+    def should_fetch(self, rank, weight):
+        return rank == 0 or weight >= self.tau
+
+    def __repr__(self):
+        return f"{self.name}(tau={self.tau:g})"
+
+
+class FirstChoice(SubstitutingPolicy):
+    """Fetch only a missed first choice."""
+    name = "first-choice"
+
+    def should_fetch(self, rank, weight):
+        return rank == 0
+
+
+POLICIES: dict[str, type[MissPolicy]] = {p.name: p for p in (MissPolicy, SubstituteAll, ThresholdRule, FirstChoice)}
+# name -> (policy spec, eviction): the seed's presets
+PRESETS = {"quality-first": ("threshold:tau=0.15,beta=0.5", "freq"),
+           "speed-first": ("first-choice:beta=0.5", "freq")}
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -72,10 +185,15 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
 
 def make_policy(spec: str) -> MissPolicy:
     name, params = parse_spec(spec)
+    if name in PRESETS:
+        preset_spec, eviction = PRESETS[name]
+        policy = make_policy(preset_spec + "".join(f",{k}={v}" for k, v in params.items()))
+        policy.eviction, policy.name = eviction, name
+        return policy
     if name not in POLICIES:
-        raise UnknownName(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+        raise UnknownName(f"unknown policy {name!r}; choose one of {', '.join([*POLICIES, *PRESETS])}")
     cls = POLICIES[name]
     try:
-        return cls(**{k: float(v) for k, v in params.items()})
+        return cls(**{k: (v if k == "sub" else float(v)) for k, v in params.items()})
     except (TypeError, ValueError) as e:
         raise UnknownName(f"bad parameters for policy {name!r} ({e}); see `expertcache --help`") from None

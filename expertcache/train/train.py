@@ -26,7 +26,7 @@ from .tokenizer import train_tokenizer
 
 @dataclass(frozen=True)
 class Schedule:
-    tokens: int = 6_600_000
+    tokens: int = 8_192_000
     batch: int = 16
     seq_len: int = 256
     lr: float = 2e-3
@@ -137,17 +137,20 @@ def train(work: Path, out: Path, cfg: TrainConfig, sched: Schedule) -> dict:
     return report
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="expertcache train", description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", type=Path, default=Path("build/train"), help="corpus, tokens and resume state")
     p.add_argument("--out", type=Path, default=Path("build/model"), help="where the HF checkpoint goes")
     p.add_argument("--tokens", type=int, default=Schedule.tokens)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    a = p.parse_args(argv)
+
+
+def run_from_args(a: argparse.Namespace) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     print(json.dumps(train(a.work, a.out, TrainConfig(), Schedule(tokens=a.tokens)), indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(prog="expertcache train", description=__doc__)
+    add_arguments(parser)
+    run_from_args(parser.parse_args())

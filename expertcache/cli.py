@@ -1,0 +1,32 @@
+"""The `expertcache` command: one verb per module under expertcache.commands."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import ExpertCacheError
+
+VERBS = ["generate", "ppl", "convert", "info", "train"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="expertcache", description="MoE inference with a policy-driven expert cache")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    modules = {}
+    for verb in VERBS:
+        mod = importlib.import_module(f".commands.{verb}", __package__)
+        mod.add_arguments(sub.add_parser(verb, help=mod.HELP, description=mod.HELP))
+        modules[verb] = mod
+    args = parser.parse_args(argv)
+    try:
+        return modules[args.verb].run(args)
+    except (ExpertCacheError, ValueError) as e:
+        print(f"expertcache: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

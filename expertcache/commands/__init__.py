@@ -1,0 +1,1 @@
+"""CLI verbs: each module has add_arguments(parser) and run(args) -> exit code."""

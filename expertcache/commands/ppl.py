@@ -1,0 +1,39 @@
+"""expertcache ppl: teacher-forced perplexity of a text under the engine's cache and policy."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..perplexity import EVAL_TEXT, perplexity
+from .options import add_engine_arguments, engine_from_args, write_json
+
+HELP = "teacher-forced perplexity over a text file (default: the built-in evaluation text)"
+
+
+def add_arguments(p):
+    add_engine_arguments(p)
+    p.add_argument("--text", type=Path, default=EVAL_TEXT, help="UTF-8 text file")
+    p.add_argument("--context", type=int, default=512, help="window length in tokens")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    p.add_argument("--json", type=Path, default=None, help="write every number as JSON")
+
+
+def run(a) -> int:
+    try:
+        text = a.text.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"expertcache: error: cannot read text {a.text} ({e}); pass --text a UTF-8 file", file=sys.stderr)
+        return 2
+    engine = engine_from_args(a)
+    ids = engine.encode(text)[: a.max_tokens and a.max_tokens + 1]
+    with tqdm(total=len(ids) - 1, unit="tok", desc="ppl", file=sys.stderr) as bar:
+        r = perplexity(engine, ids, a.context, progress=bar.update)
+    print(f"perplexity {r.ppl:.3f} ± {r.stderr:.3f} over {r.tokens} tokens "
+          f"({a.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, {engine.policy})")
+    print(engine.stats.line())
+    write_json(a.json, {"text": str(a.text), "context": a.context, "policy": str(engine.policy),
+                        "store": a.store, "cache_fraction": a.cache, **r.to_dict(), "budget": engine.budget()})
+    engine.close()
+    return 0
