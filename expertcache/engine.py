@@ -102,6 +102,14 @@ class Engine:
         self.stats.__init__()
         self.warm = counts is not None
 
+    def set_policy(self, policy: MissPolicy | str, eviction: str | None = None) -> None:
+        """Switch the miss policy (and the eviction it prefers, unless the config names one);
+        starts a new run."""
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.runner.policy = self.policy
+        self.cache.cfg = replace(self.cache.cfg, eviction=eviction or self.config.eviction or self.policy.eviction)
+        self.reset()
+
     # -- running -------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
         """ids [T] -> logits [T, V] (fp32), counting tokens and wall time."""

@@ -166,7 +166,24 @@ class FirstChoice(SubstitutingPolicy):
         return rank == 0
 
 
-POLICIES: dict[str, type[MissPolicy]] = {p.name: p for p in (MissPolicy, SubstituteAll, ThresholdRule, FirstChoice)}
+class WeightBand(SubstitutingPolicy):
+    """Substitute exactly the misses whose gate weight lies in [lo, hi), first choices
+    included; fetch the rest. Used to compare few heavy against many light substitutions."""
+    name = "band"
+
+    def __init__(self, lo: float = 0.0, hi: float = 1.01, **kw):
+        super().__init__(**kw)
+        self.lo, self.hi = lo, hi
+
+    def should_fetch(self, rank, weight):
+        return not self.lo <= weight < self.hi
+
+    def __repr__(self):
+        return f"band(lo={self.lo:g},hi={self.hi:g})"
+
+
+POLICIES: dict[str, type[MissPolicy]] = {
+    p.name: p for p in (MissPolicy, SubstituteAll, ThresholdRule, FirstChoice, WeightBand)}
 # name -> (policy spec, eviction): the seed's presets
 PRESETS = {"quality-first": ("threshold:tau=0.15,beta=0.5", "freq"),
            "speed-first": ("first-choice:beta=0.5", "freq")}

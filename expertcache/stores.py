@@ -48,6 +48,7 @@ class ExpertStore(ABC):
     """Holds every (layer, expert); `read_into` copies one expert into fast-tier tensors."""
 
     name: str
+    inline = False  # True: a copy costs less than a hand-off to a worker, so transfers run in place
 
     def __init__(self, shape: ExpertShape, dtype: torch.dtype):
         self.shape, self.dtype = shape, dtype
@@ -68,6 +69,7 @@ class ExpertStore(ABC):
 
 class RamStore(ExpertStore):
     name = "ram"
+    inline = True
 
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32):
         super().__init__(ExpertShape.of(args), dtype)
@@ -84,6 +86,7 @@ class RamStore(ExpertStore):
 class PinnedStore(RamStore):
     """Page-locked host copies; the CUDA transfer engine issues the non_blocking copies."""
     name = "pinned"
+    inline = False
 
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float16):
         if not torch.cuda.is_available():

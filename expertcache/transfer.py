@@ -49,8 +49,8 @@ class TransferEngine:
 
     def submit(self, layer: int, expert: int, slot: int, kind: str) -> Transfer:
         t = Transfer(layer, expert, slot, kind)
-        if self.cuda and self.store.name == "pinned":
-            self._copy(t)  # already asynchronous: issue on the copy stream from this thread
+        if self.store.inline or self.cuda and self.store.name == "pinned":
+            self._copy(t)  # a host memcpy, or already asynchronous on the copy stream
         else:
             t.future = self.pool.submit(self._copy, t)
         return t

@@ -49,6 +49,7 @@ EVAL_DOCS = {
     "quotes": "wisdom",
 }
 EVAL_BYTES_PER_DOMAIN = 100_000
+CALIB_BYTES_PER_DOMAIN = 40_000  # calibration text: a slice of training documents, never evaluation ones
 EOT = "<|endoftext|>"
 
 
@@ -157,14 +158,14 @@ def _eval_doc(doc: Document) -> bool:
 
 
 def build(out_dir: Path, cache: Path, domain_bytes: int = 4_000_000, seed: int = 0) -> dict:
-    """Write train.txt (documents joined by EOT), eval.txt and eval.json into out_dir."""
+    """Write train.txt (documents joined by EOT), eval.txt, eval.json and calib.txt into out_dir."""
     docs = all_documents(cache)
     missing = [d for d, name in EVAL_DOCS.items() if not any(x.domain == d and _eval_doc(x) for x in docs)]
     if missing:
         raise RuntimeError(f"held-out documents not found for domains {missing}")
     rng = random.Random(seed)
     train: list[Document] = []
-    eval_parts, segments, offset = [], [], 0
+    eval_parts, calib_parts, segments, offset = [], [], [], 0
     for domain in SOURCES:
         pool = [d for d in docs if d.domain == domain and not _eval_doc(d)]
         rng.shuffle(pool)
@@ -175,6 +176,8 @@ def build(out_dir: Path, cache: Path, domain_bytes: int = 4_000_000, seed: int =
             text = d.text[: domain_bytes - taken]
             train.append(Document(d.domain, d.name, text))
             taken += len(text)
+        calib = "".join(d.text + "\n\n" for d in pool[:8])[:CALIB_BYTES_PER_DOMAIN]
+        calib_parts.append(calib[: calib.rfind("\n") + 1] or calib)
         held = next(d for d in docs if d.domain == domain and _eval_doc(d))
         cut = held.text[:EVAL_BYTES_PER_DOMAIN]
         cut = cut[: cut.rfind("\n") + 1] or cut
@@ -185,6 +188,7 @@ def build(out_dir: Path, cache: Path, domain_bytes: int = 4_000_000, seed: int =
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "train.txt").write_text(EOT.join(d.text for d in train), encoding="utf-8")
     (out_dir / "eval.txt").write_text("".join(eval_parts), encoding="utf-8")
+    (out_dir / "calib.txt").write_text("".join(calib_parts), encoding="utf-8")
     meta = {"segments": segments, "sources": SOURCES,
             "train_chars": {dom: sum(len(d.text) for d in train if d.domain == dom) for dom in SOURCES}}
     (out_dir / "eval.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")

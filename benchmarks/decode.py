@@ -1,0 +1,174 @@
+"""Decode speed, fetch latency and peak memory: the engine against HF transformers and llama.cpp.
+
+Each variant runs in its own process (so peak memory is its own), decodes the same greedy
+tokens after the same prompt, warms up, repeats, and reports the median time per decoded
+token; ratios are computed within this one run.
+
+    python benchmarks/decode.py [--model DIR] [--gguf FILE] [--tokens 64] [--trials 5] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = "KING HENRY.\nNow, lords, for France; the enterprise whereof\nShall be to you, as us, like glorious."
+
+
+def rss_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_engine(a, store: str, fraction: float) -> dict:
+    import torch
+
+    from expertcache.cache import CacheConfig
+    from expertcache.engine import Engine, EngineConfig
+    base = rss_peak()
+    engine = Engine(a.model, EngineConfig(store=store, cache=CacheConfig(fraction=fraction)))
+    prompt = engine.encode(PROMPT)
+    times = []
+    for trial in range(a.trials + 1):  # trial 0 warms up
+        engine.reset()
+        logits = engine.forward(torch.tensor(prompt), 0)
+        tok, pos = int(logits[-1].argmax()), len(prompt)
+        fetches0, stall0 = engine.stats.sync_fetches, engine.stats.stall_s
+        start = time.perf_counter()
+        for _ in range(a.tokens):
+            logits = engine.forward(torch.tensor([tok]), pos)
+            tok, pos = int(logits[-1].argmax()), pos + 1
+        if trial:
+            times.append((time.perf_counter() - start) / a.tokens)
+    s = engine.stats
+    return {"ms_per_token": 1000 * statistics.median(times), "trials_ms": [1000 * t for t in times],
+            "fetches_per_decode_token": (s.sync_fetches - fetches0) / a.tokens,
+            "stall_ms_per_token": 1000 * (s.stall_s - stall0) / a.tokens,
+            "hit_rate": s.hit_rate, "peak_rss": rss_peak(), "rss_before_load": base, **engine.budget()}
+
+
+def run_hf(a) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from tokenizers import Tokenizer
+    base = rss_peak()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    prompt = torch.tensor([Tokenizer.from_file(str(Path(a.model) / "tokenizer.json")).encode(PROMPT).ids])
+    times = []
+    for trial in range(a.trials + 1):
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            model.generate(prompt, max_new_tokens=1, do_sample=False)
+            t1 = time.perf_counter()
+            model.generate(prompt, max_new_tokens=a.tokens + 1, min_new_tokens=a.tokens + 1, do_sample=False)
+            t2 = time.perf_counter()
+        if trial:
+            times.append(((t2 - t1) - (t1 - t0)) / a.tokens)
+    return {"ms_per_token": 1000 * statistics.median(times), "trials_ms": [1000 * t for t in times],
+            "peak_rss": rss_peak(), "rss_before_load": base}
+
+
+def run_llama(a) -> dict:
+    from llama_cpp import Llama
+    base = rss_peak()
+    llm = Llama(model_path=str(a.gguf), n_ctx=512, n_threads=os.cpu_count(), verbose=False)
+    prompt = llm.tokenize(PROMPT.encode(), add_bos=False)
+    times = []
+    for trial in range(a.trials + 1):
+        llm.reset()
+        llm.eval(prompt)
+        start = time.perf_counter()
+        for _ in range(a.tokens):
+            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+            llm.eval([tok])
+        if trial:
+            times.append((time.perf_counter() - start) / a.tokens)
+    return {"ms_per_token": 1000 * statistics.median(times), "trials_ms": [1000 * t for t in times],
+            "peak_rss": rss_peak(), "rss_before_load": base}
+
+
+def fetch_latency(a) -> dict:
+    """Single O_DIRECT reads of random experts from the disk store, one at a time."""
+    import numpy as np
+    import torch
+
+    from expertcache.checkpoint import open_checkpoint
+    from expertcache.models import model_args
+    from expertcache.stores import open_store
+    ckpt = open_checkpoint(a.model)
+    args = model_args(ckpt.config)
+    store = open_store("disk", ckpt, args)
+    rng = np.random.default_rng(0)
+    w13, w2 = torch.empty(store.shape.w13), torch.empty(store.shape.w2)
+    us = []
+    for i in range(600):
+        layer, e = int(rng.integers(args.num_layers)), int(rng.integers(args.num_experts))
+        t = time.perf_counter()
+        store.read_into(layer, e, w13, w2)
+        if i >= 100:
+            us.append(1e6 * (time.perf_counter() - t))
+    us.sort()
+    return {"bytes": store.blob, "median_us": us[len(us) // 2], "p90_us": us[int(0.9 * len(us))],
+            "GB_per_s": store.blob / (us[len(us) // 2] * 1e3)}
+
+
+VARIANTS = {
+    "engine ram 100%": lambda a: run_engine(a, "ram", 1.0),
+    "engine disk 100%": lambda a: run_engine(a, "disk", 1.0),
+    "engine disk 25% fetch-all": lambda a: run_engine(a, "disk", 0.25),
+    "HF transformers": run_hf,
+    "llama.cpp": run_llama,
+    "fetch latency": fetch_latency,
+}
+
+
+def main() -> None:
+    from expertcache.engine import BUILTIN_MODEL
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(BUILTIN_MODEL))
+    p.add_argument("--gguf", type=Path, default=None, help="the same model as GGUF for llama.cpp")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # child process
+    a = p.parse_args()
+    if a.variant:
+        print(json.dumps(VARIANTS[a.variant](a)))
+        return
+    results = {}
+    for name in VARIANTS:
+        if name == "llama.cpp" and a.gguf is None:
+            continue
+        cmd = [sys.executable, __file__, "--variant", name, "--model", a.model, "--tokens", str(a.tokens),
+               "--trials", str(a.trials)] + (["--gguf", str(a.gguf)] if a.gguf else [])
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            print(f"{name}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
+            continue
+        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{name}: {results[name]}", file=sys.stderr)
+    floor = results.get("engine ram 100%", {}).get("ms_per_token")
+    print(f"decode {a.tokens} tokens after a {len(PROMPT)}-char prompt, median of {a.trials} trials, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores\n")
+    print("| variant | ms/token | vs engine ram 100% | peak RSS MiB |")
+    print("|---|---:|---:|---:|")
+    for name, r in results.items():
+        if "ms_per_token" in r:
+            print(f"| {name} | {r['ms_per_token']:.2f} | {r['ms_per_token'] / floor:.2f}x | "
+                  f"{r['peak_rss'] / 2**20:.0f} |")
+    if "fetch latency" in results:
+        f = results["fetch latency"]
+        print(f"\nO_DIRECT fetch of one expert ({f['bytes']} B): median {f['median_us']:.0f} us, "
+              f"p90 {f['p90_us']:.0f} us ({f['GB_per_s']:.2f} GB/s)")
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

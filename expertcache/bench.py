@@ -1,0 +1,132 @@
+"""The timed policy benchmark (instrument 3): real fetches from the slow tier, the same
+tokens under every policy, repetitions interleaved round-robin, medians and ratios from
+one run."""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .cache import CacheConfig
+from .engine import Engine, EngineConfig
+from .generate import generate
+from .perplexity import EVAL_TEXT
+
+POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "substitute-all")
+FLOOR = "all resident"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    store: str = "disk"
+    device: str = "cpu"
+    cache_fraction: float = 0.25
+    policies: tuple[str, ...] = POLICIES
+    prompt_tokens: int = 32
+    decode_tokens: int = 64
+    forced_tokens: int = 1024
+    context: int = 256
+    repeats: int = 5
+
+
+@dataclass
+class BenchResult:
+    config: dict
+    decode_ms: dict = field(default_factory=dict)  # variant -> per-repeat ms/token
+    forced_ms: dict = field(default_factory=dict)
+    ppl: dict = field(default_factory=dict)
+    fetches_per_token: dict = field(default_factory=dict)
+    stall_ms_per_token: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        med = {k: {"decode": statistics.median(self.decode_ms[k]), "forced": statistics.median(self.forced_ms[k])}
+               for k in self.decode_ms}
+        base, floor = med["fetch-all"], med[FLOOR]
+        rows = {}
+        for k, m in med.items():
+            rows[k] = {"decode_ms": m["decode"], "forced_ms": m["forced"],
+                       "decode_speedup_vs_fetch_all": base["decode"] / m["decode"],
+                       "forced_speedup_vs_fetch_all": base["forced"] / m["forced"],
+                       "decode_vs_floor": m["decode"] / floor["decode"], "forced_vs_floor": m["forced"] / floor["forced"],
+                       "ppl": self.ppl[k], "ppl_increase_pct": 100 * (self.ppl[k] / self.ppl["fetch-all"] - 1),
+                       "fetches_per_token": self.fetches_per_token[k], "stall_ms_per_token": self.stall_ms_per_token[k]}
+        return rows
+
+    def to_dict(self) -> dict:
+        return {"config": self.config, "summary": self.summary(), "decode_ms": self.decode_ms,
+                "forced_ms": self.forced_ms}
+
+
+def _timed(engine: Engine, prompt: list[int], forced: list[int], cfg: BenchConfig) -> tuple[float, float, float, dict]:
+    """One repetition: decode after the prompt, then teacher-force `forced` in windows; returns
+    (decode ms/token, forced ms/token, forced NLL, counters)."""
+    engine.reset()
+    it = generate(engine, prompt, cfg.decode_tokens)
+    next(it)  # the prompt's forward is not decode time
+    t0 = time.perf_counter()
+    for _ in it:
+        pass
+    decode = 1000 * (time.perf_counter() - t0) / (cfg.decode_tokens - 1)
+    s = engine.stats
+    f0, st0, tok0 = s.sync_fetches, s.stall_s, s.tokens
+    x = torch.tensor(forced)
+    nll, t0 = 0.0, time.perf_counter()
+    for start in range(0, len(forced) - 1, cfg.context):
+        end = min(start + cfg.context + 1, len(forced))
+        logits = engine.forward(x[start:end - 1], 0)
+        nll += F.cross_entropy(logits, x[start + 1:end], reduction="sum").item()
+    n = len(forced) - 1
+    forced_ms = 1000 * (time.perf_counter() - t0) / n
+    counters = {"fetches": (s.sync_fetches - f0) / (s.tokens - tok0), "stall": 1000 * (s.stall_s - st0) / (s.tokens - tok0)}
+    return decode, forced_ms, nll / n, counters
+
+
+def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:
+    cache = CacheConfig(fraction=cfg.cache_fraction)
+    engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache))
+    floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0)))
+    ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8"))
+    prompt, forced = ids[:cfg.prompt_tokens], ids[cfg.prompt_tokens:cfg.prompt_tokens + cfg.forced_tokens + 1]
+    res = BenchResult(cfg.__dict__ | {"policies": list(cfg.policies), "slots_per_layer": engine.cache.per_layer,
+                                       "experts": engine.args.num_experts, "warm": engine.warm})
+    variants = [FLOOR, *cfg.policies]
+    for rep in range(cfg.repeats + 1):  # repetition 0 warms up
+        for v in variants:
+            if v == FLOOR:
+                e = floor
+            else:
+                e = engine
+                e.set_policy(v)
+            d, f, nll, c = _timed(e, prompt, forced, cfg)
+            if progress:
+                progress(f"rep {rep} {v}: decode {d:.2f} ms/token, forced {f:.2f} ms/token")
+            if rep:
+                res.decode_ms.setdefault(v, []).append(d)
+                res.forced_ms.setdefault(v, []).append(f)
+                res.ppl[v] = math.exp(nll)
+                res.fetches_per_token[v] = c["fetches"]
+                res.stall_ms_per_token[v] = c["stall"]
+    engine.close()
+    floor.close()
+    return res
+
+
+def markdown(res: BenchResult) -> str:
+    c = res.config
+    lines = [f"`{c['store']}` store on {c['device']}, cache {c['slots_per_layer']}/{c['experts']} experts per layer, "
+             f"{'warm' if c['warm'] else 'cold'} start; decode {c['decode_tokens']} tokens after a {c['prompt_tokens']}-token "
+             f"prompt, teacher-force {c['forced_tokens']} tokens in windows of {c['context']}; median of {c['repeats']} "
+             "interleaved repetitions.", "",
+             "| policy | decode ms/token | speedup vs fetch-all | vs floor | forced ms/token | speedup | vs floor | "
+             "ppl increase | fetches/token | stall ms/token |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for k, r in res.summary().items():
+        lines.append(f"| `{k}` | {r['decode_ms']:.2f} | {r['decode_speedup_vs_fetch_all']:.2f}x | {r['decode_vs_floor']:.2f}x | "
+                     f"{r['forced_ms']:.2f} | {r['forced_speedup_vs_fetch_all']:.2f}x | {r['forced_vs_floor']:.2f}x | "
+                     f"{r['ppl_increase_pct']:+.2f}% | {r['fetches_per_token']:.2f} | {r['stall_ms_per_token']:.2f} |")
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""Calibration on text disjoint from the evaluation text: how often each expert is routed
+(the warm cache's initial residency) and each expert's default vector, its mean output
+d_{l,e} over the tokens routed to it (the quasi-hidden state's ingredient).
+
+Files written beside the model:
+- routing_counts.json: {"counts": [L][E] ints, "tokens": n, "text": source}
+- default_vectors.safetensors: "default_vectors" [L, E, H] fp32, "counts" [L, E] int64;
+  experts never routed get a zero vector (their count is 0).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from .checkpoint import open_checkpoint
+from .engine import ROUTING_COUNTS
+from .models import model_args
+from .moe import route
+from .stores import RamStore
+from .transformer import Transformer
+from .weights import dense_weights
+
+CALIB_TEXT = Path(__file__).parent / "data" / "calib.txt"
+DEFAULT_VECTORS = "default_vectors.safetensors"
+
+
+@dataclass
+class Calibration:
+    counts: torch.Tensor  # [L, E] routed selections
+    default_vectors: torch.Tensor  # [L, E, H]
+    tokens: int
+
+    @property
+    def never_routed(self) -> int:
+        return int((self.counts == 0).sum())
+
+
+class RecordingMoE:
+    """An exact MoE function over all experts in RAM that also sums each expert's output."""
+
+    def __init__(self, store: RamStore, top_k: int, norm_topk: bool):
+        self.store, self.top_k, self.norm_topk = store, top_k, norm_topk
+        L, E, H = store.w13.shape[0], store.w13.shape[1], store.w2.shape[2]
+        self.sums = torch.zeros(L, E, H, dtype=torch.float64)
+        self.counts = torch.zeros(L, E, dtype=torch.int64)
+
+    def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        _, weights, ids = route(x, router, self.top_k, self.norm_topk)
+        out = torch.zeros_like(x)
+        w13, w2 = self.store.w13[layer], self.store.w2[layer]
+        for e in ids.unique().tolist():
+            tok, j = (ids == e).nonzero(as_tuple=True)
+            g, u = (x[tok] @ w13[e].t()).chunk(2, dim=-1)
+            y = (F.silu(g) * u) @ w2[e].t()  # [n, H]: the expert's own output, before its gate
+            self.sums[layer, e] += y.sum(0).double()
+            self.counts[layer, e] += len(tok)
+            out.index_add_(0, tok, y * weights[tok, j].unsqueeze(-1))
+        return out
+
+
+def calibrate(model_path: Path, text: str, context: int = 512, max_tokens: int | None = None,
+              progress: Callable[[int], None] | None = None) -> Calibration:
+    ckpt = open_checkpoint(model_path)
+    args = model_args(ckpt.config)
+    store = RamStore(ckpt, args)
+    moe = RecordingMoE(store, args.top_k, args.norm_topk_prob)
+    model = Transformer(args, dense_weights(ckpt, args), moe, torch.device("cpu"), context)
+    from tokenizers import Tokenizer
+    if ckpt.tokenizer_file is None:
+        raise FileNotFoundError(f"{model_path}: no tokenizer.json to encode the calibration text")
+    ids = Tokenizer.from_file(str(ckpt.tokenizer_file)).encode(text).ids[:max_tokens]
+    for start in range(0, len(ids), context):
+        chunk = torch.tensor(ids[start:start + context])
+        model.forward(chunk, 0)
+        if progress:
+            progress(len(chunk))
+    vectors = (moe.sums / moe.counts.clamp(min=1).unsqueeze(-1)).float()
+    return Calibration(moe.counts, vectors, len(ids))
+
+
+def save_calibration(c: Calibration, model_path: Path, source: str) -> None:
+    (model_path / ROUTING_COUNTS).write_text(json.dumps(
+        {"counts": c.counts.tolist(), "tokens": c.tokens, "text": source}))
+    save_file({"default_vectors": c.default_vectors.contiguous(), "counts": c.counts.contiguous()},
+              str(model_path / DEFAULT_VECTORS))
+
+
+def load_default_vectors(model_path: Path) -> torch.Tensor:
+    p = Path(model_path) / DEFAULT_VECTORS
+    if not p.exists():
+        from .errors import CheckpointError
+        raise CheckpointError(f"{p} is missing; run `expertcache calibrate --model {model_path}`")
+    return load_file(str(p))["default_vectors"]

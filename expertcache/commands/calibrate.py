@@ -1,0 +1,29 @@
+"""expertcache calibrate: routing counts and default vectors on calibration text."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..calibrate import CALIB_TEXT, calibrate, save_calibration
+from ..engine import BUILTIN_MODEL
+
+HELP = "compute routing counts (warm cache) and per-expert default vectors on calibration text"
+
+
+def add_arguments(p):
+    p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
+    p.add_argument("--text", type=Path, default=CALIB_TEXT, help="calibration text, disjoint from evaluation text")
+    p.add_argument("--max-tokens", type=int, default=None)
+
+
+def run(a) -> int:
+    path = a.model or BUILTIN_MODEL
+    text = a.text.read_text(encoding="utf-8")
+    with tqdm(unit="tok", desc="calibrate", file=sys.stderr) as bar:
+        c = calibrate(path, text, max_tokens=a.max_tokens, progress=bar.update)
+    save_calibration(c, path, a.text.name)
+    print(f"{c.tokens} tokens; {c.never_routed} of {c.counts.numel()} experts never routed (zero default vector); "
+          f"wrote routing counts and default vectors to {path}")
+    return 0

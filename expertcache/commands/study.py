@@ -1,0 +1,44 @@
+"""expertcache study: the emulation study of the miss policies (report, plots, JSON)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..study import StudyConfig, run_study
+from ..study_report import write_report
+from .options import write_json
+
+HELP = "emulate every miss policy on the evaluation text (exact, ram store) and write the report"
+
+
+def add_arguments(p):
+    p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
+    p.add_argument("--cache", type=float, default=0.25, help="cache fraction")
+    p.add_argument("--tokens-per-domain", type=int, default=StudyConfig.tokens_per_domain)
+    p.add_argument("--context", type=int, default=StudyConfig.context)
+    p.add_argument("--policies", nargs="*", default=None, help="policy specs (default: the full set)")
+    p.add_argument("--out", type=Path, default=Path("study"), help="report folder")
+    p.add_argument("--json", type=Path, default=None, help="also write every number here")
+
+
+def run(a) -> int:
+    cfg = StudyConfig(cache_fraction=a.cache, tokens_per_domain=a.tokens_per_domain, context=a.context)
+    if a.policies:
+        cfg = StudyConfig(**{**cfg.__dict__, "policies": tuple(dict.fromkeys(["fetch-all", *a.policies]))})
+    bar = tqdm(unit="tok", file=sys.stderr)
+    last = [None]
+
+    def progress(label, n):
+        if label != last[0]:
+            bar.set_description(label)
+            last[0] = label
+        bar.update(n)
+    res = run_study(a.model, cfg, progress)
+    bar.close()
+    files = write_report(res, a.out)
+    write_json(a.json, res.to_dict())
+    print((a.out / "README.md").read_text())
+    print("wrote " + ", ".join(map(str, files)), file=sys.stderr)
+    return 0

@@ -1,0 +1,205 @@
+"""The emulation study (instrument 1): every policy over the same token sequences with the
+exact `ram` store and a virtual cache, so that only the quality effect of the decisions is
+measured; then the seed's analyses. Returns data; `study_report` writes the report."""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .cache import CacheConfig
+from .engine import Engine, EngineConfig
+from .generate import generate
+from .perplexity import EVAL_TEXT, PerplexityResult, perplexity
+
+EVAL_SEGMENTS = EVAL_TEXT.with_suffix(".json")
+
+BASELINE = "fetch-all"
+TAUS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
+MAIN = ["substitute-all", *(f"threshold:tau={t:g}" for t in TAUS), "first-choice",
+        "quality-first", "speed-first"]
+NO_ADMISSION = "quality-first:beta=0"
+HEAVY = "band:lo=0.25"  # substitute only misses with gate weight >= 0.25 (first choices included)
+LIGHT = [f"band:lo=0,hi={h:g}" for h in (0.06, 0.09, 0.12, 0.16)]  # only light misses
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    cache_fraction: float = 0.25
+    context: int = 512
+    tokens_per_domain: int = 4096
+    prompts_per_domain: int = 2
+    prompt_tokens: int = 48
+    new_tokens: int = 32
+    bootstrap: int = 2000
+    seed: int = 0
+    policies: tuple[str, ...] = (BASELINE, *MAIN, NO_ADMISSION, HEAVY, *LIGHT)
+    generation_policies: tuple[str, ...] = (BASELINE, "substitute-all", "threshold:tau=0.15", "first-choice",
+                                            "quality-first", "speed-first")
+
+
+@dataclass
+class StudySequences:
+    ids: list[int]
+    domains: list[str]
+    starts: list[int]  # token offset of each domain in ids (topic changes)
+    prompts: list[tuple[str, list[int]]]  # (domain, prompt ids), disjoint from ids
+
+
+def study_sequences(engine: Engine, cfg: StudyConfig) -> StudySequences:
+    text = EVAL_TEXT.read_text(encoding="utf-8")
+    segments = json.loads(EVAL_SEGMENTS.read_text())["segments"]
+    ids, domains, starts, prompts = [], [], [], []
+    for seg in segments:
+        toks = engine.encode(text[seg["start_char"]: seg["start_char"] + seg["chars"]])
+        n = min(cfg.tokens_per_domain, len(toks) - cfg.prompts_per_domain * (cfg.prompt_tokens + 8))
+        n = n // cfg.context * cfg.context  # windows never straddle a topic change
+        starts.append(len(ids))
+        domains.append(seg["domain"])
+        ids += toks[:n]
+        rest = toks[n:]
+        step = max(cfg.prompt_tokens, len(rest) // cfg.prompts_per_domain)
+        for p in range(cfg.prompts_per_domain):
+            prompt = rest[p * step: p * step + cfg.prompt_tokens]
+            if len(prompt) == cfg.prompt_tokens:
+                prompts.append((seg["domain"], prompt))
+    return StudySequences(ids + ids[-1:], domains, starts, prompts)
+
+
+def paired_increase(base: list[float], other: list[float], n_boot: int, seed: int) -> dict:
+    """% perplexity increase of `other` over `base` with a paired bootstrap 95% CI over windows."""
+    d = np.asarray(other) - np.asarray(base)
+    rng = np.random.default_rng(seed)
+    boots = d[rng.integers(0, len(d), (n_boot, len(d)))].mean(1)
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    pct = lambda x: 100 * (math.exp(x) - 1)  # noqa: E731
+    return {"pct": pct(d.mean()), "ci": [pct(lo), pct(hi)]}
+
+
+def pearson(x, y) -> float:
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) < 3 or x.std() == 0 or y.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+@dataclass
+class StudyResult:
+    config: dict
+    model: str
+    sequences: dict
+    runs: dict = field(default_factory=dict)  # policy -> metrics
+    analyses: dict = field(default_factory=dict)
+    generation: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"config": self.config, "model": self.model, "sequences": self.sequences, "runs": self.runs,
+                "analyses": self.analyses, "generation": self.generation}
+
+
+def run_metrics(r: PerplexityResult, base: PerplexityResult, cfg: StudyConfig) -> dict:
+    s = r.stats
+    calls, k_slots = s["moe_calls"], s["routed"]
+    return {"ppl": r.ppl, "ppl_stderr": r.stderr, **paired_increase(base.window_nll, r.window_nll, cfg.bootstrap, cfg.seed),
+            "calls_substituted_pct": 100 * s["substituted_calls"] / calls,
+            "slots_substituted_pct": 100 * s["substitutions"] / k_slots,
+            "mass_per_call": s["substituted_mass"] / calls, "hit_rate": s["hit_rate"],
+            "sync_fetches_per_token": s["sync_fetches"] / r.tokens,
+            "admissions_per_token": s["background_fetches"] / r.tokens,
+            "window_nll": r.window_nll, "window_mass": [w["substituted_mass"] / max(1, w["moe_calls"])
+                                                        for w in r.window_stats]}
+
+
+def run_study(model: Path | None, cfg: StudyConfig, progress: Callable[[str, int], None] | None = None) -> StudyResult:
+    engine = Engine(model, EngineConfig(store="ram", cache=CacheConfig(fraction=cfg.cache_fraction), initial="warm"))
+    seq = study_sequences(engine, cfg)
+    result = StudyResult(cfg.__dict__ | {"policies": list(cfg.policies)}, str(engine.path),
+                         {"tokens": len(seq.ids) - 1, "domains": seq.domains, "topic_change_tokens": seq.starts,
+                          "prompts": len(seq.prompts), "slots_per_layer": engine.cache.per_layer,
+                          "experts": engine.args.num_experts})
+    ppl: dict[str, PerplexityResult] = {}
+    for spec in cfg.policies:
+        engine.set_policy(spec)
+        ppl[spec] = perplexity(engine, seq.ids, cfg.context, reset=False,
+                               progress=(lambda n, s=spec: progress(s, n)) if progress else None)
+    base = ppl[BASELINE]
+    result.runs = {spec: {"name": str(make_name(spec)), **run_metrics(r, base, cfg)} for spec, r in ppl.items()}
+    result.analyses = analyses(result.runs, seq, cfg)
+    result.generation = generation_test(engine, seq, cfg, progress)
+    engine.close()
+    return result
+
+
+def make_name(spec: str) -> str:
+    from .policies import make_policy
+    return repr(make_policy(spec))
+
+
+def analyses(runs: dict, seq: StudySequences, cfg: StudyConfig) -> dict:
+    out = {}
+    sub_all, thr = runs.get("substitute-all"), runs.get("threshold:tau=0.15")
+    if sub_all and thr:
+        out["where_loss_comes_from"] = {
+            p: {k: runs[p][k] for k in ("calls_substituted_pct", "slots_substituted_pct", "mass_per_call", "pct", "ci")}
+            for p in ("substitute-all", "threshold:tau=0.15")}
+    first_fetched = [p for p in runs if p.startswith("threshold:") or p == "first-choice"]
+    out["mass_hypothesis"] = {
+        "policies": first_fetched,
+        "r_across_policies": pearson([runs[p]["mass_per_call"] for p in first_fetched],
+                                     [runs[p]["pct"] for p in first_fetched])}
+    if thr:
+        base = np.asarray(runs[BASELINE]["window_nll"])
+        d_nll = np.asarray(thr["window_nll"]) - base
+        out["mass_hypothesis"]["r_across_windows_threshold_0.15"] = pearson(thr["window_mass"], d_nll)
+    if HEAVY in runs and any(p in runs for p in LIGHT):
+        heavy = runs[HEAVY]
+        light = min((p for p in LIGHT if p in runs), key=lambda p: abs(runs[p]["mass_per_call"] - heavy["mass_per_call"]))
+        out["equal_mass"] = {"heavy": {"policy": HEAVY, **{k: heavy[k] for k in ("mass_per_call", "slots_substituted_pct", "pct", "ci")}},
+                             "light": {"policy": light, **{k: runs[light][k] for k in ("mass_per_call", "slots_substituted_pct", "pct", "ci")}},
+                             "light_sweep": {p: {k: runs[p][k] for k in ("mass_per_call", "pct", "ci")} for p in LIGHT if p in runs}}
+    if "quality-first" in runs and NO_ADMISSION in runs:
+        per_domain = cfg.tokens_per_domain // cfg.context
+        after = [s // cfg.context + j for s in seq.starts[1:] for j in range(min(2, per_domain))]
+        w_with = np.asarray(runs["quality-first"]["window_nll"])
+        w_without = np.asarray(runs[NO_ADMISSION]["window_nll"])
+        sel = lambda w: [w[i] for i in after]  # noqa: E731
+        out["background_admission"] = {
+            "overall": paired_increase(w_without, w_with, cfg.bootstrap, cfg.seed),
+            "after_topic_change": paired_increase(sel(w_without), sel(w_with), cfg.bootstrap, cfg.seed),
+            "windows_after_change": after,
+            "admissions_per_token": runs["quality-first"]["admissions_per_token"]}
+    return out
+
+
+def generation_test(engine: Engine, seq: StudySequences, cfg: StudyConfig, progress=None) -> dict:
+    """Greedy continuations under each policy against fetch-every-miss's."""
+    outs: dict[str, list] = {}
+    for spec in cfg.generation_policies:
+        engine.set_policy(spec)
+        outs[spec] = []
+        for domain, prompt in seq.prompts:
+            engine.reset()
+            toks = list(generate(engine, prompt, cfg.new_tokens))
+            outs[spec].append({"domain": domain, "tokens": toks,
+                               "mass": engine.stats.substituted_mass / max(1, engine.stats.moe_calls)})
+            if progress:
+                progress(f"generate {spec}", cfg.new_tokens)
+    ref = outs[BASELINE]
+    report = {}
+    for spec, gens in outs.items():
+        same, first, mass = [], [], []
+        for g, r in zip(gens, ref):
+            eq = [a == b for a, b in zip(g["tokens"], r["tokens"])]
+            same.append(float(np.mean(eq)))
+            first.append(eq.index(False) if False in eq else len(eq))
+            mass.append(g["mass"])
+        report[spec] = {"identical_token_share": float(np.mean(same)), "mean_first_divergence": float(np.mean(first)),
+                        "per_prompt_agreement": same, "per_prompt_mass": mass,
+                        "r_mass_vs_disagreement": pearson(mass, 1 - np.asarray(same))}
+    report["samples"] = {spec: engine.decode(outs[spec][0]["tokens"]) for spec in outs}
+    report["prompt0"] = engine.decode(seq.prompts[0][1])
+    return report

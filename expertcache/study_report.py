@@ -1,0 +1,100 @@
+"""Write a study's markdown report and plots (matplotlib PNG)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .study import BASELINE, StudyResult
+
+
+def _ci(r: dict) -> str:
+    return f"{r['pct']:+.2f}% [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]"
+
+
+def write_report(res: StudyResult, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.json").write_text(json.dumps(res.to_dict(), indent=1))
+    plots = _plots(res, out)
+    s, a = res.sequences, res.analyses
+    lines = [f"# Emulation study: {Path(res.model).name}", "",
+             f"{s['tokens']} teacher-forced tokens of the evaluation text ({', '.join(s['domains'])}), "
+             f"windows of {res.config['context']}, cache {s['slots_per_layer']}/{s['experts']} experts per layer "
+             f"(fraction {res.config['cache_fraction']}), warm start, `ram` store (exact). Perplexity increase is over "
+             f"fetch-every-miss on the same windows, with a paired bootstrap 95% CI over windows.", "",
+             "| policy | ppl | increase [95% CI] | calls subst. | slots subst. | mass/call | hit rate | fetches/token | admissions/token |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for spec, r in res.runs.items():
+        lines.append(f"| `{spec}` | {r['ppl']:.2f} | {_ci(r)} | {r['calls_substituted_pct']:.1f}% | "
+                     f"{r['slots_substituted_pct']:.1f}% | {r['mass_per_call']:.4f} | {r['hit_rate']:.1%} | "
+                     f"{r['sync_fetches_per_token']:.2f} | {r['admissions_per_token']:.3f} |")
+    if "where_loss_comes_from" in a:
+        w = a["where_loss_comes_from"]
+        sa, th = w["substitute-all"], w["threshold:tau=0.15"]
+        lines += ["", "## 1. Where the loss comes from", "",
+                  f"Substitute-every-miss substituted in {sa['calls_substituted_pct']:.1f}% of calls "
+                  f"({sa['slots_substituted_pct']:.1f}% of slots, mass {sa['mass_per_call']:.4f}/call): {_ci(sa)}. "
+                  f"The 0.15 rule substituted in {th['calls_substituted_pct']:.1f}% of calls "
+                  f"({th['slots_substituted_pct']:.1f}% of slots, mass {th['mass_per_call']:.4f}/call): {_ci(th)}."]
+    m = a.get("mass_hypothesis", {})
+    lines += ["", "## 2. Mass hypothesis", "",
+              f"Pearson r between substituted mass per call and perplexity increase across the policies that "
+              f"always fetch the first choice ({', '.join(f'`{p}`' for p in m.get('policies', []))}): "
+              f"**{m.get('r_across_policies', float('nan')):.3f}**. Across windows for the 0.15 rule: "
+              f"r = {m.get('r_across_windows_threshold_0.15', float('nan')):.3f}.",
+              "", "![increase vs mass](mass_vs_increase.png)"]
+    if "equal_mass" in a:
+        e = a["equal_mass"]
+        lines += ["", "## 3. Equal mass, different composition", "",
+                  f"Few heavy (`{e['heavy']['policy']}`: {e['heavy']['slots_substituted_pct']:.1f}% of slots, mass "
+                  f"{e['heavy']['mass_per_call']:.4f}/call): {_ci(e['heavy'])}. Many light (`{e['light']['policy']}`: "
+                  f"{e['light']['slots_substituted_pct']:.1f}% of slots, mass {e['light']['mass_per_call']:.4f}/call): "
+                  f"{_ci(e['light'])}.", "", "| light policy | mass/call | increase |", "|---|---:|---:|"]
+        lines += [f"| `{p}` | {r['mass_per_call']:.4f} | {_ci(r)} |" for p, r in e["light_sweep"].items()]
+    if "background_admission" in a:
+        b = a["background_admission"]
+        lines += ["", "## 4. Background admission", "",
+                  f"quality-first against the same without admission (beta 0): overall {_ci(b['overall'])}; "
+                  f"in the first two windows after each topic change {_ci(b['after_topic_change'])} "
+                  f"({b['admissions_per_token']:.3f} admissions per token). Negative is better."]
+    g = res.generation
+    if g:
+        lines += ["", "## 5. Generation test", "",
+                  f"Greedy continuations ({res.config['new_tokens']} tokens) of {s['prompts']} prompts from every "
+                  "domain, against fetch-every-miss.", "",
+                  "| policy | identical tokens | mean first divergence | r(mass, disagreement) |", "|---|---:|---:|---:|"]
+        for spec, r in g.items():
+            if spec in ("samples", "prompt0"):
+                continue
+            lines.append(f"| `{spec}` | {r['identical_token_share']:.1%} | {r['mean_first_divergence']:.1f} | "
+                         f"{r['r_mass_vs_disagreement']:.3f} |")
+    lines += ["", "![pareto](pareto.png)", ""]
+    (out / "README.md").write_text("\n".join(lines))
+    return [out / "README.md", out / "study.json", *plots]
+
+
+def _plots(res: StudyResult, out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = {p: r for p, r in res.runs.items() if p != BASELINE}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for p, r in runs.items():
+        ax.errorbar(r["mass_per_call"], r["pct"], yerr=[[r["pct"] - r["ci"][0]], [r["ci"][1] - r["pct"]]], fmt="o")
+        ax.annotate(p.replace("threshold:", "").replace("band:", ""), (r["mass_per_call"], r["pct"]), fontsize=6)
+    ax.set_xlabel("substituted gate mass per MoE call")
+    ax.set_ylabel("perplexity increase (%)")
+    ax.set_title("Perplexity increase vs substituted mass")
+    fig.tight_layout()
+    fig.savefig(out / "mass_vs_increase.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for p, r in res.runs.items():
+        ax.plot(r["sync_fetches_per_token"], r["pct"], "o")
+        ax.annotate(p.replace("threshold:", "").replace("band:", ""), (r["sync_fetches_per_token"], r["pct"]), fontsize=6)
+    ax.set_xlabel("synchronous fetches per token")
+    ax.set_ylabel("perplexity increase (%)")
+    ax.set_title("Quality vs fetches (lower left is better)")
+    fig.tight_layout()
+    fig.savefig(out / "pareto.png", dpi=120)
+    plt.close(fig)
+    return [out / "mass_vs_increase.png", out / "pareto.png"]
