@@ -16,10 +16,20 @@ import torch.nn.functional as F
 from .cache import CacheConfig
 from .engine import Engine, EngineConfig
 from .generate import generate
+from .moe import PrefetchConfig
 from .perplexity import EVAL_TEXT
 
 POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "substitute-all")
 FLOOR = "all resident"
+
+
+def parse_variant(v: str) -> tuple[str, PrefetchConfig | None]:
+    """'policy' or 'policy+mode/predictor', e.g. 'fetch-all+prefetch/quasi-hidden'."""
+    policy, _, pre = v.partition("+")
+    if not pre:
+        return policy, None
+    mode, _, predictor = pre.partition("/")
+    return policy, PrefetchConfig(predictor or "quasi-hidden", mode)
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,9 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
                 e = floor
             else:
                 e = engine
-                e.set_policy(v)
+                policy, prefetch = parse_variant(v)
+                e.set_policy(policy)
+                e.set_prefetch(prefetch)
             d, f, nll, c = _timed(e, prompt, forced, cfg)
             if progress:
                 progress(f"rep {rep} {v}: decode {d:.2f} ms/token, forced {f:.2f} ms/token")

@@ -64,17 +64,23 @@ class RecordingMoE:
         return out
 
 
-def calibrate(model_path: Path, text: str, context: int = 512, max_tokens: int | None = None,
+def encode_text(model_path: Path, text: str, max_tokens: int | None = None) -> list[int]:
+    from tokenizers import Tokenizer
+
+    from .errors import CheckpointError
+    ckpt = open_checkpoint(model_path)
+    if ckpt.tokenizer_file is None:
+        raise CheckpointError(f"{model_path}: no tokenizer.json to encode text with; add the model's tokenizer")
+    return Tokenizer.from_file(str(ckpt.tokenizer_file)).encode(text).ids[:max_tokens]
+
+
+def calibrate(model_path: Path, ids: list[int], context: int = 512,
               progress: Callable[[int], None] | None = None) -> Calibration:
     ckpt = open_checkpoint(model_path)
     args = model_args(ckpt.config)
     store = RamStore(ckpt, args)
     moe = RecordingMoE(store, args.top_k, args.norm_topk_prob)
     model = Transformer(args, dense_weights(ckpt, args), moe, torch.device("cpu"), context)
-    from tokenizers import Tokenizer
-    if ckpt.tokenizer_file is None:
-        raise FileNotFoundError(f"{model_path}: no tokenizer.json to encode the calibration text")
-    ids = Tokenizer.from_file(str(ckpt.tokenizer_file)).encode(text).ids[:max_tokens]
     for start in range(0, len(ids), context):
         chunk = torch.tensor(ids[start:start + context])
         model.forward(chunk, 0)

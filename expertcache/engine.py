@@ -15,9 +15,10 @@ import torch
 from .cache import CacheConfig, ExpertCache
 from .checkpoint import open_checkpoint
 from .errors import CheckpointError, UnknownName
-from .moe import MoELayerRunner
+from .moe import MoELayerRunner, PrefetchConfig
 from .models import model_args
 from .policies import MissPolicy, make_policy
+from .predictors import make_predictor
 from .stats import RunStats
 from .stores import open_store
 from .transformer import Transformer
@@ -37,6 +38,7 @@ class EngineConfig:
     initial: str = "auto"  # warm: most-routed experts first; cold: empty; auto: warm if counts exist
     store_dir: Path | None = None
     max_seq: int = 2048
+    prefetch: PrefetchConfig | None = None  # speculative expert prefetch (seed B)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -66,6 +68,8 @@ class Engine:
         self.runner = MoELayerRunner(self.args, self.cache, self.policy, self.stats)
         self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype), self.runner, self.device,
                                  config.max_seq)
+        if config.prefetch is not None:
+            self.set_prefetch(config.prefetch)
         self.tokenizer = None
         if ckpt.tokenizer_file is not None:
             from tokenizers import Tokenizer
@@ -108,6 +112,15 @@ class Engine:
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.runner.policy = self.policy
         self.cache.cfg = replace(self.cache.cfg, eviction=eviction or self.config.eviction or self.policy.eviction)
+        self.reset()
+
+    def set_prefetch(self, prefetch: PrefetchConfig | None) -> None:
+        """Attach a predictor (or detach with None); starts a new run."""
+        if prefetch is not None and prefetch.mode not in ("prefetch", "speculative"):
+            raise UnknownName(f"unknown prefetch mode {prefetch.mode!r}; choose prefetch or speculative")
+        self.runner.predictor = make_predictor(prefetch.predictor, self.model, self.path) if prefetch else None
+        self.runner.prefetch = prefetch or PrefetchConfig()
+        self.model.prefetch = self.runner.observe_residual if prefetch else None
         self.reset()
 
     # -- running -------------------------------------------------------------------------

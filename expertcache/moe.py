@@ -7,6 +7,8 @@ that a later token's fetch would overwrite first has its pending work computed.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from .cache import ExpertCache
 from .models.args import ModelArgs
 from .policies import MissPolicy, Route
+from .predictors import Predictor
 from .stats import RunStats
 
 
@@ -60,21 +63,61 @@ def experts_compute(x, slots, weights, w13, w2):
         experts_grouped(x, slots, weights, w13, w2)
 
 
+@dataclass(frozen=True)
+class PrefetchConfig:
+    predictor: str = "quasi-hidden"  # router-ahead | quasi-hidden | estimator | hybrid
+    mode: str = "prefetch"  # prefetch: the true router decides; speculative: the prediction runs
+    budget: int | None = None  # prefetches per token and layer (default: top-k)
+
+
 class MoELayerRunner:
-    """Runs every MoE layer of a model against one cache and one policy."""
+    """Runs every MoE layer of a model against one cache and one policy; with a predictor,
+    requests layer l+1's experts before layer l's experts compute."""
 
     def __init__(self, args: ModelArgs, cache: ExpertCache, policy: MissPolicy, stats: RunStats):
         self.args, self.cache, self.policy, self.stats = args, cache, policy, stats
         self.token_base = 0  # index in the run of the first token of the current forward
+        self.predictor: Predictor | None = None
+        self.prefetch = PrefetchConfig()
+        self.resid: torch.Tensor | None = None  # residual after the current layer's attention
+        self.predicted: tuple | None = None  # (probs, weights, ids) predicted for the next layer
+
+    def observe_residual(self, layer: int, h: torch.Tensor) -> None:
+        """The transformer's hook after each layer's attention."""
+        self.resid = h
+
+    def _predict_next(self, layer: int, x: torch.Tensor, exec_ids: np.ndarray, gates: np.ndarray) -> None:
+        a, cache = self.args, self.cache
+        dev = x.device
+        logits = self.predictor.logits(layer, self.resid, x, torch.from_numpy(exec_ids).to(dev),
+                                       torch.from_numpy(gates).to(dev))
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(a.top_k, dim=-1)
+        if a.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        self.predicted = (probs, weights, ids)
+        if x.shape[0] != 1:  # prefetching ahead is a decode-time pipeline
+            return
+        budget = self.prefetch.budget or a.top_k
+        for e in ids[0, :budget].tolist():
+            if cache.slot_of[layer + 1, e] < 0:
+                cache.start(layer + 1, e, "prefetch")
+                self.stats.prefetch_fetches += 1
+                self.stats.prefetch_bytes += cache.store.expert_bytes
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed MoE input) -> routed experts' combined output [T, H]."""
         a, cache, stats = self.args, self.cache, self.stats
-        probs, weights, ids = route(x, router, a.top_k, a.norm_topk_prob)
+        if self.prefetch.mode == "speculative" and layer > 0 and self.predicted is not None:
+            probs, weights, ids = self.predicted  # the true router is skipped
+        else:
+            probs, weights, ids = route(x, router, a.top_k, a.norm_topk_prob)
+        self.predicted = None
         # The one host sync of the layer: decisions need the routes on the host.
         probs_h, weights_h, ids_h = probs.cpu().numpy(), weights.cpu().numpy(), ids.cpu().numpy()
         T, k = ids_h.shape
         slots_h = np.zeros((T, k), dtype=np.int64)
+        exec_h = np.zeros((T, k), dtype=np.int64)  # executed expert ids
         gates_h = np.zeros((T, k), dtype=np.float32)
         out = torch.empty_like(x)
         owes = np.zeros(cache.num_slots, dtype=bool)  # slots with deferred compute
@@ -126,10 +169,12 @@ class MoELayerRunner:
                 slot = cache.slot_of[layer, e]
                 stats.stall_s += cache.wait(slot)  # fetched now, or still arriving from a prefetch
                 cache.eviction.touch(slot)
-                slots_h[t, j], gates_h[t, j] = slot, w
+                slots_h[t, j], exec_h[t, j], gates_h[t, j] = slot, e, w
                 owes[slot] = True
             for j in range(len(d.experts), k):  # fewer executed than routed: zero-weight padding
-                slots_h[t, j], gates_h[t, j] = slots_h[t, 0], 0.0
+                slots_h[t, j], exec_h[t, j], gates_h[t, j] = slots_h[t, 0], exec_h[t, 0], 0.0
+        if self.predictor is not None and layer + 1 < a.num_layers:
+            self._predict_next(layer, x, exec_h, gates_h)  # this token's slots stay protected
         cache.protected[:] = False
         compute(T)
         return out

@@ -175,11 +175,14 @@ def analyses(runs: dict, seq: StudySequences, cfg: StudyConfig) -> dict:
     return out
 
 
-def generation_test(engine: Engine, seq: StudySequences, cfg: StudyConfig, progress=None) -> dict:
-    """Greedy continuations under each policy against fetch-every-miss's."""
+def generation_test(engine: Engine, seq: StudySequences, cfg: StudyConfig, progress=None,
+                    setups: dict | None = None) -> dict:
+    """Greedy continuations under each variant against fetch-every-miss's. `setups` maps a
+    label to a function that configures the engine (default: one per generation policy)."""
+    setups = setups or {spec: (lambda e, s=spec: e.set_policy(s)) for spec in cfg.generation_policies}
     outs: dict[str, list] = {}
-    for spec in cfg.generation_policies:
-        engine.set_policy(spec)
+    for spec, setup in setups.items():
+        setup(engine)
         outs[spec] = []
         for domain, prompt in seq.prompts:
             engine.reset()

@@ -46,3 +46,17 @@ def test_hf_generate_agrees_with_engine(tiny):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):].tolist()
     engine = Engine(path, EngineConfig(store="disk", cache=CacheConfig(fraction=0.25), initial="cold"))
     assert list(generate(engine, prompt, 10)) == ref
+
+
+def test_disk_and_ram_give_the_same_perplexity(tiny):
+    from expertcache.perplexity import perplexity
+    path, _ = tiny["mixtral"]
+    ids = torch.randint(0, 96, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    results = []
+    for store in ("ram", "disk"):
+        engine = Engine(path, EngineConfig(store=store, cache=CacheConfig(fraction=0.25), initial="cold"))
+        results.append(perplexity(engine, ids, context=64))
+        engine.close()
+    ram, disk = results
+    assert ram.ppl == pytest.approx(disk.ppl, rel=1e-6)
+    assert ram.stats["sync_fetches"] == disk.stats["sync_fetches"] > 0

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..calibrate import CALIB_TEXT, calibrate, save_calibration
+from ..calibrate import CALIB_TEXT, calibrate, encode_text, save_calibration
 from ..engine import BUILTIN_MODEL
 
 HELP = "compute routing counts (warm cache) and per-expert default vectors on calibration text"
@@ -20,9 +20,9 @@ def add_arguments(p):
 
 def run(a) -> int:
     path = a.model or BUILTIN_MODEL
-    text = a.text.read_text(encoding="utf-8")
-    with tqdm(unit="tok", desc="calibrate", file=sys.stderr) as bar:
-        c = calibrate(path, text, max_tokens=a.max_tokens, progress=bar.update)
+    ids = encode_text(path, a.text.read_text(encoding="utf-8"), a.max_tokens)
+    with tqdm(total=len(ids), unit="tok", desc="calibrate", file=sys.stderr) as bar:
+        c = calibrate(path, ids, progress=bar.update)
     save_calibration(c, path, a.text.name)
     print(f"{c.tokens} tokens; {c.never_routed} of {c.counts.numel()} experts never routed (zero default vector); "
           f"wrote routing counts and default vectors to {path}")

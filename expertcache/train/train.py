@@ -26,7 +26,7 @@ from .tokenizer import train_tokenizer
 
 @dataclass(frozen=True)
 class Schedule:
-    tokens: int = 8_192_000
+    tokens: int = 6_600_000
     batch: int = 16
     seq_len: int = 256
     lr: float = 2e-3

@@ -1,0 +1,146 @@
+"""Measuring and training the next-layer predictors on recorded layer states.
+
+`record_states` runs the exact model over a text and keeps, per layer l, the residual after
+attention r_l, the normed MoE input x_l, the routed experts (ids, weights) and the router
+logits. Transition l -> l+1 pairs the first four at l with the logits at l+1.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .calibrate import RecordingMoE, load_default_vectors
+from .checkpoint import open_checkpoint
+from .models import model_args
+from .moe import route
+from .predictors import (Estimator, EstimatorNet, Predictor, QuasiHidden, RouterAhead, make_predictor,
+                         save_estimator)
+from .stores import RamStore
+from .transformer import Transformer
+from .weights import dense_weights
+
+
+@dataclass
+class LayerStates:
+    resid: list[torch.Tensor]  # per layer [N, H]
+    x: list[torch.Tensor]
+    ids: list[torch.Tensor]  # [N, k]
+    weights: list[torch.Tensor]
+    logits: list[torch.Tensor]  # [N, E]
+
+
+class _Recorder(RecordingMoE):
+    def __init__(self, store, top_k, norm_topk, n_layers):
+        super().__init__(store, top_k, norm_topk)
+        self.resid_now = None
+        self.rows = [dict(resid=[], x=[], ids=[], weights=[], logits=[]) for _ in range(n_layers)]
+
+    def hook(self, layer, h):
+        self.resid_now = h
+
+    def __call__(self, layer, x, router):
+        logits = x @ router.t()
+        _, w, ids = route(x, router, self.top_k, self.norm_topk)
+        r = self.rows[layer]
+        for key, val in (("resid", self.resid_now), ("x", x), ("ids", ids), ("weights", w), ("logits", logits)):
+            r[key].append(val.clone())
+        return super().__call__(layer, x, router)
+
+
+def record_states(model_path: Path, ids: list[int], context: int = 512,
+                  progress: Callable[[int], None] | None = None) -> tuple[Transformer, LayerStates]:
+    ckpt = open_checkpoint(model_path)
+    args = model_args(ckpt.config)
+    store = RamStore(ckpt, args)
+    rec = _Recorder(store, args.top_k, args.norm_topk_prob, args.num_layers)
+    model = Transformer(args, dense_weights(ckpt, args), rec, torch.device("cpu"), context)
+    model.prefetch = rec.hook
+    for start in range(0, len(ids), context):
+        chunk = torch.tensor(ids[start:start + context])
+        model.forward(chunk, 0)
+        if progress:
+            progress(len(chunk))
+    model.moe, model.prefetch = None, None
+    cat = lambda key: [torch.cat(r[key]) for r in rec.rows]  # noqa: E731
+    return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"))
+
+
+@torch.no_grad()
+def recall_per_layer(p: Predictor, s: LayerStates, top_k: int, batch: int = 8192) -> list[float]:
+    """recall@k of transition l -> l+1 for l = 0..L-2: share of the true top-k that was predicted."""
+    out = []
+    for layer in range(len(s.x) - 1):
+        hit, n = 0, 0
+        for i in range(0, len(s.x[layer]), batch):
+            sl = slice(i, i + batch)
+            pred = p.logits(layer, s.resid[layer][sl], s.x[layer][sl], s.ids[layer][sl], s.weights[layer][sl])
+            pred_ids = pred.topk(top_k, dim=-1).indices
+            true_ids = s.logits[layer + 1][sl].topk(top_k, dim=-1).indices
+            hit += (pred_ids.unsqueeze(-1) == true_ids.unsqueeze(-2)).any(-1).sum().item()
+            n += true_ids.numel()
+        out.append(hit / n)
+    return out
+
+
+def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.Tensor, epochs: int = 4,
+                    lr: float = 2e-3, batch: int = 1024, seed: int = 0,
+                    progress: Callable[[str], None] | None = None) -> EstimatorNet:
+    """Distil q_l -> Router_{l+1} logits by KL(true || predicted) over every transition."""
+    a = model.args
+    qh = QuasiHidden(model, default_vectors)
+    with torch.no_grad():
+        q = torch.cat([qh.quasi_hidden(l, s.resid[l], s.ids[l], s.weights[l]) for l in range(a.num_layers - 1)])
+        layer = torch.cat([torch.full((len(s.x[l]),), l) for l in range(a.num_layers - 1)])
+        target = torch.cat([F.log_softmax(s.logits[l + 1].float(), -1) for l in range(a.num_layers - 1)])
+    batch = min(batch, len(q))
+    torch.manual_seed(seed)
+    net = EstimatorNet(a.hidden_size, a.num_experts, a.num_layers)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
+    steps = epochs * (len(q) // batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
+    g = torch.Generator().manual_seed(seed)
+    for epoch in range(epochs):
+        perm = torch.randperm(len(q), generator=g)
+        total = 0.0
+        for i in range(0, len(q) - batch + 1, batch):
+            idx = perm[i:i + batch]
+            pred = F.log_softmax(net(q[idx], layer[idx]), -1)
+            loss = F.kl_div(pred, target[idx], log_target=True, reduction="batchmean")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            total += loss.item()
+        if progress:
+            progress(f"epoch {epoch + 1}/{epochs}: KL {total / (len(q) // batch):.4f}")
+    return net.eval()
+
+
+def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85,
+                  progress: Callable[[str], None] | None = None) -> dict:
+    """Train the estimator on calibration tokens, choose the hybrid's layers (quasi-hidden recall
+    below `hybrid_below` there) and save it beside the model."""
+    model, states = record_states(model_path, ids)
+    dv = load_default_vectors(model_path)
+    k = model.args.top_k
+    qh_recall = recall_per_layer(QuasiHidden(model, dv), states, k)
+    net = train_estimator(model, states, dv, progress=progress)
+    est_recall = recall_per_layer(Estimator(model, dv, net), states, k)
+    hybrid = [l for l, r in enumerate(qh_recall) if r < hybrid_below and est_recall[l] > r]
+    recall = {"quasi-hidden": qh_recall, "estimator": est_recall}
+    save_estimator(net, Path(model_path), hybrid, recall)
+    return {"tokens": len(states.x[0]), "hybrid_layers": hybrid, "calibration_recall": recall}
+
+
+def recall_table(model_path: Path, ids: list[int],
+                 predictors=("router-ahead", "quasi-hidden", "estimator", "hybrid")) -> dict:
+    model, states = record_states(model_path, ids)
+    return {name: recall_per_layer(make_predictor(name, model, Path(model_path)), states, model.args.top_k)
+            for name in predictors}
+
+
+__all__ = ["record_states", "recall_per_layer", "train_estimator", "fit_estimator", "recall_table", "RouterAhead"]

@@ -1,0 +1,139 @@
+"""Predicting layer l+1's experts from layer l's state (seed B), all behind one interface.
+
+A predictor maps, for the tokens of one MoE call at layer l, the residual stream after
+layer l's attention r_l [T, H], layer l's normed MoE input x_l [T, H] and the experts
+executed at layer l (ids [T, k], weights [T, k]) to router logits for layer l+1 [T, E].
+It is available before layer l's experts run, so their transfers overlap that compute.
+
+- router-ahead: Router_{l+1}(x_l), the naive baseline;
+- quasi-hidden: Router_{l+1}(Norm_{l+1}(r_l + d_l)), d_l the gate-weighted default vectors;
+- estimator: a small feed-forward net with a layer embedding on the quasi-hidden state,
+  distilled by KL to the true next-layer router;
+- hybrid: the estimator on the layers where quasi-hidden recall is weak, quasi-hidden elsewhere.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .errors import CheckpointError, UnknownName
+from .transformer import Transformer
+
+ESTIMATOR_FILE = "estimator.safetensors"
+
+
+class Predictor:
+    name = "predictor"
+
+    def __init__(self, model: Transformer):
+        self.model = model
+
+    def logits(self, layer: int, resid: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
+               weights: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _router(self, layer: int) -> torch.Tensor:
+        return self.model.layers[layer + 1]["router"]
+
+
+class RouterAhead(Predictor):
+    name = "router-ahead"
+
+    def logits(self, layer, resid, x, ids, weights):
+        return x @ self._router(layer).t()
+
+
+class QuasiHidden(Predictor):
+    name = "quasi-hidden"
+
+    def __init__(self, model: Transformer, default_vectors: torch.Tensor):
+        super().__init__(model)
+        a = model.args
+        if tuple(default_vectors.shape) != (a.num_layers, a.num_experts, a.hidden_size):
+            raise CheckpointError(f"default vectors of shape {tuple(default_vectors.shape)} do not fit the model; "
+                                  "rerun `expertcache calibrate`")
+        self.default_vectors = default_vectors.to(model.device, model.embed.dtype)
+
+    def quasi_hidden(self, layer, resid, ids, weights) -> torch.Tensor:
+        """q_l = Norm_{l+1}(r_l + sum_j g_j d_{l, e_j}) [T, H]."""
+        d = (self.default_vectors[layer][ids] * weights.unsqueeze(-1).to(resid.dtype)).sum(1)
+        a = self.model.args
+        return F.rms_norm(resid + d, (a.hidden_size,), self.model.layers[layer + 1]["moe_norm"], a.rms_norm_eps)
+
+    def logits(self, layer, resid, x, ids, weights):
+        return self.quasi_hidden(layer, resid, ids, weights) @ self._router(layer).t()
+
+
+class EstimatorNet(nn.Module):
+    """q_l [T, H] and layer l -> layer l+1's router logits [T, E]."""
+
+    def __init__(self, hidden: int, experts: int, layers: int, width: int = 512, embed: int = 32):
+        super().__init__()
+        self.layer_embed = nn.Embedding(layers, embed)
+        self.fc1 = nn.Linear(hidden + embed, width)
+        self.fc2 = nn.Linear(width, experts)
+
+    def forward(self, q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.silu(self.fc1(torch.cat([q, self.layer_embed(layer)], dim=-1))))
+
+
+class Estimator(QuasiHidden):
+    name = "estimator"
+
+    def __init__(self, model: Transformer, default_vectors: torch.Tensor, net: EstimatorNet,
+                 layers: set[int] | None = None):
+        super().__init__(model, default_vectors)
+        self.net = net.to(model.device).eval()
+        self.layers = layers  # None: every layer; else only these, quasi-hidden elsewhere
+
+    def logits(self, layer, resid, x, ids, weights):
+        q = self.quasi_hidden(layer, resid, ids, weights)
+        if self.layers is not None and layer not in self.layers:
+            return q @ self._router(layer).t()
+        with torch.no_grad():
+            return self.net(q.float(), torch.full((q.shape[0],), layer, device=q.device)).to(q.dtype)
+
+
+def save_estimator(net: EstimatorNet, path: Path, hybrid_layers: list[int], recall: dict) -> None:
+    import json
+    meta = {"hidden": str(net.fc1.in_features - net.layer_embed.embedding_dim), "experts": str(net.fc2.out_features),
+            "layers": str(net.layer_embed.num_embeddings), "width": str(net.fc1.out_features),
+            "embed": str(net.layer_embed.embedding_dim), "hybrid_layers": json.dumps(hybrid_layers),
+            "calibration_recall": json.dumps(recall)}
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path / ESTIMATOR_FILE), metadata=meta)
+
+
+def load_estimator(path: Path) -> tuple[EstimatorNet, list[int]]:
+    import json
+
+    from safetensors import safe_open
+    f = Path(path) / ESTIMATOR_FILE
+    if not f.exists():
+        raise CheckpointError(f"{f} is missing; run `expertcache train-estimator --model {path}`")
+    with safe_open(str(f), "pt") as h:
+        meta = h.metadata()
+    net = EstimatorNet(int(meta["hidden"]), int(meta["experts"]), int(meta["layers"]), int(meta["width"]),
+                       int(meta["embed"]))
+    net.load_state_dict(load_file(str(f)))
+    return net, json.loads(meta["hybrid_layers"])
+
+
+PREDICTORS = ("router-ahead", "quasi-hidden", "estimator", "hybrid")
+
+
+def make_predictor(name: str, model: Transformer, model_path: Path) -> Predictor:
+    from .calibrate import load_default_vectors
+    if name == "router-ahead":
+        return RouterAhead(model)
+    if name == "quasi-hidden":
+        return QuasiHidden(model, load_default_vectors(model_path))
+    if name in ("estimator", "hybrid"):
+        net, hybrid_layers = load_estimator(model_path)
+        p = Estimator(model, load_default_vectors(model_path), net, set(hybrid_layers) if name == "hybrid" else None)
+        p.name = name
+        return p
+    raise UnknownName(f"unknown predictor {name!r}; choose one of {', '.join(PREDICTORS)}")
