@@ -11,7 +11,7 @@ import torch
 from .errors import CacheTooSmall, UnknownName
 from .eviction import make_eviction
 from .stores import ExpertShape, ExpertStore
-from .transfer import Transfer, TransferEngine
+from .transfer import InstantTransfers, Transfer, TransferEngine
 
 
 @dataclass(frozen=True)
@@ -40,18 +40,24 @@ def slots_per_layer(cfg: CacheConfig, shape: ExpertShape, fast_expert_bytes: int
 
 
 class ExpertCache:
-    def __init__(self, cfg: CacheConfig, store: ExpertStore, top_k: int, device: torch.device,
-                 dtype: torch.dtype):
+    """Slots and maps. With a store, slots are real tensors filled by real transfers; without
+    one (`shape` given instead) the cache is virtual: the same bookkeeping, no weights, and
+    transfers that complete at once (the simulator's cache)."""
+
+    def __init__(self, cfg: CacheConfig, store: ExpertStore | None, top_k: int, device: torch.device | None,
+                 dtype: torch.dtype, shape: ExpertShape | None = None, fetch_bytes: int | None = None):
         if cfg.quota not in ("layer", "global"):
             raise UnknownName(f"unknown quota {cfg.quota!r}; choose 'layer' or 'global'")
-        shape = store.shape
+        shape = store.shape if store is not None else shape
         self.shape, self.store, self.cfg = shape, store, cfg
         self.expert_bytes = shape.numel * dtype.itemsize  # in the fast tier
+        self.fetch_bytes = store.expert_bytes if store is not None else fetch_bytes  # moved per fetch
         self.per_layer = slots_per_layer(cfg, shape, self.expert_bytes, top_k)
         L, E, S = shape.num_layers, shape.num_experts, self.per_layer * shape.num_layers
         self.num_slots = S
-        self.w13 = torch.zeros((S, *shape.w13), device=device, dtype=dtype)
-        self.w2 = torch.zeros((S, *shape.w2), device=device, dtype=dtype)
+        virtual = store is None
+        self.w13 = None if virtual else torch.zeros((S, *shape.w13), device=device, dtype=dtype)
+        self.w2 = None if virtual else torch.zeros((S, *shape.w2), device=device, dtype=dtype)
         self.slot_of = np.full((L, E), -1, dtype=np.int64)  # resident or in flight
         self.owner = np.full(S, -1, dtype=np.int64)  # layer * E + expert
         self.protected = np.zeros(S, dtype=bool)  # slots that may not be evicted right now
@@ -60,11 +66,11 @@ class ExpertCache:
         all_slots = np.arange(S)
         self.layer_slots = [all_slots if cfg.quota == "global" else all_slots[l * self.per_layer:(l + 1) * self.per_layer]
                             for l in range(L)]
-        self.transfers = TransferEngine(store, self.w13, self.w2, cfg.io_workers)
+        self.transfers = InstantTransfers() if virtual else TransferEngine(store, self.w13, self.w2, cfg.io_workers)
 
     @property
     def bytes(self) -> int:
-        return self.w13.nbytes + self.w2.nbytes
+        return self.num_slots * self.expert_bytes
 
     # -- what policies see ---------------------------------------------------------------
     def is_resident(self, layer: int, expert: int) -> bool:

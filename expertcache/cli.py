@@ -7,7 +7,7 @@ import sys
 
 from .errors import ExpertCacheError
 
-VERBS = ["generate", "ppl", "convert", "info", "calibrate", "predict", "study", "bench", "train"]
+VERBS = ["generate", "ppl", "convert", "info", "calibrate", "predict", "study", "bench", "trace", "simulate", "train"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ that a later token's fetch would overwrite first has its pending work computed.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +64,84 @@ def experts_compute(x, slots, weights, w13, w2):
         experts_grouped(x, slots, weights, w13, w2)
 
 
+@dataclass
+class LayerPlan:
+    slots: np.ndarray  # [T, k] cache slots to run; padded entries have gate 0
+    experts: np.ndarray  # [T, k] executed expert ids
+    gates: np.ndarray  # [T, k]
+    owed_from: int  # tokens [owed_from, T) still need their expert work
+
+
+def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer: int, probs_h: np.ndarray,
+                 weights_h: np.ndarray, ids_h: np.ndarray, token_base: int,
+                 compute: Callable[[int, int, np.ndarray, np.ndarray], None]) -> LayerPlan:
+    """Decide one layer's tokens in order: the policy's decision, synchronous fetches, background
+    admissions, eviction bookkeeping and statistics. Shared by the engine and the simulator
+    (whose cache is virtual and whose `compute` does nothing).
+
+    Expert work is deferred: `compute(begin, end, slots, gates)` is called for tokens
+    [begin, end) before a slot they use is overwritten; the work of tokens [plan.owed_from, T)
+    is left to the caller, which can first start the next layer's prefetches.
+    """
+    T, k = ids_h.shape
+    slots_h = np.zeros((T, k), dtype=np.int64)
+    exec_h = np.zeros((T, k), dtype=np.int64)
+    gates_h = np.zeros((T, k), dtype=np.float32)
+    owes = np.zeros(cache.num_slots, dtype=bool)  # slots with deferred compute
+    seg = 0
+
+    def flush(end: int) -> None:
+        nonlocal seg
+        if end > seg:
+            compute(seg, end, slots_h, gates_h)
+        seg, owes[:] = end, False
+
+    def load(t: int, e: int, kind: str) -> int:
+        slot = cache.victim(layer)
+        if owes[slot]:  # its old expert still owes work to earlier tokens: do it first
+            flush(t)
+        cache.start(layer, e, kind, slot)
+        return slot
+
+    cache.poll()
+    for t in range(T):
+        cache.eviction.clock = token_base + t
+        r = Route(layer, ids_h[t], weights_h[t], probs_h[t])
+        hits = sum(cache.is_resident(layer, e) for e in r.experts.tolist())
+        d = policy.decide(r, cache)
+        stats.moe_calls += 1
+        stats.routed += k
+        stats.hits += hits
+        stats.misses += k - hits
+        if d.substituted:
+            stats.substitutions += d.substituted
+            stats.substituted_calls += 1
+            stats.substituted_mass += d.substituted_mass
+        cache.protected[:] = False
+        for e in d.experts:
+            if cache.slot_of[layer, e] >= 0:
+                cache.protected[cache.slot_of[layer, e]] = True
+        for e in d.fetch:
+            if cache.slot_of[layer, e] < 0:
+                cache.protected[load(t, e, "fetch")] = True
+                stats.sync_fetches += 1
+                stats.sync_fetch_bytes += cache.fetch_bytes
+        for e in d.admit:
+            if cache.slot_of[layer, e] < 0:
+                load(t, e, "admit")
+                stats.background_fetches += 1
+                stats.background_bytes += cache.fetch_bytes
+        for j, (e, w) in enumerate(zip(d.experts, d.weights)):
+            slot = cache.slot_of[layer, e]
+            stats.stall_s += cache.wait(slot)  # fetched now, or still arriving from a prefetch
+            cache.eviction.touch(slot)
+            slots_h[t, j], exec_h[t, j], gates_h[t, j] = slot, e, w
+            owes[slot] = True
+        for j in range(len(d.experts), k):  # fewer executed than routed: zero-weight padding
+            slots_h[t, j], exec_h[t, j], gates_h[t, j] = slots_h[t, 0], exec_h[t, 0], 0.0
+    return LayerPlan(slots_h, exec_h, gates_h, seg)
+
+
 @dataclass(frozen=True)
 class PrefetchConfig:
     predictor: str = "quasi-hidden"  # router-ahead | quasi-hidden | estimator | hybrid
@@ -103,7 +182,7 @@ class MoELayerRunner:
             if cache.slot_of[layer + 1, e] < 0:
                 cache.start(layer + 1, e, "prefetch")
                 self.stats.prefetch_fetches += 1
-                self.stats.prefetch_bytes += cache.store.expert_bytes
+                self.stats.prefetch_bytes += cache.fetch_bytes
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed MoE input) -> routed experts' combined output [T, H]."""
@@ -115,66 +194,16 @@ class MoELayerRunner:
         self.predicted = None
         # The one host sync of the layer: decisions need the routes on the host.
         probs_h, weights_h, ids_h = probs.cpu().numpy(), weights.cpu().numpy(), ids.cpu().numpy()
-        T, k = ids_h.shape
-        slots_h = np.zeros((T, k), dtype=np.int64)
-        exec_h = np.zeros((T, k), dtype=np.int64)  # executed expert ids
-        gates_h = np.zeros((T, k), dtype=np.float32)
+        T = ids_h.shape[0]
         out = torch.empty_like(x)
-        owes = np.zeros(cache.num_slots, dtype=bool)  # slots with deferred compute
-        seg = 0
 
-        def compute(end: int) -> None:
-            nonlocal seg
-            if end > seg:
-                out[seg:end] = experts_compute(x[seg:end], torch.from_numpy(slots_h[seg:end]).to(x.device),
-                                               torch.from_numpy(gates_h[seg:end]).to(x.device), cache.w13, cache.w2)
-            seg, owes[:] = end, False
+        def compute(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
+            out[begin:end] = experts_compute(x[begin:end], torch.from_numpy(slots_h[begin:end]).to(x.device),
+                                             torch.from_numpy(gates_h[begin:end]).to(x.device), cache.w13, cache.w2)
 
-        def load(t: int, e: int, kind: str) -> int:
-            slot = cache.victim(layer)
-            if owes[slot]:  # its old expert still owes work to earlier tokens: do it first
-                compute(t)
-            cache.start(layer, e, kind, slot)
-            return slot
-
-        cache.poll()
-        for t in range(T):
-            cache.eviction.clock = self.token_base + t
-            r = Route(layer, ids_h[t], weights_h[t], probs_h[t])
-            hits = sum(cache.is_resident(layer, e) for e in r.experts.tolist())
-            d = self.policy.decide(r, cache)
-            stats.moe_calls += 1
-            stats.routed += k
-            stats.hits += hits
-            stats.misses += k - hits
-            if d.substituted:
-                stats.substitutions += d.substituted
-                stats.substituted_calls += 1
-                stats.substituted_mass += d.substituted_mass
-            cache.protected[:] = False
-            for e in d.experts:
-                if cache.slot_of[layer, e] >= 0:
-                    cache.protected[cache.slot_of[layer, e]] = True
-            for e in d.fetch:
-                if cache.slot_of[layer, e] < 0:
-                    cache.protected[load(t, e, "fetch")] = True
-                    stats.sync_fetches += 1
-                    stats.sync_fetch_bytes += cache.store.expert_bytes
-            for e in d.admit:
-                if cache.slot_of[layer, e] < 0:
-                    load(t, e, "admit")
-                    stats.background_fetches += 1
-                    stats.background_bytes += cache.store.expert_bytes
-            for j, (e, w) in enumerate(zip(d.experts, d.weights)):
-                slot = cache.slot_of[layer, e]
-                stats.stall_s += cache.wait(slot)  # fetched now, or still arriving from a prefetch
-                cache.eviction.touch(slot)
-                slots_h[t, j], exec_h[t, j], gates_h[t, j] = slot, e, w
-                owes[slot] = True
-            for j in range(len(d.experts), k):  # fewer executed than routed: zero-weight padding
-                slots_h[t, j], exec_h[t, j], gates_h[t, j] = slots_h[t, 0], exec_h[t, 0], 0.0
+        plan = decide_layer(cache, self.policy, stats, layer, probs_h, weights_h, ids_h, self.token_base, compute)
         if self.predictor is not None and layer + 1 < a.num_layers:
-            self._predict_next(layer, x, exec_h, gates_h)  # this token's slots stay protected
+            self._predict_next(layer, x, plan.experts, plan.gates)  # this token's slots stay protected
         cache.protected[:] = False
-        compute(T)
+        compute(plan.owed_from, T, plan.slots, plan.gates)
         return out

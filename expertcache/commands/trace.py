@@ -1,0 +1,45 @@
+"""expertcache trace: record router logits of a text for the simulator."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..calibrate import encode_text
+from ..engine import BUILTIN_MODEL
+from ..perplexity import EVAL_TEXT
+from ..trace import record_trace
+
+HELP = "record every token's router logits at every MoE layer into a trace file"
+
+
+def add_arguments(p):
+    p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
+    p.add_argument("--text", type=Path, default=EVAL_TEXT, help="UTF-8 text (default: the evaluation text)")
+    p.add_argument("--out", type=Path, required=True, help="trace file to write")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--dtype", default="float16", choices=["float16", "float32"])
+    p.add_argument("--max-tokens", type=int, default=None)
+
+
+def run(a) -> int:
+    path = a.model or BUILTIN_MODEL
+    text = a.text.read_text(encoding="utf-8")
+    docs, ids = [], []
+    segments = a.text.with_suffix(".json")
+    if segments.exists():  # documents with known boundaries (the evaluation text's domains)
+        for seg in json.loads(segments.read_text())["segments"]:
+            part = encode_text(path, text[seg["start_char"]:seg["start_char"] + seg["chars"]])
+            docs.append([len(ids), len(ids) + len(part), seg["domain"]])
+            ids += part
+    else:
+        ids = encode_text(path, text)
+        docs = [[0, len(ids), a.text.name]]
+    ids = ids[:a.max_tokens]
+    with tqdm(total=len(ids), unit="tok", desc="trace", file=sys.stderr) as bar:
+        t = record_trace(path, ids, a.out, a.context, a.dtype, docs, bar.update)
+    print(f"wrote {t.num_tokens} tokens x {t.header['num_layers']} layers x {t.header['num_experts']} experts "
+          f"({a.dtype}) to {a.out}")
+    return 0

@@ -1,0 +1,79 @@
+"""Router-logit traces: every token's router logits at every MoE layer, with the model's
+shape, the token ids and document boundaries, in one versioned file.
+
+Layout (little-endian): b"ECTRACE\\0", uint32 format version, uint32 header length, the
+header as UTF-8 JSON, zero padding to a multiple of 64 bytes, token ids int32 [N], then the
+logits [N, L, E] in the header's dtype (float16 or float32). Logits are recorded from the
+exact model over windows of `context` tokens (the KV cache restarts at each window), the
+way `ppl` and the simulator read the text.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CheckpointError
+
+MAGIC = b"ECTRACE\0"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Trace:
+    header: dict
+    tokens: np.ndarray  # [N] int32
+    logits: np.ndarray  # [N, L, E]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def write_trace(path: Path, header: dict, tokens: np.ndarray, logits: np.ndarray) -> None:
+    header = {**header, "format_version": FORMAT_VERSION, "tokens": int(len(tokens)),
+              "dtype": str(logits.dtype), "shape": list(logits.shape)}
+    raw = json.dumps(header).encode()
+    pad = (-(len(MAGIC) + 8 + len(raw))) % 64
+    with open(path, "wb") as f:
+        f.write(MAGIC + struct.pack("<II", FORMAT_VERSION, len(raw) + pad) + raw + b" " * pad)
+        f.write(np.ascontiguousarray(tokens, dtype="<i4").tobytes())
+        f.write(np.ascontiguousarray(logits).tobytes())
+
+
+def read_trace(path: Path) -> Trace:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC) + 8)
+            if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
+                raise CheckpointError(f"{path} is not an expertcache trace; record one with `expertcache trace`")
+            version, hlen = struct.unpack("<II", head[len(MAGIC):])
+            if version != FORMAT_VERSION:
+                raise CheckpointError(f"{path} is a trace of format version {version}; this expertcache reads "
+                                      f"version {FORMAT_VERSION}: record it again with `expertcache trace`")
+            header = json.loads(f.read(hlen))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such trace; record one with `expertcache trace`") from None
+    offset = len(MAGIC) + 8 + hlen
+    n = header["tokens"]
+    tokens = np.memmap(path, dtype="<i4", mode="r", offset=offset, shape=(n,))
+    logits = np.memmap(path, dtype=header["dtype"], mode="r", offset=offset + 4 * n, shape=tuple(header["shape"]))
+    return Trace(header, tokens, logits)
+
+
+def record_trace(model_path: Path, ids: list[int], out: Path, context: int = 512, dtype: str = "float16",
+                 documents: list | None = None, progress: Callable[[int], None] | None = None) -> Trace:
+    from .prediction import record_states
+    model, states = record_states(model_path, ids, context, progress)
+    a = model.args
+    logits = np.stack([l.numpy() for l in states.logits], axis=1).astype(dtype)  # [N, L, E]
+    from .stores import ExpertShape
+    header = {"model": str(model_path), "family": a.family, "num_layers": a.num_layers, "num_experts": a.num_experts,
+              "top_k": a.top_k, "norm_topk_prob": a.norm_topk_prob, "hidden_size": a.hidden_size,
+              "expert_params": ExpertShape.of(a).numel, "context": context, "documents": documents or []}
+    write_trace(out, header, np.asarray(ids, dtype=np.int32), logits)
+    return read_trace(out)

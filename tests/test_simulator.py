@@ -1,0 +1,53 @@
+"""Traces and the simulator: the replay's counts equal the engine's under fetch-every-miss."""
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from expertcache.cache import CacheConfig
+from expertcache.engine import Engine, EngineConfig
+from expertcache.errors import CheckpointError
+from expertcache.simulator import replay
+from expertcache.trace import MAGIC, read_trace, record_trace
+
+
+@pytest.fixture(scope="module")
+def traced(tiny, tmp_path_factory):
+    path = tiny["olmoe"][0]
+    ids = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(8)).tolist()
+    out = tmp_path_factory.mktemp("trace") / "t.ectrace"
+    return path, ids, record_trace(path, ids, out, context=64, dtype="float32"), out
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "freq"])
+def test_replay_counts_equal_the_engine(traced, eviction):
+    path, ids, trace, _ = traced
+    engine = Engine(path, EngineConfig(cache=CacheConfig(fraction=0.5), initial="cold", eviction=eviction))
+    x = torch.tensor(ids)
+    for start in range(0, len(ids), 64):
+        engine.forward(x[start:start + 64], 0)
+    sim = replay(trace, "fetch-all", CacheConfig(fraction=0.5), eviction=eviction)
+    e, s = engine.stats, sim.stats
+    assert (s.hits, s.misses, s.sync_fetches, s.moe_calls) == (e.hits, e.misses, e.sync_fetches, e.moe_calls)
+    assert e.sync_fetches > 0
+
+
+def test_substituting_replay_runs(traced):
+    _, _, trace, _ = traced
+    r = replay(trace, "threshold:tau=0.3,beta=0.5", CacheConfig(fraction=0.5))
+    assert r.stats.substitutions > 0 and r.stats.sync_fetches > 0 and r.events == 300 * 2 * 2
+
+
+def test_trace_format_version_is_checked(traced, tmp_path):
+    _, ids, trace, out = traced
+    assert trace.logits.shape == (300, 2, 8) and list(trace.tokens) == ids
+    bad = tmp_path / "v99.ectrace"
+    raw = bytearray(out.read_bytes())
+    raw[len(MAGIC):len(MAGIC) + 4] = struct.pack("<I", 99)
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="format version 99"):
+        read_trace(bad)
+    (tmp_path / "junk").write_bytes(b"hello")
+    with pytest.raises(CheckpointError, match="not an expertcache trace"):
+        read_trace(tmp_path / "junk")
