@@ -80,7 +80,33 @@ class DecayedFrequency(LRU):
         return self._now(slots)
 
 
-EVICTIONS = {c.name: c for c in (LRU, LFU, DecayedFrequency)}
+class Halving(LRU):
+    """llama.cpp's expert cache: a use adds 1 to the slot's score, every score halves each
+    `period` tokens; the lowest score goes first, ties by recency."""
+    name = "halving"
+
+    def __init__(self, num_slots: int, period: int = 128):
+        super().__init__(num_slots)
+        self.period = period
+        self.value = np.zeros(num_slots)
+
+    def _now(self, slots):
+        halvings = self.clock // self.period - self.last_use[slots].clip(0) // self.period
+        return self.value[slots] * 0.5 ** halvings
+
+    def touch(self, slot):
+        self.value[slot] = self._now(slot) + 1.0
+        super().touch(slot)
+
+    def insert(self, slot):
+        super().insert(slot)
+        self.value[slot] = 0.0
+
+    def score(self, slots):
+        return self._now(slots)
+
+
+EVICTIONS = {c.name: c for c in (LRU, LFU, DecayedFrequency, Halving)}
 
 
 def make_eviction(name: str, num_slots: int):

@@ -182,11 +182,43 @@ class WeightBand(SubstitutingPolicy):
         return f"band(lo={self.lo:g},hi={self.hi:g})"
 
 
+class CacheConditional(MissPolicy):
+    """Cache-conditional routing: keep the router's top-j (fetched if missing) and fill the
+    other k-j places with the best-ranked resident experts within the top-m, fetching in rank
+    order when too few are resident. Kept weights are the router's, renormalised."""
+    name = "conditional"
+
+    def __init__(self, j: float = 2, m: float = 16):
+        self.j, self.m = int(j), int(m)
+
+    def decide(self, route: Route, cache: CacheView) -> Decision:
+        layer, k = route.layer, len(route.experts)
+        order = np.argsort(-route.probs, kind="stable")[: max(self.m, k)]
+        chosen = [int(e) for e in order[: self.j]]
+        resident = cache.resident_mask(layer)
+        chosen += [int(e) for e in order[self.j:] if resident[e]][: k - len(chosen)]
+        chosen += [int(e) for e in order[self.j:] if int(e) not in chosen][: k - len(chosen)]
+        probs = route.probs[chosen]
+        weights = (probs / probs.sum()).tolist()
+        routed = set(route.experts.tolist())
+        dropped = [j for j, e in enumerate(route.experts.tolist()) if e not in chosen]
+        fetch = [e for e in chosen if not cache.is_resident(layer, e)]
+        return Decision(chosen, weights, fetch, [], len(dropped), float(route.weights[dropped].sum()) if dropped else 0.0) \
+            if routed else Decision(chosen, weights, fetch)
+
+    def __repr__(self):
+        return f"conditional(j={self.j},m={self.m})"
+
+
 POLICIES: dict[str, type[MissPolicy]] = {
-    p.name: p for p in (MissPolicy, SubstituteAll, ThresholdRule, FirstChoice, WeightBand)}
+    p.name: p for p in (MissPolicy, SubstituteAll, ThresholdRule, FirstChoice, WeightBand, CacheConditional)}
 # name -> (policy spec, eviction): the seed's presets
 PRESETS = {"quality-first": ("threshold:tau=0.15,beta=0.5", "freq"),
-           "speed-first": ("first-choice:beta=0.5", "freq")}
+           "speed-first": ("first-choice:beta=0.5", "freq"),
+           # peers' caches, by the eviction order each uses with fetch-on-miss
+           "mixtral-offloading": ("fetch-all", "lru"),  # per-layer LRU
+           "moe-infinity": ("fetch-all", "lfu"),  # least frequently used
+           "llama.cpp": ("fetch-all", "halving")}
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:

@@ -140,3 +140,29 @@ def test_eviction_orders():
             ev.touch(s)
     assert lru.victim(np.arange(3), np.zeros(3, bool)) == 0  # least recent
     assert lfu.victim(np.arange(3), np.zeros(3, bool)) == 1  # fewest uses, older of the tied
+
+
+def test_cache_conditional_routing():
+    # top-2 (3, 1) kept; the other two places go to resident experts within the top-6: 4 and 0
+    d = make_policy("conditional:j=2,m=6").decide(R, Resident(8, [4, 0, 7]))
+    assert d.experts == [3, 1, 4, 0] and d.fetch == [3, 1]
+    p = np.array(PROBS)[[3, 1, 4, 0]]
+    np.testing.assert_allclose(d.weights, p / p.sum(), rtol=1e-6)
+    assert d.substituted == 1 and d.substituted_mass == pytest.approx(R.weights[2])  # expert 6 dropped
+    # too few resident in the window: fetch in rank order
+    d = make_policy("conditional:j=2,m=6").decide(R, Resident(8, [7]))
+    assert d.experts == [3, 1, 6, 4] and d.fetch == [3, 1, 6, 4]
+
+
+def test_halving_scores_halve_every_period():
+    ev = make_eviction("halving", 2)
+    for t in range(3):  # slot 0 used 3 times at tokens 0..2
+        ev.clock = t
+        ev.touch(0)
+    ev.clock = 300
+    ev.touch(1)  # slot 1 once, recently
+    assert ev.victim(np.arange(2), np.zeros(2, bool)) == 0  # slot 0: 3 halved twice = 0.75 < 1
+    ev.clock = 310
+    assert ev.score(np.arange(2))[1] == 1.0  # no period boundary crossed since its use
+    ev.clock = 130  # before slot 1's use, compare at a clock where 0 was halved once: 1.5
+    assert ev.score(np.arange(1))[0] == pytest.approx(1.5)
