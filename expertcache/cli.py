@@ -7,7 +7,8 @@ import sys
 
 from .errors import ExpertCacheError
 
-VERBS = ["generate", "ppl", "convert", "info", "calibrate", "predict", "study", "bench", "trace", "simulate", "train"]
+VERBS = ["generate", "ppl", "convert", "info", "calibrate", "predict", "study", "bench", "trace", "simulate",
+         "calibrate-hw", "train"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="verb", required=True)
     modules = {}
     for verb in VERBS:
-        mod = importlib.import_module(f".commands.{verb}", __package__)
+        mod = importlib.import_module(f".commands.{verb.replace('-', '_')}", __package__)
         mod.add_arguments(sub.add_parser(verb, help=mod.HELP, description=mod.HELP))
         modules[verb] = mod
     args = parser.parse_args(argv)

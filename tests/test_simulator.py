@@ -51,3 +51,14 @@ def test_trace_format_version_is_checked(traced, tmp_path):
     (tmp_path / "junk").write_bytes(b"hello")
     with pytest.raises(CheckpointError, match="not an expertcache trace"):
         read_trace(tmp_path / "junk")
+
+
+def test_cost_model_adds_fetch_time():
+    from expertcache.costmodel import DATASHEET
+    from expertcache.stats import RunStats
+    p = DATASHEET["rtx3090-qwen3-next"]
+    none = RunStats(tokens=10, moe_calls=480)
+    some = RunStats(tokens=10, moe_calls=480, sync_fetches=480)  # one fetch per MoE call
+    extra = p.ms_per_token(some) - p.ms_per_token(none)
+    assert extra == pytest.approx(1000 * 48 * p.fetch_s)
+    assert 0.2 < p.fetch_s * 1000 < 0.3  # 6.3 MB over PCIe 4.0
