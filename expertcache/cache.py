@@ -140,6 +140,12 @@ class ExpertCache:
                 self.start(layer, int(e), "fill")
         self.finish_all()
 
+    def warm(self, counts: np.ndarray) -> None:
+        """Warm start: each layer's most-routed experts (counts [L, E]) fill its share of slots."""
+        n = self.per_layer if self.cfg.quota == "layer" else self.num_slots // self.shape.num_layers
+        for layer in range(self.shape.num_layers):
+            self.fill(layer, np.argsort(-counts[layer], kind="stable")[:n])
+
     def clear(self) -> None:
         self.finish_all()
         self.slot_of[:] = -1

@@ -98,11 +98,9 @@ class Engine:
             raise UnknownName(f"unknown initial residency {initial!r}; choose warm, cold or auto")
         self.cache.clear()
         if counts is not None:
-            n = self.cache.per_layer if self.cache.cfg.quota == "layer" else \
-                self.cache.num_slots // self.args.num_layers
-            for layer in range(self.args.num_layers):
-                self.cache.fill(layer, np.argsort(-counts[layer], kind="stable")[:n])
+            self.cache.warm(counts)
         self.policy.reset()
+        self.runner.predicted = None
         self.stats.__init__()
         self.warm = counts is not None
 

@@ -58,9 +58,7 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
                       eviction=eviction or pol.eviction)
     vc = ExpertCache(cfg, None, k, None, torch.float32, shape=shape, fetch_bytes=numel * fetch_dtype_bytes)
     if counts is not None:
-        n = vc.per_layer if cfg.quota == "layer" else vc.num_slots // L
-        for layer in range(L):
-            vc.fill(layer, np.argsort(-counts[layer], kind="stable")[:n])
+        vc.warm(counts)
     stats = RunStats()
     nothing = lambda *a: None  # noqa: E731
     context, N = h["context"], trace.num_tokens

@@ -1,0 +1,67 @@
+"""The built-in model end to end: HF transformers agrees with the engine on its perplexity,
+and every verb runs on it with the disk store and a 25% cache."""
+import json
+import math
+
+import pytest
+import torch
+
+from expertcache import cli
+from expertcache.cache import CacheConfig
+from expertcache.engine import BUILTIN_MODEL, Engine, EngineConfig
+from expertcache.perplexity import EVAL_TEXT, perplexity
+
+
+@pytest.fixture(scope="module")
+def eval_ids():
+    engine = Engine(None, EngineConfig(cache=CacheConfig(fraction=1.0)))
+    return engine.encode(EVAL_TEXT.read_text(encoding="utf-8"))[:1025]
+
+
+def test_transformers_perplexity_equals_fetch_every_miss(eval_ids):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(BUILTIN_MODEL, dtype=torch.float32).eval()
+    x = torch.tensor(eval_ids)
+    with torch.no_grad():
+        nll = torch.nn.functional.cross_entropy(hf(x[:-1][None]).logits[0], x[1:]).item()
+    engine = Engine(None, EngineConfig(store="disk", cache=CacheConfig(fraction=0.25)))
+    ours = perplexity(engine, eval_ids, context=1024)
+    assert engine.stats.sync_fetches > 0
+    assert ours.ppl == pytest.approx(math.exp(nll), rel=1e-3)
+
+
+def test_generate_and_ppl_verbs(capsys, tmp_path):
+    assert cli.main(["generate", "-n", "8", "--json", str(tmp_path / "g.json"), "ROMEO."]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("ROMEO.") and "ms/token" in out.err and "hit rate" in out.err
+    g = json.loads((tmp_path / "g.json").read_text())
+    assert len(g["tokens"]) == 8 and g["stats"]["tokens"] > 8
+    assert cli.main(["ppl", "--max-tokens", "300", "--context", "128", "--policy", "quality-first",
+                     "--json", str(tmp_path / "p.json")]) == 0
+    p = json.loads((tmp_path / "p.json").read_text())
+    assert p["tokens"] == 300 and p["ppl"] > 1 and len(p["window_nll"]) == 3
+    assert cli.main(["info", "--budget", "16"]) == 0
+    assert "experts per layer" in capsys.readouterr().out
+
+
+def test_study_and_bench_run(tmp_path):
+    from expertcache.bench import BenchConfig, run_bench
+    from expertcache.study import StudyConfig, run_study
+    from expertcache.study_report import write_report
+    cfg = StudyConfig(tokens_per_domain=256, context=128, prompts_per_domain=1, new_tokens=6, bootstrap=200,
+                      policies=("fetch-all", "substitute-all", "threshold:tau=0.15", "first-choice", "quality-first",
+                                "quality-first:beta=0", "band:lo=0.25", "band:lo=0,hi=0.09"),
+                      generation_policies=("fetch-all", "threshold:tau=0.15"))
+    res = run_study(None, cfg)
+    files = write_report(res, tmp_path)
+    assert all(f.exists() for f in files)
+    runs = res.runs
+    assert runs["fetch-all"]["pct"] == 0 and runs["substitute-all"]["slots_substituted_pct"] > 0
+    assert runs["threshold:tau=0.15"]["sync_fetches_per_token"] > runs["first-choice"]["sync_fetches_per_token"]
+    assert set(res.analyses) >= {"where_loss_comes_from", "mass_hypothesis", "equal_mass", "background_admission"}
+    assert res.generation["fetch-all"]["identical_token_share"] == 1.0
+    b = run_bench(None, BenchConfig(policies=("fetch-all", "threshold:tau=0.15", "fetch-all+prefetch/router-ahead"),
+                                    decode_tokens=4, forced_tokens=64, context=32, repeats=1))
+    s = b.summary()
+    assert s["fetch-all"]["ppl"] == pytest.approx(s["all resident"]["ppl"], rel=1e-5)
+    assert s["fetch-all+prefetch/router-ahead"]["ppl"] == pytest.approx(s["fetch-all"]["ppl"], rel=1e-5)
