@@ -22,6 +22,10 @@ class LRU:
     def touch(self, slot: int) -> None:
         self.last_use[slot] = self.clock
 
+    def touch_many(self, slots: np.ndarray) -> None:
+        """Touch distinct slots used by one token."""
+        self.last_use[slots] = self.clock
+
     def insert(self, slot: int) -> None:
         self.last_use[slot] = self.clock
 
@@ -48,6 +52,10 @@ class LFU(LRU):
         super().touch(slot)
         self.count[slot] += 1
 
+    def touch_many(self, slots):
+        super().touch_many(slots)
+        self.count[slots] += 1
+
     def insert(self, slot):
         super().insert(slot)
         self.count[slot] = 0
@@ -71,6 +79,10 @@ class DecayedFrequency(LRU):
     def touch(self, slot):
         self.value[slot] = self._now(slot) + 1.0
         super().touch(slot)
+
+    def touch_many(self, slots):
+        self.value[slots] = self._now(slots) + 1.0
+        super().touch_many(slots)
 
     def insert(self, slot):
         super().insert(slot)
@@ -97,6 +109,10 @@ class Halving(LRU):
     def touch(self, slot):
         self.value[slot] = self._now(slot) + 1.0
         super().touch(slot)
+
+    def touch_many(self, slots):
+        self.value[slots] = self._now(slots) + 1.0
+        super().touch_many(slots)
 
     def insert(self, slot):
         super().insert(slot)

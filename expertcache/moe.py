@@ -104,8 +104,19 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
         return slot
 
     cache.poll()
+    slot_of, fast = cache.slot_of[layer], policy.hits_run_as_routed
     for t in range(T):
         cache.eviction.clock = token_base + t
+        if fast:  # every routed expert resident: no decision to make
+            slots = slot_of[ids_h[t]]
+            if (slots >= 0).all() and not (cache.pending and any(s in cache.pending for s in slots.tolist())):
+                stats.moe_calls += 1
+                stats.routed += k
+                stats.hits += k
+                cache.eviction.touch_many(slots)
+                slots_h[t], exec_h[t], gates_h[t] = slots, ids_h[t], weights_h[t]
+                owes[slots] = True
+                continue
         r = Route(layer, ids_h[t], weights_h[t], probs_h[t])
         hits = sum(cache.is_resident(layer, e) for e in r.experts.tolist())
         d = policy.decide(r, cache)

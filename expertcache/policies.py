@@ -43,6 +43,7 @@ class MissPolicy:
     """Base: fetch every miss. Output identical to the full model."""
     name = "fetch-all"
     eviction = "lru"  # the eviction order this policy prefers unless one is given
+    hits_run_as_routed = True  # when every routed expert is resident, the routed set runs unchanged
 
     def decide(self, route: Route, cache: CacheView) -> Decision:
         experts = route.experts.tolist()
@@ -187,6 +188,7 @@ class CacheConditional(MissPolicy):
     other k-j places with the best-ranked resident experts within the top-m, fetching in rank
     order when too few are resident. Kept weights are the router's, renormalised."""
     name = "conditional"
+    hits_run_as_routed = False  # it renormalises the router's probabilities itself
 
     def __init__(self, j: float = 2, m: float = 16):
         self.j, self.m = int(j), int(m)

@@ -21,26 +21,61 @@ def add_arguments(p):
     p.add_argument("--initial", default="auto", help="warm (the model's routing counts), cold or auto")
     p.add_argument("--profile", default=None, help="cost model: a calibrate-hw file, rtx3090-qwen3-next or "
                                                    "a6000-qwen3-30b; adds estimated ms/token")
+    p.add_argument("--jobs", type=int, default=1, help="replay the sweep in this many processes")
+    p.add_argument("--plot", type=Path, default=None, help="time vs substituted-mass frontier PNG")
     p.add_argument("--json", type=Path, default=None)
+
+
+def task(trace_path: str, policy: str, fraction: float, eviction: str | None, initial: str,
+         profile: str | None) -> dict:
+    """One unit of a sweep: a pure function of its arguments returning one JSON-able row, so a
+    sweep can go to a process pool here or to any cluster scheduler as independent jobs."""
+    trace = read_trace(Path(trace_path))
+    counts = None if initial == "cold" else load_counts(Path(trace.header["model"]))
+    r = replay(trace, policy, CacheConfig(fraction=fraction), eviction, counts)
+    est = load_profile(profile).ms_per_token(r.stats) if profile else float("nan")
+    return {"policy": policy, "cache": fraction, "events_per_second": r.events_per_second,
+            "estimated_ms_per_token": est, **r.stats.to_dict()}
 
 
 def run(a) -> int:
     trace = read_trace(a.trace)
-    profile = load_profile(a.profile) if a.profile else None
-    counts = None if a.initial == "cold" else load_counts(Path(trace.header["model"]))
-    rows = []
+    jobs = [(str(a.trace), policy, fraction, a.eviction, a.initial, a.profile)
+            for fraction in a.cache for policy in a.policies]
+    if a.jobs > 1:
+        from multiprocessing import Pool
+        with Pool(a.jobs) as pool:
+            rows = pool.starmap(task, jobs)
+    else:
+        rows = [task(*j) for j in jobs]
     print("| policy | cache | hit rate | fetches/token | admissions/token | slots subst. | mass/call | est. ms/token "
           "| events/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for fraction in a.cache:
-        for policy in a.policies:
-            r = replay(trace, policy, CacheConfig(fraction=fraction), a.eviction, counts)
-            s = r.stats
-            est = profile.ms_per_token(s) if profile else float("nan")
-            rows.append({"policy": policy, "cache": fraction, "events_per_second": r.events_per_second,
-                         "estimated_ms_per_token": est, **s.to_dict()})
-            print(f"| `{policy}` | {fraction:g} | {s.hit_rate:.1%} | {s.fetches_per_token:.2f} | "
-                  f"{s.background_fetches / s.tokens:.3f} | {100 * s.substitutions / s.routed:.1f}% | "
-                  f"{s.mass_per_call:.4f} | {est:.2f} | {r.events_per_second / 1e6:.2f}M |")
+    for r in rows:
+        print(f"| `{r['policy']}` | {r['cache']:g} | {r['hit_rate']:.1%} | {r['fetches_per_token']:.2f} | "
+              f"{r['background_fetches'] / r['tokens']:.3f} | {100 * r['substitutions'] / r['routed']:.1f}% | "
+              f"{r['substituted_mass_per_call']:.4f} | {r['estimated_ms_per_token']:.2f} | "
+              f"{r['events_per_second'] / 1e6:.2f}M |")
     write_json(a.json, {"trace": str(a.trace), "header": trace.header, "runs": rows})
+    if a.plot:
+        plot_frontier(rows, a.plot)
     return 0
+
+
+def plot_frontier(rows: list[dict], path: Path) -> None:
+    """Estimated time per token against substituted mass (the perplexity proxy)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        y = r["estimated_ms_per_token"] if r["estimated_ms_per_token"] == r["estimated_ms_per_token"] \
+            else r["fetches_per_token"]
+        ax.plot(r["substituted_mass_per_call"], y, "o")
+        ax.annotate(f"{r['policy']} @{r['cache']:g}", (r["substituted_mass_per_call"], y), fontsize=6)
+    ax.set_xlabel("substituted gate mass per MoE call")
+    ax.set_ylabel("estimated ms/token" if rows and rows[0]["estimated_ms_per_token"] == rows[0]["estimated_ms_per_token"]
+                  else "synchronous fetches/token")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
