@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Every figure in benchmarks/RESULTS.md, in order; outputs land in build/results/.
+# Quality runs first (they need no quiet machine), timed runs last.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=build/results
+mkdir -p "$out"
+run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$out/$name.txt" 2> "$out/$name.err"; tail -n 30 "$out/$name.txt"; }
+
+case "${1:-all}" in
+quality|all)
+  run model_report python -m expertcache.train.report build/train/train_tokens.npy
+  run recall expertcache predict --max-tokens 32768 --plot "$out/recall.png" --json "$out/recall.json"
+  run study expertcache study --out "$out/study" --json "$out/study.json"
+  run speculative python -c "
+import json; from expertcache.speculation import speculative_quality; from expertcache.study import StudyConfig
+print(json.dumps(speculative_quality(None, StudyConfig()), indent=1))"
+  run trace expertcache trace --out build/eval.ectrace
+  ;;&
+timed|all)
+  run simulator_speed python benchmarks/simulator_speed.py --tokens 1000
+  run decode python benchmarks/decode.py --gguf build/model.gguf --json "$out/decode.json"
+  run bench expertcache bench --json "$out/bench.json" --policies fetch-all threshold:tau=0.15 first-choice \
+      quality-first speed-first substitute-all
+  run bench_prefetch expertcache bench --json "$out/bench_prefetch.json" --forced-tokens 512 --policies fetch-all \
+      fetch-all+prefetch/router-ahead fetch-all+prefetch/quasi-hidden fetch-all+prefetch/estimator \
+      fetch-all+prefetch/hybrid fetch-all+speculative/quasi-hidden fetch-all+speculative/hybrid \
+      quality-first quality-first+prefetch/hybrid
+  run calibrate_hw expertcache calibrate-hw --store disk --mode forced --out "$out/cpu-disk-forced.json"
+  run simulate expertcache simulate build/eval.ectrace --cache 0.125 0.25 0.5 --jobs 2 \
+      --profile "$out/cpu-disk-forced.json" --plot "$out/frontier.png" --json "$out/simulate.json" \
+      --policies fetch-all threshold:tau=0.15 first-choice quality-first speed-first substitute-all \
+      mixtral-offloading moe-infinity llama.cpp conditional:j=2,m=16
+  ;;
+esac
