@@ -91,7 +91,10 @@ class SubstitutingPolicy(MissPolicy):
         resident = [cache.is_resident(layer, e) for e in routed]
         if all(resident):
             return Decision(routed, weights, [])
-        missed = [j for j in range(k) if not resident[j] and not self.should_fetch(j, weights[j])]
+        # An expert already in flight (prefetched, admitted) is waited for: cheaper than a
+        # new fetch and exact, so it is never substituted.
+        missed = [j for j in range(k) if not resident[j] and not cache.in_flight(layer, routed[j])
+                  and not self.should_fetch(j, weights[j])]
         fetch = [routed[j] for j in range(k) if not resident[j] and j not in missed]
         experts = {j: routed[j] for j in range(k) if j not in missed}
         if missed and self.sub == "drop" and not experts:  # nothing would be left: fetch the first choice

@@ -91,6 +91,8 @@ def test_window_substitutes_only_within_the_top_m():
 def test_in_flight_experts_are_not_substitutes():
     d = make_policy("substitute-all").decide(R, Resident(8, [1, 4, 0, 2], flying=[0]))
     assert d.experts == [2, 1, 6, 4] and d.fetch == [6]  # 0 is still arriving: 2 stands in for 3
+    d = make_policy("substitute-all").decide(R, Resident(8, [1, 4, 0, 2, 6], flying=[6]))
+    assert d.experts == [0, 1, 6, 4] and d.fetch == [6]  # routed 6 is arriving: waited for, not substituted
 
 
 def test_background_admission_after_beta_of_substituted_mass():
