@@ -65,3 +65,19 @@ def test_study_and_bench_run(tmp_path):
     s = b.summary()
     assert s["fetch-all"]["ppl"] == pytest.approx(s["all resident"]["ppl"], rel=1e-5)
     assert s["fetch-all+prefetch/router-ahead"]["ppl"] == pytest.approx(s["fetch-all"]["ppl"], rel=1e-5)
+
+
+def test_trace_and_simulate_verbs(capsys, tmp_path):
+    trace = tmp_path / "eval.ectrace"
+    assert cli.main(["trace", "--max-tokens", "256", "--context", "128", "--out", str(trace)]) == 0
+    assert cli.main(["simulate", str(trace), "--cache", "0.25", "0.5", "--jobs", "2", "--policies", "fetch-all",
+                     "quality-first", "llama.cpp", "--profile", "rtx3090-qwen3-next", "--plot", str(tmp_path / "f.png"),
+                     "--json", str(tmp_path / "s.json")]) == 0
+    rows = json.loads((tmp_path / "s.json").read_text())["runs"]
+    assert len(rows) == 6 and (tmp_path / "f.png").exists()
+    by = {(r["policy"], r["cache"]): r for r in rows}
+    assert by[("fetch-all", 0.5)]["hit_rate"] > by[("fetch-all", 0.25)]["hit_rate"]
+    assert by[("quality-first", 0.25)]["estimated_ms_per_token"] < by[("fetch-all", 0.25)]["estimated_ms_per_token"]
+    capsys.readouterr()
+    assert cli.main(["simulate", str(tmp_path / "f.png")]) == 2
+    assert "not an expertcache trace" in capsys.readouterr().err
