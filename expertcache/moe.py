@@ -45,7 +45,7 @@ def experts_one_token(x, slots, weights, w13, w2):
 def experts_grouped(x, slots, weights, w13, w2):
     """Large batches: sort assignments by slot and run one matmul pair per used slot."""
     n, k = slots.shape
-    flat = slots.reshape(-1)
+    flat = slots.reshape(-1).to(x.device)
     order = flat.argsort(stable=True)
     used, counts = torch.unique_consecutive(flat[order], return_counts=True)
     token = order // k
@@ -60,6 +60,7 @@ def experts_grouped(x, slots, weights, w13, w2):
 
 
 def experts_compute(x, slots, weights, w13, w2):
+    """slots: a host tensor (the decode path reads it without a device sync)."""
     return experts_one_token(x, slots, weights, w13, w2) if x.shape[0] == 1 else \
         experts_grouped(x, slots, weights, w13, w2)
 
@@ -209,7 +210,7 @@ class MoELayerRunner:
         out = torch.empty_like(x)
 
         def compute(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
-            out[begin:end] = experts_compute(x[begin:end], torch.from_numpy(slots_h[begin:end]).to(x.device),
+            out[begin:end] = experts_compute(x[begin:end], torch.from_numpy(slots_h[begin:end]),
                                              torch.from_numpy(gates_h[begin:end]).to(x.device), cache.w13, cache.w2)
 
         plan = decide_layer(cache, self.policy, stats, layer, probs_h, weights_h, ids_h, self.token_base, compute)
