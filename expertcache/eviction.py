@@ -64,62 +64,56 @@ class LFU(LRU):
         return self.count[slots]
 
 
-class DecayedFrequency(LRU):
+class ScoredUse(LRU):
+    """A use adds 1 to the slot's score, which fades with time as `_now` says."""
+
+    def __init__(self, num_slots: int):
+        super().__init__(num_slots)
+        self.value = np.zeros(num_slots)  # score as of last_use
+
+    def _now(self, slots):
+        raise NotImplementedError
+
+    def touch(self, slot):
+        self.value[slot] = self._now(slot) + 1.0
+        super().touch(slot)
+
+    def touch_many(self, slots):
+        self.value[slots] = self._now(slots) + 1.0
+        super().touch_many(slots)
+
+    def insert(self, slot):
+        super().insert(slot)
+        self.value[slot] = 0.0
+
+    def score(self, slots):
+        return self._now(slots)
+
+
+class DecayedFrequency(ScoredUse):
     """Access counts that decay by `decay` per token: frequent recently beats frequent long ago."""
     name = "freq"
 
     def __init__(self, num_slots: int, decay: float = 0.98):
         super().__init__(num_slots)
         self.decay = decay
-        self.value = np.zeros(num_slots)  # decayed count as of last_use
 
     def _now(self, slots):
         return self.value[slots] * self.decay ** (self.clock - self.last_use[slots]).clip(0)
 
-    def touch(self, slot):
-        self.value[slot] = self._now(slot) + 1.0
-        super().touch(slot)
 
-    def touch_many(self, slots):
-        self.value[slots] = self._now(slots) + 1.0
-        super().touch_many(slots)
-
-    def insert(self, slot):
-        super().insert(slot)
-        self.value[slot] = 0.0
-
-    def score(self, slots):
-        return self._now(slots)
-
-
-class Halving(LRU):
-    """llama.cpp's expert cache: a use adds 1 to the slot's score, every score halves each
-    `period` tokens; the lowest score goes first, ties by recency."""
+class Halving(ScoredUse):
+    """llama.cpp's expert cache: every score halves each `period` tokens; the lowest score
+    goes first, ties by recency."""
     name = "halving"
 
     def __init__(self, num_slots: int, period: int = 128):
         super().__init__(num_slots)
         self.period = period
-        self.value = np.zeros(num_slots)
 
     def _now(self, slots):
         halvings = self.clock // self.period - self.last_use[slots].clip(0) // self.period
         return self.value[slots] * 0.5 ** halvings
-
-    def touch(self, slot):
-        self.value[slot] = self._now(slot) + 1.0
-        super().touch(slot)
-
-    def touch_many(self, slots):
-        self.value[slots] = self._now(slots) + 1.0
-        super().touch_many(slots)
-
-    def insert(self, slot):
-        super().insert(slot)
-        self.value[slot] = 0.0
-
-    def score(self, slots):
-        return self._now(slots)
 
 
 EVICTIONS = {c.name: c for c in (LRU, LFU, DecayedFrequency, Halving)}

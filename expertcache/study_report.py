@@ -72,29 +72,31 @@ def write_report(res: StudyResult, out: Path) -> list[Path]:
     return [out / "README.md", out / "study.json", *plots]
 
 
-def _plots(res: StudyResult, out: Path) -> list[Path]:
+def _scatter(points: dict, xlabel: str, ylabel: str, title: str, path: Path, errors: dict | None = None) -> Path:
+    """points: label -> (x, y); errors: label -> (below, above)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, (x, y) in points.items():
+        yerr = [[errors[label][0]], [errors[label][1]]] if errors else None
+        ax.errorbar(x, y, yerr=yerr, fmt="o")
+        ax.annotate(label.replace("threshold:", "").replace("band:", ""), (x, y), fontsize=6)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plots(res: StudyResult, out: Path) -> list[Path]:
     runs = {p: r for p, r in res.runs.items() if p != BASELINE}
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for p, r in runs.items():
-        ax.errorbar(r["mass_per_call"], r["pct"], yerr=[[r["pct"] - r["ci"][0]], [r["ci"][1] - r["pct"]]], fmt="o")
-        ax.annotate(p.replace("threshold:", "").replace("band:", ""), (r["mass_per_call"], r["pct"]), fontsize=6)
-    ax.set_xlabel("substituted gate mass per MoE call")
-    ax.set_ylabel("perplexity increase (%)")
-    ax.set_title("Perplexity increase vs substituted mass")
-    fig.tight_layout()
-    fig.savefig(out / "mass_vs_increase.png", dpi=120)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for p, r in res.runs.items():
-        ax.plot(r["sync_fetches_per_token"], r["pct"], "o")
-        ax.annotate(p.replace("threshold:", "").replace("band:", ""), (r["sync_fetches_per_token"], r["pct"]), fontsize=6)
-    ax.set_xlabel("synchronous fetches per token")
-    ax.set_ylabel("perplexity increase (%)")
-    ax.set_title("Quality vs fetches (lower left is better)")
-    fig.tight_layout()
-    fig.savefig(out / "pareto.png", dpi=120)
-    plt.close(fig)
-    return [out / "mass_vs_increase.png", out / "pareto.png"]
+    return [
+        _scatter({p: (r["mass_per_call"], r["pct"]) for p, r in runs.items()}, "substituted gate mass per MoE call",
+                 "perplexity increase (%)", "Perplexity increase vs substituted mass", out / "mass_vs_increase.png",
+                 {p: (r["pct"] - r["ci"][0], r["ci"][1] - r["pct"]) for p, r in runs.items()}),
+        _scatter({p: (r["sync_fetches_per_token"], r["pct"]) for p, r in res.runs.items()},
+                 "synchronous fetches per token", "perplexity increase (%)", "Quality vs fetches (lower left is better)",
+                 out / "pareto.png")]
