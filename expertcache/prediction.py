@@ -120,7 +120,7 @@ def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.T
     return net.eval()
 
 
-def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85,
+def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, epochs: int = 12,
                   progress: Callable[[str], None] | None = None) -> dict:
     """Train the estimator on calibration tokens, choose the hybrid's layers (quasi-hidden recall
     below `hybrid_below` there) and save it beside the model."""
@@ -128,7 +128,7 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85,
     dv = load_default_vectors(model_path)
     k = model.args.top_k
     qh_recall = recall_per_layer(QuasiHidden(model, dv), states, k)
-    net = train_estimator(model, states, dv, progress=progress)
+    net = train_estimator(model, states, dv, epochs=epochs, progress=progress)
     est_recall = recall_per_layer(Estimator(model, dv, net), states, k)
     hybrid = [l for l, r in enumerate(qh_recall) if r < hybrid_below and est_recall[l] > r]
     recall = {"quasi-hidden": qh_recall, "estimator": est_recall}

@@ -20,6 +20,7 @@ def add_arguments(p):
     p.add_argument("--train", action="store_true", help="train the estimator on calibration text and save it")
     p.add_argument("--text", type=Path, default=None, help="default: calibration text to train, evaluation text to measure")
     p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=12, help="estimator training epochs")
     p.add_argument("--hybrid-below", type=float, default=0.85, help="hybrid: estimator where quasi-hidden recall is below")
     p.add_argument("--predictors", nargs="*", default=list(PREDICTORS))
     p.add_argument("--plot", type=Path, default=None, help="per-layer recall PNG")
@@ -30,7 +31,7 @@ def run(a) -> int:
     path = a.model or BUILTIN_MODEL
     if a.train:
         ids = encode_text(path, (a.text or CALIB_TEXT).read_text(encoding="utf-8"), a.max_tokens)
-        r = fit_estimator(path, ids, a.hybrid_below, progress=lambda s: print(s, file=sys.stderr))
+        r = fit_estimator(path, ids, a.hybrid_below, a.epochs, progress=lambda s: print(s, file=sys.stderr))
         print(json.dumps(r, indent=1))
         write_json(a.json, r)
         return 0

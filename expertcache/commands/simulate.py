@@ -43,8 +43,9 @@ def run(a) -> int:
     jobs = [(str(a.trace), policy, fraction, a.eviction, a.initial, a.profile)
             for fraction in a.cache for policy in a.policies]
     if a.jobs > 1:
-        from multiprocessing import Pool
-        with Pool(a.jobs) as pool:
+        import multiprocessing
+        # spawn, not fork: a forked child of a process whose OpenMP threads have run can hang
+        with multiprocessing.get_context("spawn").Pool(a.jobs) as pool:
             rows = pool.starmap(task, jobs)
     else:
         rows = [task(*j) for j in jobs]
