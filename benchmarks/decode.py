@@ -40,17 +40,20 @@ def run_engine(a, store: str, fraction: float) -> dict:
         logits = engine.forward(torch.tensor(prompt), 0)
         tok, pos = int(logits[-1].argmax()), len(prompt)
         fetches0, stall0 = engine.stats.sync_fetches, engine.stats.stall_s
+        out = [tok]
         start = time.perf_counter()
         for _ in range(a.tokens):
             logits = engine.forward(torch.tensor([tok]), pos)
             tok, pos = int(logits[-1].argmax()), pos + 1
+            out.append(tok)
         if trial:
             times.append((time.perf_counter() - start) / a.tokens)
     s = engine.stats
     return {"ms_per_token": 1000 * statistics.median(times), "trials_ms": [1000 * t for t in times],
             "fetches_per_decode_token": (s.sync_fetches - fetches0) / a.tokens,
             "stall_ms_per_token": 1000 * (s.stall_s - stall0) / a.tokens,
-            "hit_rate": s.hit_rate, "peak_rss": rss_peak(), "rss_before_load": base, **engine.budget()}
+            "hit_rate": s.hit_rate, "peak_rss": rss_peak(), "rss_before_load": base, "greedy": out,
+            **engine.budget()}
 
 
 def run_hf(a) -> dict:
@@ -66,31 +69,36 @@ def run_hf(a) -> dict:
             t0 = time.perf_counter()
             model.generate(prompt, max_new_tokens=1, do_sample=False)
             t1 = time.perf_counter()
-            model.generate(prompt, max_new_tokens=a.tokens + 1, min_new_tokens=a.tokens + 1, do_sample=False)
+            gen = model.generate(prompt, max_new_tokens=a.tokens + 1, min_new_tokens=a.tokens + 1, do_sample=False)
             t2 = time.perf_counter()
         if trial:
             times.append(((t2 - t1) - (t1 - t0)) / a.tokens)
     return {"ms_per_token": 1000 * statistics.median(times), "trials_ms": [1000 * t for t in times],
-            "peak_rss": rss_peak(), "rss_before_load": base}
+            "peak_rss": rss_peak(), "rss_before_load": base, "greedy": gen[0, prompt.shape[1]:].tolist()}
 
 
 def run_llama(a) -> dict:
+    import numpy as np
     from llama_cpp import Llama
     base = rss_peak()
     llm = Llama(model_path=str(a.gguf), n_ctx=512, n_threads=os.cpu_count(), verbose=False)
+    vocab = llm.n_vocab()
     prompt = llm.tokenize(PROMPT.encode(), add_bos=False)
     times = []
     for trial in range(a.trials + 1):
         llm.reset()
         llm.eval(prompt)
+        out = []
         start = time.perf_counter()
         for _ in range(a.tokens):
-            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+            # without logits_all, Llama.eval keeps no scores: read the last token's logits directly
+            tok = int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,)).argmax())
+            out.append(tok)
             llm.eval([tok])
         if trial:
             times.append((time.perf_counter() - start) / a.tokens)
     return {"ms_per_token": 1000 * statistics.median(times), "trials_ms": [1000 * t for t in times],
-            "peak_rss": rss_peak(), "rss_before_load": base}
+            "peak_rss": rss_peak(), "rss_before_load": base, "greedy": out}
 
 
 def fetch_latency(a) -> dict:
@@ -156,12 +164,15 @@ def main() -> None:
     floor = results.get("engine ram 100%", {}).get("ms_per_token")
     print(f"decode {a.tokens} tokens after a {len(PROMPT)}-char prompt, median of {a.trials} trials, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores\n")
-    print("| variant | ms/token | vs engine ram 100% | peak RSS MiB |")
-    print("|---|---:|---:|---:|")
+    ref = results.get("engine ram 100%", {}).get("greedy", [])
+    print("| variant | ms/token | vs engine ram 100% | peak RSS MiB | greedy tokens equal to the engine's |")
+    print("|---|---:|---:|---:|---:|")
     for name, r in results.items():
         if "ms_per_token" in r:
+            n = min(len(ref), len(r["greedy"]))
+            same = sum(x == y for x, y in zip(ref, r["greedy"]))
             print(f"| {name} | {r['ms_per_token']:.2f} | {r['ms_per_token'] / floor:.2f}x | "
-                  f"{r['peak_rss'] / 2**20:.0f} |")
+                  f"{r['peak_rss'] / 2**20:.0f} | {same}/{n} |")
     if "fetch latency" in results:
         f = results["fetch latency"]
         print(f"\nO_DIRECT fetch of one expert ({f['bytes']} B): median {f['median_us']:.0f} us, "

@@ -16,6 +16,7 @@ quality|all)
 import json; from expertcache.speculation import speculative_quality; from expertcache.study import StudyConfig
 print(json.dumps(speculative_quality(None, StudyConfig()), indent=1))"
   run trace expertcache trace --out build/eval.ectrace
+  run trace16k expertcache trace --max-tokens 16384 --out build/eval16k.ectrace
   ;;&
 timed|all)
   run simulator_speed python benchmarks/simulator_speed.py --tokens 1000
@@ -27,9 +28,11 @@ timed|all)
       fetch-all+prefetch/hybrid fetch-all+speculative/quasi-hidden fetch-all+speculative/hybrid \
       quality-first quality-first+prefetch/hybrid
   run calibrate_hw expertcache calibrate-hw --store disk --mode forced --out "$out/cpu-disk-forced.json"
-  run simulate expertcache simulate build/eval.ectrace --cache 0.125 0.25 0.5 --jobs 2 \
+  run costmodel_check python benchmarks/costmodel_check.py "$out/bench.json" "$out/cpu-disk-forced.json"
+  run simulate expertcache simulate build/eval16k.ectrace --cache 0.125 0.25 0.5 --jobs 2 \
       --profile "$out/cpu-disk-forced.json" --plot "$out/frontier.png" --json "$out/simulate.json" \
-      --policies fetch-all threshold:tau=0.15 first-choice quality-first speed-first substitute-all \
-      mixtral-offloading moe-infinity llama.cpp conditional:j=2,m=16
+      --policies fetch-all threshold:tau=0.15 first-choice quality-first moe-infinity llama.cpp conditional:j=2,m=16
+  run simulate_3090 expertcache simulate build/eval16k.ectrace --cache 0.25 --profile rtx3090-qwen3-next \
+      --policies fetch-all threshold:tau=0.15 first-choice quality-first speed-first
   ;;
 esac

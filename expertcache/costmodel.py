@@ -80,9 +80,11 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 
 
 def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode", repeats: int = 200) -> HardwareProfile:
-    """Measure a profile on this machine with the engine: O_DIRECT (or copy) fetch times at two
-    sizes, the parallelism of a token's concurrent fetches, one expert's compute, and the rest
-    of a token's time with every expert resident (`mode`: decode, or forced windows of 256)."""
+    """Measure a profile on this machine with the engine itself. `mode`: decode (one token per
+    forward) or forced (windows of 256). dense: the time per token with every expert resident
+    (expert compute included, so expert_s is 0); fetch: the extra time per synchronous fetch of
+    fetch-every-miss at a 25% cache, which holds the read, its hand-off and the engine's
+    bookkeeping. The raw O_DIRECT read time is reported in `source`."""
     import statistics
     import time
 
@@ -91,60 +93,44 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
 
     from .cache import CacheConfig
     from .engine import Engine, EngineConfig
-    from .moe import experts_one_token
     from .perplexity import EVAL_TEXT
 
-    eng = Engine(model, EngineConfig(store=store, cache=CacheConfig(fraction=1.0)))
-    a, st, cache = eng.args, eng.store, eng.cache
-    rng = np.random.default_rng(0)
-    w13, w2 = torch.empty(st.shape.w13, dtype=cache.w13.dtype), torch.empty(st.shape.w2, dtype=cache.w2.dtype)
+    def per_token(fraction: float) -> tuple[float, float, Engine]:
+        eng = Engine(model, EngineConfig(store=store, cache=CacheConfig(fraction=fraction)))
+        ids = eng.encode(EVAL_TEXT.read_text(encoding="utf-8")[:20000])
+        times, fetches = [], []
+        for _ in range(3):
+            eng.reset()
+            if mode == "decode":
+                eng.forward(torch.tensor(ids[:32]), 0)
+                f0, t = eng.stats.sync_fetches, time.perf_counter()
+                for pos in range(32, 96):
+                    eng.forward(torch.tensor(ids[pos:pos + 1]), pos)
+                n = 64
+            else:
+                f0, t = eng.stats.sync_fetches, time.perf_counter()
+                for s in range(0, 1024, 256):
+                    eng.forward(torch.tensor(ids[s:s + 256]), 0)
+                n = 1024
+            times.append((time.perf_counter() - t) / n)
+            fetches.append((eng.stats.sync_fetches - f0) / n)
+        return statistics.median(times), statistics.median(fetches), eng
 
-    def one_fetch() -> float:
-        layer, e = int(rng.integers(a.num_layers)), int(rng.integers(a.num_experts))
-        t = time.perf_counter()
-        st.read_into(layer, e, w13, w2)
-        return time.perf_counter() - t
-    single = statistics.median(one_fetch() for _ in range(repeats))
-    # a token's misses go out together: time k concurrent fetches through the transfer engine
-    batches = []
-    for _ in range(repeats // 4):
-        experts = rng.choice(a.num_experts, a.top_k, replace=False)
-        t = time.perf_counter()
-        futures = [cache.transfers.pool.submit(st.read_into, 0, int(e), cache.w13[j], cache.w2[j])
-                   for j, e in enumerate(experts)]
-        for f in futures:
-            f.result()
-        batches.append(time.perf_counter() - t)
-    parallel = a.top_k * single / statistics.median(batches)
-    # one expert's compute for one token
-    x = torch.randn(1, a.hidden_size)
-    slots = torch.arange(a.top_k).view(1, -1)
-    w = torch.full((1, a.top_k), 1.0 / a.top_k)
-    for _ in range(20):
-        experts_one_token(x, slots, w, cache.w13, cache.w2)
-    t = time.perf_counter()
+    floor, _, eng = per_token(1.0)
+    a, st = eng.args, eng.store
+    rng = np.random.default_rng(0)
+    w13, w2 = torch.empty(st.shape.w13), torch.empty(st.shape.w2)
+    reads = []
     for _ in range(repeats):
-        experts_one_token(x, slots, w, cache.w13, cache.w2)
-    expert_s = (time.perf_counter() - t) / repeats / a.top_k
-    ids = eng.encode(EVAL_TEXT.read_text(encoding="utf-8")[:20000])
-    times = []
-    for _ in range(3):
-        eng.reset()
-        if mode == "decode":
-            eng.forward(torch.tensor(ids[:32]), 0)
-            t = time.perf_counter()
-            for pos in range(32, 96):
-                eng.forward(torch.tensor(ids[pos:pos + 1]), pos)
-            times.append((time.perf_counter() - t) / 64)
-        else:
-            t = time.perf_counter()
-            for s in range(0, 1024, 256):
-                eng.forward(torch.tensor(ids[s:s + 256]), 0)
-            times.append((time.perf_counter() - t) / 1024)
-    floor = statistics.median(times)
+        t = time.perf_counter()
+        st.read_into(int(rng.integers(a.num_layers)), int(rng.integers(a.num_experts)), w13, w2)
+        reads.append(time.perf_counter() - t)
     eng.close()
-    return HardwareProfile(f"this-machine-{store}-{mode}", fetch_latency_s=single, fetch_bandwidth=float("inf"),
-                           parallel_fetches=parallel, expert_s=expert_s,
-                           dense_s=max(0.0, floor - a.num_layers * a.top_k * expert_s), overlap=True,
+    slow, fetches, eng = per_token(0.25)
+    eng.close()
+    fetch_s = max(0.0, slow - floor) / fetches if fetches else 0.0
+    return HardwareProfile(f"this-machine-{store}-{mode}", fetch_latency_s=fetch_s, fetch_bandwidth=float("inf"),
+                           parallel_fetches=1.0, expert_s=0.0, dense_s=floor, overlap=True,
                            expert_bytes=st.expert_bytes, layers=a.num_layers, top_k=a.top_k,
-                           source=f"measured by calibrate-hw ({store} store, {mode})")
+                           source=f"measured by calibrate-hw ({store} store, {mode}); one O_DIRECT read alone: "
+                                  f"{1e6 * statistics.median(reads):.0f} us")
