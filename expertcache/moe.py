@@ -217,5 +217,8 @@ class MoELayerRunner:
         if self.predictor is not None and layer + 1 < a.num_layers:
             self._predict_next(layer, x, plan.experts, plan.gates)  # this token's slots stay protected
         cache.protected[:] = False
+        if T == 1:  # decode: nothing was computed early, no need to go through `out`
+            return experts_compute(x, torch.from_numpy(plan.slots), torch.from_numpy(plan.gates).to(x.device),
+                                   cache.w13, cache.w2)
         compute(plan.owed_from, T, plan.slots, plan.gates)
         return out

@@ -37,7 +37,10 @@ class Transformer:
         freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         dtype = self.embed.dtype
-        self.cos, self.sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+        half = a.head_dim // 2
+        # rotate_half(x) * sin == cat(x2, x1) * sin_signed, one op fewer per call
+        sin_signed = torch.cat([-emb.sin()[:, :half], emb.sin()[:, half:]], dim=-1)
+        self.cos, self.sin = emb.cos().to(device, dtype), sin_signed.to(device, dtype)
         shape = (a.num_layers, a.num_kv_heads, max_seq, a.head_dim)
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
@@ -54,9 +57,8 @@ class Transformer:
 
     def _rope(self, x, pos: int):  # x [heads, T, D]
         T = x.shape[1]
-        cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]
         x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return x * self.cos[pos:pos + T] + torch.cat((x2, x1), dim=-1) * self.sin[pos:pos + T]
 
     def _attention(self, i: int, L: dict, x: torch.Tensor, pos: int) -> torch.Tensor:
         a = self.args
@@ -74,8 +76,8 @@ class Transformer:
         if a.qk_norm == "head":
             q = F.rms_norm(q, (a.head_dim,), L["q_norm"], a.rms_norm_eps)
             k = F.rms_norm(k, (a.head_dim,), L["k_norm"], a.rms_norm_eps)
-        q = self._rope(q.transpose(0, 1), pos)
-        self.k_cache[i, :, pos:pos + T] = self._rope(k.transpose(0, 1), pos)
+        q, k = self._rope(torch.cat([q, k], dim=1).transpose(0, 1), pos).split([a.num_heads, a.num_kv_heads])
+        self.k_cache[i, :, pos:pos + T] = k
         self.v_cache[i, :, pos:pos + T] = v.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)
         keys, values = self.k_cache[i, :, :pos + T], self.v_cache[i, :, :pos + T]
         if T == 1:
