@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from expertcache.bench import FLOOR, BenchConfig
+from expertcache.bench import FLOOR
 from expertcache.cache import CacheConfig
 from expertcache.calibrate import encode_text
 from expertcache.costmodel import HardwareProfile

@@ -17,8 +17,7 @@ from .calibrate import RecordingMoE, load_default_vectors
 from .checkpoint import open_checkpoint
 from .models import model_args
 from .moe import route
-from .predictors import (Estimator, EstimatorNet, Predictor, QuasiHidden, RouterAhead, make_predictor,
-                         save_estimator)
+from .predictors import Estimator, EstimatorNet, Predictor, QuasiHidden, make_predictor, save_estimator
 from .stores import RamStore
 from .transformer import Transformer
 from .weights import dense_weights
@@ -142,5 +141,3 @@ def recall_table(model_path: Path, ids: list[int],
     return {name: recall_per_layer(make_predictor(name, model, Path(model_path)), states, model.args.top_k)
             for name in predictors}
 
-
-__all__ = ["record_states", "recall_per_layer", "train_estimator", "fit_estimator", "recall_table", "RouterAhead"]

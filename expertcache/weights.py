@@ -7,7 +7,7 @@ import torch
 
 from .checkpoint import Checkpoint
 from .errors import CheckpointError
-from .models import family_of, model_args
+from .models import family_of
 from .models.args import ModelArgs
 
 
@@ -58,5 +58,3 @@ def all_layer_experts(ckpt: Checkpoint, args: ModelArgs) -> Iterator[tuple[torch
     for layer in range(args.num_layers):
         yield layer_experts(ckpt, args, layer)
 
-
-__all__ = ["dense_weights", "layer_experts", "all_layer_experts", "model_args"]

@@ -1,7 +1,6 @@
 """Traces and the simulator: the replay's counts equal the engine's under fetch-every-miss."""
 import struct
 
-import numpy as np
 import pytest
 import torch
 
