@@ -205,11 +205,9 @@ class CacheConditional(MissPolicy):
         chosen += [int(e) for e in order[self.j:] if int(e) not in chosen][: k - len(chosen)]
         probs = route.probs[chosen]
         weights = (probs / probs.sum()).tolist()
-        routed = set(route.experts.tolist())
         dropped = [j for j, e in enumerate(route.experts.tolist()) if e not in chosen]
         fetch = [e for e in chosen if not cache.is_resident(layer, e)]
-        return Decision(chosen, weights, fetch, [], len(dropped), float(route.weights[dropped].sum()) if dropped else 0.0) \
-            if routed else Decision(chosen, weights, fetch)
+        return Decision(chosen, weights, fetch, [], len(dropped), float(route.weights[dropped].sum()))
 
     def __repr__(self):
         return f"conditional(j={self.j},m={self.m})"

@@ -140,4 +140,3 @@ def recall_table(model_path: Path, ids: list[int],
     model, states = record_states(model_path, ids)
     return {name: recall_per_layer(make_predictor(name, model, Path(model_path)), states, model.args.top_k)
             for name in predictors}
-

@@ -156,11 +156,12 @@ def analyses(runs: dict, seq: StudySequences, cfg: StudyConfig) -> dict:
         d_nll = np.asarray(thr["window_nll"]) - base
         out["mass_hypothesis"]["r_across_windows_threshold_0.15"] = pearson(thr["window_mass"], d_nll)
     if HEAVY in runs and any(p in runs for p in LIGHT):
-        heavy = runs[HEAVY]
-        light = min((p for p in LIGHT if p in runs), key=lambda p: abs(runs[p]["mass_per_call"] - heavy["mass_per_call"]))
-        out["equal_mass"] = {"heavy": {"policy": HEAVY, **{k: heavy[k] for k in ("mass_per_call", "slots_substituted_pct", "pct", "ci")}},
-                             "light": {"policy": light, **{k: runs[light][k] for k in ("mass_per_call", "slots_substituted_pct", "pct", "ci")}},
-                             "light_sweep": {p: {k: runs[p][k] for k in ("mass_per_call", "pct", "ci")} for p in LIGHT if p in runs}}
+        heavy_mass = runs[HEAVY]["mass_per_call"]
+        light = min((p for p in LIGHT if p in runs), key=lambda p: abs(runs[p]["mass_per_call"] - heavy_mass))
+        keys = ("mass_per_call", "slots_substituted_pct", "pct", "ci")
+        pick = lambda p, ks=keys: {"policy": p, **{k: runs[p][k] for k in ks}}  # noqa: E731
+        out["equal_mass"] = {"heavy": pick(HEAVY), "light": pick(light),
+                             "light_sweep": {p: pick(p, ("mass_per_call", "pct", "ci")) for p in LIGHT if p in runs}}
     if "quality-first" in runs and NO_ADMISSION in runs:
         per_domain = cfg.tokens_per_domain // cfg.context
         after = [s // cfg.context + j for s in seq.starts[1:] for j in range(min(2, per_domain))]

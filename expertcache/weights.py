@@ -57,4 +57,3 @@ def layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int) -> tuple[torch.
 def all_layer_experts(ckpt: Checkpoint, args: ModelArgs) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     for layer in range(args.num_layers):
         yield layer_experts(ckpt, args, layer)
-
