@@ -2,6 +2,7 @@
 
 time/token = dense + layers * top_k * expert + (synchronous fetches/token) * fetch / parallel
              + (background and prefetch fetches/token) * fetch / parallel, unless they overlap compute
+             + (expert-compute batches/token) * segment + (calls with a substitution/token) * decision
 (fetches/token: fetches per MoE call of the replay times the profile's layers)
 with fetch = latency + bytes / bandwidth. Profiles are measured on this machine by
 `expertcache calibrate-hw` (per store and mode) or written from datasheet figures.
@@ -28,6 +29,8 @@ class HardwareProfile:
     layers: int
     top_k: int
     source: str = ""
+    segment_s: float = 0.0  # one expert-compute batch (engine overhead per batch)
+    decision_s: float = 0.0  # one MoE call with a substitution (the policy's own work)
 
     @property
     def fetch_s(self) -> float:
@@ -41,6 +44,7 @@ class HardwareProfile:
         t += per_token(s.sync_fetches) * self.fetch_s / self.parallel_fetches
         if not self.overlap:
             t += per_token(s.background_fetches + s.prefetch_fetches) * self.fetch_s / self.parallel_fetches
+        t += per_token(s.segments) * self.segment_s + per_token(s.substituted_calls) * self.decision_s
         return 1000 * t
 
     def save(self, path: Path) -> None:
@@ -82,9 +86,10 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode", repeats: int = 200) -> HardwareProfile:
     """Measure a profile on this machine with the engine itself. `mode`: decode (one token per
     forward) or forced (windows of 256). dense: the time per token with every expert resident
-    (expert compute included, so expert_s is 0); fetch: the extra time per synchronous fetch of
-    fetch-every-miss at a 25% cache, which holds the read, its hand-off and the engine's
-    bookkeeping. The raw O_DIRECT read time is reported in `source`."""
+    (expert compute included, so expert_s is 0). Three runs at a 25% cache (fetch-every-miss,
+    the 0.15 rule, substitute-every-miss) give, by least squares, the extra time per
+    synchronous fetch, per expert-compute batch and per substituting call. The raw O_DIRECT
+    read time is reported in `source`."""
     import statistics
     import time
 
@@ -95,28 +100,30 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
     from .engine import Engine, EngineConfig
     from .perplexity import EVAL_TEXT
 
-    def per_token(fraction: float) -> tuple[float, float, Engine]:
-        eng = Engine(model, EngineConfig(store=store, cache=CacheConfig(fraction=fraction)))
+    def run(fraction: float, policy: str) -> tuple[float, np.ndarray, Engine]:
+        eng = Engine(model, EngineConfig(store=store, cache=CacheConfig(fraction=fraction), policy=policy))
         ids = eng.encode(EVAL_TEXT.read_text(encoding="utf-8")[:20000])
-        times, fetches = [], []
+        times, counts = [], []
         for _ in range(3):
             eng.reset()
+            s = eng.stats
             if mode == "decode":
                 eng.forward(torch.tensor(ids[:32]), 0)
-                f0, t = eng.stats.sync_fetches, time.perf_counter()
+                before, t = (s.sync_fetches, s.segments, s.substituted_calls, s.moe_calls), time.perf_counter()
                 for pos in range(32, 96):
                     eng.forward(torch.tensor(ids[pos:pos + 1]), pos)
-                n = 64
             else:
-                f0, t = eng.stats.sync_fetches, time.perf_counter()
-                for s in range(0, 1024, 256):
-                    eng.forward(torch.tensor(ids[s:s + 256]), 0)
-                n = 1024
-            times.append((time.perf_counter() - t) / n)
-            fetches.append((eng.stats.sync_fetches - f0) / n)
-        return statistics.median(times), statistics.median(fetches), eng
+                before, t = (0, 0, 0, 0), time.perf_counter()
+                for start in range(0, 1024, 256):
+                    eng.forward(torch.tensor(ids[start:start + 256]), 0)
+            elapsed = time.perf_counter() - t
+            tokens = (s.moe_calls - before[3]) / eng.args.num_layers
+            times.append(elapsed / tokens)
+            counts.append(np.array([s.sync_fetches - before[0], s.segments - before[1],
+                                    s.substituted_calls - before[2]]) / tokens)
+        return statistics.median(times), np.median(counts, axis=0), eng
 
-    floor, _, eng = per_token(1.0)
+    floor, floor_counts, eng = run(1.0, "fetch-all")
     a, st = eng.args, eng.store
     rng = np.random.default_rng(0)
     w13, w2 = torch.empty(st.shape.w13), torch.empty(st.shape.w2)
@@ -126,11 +133,17 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
         st.read_into(int(rng.integers(a.num_layers)), int(rng.integers(a.num_experts)), w13, w2)
         reads.append(time.perf_counter() - t)
     eng.close()
-    slow, fetches, eng = per_token(0.25)
-    eng.close()
-    fetch_s = max(0.0, slow - floor) / fetches if fetches else 0.0
-    return HardwareProfile(f"this-machine-{store}-{mode}", fetch_latency_s=fetch_s, fetch_bandwidth=float("inf"),
-                           parallel_fetches=1.0, expert_s=0.0, dense_s=floor, overlap=True,
+    rows, extra = [], []
+    for policy in ("fetch-all", "threshold:tau=0.15", "substitute-all"):
+        t, counts, e = run(0.25, policy)
+        e.close()
+        rows.append(counts - np.array([0, floor_counts[1], 0]))
+        extra.append(t - floor)
+    (fetch_s, segment_s, decision_s), *_ = np.linalg.lstsq(np.array(rows), np.array(extra), rcond=None)
+    return HardwareProfile(f"this-machine-{store}-{mode}", fetch_latency_s=max(0.0, float(fetch_s)),
+                           fetch_bandwidth=float("inf"), parallel_fetches=1.0, expert_s=0.0,
+                           dense_s=floor - floor_counts[1] * max(0.0, float(segment_s)), overlap=True,
                            expert_bytes=st.expert_bytes, layers=a.num_layers, top_k=a.top_k,
                            source=f"measured by calibrate-hw ({store} store, {mode}); one O_DIRECT read alone: "
-                                  f"{1e6 * statistics.median(reads):.0f} us")
+                                  f"{1e6 * statistics.median(reads):.0f} us",
+                           segment_s=max(0.0, float(segment_s)), decision_s=max(0.0, float(decision_s)))

@@ -95,6 +95,7 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
         nonlocal seg
         if end > seg:
             compute(seg, end, slots_h, gates_h)
+            stats.segments += 1
         seg, owes[:] = end, False
 
     def load(t: int, e: int, kind: str) -> int:
@@ -151,6 +152,7 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
             owes[slot] = True
         for j in range(len(d.experts), k):  # fewer executed than routed: zero-weight padding
             slots_h[t, j], exec_h[t, j], gates_h[t, j] = slots_h[t, 0], exec_h[t, 0], 0.0
+    stats.segments += 1  # the caller computes tokens [seg, T)
     return LayerPlan(slots_h, exec_h, gates_h, seg)
 
 

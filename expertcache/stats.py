@@ -20,6 +20,7 @@ class RunStats:
     prefetch_fetches: int = 0
     prefetch_bytes: int = 0
     background_bytes: int = 0
+    segments: int = 0  # expert-compute batches: a fetch that reuses a slot with owed work splits a window
     stall_s: float = 0.0  # time blocked waiting on transfers
     wall_s: float = 0.0  # time in model forward calls
     peak_memory_bytes: int = 0
