@@ -84,9 +84,9 @@ class RamStore(ExpertStore):
 
 
 class PinnedStore(RamStore):
-    """Page-locked host copies; the CUDA transfer engine issues the non_blocking copies."""
+    """Page-locked host copies; the transfer engine issues the non_blocking copies in place,
+    on its copy stream."""
     name = "pinned"
-    inline = False
 
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float16):
         if not torch.cuda.is_available():

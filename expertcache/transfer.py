@@ -51,7 +51,7 @@ class TransferEngine:
 
     def submit(self, layer: int, expert: int, slot: int, kind: str) -> Transfer:
         t = Transfer(layer, expert, slot, kind)
-        if self.store.inline or self.cuda and self.store.name == "pinned":
+        if self.store.inline:
             self._copy(t)  # a host memcpy, or already asynchronous on the copy stream
         else:
             t.future = self.pool.submit(self._copy, t)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from ..generate import generate
 from .options import add_engine_arguments, engine_from_args, write_json
@@ -15,7 +16,7 @@ def add_arguments(p):
     p.add_argument("-n", "--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=__import__("pathlib").Path, default=None, help="write statistics as JSON")
+    p.add_argument("--json", type=Path, default=None, help="write statistics as JSON")
 
 
 def run(a) -> int:
