@@ -15,7 +15,8 @@ from expertcache.calibrate import encode_text
 from expertcache.costmodel import HardwareProfile
 from expertcache.engine import BUILTIN_MODEL
 from expertcache.perplexity import EVAL_TEXT
-from expertcache.simulator import load_counts, replay
+from expertcache.calibrate import load_routing_counts
+from expertcache.simulator import replay
 from expertcache.trace import record_trace
 
 
@@ -27,7 +28,7 @@ def main():
     forced = ids[cfg["prompt_tokens"]:cfg["prompt_tokens"] + cfg["forced_tokens"]]
     with tempfile.TemporaryDirectory() as d:
         trace = record_trace(BUILTIN_MODEL, forced, Path(d) / "forced.ectrace", cfg["context"], "float32")
-        counts = load_counts(BUILTIN_MODEL)
+        counts = load_routing_counts(BUILTIN_MODEL)
         print(f"profile {profile.name}: fetch {1e6 * profile.fetch_s:.0f} us, x{profile.parallel_fetches:.2f} parallel, "
               f"expert {1e6 * profile.expert_s:.1f} us, dense {1e3 * profile.dense_s:.3f} ms/token\n")
         print("| policy | measured forced ms/token | estimated | error | replay fetches/token | engine fetches/token |")

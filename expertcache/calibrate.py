@@ -14,12 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from .checkpoint import open_checkpoint
-from .engine import ROUTING_COUNTS
+from .errors import CheckpointError
 from .models import model_args
 from .moe import route
 from .stores import RamStore
@@ -28,6 +29,19 @@ from .weights import dense_weights
 
 CALIB_TEXT = Path(__file__).parent / "data" / "calib.txt"
 DEFAULT_VECTORS = "default_vectors.safetensors"
+ROUTING_COUNTS = "routing_counts.json"  # per layer, how often each expert is routed on calibration text
+
+
+def load_routing_counts(model_path: Path, shape: tuple[int, int] | None = None) -> np.ndarray | None:
+    """counts [L, E] from routing_counts.json beside the model, or None if there is none."""
+    p = Path(model_path) / ROUTING_COUNTS
+    if not p.exists():
+        return None
+    counts = np.array(json.loads(p.read_text())["counts"], dtype=np.int64)
+    if shape is not None and counts.shape != shape:
+        raise CheckpointError(f"{p}: counts of shape {counts.shape} do not fit the model; "
+                              "rerun `expertcache calibrate` or delete the file")
+    return counts
 
 
 @dataclass
@@ -66,26 +80,34 @@ class RecordingMoE:
 
 def encode_text(model_path: Path, text: str, max_tokens: int | None = None) -> list[int]:
     from tokenizers import Tokenizer
-
-    from .errors import CheckpointError
     ckpt = open_checkpoint(model_path)
     if ckpt.tokenizer_file is None:
         raise CheckpointError(f"{model_path}: no tokenizer.json to encode text with; add the model's tokenizer")
     return Tokenizer.from_file(str(ckpt.tokenizer_file)).encode(text).ids[:max_tokens]
 
 
-def calibrate(model_path: Path, ids: list[int], context: int = 512,
-              progress: Callable[[int], None] | None = None) -> Calibration:
+def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[RamStore, object], RecordingMoE],
+              context: int = 512, progress: Callable[[int], None] | None = None) -> tuple[Transformer, RecordingMoE]:
+    """Run the exact model (every expert in RAM) over `ids` in windows of `context`, with the
+    MoE function `make_moe(store, args)` recording what it needs; returns the model and it."""
     ckpt = open_checkpoint(model_path)
     args = model_args(ckpt.config)
-    store = RamStore(ckpt, args)
-    moe = RecordingMoE(store, args.top_k, args.norm_topk_prob)
+    moe = make_moe(RamStore(ckpt, args), args)
     model = Transformer(args, dense_weights(ckpt, args), moe, torch.device("cpu"), context)
+    model.prefetch = getattr(moe, "hook", None)
     for start in range(0, len(ids), context):
         chunk = torch.tensor(ids[start:start + context])
         model.forward(chunk, 0)
         if progress:
             progress(len(chunk))
+    model.moe, model.prefetch = None, None
+    return model, moe
+
+
+def calibrate(model_path: Path, ids: list[int], context: int = 512,
+              progress: Callable[[int], None] | None = None) -> Calibration:
+    _, moe = run_exact(model_path, ids, lambda store, a: RecordingMoE(store, a.top_k, a.norm_topk_prob),
+                       context, progress)
     vectors = (moe.sums / moe.counts.clamp(min=1).unsqueeze(-1)).float()
     return Calibration(moe.counts, vectors, len(ids))
 
@@ -100,6 +122,5 @@ def save_calibration(c: Calibration, model_path: Path, source: str) -> None:
 def load_default_vectors(model_path: Path) -> torch.Tensor:
     p = Path(model_path) / DEFAULT_VECTORS
     if not p.exists():
-        from .errors import CheckpointError
         raise CheckpointError(f"{p} is missing; run `expertcache calibrate --model {model_path}`")
     return load_file(str(p))["default_vectors"]

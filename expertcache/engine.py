@@ -2,17 +2,16 @@
 tier, a fast-tier expert cache between them, and a miss policy deciding on every miss."""
 from __future__ import annotations
 
-import json
 import resource
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .cache import CacheConfig, ExpertCache
+from .calibrate import ROUTING_COUNTS, load_routing_counts
 from .checkpoint import open_checkpoint
 from .errors import CheckpointError, UnknownName
 from .moe import MoELayerRunner, PrefetchConfig
@@ -25,7 +24,6 @@ from .transformer import Transformer
 from .weights import dense_weights
 
 BUILTIN_MODEL = Path(__file__).parent / "data" / "model"
-ROUTING_COUNTS = "routing_counts.json"  # per layer, how often each expert is routed on calibration text
 
 
 @dataclass(frozen=True)
@@ -60,6 +58,7 @@ class Engine:
         self.policy = policy or make_policy(config.policy)
         ckpt = open_checkpoint(self.path)
         self.args = model_args(ckpt.config)
+        self.routing_counts = load_routing_counts(self.path, (self.args.num_layers, self.args.num_experts))
         self.checkpoint = ckpt
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype)
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
@@ -77,20 +76,10 @@ class Engine:
         self.reset()
 
     # -- residency -----------------------------------------------------------------------
-    def routing_counts(self) -> np.ndarray | None:
-        p = self.path / ROUTING_COUNTS
-        if not p.exists():
-            return None
-        counts = np.array(json.loads(p.read_text())["counts"], dtype=np.int64)
-        if counts.shape != (self.args.num_layers, self.args.num_experts):
-            raise CheckpointError(f"{p}: counts of shape {counts.shape} do not fit the model; "
-                                  "rerun `expertcache calibrate` or delete the file")
-        return counts
-
     def reset(self) -> None:
         """Start of a run: empty or warm cache, fresh statistics and policy state."""
         initial = self.config.initial
-        counts = self.routing_counts() if initial in ("warm", "auto") else None
+        counts = self.routing_counts if initial in ("warm", "auto") else None
         if initial == "warm" and counts is None:
             raise CheckpointError(f"{self.path}: no {ROUTING_COUNTS} for a warm cache; "
                                   "run `expertcache calibrate` or pass --initial cold")

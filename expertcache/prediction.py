@@ -13,14 +13,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .calibrate import RecordingMoE, load_default_vectors
-from .checkpoint import open_checkpoint
-from .models import model_args
+from .calibrate import RecordingMoE, load_default_vectors, run_exact
 from .moe import route
 from .predictors import Estimator, EstimatorNet, Predictor, QuasiHidden, make_predictor, save_estimator
-from .stores import RamStore
 from .transformer import Transformer
-from .weights import dense_weights
 
 
 @dataclass
@@ -52,18 +48,8 @@ class _Recorder(RecordingMoE):
 
 def record_states(model_path: Path, ids: list[int], context: int = 512,
                   progress: Callable[[int], None] | None = None) -> tuple[Transformer, LayerStates]:
-    ckpt = open_checkpoint(model_path)
-    args = model_args(ckpt.config)
-    store = RamStore(ckpt, args)
-    rec = _Recorder(store, args.top_k, args.norm_topk_prob, args.num_layers)
-    model = Transformer(args, dense_weights(ckpt, args), rec, torch.device("cpu"), context)
-    model.prefetch = rec.hook
-    for start in range(0, len(ids), context):
-        chunk = torch.tensor(ids[start:start + context])
-        model.forward(chunk, 0)
-        if progress:
-            progress(len(chunk))
-    model.moe, model.prefetch = None, None
+    model, rec = run_exact(model_path, ids, lambda store, a: _Recorder(store, a.top_k, a.norm_topk_prob, a.num_layers),
+                           context, progress)
     cat = lambda key: [torch.cat(r[key]) for r in rec.rows]  # noqa: E731
     return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"))
 

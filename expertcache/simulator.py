@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -72,8 +71,3 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     seconds = time.perf_counter() - start
     return Replay(policy, cache.fraction, stats, seconds, N * L * k)
 
-
-def load_counts(model_path: Path) -> np.ndarray | None:
-    import json
-    p = Path(model_path) / "routing_counts.json"
-    return np.array(json.loads(p.read_text())["counts"]) if p.exists() else None

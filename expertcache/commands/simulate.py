@@ -5,7 +5,8 @@ from pathlib import Path
 
 from ..cache import CacheConfig
 from ..costmodel import load_profile
-from ..simulator import load_counts, replay
+from ..calibrate import load_routing_counts
+from ..simulator import replay
 from ..trace import read_trace
 from .options import write_json
 
@@ -31,7 +32,7 @@ def task(trace_path: str, policy: str, fraction: float, eviction: str | None, in
     """One unit of a sweep: a pure function of its arguments returning one JSON-able row, so a
     sweep can go to a process pool here or to any cluster scheduler as independent jobs."""
     trace = read_trace(Path(trace_path))
-    counts = None if initial == "cold" else load_counts(Path(trace.header["model"]))
+    counts = None if initial == "cold" else load_routing_counts(Path(trace.header["model"]))
     r = replay(trace, policy, CacheConfig(fraction=fraction), eviction, counts)
     est = load_profile(profile).ms_per_token(r.stats) if profile else float("nan")
     return {"policy": policy, "cache": fraction, "events_per_second": r.events_per_second,
