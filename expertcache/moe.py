@@ -211,16 +211,18 @@ class MoELayerRunner:
         T = ids_h.shape[0]
         out = torch.empty_like(x)
 
+        def experts_out(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
+            return experts_compute(x[begin:end], torch.from_numpy(slots_h[begin:end]),
+                                   torch.from_numpy(gates_h[begin:end]).to(x.device), cache.w13, cache.w2)
+
         def compute(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
-            out[begin:end] = experts_compute(x[begin:end], torch.from_numpy(slots_h[begin:end]),
-                                             torch.from_numpy(gates_h[begin:end]).to(x.device), cache.w13, cache.w2)
+            out[begin:end] = experts_out(begin, end, slots_h, gates_h)
 
         plan = decide_layer(cache, self.policy, stats, layer, probs_h, weights_h, ids_h, self.token_base, compute)
         if self.predictor is not None and layer + 1 < a.num_layers:
             self._predict_next(layer, x, plan.experts, plan.gates)  # this token's slots stay protected
         cache.protected[:] = False
         if T == 1:  # decode: nothing was computed early, no need to go through `out`
-            return experts_compute(x, torch.from_numpy(plan.slots), torch.from_numpy(plan.gates).to(x.device),
-                                   cache.w13, cache.w2)
+            return experts_out(0, 1, plan.slots, plan.gates)
         compute(plan.owed_from, T, plan.slots, plan.gates)
         return out

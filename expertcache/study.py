@@ -15,6 +15,7 @@ from .cache import CacheConfig
 from .engine import Engine, EngineConfig
 from .generate import generate
 from .perplexity import EVAL_TEXT, PerplexityResult, perplexity
+from .policies import make_policy
 
 EVAL_SEGMENTS = EVAL_TEXT.with_suffix(".json")
 
@@ -135,7 +136,6 @@ def run_study(model: Path | None, cfg: StudyConfig, progress: Callable[[str, int
 
 
 def make_name(spec: str) -> str:
-    from .policies import make_policy
     return repr(make_policy(spec))
 
 
