@@ -101,7 +101,10 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     cache = CacheConfig(fraction=cfg.cache_fraction)
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache))
     floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0)))
-    ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8"))
+    need = cfg.prompt_tokens + cfg.forced_tokens + 1
+    ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
+    if len(ids) < need:
+        raise ValueError(f"the evaluation text gives {len(ids)} tokens, fewer than the {need} asked for")
     prompt, forced = ids[:cfg.prompt_tokens], ids[cfg.prompt_tokens:cfg.prompt_tokens + cfg.forced_tokens + 1]
     res = BenchResult(cfg.__dict__ | {"policies": list(cfg.policies), "slots_per_layer": engine.cache.per_layer,
                                        "experts": engine.args.num_experts, "warm": engine.warm})

@@ -128,7 +128,7 @@ def run_study(model: Path | None, cfg: StudyConfig, progress: Callable[[str, int
         ppl[spec] = perplexity(engine, seq.ids, cfg.context, reset=False,
                                progress=(lambda n, s=spec: progress(s, n)) if progress else None)
     base = ppl[BASELINE]
-    result.runs = {spec: {"name": str(make_name(spec)), **run_metrics(r, base, cfg)} for spec, r in ppl.items()}
+    result.runs = {spec: {"name": make_name(spec), **run_metrics(r, base, cfg)} for spec, r in ppl.items()}
     result.analyses = analyses(result.runs, seq, cfg)
     result.generation = generation_test(engine, seq, cfg, progress)
     engine.close()
