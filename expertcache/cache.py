@@ -1,6 +1,7 @@
-"""The fast tier: a fixed number of expert slots on the compute device and the maps
-between (layer, expert) and slot. Slots of one weight kind are one stacked tensor
-(w13 [S, 2F, H], w2 [S, H, F]), so the expert kernel indexes them like any expert stack."""
+"""The fast tier: a fixed number of expert slots on the compute device, the bookkeeping
+that maps (layer, expert) to slots (`cache_state.CacheState`), and the transfers that fill
+them. Slots of one weight kind are one stacked tensor (w13 [S, 2F, H], w2 [S, H, F]), so the
+expert kernel indexes them like any expert stack."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,8 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import decisions as kernel
+from .cache_state import LOGGING, N_LOG, CacheState
+from .policies import Scratch
 from .errors import CacheTooSmall, UnknownName
-from .eviction import make_eviction
 from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
 
@@ -40,104 +43,110 @@ def slots_per_layer(cfg: CacheConfig, shape: ExpertShape, fast_expert_bytes: int
 
 
 class ExpertCache:
-    """Slots and maps. With a store, slots are real tensors filled by real transfers; without
-    one (`shape` given instead) the cache is virtual: the same bookkeeping, no weights, and
-    transfers that complete at once (the simulator's cache)."""
+    """Slots, their bookkeeping and their transfers. With a store, slots are real tensors
+    filled by real transfers; without one (`shape` given instead) the cache is virtual: the
+    same bookkeeping, no weights, and transfers that complete at once (the simulator's)."""
 
     def __init__(self, cfg: CacheConfig, store: ExpertStore | None, top_k: int, device: torch.device | None,
                  dtype: torch.dtype, shape: ExpertShape | None = None, fetch_bytes: int | None = None):
         if cfg.quota not in ("layer", "global"):
             raise UnknownName(f"unknown quota {cfg.quota!r}; choose 'layer' or 'global'")
         shape = store.shape if store is not None else shape
-        self.shape, self.store, self.cfg = shape, store, cfg
+        self.shape, self.store, self.cfg, self.top_k = shape, store, cfg, top_k
         self.expert_bytes = shape.numel * dtype.itemsize  # in the fast tier
         self.fetch_bytes = store.expert_bytes if store is not None else fetch_bytes  # moved per fetch
         self.per_layer = slots_per_layer(cfg, shape, self.expert_bytes, top_k)
-        L, E, S = shape.num_layers, shape.num_experts, self.per_layer * shape.num_layers
+        S = self.per_layer * shape.num_layers
         self.num_slots = S
         virtual = store is None
         self.w13 = None if virtual else torch.zeros((S, *shape.w13), device=device, dtype=dtype)
         self.w2 = None if virtual else torch.zeros((S, *shape.w2), device=device, dtype=dtype)
-        self.slot_of = np.full((L, E), -1, dtype=np.int64)  # resident or in flight
-        self.owner = np.full(S, -1, dtype=np.int64)  # layer * E + expert
-        self.protected = np.zeros(S, dtype=bool)  # slots that may not be evicted right now
+        self.state = self._new_state()
+        self.scratch = Scratch.make(top_k, shape.num_experts)
         self.pending: dict[int, Transfer] = {}  # slot -> transfer in flight
-        self.eviction = make_eviction(cfg.eviction, S)
-        all_slots = np.arange(S)
-        self.layer_slots = [all_slots if cfg.quota == "global" else all_slots[l * self.per_layer:(l + 1) * self.per_layer]
-                            for l in range(L)]
         self.transfers = InstantTransfers() if virtual else TransferEngine(store, self.w13, self.w2, cfg.io_workers)
+
+    def _new_state(self) -> CacheState:
+        st = CacheState.make(self.shape.num_layers, self.shape.num_experts, self.per_layer, self.cfg.quota,
+                             self.cfg.eviction, self.top_k)
+        st.misc[LOGGING] = 1
+        return st.with_log(max(kernel.log_capacity(1, self.top_k), 2 * self.shape.num_experts + 2))
 
     @property
     def bytes(self) -> int:
         return self.num_slots * self.expert_bytes
 
-    # -- what policies see ---------------------------------------------------------------
-    def is_resident(self, layer: int, expert: int) -> bool:
-        s = self.slot_of[layer, expert]
-        return s >= 0 and s not in self.pending
+    @property
+    def slot_of(self) -> np.ndarray:
+        """[L, E] slot of each (layer, expert), resident or in flight; -1 if absent."""
+        return self.state.slot_of
 
-    def in_flight(self, layer: int, expert: int) -> bool:
-        s = self.slot_of[layer, expert]
-        return s >= 0 and s in self.pending
+    def too_small(self, layer: int) -> CacheTooSmall:
+        return CacheTooSmall(f"layer {layer}: every cache slot is needed by the current token; "
+                             "give the cache more slots")
 
-    def resident_mask(self, layer: int) -> np.ndarray:
-        """bool [E]: experts of `layer` usable now (in-flight ones excluded)."""
-        mask = self.slot_of[layer] >= 0
-        for slot in self.pending:
-            if self.owner[slot] // self.shape.num_experts == layer:
-                mask[self.owner[slot] % self.shape.num_experts] = False
-        return mask
+    # -- deciding ------------------------------------------------------------------------
+    def decide(self, policy, layer: int, logits: np.ndarray, weights: np.ndarray, ids: np.ndarray,
+               token_base: int, slots: np.ndarray, experts: np.ndarray, gates: np.ndarray) -> int:
+        """Decide one layer's tokens (the compiled loop) and log the actions to carry out;
+        returns the first token whose expert work is still owed."""
+        T, k = ids.shape
+        self.state = self.state.with_log(kernel.log_capacity(T, k))
+        L, E = self.shape.num_layers, self.shape.num_experts
+        owed_from = kernel.decide_layer(self.state, policy.params(), policy.bind(L, E), self.scratch,
+                                        layer, logits, ids, weights, token_base, slots, experts, gates)
+        if owed_from < 0:
+            raise self.too_small(layer)
+        return owed_from
 
-    # -- moving experts ------------------------------------------------------------------
-    def victim(self, layer: int) -> int:
-        """The slot that the next expert of `layer` will take (not yet evicted)."""
-        return self._victim(layer)
+    def prefetch(self, layer: int, experts: np.ndarray, clock: int) -> float:
+        """Start transfers of `experts` of `layer` that are not mapped yet."""
+        if not kernel.prefetch(self.state, layer, np.asarray(experts, np.int64), clock):
+            raise self.too_small(layer)
+        return self.carry_out()
 
-    def start(self, layer: int, expert: int, kind: str, slot: int | None = None) -> Transfer:
-        """Evict `slot` (default: the victim), remap it to (layer, expert) and start the
-        transfer; the caller waits on the slot when it needs the weights."""
-        slot = self._victim(layer) if slot is None else slot
-        old = self.owner[slot]
-        if old >= 0:
-            self.slot_of[old // self.shape.num_experts, old % self.shape.num_experts] = -1
-        self.owner[slot] = layer * self.shape.num_experts + expert
-        self.slot_of[layer, expert] = slot
-        self.eviction.insert(slot)
-        t = self.transfers.submit(layer, expert, slot, kind)
-        self.pending[slot] = t
-        return t
+    def carry_out(self, compute=None) -> float:
+        """Carry out the logged actions in order: start transfers, wait for them, run the
+        expert work owed before a slot is overwritten (`compute(begin, end)`). Returns the
+        seconds stalled."""
+        st, stall = self.state, 0.0
+        n = st.misc[N_LOG]
+        if not n:
+            return 0.0
+        E = self.shape.num_experts
+        for op, a, b, c in st.log[:n].tolist():
+            if op == kernel.LOAD:
+                self.pending[a] = self.transfers.submit(b // E, b % E, a, kernel.KINDS[c])
+            elif op == kernel.WAIT:
+                stall += self.wait(a)
+            elif op == kernel.FLUSH:
+                compute(a, b)
+            else:
+                stall += self.finish_all()
+        st.misc[N_LOG] = 0
+        return stall
 
-    def _victim(self, layer: int) -> int:
-        slots = self.layer_slots[layer]
-        blocked = self.protected.copy()
-        blocked[list(self.pending)] = True
-        if blocked[slots].all() and self.pending:  # only in-flight admissions left: let them land
-            self.finish_all()
-            blocked = self.protected
-        if blocked[slots].all():
-            raise CacheTooSmall(f"layer {layer}: every cache slot is needed by the current token; "
-                                "give the cache more slots")
-        return self.eviction.victim(slots, blocked)
-
+    # -- transfers -----------------------------------------------------------------------
     def wait(self, slot: int) -> float:
         """Block until `slot` holds its expert; returns the stall in seconds."""
         t = self.pending.pop(slot, None)
+        self.state.pending[slot] = False
         return self.transfers.wait(t) if t is not None else 0.0
 
     def poll(self) -> None:
-        """Retire finished background transfers so policies see them as resident."""
+        """Retire finished transfers so that decisions see them as resident."""
         for slot in [s for s, t in self.pending.items() if t.done()]:
-            self.transfers.wait(self.pending.pop(slot))
+            self.wait(slot)
 
     def finish_all(self) -> float:
         return sum(self.wait(s) for s in list(self.pending))
 
+    # -- residency -----------------------------------------------------------------------
     def fill(self, layer: int, experts) -> None:
         """Initial residency: load `experts` of `layer` synchronously, outside any statistics."""
-        for e in experts:
-            if self.slot_of[layer, e] < 0:
-                self.start(layer, int(e), "fill")
+        if not kernel.fill(self.state, layer, np.asarray(experts, np.int64)):
+            raise self.too_small(layer)
+        self.carry_out()
         self.finish_all()
 
     def warm(self, counts: np.ndarray) -> None:
@@ -147,10 +156,9 @@ class ExpertCache:
             self.fill(layer, np.argsort(-counts[layer], kind="stable")[:n])
 
     def clear(self) -> None:
+        """Empty the cache; takes up a changed eviction order."""
         self.finish_all()
-        self.slot_of[:] = -1
-        self.owner[:] = -1
-        self.eviction = make_eviction(self.cfg.eviction, self.num_slots)
+        self.state = self._new_state()
 
     def close(self) -> None:
         self.finish_all()

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from .checkpoint import open_checkpoint
 from .errors import CheckpointError
 from .models import model_args
-from .moe import route
+from .routing import route
 from .stores import RamStore
 from .transformer import Transformer
 from .weights import dense_weights
@@ -65,7 +65,7 @@ class RecordingMoE:
         self.counts = torch.zeros(L, E, dtype=torch.int64)
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-        _, weights, ids = route(x, router, self.top_k, self.norm_topk)
+        _, weights, ids = map(torch.from_numpy, route(x, router, self.top_k, self.norm_topk))
         out = torch.zeros_like(x)
         w13, w2 = self.store.w13[layer], self.store.w2[layer]
         for e in ids.unique().tolist():

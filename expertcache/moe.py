@@ -16,18 +16,10 @@ import torch.nn.functional as F
 
 from .cache import ExpertCache
 from .models.args import ModelArgs
-from .policies import MissPolicy, Route
+from .policies import MissPolicy
 from .predictors import Predictor
+from .routing import route, route_logits
 from .stats import RunStats
-
-
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
-    """x [T, H], router [E, H] -> probs [T, E] (fp32), weights [T, k], ids [T, k]."""
-    probs = F.softmax(x @ router.t(), dim=-1, dtype=torch.float32)
-    weights, ids = probs.topk(top_k, dim=-1)
-    if norm_topk:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return probs, weights, ids
 
 
 def experts_one_token(x, slots, weights, w13, w2):
@@ -73,87 +65,23 @@ class LayerPlan:
     owed_from: int  # tokens [owed_from, T) still need their expert work
 
 
-def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer: int, probs_h: np.ndarray,
+def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer: int, logits_h: np.ndarray,
                  weights_h: np.ndarray, ids_h: np.ndarray, token_base: int,
                  compute: Callable[[int, int, np.ndarray, np.ndarray], None]) -> LayerPlan:
-    """Decide one layer's tokens in order: the policy's decision, synchronous fetches, background
-    admissions, eviction bookkeeping and statistics. Shared by the engine and the simulator
-    (whose cache is virtual and whose `compute` does nothing).
-
-    Expert work is deferred: `compute(begin, end, slots, gates)` is called for tokens
-    [begin, end) before a slot they use is overwritten; the work of tokens [plan.owed_from, T)
-    is left to the caller, which can first start the next layer's prefetches.
-    """
+    """Decide one layer's tokens in order (the compiled decision kernel, shared with the
+    simulator) and carry out its actions: transfers, waits, and expert work that must run
+    before a slot it uses is overwritten (`compute(begin, end, slots, gates)` for tokens
+    [begin, end)). The work of tokens [plan.owed_from, T) is left to the caller, which can
+    first start the next layer's prefetches."""
     T, k = ids_h.shape
     slots_h = np.zeros((T, k), dtype=np.int64)
     exec_h = np.zeros((T, k), dtype=np.int64)
     gates_h = np.zeros((T, k), dtype=np.float32)
-    owes = np.zeros(cache.num_slots, dtype=bool)  # slots with deferred compute
-    seg = 0
-
-    def flush(end: int) -> None:
-        nonlocal seg
-        if end > seg:
-            compute(seg, end, slots_h, gates_h)
-            stats.segments += 1
-        seg, owes[:] = end, False
-
-    def load(t: int, e: int, kind: str) -> int:
-        slot = cache.victim(layer)
-        if owes[slot]:  # its old expert still owes work to earlier tokens: do it first
-            flush(t)
-        cache.start(layer, e, kind, slot)
-        return slot
-
     cache.poll()
-    slot_of, fast = cache.slot_of[layer], policy.hits_run_as_routed
-    for t in range(T):
-        cache.eviction.clock = token_base + t
-        if fast:  # every routed expert resident: no decision to make
-            slots = slot_of[ids_h[t]]
-            if (slots >= 0).all() and not (cache.pending and any(s in cache.pending for s in slots.tolist())):
-                stats.moe_calls += 1
-                stats.routed += k
-                stats.hits += k
-                cache.eviction.touch_many(slots)
-                slots_h[t], exec_h[t], gates_h[t] = slots, ids_h[t], weights_h[t]
-                owes[slots] = True
-                continue
-        r = Route(layer, ids_h[t], weights_h[t], probs_h[t])
-        hits = sum(cache.is_resident(layer, e) for e in r.experts.tolist())
-        d = policy.decide(r, cache)
-        stats.moe_calls += 1
-        stats.routed += k
-        stats.hits += hits
-        stats.misses += k - hits
-        if d.substituted:
-            stats.substitutions += d.substituted
-            stats.substituted_calls += 1
-            stats.substituted_mass += d.substituted_mass
-        cache.protected[:] = False
-        for e in d.experts:
-            if cache.slot_of[layer, e] >= 0:
-                cache.protected[cache.slot_of[layer, e]] = True
-        for e in d.fetch:
-            if cache.slot_of[layer, e] < 0:
-                cache.protected[load(t, e, "fetch")] = True
-                stats.sync_fetches += 1
-                stats.sync_fetch_bytes += cache.fetch_bytes
-        for e in d.admit:
-            if cache.slot_of[layer, e] < 0:
-                load(t, e, "admit")
-                stats.background_fetches += 1
-                stats.background_bytes += cache.fetch_bytes
-        for j, (e, w) in enumerate(zip(d.experts, d.weights)):
-            slot = cache.slot_of[layer, e]
-            stats.stall_s += cache.wait(slot)  # fetched now, or still arriving from a prefetch
-            cache.eviction.touch(slot)
-            slots_h[t, j], exec_h[t, j], gates_h[t, j] = slot, e, w
-            owes[slot] = True
-        for j in range(len(d.experts), k):  # fewer executed than routed: zero-weight padding
-            slots_h[t, j], exec_h[t, j], gates_h[t, j] = slots_h[t, 0], exec_h[t, 0], 0.0
-    stats.segments += 1  # the caller computes tokens [seg, T)
-    return LayerPlan(slots_h, exec_h, gates_h, seg)
+    owed_from = cache.decide(policy, layer, logits_h, weights_h, ids_h, token_base, slots_h, exec_h, gates_h)
+    stats.stall_s += cache.carry_out(lambda begin, end: compute(begin, end, slots_h, gates_h))
+    stats.absorb(cache.state, cache.fetch_bytes)
+    return LayerPlan(slots_h, exec_h, gates_h, owed_from)
 
 
 @dataclass(frozen=True)
@@ -173,7 +101,7 @@ class MoELayerRunner:
         self.predictor: Predictor | None = None
         self.prefetch = PrefetchConfig()
         self.resid: torch.Tensor | None = None  # residual after the current layer's attention
-        self.predicted: tuple | None = None  # (probs, weights, ids) predicted for the next layer
+        self.predicted: tuple | None = None  # (logits, weights, ids) predicted for the next layer
 
     def observe_residual(self, layer: int, h: torch.Tensor) -> None:
         """The transformer's hook after each layer's attention."""
@@ -184,30 +112,21 @@ class MoELayerRunner:
         dev = x.device
         logits = self.predictor.logits(layer, self.resid, x, torch.from_numpy(exec_ids).to(dev),
                                        torch.from_numpy(gates).to(dev))
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = probs.topk(a.top_k, dim=-1)
-        if a.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        self.predicted = (probs, weights, ids)
+        self.predicted = route_logits(logits.float().cpu().numpy(), a.top_k, a.norm_topk_prob)
         if x.shape[0] != 1:  # prefetching ahead is a decode-time pipeline
             return
         budget = self.prefetch.budget or a.top_k
-        for e in ids[0, :budget].tolist():
-            if cache.slot_of[layer + 1, e] < 0:
-                cache.start(layer + 1, e, "prefetch")
-                self.stats.prefetch_fetches += 1
-                self.stats.prefetch_bytes += cache.fetch_bytes
+        self.stats.stall_s += cache.prefetch(layer + 1, self.predicted[2][0, :budget], self.token_base)
+        self.stats.absorb(cache.state, cache.fetch_bytes)
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed MoE input) -> routed experts' combined output [T, H]."""
         a, cache, stats = self.args, self.cache, self.stats
         if self.prefetch.mode == "speculative" and layer > 0 and self.predicted is not None:
-            probs, weights, ids = self.predicted  # the true router is skipped
-        else:
-            probs, weights, ids = route(x, router, a.top_k, a.norm_topk_prob)
+            logits_h, weights_h, ids_h = self.predicted  # the true router is skipped
+        else:  # the one host sync of the layer: decisions need the routes on the host
+            logits_h, weights_h, ids_h = route(x, router, a.top_k, a.norm_topk_prob)
         self.predicted = None
-        # The one host sync of the layer: decisions need the routes on the host.
-        probs_h, weights_h, ids_h = probs.cpu().numpy(), weights.cpu().numpy(), ids.cpu().numpy()
         T = ids_h.shape[0]
         out = torch.empty_like(x)
 
@@ -218,10 +137,9 @@ class MoELayerRunner:
         def compute(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
             out[begin:end] = experts_out(begin, end, slots_h, gates_h)
 
-        plan = decide_layer(cache, self.policy, stats, layer, probs_h, weights_h, ids_h, self.token_base, compute)
+        plan = decide_layer(cache, self.policy, stats, layer, logits_h, weights_h, ids_h, self.token_base, compute)
         if self.predictor is not None and layer + 1 < a.num_layers:
             self._predict_next(layer, x, plan.experts, plan.gates)  # this token's slots stay protected
-        cache.protected[:] = False
         if T == 1:  # decode: nothing was computed early, no need to go through `out`
             return experts_out(0, 1, plan.slots, plan.gates)
         compute(plan.owed_from, T, plan.slots, plan.gates)

@@ -1,17 +1,29 @@
 """Miss policies: for one MoE call (one token at one layer), which routed experts run,
 which misses are fetched now, which are substituted by which resident expert, and what
-is admitted in the background. The engine, the emulation and the simulator share them.
+is admitted in the background.
 
-A policy is selected by a spec string, `name` or `name:key=value,key=value`.
+The decision itself is one compiled function (`decide`) over a parameter vector, shared by
+the engine (a layer at a time) and the simulator (a whole trace per call); the classes
+below parse specs, validate parameters and name them. A policy is selected by a spec
+string, `name` or `name:key=value,key=value`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple
 
 import numpy as np
 
+from .compiled import compiled
+from .cache_state import GLOBAL_QUOTA
 from .errors import UnknownName
+from .routing import top_m, value
+
+# The parameter vector read by `decide`.
+KIND, RULE, SUB, WINDOW, BETA, TAU, LO, HI, TOP_J, TOP_M = range(10)
+FETCH_ALL, SUBSTITUTING, CONDITIONAL = 0, 1, 2  # KIND
+NEVER, THRESHOLD, FIRST_CHOICE, BAND = 0, 1, 2, 3  # RULE: which misses a substituting policy fetches
+SUBSTITUTES = ("best", "drop", "window")  # SUB, by index
 
 
 @dataclass
@@ -33,114 +45,99 @@ class Decision:
     substituted_mass: float = 0.0  # their summed gate weight
 
 
-class CacheView(Protocol):
-    def is_resident(self, layer: int, expert: int) -> bool: ...
-    def in_flight(self, layer: int, expert: int) -> bool: ...
-    def resident_mask(self, layer: int) -> np.ndarray: ...
+class Scratch(NamedTuple):
+    """Working arrays of one decision (allocated once, not per call)."""
+    exec_e: np.ndarray  # [k] executed experts
+    exec_w: np.ndarray  # [k] their weights
+    fetch: np.ndarray  # [k]
+    admit: np.ndarray  # [k]
+    missed: np.ndarray  # [k] ranks to substitute
+    keep: np.ndarray  # [k] bool: rank runs its routed expert
+    sub_e: np.ndarray  # [k] substitute per rank, -1: none
+    order: np.ndarray  # [E] top-m selections
+    order_v: np.ndarray  # [E]
+    mark: np.ndarray  # [E] bool
+    routed: np.ndarray  # [E] bool
+    cand_e: np.ndarray  # [k] best substitutes
+    cand_v: np.ndarray  # [k]
+    comp: np.ndarray  # [E] int64, for top_m on float16 rows
+    block_max: np.ndarray  # [E / 16 + 1] int64
+
+    @classmethod
+    def make(cls, k: int, E: int) -> Scratch:
+        return cls(np.zeros(k, np.int64), np.zeros(k), np.zeros(k, np.int64), np.zeros(k, np.int64),
+                   np.zeros(k, np.int64), np.zeros(k, bool), np.zeros(k, np.int64), np.zeros(E, np.int64),
+                   np.zeros(E), np.zeros(E, bool), np.zeros(E, bool), np.zeros(k, np.int64), np.zeros(k),
+                   np.zeros(E, np.int64), np.zeros(E // 16 + 1, np.int64))
 
 
 class MissPolicy:
     """Base: fetch every miss. Output identical to the full model."""
     name = "fetch-all"
+    kind = FETCH_ALL
     eviction = "lru"  # the eviction order this policy prefers unless one is given
-    hits_run_as_routed = True  # when every routed expert is resident, the routed set runs unchanged
 
-    def decide(self, route: Route, cache: CacheView) -> Decision:
-        experts = route.experts.tolist()
-        fetch = [e for e in experts if not cache.is_resident(route.layer, e)]
-        return Decision(experts, route.weights.tolist(), fetch)
+    def __init__(self):
+        self.account: np.ndarray | None = None  # [L, E] substituted mass towards admission
+
+    def params(self) -> np.ndarray:
+        p = np.zeros(10)
+        p[KIND] = self.kind
+        return p
+
+    def bind(self, num_layers: int, num_experts: int) -> np.ndarray:
+        """The per-expert state `decide` carries between calls, sized for a model."""
+        if self.account is None or self.account.shape != (num_layers, num_experts):
+            self.account = np.zeros((num_layers, num_experts))
+        return self.account
 
     def reset(self) -> None:
         """Forget state carried between calls (start of a run)."""
+        if self.account is not None:
+            self.account[:] = 0.0
+
+    def decide(self, route: Route, cache) -> Decision:
+        """One decision against `cache` (an ExpertCache), without changing the cache: the
+        compiled `decide` seen from Python, for tests and exploration."""
+        st, E = cache.state, cache.shape.num_experts
+        sc = Scratch.make(len(route.experts), E)
+        n_exec, n_fetch, n_admit, subst, mass = decide(
+            self.params(), self.bind(cache.shape.num_layers, E), st, sc, route.layer,
+            np.asarray(route.probs, np.float32), None, False, np.asarray(route.experts, np.int64),
+            np.asarray(route.weights, np.float32))
+        return Decision(sc.exec_e[:n_exec].tolist(), sc.exec_w[:n_exec].tolist(), sc.fetch[:n_fetch].tolist(),
+                        sc.admit[:n_admit].tolist(), subst, mass)
 
     def __repr__(self) -> str:
         return self.name
 
 
-SUBSTITUTES = ("best", "drop", "window")
-
-
 class SubstitutingPolicy(MissPolicy):
-    """Substitutes the misses `should_fetch` declines.
+    """Substitutes the misses its rule declines to fetch.
 
     sub=best: the best-ranked resident expert (by router probability) not already selected
     for the token runs in the missed expert's place with its weight; sub=drop: the miss is
     dropped and the kept weights renormalised; sub=window: like best, but only within the
-    router's top-`window` ranks. A miss with no resident substitute is fetched.
+    router's top-`window` ranks. A miss with no resident substitute is fetched. An expert
+    already in flight (prefetched, admitted) is waited for, never substituted: cheaper than
+    a new fetch, and exact.
     beta > 0: background admission; each expert accumulates the gate mass it was substituted
     with and is admitted off the critical path once that reaches beta.
     """
+    kind, rule = SUBSTITUTING, NEVER
 
     def __init__(self, sub: str = "best", window: float = 0, beta: float = 0.0):
+        super().__init__()
         if sub not in SUBSTITUTES:
             raise UnknownName(f"unknown substitute choice {sub!r}; choose one of {', '.join(SUBSTITUTES)}")
         if sub == "window" and window < 1:
             raise UnknownName("sub=window needs window=M (the router's top-M ranks), e.g. window=16")
         self.sub, self.window, self.beta = sub, int(window), float(beta)
-        self.account: dict[tuple[int, int], float] = {}
 
-    def reset(self) -> None:
-        self.account.clear()
-
-    def should_fetch(self, rank: int, weight: float) -> bool:
-        return False
-
-    def decide(self, route: Route, cache: CacheView) -> Decision:
-        layer, k = route.layer, len(route.experts)
-        routed, weights = route.experts.tolist(), route.weights.tolist()
-        resident = [cache.is_resident(layer, e) for e in routed]
-        if all(resident):
-            return Decision(routed, weights, [])
-        # An expert already in flight (prefetched, admitted) is waited for: cheaper than a
-        # new fetch and exact, so it is never substituted.
-        missed = [j for j in range(k) if not resident[j] and not cache.in_flight(layer, routed[j])
-                  and not self.should_fetch(j, weights[j])]
-        fetch = [routed[j] for j in range(k) if not resident[j] and j not in missed]
-        experts = {j: routed[j] for j in range(k) if j not in missed}
-        if missed and self.sub == "drop" and not experts:  # nothing would be left: fetch the first choice
-            experts[missed[0]] = routed[missed[0]]
-            fetch.append(routed[missed.pop(0)])
-        substituted, mass, admit = 0, 0.0, []
-        if missed and self.sub != "drop":
-            usable = cache.resident_mask(layer).copy()
-            usable[routed] = False  # never a second copy of an expert the token already routes to
-            if self.sub == "window":
-                inside = np.zeros_like(usable)
-                inside[np.argsort(-route.probs, kind="stable")[: self.window]] = True
-                usable &= inside
-            candidates = np.where(usable, route.probs, -1.0)
-            for j in missed:
-                best = int(candidates.argmax())
-                if candidates[best] < 0:  # no resident expert left to substitute: fetch
-                    experts[j] = routed[j]
-                    fetch.append(routed[j])
-                    continue
-                candidates[best] = -1.0
-                experts[j] = best
-                substituted += 1
-                mass += weights[j]
-                admit += self._account(layer, routed[j], weights[j])
-        elif missed:  # drop and renormalise
-            substituted, mass = len(missed), sum(weights[j] for j in missed)
-            for j in missed:
-                admit += self._account(layer, routed[j], weights[j])
-        order = sorted(experts)
-        kept = [weights[j] for j in order]
-        if self.sub == "drop" and missed:
-            total = sum(kept)
-            kept = [w / total for w in kept]
-        return Decision([experts[j] for j in order], kept, fetch, admit, substituted, mass)
-
-    def _account(self, layer: int, expert: int, weight: float) -> list[int]:
-        if self.beta <= 0:
-            return []
-        key = (layer, expert)
-        total = self.account.get(key, 0.0) + weight
-        if total >= self.beta:
-            self.account[key] = 0.0
-            return [expert]
-        self.account[key] = total
-        return []
+    def params(self) -> np.ndarray:
+        p = super().params()
+        p[RULE], p[SUB], p[WINDOW], p[BETA] = self.rule, SUBSTITUTES.index(self.sub), self.window, self.beta
+        return p
 
 
 class SubstituteAll(SubstitutingPolicy):
@@ -149,14 +146,16 @@ class SubstituteAll(SubstitutingPolicy):
 
 class ThresholdRule(SubstitutingPolicy):
     """Fetch a miss if it is the first choice or its gate weight is >= tau."""
-    name = "threshold"
+    name, rule = "threshold", THRESHOLD
 
     def __init__(self, tau: float = 0.15, **kw):
         super().__init__(**kw)
         self.tau = tau
 
-    def should_fetch(self, rank, weight):
-        return rank == 0 or weight >= self.tau
+    def params(self):
+        p = super().params()
+        p[TAU] = self.tau
+        return p
 
     def __repr__(self):
         return f"{self.name}(tau={self.tau:g})"
@@ -164,23 +163,22 @@ class ThresholdRule(SubstitutingPolicy):
 
 class FirstChoice(SubstitutingPolicy):
     """Fetch only a missed first choice."""
-    name = "first-choice"
-
-    def should_fetch(self, rank, weight):
-        return rank == 0
+    name, rule = "first-choice", FIRST_CHOICE
 
 
 class WeightBand(SubstitutingPolicy):
     """Substitute exactly the misses whose gate weight lies in [lo, hi), first choices
     included; fetch the rest. Used to compare few heavy against many light substitutions."""
-    name = "band"
+    name, rule = "band", BAND
 
     def __init__(self, lo: float = 0.0, hi: float = 1.01, **kw):
         super().__init__(**kw)
         self.lo, self.hi = lo, hi
 
-    def should_fetch(self, rank, weight):
-        return not self.lo <= weight < self.hi
+    def params(self):
+        p = super().params()
+        p[LO], p[HI] = self.lo, self.hi
+        return p
 
     def __repr__(self):
         return f"band(lo={self.lo:g},hi={self.hi:g})"
@@ -190,27 +188,222 @@ class CacheConditional(MissPolicy):
     """Cache-conditional routing: keep the router's top-j (fetched if missing) and fill the
     other k-j places with the best-ranked resident experts within the top-m, fetching in rank
     order when too few are resident. Kept weights are the router's, renormalised."""
-    name = "conditional"
-    hits_run_as_routed = False  # it renormalises the router's probabilities itself
+    name, kind = "conditional", CONDITIONAL
 
     def __init__(self, j: float = 2, m: float = 16):
+        super().__init__()
         self.j, self.m = int(j), int(m)
 
-    def decide(self, route: Route, cache: CacheView) -> Decision:
-        layer, k = route.layer, len(route.experts)
-        order = np.argsort(-route.probs, kind="stable")[: max(self.m, k)]
-        chosen = [int(e) for e in order[: self.j]]
-        resident = cache.resident_mask(layer)
-        chosen += [int(e) for e in order[self.j:] if resident[e]][: k - len(chosen)]
-        chosen += [int(e) for e in order[self.j:] if int(e) not in chosen][: k - len(chosen)]
-        probs = route.probs[chosen]
-        weights = (probs / probs.sum()).tolist()
-        dropped = [j for j, e in enumerate(route.experts.tolist()) if e not in chosen]
-        fetch = [e for e in chosen if not cache.is_resident(layer, e)]
-        return Decision(chosen, weights, fetch, [], len(dropped), float(route.weights[dropped].sum()))
+    def params(self):
+        p = super().params()
+        p[TOP_J], p[TOP_M] = self.j, self.m
+        return p
 
     def __repr__(self):
         return f"conditional(j={self.j},m={self.m})"
+
+
+# -- the compiled decision ------------------------------------------------------------------
+@compiled
+def resident(st, layer, e):
+    s = st.slot_of[layer, e]
+    return s >= 0 and not st.pending[s]
+
+
+@compiled
+def _should_fetch(p, rank, w):
+    rule = p[RULE]
+    if rule == THRESHOLD:
+        return rank == 0 or w >= p[TAU]
+    if rule == FIRST_CHOICE:
+        return rank == 0
+    if rule == BAND:
+        return not (p[LO] <= w < p[HI])
+    return False
+
+
+@compiled
+def _account(p, account, layer, e, w, admit, n_admit):
+    """Add w to e's substituted mass; admit e once it reaches beta."""
+    if p[BETA] <= 0:
+        return n_admit
+    total = account[layer, e] + w
+    if total >= p[BETA]:
+        account[layer, e] = 0.0
+        admit[n_admit] = e
+        return n_admit + 1
+    account[layer, e] = total
+    return n_admit
+
+
+@compiled
+def _best_substitutes(p, st, sc, layer, row, table, ids, n):
+    """The n best resident experts of `layer` by router score (not in flight, not routed,
+    within the top-window ranks for sub=window) into sc.cand_e / sc.cand_v, best first, ties
+    to the lower expert id; returns how many there are (<= n)."""
+    E = st.slot_of.shape[1]
+    window = p[SUB] == 2
+    if window:
+        top_m(row, table, int(p[WINDOW]), sc.order, sc.order_v, sc.comp, sc.block_max)
+        for i in range(int(p[WINDOW])):
+            sc.mark[sc.order[i]] = True
+    for j in range(len(ids)):
+        sc.routed[ids[j]] = True
+    found = 0
+    lo, hi = st.slot_lo[layer], st.slot_hi[layer]
+    per_layer = not st.misc[GLOBAL_QUOTA]
+    for i in range(hi - lo if per_layer else E):
+        if per_layer:  # the layer's own slots: each holds an expert of this layer, or nothing
+            s = lo + i
+            e = st.owner[s] - layer * E
+            if e < 0:
+                continue
+        else:  # a global quota: the layer's experts
+            e = i
+            s = st.slot_of[layer, e]
+            if s < 0:
+                continue
+        if st.pending[s] or sc.routed[e] or (window and not sc.mark[e]):
+            continue
+        v = value(row, table, e)
+        if found == n and not (v > sc.cand_v[n - 1] or (v == sc.cand_v[n - 1] and e < sc.cand_e[n - 1])):
+            continue
+        pos = found if found < n else n - 1
+        found = min(found + 1, n)
+        while pos > 0 and (sc.cand_v[pos - 1] < v or (sc.cand_v[pos - 1] == v and sc.cand_e[pos - 1] > e)):
+            sc.cand_v[pos], sc.cand_e[pos] = sc.cand_v[pos - 1], sc.cand_e[pos - 1]
+            pos -= 1
+        sc.cand_v[pos], sc.cand_e[pos] = v, e
+    for j in range(len(ids)):
+        sc.routed[ids[j]] = False
+    if window:
+        for i in range(int(p[WINDOW])):
+            sc.mark[sc.order[i]] = False
+    return found
+
+
+@compiled
+def decide(p, account, st, sc, layer, row, table, logits, ids, w):
+    """One MoE call. p: a policy's params(); account: its [L, E] state; st: the cache state;
+    sc: scratch; row [E]: the router's probabilities, or its logits when `logits` (only the
+    order and probability ratios are used), read through `table` (see `value`); ids, w [k]: the routed experts and gate weights.
+
+    Writes the executed experts and weights to sc.exec_e / sc.exec_w, the synchronous
+    fetches to sc.fetch and background admissions to sc.admit; returns
+    (executed, fetches, admissions, substituted, substituted mass)."""
+    k = len(ids)
+    kind = p[KIND]
+    if kind == CONDITIONAL:
+        return _conditional(p, st, sc, layer, row, table, logits, ids, w)
+    n_fetch = 0
+    for j in range(k):
+        sc.exec_e[j], sc.exec_w[j] = ids[j], w[j]
+        if not resident(st, layer, ids[j]):
+            sc.fetch[n_fetch] = ids[j]
+            n_fetch += 1
+    if kind == FETCH_ALL or n_fetch == 0:
+        return k, n_fetch, 0, 0, 0.0
+    # Substituting: which misses to fetch (first rule, in-flight ones) and which to substitute.
+    n_fetch, n_missed, n_kept = 0, 0, 0
+    for j in range(k):
+        e = ids[j]
+        sc.sub_e[j] = -1
+        s = st.slot_of[layer, e]
+        if s >= 0 and not st.pending[s]:
+            sc.keep[j] = True
+        elif s >= 0 or _should_fetch(p, j, w[j]):
+            sc.keep[j] = True
+            sc.fetch[n_fetch] = e
+            n_fetch += 1
+        else:
+            sc.keep[j] = False
+            sc.missed[n_missed] = j
+            n_missed += 1
+        n_kept += sc.keep[j]
+    first = 0  # missed[first:] are still to be substituted
+    drop = p[SUB] == 1
+    if drop and n_kept == 0:  # nothing would be left: fetch the first choice
+        j = sc.missed[0]
+        sc.keep[j] = True
+        sc.fetch[n_fetch] = ids[j]
+        n_fetch += 1
+        first = 1
+    substituted, mass, n_admit = 0, 0.0, 0
+    if not drop:
+        n_cand = _best_substitutes(p, st, sc, layer, row, table, ids, n_missed - first)
+        for i in range(first, n_missed):
+            j, c = sc.missed[i], i - first
+            if c >= n_cand:  # no resident expert left to substitute: fetch
+                sc.keep[j] = True
+                sc.fetch[n_fetch] = ids[j]
+                n_fetch += 1
+                continue
+            sc.sub_e[j] = sc.cand_e[c]
+            substituted += 1
+            mass += w[j]
+            n_admit = _account(p, account, layer, ids[j], w[j], sc.admit, n_admit)
+    else:
+        for i in range(first, n_missed):
+            j = sc.missed[i]
+            substituted += 1
+            mass += w[j]
+            n_admit = _account(p, account, layer, ids[j], w[j], sc.admit, n_admit)
+    n_exec, kept = 0, 0.0
+    for j in range(k):
+        if sc.keep[j] or sc.sub_e[j] >= 0:
+            sc.exec_e[n_exec] = ids[j] if sc.keep[j] else sc.sub_e[j]
+            sc.exec_w[n_exec] = w[j]
+            kept += w[j]
+            n_exec += 1
+    if drop and substituted:
+        for i in range(n_exec):
+            sc.exec_w[i] /= kept
+    return n_exec, n_fetch, n_admit, substituted, mass
+
+
+@compiled
+def _conditional(p, st, sc, layer, row, table, logits, ids, w):
+    k = len(ids)
+    J, M = int(p[TOP_J]), max(int(p[TOP_M]), k)
+    top_m(row, table, M, sc.order, sc.order_v, sc.comp, sc.block_max)
+    n = 0
+    for i in range(J):
+        sc.exec_e[n] = sc.order[i]
+        n += 1
+    for i in range(J, M):
+        if n < k and resident(st, layer, sc.order[i]):
+            sc.exec_e[n] = sc.order[i]
+            n += 1
+    for i in range(J, M):
+        if n >= k:
+            break
+        taken = False
+        for c in range(n):
+            taken |= sc.exec_e[c] == sc.order[i]
+        if not taken:
+            sc.exec_e[n] = sc.order[i]
+            n += 1
+    total, n_fetch = 0.0, 0
+    for c in range(n):
+        e = sc.exec_e[c]
+        q = value(row, table, e)
+        q = np.exp(q - sc.order_v[0]) if logits else q
+        sc.exec_w[c] = q
+        total += q
+        if not resident(st, layer, e):
+            sc.fetch[n_fetch] = e
+            n_fetch += 1
+    for c in range(n):
+        sc.exec_w[c] /= total
+    substituted, mass = 0, 0.0
+    for j in range(k):
+        kept = False
+        for c in range(n):
+            kept |= sc.exec_e[c] == ids[j]
+        if not kept:
+            substituted += 1
+            mass += w[j]
+    return n, n_fetch, 0, substituted, mass
 
 
 POLICIES: dict[str, type[MissPolicy]] = {

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .calibrate import RecordingMoE, load_default_vectors, run_exact
-from .moe import route
+from .routing import route
 from .predictors import Estimator, EstimatorNet, Predictor, QuasiHidden, make_predictor, save_estimator
 from .transformer import Transformer
 
@@ -38,8 +38,7 @@ class _Recorder(RecordingMoE):
         self.resid_now = h
 
     def __call__(self, layer, x, router):
-        logits = x @ router.t()
-        _, w, ids = route(x, router, self.top_k, self.norm_topk)
+        logits, w, ids = map(torch.from_numpy, route(x, router, self.top_k, self.norm_topk))
         r = self.rows[layer]
         for key, val in (("resid", self.resid_now), ("x", x), ("ids", ids), ("weights", w), ("logits", logits)):
             r[key].append(val.clone())

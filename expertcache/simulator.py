@@ -1,10 +1,13 @@
 """Replay miss policies on a router-logit trace (instrument 2).
 
-The replay runs the engine's own decision loop (`moe.decide_layer`) on a virtual cache:
-the same policies, eviction orders and statistics, without weights or transfers. Routing
-never diverges in a replay: after a substitution the engine's later routing changes (the
-hidden state differs), the trace's does not. With fetch-every-miss the counts equal the
-engine's exactly on the same text and windows.
+The replay runs the engine's own decision kernel (`decisions.decide_token`) on a virtual
+cache: the same policies, eviction orders and counters, without weights or transfers, and
+compiled end to end: routing from the trace's logits, decisions and bookkeeping run in one
+call per policy. Transfers land at once: an admission made during a window of tokens is in
+flight for the rest of that window at that layer, as it would be if the engine's transfer
+outlasted the window. Routing never diverges in a replay: after a substitution the
+engine's later routing changes (the hidden state differs), the trace's does not. With
+fetch-every-miss the counts equal the engine's exactly on the same text and windows.
 """
 from __future__ import annotations
 
@@ -14,12 +17,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .compiled import compiled
 from .cache import CacheConfig, ExpertCache
-from .moe import decide_layer
-from .policies import make_policy
+from .cache_state import LOGGING, SEGMENTS
+from .decisions import begin_call, decide_token
+from .errors import CacheTooSmall
+from .policies import Scratch, make_policy
+from .routing import HALF_TO_FLOAT, route_row
 from .stats import RunStats
 from .stores import ExpertShape
 from .trace import Trace
+
 
 
 @dataclass
@@ -36,18 +44,65 @@ class Replay:
         return self.events / self.seconds if self.seconds else 0.0
 
 
-def _route(logits: np.ndarray, top_k: int, norm: bool):
-    """logits [T, E] -> probs [T, E], weights [T, k], ids [T, k], as moe.route does in fp32."""
-    probs = torch.softmax(torch.from_numpy(np.array(logits, dtype=np.float32)), dim=-1)
-    w, ids = probs.topk(top_k, dim=-1)
-    if norm:
-        w = w / w.sum(-1, keepdim=True)
-    return probs.numpy(), w.numpy(), ids.numpy()
+@compiled
+def _route_all(logits, table, norm, ids, weights, vals, comp, block_max):
+    N, L, E = logits.shape
+    for n in range(N):
+        for layer in range(L):
+            route_row(logits[n, layer], table, norm, ids[n, layer], vals, weights[n, layer], comp, block_max)
+
+
+@dataclass
+class Routes:
+    """A trace's routing, computed once and shared by every replay of the trace."""
+    ids: np.ndarray  # [N, L, k] int64 routed experts in rank order
+    weights: np.ndarray  # [N, L, k] float32 gate weights
+    seconds: float  # time it took
+
+
+def logit_rows(trace: Trace) -> tuple[np.ndarray, np.ndarray | None]:
+    """The trace's logits as the kernel reads them: float16 as bit patterns with their table."""
+    logits = np.asarray(trace.logits)
+    if logits.dtype == np.float16:
+        return logits.view(np.uint16), HALF_TO_FLOAT
+    return logits, None
+
+
+def route_trace(trace: Trace) -> Routes:
+    h = trace.header
+    logits, table = logit_rows(trace)
+    N, L, E = logits.shape
+    k = h["top_k"]
+    ids, weights = np.empty((N, L, k), np.int64), np.empty((N, L, k), np.float32)
+    start = time.perf_counter()
+    _route_all(logits, table, bool(h["norm_topk_prob"]), ids, weights, np.empty(k), np.empty(E, np.int64),
+               np.empty(E // 16 + 1, np.int64))
+    return Routes(ids, weights, time.perf_counter() - start)
+
+
+@compiled
+def _replay(st, p, account, sc, logits, table, ids, weights, context, slots, experts, gates):
+    """Every window of `context` tokens, layer by layer, token by token; -1 on success, else
+    the layer whose cache was too small. slots, experts, gates [k]: working arrays."""
+    N, L, E = logits.shape
+    for w0 in range(0, N, context):
+        T = min(context, N - w0)
+        for layer in range(L):
+            st.pending[:] = False  # every transfer has landed by the next layer call
+            begin_call(st)
+            for t in range(T):
+                n = w0 + t
+                if not decide_token(st, p, account, sc, layer, t, n, logits[n, layer], table, True, ids[n, layer],
+                                    weights[n, layer], slots, experts, gates):
+                    return layer
+            st.counts[SEGMENTS] += 1
+    return -1
 
 
 def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), eviction: str | None = None,
-           counts: np.ndarray | None = None, fetch_dtype_bytes: int = 2) -> Replay:
-    """Replay `policy` over the trace's windows in order; `counts` [L, E] gives a warm start."""
+           counts: np.ndarray | None = None, fetch_dtype_bytes: int = 2, routes: Routes | None = None) -> Replay:
+    """Replay `policy` over the trace's windows in order; `counts` [L, E] gives a warm start;
+    `routes` (route_trace) saves routing the trace again."""
     h = trace.header
     L, E, k = h["num_layers"], h["num_experts"], h["top_k"]
     hidden, numel = h["hidden_size"], h["expert_params"]
@@ -58,16 +113,18 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     vc = ExpertCache(cfg, None, k, None, torch.float32, shape=shape, fetch_bytes=numel * fetch_dtype_bytes)
     if counts is not None:
         vc.warm(counts)
-    stats = RunStats()
-    nothing = lambda *a: None  # noqa: E731
-    context, N = h["context"], trace.num_tokens
+    st = vc.state
+    st.misc[LOGGING] = 0  # nothing carries actions out
+    routes = routes or route_trace(trace)
+    logits, table = logit_rows(trace)
     start = time.perf_counter()
-    for w0 in range(0, N, context):
-        window = np.asarray(trace.logits[w0:w0 + context])
-        for layer in range(L):
-            probs, weights, ids = _route(window[:, layer], k, h["norm_topk_prob"])
-            decide_layer(vc, pol, stats, layer, probs, weights, ids, w0, nothing)
-        stats.tokens += len(window)
+    failed = _replay(st, pol.params(), pol.bind(L, E), Scratch.make(k, E), logits, table, routes.ids,
+                     routes.weights, int(h["context"]), np.empty(k, np.int64), np.empty(k, np.int64),
+                     np.empty(k, np.float32))
     seconds = time.perf_counter() - start
-    return Replay(policy, cache.fraction, stats, seconds, N * L * k)
-
+    if failed >= 0:
+        raise CacheTooSmall(f"layer {failed}: every cache slot is needed by the current token; "
+                            "give the cache more slots")
+    stats = RunStats(tokens=trace.num_tokens)
+    stats.absorb(st, vc.fetch_bytes)
+    return Replay(policy, cache.fraction, stats, seconds, trace.num_tokens * L * k)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .cache_state import BACKGROUND, COUNTERS, PREFETCHES, SYNC_FETCHES
+
 
 @dataclass
 class RunStats:
@@ -24,6 +26,20 @@ class RunStats:
     stall_s: float = 0.0  # time blocked waiting on transfers
     wall_s: float = 0.0  # time in model forward calls
     peak_memory_bytes: int = 0
+
+    def absorb(self, state, fetch_bytes: int) -> None:
+        """Add and zero the decision kernel's counters (cache_state.CacheState)."""
+        counts = state.counts
+        if not counts.any() and not state.mass[0]:
+            return
+        for name, n in zip(COUNTERS, counts.tolist()):
+            setattr(self, name, getattr(self, name) + n)
+        self.sync_fetch_bytes += int(counts[SYNC_FETCHES]) * fetch_bytes
+        self.background_bytes += int(counts[BACKGROUND]) * fetch_bytes
+        self.prefetch_bytes += int(counts[PREFETCHES]) * fetch_bytes
+        self.substituted_mass += float(state.mass[0])
+        counts[:] = 0
+        state.mass[0] = 0.0
 
     @property
     def hit_rate(self) -> float:

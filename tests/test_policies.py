@@ -1,30 +1,23 @@
-"""Each policy's decision on hand-made router rows and cache states."""
+"""Each policy's decision and each eviction order on hand-made router rows and cache states."""
 import numpy as np
 import pytest
+import torch
 
+from expertcache.cache import CacheConfig, ExpertCache
 from expertcache.errors import UnknownName
-from expertcache.eviction import make_eviction
+from expertcache.eviction import advance, eviction_code, insert, touch, victim
 from expertcache.policies import Route, make_policy
+from expertcache.stores import ExpertShape
 
 
-class Resident:
-    """A cache view: which experts of layer 0 are resident (and which are in flight)."""
-
-    def __init__(self, E, resident, flying=()):
-        self.mask = np.zeros(E, dtype=bool)
-        self.mask[list(resident)] = True
-        self.flying = set(flying)
-
-    def is_resident(self, layer, e):
-        return bool(self.mask[e]) and e not in self.flying
-
-    def in_flight(self, layer, e):
-        return e in self.flying
-
-    def resident_mask(self, layer):
-        m = self.mask.copy()
-        m[list(self.flying)] = False
-        return m
+def Resident(E, resident, flying=()):
+    """A virtual one-layer cache holding `resident` experts, of which `flying` are still in flight."""
+    shape = ExpertShape(1, E, (4, 2), (2, 2))
+    cache = ExpertCache(CacheConfig(fraction=1.0), None, 4, None, torch.float32, shape=shape, fetch_bytes=1)
+    cache.fill(0, list(resident))
+    for e in flying:
+        cache.state.pending[cache.slot_of[0, e]] = True
+    return cache
 
 
 def row(probs, k):
@@ -101,7 +94,7 @@ def test_background_admission_after_beta_of_substituted_mass():
     admitted = [p.decide(R, cache).admit for _ in range(3)]
     # expert 1 is substituted with .281 per call: reaches .5 on the 2nd call; 6 (.225) on the 3rd
     assert admitted == [[], [1], [6]]
-    assert p.account[(0, 1)] == pytest.approx(R.weights[1])  # reset at admission, then one more call
+    assert p.account[0, 1] == pytest.approx(R.weights[1])  # reset at admission, then one more call
 
 
 def test_presets():
@@ -117,31 +110,49 @@ def test_bad_specs(spec):
         make_policy(spec)
 
 
+class Order:
+    """One eviction order over S slots of one layer, driven token by token."""
+
+    def __init__(self, name, S):
+        self.kind, self.S = eviction_code(name), S
+        self.score, self.last_use, self.clock = np.zeros(S), np.full(S, -1), np.zeros(1, dtype=np.int64)
+
+    def at(self, t):
+        advance(self.kind, self.score, self.clock, 0, 0, self.S, t)
+        self.t = t
+        return self
+
+    def insert(self, slot):
+        insert(self.score, self.last_use, slot, self.t)
+
+    def touch(self, slot):
+        touch(self.kind, self.score, self.last_use, slot, self.t)
+
+    def victim(self, blocked=()):
+        b = np.zeros(self.S, dtype=bool)
+        b[list(blocked)] = True
+        return victim(self.kind, self.score, self.last_use, b, np.zeros(self.S, dtype=bool), 0, self.S)
+
+
 def test_eviction_orders():
-    slots = np.arange(4)
-    none = np.zeros(4, dtype=bool)
-    for name in ["lru", "lfu", "freq"]:
-        ev = make_eviction(name, 4)
+    for name in ["lru", "lfu", "freq", "halving"]:
+        ev = Order(name, 4)
         for t, s in enumerate([0, 1, 2, 3]):
-            ev.clock = t
-            ev.insert(s)
+            ev.at(t).insert(s)
             ev.touch(s)
         for t, s in enumerate([0, 0, 0, 1], start=4):  # 0 used often, 1 once more, 2 and 3 never again
-            ev.clock = t
-            ev.touch(s)
-        ev.clock = 8
-        expected = {"lru": 2, "lfu": 2, "freq": 2}[name]
-        assert ev.victim(slots, none) == expected, name
-        blocked = none.copy()
-        blocked[2] = True
-        assert ev.victim(slots, blocked) == 3, name  # next least recent / least frequent
-    lru, lfu = make_eviction("lru", 3), make_eviction("lfu", 3)
+            ev.at(t).touch(s)
+        assert ev.at(8).victim() == 2, name
+        assert ev.victim(blocked=[2]) == 3, name  # next least recent / least frequent
+        assert ev.victim(blocked=[0, 1, 2, 3]) == -1, name
+    lru, lfu = Order("lru", 3), Order("lfu", 3)
     for ev in (lru, lfu):
         for t, s in enumerate([0, 0, 0, 1, 2]):
-            ev.clock = t
-            ev.touch(s)
-    assert lru.victim(np.arange(3), np.zeros(3, bool)) == 0  # least recent
-    assert lfu.victim(np.arange(3), np.zeros(3, bool)) == 1  # fewest uses, older of the tied
+            ev.at(t).touch(s)
+    assert lru.victim() == 0  # least recent
+    assert lfu.victim() == 1  # fewest uses, older of the tied
+    empty = Order("lfu", 3)
+    assert empty.victim() == 0  # never used: the lowest slot
 
 
 def test_cache_conditional_routing():
@@ -157,14 +168,24 @@ def test_cache_conditional_routing():
 
 
 def test_halving_scores_halve_every_period():
-    ev = make_eviction("halving", 2)
+    ev = Order("halving", 2)
     for t in range(3):  # slot 0 used 3 times at tokens 0..2
-        ev.clock = t
-        ev.touch(0)
-    ev.clock = 300
-    ev.touch(1)  # slot 1 once, recently
-    assert ev.victim(np.arange(2), np.zeros(2, bool)) == 0  # slot 0: 3 halved twice = 0.75 < 1
-    ev.clock = 310
-    assert ev.score(np.arange(2))[1] == 1.0  # no period boundary crossed since its use
-    ev.clock = 130  # before slot 1's use, compare at a clock where 0 was halved once: 1.5
-    assert ev.score(np.arange(1))[0] == pytest.approx(1.5)
+        ev.at(t).touch(0)
+    ev.at(300).touch(1)  # slot 1 once, recently
+    assert ev.victim() == 0  # slot 0: 3 halved twice = 0.75 < 1
+    assert ev.score[0] == 0.75
+    ev.at(310)
+    assert ev.score[1] == 1.0  # no period boundary crossed since its use
+    fresh = Order("halving", 1)
+    for t in range(3):
+        fresh.at(t).touch(0)
+    assert fresh.at(130).score[0] == pytest.approx(1.5)  # one boundary crossed
+
+
+def test_decayed_frequency_fades_per_token():
+    ev = Order("freq", 2)
+    ev.at(0).touch(0)
+    ev.touch(0)  # 2 uses at token 0
+    ev.at(40).touch(1)  # 1 use at token 40: 2 * 0.98^40 = 0.89 < 1
+    assert ev.score[0] == pytest.approx(2 * 0.98 ** 40)
+    assert ev.victim() == 0

@@ -1,0 +1,71 @@
+"""The cache's bookkeeping as arrays: what the compiled decision kernel reads and writes
+(slots, maps, in-flight transfers, eviction keys, counters, the action log)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .eviction import eviction_code
+
+# Counters, in RunStats' names.
+COUNTERS = ("moe_calls", "routed", "hits", "misses", "sync_fetches", "substitutions", "substituted_calls",
+            "background_fetches", "prefetch_fetches", "segments")
+MOE_CALLS, ROUTED, HITS, MISSES, SYNC_FETCHES, SUBSTITUTIONS, SUBSTITUTED_CALLS, BACKGROUND, PREFETCHES, \
+    SEGMENTS = range(len(COUNTERS))
+# misc[]: scalars of the state
+EVICTION, SEGMENT, SEGMENT_START, N_PROTECTED, N_LOG, LOGGING, GLOBAL_QUOTA = range(7)
+
+
+class CacheState(NamedTuple):
+    slot_of: np.ndarray  # [L, E] slot holding (layer, expert), resident or in flight; -1: absent
+    owner: np.ndarray  # [S] layer * E + expert held by the slot; -1: free
+    pending: np.ndarray  # [S] bool: its transfer is in flight
+    protected: np.ndarray  # [S] bool: used by the token being decided, not evictable
+    protected_list: np.ndarray  # the protected slots, to clear them without a pass over S
+    last_use: np.ndarray  # [S] eviction: token index of the last use (-1: never)
+    score: np.ndarray  # [S] eviction: primary key (see eviction.py)
+    group_clock: np.ndarray  # [L] eviction: the token each decay group's scores are current at
+    slot_lo: np.ndarray  # [L] the slots layer l may use are [slot_lo[l], slot_hi[l])
+    slot_hi: np.ndarray
+    group: np.ndarray  # [L] decay group of each layer (its own, or 0 with a global quota)
+    owes: np.ndarray  # [S] segment id of the slot's last use: still owes expert work if current
+    misc: np.ndarray  # int64 scalars, indexed by EVICTION, SEGMENT, ...
+    counts: np.ndarray  # int64 [len(COUNTERS)], drained into RunStats after each call
+    mass: np.ndarray  # float64 [1]: substituted gate mass, drained likewise
+    log: np.ndarray  # int64 [capacity, 4]: actions for the engine to carry out
+
+    @classmethod
+    def make(cls, num_layers: int, num_experts: int, per_layer: int, quota: str, eviction: str,
+             top_k: int) -> CacheState:
+        L, E = num_layers, num_experts
+        S = per_layer * L
+        lo = np.zeros(L, np.int64) if quota == "global" else np.arange(L, dtype=np.int64) * per_layer
+        hi = np.full(L, S, np.int64) if quota == "global" else lo + per_layer
+        group = np.zeros(L, np.int64) if quota == "global" else np.arange(L, dtype=np.int64)
+        misc = np.zeros(7, np.int64)
+        misc[EVICTION] = eviction_code(eviction)
+        misc[GLOBAL_QUOTA] = quota == "global"
+        st = cls(np.full((L, E), -1, np.int64), np.full(S, -1, np.int64), np.zeros(S, bool), np.zeros(S, bool),
+                 np.zeros(2 * top_k + 2, np.int64), np.full(S, -1, np.int64), np.zeros(S), np.zeros(L, np.int64),
+                 lo, hi, group, np.full(S, -1, np.int64), misc, np.zeros(len(COUNTERS), np.int64), np.zeros(1),
+                 np.zeros((64, 4), np.int64))
+        return st
+
+    def clear(self) -> None:
+        """Empty cache, fresh eviction state; the eviction order is kept."""
+        self.slot_of[:] = -1
+        self.owner[:] = -1
+        self.pending[:] = False
+        self.protected[:] = False
+        self.last_use[:] = -1
+        self.score[:] = 0.0
+        self.group_clock[:] = 0
+        self.owes[:] = -1
+        self.misc[N_PROTECTED] = 0
+
+    def with_log(self, capacity: int) -> CacheState:
+        """This state with room for `capacity` logged actions."""
+        if len(self.log) >= capacity:
+            return self
+        return self._replace(log=np.zeros((max(capacity, 2 * len(self.log)), 4), np.int64))

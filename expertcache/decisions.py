@@ -1,0 +1,208 @@
+"""The decision kernel: compiled with numba, the loop that decides one layer's tokens in
+order -- the policy's decision, victims, synchronous fetches, background admissions,
+eviction bookkeeping and counters -- over the arrays of `cache_state.CacheState`.
+
+The engine runs it a layer at a time and carries out the actions it logs (transfers, waits,
+expert compute owed before a slot is overwritten); the simulator runs the same
+`decide_token` over a whole trace in one call with logging off. Decisions never depend on
+when a transfer lands, only on which transfers are in flight (`pending`), which the engine
+updates from its transfers before each layer (`ExpertCache.poll`).
+"""
+from __future__ import annotations
+
+from .cache_state import (BACKGROUND, EVICTION, HITS, LOGGING, MISSES, MOE_CALLS, N_LOG,
+                          N_PROTECTED, PREFETCHES, ROUTED, SEGMENT, SEGMENT_START, SEGMENTS, SUBSTITUTED_CALLS,
+                          SUBSTITUTIONS, SYNC_FETCHES)
+from .compiled import compiled
+from .eviction import advance, insert, touch, victim
+from .policies import CONDITIONAL, KIND, decide, resident
+
+# Logged actions, rows of (op, a, b, c)
+LOAD, WAIT, FLUSH, FINISH_ALL = 1, 2, 3, 4  # LOAD: slot, layer * E + expert, kind; WAIT: slot; FLUSH: begin, end
+KINDS = ("fetch", "admit", "prefetch", "fill")
+FETCH, ADMIT, PREFETCH, FILL = range(len(KINDS))
+
+
+def log_capacity(tokens: int, top_k: int) -> int:
+    """Actions per token at most: k fetches and k admissions, each with a flush and a
+    finish-all, and k waits."""
+    return tokens * 7 * top_k + 1
+
+
+@compiled
+def _log(st, op, a, b, c):
+    if st.misc[LOGGING]:
+        n = st.misc[N_LOG]
+        st.log[n, 0], st.log[n, 1], st.log[n, 2], st.log[n, 3] = op, a, b, c
+        st.misc[N_LOG] = n + 1
+
+
+@compiled
+def _protect(st, s):
+    if not st.protected[s]:
+        st.protected[s] = True
+        st.protected_list[st.misc[N_PROTECTED]] = s
+        st.misc[N_PROTECTED] += 1
+
+
+@compiled
+def _release(st):
+    for i in range(st.misc[N_PROTECTED]):
+        st.protected[st.protected_list[i]] = False
+    st.misc[N_PROTECTED] = 0
+
+
+@compiled
+def _flush(st, t):
+    """Tokens [segment start, t) get their expert work before a slot they use is overwritten."""
+    if t > st.misc[SEGMENT_START]:
+        _log(st, FLUSH, st.misc[SEGMENT_START], t, 0)
+        st.counts[SEGMENTS] += 1
+    st.misc[SEGMENT_START] = t
+    st.misc[SEGMENT] += 1
+
+
+@compiled
+def _land_all(st):
+    """Every transfer in flight lands (the engine waits for them); False if none was."""
+    flying = False
+    for s in range(len(st.pending)):
+        flying |= st.pending[s]
+        st.pending[s] = False
+    if flying:
+        _log(st, FINISH_ALL, 0, 0, 0)
+    return flying
+
+
+@compiled
+def load(st, layer, e, kind, t, clock):
+    """Evict the layer's victim and start a transfer of (layer, e) into it; the slot, or -1
+    when every slot the layer may use is needed by the current token."""
+    E = st.slot_of.shape[1]
+    lo, hi = st.slot_lo[layer], st.slot_hi[layer]
+    ev = st.misc[EVICTION]
+    for _ in range(2):  # one call site: a second one keeps the compiler from inlining victim
+        s = victim(ev, st.score, st.last_use, st.protected, st.pending, lo, hi)
+        if s >= 0 or not _land_all(st):  # only slots in flight left: let them land, try again
+            break
+    if s < 0:
+        return -1
+    if st.owes[s] == st.misc[SEGMENT]:  # its expert still owes work to earlier tokens
+        _flush(st, t)
+    old = st.owner[s]
+    if old >= 0:
+        st.slot_of[old // E, old % E] = -1
+    st.owner[s] = layer * E + e
+    st.slot_of[layer, e] = s
+    insert(st.score, st.last_use, s, clock)
+    st.pending[s] = True
+    _log(st, LOAD, s, layer * E + e, kind)
+    return s
+
+
+@compiled
+def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ids, w, slots_out, exec_out, gates_out):
+    """Token t of the current call at `layer`: decide, load, account. Writes the slots,
+    executed experts and gates to the *_out rows [k] (padding has gate 0); returns False when
+    the cache is too small for the token."""
+    k = len(ids)
+    ev, cnt = st.misc[EVICTION], st.counts
+    _release(st)
+    advance(ev, st.score, st.group_clock, st.group[layer], st.slot_lo[layer], st.slot_hi[layer], clock)
+    cnt[MOE_CALLS] += 1
+    cnt[ROUTED] += k
+    seg = st.misc[SEGMENT]
+    hits = 0
+    for j in range(k):
+        hits += resident(st, layer, ids[j])
+    cnt[HITS] += hits
+    if hits == k and p[KIND] != CONDITIONAL:  # every routed expert resident: nothing to decide
+        for j in range(k):
+            s = st.slot_of[layer, ids[j]]
+            touch(ev, st.score, st.last_use, s, clock)
+            _protect(st, s)
+            st.owes[s] = seg
+            slots_out[j], exec_out[j], gates_out[j] = s, ids[j], w[j]
+        return True
+    n_exec, n_fetch, n_admit, substituted, mass = decide(p, account, st, sc, layer, row, table, logits, ids, w)
+    cnt[MISSES] += k - hits
+    if substituted:
+        cnt[SUBSTITUTIONS] += substituted
+        cnt[SUBSTITUTED_CALLS] += 1
+        st.mass[0] += mass
+    for c in range(n_exec):
+        s = st.slot_of[layer, sc.exec_e[c]]
+        if s >= 0:
+            _protect(st, s)
+    for f in range(n_fetch):
+        e = sc.fetch[f]
+        if st.slot_of[layer, e] < 0:
+            s = load(st, layer, e, FETCH, t, clock)
+            if s < 0:
+                return False
+            _protect(st, s)
+            cnt[SYNC_FETCHES] += 1
+    for a in range(n_admit):
+        e = sc.admit[a]
+        if st.slot_of[layer, e] < 0:
+            if load(st, layer, e, ADMIT, t, clock) < 0:
+                return False
+            cnt[BACKGROUND] += 1
+    seg = st.misc[SEGMENT]  # a load may have flushed
+    for c in range(n_exec):
+        s = st.slot_of[layer, sc.exec_e[c]]
+        if st.pending[s]:  # fetched now, or still arriving from a prefetch or admission
+            _log(st, WAIT, s, 0, 0)
+            st.pending[s] = False
+        touch(ev, st.score, st.last_use, s, clock)
+        st.owes[s] = seg
+        slots_out[c], exec_out[c], gates_out[c] = s, sc.exec_e[c], sc.exec_w[c]
+    for c in range(n_exec, k):  # fewer executed than routed: zero-weight padding
+        slots_out[c], exec_out[c], gates_out[c] = slots_out[0], exec_out[0], 0.0
+    return True
+
+
+@compiled
+def begin_call(st):
+    """A new layer call: nothing owes work yet, no actions logged."""
+    st.misc[SEGMENT] += 1
+    st.misc[SEGMENT_START] = 0
+    st.misc[N_LOG] = 0
+
+
+@compiled
+def decide_layer(st, p, account, sc, layer, logits, ids, w, token_base, slots, experts, gates):
+    """The engine's call: tokens [0, T) of one layer in order. Returns the first token whose
+    expert work is still owed (the caller computes [that, T)), or -1-t when the cache is too
+    small for token t."""
+    begin_call(st)
+    for t in range(ids.shape[0]):
+        if not decide_token(st, p, account, sc, layer, t, token_base + t, logits[t], None, True, ids[t], w[t],
+                            slots[t], experts[t], gates[t]):
+            return -1 - t
+    st.counts[SEGMENTS] += 1  # the caller computes the rest
+    return st.misc[SEGMENT_START]
+
+
+@compiled
+def prefetch(st, layer, ids, clock):
+    """Start transfers of the predicted experts `ids` of `layer` that are not mapped;
+    False when the cache has no slot to give."""
+    st.misc[N_LOG] = 0
+    for e in ids:
+        if st.slot_of[layer, e] < 0:
+            if load(st, layer, e, PREFETCH, 0, clock) < 0:
+                return False
+            st.counts[PREFETCHES] += 1
+    return True
+
+
+@compiled
+def fill(st, layer, experts):
+    """Initial residency (transfers logged, nothing counted)."""
+    st.misc[N_LOG] = 0
+    for e in experts:
+        if st.slot_of[layer, e] < 0:
+            if load(st, layer, e, FILL, 0, 0) < 0:
+                return False
+    return True
