@@ -91,7 +91,7 @@ def load(st, layer, e, kind, t, clock):
         _flush(st, t)
     old = st.owner[s]
     if old >= 0:
-        st.slot_of[old // E, old % E] = -1
+        st.slot_of.reshape(-1)[old] = -1  # owner is the flat index layer * E + expert
     st.owner[s] = layer * E + e
     st.slot_of[layer, e] = s
     insert(st.score, st.last_use, s, clock)

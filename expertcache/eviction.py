@@ -46,7 +46,8 @@ def advance(kind, score, group_clock, group, lo, hi, clock):
         f = 0.5 ** n
     else:
         return
-    for s in range(lo, hi):
+    for i in range(np.uint64(hi - lo)):  # unsigned: plain vector loads (see victim)
+        s = np.uint64(lo) + i
         v = score[s] * f
         score[s] = v if v > TINY else 0.0
 
@@ -67,16 +68,24 @@ def insert(score, last_use, slot, clock):
 @compiled
 def victim(kind, score, last_use, blocked_a, blocked_b, lo, hi):
     """The slot in [lo, hi) with the lowest (score, last_use, index) that neither mask blocks;
-    -1 when every slot is blocked. Written as masked minimum reductions, which vectorise:
-    (last_use + 1) << 20 | offset orders by recency, then by index."""
-    none = np.iinfo(np.int64).max
-    m = -np.inf
-    if kind != LRU:  # the lowest score first
-        m = np.inf
-        for s in range(lo, hi):
-            m = min(m, np.inf if blocked_a[s] | blocked_b[s] else score[s])
-    best = none
-    for s in range(lo, hi):
-        ok = not (blocked_a[s] | blocked_b[s]) and (kind == LRU or score[s] == m)
-        best = min(best, ((last_use[s] + 1) << 20 | (s - lo)) if ok else none)
-    return -1 if best == none else lo + (best & 0xFFFFF)
+    -1 when every slot is blocked.
+
+    Written as minimum reductions without branches, which vectorise: scores are never
+    negative, so their bit patterns order like their values; (last_use + 1) << 20 | offset
+    orders by recency, then by index; a blocked slot's key is pushed past every real one.
+    Unsigned indices spare the negative-index wrapping that would turn loads into gathers."""
+    blocked_key = np.int64(1) << 62
+    base, n = np.uint64(lo), np.uint64(hi - lo)
+    bits = score.view(np.int64)
+    m = np.int64(0)
+    if kind != LRU:  # the lowest score first; then recency among the slots that have it
+        m = np.iinfo(np.int64).max
+        for i in range(n):
+            s = base + i
+            m = min(m, np.iinfo(np.int64).max if blocked_a[s] | blocked_b[s] else bits[s])
+    best = blocked_key
+    for i in range(n):
+        s = base + i
+        out = np.int64(blocked_a[s] | blocked_b[s] | (kind != LRU and bits[s] != m))
+        best = min(best, ((last_use[s] + 1) << 20 | np.int64(i)) + out * blocked_key)
+    return -1 if best >= blocked_key else lo + (best & 0xFFFFF)

@@ -17,7 +17,7 @@ import numpy as np
 from .compiled import compiled
 from .cache_state import GLOBAL_QUOTA
 from .errors import UnknownName
-from .routing import top_m, value
+from .routing import rank_key, top_m, value
 
 # The parameter vector read by `decide`.
 KIND, RULE, SUB, WINDOW, BETA, TAU, LO, HI, TOP_J, TOP_M = range(10)
@@ -59,7 +59,6 @@ class Scratch(NamedTuple):
     mark: np.ndarray  # [E] bool
     routed: np.ndarray  # [E] bool
     cand_e: np.ndarray  # [k] best substitutes
-    cand_v: np.ndarray  # [k]
     comp: np.ndarray  # [E] int64, for top_m on float16 rows
     block_max: np.ndarray  # [E / 16 + 1] int64
 
@@ -67,8 +66,8 @@ class Scratch(NamedTuple):
     def make(cls, k: int, E: int) -> Scratch:
         return cls(np.zeros(k, np.int64), np.zeros(k), np.zeros(k, np.int64), np.zeros(k, np.int64),
                    np.zeros(k, np.int64), np.zeros(k, bool), np.zeros(k, np.int64), np.zeros(E, np.int64),
-                   np.zeros(E), np.zeros(E, bool), np.zeros(E, bool), np.zeros(k, np.int64), np.zeros(k),
-                   np.zeros(E, np.int64), np.zeros(E // 16 + 1, np.int64))
+                   np.zeros(E), np.zeros(E, bool), np.zeros(E, bool), np.zeros(k, np.int64), np.zeros(E, np.int64),
+                   np.zeros(E // 16 + 1, np.int64))
 
 
 class MissPolicy:
@@ -239,8 +238,9 @@ def _account(p, account, layer, e, w, admit, n_admit):
 @compiled
 def _best_substitutes(p, st, sc, layer, row, table, ids, n):
     """The n best resident experts of `layer` by router score (not in flight, not routed,
-    within the top-window ranks for sub=window) into sc.cand_e / sc.cand_v, best first, ties
-    to the lower expert id; returns how many there are (<= n)."""
+    within the top-window ranks for sub=window) into sc.cand_e, best first, ties to the lower
+    expert id; returns how many there are (<= n). Each usable slot gets its expert's
+    rank_key, unusable ones -1; the best are taken by maximum reductions."""
     E = st.slot_of.shape[1]
     window = p[SUB] == 2
     if window:
@@ -249,31 +249,34 @@ def _best_substitutes(p, st, sc, layer, row, table, ids, n):
             sc.mark[sc.order[i]] = True
     for j in range(len(ids)):
         sc.routed[ids[j]] = True
-    found = 0
-    lo, hi = st.slot_lo[layer], st.slot_hi[layer]
-    per_layer = not st.misc[GLOBAL_QUOTA]
-    for i in range(hi - lo if per_layer else E):
-        if per_layer:  # the layer's own slots: each holds an expert of this layer, or nothing
+    keys = sc.comp
+    if not st.misc[GLOBAL_QUOTA]:  # the layer's own slots, each holding an expert of this layer or none
+        lo = np.uint64(st.slot_lo[layer])
+        n_keys = np.uint64(st.slot_hi[layer]) - lo
+        for i in range(n_keys):  # `&` rather than `and`: no branches, so the loop vectorises
             s = lo + i
             e = st.owner[s] - layer * E
-            if e < 0:
-                continue
-        else:  # a global quota: the layer's experts
-            e = i
+            ec = max(e, 0)  # a safe index for free slots, which are masked out
+            usable = (e >= 0) & (not st.pending[s]) & (not sc.routed[ec]) & ((not window) | sc.mark[ec])
+            keys[i] = rank_key(row, table, ec) if usable else -1
+    else:  # a global quota: the layer's experts
+        n_keys = np.uint64(E)
+        for e in range(E):
             s = st.slot_of[layer, e]
-            if s < 0:
-                continue
-        if st.pending[s] or sc.routed[e] or (window and not sc.mark[e]):
-            continue
-        v = value(row, table, e)
-        if found == n and not (v > sc.cand_v[n - 1] or (v == sc.cand_v[n - 1] and e < sc.cand_e[n - 1])):
-            continue
-        pos = found if found < n else n - 1
-        found = min(found + 1, n)
-        while pos > 0 and (sc.cand_v[pos - 1] < v or (sc.cand_v[pos - 1] == v and sc.cand_e[pos - 1] > e)):
-            sc.cand_v[pos], sc.cand_e[pos] = sc.cand_v[pos - 1], sc.cand_e[pos - 1]
-            pos -= 1
-        sc.cand_v[pos], sc.cand_e[pos] = v, e
+            usable = (s >= 0) & (not st.pending[max(s, 0)]) & (not sc.routed[e]) & ((not window) | sc.mark[e])
+            keys[e] = rank_key(row, table, e) if usable else -1
+    found = 0
+    for c in range(n):
+        best = np.int64(-1)
+        for i in range(n_keys):
+            best = max(best, keys[i])
+        if best < 0:
+            break
+        e = 0xFFFF - (best & 0xFFFF)
+        sc.cand_e[c] = e
+        for i in range(n_keys):  # take it out
+            keys[i] = -1 if keys[i] == best else keys[i]
+        found += 1
     for j in range(len(ids)):
         sc.routed[ids[j]] = False
     if window:

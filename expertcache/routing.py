@@ -2,12 +2,15 @@
 
 One compiled implementation serves the engine (rows it just computed, float32) and the
 simulator (a trace's rows, float16 bit patterns read through a table: numba has no float16),
-so both break ties alike: equal logits go to the lower expert id.
+so both break ties alike: equal logits go to the lower expert id. Rankings compare integer
+keys (`rank_key`) in the order of the values, which vectorises.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import types
+from numba.extending import overload
 
 from .compiled import compiled
 
@@ -23,48 +26,36 @@ def value(row, table, e):
     return table[row[e]]
 
 
+def rank_key(row, table, e):
+    """One non-negative integer per entry whose order is the ranking: value, then the lower
+    index. float32 rows compare their bit patterns with the magnitude of negatives flipped;
+    float16 rows (`table` given) are bit patterns already. (Chosen by type when compiled.)"""
+
+
+@overload(rank_key, jit_options={"cache": True, "_nrt": False})
+def _rank_key(row, table, e):
+    if isinstance(table, types.NoneType):
+        def float32_key(row, table, e):
+            b = np.int64(row.view(np.int32)[e])
+            return (((b ^ ((b >> 63) & 0x7FFFFFFF)) + 0x80000000) << 16) | (0xFFFF - e)
+        return float32_key
+
+    def float16_key(row, table, e):
+        b = np.int64(row[e])
+        return ((b ^ ((b >> 15) * 0x7FFF | 0x8000)) << 16) | (0xFFFF - e)
+    return float16_key
+
+
 @compiled
 def top_m(row, table, m, idx, val, comp, block_max):
     """idx[:m], val[:m] <- the m largest entries of row, descending, ties to the lower index.
-    comp [E] and block_max [E / 16 + 1] are working arrays for float16 rows."""
-    if table is not None:
-        _top_half(row, m, idx, comp, block_max)
-        for i in range(m):
-            val[i] = table[row[idx[i]]]
-        return
-    n = 0
-    for e in range(len(row)):
-        v = row[e]
-        if n < m:
-            i = n
-            n += 1
-        elif v > val[m - 1]:
-            i = m - 1
-        else:
-            continue
-        while i > 0 and val[i - 1] < v:
-            val[i], idx[i] = val[i - 1], idx[i - 1]
-            i -= 1
-        val[i], idx[i] = v, e
 
-
-@compiled
-def _half_key(b):
-    """An integer key in the order of the float16 value whose bit pattern is b."""
-    b = np.int64(b)
-    return b ^ ((b >> 15) * 0x7FFF | 0x8000)
-
-
-@compiled
-def _top_half(bits, m, idx, comp, block_max):
-    """idx <- the top-m of a row of float16 bit patterns, descending, ties to the lower index.
-
-    Each entry becomes one integer, (order-preserving key << 16) | (0xFFFF - index), whose
-    maximum names the best entry; m times, the maximum over blocks of 16 is taken and only
-    the winner's block is rescanned. The scans vectorise; nothing branches on the data."""
-    E = len(bits)
+    Each entry's rank_key is computed once; m times, the maximum over blocks of 16 names the
+    next entry and only that block is rescanned. The scans vectorise and nothing branches on
+    the data. comp [E], block_max [E / 16 + 1]: working arrays."""
+    E = len(row)
     for i in range(E):
-        comp[i] = (_half_key(bits[i]) << 16) | (0xFFFF - i)
+        comp[i] = rank_key(row, table, i)
     blocks = (E + 15) // 16
     for c in range(blocks):
         top = np.int64(-1)
@@ -76,7 +67,7 @@ def _top_half(bits, m, idx, comp, block_max):
         for c in range(blocks):
             best = max(best, block_max[c])
         i = 0xFFFF - (best & 0xFFFF)
-        idx[j] = i
+        idx[j], val[j] = i, value(row, table, i)
         comp[i] = -1
         c = i // 16
         top = np.int64(-1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .compiled import compiled
+from .compiled import compiled, prefetch
 from .cache import CacheConfig, ExpertCache
 from .cache_state import LOGGING, SEGMENTS
 from .decisions import begin_call, decide_token
@@ -49,14 +49,14 @@ def _route_all(logits, table, norm, ids, weights, vals, comp, block_max):
     N, L, E = logits.shape
     for n in range(N):
         for layer in range(L):
-            route_row(logits[n, layer], table, norm, ids[n, layer], vals, weights[n, layer], comp, block_max)
+            route_row(logits[n, layer], table, norm, ids[layer, n], vals, weights[layer, n], comp, block_max)
 
 
 @dataclass
 class Routes:
     """A trace's routing, computed once and shared by every replay of the trace."""
-    ids: np.ndarray  # [N, L, k] int64 routed experts in rank order
-    weights: np.ndarray  # [N, L, k] float32 gate weights
+    ids: np.ndarray  # [L, N, k] int64 routed experts in rank order (layer-major: the replay's order)
+    weights: np.ndarray  # [L, N, k] float32 gate weights
     seconds: float  # time it took
 
 
@@ -73,7 +73,7 @@ def route_trace(trace: Trace) -> Routes:
     logits, table = logit_rows(trace)
     N, L, E = logits.shape
     k = h["top_k"]
-    ids, weights = np.empty((N, L, k), np.int64), np.empty((N, L, k), np.float32)
+    ids, weights = np.empty((L, N, k), np.int64), np.empty((L, N, k), np.float32)
     start = time.perf_counter()
     _route_all(logits, table, bool(h["norm_topk_prob"]), ids, weights, np.empty(k), np.empty(E, np.int64),
                np.empty(E // 16 + 1, np.int64))
@@ -83,8 +83,10 @@ def route_trace(trace: Trace) -> Routes:
 @compiled
 def _replay(st, p, account, sc, logits, table, ids, weights, context, slots, experts, gates):
     """Every window of `context` tokens, layer by layer, token by token; -1 on success, else
-    the layer whose cache was too small. slots, experts, gates [k]: working arrays."""
+    the layer whose cache was too small. ids, weights: routes, layer-major [L, N, k];
+    slots, experts, gates [k]: working arrays."""
     N, L, E = logits.shape
+    line = 64 // logits.itemsize
     for w0 in range(0, N, context):
         T = min(context, N - w0)
         for layer in range(L):
@@ -92,8 +94,12 @@ def _replay(st, p, account, sc, logits, table, ids, weights, context, slots, exp
             begin_call(st)
             for t in range(T):
                 n = w0 + t
-                if not decide_token(st, p, account, sc, layer, t, n, logits[n, layer], table, True, ids[n, layer],
-                                    weights[n, layer], slots, experts, gates):
+                if t + 2 < T:  # rows of one layer lie L * E apart: the hardware would not guess them
+                    ahead = logits[n + 2, layer]
+                    for e in range(0, E, line):
+                        prefetch(ahead, e)
+                if not decide_token(st, p, account, sc, layer, t, n, logits[n, layer], table, True, ids[layer, n],
+                                    weights[layer, n], slots, experts, gates):
                     return layer
             st.counts[SEGMENTS] += 1
     return -1
