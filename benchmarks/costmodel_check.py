@@ -29,8 +29,9 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         trace = record_trace(BUILTIN_MODEL, forced, Path(d) / "forced.ectrace", cfg["context"], "float32")
         counts = load_routing_counts(BUILTIN_MODEL)
-        print(f"profile {profile.name}: fetch {1e6 * profile.fetch_s:.0f} us, x{profile.parallel_fetches:.2f} parallel, "
-              f"expert {1e6 * profile.expert_s:.1f} us, dense {1e3 * profile.dense_s:.3f} ms/token\n")
+        print(f"profile {profile.name}: dense {1e3 * profile.dense_s:.3f} ms/token, expert run "
+              f"{1e6 * profile.expert_run_s:.1f} us, fetch {1e6 * profile.fetch_s:.0f} us, admission "
+              f"{1e6 * profile.admission_s:.0f} us, substituting call {1e6 * profile.decision_s:.1f} us\n")
         print("| policy | measured forced ms/token | estimated | error | replay fetches/token | engine fetches/token |")
         print("|---|---:|---:|---:|---:|---:|")
         errors = []

@@ -9,10 +9,10 @@ import numpy as np
 from .eviction import eviction_code
 
 # Counters, in RunStats' names.
-COUNTERS = ("moe_calls", "routed", "hits", "misses", "sync_fetches", "substitutions", "substituted_calls",
-            "background_fetches", "prefetch_fetches", "segments")
-MOE_CALLS, ROUTED, HITS, MISSES, SYNC_FETCHES, SUBSTITUTIONS, SUBSTITUTED_CALLS, BACKGROUND, PREFETCHES, \
-    SEGMENTS = range(len(COUNTERS))
+COUNTERS = ("moe_calls", "routed", "hits", "misses", "sync_fetches", "fetch_waits", "substitutions",
+            "substituted_calls", "background_fetches", "prefetch_fetches", "segments", "expert_runs")
+MOE_CALLS, ROUTED, HITS, MISSES, SYNC_FETCHES, FETCH_WAITS, SUBSTITUTIONS, SUBSTITUTED_CALLS, BACKGROUND, \
+    PREFETCHES, SEGMENTS, EXPERT_RUNS = range(len(COUNTERS))
 # misc[]: scalars of the state
 EVICTION, SEGMENT, SEGMENT_START, N_PROTECTED, N_LOG, LOGGING, GLOBAL_QUOTA = range(7)
 

@@ -1,11 +1,17 @@
 """Hardware cost models: estimated time per token from a replay's counts.
 
-time/token = dense + layers * top_k * expert + (synchronous fetches/token) * fetch / parallel
-             + (background and prefetch fetches/token) * fetch / parallel, unless they overlap compute
-             + (expert-compute batches/token) * segment + (calls with a substitution/token) * decision
-(fetches/token: fetches per MoE call of the replay times the profile's layers)
-with fetch = latency + bytes / bandwidth. Profiles are measured on this machine by
-`expertcache calibrate-hw` (per store and mode) or written from datasheet figures.
+time/token = dense + (expert runs/token) * expert_run
+             + (calls that wait for fetches/token) * fetch_latency
+             + (synchronous fetches/token) * bytes / bandwidth
+             + (admissions and prefetches/token) * bytes / bandwidth, unless they overlap compute
+             + (admissions/token) * admission + (calls with a substitution/token) * decision
+A call's synchronous fetches are issued together and waited for once: the latency is paid per
+waiting call, the transfer per fetch. An expert run is one expert applied to one batch of
+tokens (its weights read once): k per token and layer in decode, fewer per token when a
+window's tokens share experts. Counts per token are counts per MoE call times the profile's
+layers, so a datasheet profile applies a trace's per-layer rates to the profiled model's
+depth. Profiles are measured on this machine by `expertcache calibrate-hw` (per store and
+mode) or written from datasheet figures.
 """
 from __future__ import annotations
 
@@ -13,39 +19,49 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .stats import RunStats
 
 
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
-    fetch_latency_s: float  # fixed cost of one fetch
-    fetch_bandwidth: float  # bytes per second of one fetch
-    parallel_fetches: float  # a token's misses in flight at once (effective)
-    expert_s: float  # compute of one (token, expert)
+    fetch_latency_s: float  # a call's wait for its synchronous fetches, beyond their transfer
+    fetch_bandwidth: float  # bytes per second through the slow tier's link
+    expert_run_s: float  # one expert over one batch of tokens
     dense_s: float  # everything but routed experts, per token
-    overlap: bool  # background and prefetch transfers hide behind compute
+    overlap: bool  # admission and prefetch transfers hide behind compute
     expert_bytes: int
     layers: int
     top_k: int
     source: str = ""
-    segment_s: float = 0.0  # one expert-compute batch (engine overhead per batch)
+    admission_s: float = 0.0  # what an admission costs the critical path even when it overlaps
     decision_s: float = 0.0  # one MoE call with a substitution (the policy's own work)
 
     @property
+    def transfer_s(self) -> float:
+        return self.expert_bytes / self.fetch_bandwidth
+
+    @property
     def fetch_s(self) -> float:
-        return self.fetch_latency_s + self.expert_bytes / self.fetch_bandwidth
+        """One fetch alone: latency and transfer."""
+        return self.fetch_latency_s + self.transfer_s
+
+    def terms(self, s: RunStats) -> dict[str, float]:
+        """Seconds per token by term."""
+        per_token = lambda n: n / s.moe_calls * self.layers  # noqa: E731
+        return {"dense": self.dense_s,
+                "experts": per_token(s.expert_runs) * self.expert_run_s,
+                "fetch waits": per_token(s.fetch_waits) * self.fetch_latency_s,
+                "fetches": per_token(s.sync_fetches) * self.transfer_s,
+                "background": 0.0 if self.overlap else
+                per_token(s.background_fetches + s.prefetch_fetches) * self.transfer_s,
+                "admissions": per_token(s.background_fetches) * self.admission_s,
+                "decisions": per_token(s.substituted_calls) * self.decision_s}
 
     def ms_per_token(self, s: RunStats) -> float:
-        # Counts per MoE call times the profile's depth: a datasheet profile applies a trace's
-        # per-layer miss rates to the profiled model's number of layers.
-        per_token = lambda n: n / s.moe_calls * self.layers  # noqa: E731
-        t = self.dense_s + self.layers * self.top_k * self.expert_s
-        t += per_token(s.sync_fetches) * self.fetch_s / self.parallel_fetches
-        if not self.overlap:
-            t += per_token(s.background_fetches + s.prefetch_fetches) * self.fetch_s / self.parallel_fetches
-        t += per_token(s.segments) * self.segment_s + per_token(s.substituted_calls) * self.decision_s
-        return 1000 * t
+        return 1000 * sum(self.terms(s).values())
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
@@ -56,9 +72,8 @@ class HardwareProfile:
 
 
 def _datasheet(name, pcie_gbs, mem_gbs, expert_bytes, dense_bytes, layers, top_k, source):
-    # Decode is bandwidth-bound: an expert's compute is reading its weights from VRAM.
-    return HardwareProfile(name, fetch_latency_s=10e-6, fetch_bandwidth=pcie_gbs * 1e9, parallel_fetches=1.0,
-                           expert_s=expert_bytes / (mem_gbs * 1e9), dense_s=dense_bytes / (mem_gbs * 1e9),
+    # Decode is bandwidth-bound: an expert run is reading its weights from VRAM.
+    return HardwareProfile(name, fetch_latency_s=10e-6, fetch_bandwidth=pcie_gbs * 1e9, expert_run_s=expert_bytes / (mem_gbs * 1e9), dense_s=dense_bytes / (mem_gbs * 1e9),
                            overlap=True, expert_bytes=expert_bytes, layers=layers, top_k=top_k, source=source)
 
 
@@ -83,67 +98,93 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     return HardwareProfile.load(Path(name_or_path))
 
 
-def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode", repeats: int = 200) -> HardwareProfile:
+# calibration runs: (cache fraction, policy); together they vary every term of the model
+CALIBRATION = ((1.0, "fetch-all"), (0.125, "fetch-all"), (0.25, "fetch-all"), (0.5, "fetch-all"),
+               (0.25, "threshold:tau=0.15"), (0.5, "threshold:tau=0.15"), (0.25, "first-choice"),
+               (0.25, "first-choice:beta=0.3"), (0.25, "quality-first"), (0.25, "substitute-all"))
+TERMS = ("dense", "expert_runs", "fetch_waits", "sync_fetches", "background_fetches", "substituted_calls")
+
+
+def fit_terms(counts: np.ndarray, seconds: np.ndarray, names: tuple[str, ...]) -> dict[str, float]:
+    """Least squares of the relative error, seconds ~ counts @ cost, with every cost >= 0:
+    the term whose cost comes out most negative is dropped (cost 0) and the rest refitted."""
+    keep = list(range(len(names)))
+    scaled = counts / seconds[:, None]
+    while True:
+        cost, *_ = np.linalg.lstsq(scaled[:, keep], np.ones(len(seconds)), rcond=None)
+        if (cost >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(cost)))
+    fitted = dict.fromkeys(names, 0.0)
+    fitted.update({names[i]: max(0.0, float(c)) for i, c in zip(keep, cost)})
+    return fitted
+
+
+def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode", repeats: int = 5,
+                    reads: int = 200) -> HardwareProfile:
     """Measure a profile on this machine with the engine itself. `mode`: decode (one token per
-    forward) or forced (windows of 256). dense: the time per token with every expert resident
-    (expert compute included, so expert_s is 0). Three runs at a 25% cache (fetch-every-miss,
-    the 0.15 rule, substitute-every-miss) give, by least squares, the extra time per
-    synchronous fetch, per expert-compute batch and per substituting call. The raw O_DIRECT
-    read time is reported in `source`."""
+    forward) or forced (windows of 256 tokens). Every CALIBRATION run is timed `repeats`
+    times, interleaved round-robin after a warm-up (so drift hits all alike), and its counts
+    per token recorded; a non-negative least-squares fit of the relative error gives the cost
+    of each term. In decode every token runs k experts per layer, so expert runs are part of
+    `dense` there. The raw O_DIRECT read time is reported in `source`."""
     import statistics
     import time
 
-    import numpy as np
     import torch
 
     from .cache import CacheConfig
     from .engine import Engine, EngineConfig
     from .perplexity import EVAL_TEXT
 
-    def run(fraction: float, policy: str) -> tuple[float, np.ndarray, Engine]:
-        eng = Engine(model, EngineConfig(store=store, cache=CacheConfig(fraction=fraction), policy=policy))
-        ids = eng.encode(EVAL_TEXT.read_text(encoding="utf-8")[:20000])
-        times, counts = [], []
-        for _ in range(3):
-            eng.reset()
-            s = eng.stats
-            if mode == "decode":
-                eng.forward(torch.tensor(ids[:32]), 0)
-                before, t = (s.sync_fetches, s.segments, s.substituted_calls, s.moe_calls), time.perf_counter()
-                for pos in range(32, 96):
-                    eng.forward(torch.tensor(ids[pos:pos + 1]), pos)
-            else:
-                before, t = (0, 0, 0, 0), time.perf_counter()
-                for start in range(0, 1024, 256):
-                    eng.forward(torch.tensor(ids[start:start + 256]), 0)
-            elapsed = time.perf_counter() - t
-            tokens = (s.moe_calls - before[3]) / eng.args.num_layers
-            times.append(elapsed / tokens)
-            counts.append(np.array([s.sync_fetches - before[0], s.segments - before[1],
-                                    s.substituted_calls - before[2]]) / tokens)
-        return statistics.median(times), np.median(counts, axis=0), eng
+    engines = [Engine(model, EngineConfig(store=store, cache=CacheConfig(fraction=f), policy=p))
+               for f, p in CALIBRATION]
+    ids = engines[0].encode(EVAL_TEXT.read_text(encoding="utf-8")[:20000])
+    fields = ("moe_calls",) + TERMS[1:]
 
-    floor, floor_counts, eng = run(1.0, "fetch-all")
-    a, st = eng.args, eng.store
+    def run(eng: Engine) -> tuple[float, np.ndarray]:
+        eng.reset()
+        s = eng.stats
+        if mode == "decode":
+            eng.forward(torch.tensor(ids[:32]), 0)
+            before, t = [getattr(s, f) for f in fields], time.perf_counter()
+            for pos in range(32, 96):
+                eng.forward(torch.tensor(ids[pos:pos + 1]), pos)
+        else:
+            before, t = [0] * len(fields), time.perf_counter()
+            for start in range(0, 1024, 256):
+                eng.forward(torch.tensor(ids[start:start + 256]), 0)
+        elapsed = time.perf_counter() - t
+        calls, *counts = (getattr(s, f) - b for f, b in zip(fields, before))
+        tokens = calls / eng.args.num_layers
+        return elapsed / tokens, np.array([1.0, *counts]) / np.array([1.0] + [tokens] * len(counts))
+
+    samples = [[] for _ in engines]
+    for rep in range(repeats + 1):  # repetition 0 warms up
+        for i, eng in enumerate(engines):
+            t, counts = run(eng)
+            if rep:
+                samples[i].append((t, counts))
+    seconds = np.array([statistics.median(t for t, _ in runs) for runs in samples])
+    counts = np.array([np.median([c for _, c in runs], axis=0) for runs in samples])
+    a, st = engines[0].args, engines[0].store
     rng = np.random.default_rng(0)
     w13, w2 = torch.empty(st.shape.w13), torch.empty(st.shape.w2)
-    reads = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+    read_s = []
+    for _ in range(reads):
+        start = time.perf_counter()
         st.read_into(int(rng.integers(a.num_layers)), int(rng.integers(a.num_experts)), w13, w2)
-        reads.append(time.perf_counter() - t)
-    eng.close()
-    rows, extra = [], []
-    for policy in ("fetch-all", "threshold:tau=0.15", "substitute-all"):
-        t, counts, e = run(0.25, policy)
-        e.close()
-        rows.append(counts - np.array([0, floor_counts[1], 0]))
-        extra.append(t - floor)
-    (fetch_s, segment_s, decision_s), *_ = np.linalg.lstsq(np.array(rows), np.array(extra), rcond=None)
-    return HardwareProfile(f"this-machine-{store}-{mode}", fetch_latency_s=max(0.0, float(fetch_s)),
-                           fetch_bandwidth=float("inf"), parallel_fetches=1.0, expert_s=0.0,
-                           dense_s=floor - floor_counts[1] * max(0.0, float(segment_s)), overlap=True,
+        read_s.append(time.perf_counter() - start)
+    for eng in engines:
+        eng.close()
+    terms = TERMS if mode == "forced" else tuple(t for t in TERMS if t != "expert_runs")
+    cost = fit_terms(counts[:, [TERMS.index(t) for t in terms]], seconds, terms)
+    # The slow tier's transfer per fetch is fitted as a time: bandwidth = bytes / that time.
+    transfer = cost["sync_fetches"]
+    return HardwareProfile(f"this-machine-{store}-{mode}", fetch_latency_s=cost["fetch_waits"],
+                           fetch_bandwidth=st.expert_bytes / transfer if transfer else float("inf"),
+                           expert_run_s=cost.get("expert_runs", 0.0), dense_s=cost["dense"], overlap=True,
                            expert_bytes=st.expert_bytes, layers=a.num_layers, top_k=a.top_k,
                            source=f"measured by calibrate-hw ({store} store, {mode}); one O_DIRECT read alone: "
-                                  f"{1e6 * statistics.median(reads):.0f} us",
-                           segment_s=max(0.0, float(segment_s)), decision_s=max(0.0, float(decision_s)))
+                                  f"{1e6 * statistics.median(read_s):.0f} us",
+                           admission_s=cost["background_fetches"], decision_s=cost["substituted_calls"])

@@ -10,7 +10,7 @@ updates from its transfers before each layer (`ExpertCache.poll`).
 """
 from __future__ import annotations
 
-from .cache_state import (BACKGROUND, EVICTION, HITS, LOGGING, MISSES, MOE_CALLS, N_LOG,
+from .cache_state import (BACKGROUND, EVICTION, EXPERT_RUNS, FETCH_WAITS, HITS, LOGGING, MISSES, MOE_CALLS, N_LOG,
                           N_PROTECTED, PREFETCHES, ROUTED, SEGMENT, SEGMENT_START, SEGMENTS, SUBSTITUTED_CALLS,
                           SUBSTITUTIONS, SYNC_FETCHES)
 from .compiled import compiled
@@ -50,6 +50,14 @@ def _release(st):
     for i in range(st.misc[N_PROTECTED]):
         st.protected[st.protected_list[i]] = False
     st.misc[N_PROTECTED] = 0
+
+
+@compiled
+def _owe(st, s, seg):
+    """Slot s has work in the current batch (segment); the first time, that is one more expert
+    run: one expert applied to a batch of tokens, its weights read once."""
+    st.counts[EXPERT_RUNS] += st.owes[s] != seg
+    st.owes[s] = seg
 
 
 @compiled
@@ -121,7 +129,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ids, w
             s = st.slot_of[layer, ids[j]]
             touch(ev, st.score, st.last_use, s, clock)
             _protect(st, s)
-            st.owes[s] = seg
+            _owe(st, s, seg)
             slots_out[j], exec_out[j], gates_out[j] = s, ids[j], w[j]
         return True
     n_exec, n_fetch, n_admit, substituted, mass = decide(p, account, st, sc, layer, row, table, logits, ids, w)
@@ -134,6 +142,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ids, w
         s = st.slot_of[layer, sc.exec_e[c]]
         if s >= 0:
             _protect(st, s)
+    fetched = cnt[SYNC_FETCHES]
     for f in range(n_fetch):
         e = sc.fetch[f]
         if st.slot_of[layer, e] < 0:
@@ -142,6 +151,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ids, w
                 return False
             _protect(st, s)
             cnt[SYNC_FETCHES] += 1
+    cnt[FETCH_WAITS] += cnt[SYNC_FETCHES] > fetched  # the call waits once for its fetches, read in parallel
     for a in range(n_admit):
         e = sc.admit[a]
         if st.slot_of[layer, e] < 0:
@@ -155,7 +165,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ids, w
             _log(st, WAIT, s, 0, 0)
             st.pending[s] = False
         touch(ev, st.score, st.last_use, s, clock)
-        st.owes[s] = seg
+        _owe(st, s, seg)
         slots_out[c], exec_out[c], gates_out[c] = s, sc.exec_e[c], sc.exec_w[c]
     for c in range(n_exec, k):  # fewer executed than routed: zero-weight padding
         slots_out[c], exec_out[c], gates_out[c] = slots_out[0], exec_out[0], 0.0

@@ -106,9 +106,11 @@ def _replay(st, p, account, sc, logits, table, ids, weights, context, slots, exp
 
 
 def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), eviction: str | None = None,
-           counts: np.ndarray | None = None, fetch_dtype_bytes: int = 2, routes: Routes | None = None) -> Replay:
-    """Replay `policy` over the trace's windows in order; `counts` [L, E] gives a warm start;
-    `routes` (route_trace) saves routing the trace again."""
+           counts: np.ndarray | None = None, fetch_dtype_bytes: int = 2, routes: Routes | None = None,
+           window: int | None = None) -> Replay:
+    """Replay `policy` over the trace in windows of `window` tokens (default: the trace's
+    context, as `ppl` runs; 1: decode order); `counts` [L, E] gives a warm start; `routes`
+    (route_trace) saves routing the trace again."""
     h = trace.header
     L, E, k = h["num_layers"], h["num_experts"], h["top_k"]
     hidden, numel = h["hidden_size"], h["expert_params"]
@@ -125,7 +127,7 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     logits, table = logit_rows(trace)
     start = time.perf_counter()
     failed = _replay(st, pol.params(), pol.bind(L, E), Scratch.make(k, E), logits, table, routes.ids,
-                     routes.weights, int(h["context"]), np.empty(k, np.int64), np.empty(k, np.int64),
+                     routes.weights, int(window or h["context"]), np.empty(k, np.int64), np.empty(k, np.int64),
                      np.empty(k, np.float32))
     seconds = time.perf_counter() - start
     if failed >= 0:

@@ -14,6 +14,7 @@ class RunStats:
     hits: int = 0  # routed selections resident at decision time
     misses: int = 0
     sync_fetches: int = 0  # misses fetched on the critical path
+    fetch_waits: int = 0  # MoE calls that waited for synchronous fetches (a call's fetches overlap)
     sync_fetch_bytes: int = 0
     substitutions: int = 0  # routed experts replaced or dropped
     substituted_calls: int = 0  # calls with at least one substitution
@@ -23,6 +24,7 @@ class RunStats:
     prefetch_bytes: int = 0
     background_bytes: int = 0
     segments: int = 0  # expert-compute batches: a fetch that reuses a slot with owed work splits a window
+    expert_runs: int = 0  # (batch, expert) pairs: one expert applied to one batch of tokens
     stall_s: float = 0.0  # time blocked waiting on transfers
     wall_s: float = 0.0  # time in model forward calls
     peak_memory_bytes: int = 0

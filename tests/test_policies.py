@@ -189,3 +189,13 @@ def test_decayed_frequency_fades_per_token():
     ev.at(40).touch(1)  # 1 use at token 40: 2 * 0.98^40 = 0.89 < 1
     assert ev.score[0] == pytest.approx(2 * 0.98 ** 40)
     assert ev.victim() == 0
+
+
+def test_global_quota_substitutes_within_the_layer():
+    shape = ExpertShape(2, 8, (4, 2), (2, 2))
+    cache = ExpertCache(CacheConfig(fraction=0.5, quota="global"), None, 4, None, torch.float32, shape=shape,
+                        fetch_bytes=1)
+    cache.fill(1, [0, 2, 5, 7])  # another layer's experts: never substitutes for layer 0
+    cache.fill(0, [1, 4, 2])
+    d = make_policy("substitute-all").decide(R, cache)
+    assert d.experts == [2, 1, 6, 4] and d.fetch == [6] and d.substituted == 1  # 3 -> 2; none left for 6

@@ -1,6 +1,7 @@
 """Traces and the simulator: the replay's counts equal the engine's under fetch-every-miss."""
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,8 +29,19 @@ def test_replay_counts_equal_the_engine(traced, eviction):
         engine.forward(x[start:start + 64], 0)
     sim = replay(trace, "fetch-all", CacheConfig(fraction=0.5), eviction=eviction)
     e, s = engine.stats, sim.stats
-    assert (s.hits, s.misses, s.sync_fetches, s.moe_calls) == (e.hits, e.misses, e.sync_fetches, e.moe_calls)
-    assert e.sync_fetches > 0
+    fields = ("hits", "misses", "sync_fetches", "moe_calls", "segments", "expert_runs")
+    assert [getattr(s, f) for f in fields] == [getattr(e, f) for f in fields]
+    assert e.sync_fetches > 0 and e.segments > 2 * 5  # windows were split by evictions
+
+
+def test_decode_order_replay(traced):
+    """With per-layer quotas each layer sees its tokens in the same order whatever the window:
+    the same fetches; in decode order every token runs its k experts on its own."""
+    _, _, trace, _ = traced
+    windows = replay(trace, "fetch-all", CacheConfig(fraction=0.5))
+    decode = replay(trace, "fetch-all", CacheConfig(fraction=0.5), window=1)
+    assert decode.stats.sync_fetches == windows.stats.sync_fetches
+    assert decode.stats.expert_runs == 2 * decode.stats.moe_calls > windows.stats.expert_runs
 
 
 def test_substituting_replay_runs(traced):
@@ -52,12 +64,23 @@ def test_trace_format_version_is_checked(traced, tmp_path):
         read_trace(tmp_path / "junk")
 
 
+def test_cost_fit_recovers_known_costs():
+    from expertcache.costmodel import fit_terms
+    rng = np.random.default_rng(0)
+    counts = np.column_stack([np.ones(6), rng.uniform(0, 50, (6, 3))])
+    cost = np.array([1e-4, 3e-5, 5e-5, 2e-5])
+    fitted = fit_terms(counts, counts @ cost, ("dense", "a", "b", "c"))
+    np.testing.assert_allclose(list(fitted.values()), cost, rtol=1e-6)
+    worse = fit_terms(counts, counts @ np.array([1e-4, 3e-5, 5e-5, 0.0]) - 1e-5 * counts[:, 3], ("d", "a", "b", "c"))
+    assert worse["c"] == 0.0 and min(worse.values()) >= 0  # a negative cost is not physical: dropped
+
+
 def test_cost_model_adds_fetch_time():
     from expertcache.costmodel import DATASHEET
     from expertcache.stats import RunStats
     p = DATASHEET["rtx3090-qwen3-next"]
     none = RunStats(tokens=10, moe_calls=480)
-    some = RunStats(tokens=10, moe_calls=480, sync_fetches=480)  # one fetch per MoE call
+    some = RunStats(tokens=10, moe_calls=480, sync_fetches=480, fetch_waits=480)  # one fetch per MoE call
     extra = p.ms_per_token(some) - p.ms_per_token(none)
     assert extra == pytest.approx(1000 * 48 * p.fetch_s)
     assert 0.2 < p.fetch_s * 1000 < 0.3  # 6.3 MB over PCIe 4.0

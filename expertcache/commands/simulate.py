@@ -1,12 +1,13 @@
 """expertcache simulate: replay policies on a trace over a sweep of cache sizes."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from ..cache import CacheConfig
 from ..costmodel import load_profile
 from ..calibrate import load_routing_counts
-from ..simulator import replay
+from ..simulator import replay, route_trace
 from ..trace import read_trace
 from .options import write_json
 
@@ -22,26 +23,35 @@ def add_arguments(p):
     p.add_argument("--initial", default="auto", help="warm (the model's routing counts), cold or auto")
     p.add_argument("--profile", default=None, help="cost model: a calibrate-hw file, rtx3090-qwen3-next or "
                                                    "a6000-qwen3-30b; adds estimated ms/token")
+    p.add_argument("--window", type=int, default=None,
+                   help="tokens decided per layer call: the trace's context (default, as ppl runs) or 1 (decode)")
     p.add_argument("--jobs", type=int, default=1, help="replay the sweep in this many processes")
     p.add_argument("--plot", type=Path, default=None, help="time vs substituted-mass frontier PNG")
     p.add_argument("--json", type=Path, default=None)
 
 
-def task(trace_path: str, policy: str, fraction: float, eviction: str | None, initial: str,
-         profile: str | None) -> dict:
-    """One unit of a sweep: a pure function of its arguments returning one JSON-able row, so a
-    sweep can go to a process pool here or to any cluster scheduler as independent jobs."""
+@functools.lru_cache(maxsize=4)
+def _load(trace_path: str, initial: str):
+    """A trace, its routes and warm-start counts, once per process (a sweep's jobs share them)."""
     trace = read_trace(Path(trace_path))
     counts = None if initial == "cold" else load_routing_counts(Path(trace.header["model"]))
-    r = replay(trace, policy, CacheConfig(fraction=fraction), eviction, counts)
+    return trace, route_trace(trace), counts
+
+
+def task(trace_path: str, policy: str, fraction: float, eviction: str | None, initial: str,
+         profile: str | None, window: int | None = None) -> dict:
+    """One unit of a sweep: a pure function of its arguments returning one JSON-able row, so a
+    sweep can go to a process pool here or to any cluster scheduler as independent jobs."""
+    trace, routes, counts = _load(trace_path, initial)
+    r = replay(trace, policy, CacheConfig(fraction=fraction), eviction, counts, routes=routes, window=window)
     est = load_profile(profile).ms_per_token(r.stats) if profile else float("nan")
     return {"policy": policy, "cache": fraction, "events_per_second": r.events_per_second,
-            "estimated_ms_per_token": est, **r.stats.to_dict()}
+            "routing_seconds": routes.seconds, "estimated_ms_per_token": est, **r.stats.to_dict()}
 
 
 def run(a) -> int:
     trace = read_trace(a.trace)
-    jobs = [(str(a.trace), policy, fraction, a.eviction, a.initial, a.profile)
+    jobs = [(str(a.trace), policy, fraction, a.eviction, a.initial, a.profile, a.window)
             for fraction in a.cache for policy in a.policies]
     if a.jobs > 1:
         import multiprocessing
