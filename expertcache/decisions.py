@@ -109,11 +109,14 @@ def load(st, layer, e, kind, t, clock):
 
 
 @compiled
-def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ids, w, slots_out, exec_out, gates_out):
-    """Token t of the current call at `layer`: decide, load, account. Writes the slots,
-    executed experts and gates to the *_out rows [k] (padding has gate 0); returns False when
-    the cache is too small for the token."""
-    k = len(ids)
+def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ranked, w, slots_out, exec_out,
+                 gates_out):
+    """Token t of the current call at `layer`: decide, load, account. ranked: the router's
+    experts in rank order, at least the k routed ones; w [k]: their gate weights. Writes the
+    slots, executed experts and gates to the *_out rows [k] (padding has gate 0); returns
+    False when the cache is too small for the token."""
+    k = len(w)
+    ids = ranked[:k]
     ev, cnt = st.misc[EVICTION], st.counts
     _release(st)
     advance(ev, st.score, st.group_clock, st.group[layer], st.slot_lo[layer], st.slot_hi[layer], clock)
@@ -132,7 +135,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ids, w
             _owe(st, s, seg)
             slots_out[j], exec_out[j], gates_out[j] = s, ids[j], w[j]
         return True
-    n_exec, n_fetch, n_admit, substituted, mass = decide(p, account, st, sc, layer, row, table, logits, ids, w)
+    n_exec, n_fetch, n_admit, substituted, mass = decide(p, account, st, sc, layer, row, table, logits, ranked, w)
     cnt[MISSES] += k - hits
     if substituted:
         cnt[SUBSTITUTIONS] += substituted

@@ -236,16 +236,36 @@ def _account(p, account, layer, e, w, admit, n_admit):
 
 
 @compiled
-def _best_substitutes(p, st, sc, layer, row, table, ids, n):
+def _best_substitutes(p, st, sc, layer, row, table, ranked, k, n):
     """The n best resident experts of `layer` by router score (not in flight, not routed,
     within the top-window ranks for sub=window) into sc.cand_e, best first, ties to the lower
-    expert id; returns how many there are (<= n). Each usable slot gets its expert's
-    rank_key, unusable ones -1; the best are taken by maximum reductions."""
+    expert id; returns how many there are (<= n).
+
+    `ranked` holds the row's experts in rank order as far as the caller ranked them (at
+    least the k routed): the first usable ones past rank k are the answer when enough of them
+    are there. Otherwise every usable slot gets its expert's rank_key, unusable ones -1, and
+    the best are taken by maximum reductions."""
+    if n <= 0:
+        return 0
     E = st.slot_of.shape[1]
     window = p[SUB] == 2
+    M = min(int(p[WINDOW]), E)
+    limit = min(len(ranked), M) if window else len(ranked)
+    found = 0
+    for r in range(k, limit):
+        e = ranked[r]
+        s = st.slot_of[layer, e]
+        if s >= 0 and not st.pending[s]:
+            sc.cand_e[found] = e
+            found += 1
+            if found == n:
+                return found
+    if len(ranked) == E or (window and M <= len(ranked)):
+        return found  # every rank that may substitute was seen
+    ids = ranked[:k]
     if window:
-        top_m(row, table, int(p[WINDOW]), sc.order, sc.order_v, sc.comp, sc.block_max)
-        for i in range(int(p[WINDOW])):
+        top_m(row, table, M, sc.order, sc.order_v, sc.comp, sc.block_max)
+        for i in range(M):
             sc.mark[sc.order[i]] = True
     for j in range(len(ids)):
         sc.routed[ids[j]] = True
@@ -280,24 +300,26 @@ def _best_substitutes(p, st, sc, layer, row, table, ids, n):
     for j in range(len(ids)):
         sc.routed[ids[j]] = False
     if window:
-        for i in range(int(p[WINDOW])):
+        for i in range(M):
             sc.mark[sc.order[i]] = False
     return found
 
 
 @compiled
-def decide(p, account, st, sc, layer, row, table, logits, ids, w):
+def decide(p, account, st, sc, layer, row, table, logits, ranked, w):
     """One MoE call. p: a policy's params(); account: its [L, E] state; st: the cache state;
     sc: scratch; row [E]: the router's probabilities, or its logits when `logits` (only the
-    order and probability ratios are used), read through `table` (see `value`); ids, w [k]: the routed experts and gate weights.
+    order and probability ratios are used), read through `table` (see `value`); ranked: the
+    row's experts in rank order, at least the k routed ones; w [k]: the routed gate weights.
 
     Writes the executed experts and weights to sc.exec_e / sc.exec_w, the synchronous
     fetches to sc.fetch and background admissions to sc.admit; returns
     (executed, fetches, admissions, substituted, substituted mass)."""
-    k = len(ids)
+    k = len(w)
+    ids = ranked[:k]
     kind = p[KIND]
     if kind == CONDITIONAL:
-        return _conditional(p, st, sc, layer, row, table, logits, ids, w)
+        return _conditional(p, st, sc, layer, row, table, logits, ranked, w)
     n_fetch = 0
     for j in range(k):
         sc.exec_e[j], sc.exec_w[j] = ids[j], w[j]
@@ -333,7 +355,7 @@ def decide(p, account, st, sc, layer, row, table, logits, ids, w):
         first = 1
     substituted, mass, n_admit = 0, 0.0, 0
     if not drop:
-        n_cand = _best_substitutes(p, st, sc, layer, row, table, ids, n_missed - first)
+        n_cand = _best_substitutes(p, st, sc, layer, row, table, ranked, k, n_missed - first)
         for i in range(first, n_missed):
             j, c = sc.missed[i], i - first
             if c >= n_cand:  # no resident expert left to substitute: fetch
@@ -365,10 +387,16 @@ def decide(p, account, st, sc, layer, row, table, logits, ids, w):
 
 
 @compiled
-def _conditional(p, st, sc, layer, row, table, logits, ids, w):
-    k = len(ids)
-    J, M = int(p[TOP_J]), max(int(p[TOP_M]), k)
-    top_m(row, table, M, sc.order, sc.order_v, sc.comp, sc.block_max)
+def _conditional(p, st, sc, layer, row, table, logits, ranked, w):
+    k = len(w)
+    ids = ranked[:k]
+    J, M = int(p[TOP_J]), min(max(int(p[TOP_M]), k), len(row))
+    if len(ranked) >= M:  # ranked far enough already
+        for i in range(M):
+            sc.order[i] = ranked[i]
+            sc.order_v[i] = value(row, table, ranked[i])
+    else:
+        top_m(row, table, M, sc.order, sc.order_v, sc.comp, sc.block_max)
     n = 0
     for i in range(J):
         sc.exec_e[n] = sc.order[i]

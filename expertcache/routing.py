@@ -77,12 +77,12 @@ def top_m(row, table, m, idx, val, comp, block_max):
 
 
 @compiled
-def route_row(row, table, norm, ids, vals, w, comp, block_max):
-    """ids, w [k] <- the top-k experts of a logit row and their gate weights: softmax,
-    renormalised over the top-k when `norm`. vals [k], comp [E], block_max [E / 16 + 1]:
-    working arrays."""
-    k = len(ids)
-    top_m(row, table, k, ids, vals, comp, block_max)
+def route_row(row, table, norm, ranked, vals, w, comp, block_max):
+    """ranked [R] <- the row's R best experts in rank order, of which the first k = len(w)
+    are routed; w [k] <- their gate weights: softmax, renormalised over the top-k when `norm`.
+    vals [R], comp [E], block_max [E / 16 + 1]: working arrays."""
+    k = len(w)
+    top_m(row, table, len(ranked), ranked, vals, comp, block_max)
     total = 0.0
     for j in range(k):
         w[j] = np.exp(vals[j] - vals[0])

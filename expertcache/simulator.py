@@ -45,18 +45,18 @@ class Replay:
 
 
 @compiled
-def _route_all(logits, table, norm, ids, weights, vals, comp, block_max):
+def _route_all(logits, table, norm, ranked, weights, vals, comp, block_max):
     N, L, E = logits.shape
     for n in range(N):
         for layer in range(L):
-            route_row(logits[n, layer], table, norm, ids[layer, n], vals, weights[layer, n], comp, block_max)
+            route_row(logits[n, layer], table, norm, ranked[layer, n], vals, weights[layer, n], comp, block_max)
 
 
 @dataclass
 class Routes:
     """A trace's routing, computed once and shared by every replay of the trace."""
-    ids: np.ndarray  # [L, N, k] int64 routed experts in rank order (layer-major: the replay's order)
-    weights: np.ndarray  # [L, N, k] float32 gate weights
+    ranked: np.ndarray  # [L, N, R] the R >= k best experts in rank order, the first k routed
+    weights: np.ndarray  # [L, N, k] float32 gate weights (layer-major: the replay's order)
     seconds: float  # time it took
 
 
@@ -68,22 +68,26 @@ def logit_rows(trace: Trace) -> tuple[np.ndarray, np.ndarray | None]:
     return logits, None
 
 
-def route_trace(trace: Trace) -> Routes:
+def route_trace(trace: Trace, ranks: int = 32) -> Routes:
+    """Route every token at every layer, ranking `ranks` experts (at least the top-k): the
+    ranks past the top-k are where substitutes and cache-conditional choices come from."""
     h = trace.header
     logits, table = logit_rows(trace)
     N, L, E = logits.shape
     k = h["top_k"]
-    ids, weights = np.empty((L, N, k), np.int64), np.empty((L, N, k), np.float32)
+    R = min(E, max(ranks, k))
+    ranked = np.empty((L, N, R), np.int16 if E < 2**15 else np.int32)
+    weights = np.empty((L, N, k), np.float32)
     start = time.perf_counter()
-    _route_all(logits, table, bool(h["norm_topk_prob"]), ids, weights, np.empty(k), np.empty(E, np.int64),
+    _route_all(logits, table, bool(h["norm_topk_prob"]), ranked, weights, np.empty(R), np.empty(E, np.int64),
                np.empty(E // 16 + 1, np.int64))
-    return Routes(ids, weights, time.perf_counter() - start)
+    return Routes(ranked, weights, time.perf_counter() - start)
 
 
 @compiled
-def _replay(st, p, account, sc, logits, table, ids, weights, context, slots, experts, gates):
+def _replay(st, p, account, sc, logits, table, ranked, weights, context, slots, experts, gates):
     """Every window of `context` tokens, layer by layer, token by token; -1 on success, else
-    the layer whose cache was too small. ids, weights: routes, layer-major [L, N, k];
+    the layer whose cache was too small. ranked, weights: routes, layer-major [L, N, *];
     slots, experts, gates [k]: working arrays."""
     N, L, E = logits.shape
     line = 64 // logits.itemsize
@@ -98,8 +102,8 @@ def _replay(st, p, account, sc, logits, table, ids, weights, context, slots, exp
                     ahead = logits[n + 2, layer]
                     for e in range(0, E, line):
                         prefetch(ahead, e)
-                if not decide_token(st, p, account, sc, layer, t, n, logits[n, layer], table, True, ids[layer, n],
-                                    weights[layer, n], slots, experts, gates):
+                if not decide_token(st, p, account, sc, layer, t, n, logits[n, layer], table, True,
+                                    ranked[layer, n], weights[layer, n], slots, experts, gates):
                     return layer
             st.counts[SEGMENTS] += 1
     return -1
@@ -126,7 +130,7 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     routes = routes or route_trace(trace)
     logits, table = logit_rows(trace)
     start = time.perf_counter()
-    failed = _replay(st, pol.params(), pol.bind(L, E), Scratch.make(k, E), logits, table, routes.ids,
+    failed = _replay(st, pol.params(), pol.bind(L, E), Scratch.make(k, E), logits, table, routes.ranked,
                      routes.weights, int(window or h["context"]), np.empty(k, np.int64), np.empty(k, np.int64),
                      np.empty(k, np.float32))
     seconds = time.perf_counter() - start
