@@ -19,7 +19,7 @@ print(json.dumps(speculative_quality(None, StudyConfig()), indent=1))"
   run trace16k expertcache trace --max-tokens 16384 --out build/eval16k.ectrace
   ;;&
 timed|all)
-  run simulator_speed python benchmarks/simulator_speed.py --tokens 1000
+  run simulator_speed python benchmarks/simulator_speed.py --tokens 4000
   run decode python benchmarks/decode.py --gguf build/model.gguf --json "$out/decode.json"
   run bench expertcache bench --json "$out/bench.json" --policies fetch-all threshold:tau=0.15 first-choice \
       quality-first speed-first substitute-all

@@ -44,15 +44,16 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4000)
     p.add_argument("--policies", nargs="*", default=POLICIES)
+    p.add_argument("--ranks", type=int, default=32, help="experts ranked per token and layer when routing")
     a = p.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
     with tempfile.TemporaryDirectory() as d:
         trace, popularity = synthetic_trace(Path(d) / "synthetic.ectrace", a.tokens)
         events = a.tokens * 48 * 10
-        route_trace(trace)  # compile
-        routing = statistics.median(route_trace(trace).seconds for _ in range(3))
-        routes = route_trace(trace)
+        route_trace(trace, a.ranks)  # compile
+        routing = statistics.median(route_trace(trace, a.ranks).seconds for _ in range(3))
+        routes = route_trace(trace, a.ranks)
         counts = np.exp(popularity)  # warm start: the most popular experts
         print(f"{a.tokens} tokens x 48 layers x top-10 = {events:,} events, one core")
         print(f"routing the trace (once per trace): {events / routing / 1e6:.1f}M events/s")
