@@ -12,6 +12,7 @@ import torch
 from . import decisions as kernel
 from .cache_state import LOGGING, N_LOG, CacheState
 from .policies import Scratch
+from .routing import route_logits
 from .errors import CacheTooSmall, UnknownName
 from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
@@ -65,6 +66,19 @@ class ExpertCache:
         self.scratch = Scratch.make(top_k, shape.num_experts)
         self.pending: dict[int, Transfer] = {}  # slot -> transfer in flight
         self.transfers = InstantTransfers() if virtual else TransferEngine(store, self.w13, self.w2, cfg.io_workers)
+        if not virtual:
+            self._compile()
+
+    def _compile(self) -> None:
+        """Compile routing and the decision kernel for the engine's argument types now, on a
+        throwaway state (numba caches the machine code on disk: only the first run compiles),
+        so that no forward pass is timed with a compilation in it."""
+        L, E, k = self.shape.num_layers, self.shape.num_experts, self.top_k
+        route_logits(np.zeros((1, E), np.float32), k, True)
+        ids = np.arange(k, dtype=np.int64)[None]
+        kernel.decide_layer(self._new_state(), np.zeros(10), np.zeros((L, E)), self.scratch, 0,
+                            np.zeros((1, E), np.float32), ids, np.full((1, k), 1 / k, np.float32), 0,
+                            np.zeros((1, k), np.int64), np.zeros((1, k), np.int64), np.zeros((1, k), np.float32))
 
     def _new_state(self) -> CacheState:
         st = CacheState.make(self.shape.num_layers, self.shape.num_experts, self.per_layer, self.cfg.quota,
