@@ -84,7 +84,7 @@ class ExpertCache:
         st = CacheState.make(self.shape.num_layers, self.shape.num_experts, self.per_layer, self.cfg.quota,
                              self.cfg.eviction, self.top_k)
         st.misc[LOGGING] = 1
-        return st.with_log(max(kernel.log_capacity(1, self.top_k), 2 * self.shape.num_experts + 2))
+        return st.with_log(kernel.log_capacity(1, self.top_k, self.shape.num_experts))
 
     @property
     def bytes(self) -> int:
@@ -105,7 +105,7 @@ class ExpertCache:
         """Decide one layer's tokens (the compiled loop) and log the actions to carry out;
         returns the first token whose expert work is still owed."""
         T, k = ids.shape
-        self.state = self.state.with_log(kernel.log_capacity(T, k))
+        self.state = self.state.with_log(kernel.log_capacity(T, k, self.shape.num_experts))
         L, E = self.shape.num_layers, self.shape.num_experts
         owed_from = kernel.decide_layer(self.state, policy.params(), policy.bind(L, E), self.scratch,
                                         layer, logits, ids, weights, token_base, slots, experts, gates)

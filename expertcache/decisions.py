@@ -23,10 +23,11 @@ KINDS = ("fetch", "admit", "prefetch", "fill")
 FETCH, ADMIT, PREFETCH, FILL = range(len(KINDS))
 
 
-def log_capacity(tokens: int, top_k: int) -> int:
-    """Actions per token at most: k fetches and k admissions, each with a flush and a
-    finish-all, and k waits."""
-    return tokens * 7 * top_k + 1
+def log_capacity(tokens: int, top_k: int, num_experts: int) -> int:
+    """Room for the actions of a layer call of `tokens` tokens (per token at most k fetches
+    and k admissions, each with a flush and a finish-all, and k waits) and of a fill or a
+    prefetch (at most every expert of a layer, each with a flush and a finish-all)."""
+    return max(tokens * 7 * top_k, 3 * num_experts) + 1
 
 
 @compiled
@@ -89,10 +90,9 @@ def load(st, layer, e, kind, t, clock):
     E = st.slot_of.shape[1]
     lo, hi = st.slot_lo[layer], st.slot_hi[layer]
     ev = st.misc[EVICTION]
-    for _ in range(2):  # one call site: a second one keeps the compiler from inlining victim
+    s = victim(ev, st.score, st.last_use, st.protected, st.pending, lo, hi)
+    if s < 0 and _land_all(st):  # only slots in flight left: let them land
         s = victim(ev, st.score, st.last_use, st.protected, st.pending, lo, hi)
-        if s >= 0 or not _land_all(st):  # only slots in flight left: let them land, try again
-            break
     if s < 0:
         return -1
     if st.owes[s] == st.misc[SEGMENT]:  # its expert still owes work to earlier tokens

@@ -1,9 +1,9 @@
 """Replay miss policies on a router-logit trace (instrument 2).
 
 The replay runs the engine's own decision kernel (`decisions.decide_token`) on a virtual
-cache: the same policies, eviction orders and counters, without weights or transfers, and
-compiled end to end: routing from the trace's logits, decisions and bookkeeping run in one
-call per policy. Transfers land at once: an admission made during a window of tokens is in
+cache: the same policies, eviction orders and counters, without weights or transfers. A trace
+is routed once (`route_trace`: top-k, gate weights and a ranked prefix of each row, with the
+engine's routing code); each policy then replays in one compiled call. Transfers land at once: an admission made during a window of tokens is in
 flight for the rest of that window at that layer, as it would be if the engine's transfer
 outlasted the window. Routing never diverges in a replay: after a substitution the
 engine's later routing changes (the hidden state differs), the trace's does not. With
@@ -27,7 +27,6 @@ from .routing import HALF_TO_FLOAT, route_row
 from .stats import RunStats
 from .stores import ExpertShape
 from .trace import Trace
-
 
 
 @dataclass
