@@ -28,7 +28,9 @@ timed|all)
       fetch-all+prefetch/hybrid fetch-all+speculative/quasi-hidden fetch-all+speculative/hybrid \
       quality-first quality-first+prefetch/hybrid
   run calibrate_hw expertcache calibrate-hw --store disk --mode forced --out "$out/cpu-disk-forced.json"
-  run costmodel_check python benchmarks/costmodel_check.py "$out/bench.json" "$out/cpu-disk-forced.json"
+  run calibrate_hw_decode expertcache calibrate-hw --store disk --mode decode --out "$out/cpu-disk-decode.json"
+  run costmodel_check python benchmarks/costmodel_check.py "$out/bench.json" "$out/cpu-disk-forced.json" \
+      "$out/cpu-disk-decode.json"
   run simulate expertcache simulate build/eval16k.ectrace --cache 0.125 0.25 0.5 --jobs 2 \
       --profile "$out/cpu-disk-forced.json" --plot "$out/frontier.png" --json "$out/simulate.json" \
       --policies fetch-all threshold:tau=0.15 first-choice quality-first moe-infinity llama.cpp conditional:j=2,m=16

@@ -53,6 +53,7 @@ class BenchResult:
     ppl: dict = field(default_factory=dict)
     fetches_per_token: dict = field(default_factory=dict)
     stall_ms_per_token: dict = field(default_factory=dict)
+    decoded: dict = field(default_factory=dict)  # variant -> the greedy tokens it decoded
 
     def summary(self) -> dict:
         med = {k: {"decode": statistics.median(self.decode_ms[k]), "forced": statistics.median(self.forced_ms[k])}
@@ -70,7 +71,7 @@ class BenchResult:
 
     def to_dict(self) -> dict:
         return {"config": self.config, "summary": self.summary(), "decode_ms": self.decode_ms,
-                "forced_ms": self.forced_ms}
+                "forced_ms": self.forced_ms, "decoded": self.decoded}
 
 
 def _timed(engine: Engine, prompt: list[int], forced: list[int], cfg: BenchConfig) -> tuple[float, float, float, dict]:
@@ -78,10 +79,9 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], cfg: BenchConfi
     (decode ms/token, forced ms/token, forced NLL, counters)."""
     engine.reset()
     it = generate(engine, prompt, cfg.decode_tokens)
-    next(it)  # the prompt's forward is not decode time
+    decoded = [next(it)]  # the prompt's forward is not decode time
     t0 = time.perf_counter()
-    for _ in it:
-        pass
+    decoded += list(it)
     decode = 1000 * (time.perf_counter() - t0) / (cfg.decode_tokens - 1)
     s = engine.stats
     f0, st0, tok0 = s.sync_fetches, s.stall_s, s.tokens
@@ -93,7 +93,8 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], cfg: BenchConfi
         nll += F.cross_entropy(logits, x[start + 1:end], reduction="sum").item()
     n = len(forced) - 1
     forced_ms = 1000 * (time.perf_counter() - t0) / n
-    counters = {"fetches": (s.sync_fetches - f0) / (s.tokens - tok0), "stall": 1000 * (s.stall_s - st0) / (s.tokens - tok0)}
+    counters = {"fetches": (s.sync_fetches - f0) / (s.tokens - tok0), "stall": 1000 * (s.stall_s - st0) / (s.tokens - tok0),
+                "decoded": decoded}
     return decode, forced_ms, nll / n, counters
 
 
@@ -127,6 +128,7 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
                 res.ppl[v] = math.exp(nll)
                 res.fetches_per_token[v] = c["fetches"]
                 res.stall_ms_per_token[v] = c["stall"]
+                res.decoded[v] = c["decoded"]
     engine.close()
     floor.close()
     return res

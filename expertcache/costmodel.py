@@ -38,6 +38,7 @@ class HardwareProfile:
     source: str = ""
     admission_s: float = 0.0  # what an admission costs the critical path even when it overlaps
     decision_s: float = 0.0  # one MoE call with a substitution (the policy's own work)
+    calibration: tuple = ()  # measured runs behind a fitted profile: config, ms/token, counts/token, fit
 
     @property
     def transfer_s(self) -> float:
@@ -179,6 +180,10 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
         eng.close()
     terms = TERMS if mode == "forced" else tuple(t for t in TERMS if t != "expert_runs")
     cost = fit_terms(counts[:, [TERMS.index(t) for t in terms]], seconds, terms)
+    fitted = counts @ np.array([cost.get(t, 0.0) for t in TERMS])
+    calibration = tuple({"cache": f, "policy": p, "ms_per_token": 1000 * t, "fitted_ms_per_token": 1000 * e,
+                         "per_token": dict(zip(TERMS[1:], c[1:].tolist()))}
+                        for (f, p), t, e, c in zip(CALIBRATION, seconds, fitted, counts))
     # The slow tier's transfer per fetch is fitted as a time: bandwidth = bytes / that time.
     transfer = cost["sync_fetches"]
     return HardwareProfile(f"this-machine-{store}-{mode}", fetch_latency_s=cost["fetch_waits"],
@@ -187,4 +192,5 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
                            expert_bytes=st.expert_bytes, layers=a.num_layers, top_k=a.top_k,
                            source=f"measured by calibrate-hw ({store} store, {mode}); one O_DIRECT read alone: "
                                   f"{1e6 * statistics.median(read_s):.0f} us",
-                           admission_s=cost["background_fetches"], decision_s=cost["substituted_calls"])
+                           admission_s=cost["background_fetches"], decision_s=cost["substituted_calls"],
+                           calibration=calibration)

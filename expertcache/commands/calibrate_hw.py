@@ -19,5 +19,10 @@ def run(a) -> int:
     prof = measure_profile(a.model, a.store, a.mode)
     prof.save(a.out)
     for k, v in asdict(prof).items():
-        print(f"{k}: {v}")
+        if k != "calibration":
+            print(f"{k}: {v}")
+    print("\n| cache | policy | measured ms/token | fitted | error |\n|---:|---|---:|---:|---:|")
+    for r in prof.calibration:
+        print(f"| {r['cache']:g} | `{r['policy']}` | {r['ms_per_token']:.3f} | {r['fitted_ms_per_token']:.3f} | "
+              f"{100 * (r['fitted_ms_per_token'] / r['ms_per_token'] - 1):+.1f}% |")
     return 0
