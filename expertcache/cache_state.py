@@ -46,23 +46,10 @@ class CacheState(NamedTuple):
         misc = np.zeros(7, np.int64)
         misc[EVICTION] = eviction_code(eviction)
         misc[GLOBAL_QUOTA] = quota == "global"
-        st = cls(np.full((L, E), -1, np.int64), np.full(S, -1, np.int64), np.zeros(S, bool), np.zeros(S, bool),
-                 np.zeros(2 * top_k + 2, np.int64), np.full(S, -1, np.int64), np.zeros(S), np.zeros(L, np.int64),
-                 lo, hi, group, np.full(S, -1, np.int64), misc, np.zeros(len(COUNTERS), np.int64), np.zeros(1),
-                 np.zeros((64, 4), np.int64))
-        return st
-
-    def clear(self) -> None:
-        """Empty cache, fresh eviction state; the eviction order is kept."""
-        self.slot_of[:] = -1
-        self.owner[:] = -1
-        self.pending[:] = False
-        self.protected[:] = False
-        self.last_use[:] = -1
-        self.score[:] = 0.0
-        self.group_clock[:] = 0
-        self.owes[:] = -1
-        self.misc[N_PROTECTED] = 0
+        return cls(np.full((L, E), -1, np.int64), np.full(S, -1, np.int64), np.zeros(S, bool), np.zeros(S, bool),
+                   np.zeros(2 * top_k + 2, np.int64), np.full(S, -1, np.int64), np.zeros(S), np.zeros(L, np.int64),
+                   lo, hi, group, np.full(S, -1, np.int64), misc, np.zeros(len(COUNTERS), np.int64), np.zeros(1),
+                   np.zeros((64, 4), np.int64))
 
     def with_log(self, capacity: int) -> CacheState:
         """This state with room for `capacity` logged actions."""
