@@ -20,6 +20,7 @@ print(json.dumps(speculative_quality(None, StudyConfig()), indent=1))"
   ;;&
 timed|all)
   run simulator_speed python benchmarks/simulator_speed.py --tokens 4000
+  run simulator_speed_decode python benchmarks/simulator_speed.py --tokens 4000 --window 1
   run decode python benchmarks/decode.py --gguf build/model.gguf --json "$out/decode.json"
   run bench expertcache bench --json "$out/bench.json" --policies fetch-all threshold:tau=0.15 first-choice \
       quality-first speed-first substitute-all

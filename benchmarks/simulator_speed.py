@@ -5,7 +5,7 @@ logits) with skewed, slowly drifting router logits. The trace is routed once (to
 weights, shared by every replay of the trace); each policy is then replayed after one warm-up,
 median of 3, at a 25% cache with a warm start.
 
-    python benchmarks/simulator_speed.py [--tokens 4000] [--policies ...]
+    python benchmarks/simulator_speed.py [--tokens 4000] [--policies ...] [--window 1]
 """
 import argparse
 import os
@@ -45,6 +45,8 @@ def main():
     p.add_argument("--tokens", type=int, default=4000)
     p.add_argument("--policies", nargs="*", default=POLICIES)
     p.add_argument("--ranks", type=int, default=32, help="experts ranked per token and layer when routing")
+    p.add_argument("--window", type=int, default=None,
+                   help="tokens per layer call (default: the trace's 512; 1: decode order)")
     a = p.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
@@ -55,12 +57,13 @@ def main():
         routing = statistics.median(route_trace(trace, a.ranks).seconds for _ in range(3))
         routes = route_trace(trace, a.ranks)
         counts = np.exp(popularity)  # warm start: the most popular experts
-        print(f"{a.tokens} tokens x 48 layers x top-10 = {events:,} events, one core")
+        print(f"{a.tokens} tokens x 48 layers x top-10 = {events:,} events, one core, windows of {a.window or 512}")
         print(f"routing the trace (once per trace): {events / routing / 1e6:.1f}M events/s")
         print("| policy | replay events/s (median of 3) | with routing | 100k tokens would take | hit rate |")
         print("|---|---:|---:|---:|---:|")
         for policy in a.policies:
-            run = lambda: replay(trace, policy, CacheConfig(fraction=0.25), counts=counts, routes=routes)  # noqa: E731
+            run = lambda: replay(trace, policy, CacheConfig(fraction=0.25), counts=counts, routes=routes,  # noqa: E731
+                                 window=a.window)
             run()
             runs = [run() for _ in range(3)]
             seconds = statistics.median(r.seconds for r in runs)

@@ -74,7 +74,8 @@ class HardwareProfile:
 
 def _datasheet(name, pcie_gbs, mem_gbs, expert_bytes, dense_bytes, layers, top_k, source):
     # Decode is bandwidth-bound: an expert run is reading its weights from VRAM.
-    return HardwareProfile(name, fetch_latency_s=10e-6, fetch_bandwidth=pcie_gbs * 1e9, expert_run_s=expert_bytes / (mem_gbs * 1e9), dense_s=dense_bytes / (mem_gbs * 1e9),
+    return HardwareProfile(name, fetch_latency_s=10e-6, fetch_bandwidth=pcie_gbs * 1e9,
+                           expert_run_s=expert_bytes / (mem_gbs * 1e9), dense_s=dense_bytes / (mem_gbs * 1e9),
                            overlap=True, expert_bytes=expert_bytes, layers=layers, top_k=top_k, source=source)
 
 

@@ -1,13 +1,14 @@
 """Replay miss policies on a router-logit trace (instrument 2).
 
 The replay runs the engine's own decision kernel (`decisions.decide_token`) on a virtual
-cache: the same policies, eviction orders and counters, without weights or transfers. A trace
-is routed once (`route_trace`: top-k, gate weights and a ranked prefix of each row, with the
-engine's routing code); each policy then replays in one compiled call. Transfers land at once: an admission made during a window of tokens is in
-flight for the rest of that window at that layer, as it would be if the engine's transfer
-outlasted the window. Routing never diverges in a replay: after a substitution the
-engine's later routing changes (the hidden state differs), the trace's does not. With
-fetch-every-miss the counts equal the engine's exactly on the same text and windows.
+cache: the same policies, eviction orders and counters, without weights or transfers. A
+trace is routed once (`route_trace`: top-k, gate weights and a ranked prefix of each row,
+with the engine's routing code); each policy then replays in one compiled call. Transfers
+land by the next layer call: an admission made during a window of tokens is in flight for
+the rest of that window at that layer, as in the engine, which retires transfers once per
+layer call. Routing never diverges in a replay: after a substitution the engine's later
+routing changes (the hidden state differs), the trace's does not. With fetch-every-miss the
+counts equal the engine's exactly on the same text and windows.
 """
 from __future__ import annotations
 
@@ -93,11 +94,13 @@ def _replay(st, p, account, sc, logits, table, ranked, weights, context, slots, 
     for w0 in range(0, N, context):
         T = min(context, N - w0)
         for layer in range(L):
-            st.pending[:] = False  # every transfer has landed by the next layer call
+            # every transfer has landed by the next layer call; only this layer's slots (every
+            # slot with a global quota) can matter to it, and they are all it may have loaded
+            st.pending[st.slot_lo[layer]:st.slot_hi[layer]] = False
             begin_call(st)
             for t in range(T):
                 n = w0 + t
-                if t + 2 < T:  # rows of one layer lie L * E apart: the hardware would not guess them
+                if n + 2 < N:  # rows of one layer lie L * E apart: the hardware would not guess them
                     ahead = logits[n + 2, layer]
                     for e in range(0, E, line):
                         prefetch(ahead, e)
