@@ -11,7 +11,7 @@ import torch
 
 from . import decisions as kernel
 from .cache_state import LOGGING, N_LOG, CacheState
-from .policies import Scratch
+from .policies import MissPolicy, Scratch
 from .routing import route_logits
 from .errors import CacheTooSmall, UnknownName
 from .stores import ExpertShape, ExpertStore
@@ -76,7 +76,7 @@ class ExpertCache:
         L, E, k = self.shape.num_layers, self.shape.num_experts, self.top_k
         route_logits(np.zeros((1, E), np.float32), k, True)
         ids = np.arange(k, dtype=np.int64)[None]
-        kernel.decide_layer(self._new_state(), np.zeros(10), np.zeros((L, E)), self.scratch, 0,
+        kernel.decide_layer(self._new_state(), MissPolicy().params(), np.zeros((L, E)), self.scratch, 0,
                             np.zeros((1, E), np.float32), ids, np.full((1, k), 1 / k, np.float32), 0,
                             np.zeros((1, k), np.int64), np.zeros((1, k), np.int64), np.zeros((1, k), np.float32))
 

@@ -47,6 +47,15 @@ def _rank_key(row, table, e):
 
 
 @compiled
+def _block_max(comp, c, E):
+    """The largest of block c of comp[:E] (entries 16c .. 16c + 15)."""
+    top = np.int64(-1)
+    for i in range(c * 16, min(c * 16 + 16, E)):
+        top = max(top, comp[i])
+    return top
+
+
+@compiled
 def top_m(row, table, m, idx, val, comp, block_max):
     """idx[:m], val[:m] <- the m largest entries of row, descending, ties to the lower index.
 
@@ -58,10 +67,7 @@ def top_m(row, table, m, idx, val, comp, block_max):
         comp[i] = rank_key(row, table, i)
     blocks = (E + 15) // 16
     for c in range(blocks):
-        top = np.int64(-1)
-        for i in range(c * 16, min(c * 16 + 16, E)):
-            top = max(top, comp[i])
-        block_max[c] = top
+        block_max[c] = _block_max(comp, c, E)
     for j in range(m):
         best = np.int64(-1)
         for c in range(blocks):
@@ -69,11 +75,7 @@ def top_m(row, table, m, idx, val, comp, block_max):
         i = 0xFFFF - (best & 0xFFFF)
         idx[j], val[j] = i, value(row, table, i)
         comp[i] = -1
-        c = i // 16
-        top = np.int64(-1)
-        for x in range(c * 16, min(c * 16 + 16, E)):
-            top = max(top, comp[x])
-        block_max[c] = top
+        block_max[i // 16] = _block_max(comp, i // 16, E)
 
 
 @compiled

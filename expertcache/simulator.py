@@ -22,7 +22,6 @@ from .compiled import compiled, prefetch
 from .cache import CacheConfig, ExpertCache
 from .cache_state import LOGGING, SEGMENTS
 from .decisions import begin_call, decide_token
-from .errors import CacheTooSmall
 from .policies import Scratch, make_policy
 from .routing import HALF_TO_FLOAT, route_row
 from .stats import RunStats
@@ -137,8 +136,7 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
                      np.empty(k, np.float32))
     seconds = time.perf_counter() - start
     if failed >= 0:
-        raise CacheTooSmall(f"layer {failed}: every cache slot is needed by the current token; "
-                            "give the cache more slots")
+        raise vc.too_small(failed)
     stats = RunStats(tokens=trace.num_tokens)
     stats.absorb(st, vc.fetch_bytes)
     return Replay(policy, cache.fraction, stats, seconds, trace.num_tokens * L * k)
