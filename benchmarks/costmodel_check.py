@@ -13,15 +13,16 @@ import tempfile
 from dataclasses import fields
 from pathlib import Path
 
-from expertcache.bench import FLOOR
-from expertcache.cache import CacheConfig
-from expertcache.calibrate import encode_text, load_routing_counts
-from expertcache.costmodel import HardwareProfile
-from expertcache.engine import BUILTIN_MODEL
-from expertcache.perplexity import EVAL_TEXT
-from expertcache.simulator import replay
-from expertcache.stats import RunStats
-from expertcache.trace import record_trace
+from expertcache.lab.bench import FLOOR
+from expertcache.engine.cache import CacheConfig
+from expertcache.engine.checkpoint import load_routing_counts
+from expertcache.lab.calibrate import encode_text
+from expertcache.lab.costmodel import HardwareProfile
+from expertcache.engine.engine import BUILTIN_MODEL
+from expertcache.engine.perplexity import EVAL_TEXT
+from expertcache.lab.simulator import replay
+from expertcache.engine.stats import RunStats
+from expertcache.lab.trace import record_trace
 
 
 def describe(profile: HardwareProfile) -> str:

@@ -29,8 +29,8 @@ def rss_peak() -> int:
 def run_engine(a, store: str, fraction: float) -> dict:
     import torch
 
-    from expertcache.cache import CacheConfig
-    from expertcache.engine import Engine, EngineConfig
+    from expertcache.engine.cache import CacheConfig
+    from expertcache.engine.engine import Engine, EngineConfig
     base = rss_peak()
     engine = Engine(a.model, EngineConfig(store=store, cache=CacheConfig(fraction=fraction)))
     prompt = engine.encode(PROMPT)
@@ -106,9 +106,9 @@ def fetch_latency(a) -> dict:
     import numpy as np
     import torch
 
-    from expertcache.checkpoint import open_checkpoint
+    from expertcache.engine.checkpoint import open_checkpoint
     from expertcache.models import model_args
-    from expertcache.stores import open_store
+    from expertcache.engine.stores import open_store
     ckpt = open_checkpoint(a.model)
     args = model_args(ckpt.config)
     store = open_store("disk", ckpt, args)
@@ -137,7 +137,7 @@ VARIANTS = {
 
 
 def main() -> None:
-    from expertcache.engine import BUILTIN_MODEL
+    from expertcache.engine.engine import BUILTIN_MODEL
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(BUILTIN_MODEL))
     p.add_argument("--gguf", type=Path, default=None, help="the same model as GGUF for llama.cpp")

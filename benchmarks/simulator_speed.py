@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache.cache import CacheConfig
-from expertcache.simulator import replay, route_trace
-from expertcache.trace import read_trace, write_trace
+from expertcache.engine.cache import CacheConfig
+from expertcache.lab.simulator import replay, route_trace
+from expertcache.lab.trace import read_trace, write_trace
 
 POLICIES = ["fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "moe-infinity",
             "llama.cpp", "conditional:j=2,m=16"]

@@ -8,9 +8,9 @@ import sys
 SCRIPT = """
 import numpy as np
 from pathlib import Path
-from expertcache.cache import CacheConfig
-from expertcache.simulator import replay
-from expertcache.trace import Trace
+from expertcache.engine.cache import CacheConfig
+from expertcache.lab.simulator import replay
+from expertcache.lab.trace import Trace
 rng = np.random.default_rng(0)
 L, E, N = 3, 24, 200
 logits = (rng.normal(0, 1, (N, L, E)) + rng.normal(0, 1.5, (L, E))).astype(np.float16)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from expertcache import cli
-from expertcache.cache import CacheConfig
-from expertcache.engine import BUILTIN_MODEL, Engine, EngineConfig
-from expertcache.perplexity import EVAL_TEXT, perplexity
+from expertcache.engine.cache import CacheConfig
+from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
+from expertcache.engine.perplexity import EVAL_TEXT, perplexity
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +45,9 @@ def test_generate_and_ppl_verbs(capsys, tmp_path):
 
 
 def test_study_and_bench_run(tmp_path):
-    from expertcache.bench import BenchConfig, run_bench
-    from expertcache.study import StudyConfig, run_study
-    from expertcache.study_report import write_report
+    from expertcache.lab.bench import BenchConfig, run_bench
+    from expertcache.lab.study import StudyConfig, run_study
+    from expertcache.lab.report import write_report
     cfg = StudyConfig(tokens_per_domain=256, context=128, prompts_per_domain=1, new_tokens=6, bootstrap=200,
                       policies=("fetch-all", "substitute-all", "threshold:tau=0.15", "first-choice", "quality-first",
                                 "quality-first:beta=0", "band:lo=0.25", "band:lo=0,hi=0.09"),

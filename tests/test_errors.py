@@ -5,8 +5,8 @@ import shutil
 import pytest
 
 from expertcache import cli
-from expertcache.cache import CacheConfig
-from expertcache.engine import Engine, EngineConfig
+from expertcache.engine.cache import CacheConfig
+from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.errors import CacheTooSmall, CheckpointError, UnknownName, UnsupportedArchitecture
 
 

@@ -2,9 +2,9 @@
 window when later tokens evict slots that earlier tokens used."""
 import torch
 
-from expertcache.cache import CacheConfig
-from expertcache.engine import Engine, EngineConfig
-from expertcache.moe import experts_grouped, experts_one_token
+from expertcache.engine.cache import CacheConfig
+from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.engine.moe import experts_grouped, experts_one_token
 
 
 def reference(x, slots, weights, w13, w2):

@@ -3,8 +3,8 @@ decode steps with the KV cache, with all experts resident and with fetch-every-m
 import pytest
 import torch
 
-from expertcache.cache import CacheConfig
-from expertcache.engine import Engine, EngineConfig
+from expertcache.engine.cache import CacheConfig
+from expertcache.engine.engine import Engine, EngineConfig
 from hf_models import FAMILIES
 
 TOL = dict(atol=1e-4, rtol=0)
@@ -40,7 +40,7 @@ def test_decode_with_kv_cache_matches_hf(tiny, family):
 
 def test_hf_generate_agrees_with_engine(tiny):
     path, hf = tiny["qwen3_moe"]
-    from expertcache.generate import generate
+    from expertcache.engine.generate import generate
     prompt = [5, 17, 33, 2]
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):].tolist()
@@ -49,7 +49,7 @@ def test_hf_generate_agrees_with_engine(tiny):
 
 
 def test_disk_and_ram_give_the_same_perplexity(tiny):
-    from expertcache.perplexity import perplexity
+    from expertcache.engine.perplexity import perplexity
     path, _ = tiny["mixtral"]
     ids = torch.randint(0, 96, (200,), generator=torch.Generator().manual_seed(4)).tolist()
     results = []

@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 import torch
 
-from expertcache.cache import CacheConfig, ExpertCache
+from expertcache.engine.cache import CacheConfig, ExpertCache
 from expertcache.errors import UnknownName
-from expertcache.eviction import advance, eviction_code, insert, touch, victim
+from expertcache.kernel.eviction import advance, eviction_code, insert, touch, victim
 from expertcache.policies import Route, make_policy
-from expertcache.stores import ExpertShape
+from expertcache.engine.stores import ExpertShape
 
 
 def Resident(E, resident, flying=()):

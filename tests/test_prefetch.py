@@ -5,11 +5,11 @@ import shutil
 import pytest
 import torch
 
-from expertcache.cache import CacheConfig
-from expertcache.calibrate import calibrate, save_calibration
-from expertcache.engine import Engine, EngineConfig
-from expertcache.moe import PrefetchConfig
-from expertcache.prediction import fit_estimator, recall_table
+from expertcache.engine.cache import CacheConfig
+from expertcache.lab.calibrate import calibrate, save_calibration
+from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.engine.moe import PrefetchConfig
+from expertcache.lab.prediction import fit_estimator, recall_table
 
 
 @pytest.fixture(scope="module")

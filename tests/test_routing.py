@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from expertcache.routing import HALF_TO_FLOAT, route_logits, top_m
+from expertcache.kernel.routing import HALF_TO_FLOAT, route_logits, top_m
 
 
 def select(row, table, m):

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from expertcache.cache import CacheConfig
-from expertcache.engine import Engine, EngineConfig
+from expertcache.engine.cache import CacheConfig
+from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.errors import CheckpointError
-from expertcache.simulator import replay
-from expertcache.trace import MAGIC, read_trace, record_trace
+from expertcache.lab.simulator import replay
+from expertcache.lab.trace import MAGIC, read_trace, record_trace
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_trace_format_version_is_checked(traced, tmp_path):
 
 
 def test_cost_fit_recovers_known_costs():
-    from expertcache.costmodel import fit_terms
+    from expertcache.lab.costmodel import fit_terms
     rng = np.random.default_rng(0)
     counts = np.column_stack([np.ones(6), rng.uniform(0, 50, (6, 3))])
     cost = np.array([1e-4, 3e-5, 5e-5, 2e-5])
@@ -76,8 +76,8 @@ def test_cost_fit_recovers_known_costs():
 
 
 def test_cost_model_adds_fetch_time():
-    from expertcache.costmodel import DATASHEET
-    from expertcache.stats import RunStats
+    from expertcache.lab.costmodel import DATASHEET
+    from expertcache.engine.stats import RunStats
     p = DATASHEET["rtx3090-qwen3-next"]
     none = RunStats(tokens=10, moe_calls=480)
     some = RunStats(tokens=10, moe_calls=480, sync_fetches=480, fetch_waits=480)  # one fetch per MoE call

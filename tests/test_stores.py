@@ -5,10 +5,10 @@ import os
 import pytest
 import torch
 
-from expertcache.checkpoint import open_checkpoint
+from expertcache.engine.checkpoint import open_checkpoint
 from expertcache.errors import FetchError
 from expertcache.models import model_args
-from expertcache.stores import DiskStore, RamStore, convert_to_disk
+from expertcache.engine.stores import DiskStore, RamStore, convert_to_disk
 
 
 def test_disk_store_reads_what_ram_holds(tiny, tmp_path):

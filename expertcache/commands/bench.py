@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..bench import POLICIES, BenchConfig, markdown, run_bench
+from ..lab.bench import POLICIES, BenchConfig, markdown, run_bench
 from .options import write_json
 
 HELP = "time the policies on the real engine (disk store by default) with warm-up and repetitions"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..calibrate import CALIB_TEXT, calibrate, encode_text, save_calibration
-from ..engine import BUILTIN_MODEL
+from ..lab.calibrate import CALIB_TEXT, calibrate, encode_text, save_calibration
+from ..engine.engine import BUILTIN_MODEL
 
 HELP = "compute routing counts (warm cache) and per-expert default vectors on calibration text"
 

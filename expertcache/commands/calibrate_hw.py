@@ -15,7 +15,7 @@ def add_arguments(p):
 
 
 def run(a) -> int:
-    from ..costmodel import measure_profile
+    from ..lab.costmodel import measure_profile
     prof = measure_profile(a.model, a.store, a.mode)
     prof.save(a.out)
     for k, v in asdict(prof).items():

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint import open_checkpoint
-from ..engine import BUILTIN_MODEL
+from ..engine.checkpoint import open_checkpoint
+from ..engine.engine import BUILTIN_MODEL
 from ..models import model_args
-from ..stores import convert_to_disk, default_store_dir
+from ..engine.stores import convert_to_disk, default_store_dir
 
 HELP = "convert a checkpoint's experts into a disk store (one aligned blob per expert)"
 

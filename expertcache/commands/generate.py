@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..generate import generate
+from ..engine.generate import generate
 from .options import add_engine_arguments, engine_from_args, write_json
 
 HELP = "generate text from a prompt, streamed, with cache statistics"

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint import open_checkpoint
-from ..engine import BUILTIN_MODEL
+from ..engine.checkpoint import open_checkpoint
+from ..engine.engine import BUILTIN_MODEL
 from ..models import model_args
 from .options import write_json
 

@@ -5,8 +5,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cache import CacheConfig
-from ..engine import Engine, EngineConfig
+from ..engine.cache import CacheConfig
+from ..engine.engine import Engine, EngineConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..perplexity import EVAL_TEXT, perplexity
+from ..engine.perplexity import EVAL_TEXT, perplexity
 from .options import add_engine_arguments, engine_from_args, write_json
 
 HELP = "teacher-forced perplexity over a text file (default: the built-in evaluation text)"

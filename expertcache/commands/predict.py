@@ -5,11 +5,11 @@ import json
 import sys
 from pathlib import Path
 
-from ..calibrate import CALIB_TEXT, encode_text
-from ..engine import BUILTIN_MODEL
-from ..perplexity import EVAL_TEXT
-from ..prediction import fit_estimator, recall_table
-from ..predictors import PREDICTORS
+from ..lab.calibrate import CALIB_TEXT, encode_text
+from ..engine.engine import BUILTIN_MODEL
+from ..engine.perplexity import EVAL_TEXT
+from ..lab.prediction import fit_estimator, recall_table
+from ..engine.predictors import PREDICTORS
 from .options import write_json
 
 HELP = "train the estimator (--train) or report each predictor's recall@k per layer"

@@ -4,11 +4,11 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from ..cache import CacheConfig
-from ..costmodel import load_profile
-from ..calibrate import load_routing_counts
-from ..simulator import replay, route_trace
-from ..trace import read_trace
+from ..engine.cache import CacheConfig
+from ..lab.costmodel import load_profile
+from ..engine.checkpoint import load_routing_counts
+from ..lab.simulator import replay, route_trace
+from ..lab.trace import read_trace
 from .options import write_json
 
 HELP = "replay miss policies on a router-logit trace: hits, fetches, substitutions per cache size"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..study import StudyConfig, run_study
-from ..study_report import write_report
+from ..lab.study import StudyConfig, run_study
+from ..lab.report import write_report
 from .options import write_json
 
 HELP = "emulate every miss policy on the evaluation text (exact, ram store) and write the report"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..calibrate import encode_text
-from ..engine import BUILTIN_MODEL
-from ..perplexity import EVAL_TEXT
-from ..trace import record_trace
+from ..lab.calibrate import encode_text
+from ..engine.engine import BUILTIN_MODEL
+from ..engine.perplexity import EVAL_TEXT
+from ..lab.trace import record_trace
 
 HELP = "record every token's router logits at every MoE layer into a trace file"
 

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..calibrate import encode_text
-from ..engine import BUILTIN_MODEL
-from ..perplexity import EVAL_TEXT
-from ..prediction import record_states
+from ..lab.calibrate import encode_text
+from ..engine.engine import BUILTIN_MODEL
+from ..engine.perplexity import EVAL_TEXT
+from ..lab.prediction import record_states
 
 
 def unigram_nll(train_tokens: np.ndarray, eval_ids: list[int], vocab: int) -> float:
@@ -57,9 +57,9 @@ def router_statistics(model_path: Path, ids: list[int]) -> dict:
 
 def model_report(model_path: Path = BUILTIN_MODEL, train_tokens: Path | None = None, context: int = 512,
                  max_tokens: int | None = None) -> dict:
-    from ..engine import Engine, EngineConfig
-    from ..cache import CacheConfig
-    from ..perplexity import perplexity
+    from ..engine.engine import Engine, EngineConfig
+    from ..engine.cache import CacheConfig
+    from ..engine.perplexity import perplexity
     ids = encode_text(model_path, EVAL_TEXT.read_text(encoding="utf-8"), max_tokens)
     engine = Engine(model_path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25)))
     ours = perplexity(engine, ids, context)

@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .cache import CacheConfig
-from .engine import Engine, EngineConfig
-from .generate import generate
-from .moe import PrefetchConfig
-from .perplexity import EVAL_TEXT
+from ..engine.cache import CacheConfig
+from ..engine.engine import Engine, EngineConfig
+from ..engine.generate import generate
+from ..engine.moe import PrefetchConfig
+from ..engine.perplexity import EVAL_TEXT
 
 POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "substitute-all")
 FLOOR = "all resident"

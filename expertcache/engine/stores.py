@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint import Checkpoint
-from .errors import CheckpointError, FetchError, UnknownName
-from .models.args import ModelArgs
+from ..errors import CheckpointError, FetchError, UnknownName
+from ..models.args import ModelArgs
 from .weights import all_layer_experts
 
 ALIGN = 4096

@@ -15,7 +15,7 @@ from .cache_state import (BACKGROUND, EVICTION, EXPERT_RUNS, FETCH_WAITS, HITS, 
                           SUBSTITUTIONS, SYNC_FETCHES)
 from .compiled import compiled
 from .eviction import advance, insert, touch, victim
-from .policies import CONDITIONAL, KIND, decide, resident
+from .policy import CONDITIONAL, KIND, decide, resident
 
 # Logged actions, rows of (op, a, b, c)
 LOAD, WAIT, FLUSH, FINISH_ALL = 1, 2, 3, 4  # LOAD: slot, layer * E + expert, kind; WAIT: slot; FLUSH: begin, end

@@ -1,14 +1,20 @@
-"""Read an HF checkpoint folder: config.json, safetensors (single or sharded), tokenizer.json."""
+"""Read an HF checkpoint folder: config.json, safetensors (single or sharded), tokenizer.json,
+and the files `calibrate` writes beside the weights (routing counts, default vectors)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
+
+DEFAULT_VECTORS = "default_vectors.safetensors"
+ROUTING_COUNTS = "routing_counts.json"  # per layer, how often each expert is routed on calibration text
 
 
 @dataclass
@@ -89,3 +95,22 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{shard}: corrupt safetensors file ({e}); re-download or re-export it") from None
     return Checkpoint(path, config, files)
+
+
+def load_routing_counts(model_path: Path, shape: tuple[int, int] | None = None) -> np.ndarray | None:
+    """counts [L, E] from routing_counts.json beside the model, or None if there is none."""
+    p = Path(model_path) / ROUTING_COUNTS
+    if not p.exists():
+        return None
+    counts = np.array(json.loads(p.read_text())["counts"], dtype=np.int64)
+    if shape is not None and counts.shape != shape:
+        raise CheckpointError(f"{p}: counts of shape {counts.shape} do not fit the model; "
+                              "rerun `expertcache calibrate` or delete the file")
+    return counts
+
+
+def load_default_vectors(model_path: Path) -> torch.Tensor:
+    p = Path(model_path) / DEFAULT_VECTORS
+    if not p.exists():
+        raise CheckpointError(f"{p} is missing; run `expertcache calibrate --model {model_path}`")
+    return load_file(str(p))["default_vectors"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .compiled import compiled
-from .errors import UnknownName
+from ..errors import UnknownName
 
 LRU, LFU, FREQ, HALVING = 0, 1, 2, 3
 EVICTIONS = {"lru": LRU,  # least recently used

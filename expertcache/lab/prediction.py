@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .calibrate import RecordingMoE, load_default_vectors, run_exact
-from .routing import route
-from .predictors import Estimator, EstimatorNet, Predictor, QuasiHidden, make_predictor, save_estimator
-from .transformer import Transformer
+from ..engine.checkpoint import load_default_vectors
+from .calibrate import RecordingMoE, run_exact
+from ..kernel.routing import route
+from ..engine.predictors import Estimator, EstimatorNet, Predictor, QuasiHidden, make_predictor, save_estimator
+from ..engine.transformer import Transformer
 
 
 @dataclass

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from .cache import CacheConfig
-from .engine import Engine, EngineConfig
-from .moe import PrefetchConfig
-from .perplexity import perplexity
-from .predictors import PREDICTORS
+from ..engine.cache import CacheConfig
+from ..engine.engine import Engine, EngineConfig
+from ..engine.moe import PrefetchConfig
+from ..engine.perplexity import perplexity
+from ..engine.predictors import PREDICTORS
 from .study import BASELINE, StudyConfig, generation_test, paired_increase, study_sequences
 
 

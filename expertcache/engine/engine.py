@@ -11,19 +11,18 @@ from pathlib import Path
 import torch
 
 from .cache import CacheConfig, ExpertCache
-from .calibrate import ROUTING_COUNTS, load_routing_counts
-from .checkpoint import open_checkpoint
-from .errors import CheckpointError, UnknownName
+from .checkpoint import ROUTING_COUNTS, load_routing_counts, open_checkpoint
+from ..errors import CheckpointError, UnknownName
 from .moe import MoELayerRunner, PrefetchConfig
-from .models import model_args
-from .policies import MissPolicy, make_policy
+from ..models import model_args
+from ..policies import MissPolicy, make_policy
 from .predictors import make_predictor
 from .stats import RunStats
 from .stores import open_store
 from .transformer import Transformer
 from .weights import dense_weights
 
-BUILTIN_MODEL = Path(__file__).parent / "data" / "model"
+BUILTIN_MODEL = Path(__file__).parents[1] / "data" / "model"
 
 
 @dataclass(frozen=True)

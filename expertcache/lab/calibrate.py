@@ -17,31 +17,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from .checkpoint import open_checkpoint
-from .errors import CheckpointError
-from .models import model_args
-from .routing import route
-from .stores import RamStore
-from .transformer import Transformer
-from .weights import dense_weights
+from ..engine.checkpoint import DEFAULT_VECTORS, ROUTING_COUNTS, open_checkpoint
+from ..errors import CheckpointError
+from ..models import model_args
+from ..kernel.routing import route
+from ..engine.stores import RamStore
+from ..engine.transformer import Transformer
+from ..engine.weights import dense_weights
 
-CALIB_TEXT = Path(__file__).parent / "data" / "calib.txt"
-DEFAULT_VECTORS = "default_vectors.safetensors"
-ROUTING_COUNTS = "routing_counts.json"  # per layer, how often each expert is routed on calibration text
-
-
-def load_routing_counts(model_path: Path, shape: tuple[int, int] | None = None) -> np.ndarray | None:
-    """counts [L, E] from routing_counts.json beside the model, or None if there is none."""
-    p = Path(model_path) / ROUTING_COUNTS
-    if not p.exists():
-        return None
-    counts = np.array(json.loads(p.read_text())["counts"], dtype=np.int64)
-    if shape is not None and counts.shape != shape:
-        raise CheckpointError(f"{p}: counts of shape {counts.shape} do not fit the model; "
-                              "rerun `expertcache calibrate` or delete the file")
-    return counts
+CALIB_TEXT = Path(__file__).parents[1] / "data" / "calib.txt"
 
 
 @dataclass
@@ -117,10 +103,3 @@ def save_calibration(c: Calibration, model_path: Path, source: str) -> None:
         {"counts": c.counts.tolist(), "tokens": c.tokens, "text": source}))
     save_file({"default_vectors": c.default_vectors.contiguous(), "counts": c.counts.contiguous()},
               str(model_path / DEFAULT_VECTORS))
-
-
-def load_default_vectors(model_path: Path) -> torch.Tensor:
-    p = Path(model_path) / DEFAULT_VECTORS
-    if not p.exists():
-        raise CheckpointError(f"{p} is missing; run `expertcache calibrate --model {model_path}`")
-    return load_file(str(p))["default_vectors"]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .models.args import ModelArgs
+from ..models.args import ModelArgs
 
 # (layer, normed MoE input [T, H], router [E, H]) -> routed experts' output [T, H]
 MoEFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]

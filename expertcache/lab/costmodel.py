@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .stats import RunStats
+from ..engine.stats import RunStats
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ DATASHEET = {
 def load_profile(name_or_path: str) -> HardwareProfile:
     if name_or_path in DATASHEET:
         return DATASHEET[name_or_path]
-    from .errors import UnknownName
+    from ..errors import UnknownName
     if not Path(name_or_path).exists():
         raise UnknownName(f"unknown hardware profile {name_or_path!r}; give a file from `expertcache calibrate-hw` "
                           f"or one of {', '.join(DATASHEET)}")
@@ -135,9 +135,9 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
 
     import torch
 
-    from .cache import CacheConfig
-    from .engine import Engine, EngineConfig
-    from .perplexity import EVAL_TEXT
+    from ..engine.cache import CacheConfig
+    from ..engine.engine import Engine, EngineConfig
+    from ..engine.perplexity import EVAL_TEXT
 
     engines = [Engine(model, EngineConfig(store=store, cache=CacheConfig(fraction=f), policy=p))
                for f, p in CALIBRATION]

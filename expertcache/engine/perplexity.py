@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .engine import Engine
 
-EVAL_TEXT = Path(__file__).parent / "data" / "eval.txt"
+EVAL_TEXT = Path(__file__).parents[1] / "data" / "eval.txt"
 
 
 @dataclass

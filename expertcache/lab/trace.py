@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 MAGIC = b"ECTRACE\0"
 FORMAT_VERSION = 1
@@ -71,7 +71,7 @@ def record_trace(model_path: Path, ids: list[int], out: Path, context: int = 512
     model, states = record_states(model_path, ids, context, progress)
     a = model.args
     logits = np.stack([l.numpy() for l in states.logits], axis=1).astype(dtype)  # [N, L, E]
-    from .stores import ExpertShape
+    from ..engine.stores import ExpertShape
     header = {"model": str(model_path), "family": a.family, "num_layers": a.num_layers, "num_experts": a.num_experts,
               "top_k": a.top_k, "norm_topk_prob": a.norm_topk_prob, "hidden_size": a.hidden_size,
               "expert_params": ExpertShape.of(a).numel, "context": context, "documents": documents or []}

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .cache import CacheConfig
-from .engine import Engine, EngineConfig
-from .generate import generate
-from .perplexity import EVAL_TEXT, PerplexityResult, perplexity
-from .policies import make_policy
+from ..engine.cache import CacheConfig
+from ..engine.engine import Engine, EngineConfig
+from ..engine.generate import generate
+from ..engine.perplexity import EVAL_TEXT, PerplexityResult, perplexity
+from ..policies import make_policy
 
 EVAL_SEGMENTS = EVAL_TEXT.with_suffix(".json")
 

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .compiled import compiled, prefetch
-from .cache import CacheConfig, ExpertCache
-from .cache_state import LOGGING, SEGMENTS
-from .decisions import begin_call, decide_token
-from .policies import Scratch, make_policy
-from .routing import HALF_TO_FLOAT, route_row
-from .stats import RunStats
-from .stores import ExpertShape
+from ..engine.cache import CacheConfig, ExpertCache
+from ..kernel.cache_state import LOGGING
+from ..kernel.policy import Scratch
+from ..kernel.replay import replay_windows, route_all
+from ..kernel.routing import HALF_TO_FLOAT
+from ..policies import make_policy
+from ..engine.stats import RunStats
+from ..engine.stores import ExpertShape
 from .trace import Trace
 
 
@@ -41,14 +41,6 @@ class Replay:
     @property
     def events_per_second(self) -> float:
         return self.events / self.seconds if self.seconds else 0.0
-
-
-@compiled
-def _route_all(logits, table, norm, ranked, weights, vals, comp, block_max):
-    N, L, E = logits.shape
-    for n in range(N):
-        for layer in range(L):
-            route_row(logits[n, layer], table, norm, ranked[layer, n], vals, weights[layer, n], comp, block_max)
 
 
 @dataclass
@@ -78,36 +70,9 @@ def route_trace(trace: Trace, ranks: int = 32) -> Routes:
     ranked = np.empty((L, N, R), np.int16 if E < 2**15 else np.int32)
     weights = np.empty((L, N, k), np.float32)
     start = time.perf_counter()
-    _route_all(logits, table, bool(h["norm_topk_prob"]), ranked, weights, np.empty(R), np.empty(E, np.int64),
+    route_all(logits, table, bool(h["norm_topk_prob"]), ranked, weights, np.empty(R), np.empty(E, np.int64),
                np.empty(E // 16 + 1, np.int64))
     return Routes(ranked, weights, time.perf_counter() - start)
-
-
-@compiled
-def _replay(st, p, account, sc, logits, table, ranked, weights, context, slots, experts, gates):
-    """Every window of `context` tokens, layer by layer, token by token; -1 on success, else
-    the layer whose cache was too small. ranked, weights: routes, layer-major [L, N, *];
-    slots, experts, gates [k]: working arrays."""
-    N, L, E = logits.shape
-    line = 64 // logits.itemsize
-    for w0 in range(0, N, context):
-        T = min(context, N - w0)
-        for layer in range(L):
-            # every transfer has landed by the next layer call; only this layer's slots (every
-            # slot with a global quota) can matter to it, and they are all it may have loaded
-            st.pending[st.slot_lo[layer]:st.slot_hi[layer]] = False
-            begin_call(st)
-            for t in range(T):
-                n = w0 + t
-                if n + 2 < N:  # rows of one layer lie L * E apart: the hardware would not guess them
-                    ahead = logits[n + 2, layer]
-                    for e in range(0, E, line):
-                        prefetch(ahead, e)
-                if not decide_token(st, p, account, sc, layer, t, n, logits[n, layer], table, True,
-                                    ranked[layer, n], weights[layer, n], slots, experts, gates):
-                    return layer
-            st.counts[SEGMENTS] += 1
-    return -1
 
 
 def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), eviction: str | None = None,
@@ -131,7 +96,7 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     routes = routes or route_trace(trace)
     logits, table = logit_rows(trace)
     start = time.perf_counter()
-    failed = _replay(st, pol.params(), pol.bind(L, E), Scratch.make(k, E), logits, table, routes.ranked,
+    failed = replay_windows(st, pol.params(), pol.bind(L, E), Scratch.make(k, E), logits, table, routes.ranked,
                      routes.weights, int(window or h["context"]), np.empty(k, np.int64), np.empty(k, np.int64),
                      np.empty(k, np.float32))
     seconds = time.perf_counter() - start

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .errors import CheckpointError, UnknownName
+from ..errors import CheckpointError, UnknownName
 from .transformer import Transformer
 
 ESTIMATOR_FILE = "estimator.safetensors"
@@ -126,7 +126,7 @@ PREDICTORS = ("router-ahead", "quasi-hidden", "estimator", "hybrid")
 
 
 def make_predictor(name: str, model: Transformer, model_path: Path) -> Predictor:
-    from .calibrate import load_default_vectors
+    from .checkpoint import load_default_vectors
     if name == "router-ahead":
         return RouterAhead(model)
     if name == "quasi-hidden":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .cache_state import BACKGROUND, COUNTERS, PREFETCHES, SYNC_FETCHES
+from ..kernel.cache_state import BACKGROUND, COUNTERS, PREFETCHES, SYNC_FETCHES
 
 
 @dataclass

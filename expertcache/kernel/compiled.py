@@ -12,10 +12,8 @@ from numba.extending import intrinsic
 
 # numba's cache is keyed on each function's own file: a function that inlines kernel code from
 # another module would keep stale code after that module changes. A cache directory per
-# version of the kernel sources rules that out.
-_KERNEL = ("compiled", "cache_state", "eviction", "routing", "policies", "decisions", "simulator")
-_here = Path(__file__).parent
-_digest = hashlib.sha1(b"".join((_here / f"{m}.py").read_bytes() for m in _KERNEL)).hexdigest()[:16]
+# version of the kernel's sources (every module of this folder) rules that out.
+_digest = hashlib.sha1(b"".join(f.read_bytes() for f in sorted(Path(__file__).parent.glob("*.py")))).hexdigest()[:16]
 if not os.environ.get("NUMBA_CACHE_DIR"):
     _home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     numba.config.CACHE_DIR = str(_home / "expertcache-numba" / _digest)

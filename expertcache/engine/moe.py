@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from .cache import ExpertCache
-from .models.args import ModelArgs
-from .policies import MissPolicy
+from ..models.args import ModelArgs
+from ..policies import MissPolicy
 from .predictors import Predictor
-from .routing import route, route_logits
+from ..kernel.routing import route, route_logits
 from .stats import RunStats
 
 

@@ -1,0 +1,280 @@
+"""The compiled half of the miss policies: for one MoE call, which routed experts run,
+which misses are fetched now, which are substituted by which resident expert, and what is
+admitted in the background. One function (`decide`) over a parameter vector that
+`expertcache.policies` builds from a spec; shared by the engine and the replay."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .cache_state import GLOBAL_QUOTA
+from .compiled import compiled
+from .routing import rank_key, top_m, value
+
+# The parameter vector read by `decide`.
+KIND, RULE, SUB, WINDOW, BETA, TAU, LO, HI, TOP_J, TOP_M = range(10)
+FETCH_ALL, SUBSTITUTING, CONDITIONAL = 0, 1, 2  # KIND
+NEVER, THRESHOLD, FIRST_CHOICE, BAND = 0, 1, 2, 3  # RULE: which misses a substituting policy fetches
+SUBSTITUTES = ("best", "drop", "window")  # SUB, by index
+
+
+
+class Scratch(NamedTuple):
+    """Working arrays of one decision (allocated once, not per call)."""
+    exec_e: np.ndarray  # [k] executed experts
+    exec_w: np.ndarray  # [k] their weights
+    fetch: np.ndarray  # [k]
+    admit: np.ndarray  # [k]
+    missed: np.ndarray  # [k] ranks to substitute
+    keep: np.ndarray  # [k] bool: rank runs its routed expert
+    sub_e: np.ndarray  # [k] substitute per rank, -1: none
+    order: np.ndarray  # [E] top-m selections
+    order_v: np.ndarray  # [E]
+    mark: np.ndarray  # [E] bool
+    routed: np.ndarray  # [E] bool
+    cand_e: np.ndarray  # [k] best substitutes
+    comp: np.ndarray  # [E] int64, for top_m on float16 rows
+    block_max: np.ndarray  # [E / 16 + 1] int64
+
+    @classmethod
+    def make(cls, k: int, E: int) -> Scratch:
+        return cls(np.zeros(k, np.int64), np.zeros(k), np.zeros(k, np.int64), np.zeros(k, np.int64),
+                   np.zeros(k, np.int64), np.zeros(k, bool), np.zeros(k, np.int64), np.zeros(E, np.int64),
+                   np.zeros(E), np.zeros(E, bool), np.zeros(E, bool), np.zeros(k, np.int64), np.zeros(E, np.int64),
+                   np.zeros(E // 16 + 1, np.int64))
+
+
+
+@compiled
+def resident(st, layer, e):
+    s = st.slot_of[layer, e]
+    return s >= 0 and not st.pending[s]
+
+
+@compiled
+def _should_fetch(p, rank, w):
+    rule = p[RULE]
+    if rule == THRESHOLD:
+        return rank == 0 or w >= p[TAU]
+    if rule == FIRST_CHOICE:
+        return rank == 0
+    if rule == BAND:
+        return not (p[LO] <= w < p[HI])
+    return False
+
+
+@compiled
+def _account(p, account, layer, e, w, admit, n_admit):
+    """Add w to e's substituted mass; admit e once it reaches beta."""
+    if p[BETA] <= 0:
+        return n_admit
+    total = account[layer, e] + w
+    if total >= p[BETA]:
+        account[layer, e] = 0.0
+        admit[n_admit] = e
+        return n_admit + 1
+    account[layer, e] = total
+    return n_admit
+
+
+@compiled
+def _best_substitutes(p, st, sc, layer, row, table, ranked, k, n):
+    """The n best resident experts of `layer` by router score (not in flight, not routed,
+    within the top-window ranks for sub=window) into sc.cand_e, best first, ties to the lower
+    expert id; returns how many there are (<= n).
+
+    `ranked` holds the row's experts in rank order as far as the caller ranked them (at
+    least the k routed): the first usable ones past rank k are the answer when enough of them
+    are there. Otherwise every usable slot gets its expert's rank_key, unusable ones -1, and
+    the best are taken by maximum reductions."""
+    if n <= 0:
+        return 0
+    E = st.slot_of.shape[1]
+    window = p[SUB] == 2
+    M = min(int(p[WINDOW]), E)
+    limit = min(len(ranked), M) if window else len(ranked)
+    found = 0
+    for r in range(k, limit):
+        e = ranked[r]
+        s = st.slot_of[layer, e]
+        if s >= 0 and not st.pending[s]:
+            sc.cand_e[found] = e
+            found += 1
+            if found == n:
+                return found
+    if len(ranked) == E or (window and M <= len(ranked)):
+        return found  # every rank that may substitute was seen
+    ids = ranked[:k]
+    if window:
+        top_m(row, table, M, sc.order, sc.order_v, sc.comp, sc.block_max)
+        for i in range(M):
+            sc.mark[sc.order[i]] = True
+    for j in range(len(ids)):
+        sc.routed[ids[j]] = True
+    keys = sc.comp
+    if not st.misc[GLOBAL_QUOTA]:  # the layer's own slots, each holding an expert of this layer or none
+        lo = np.uint64(st.slot_lo[layer])
+        n_keys = np.uint64(st.slot_hi[layer]) - lo
+        for i in range(n_keys):  # `&` rather than `and`: no branches, so the loop vectorises
+            s = lo + i
+            e = st.owner[s] - layer * E
+            ec = max(e, 0)  # a safe index for free slots, which are masked out
+            usable = (e >= 0) & (not st.pending[s]) & (not sc.routed[ec]) & ((not window) | sc.mark[ec])
+            keys[i] = rank_key(row, table, ec) if usable else -1
+    else:  # a global quota: the layer's experts
+        n_keys = np.uint64(E)
+        for e in range(E):
+            s = st.slot_of[layer, e]
+            usable = (s >= 0) & (not st.pending[max(s, 0)]) & (not sc.routed[e]) & ((not window) | sc.mark[e])
+            keys[e] = rank_key(row, table, e) if usable else -1
+    found = 0
+    for c in range(n):
+        best = np.int64(-1)
+        for i in range(n_keys):
+            best = max(best, keys[i])
+        if best < 0:
+            break
+        e = 0xFFFF - (best & 0xFFFF)
+        sc.cand_e[c] = e
+        for i in range(n_keys):  # take it out
+            keys[i] = -1 if keys[i] == best else keys[i]
+        found += 1
+    for j in range(len(ids)):
+        sc.routed[ids[j]] = False
+    if window:
+        for i in range(M):
+            sc.mark[sc.order[i]] = False
+    return found
+
+
+@compiled
+def decide(p, account, st, sc, layer, row, table, logits, ranked, w):
+    """One MoE call. p: a policy's params(); account: its [L, E] state; st: the cache state;
+    sc: scratch; row [E]: the router's probabilities, or its logits when `logits` (only the
+    order and probability ratios are used), read through `table` (see `value`); ranked: the
+    row's experts in rank order, at least the k routed ones; w [k]: the routed gate weights.
+
+    Writes the executed experts and weights to sc.exec_e / sc.exec_w, the synchronous
+    fetches to sc.fetch and background admissions to sc.admit; returns
+    (executed, fetches, admissions, substituted, substituted mass)."""
+    k = len(w)
+    ids = ranked[:k]
+    kind = p[KIND]
+    if kind == CONDITIONAL:
+        return _conditional(p, st, sc, layer, row, table, logits, ranked, w)
+    n_fetch = 0
+    for j in range(k):
+        sc.exec_e[j], sc.exec_w[j] = ids[j], w[j]
+        if not resident(st, layer, ids[j]):
+            sc.fetch[n_fetch] = ids[j]
+            n_fetch += 1
+    if kind == FETCH_ALL or n_fetch == 0:
+        return k, n_fetch, 0, 0, 0.0
+    # Substituting: which misses to fetch (first rule, in-flight ones) and which to substitute.
+    n_fetch, n_missed, n_kept = 0, 0, 0
+    for j in range(k):
+        e = ids[j]
+        sc.sub_e[j] = -1
+        s = st.slot_of[layer, e]
+        if s >= 0 and not st.pending[s]:
+            sc.keep[j] = True
+        elif s >= 0 or _should_fetch(p, j, w[j]):
+            sc.keep[j] = True
+            sc.fetch[n_fetch] = e
+            n_fetch += 1
+        else:
+            sc.keep[j] = False
+            sc.missed[n_missed] = j
+            n_missed += 1
+        n_kept += sc.keep[j]
+    first = 0  # missed[first:] are still to be substituted
+    drop = p[SUB] == 1
+    if drop and n_kept == 0:  # nothing would be left: fetch the first choice
+        j = sc.missed[0]
+        sc.keep[j] = True
+        sc.fetch[n_fetch] = ids[j]
+        n_fetch += 1
+        first = 1
+    substituted, mass, n_admit = 0, 0.0, 0
+    if not drop:
+        n_cand = _best_substitutes(p, st, sc, layer, row, table, ranked, k, n_missed - first)
+        for i in range(first, n_missed):
+            j, c = sc.missed[i], i - first
+            if c >= n_cand:  # no resident expert left to substitute: fetch
+                sc.keep[j] = True
+                sc.fetch[n_fetch] = ids[j]
+                n_fetch += 1
+                continue
+            sc.sub_e[j] = sc.cand_e[c]
+            substituted += 1
+            mass += w[j]
+            n_admit = _account(p, account, layer, ids[j], w[j], sc.admit, n_admit)
+    else:
+        for i in range(first, n_missed):
+            j = sc.missed[i]
+            substituted += 1
+            mass += w[j]
+            n_admit = _account(p, account, layer, ids[j], w[j], sc.admit, n_admit)
+    n_exec, kept = 0, 0.0
+    for j in range(k):
+        if sc.keep[j] or sc.sub_e[j] >= 0:
+            sc.exec_e[n_exec] = ids[j] if sc.keep[j] else sc.sub_e[j]
+            sc.exec_w[n_exec] = w[j]
+            kept += w[j]
+            n_exec += 1
+    if drop and substituted:
+        for i in range(n_exec):
+            sc.exec_w[i] /= kept
+    return n_exec, n_fetch, n_admit, substituted, mass
+
+
+@compiled
+def _conditional(p, st, sc, layer, row, table, logits, ranked, w):
+    k = len(w)
+    ids = ranked[:k]
+    J, M = int(p[TOP_J]), min(max(int(p[TOP_M]), k), len(row))
+    if len(ranked) >= M:  # ranked far enough already
+        for i in range(M):
+            sc.order[i] = ranked[i]
+            sc.order_v[i] = value(row, table, ranked[i])
+    else:
+        top_m(row, table, M, sc.order, sc.order_v, sc.comp, sc.block_max)
+    n = 0
+    for i in range(J):
+        sc.exec_e[n] = sc.order[i]
+        n += 1
+    for i in range(J, M):
+        if n < k and resident(st, layer, sc.order[i]):
+            sc.exec_e[n] = sc.order[i]
+            n += 1
+    for i in range(J, M):
+        if n >= k:
+            break
+        taken = False
+        for c in range(n):
+            taken |= sc.exec_e[c] == sc.order[i]
+        if not taken:
+            sc.exec_e[n] = sc.order[i]
+            n += 1
+    total, n_fetch = 0.0, 0
+    for c in range(n):
+        e = sc.exec_e[c]
+        q = value(row, table, e)
+        q = np.exp(q - sc.order_v[0]) if logits else q
+        sc.exec_w[c] = q
+        total += q
+        if not resident(st, layer, e):
+            sc.fetch[n_fetch] = e
+            n_fetch += 1
+    for c in range(n):
+        sc.exec_w[c] /= total
+    substituted, mass = 0, 0.0
+    for j in range(k):
+        kept = False
+        for c in range(n):
+            kept |= sc.exec_e[c] == ids[j]
+        if not kept:
+            substituted += 1
+            mass += w[j]
+    return n, n_fetch, 0, substituted, mass

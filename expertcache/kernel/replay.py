@@ -1,0 +1,45 @@
+"""The replay loops of the simulator, compiled: routing a whole trace, and deciding every
+window of it layer by layer, token by token, with the engine's own `decide_token` on a
+virtual cache."""
+from __future__ import annotations
+
+from .cache_state import SEGMENTS
+from .compiled import compiled, prefetch
+from .decisions import begin_call, decide_token
+from .routing import route_row
+
+
+@compiled
+def route_all(logits, table, norm, ranked, weights, vals, comp, block_max):
+    """Route every row of logits [N, L, E] into ranked [L, N, R] and weights [L, N, k]."""
+    N, L, E = logits.shape
+    for n in range(N):
+        for layer in range(L):
+            route_row(logits[n, layer], table, norm, ranked[layer, n], vals, weights[layer, n], comp, block_max)
+
+
+@compiled
+def replay_windows(st, p, account, sc, logits, table, ranked, weights, context, slots, experts, gates):
+    """Every window of `context` tokens, layer by layer, token by token; -1 on success, else
+    the layer whose cache was too small. ranked, weights: routes, layer-major [L, N, *];
+    slots, experts, gates [k]: working arrays."""
+    N, L, E = logits.shape
+    line = 64 // logits.itemsize
+    for w0 in range(0, N, context):
+        T = min(context, N - w0)
+        for layer in range(L):
+            # every transfer has landed by the next layer call; only this layer's slots (every
+            # slot with a global quota) can matter to it, and they are all it may have loaded
+            st.pending[st.slot_lo[layer]:st.slot_hi[layer]] = False
+            begin_call(st)
+            for t in range(T):
+                n = w0 + t
+                if n + 2 < N:  # rows of one layer lie L * E apart: the hardware would not guess them
+                    ahead = logits[n + 2, layer]
+                    for e in range(0, E, line):
+                        prefetch(ahead, e)
+                if not decide_token(st, p, account, sc, layer, t, n, logits[n, layer], table, True,
+                                    ranked[layer, n], weights[layer, n], slots, experts, gates):
+                    return layer
+            st.counts[SEGMENTS] += 1
+    return -1
