@@ -13,15 +13,15 @@ import tempfile
 from dataclasses import fields
 from pathlib import Path
 
-from expertcache.lab.bench import FLOOR
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.checkpoint import load_routing_counts
-from expertcache.lab.calibrate import encode_text
-from expertcache.lab.costmodel import HardwareProfile
 from expertcache.engine.engine import BUILTIN_MODEL
 from expertcache.engine.perplexity import EVAL_TEXT
-from expertcache.lab.simulator import replay
 from expertcache.engine.stats import RunStats
+from expertcache.lab.bench import FLOOR
+from expertcache.lab.calibrate import encode_text
+from expertcache.lab.costmodel import HardwareProfile
+from expertcache.lab.simulator import replay
 from expertcache.lab.trace import record_trace
 
 

@@ -58,8 +58,8 @@ def run_engine(a, store: str, fraction: float) -> dict:
 
 def run_hf(a) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
     from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
     base = rss_peak()
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     prompt = torch.tensor([Tokenizer.from_file(str(Path(a.model) / "tokenizer.json")).encode(PROMPT).ids])
@@ -107,8 +107,8 @@ def fetch_latency(a) -> dict:
     import torch
 
     from expertcache.engine.checkpoint import open_checkpoint
-    from expertcache.models import model_args
     from expertcache.engine.stores import open_store
+    from expertcache.models import model_args
     ckpt = open_checkpoint(a.model)
     args = model_args(ckpt.config)
     store = open_store("disk", ckpt, args)

@@ -13,7 +13,7 @@ quality|all)
   run recall expertcache predict --max-tokens 32768 --plot "$out/recall.png" --json "$out/recall.json"
   run study expertcache study --out "$out/study" --json "$out/study.json"
   run speculative python -c "
-import json; from expertcache.speculation import speculative_quality; from expertcache.study import StudyConfig
+import json; from expertcache.lab.speculation import speculative_quality; from expertcache.lab.study import StudyConfig
 print(json.dumps(speculative_quality(None, StudyConfig()), indent=1))"
   run trace expertcache trace --out build/eval.ectrace
   run trace16k expertcache trace --max-tokens 16384 --out build/eval16k.ectrace

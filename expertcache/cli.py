@@ -11,9 +11,17 @@ VERBS = ["generate", "ppl", "convert", "info", "calibrate", "predict", "study", 
          "calibrate-hw", "train"]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (the usage stays behind --help) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="expertcache", description="MoE inference with a policy-driven expert cache")
-    sub = parser.add_subparsers(dest="verb", required=True)
+    """Run one verb; returns its exit code (2 on bad input, with one line on stderr)."""
+    parser = Parser(prog="expertcache", description="MoE inference with a policy-driven expert cache")
+    sub = parser.add_subparsers(dest="verb", required=True, parser_class=Parser)
     modules = {}
     for verb in VERBS:
         mod = importlib.import_module(f".commands.{verb.replace('-', '_')}", __package__)

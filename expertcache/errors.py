@@ -21,5 +21,9 @@ class UnknownName(ExpertCacheError):
     """An unknown policy, eviction, store or preset name."""
 
 
+class BadInput(ExpertCacheError):
+    """A value given by the user is out of range or malformed (a flag, a text, a request)."""
+
+
 class FetchError(ExpertCacheError):
     """A read from the slow tier failed or came back short."""

@@ -10,8 +10,29 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import UnknownName
-from .kernel.policy import (BAND, BETA, CONDITIONAL, FETCH_ALL, FIRST_CHOICE, HI, KIND, LO, NEVER, RULE, SUB,
-                            SUBSTITUTES, SUBSTITUTING, TAU, THRESHOLD, TOP_J, TOP_M, WINDOW, Scratch, decide)
+from .kernel.policy import (
+    BAND,
+    BETA,
+    CONDITIONAL,
+    FETCH_ALL,
+    FIRST_CHOICE,
+    HI,
+    KIND,
+    LO,
+    NEVER,
+    RULE,
+    SUB,
+    SUBSTITUTES,
+    SUBSTITUTING,
+    TAU,
+    THRESHOLD,
+    TOP_J,
+    TOP_M,
+    WINDOW,
+    Scratch,
+    decide,
+)
+
 
 @dataclass
 class Route:
@@ -167,7 +188,7 @@ class CacheConditional(MissPolicy):
 
 POLICIES: dict[str, type[MissPolicy]] = {
     p.name: p for p in (MissPolicy, SubstituteAll, ThresholdRule, FirstChoice, WeightBand, CacheConditional)}
-# name -> (policy spec, eviction): the seed's presets
+# name -> (policy spec, eviction): the quality- and speed-first presets
 PRESETS = {"quality-first": ("threshold:tau=0.15,beta=0.5", "freq"),
            "speed-first": ("first-choice:beta=0.5", "freq"),
            # peers' caches, by the eviction order each uses with fetch-on-miss

@@ -4,7 +4,7 @@ import torch
 
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.engine import Engine, EngineConfig
-from expertcache.engine.moe import experts_grouped, experts_one_token
+from expertcache.engine.experts import experts_grouped, experts_one_token
 
 
 def reference(x, slots, weights, w13, w2):

@@ -2,10 +2,10 @@
 decode steps with the KV cache, with all experts resident and with fetch-every-miss."""
 import pytest
 import torch
+from hf_models import FAMILIES
 
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.engine import Engine, EngineConfig
-from hf_models import FAMILIES
 
 TOL = dict(atol=1e-4, rtol=0)
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from expertcache.engine.cache import CacheConfig, ExpertCache
+from expertcache.engine.stores import ExpertShape
 from expertcache.errors import UnknownName
 from expertcache.kernel.eviction import advance, eviction_code, insert, touch, victim
 from expertcache.policies import Route, make_policy
-from expertcache.engine.stores import ExpertShape
 
 
 def Resident(E, resident, flying=()):

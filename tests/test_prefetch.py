@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from expertcache.engine.cache import CacheConfig
-from expertcache.lab.calibrate import calibrate, save_calibration
 from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.engine.moe import PrefetchConfig
+from expertcache.lab.calibrate import calibrate, save_calibration
 from expertcache.lab.prediction import fit_estimator, recall_table
 
 

@@ -76,8 +76,8 @@ def test_cost_fit_recovers_known_costs():
 
 
 def test_cost_model_adds_fetch_time():
-    from expertcache.lab.costmodel import DATASHEET
     from expertcache.engine.stats import RunStats
+    from expertcache.lab.costmodel import DATASHEET
     p = DATASHEET["rtx3090-qwen3-next"]
     none = RunStats(tokens=10, moe_calls=480)
     some = RunStats(tokens=10, moe_calls=480, sync_fetches=480, fetch_waits=480)  # one fetch per MoE call

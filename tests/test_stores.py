@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from expertcache.engine.checkpoint import open_checkpoint
+from expertcache.engine.stores import DiskStore, RamStore, convert_to_disk
 from expertcache.errors import FetchError
 from expertcache.models import model_args
-from expertcache.engine.stores import DiskStore, RamStore, convert_to_disk
 
 
 def test_disk_store_reads_what_ram_holds(tiny, tmp_path):

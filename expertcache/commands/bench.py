@@ -2,29 +2,39 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from ..lab.bench import POLICIES, BenchConfig, markdown, run_bench
-from .options import write_json
+from .options import (
+    add_json_argument,
+    add_model_argument,
+    add_store_arguments,
+    bounded,
+    fraction,
+    positive_int,
+    write_json,
+)
+
+_at_least_two = bounded(int, 2, what="give at least 2 tokens")
 
 HELP = "time the policies on the real engine (disk store by default) with warm-up and repetitions"
 
 
 def add_arguments(p):
-    p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
-    p.add_argument("--store", default="disk")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--cache", type=float, default=0.25)
+    add_model_argument(p)
+    add_store_arguments(p)
+    p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
     p.add_argument("--policies", nargs="*", default=list(POLICIES))
-    p.add_argument("--decode-tokens", type=int, default=BenchConfig.decode_tokens)
-    p.add_argument("--forced-tokens", type=int, default=BenchConfig.forced_tokens)
-    p.add_argument("--repeats", type=int, default=BenchConfig.repeats)
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--decode-tokens", type=_at_least_two, default=BenchConfig.decode_tokens,
+                   help="greedy tokens decoded after the prompt")
+    p.add_argument("--forced-tokens", type=positive_int, default=BenchConfig.forced_tokens,
+                   help="tokens scored teacher-forced")
+    p.add_argument("--repeats", type=positive_int, default=BenchConfig.repeats, help="timed repetitions")
+    add_json_argument(p)
 
 
 def run(a) -> int:
     policies = tuple(dict.fromkeys(["fetch-all", *a.policies]))
-    cfg = BenchConfig(store=a.store, device=a.device, cache_fraction=a.cache, policies=policies,
+    cfg = BenchConfig(store=a.store, device=a.device, store_dir=a.store_dir, cache_fraction=a.cache, policies=policies,
                       decode_tokens=a.decode_tokens, forced_tokens=a.forced_tokens, repeats=a.repeats)
     res = run_bench(a.model, cfg, progress=lambda s: print(s, file=sys.stderr))
     print(markdown(res))

@@ -6,16 +6,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..lab.calibrate import CALIB_TEXT, calibrate, encode_text, save_calibration
 from ..engine.engine import BUILTIN_MODEL
+from ..lab.calibrate import CALIB_TEXT, calibrate, encode_text, save_calibration
+from .options import add_model_argument, positive_int
 
 HELP = "compute routing counts (warm cache) and per-expert default vectors on calibration text"
 
 
 def add_arguments(p):
-    p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
+    add_model_argument(p)
     p.add_argument("--text", type=Path, default=CALIB_TEXT, help="calibration text, disjoint from evaluation text")
-    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="use only the first N tokens")
 
 
 def run(a) -> int:

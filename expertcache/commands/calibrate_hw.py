@@ -4,19 +4,21 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from .options import add_model_argument, add_store_arguments
+
 HELP = "measure fetch, expert and dense times on this machine into a cost-model profile"
 
 
 def add_arguments(p):
-    p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
-    p.add_argument("--store", default="disk")
+    add_model_argument(p)
+    add_store_arguments(p)
     p.add_argument("--mode", default="decode", choices=["decode", "forced"])
     p.add_argument("--out", type=Path, required=True, help="profile JSON to write")
 
 
 def run(a) -> int:
     from ..lab.costmodel import measure_profile
-    prof = measure_profile(a.model, a.store, a.mode)
+    prof = measure_profile(a.model, a.store, a.mode, device=a.device, store_dir=a.store_dir)
     prof.save(a.out)
     for k, v in asdict(prof).items():
         if k != "calibration":

@@ -5,14 +5,15 @@ from pathlib import Path
 
 from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL
-from ..models import model_args
 from ..engine.stores import convert_to_disk, default_store_dir
+from ..models import model_args
+from .options import add_model_argument
 
 HELP = "convert a checkpoint's experts into a disk store (one aligned blob per expert)"
 
 
 def add_arguments(p):
-    p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
+    add_model_argument(p)
     p.add_argument("--out", type=Path, default=None, help="store folder (default: ~/.cache/expertcache/stores/...)")
 
 

@@ -1,21 +1,19 @@
 """expertcache info: a model's shape, its experts' bytes and what fits in a budget."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL
 from ..models import model_args
-from .options import write_json
+from .options import add_json_argument, add_model_argument, non_negative, positive_int, write_json
 
 HELP = "describe a model: layers, experts, bytes, and how many experts fit in a budget"
 
 
 def add_arguments(p):
-    p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
-    p.add_argument("--budget", type=float, default=None, help="fast-tier budget in MiB for experts")
-    p.add_argument("--dtype-bytes", type=int, default=4, help="bytes per weight in the fast tier (fp32: 4)")
-    p.add_argument("--json", type=Path, default=None)
+    add_model_argument(p)
+    p.add_argument("--budget", type=non_negative, default=None, help="fast-tier budget in MiB for experts")
+    p.add_argument("--dtype-bytes", type=positive_int, default=4, help="bytes per weight in the fast tier (fp32: 4)")
+    add_json_argument(p)
 
 
 def run(a) -> int:

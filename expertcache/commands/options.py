@@ -1,4 +1,5 @@
-"""Options shared by every verb that loads a model."""
+"""Options shared by the verbs: one definition of each, with values checked where they are
+parsed so that a bad one ends in a line naming the flag."""
 from __future__ import annotations
 
 import argparse
@@ -9,29 +10,70 @@ from ..engine.cache import CacheConfig
 from ..engine.engine import Engine, EngineConfig
 
 
-def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None:
+def bounded(kind, lo=None, hi=None, lo_open=False, what=""):
+    """An argparse type: `kind` within [lo, hi] (lo excluded when lo_open)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if v != v or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range: {what}")
+        return v
+    return parse
+
+
+positive_int = bounded(int, 1, what="give a whole number >= 1")
+non_negative_int = bounded(int, 0, what="give a whole number >= 0")
+fraction = bounded(float, 0.0, 1.0, lo_open=True, what="give a fraction in (0, 1], e.g. 0.25")
+non_negative = bounded(float, 0.0, what="give a number >= 0")
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
+
+
+def add_json_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", type=Path, default=None, help="write every number as JSON")
+
+
+def add_store_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None:
+    """Where the model runs and where its experts live."""
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--store", default=store, help="slow tier: ram, disk or pinned (default: %(default)s)")
     p.add_argument("--store-dir", type=Path, default=None, help="where the disk store lives (default: ~/.cache)")
-    p.add_argument("--cache", type=float, default=0.25, help="cache size as a fraction of each layer's experts")
-    p.add_argument("--cache-bytes", type=int, default=None, help="cache size in bytes (overrides --cache)")
-    p.add_argument("--quota", default="layer", help="layer (per-layer slots) or global")
+
+
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """The fast tier's size and how it is shared."""
+    p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
+    p.add_argument("--cache-bytes", type=positive_int, default=None, help="cache size in bytes (overrides --cache)")
+    p.add_argument("--quota", default="layer", choices=["layer", "global"], help="per-layer slots or one pool")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None:
+    """Every option of a verb that builds an Engine."""
+    add_model_argument(p)
+    add_store_arguments(p, store)
+    add_cache_arguments(p)
     p.add_argument("--policy", default="fetch-all",
                    help="miss policy: fetch-all, substitute-all, threshold:tau=0.15, first-choice, "
                         "quality-first, speed-first; options sub=best|drop|window, window=M, beta=B")
-    p.add_argument("--eviction", default=None, help="lru, lfu or freq (default: the policy's choice)")
-    p.add_argument("--initial", default="auto", help="initial residency: warm, cold or auto")
-    p.add_argument("--max-seq", type=int, default=2048)
+    p.add_argument("--eviction", default=None, help="lru, lfu, freq or halving (default: the policy's choice)")
+    p.add_argument("--initial", default="auto", choices=["warm", "cold", "auto"],
+                   help="initial residency: warm, cold or auto (warm when routing counts exist)")
+    p.add_argument("--max-seq", type=positive_int, default=2048, help="longest sequence the KV cache holds")
 
 
 def engine_from_args(a: argparse.Namespace) -> Engine:
+    """The Engine that add_engine_arguments' options describe."""
     cache = CacheConfig(fraction=a.cache, bytes=a.cache_bytes, quota=a.quota)
     return Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=cache, policy=a.policy,
-                                        eviction=a.eviction,
-                                        initial=a.initial, store_dir=a.store_dir, max_seq=a.max_seq))
+                                        eviction=a.eviction, initial=a.initial, store_dir=a.store_dir,
+                                        max_seq=a.max_seq))
 
 
 def write_json(path: Path | None, data: dict) -> None:
+    """Write `data` to `path` as JSON when a path was given."""
     if path is not None:
         path.write_text(json.dumps(data, indent=1, default=str))

@@ -7,7 +7,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..engine.perplexity import EVAL_TEXT, perplexity
-from .options import add_engine_arguments, engine_from_args, write_json
+from .options import add_engine_arguments, add_json_argument, engine_from_args, positive_int, write_json
 
 HELP = "teacher-forced perplexity over a text file (default: the built-in evaluation text)"
 
@@ -15,9 +15,9 @@ HELP = "teacher-forced perplexity over a text file (default: the built-in evalua
 def add_arguments(p):
     add_engine_arguments(p)
     p.add_argument("--text", type=Path, default=EVAL_TEXT, help="UTF-8 text file")
-    p.add_argument("--context", type=int, default=512, help="window length in tokens")
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
-    p.add_argument("--json", type=Path, default=None, help="write every number as JSON")
+    p.add_argument("--context", type=positive_int, default=512, help="window length in tokens")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="score only the first N tokens")
+    add_json_argument(p)
 
 
 def run(a) -> int:

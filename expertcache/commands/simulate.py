@@ -5,11 +5,12 @@ import functools
 from pathlib import Path
 
 from ..engine.cache import CacheConfig
-from ..lab.costmodel import load_profile
 from ..engine.checkpoint import load_routing_counts
+from ..lab.costmodel import load_profile
+from ..lab.plots import scatter
 from ..lab.simulator import replay, route_trace
 from ..lab.trace import read_trace
-from .options import write_json
+from .options import add_json_argument, fraction, positive_int, write_json
 
 HELP = "replay miss policies on a router-logit trace: hits, fetches, substitutions per cache size"
 
@@ -18,16 +19,17 @@ def add_arguments(p):
     p.add_argument("trace", type=Path)
     p.add_argument("--policies", nargs="*", default=["fetch-all", "threshold:tau=0.15", "first-choice",
                                                     "quality-first", "speed-first", "substitute-all"])
-    p.add_argument("--cache", type=float, nargs="*", default=[0.25])
-    p.add_argument("--eviction", default=None)
-    p.add_argument("--initial", default="auto", help="warm (the model's routing counts), cold or auto")
+    p.add_argument("--cache", type=fraction, nargs="+", default=[0.25], help="cache fractions to sweep")
+    p.add_argument("--eviction", default=None, help="lru, lfu, freq or halving (default: each policy's choice)")
+    p.add_argument("--initial", default="auto", choices=["warm", "cold", "auto"],
+                   help="warm (the model's routing counts), cold or auto")
     p.add_argument("--profile", default=None, help="cost model: a calibrate-hw file, rtx3090-qwen3-next or "
                                                    "a6000-qwen3-30b; adds estimated ms/token")
-    p.add_argument("--window", type=int, default=None,
+    p.add_argument("--window", type=positive_int, default=None,
                    help="tokens decided per layer call: the trace's context (default, as ppl runs) or 1 (decode)")
-    p.add_argument("--jobs", type=int, default=1, help="replay the sweep in this many processes")
+    p.add_argument("--jobs", type=positive_int, default=1, help="replay the sweep in this many processes")
     p.add_argument("--plot", type=Path, default=None, help="time vs substituted-mass frontier PNG")
-    p.add_argument("--json", type=Path, default=None)
+    add_json_argument(p)
 
 
 @functools.lru_cache(maxsize=4)
@@ -75,19 +77,10 @@ def run(a) -> int:
 
 
 def plot_frontier(rows: list[dict], path: Path) -> None:
-    """Estimated time per token against substituted mass (the perplexity proxy)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows:
-        y = r["estimated_ms_per_token"] if r["estimated_ms_per_token"] == r["estimated_ms_per_token"] \
-            else r["fetches_per_token"]
-        ax.plot(r["substituted_mass_per_call"], y, "o")
-        ax.annotate(f"{r['policy']} @{r['cache']:g}", (r["substituted_mass_per_call"], y), fontsize=6)
-    ax.set_xlabel("substituted gate mass per MoE call")
-    ax.set_ylabel("estimated ms/token" if rows and rows[0]["estimated_ms_per_token"] == rows[0]["estimated_ms_per_token"]
-                  else "synchronous fetches/token")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """Estimated time per token (fetches per token without a profile) against substituted
+    mass, the perplexity proxy; one point per (policy, cache size)."""
+    timed = all(r["estimated_ms_per_token"] == r["estimated_ms_per_token"] for r in rows)
+    y = "estimated_ms_per_token" if timed else "fetches_per_token"
+    scatter({f"{r['policy']} @{r['cache']:g}": (r["substituted_mass_per_call"], r[y]) for r in rows},
+            "substituted gate mass per MoE call", "estimated ms/token" if timed else "synchronous fetches/token",
+            "Replayed policies: time vs substituted mass", path, frontier=True)

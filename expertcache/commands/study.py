@@ -6,21 +6,22 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..lab.study import StudyConfig, run_study
 from ..lab.report import write_report
-from .options import write_json
+from ..lab.study import StudyConfig, run_study
+from .options import add_json_argument, add_model_argument, fraction, positive_int, write_json
 
 HELP = "emulate every miss policy on the evaluation text (exact, ram store) and write the report"
 
 
 def add_arguments(p):
-    p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
-    p.add_argument("--cache", type=float, default=0.25, help="cache fraction")
-    p.add_argument("--tokens-per-domain", type=int, default=StudyConfig.tokens_per_domain)
-    p.add_argument("--context", type=int, default=StudyConfig.context)
+    add_model_argument(p)
+    p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
+    p.add_argument("--tokens-per-domain", type=positive_int, default=StudyConfig.tokens_per_domain,
+                   help="evaluation tokens taken from each domain of the text")
+    p.add_argument("--context", type=positive_int, default=StudyConfig.context, help="window length in tokens")
     p.add_argument("--policies", nargs="*", default=None, help="policy specs (default: the full set)")
     p.add_argument("--out", type=Path, default=Path("study"), help="report folder")
-    p.add_argument("--json", type=Path, default=None, help="also write every number here")
+    add_json_argument(p)
 
 
 def run(a) -> int:

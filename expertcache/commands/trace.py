@@ -7,21 +7,22 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..lab.calibrate import encode_text
 from ..engine.engine import BUILTIN_MODEL
 from ..engine.perplexity import EVAL_TEXT
+from ..lab.calibrate import encode_text
 from ..lab.trace import record_trace
+from .options import add_model_argument, positive_int
 
 HELP = "record every token's router logits at every MoE layer into a trace file"
 
 
 def add_arguments(p):
-    p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
+    add_model_argument(p)
     p.add_argument("--text", type=Path, default=EVAL_TEXT, help="UTF-8 text (default: the evaluation text)")
     p.add_argument("--out", type=Path, required=True, help="trace file to write")
-    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--context", type=positive_int, default=512, help="window length in tokens")
     p.add_argument("--dtype", default="float16", choices=["float16", "float32"])
-    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="record only the first N tokens")
 
 
 def run(a) -> int:

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import CacheTooSmall, UnknownName
 from ..kernel import decisions as kernel
 from ..kernel.cache_state import LOGGING, N_LOG, CacheState
 from ..kernel.policy import Scratch
-from ..policies import MissPolicy
 from ..kernel.routing import route_logits
-from ..errors import CacheTooSmall, UnknownName
+from ..policies import MissPolicy
 from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
 

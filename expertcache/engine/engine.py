@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from .cache import CacheConfig, ExpertCache
-from .checkpoint import ROUTING_COUNTS, load_routing_counts, open_checkpoint
 from ..errors import CheckpointError, UnknownName
-from .moe import MoELayerRunner, PrefetchConfig
 from ..models import model_args
 from ..policies import MissPolicy, make_policy
+from .cache import CacheConfig, ExpertCache
+from .checkpoint import ROUTING_COUNTS, load_routing_counts, open_checkpoint
+from .moe import MoELayerRunner, PrefetchConfig
 from .predictors import make_predictor
 from .stats import RunStats
 from .stores import open_store
@@ -35,7 +35,7 @@ class EngineConfig:
     initial: str = "auto"  # warm: most-routed experts first; cold: empty; auto: warm if counts exist
     store_dir: Path | None = None
     max_seq: int = 2048
-    prefetch: PrefetchConfig | None = None  # speculative expert prefetch (seed B)
+    prefetch: PrefetchConfig | None = None  # predict the next layer's experts and prefetch them
 
 
 def peak_memory_bytes(device: torch.device) -> int:

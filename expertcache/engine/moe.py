@@ -12,49 +12,20 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from .cache import ExpertCache
+from ..kernel.routing import route_logits
 from ..models.args import ModelArgs
 from ..policies import MissPolicy
+from .cache import ExpertCache
+from .experts import experts_compute
 from .predictors import Predictor
-from ..kernel.routing import route, route_logits
 from .stats import RunStats
 
 
-def experts_one_token(x, slots, weights, w13, w2):
-    """Decode: one token, k matrix-vector products straight from the slots (no gather copy).
-    x [1, H], slots [1, k] (long), weights [1, k] -> [1, H]."""
-    xv, ids = x[0], slots[0].tolist()
-    g, u = torch.stack([w13[s] @ xv for s in ids]).chunk(2, dim=-1)  # [k, F] each
-    act = F.silu(g) * u * weights[0].unsqueeze(-1).to(x.dtype)
-    out = w2[ids[0]] @ act[0]
-    for j in range(1, len(ids)):
-        out.addmv_(w2[ids[j]], act[j])
-    return out.unsqueeze(0)
-
-
-def experts_grouped(x, slots, weights, w13, w2):
-    """Large batches: sort assignments by slot and run one matmul pair per used slot."""
-    n, k = slots.shape
-    flat = slots.reshape(-1).to(x.device)
-    order = flat.argsort(stable=True)
-    used, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    token = order // k
-    xs = x[token]
-    out_rows, start = [], 0
-    for s, c in zip(used.tolist(), counts.tolist()):
-        g, u = (xs[start:start + c] @ w13[s].t()).chunk(2, dim=-1)
-        out_rows.append((F.silu(g) * u) @ w2[s].t())
-        start += c
-    y = torch.cat(out_rows) * weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token, y)
-
-
-def experts_compute(x, slots, weights, w13, w2):
-    """slots: a host tensor (the decode path reads it without a device sync)."""
-    return experts_one_token(x, slots, weights, w13, w2) if x.shape[0] == 1 else \
-        experts_grouped(x, slots, weights, w13, w2)
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
+    """x [T, H], router [E, H] -> logits [T, E] (float32), weights [T, k] (float32) and
+    ids [T, k] (int64), on the host."""
+    return route_logits((x @ router.t()).float().cpu().numpy(), top_k, norm_topk)
 
 
 @dataclass

@@ -3,7 +3,7 @@ from window to window (one long run), the KV cache restarts at each window."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import BadInput
 from .engine import Engine
 
 EVAL_TEXT = Path(__file__).parents[1] / "data" / "eval.txt"
@@ -34,28 +35,45 @@ class PerplexityResult:
 
 def windows(n_tokens: int, context: int) -> list[tuple[int, int]]:
     """Non-overlapping [start, end) spans of at most context+1 tokens sharing one boundary token."""
+    if context < 1:
+        raise BadInput(f"context {context} must be at least 1 token; e.g. --context 512")
     return [(s, min(s + context + 1, n_tokens)) for s in range(0, n_tokens - 1, context)]
+
+
+def teacher_forced(forward: Callable[[torch.Tensor], torch.Tensor], ids: list[int] | torch.Tensor, context: int,
+                   progress: Callable[[int], None] | None = None,
+                   score: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The one teacher-forced loop: for each window of `windows`, forward(inputs [T]) -> logits
+    [T, V] with the KV cache restarted, yielded with the targets [T] (the next tokens). With
+    score=False every token is an input (calibration records them all) and the last window's
+    targets are one short."""
+    x = torch.as_tensor(ids, dtype=torch.long)
+    for start, end in windows(len(x) + (not score), context):
+        logits = forward(x[start:end - 1])
+        assert logits.shape[0] == end - 1 - start, (tuple(logits.shape), start, end)
+        yield logits, x[start + 1:end]
+        if progress:
+            progress(end - 1 - start)
 
 
 def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool = True,
                progress: Callable[[int], None] | None = None) -> PerplexityResult:
+    """Score `ids` teacher-forced in windows of `context` under the engine's cache and policy
+    (reset first unless `reset` is False: then the cache carries over from earlier runs)."""
     if len(ids) < 2:
-        raise ValueError("perplexity needs at least 2 tokens of text")
+        raise BadInput(f"perplexity needs at least 2 tokens of text, got {len(ids)}; give a longer text")
     if reset:
         engine.reset()
-    x = torch.tensor(ids, dtype=torch.long)
     nll_parts, window_nll, window_stats = [], [], []
-    s = engine.stats
-    for start, end in windows(len(ids), context):
-        before = (s.moe_calls, s.substituted_mass, s.substitutions, s.sync_fetches)
-        logits = engine.forward(x[start:end - 1], 0)
-        window_stats.append({"moe_calls": s.moe_calls - before[0], "substituted_mass": s.substituted_mass - before[1],
-                             "substitutions": s.substitutions - before[2], "sync_fetches": s.sync_fetches - before[3]})
-        nll = F.cross_entropy(logits, x[start + 1:end], reduction="none")
+    counted = ("moe_calls", "substituted_mass", "substitutions", "sync_fetches")
+    before = [getattr(engine.stats, c) for c in counted]
+    for logits, targets in teacher_forced(lambda x: engine.forward(x, 0), ids, context, progress):
+        now = [getattr(engine.stats, c) for c in counted]
+        window_stats.append({c: a - b for c, a, b in zip(counted, now, before)})
+        before = now
+        nll = F.cross_entropy(logits, targets, reduction="none")
         nll_parts.append(nll)
         window_nll.append(nll.mean().item())
-        if progress:
-            progress(end - 1 - start)
     token_nll = torch.cat(nll_parts).numpy()
     mean = float(token_nll.mean())
     se = float(token_nll.std(ddof=1) / math.sqrt(len(token_nll))) if len(token_nll) > 1 else 0.0

@@ -1,4 +1,4 @@
-"""Predicting layer l+1's experts from layer l's state (seed B), all behind one interface.
+"""Predicting layer l+1's experts from layer l's state, all behind one interface.
 
 A predictor maps, for the tokens of one MoE call at layer l, the residual stream after
 layer l's attention r_l [T, H], layer l's normed MoE input x_l [T, H] and the experts

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import Checkpoint
 from ..errors import CheckpointError, FetchError, UnknownName
 from ..models.args import ModelArgs
+from .checkpoint import Checkpoint
 from .weights import all_layer_experts
 
 ALIGN = 4096

@@ -5,10 +5,10 @@ from collections.abc import Iterator
 
 import torch
 
-from .checkpoint import Checkpoint
 from ..errors import CheckpointError
 from ..models import family_of
 from ..models.args import ModelArgs
+from .checkpoint import Checkpoint
 
 
 def dense_weights(ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32) -> dict[str, torch.Tensor]:

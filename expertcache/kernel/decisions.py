@@ -10,9 +10,26 @@ updates from its transfers before each layer (`ExpertCache.poll`).
 """
 from __future__ import annotations
 
-from .cache_state import (BACKGROUND, EVICTION, EXPERT_RUNS, FETCH_WAITS, HITS, LOGGING, MISSES, MOE_CALLS, N_LOG,
-                          N_PROTECTED, PREFETCHES, ROUTED, SEGMENT, SEGMENT_START, SEGMENTS, SUBSTITUTED_CALLS,
-                          SUBSTITUTIONS, SYNC_FETCHES)
+from .cache_state import (
+    BACKGROUND,
+    EVICTION,
+    EXPERT_RUNS,
+    FETCH_WAITS,
+    HITS,
+    LOGGING,
+    MISSES,
+    MOE_CALLS,
+    N_LOG,
+    N_PROTECTED,
+    PREFETCHES,
+    ROUTED,
+    SEGMENT,
+    SEGMENT_START,
+    SEGMENTS,
+    SUBSTITUTED_CALLS,
+    SUBSTITUTIONS,
+    SYNC_FETCHES,
+)
 from .compiled import compiled
 from .eviction import advance, insert, touch, victim
 from .policy import CONDITIONAL, KIND, decide, resident

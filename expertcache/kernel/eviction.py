@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .compiled import compiled
 from ..errors import UnknownName
+from .compiled import compiled
 
 LRU, LFU, FREQ, HALVING = 0, 1, 2, 3
 EVICTIONS = {"lru": LRU,  # least recently used

@@ -8,7 +8,6 @@ keys (`rank_key`) in the order of the values, which vectorises.
 from __future__ import annotations
 
 import numpy as np
-import torch
 from numba import types
 from numba.extending import overload
 
@@ -102,12 +101,6 @@ def route_rows(logits, table, norm, ids, weights, vals, comp, block_max):
     """route_row over every row of logits [T, E] into ids, weights [T, k]."""
     for t in range(logits.shape[0]):
         route_row(logits[t], table, norm, ids[t], vals, weights[t], comp, block_max)
-
-
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
-    """x [T, H], router [E, H] -> logits [T, E] (float32), weights [T, k] (float32) and
-    ids [T, k] (int64), on the host."""
-    return route_logits((x @ router.t()).float().cpu().numpy(), top_k, norm_topk)
 
 
 def route_logits(logits: np.ndarray, top_k: int, norm_topk: bool):

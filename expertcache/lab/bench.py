@@ -10,14 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.nn.functional as F
 
 from ..engine.cache import CacheConfig
 from ..engine.engine import Engine, EngineConfig
 from ..engine.generate import generate
 from ..engine.moe import PrefetchConfig
-from ..engine.perplexity import EVAL_TEXT
+from ..engine.perplexity import EVAL_TEXT, teacher_forced
 
 POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "substitute-all")
 FLOOR = "all resident"
@@ -35,6 +34,7 @@ def parse_variant(v: str) -> tuple[str, PrefetchConfig | None]:
 @dataclass(frozen=True)
 class BenchConfig:
     store: str = "disk"
+    store_dir: Path | None = None
     device: str = "cpu"
     cache_fraction: float = 0.25
     policies: tuple[str, ...] = POLICIES
@@ -85,12 +85,9 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], cfg: BenchConfi
     decode = 1000 * (time.perf_counter() - t0) / (cfg.decode_tokens - 1)
     s = engine.stats
     f0, st0, tok0 = s.sync_fetches, s.stall_s, s.tokens
-    x = torch.tensor(forced)
     nll, t0 = 0.0, time.perf_counter()
-    for start in range(0, len(forced) - 1, cfg.context):
-        end = min(start + cfg.context + 1, len(forced))
-        logits = engine.forward(x[start:end - 1], 0)
-        nll += F.cross_entropy(logits, x[start + 1:end], reduction="sum").item()
+    for logits, targets in teacher_forced(lambda x: engine.forward(x, 0), forced, cfg.context):
+        nll += F.cross_entropy(logits, targets, reduction="sum").item()
     n = len(forced) - 1
     forced_ms = 1000 * (time.perf_counter() - t0) / n
     counters = {"fetches": (s.sync_fetches - f0) / (s.tokens - tok0), "stall": 1000 * (s.stall_s - st0) / (s.tokens - tok0),
@@ -100,8 +97,9 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], cfg: BenchConfi
 
 def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:
     cache = CacheConfig(fraction=cfg.cache_fraction)
-    engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache))
-    floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0)))
+    engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir))
+    floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0),
+                                        store_dir=cfg.store_dir))
     need = cfg.prompt_tokens + cfg.forced_tokens + 1
     ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
     if len(ids) < need:

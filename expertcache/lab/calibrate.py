@@ -14,18 +14,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ..engine.checkpoint import DEFAULT_VECTORS, ROUTING_COUNTS, open_checkpoint
-from ..errors import CheckpointError
-from ..models import model_args
-from ..kernel.routing import route
+from ..engine.experts import expert_groups, swiglu
+from ..engine.moe import route
+from ..engine.perplexity import teacher_forced
 from ..engine.stores import RamStore
 from ..engine.transformer import Transformer
 from ..engine.weights import dense_weights
+from ..errors import CheckpointError
+from ..models import model_args
 
 CALIB_TEXT = Path(__file__).parents[1] / "data" / "calib.txt"
 
@@ -54,13 +54,16 @@ class RecordingMoE:
         _, weights, ids = map(torch.from_numpy, route(x, router, self.top_k, self.norm_topk))
         out = torch.zeros_like(x)
         w13, w2 = self.store.w13[layer], self.store.w2[layer]
-        for e in ids.unique().tolist():
-            tok, j = (ids == e).nonzero(as_tuple=True)
-            g, u = (x[tok] @ w13[e].t()).chunk(2, dim=-1)
-            y = (F.silu(g) * u) @ w2[e].t()  # [n, H]: the expert's own output, before its gate
+        order, used, counts = expert_groups(ids)
+        start = 0
+        for e, c in zip(used, counts):
+            pos = order[start:start + c]
+            start += c
+            tok = pos // self.top_k
+            y = swiglu(x[tok], w13[e], w2[e])  # [n, H]: the expert's own output, before its gate
             self.sums[layer, e] += y.sum(0).double()
-            self.counts[layer, e] += len(tok)
-            out.index_add_(0, tok, y * weights[tok, j].unsqueeze(-1))
+            self.counts[layer, e] += c
+            out.index_add_(0, tok, y * weights.reshape(-1)[pos].unsqueeze(-1))
         return out
 
 
@@ -81,11 +84,8 @@ def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[RamStore, ob
     moe = make_moe(RamStore(ckpt, args), args)
     model = Transformer(args, dense_weights(ckpt, args), moe, torch.device("cpu"), context)
     model.prefetch = getattr(moe, "hook", None)
-    for start in range(0, len(ids), context):
-        chunk = torch.tensor(ids[start:start + context])
-        model.forward(chunk, 0)
-        if progress:
-            progress(len(chunk))
+    for _ in teacher_forced(lambda x: model.forward(x, 0), ids, context, progress, score=False):
+        pass
     model.moe, model.prefetch = None, None
     return model, moe
 

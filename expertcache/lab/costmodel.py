@@ -123,7 +123,7 @@ def fit_terms(counts: np.ndarray, seconds: np.ndarray, names: tuple[str, ...]) -
 
 
 def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode", repeats: int = 5,
-                    reads: int = 200) -> HardwareProfile:
+                    reads: int = 200, device: str = "cpu", store_dir: Path | None = None) -> HardwareProfile:
     """Measure a profile on this machine with the engine itself. `mode`: decode (one token per
     forward) or forced (windows of 256 tokens). Every CALIBRATION run is timed `repeats`
     times, interleaved round-robin after a warm-up (so drift hits all alike), and its counts
@@ -137,9 +137,10 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
 
     from ..engine.cache import CacheConfig
     from ..engine.engine import Engine, EngineConfig
-    from ..engine.perplexity import EVAL_TEXT
+    from ..engine.perplexity import EVAL_TEXT, teacher_forced
 
-    engines = [Engine(model, EngineConfig(store=store, cache=CacheConfig(fraction=f), policy=p))
+    engines = [Engine(model, EngineConfig(device=device, store=store, cache=CacheConfig(fraction=f), policy=p,
+                                                 store_dir=store_dir))
                for f, p in CALIBRATION]
     ids = engines[0].encode(EVAL_TEXT.read_text(encoding="utf-8")[:20000])
     fields = ("moe_calls",) + TERMS[1:]
@@ -154,8 +155,8 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
                 eng.forward(torch.tensor(ids[pos:pos + 1]), pos)
         else:
             before, t = [0] * len(fields), time.perf_counter()
-            for start in range(0, 1024, 256):
-                eng.forward(torch.tensor(ids[start:start + 256]), 0)
+            for _ in teacher_forced(lambda x: eng.forward(x, 0), ids[:1025], 256):
+                pass
         elapsed = time.perf_counter() - t
         calls, *counts = (getattr(s, f) - b for f, b in zip(fields, before))
         tokens = calls / eng.args.num_layers

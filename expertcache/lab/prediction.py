@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.checkpoint import load_default_vectors
-from .calibrate import RecordingMoE, run_exact
-from ..kernel.routing import route
+from ..engine.moe import route
 from ..engine.predictors import Estimator, EstimatorNet, Predictor, QuasiHidden, make_predictor, save_estimator
 from ..engine.transformer import Transformer
+from .calibrate import RecordingMoE, run_exact
 
 
 @dataclass

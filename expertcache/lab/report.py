@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .plots import scatter
 from .study import BASELINE, StudyResult
 
 
@@ -72,31 +73,14 @@ def write_report(res: StudyResult, out: Path) -> list[Path]:
     return [out / "README.md", out / "study.json", *plots]
 
 
-def _scatter(points: dict, xlabel: str, ylabel: str, title: str, path: Path, errors: dict | None = None) -> Path:
-    """points: label -> (x, y); errors: label -> (below, above)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, (x, y) in points.items():
-        yerr = [[errors[label][0]], [errors[label][1]]] if errors else None
-        ax.errorbar(x, y, yerr=yerr, fmt="o")
-        ax.annotate(label.replace("threshold:", "").replace("band:", ""), (x, y), fontsize=6)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def _plots(res: StudyResult, out: Path) -> list[Path]:
     runs = {p: r for p, r in res.runs.items() if p != BASELINE}
+    ci = {p: (r["pct"] - r["ci"][0], r["ci"][1] - r["pct"]) for p, r in res.runs.items() if "ci" in r}
+    short = {p: p.replace("threshold:", "").replace("band:", "") for p in res.runs}
     return [
-        _scatter({p: (r["mass_per_call"], r["pct"]) for p, r in runs.items()}, "substituted gate mass per MoE call",
-                 "perplexity increase (%)", "Perplexity increase vs substituted mass", out / "mass_vs_increase.png",
-                 {p: (r["pct"] - r["ci"][0], r["ci"][1] - r["pct"]) for p, r in runs.items()}),
-        _scatter({p: (r["sync_fetches_per_token"], r["pct"]) for p, r in res.runs.items()},
-                 "synchronous fetches per token", "perplexity increase (%)", "Quality vs fetches (lower left is better)",
-                 out / "pareto.png")]
+        scatter({p: (r["mass_per_call"], r["pct"]) for p, r in runs.items()}, "substituted gate mass per MoE call",
+                "perplexity increase (%)", "Perplexity increase vs substituted mass", out / "mass_vs_increase.png",
+                ci, short=short),
+        scatter({p: (r["sync_fetches_per_token"], r["pct"]) for p, r in res.runs.items()},
+                "synchronous fetches per token", "perplexity increase (%)",
+                "Quality vs fetches (lower left is better)", out / "pareto.png", ci, frontier=True, short=short)]

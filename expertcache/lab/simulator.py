@@ -19,13 +19,13 @@ import numpy as np
 import torch
 
 from ..engine.cache import CacheConfig, ExpertCache
+from ..engine.stats import RunStats
+from ..engine.stores import ExpertShape
 from ..kernel.cache_state import LOGGING
 from ..kernel.policy import Scratch
 from ..kernel.replay import replay_windows, route_all
 from ..kernel.routing import HALF_TO_FLOAT
 from ..policies import make_policy
-from ..engine.stats import RunStats
-from ..engine.stores import ExpertShape
 from .trace import Trace
 
 

@@ -1,4 +1,4 @@
-"""Quality of speculative execution (seed B): perplexity against exact decoding on the study's
+"""Quality of speculative execution: perplexity against exact decoding on the study's
 token sequences with a paired bootstrap CI, and greedy agreement on prompts of every domain."""
 from __future__ import annotations
 

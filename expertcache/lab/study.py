@@ -1,6 +1,7 @@
 """The emulation study (instrument 1): every policy over the same token sequences with the
 exact `ram` store and a virtual cache, so that only the quality effect of the decisions is
-measured; then the seed's analyses. Returns data; `study_report` writes the report."""
+measured; then the analyses (where the loss comes from, mass against increase, equal mass).
+Returns data; `report` writes the report."""
 from __future__ import annotations
 
 import json

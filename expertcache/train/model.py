@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..engine.experts import experts_grouped
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -80,21 +82,10 @@ class Block(nn.Module):
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         w, idx = probs.topk(c.num_experts_per_tok, dim=-1)
         w = w / w.sum(-1, keepdim=True)
-        flat = idx.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=c.num_experts).tolist()
-        token = order // c.num_experts_per_tok
-        xs = x[token]
-        outs, start = [], 0
-        w13s, w2s = self.w13.unbind(0), self.w2.unbind(0)
-        for e, n in enumerate(counts):
-            if n:
-                g, u = (xs[start:start + n] @ w13s[e].t()).chunk(2, dim=-1)
-                outs.append((F.silu(g) * u) @ w2s[e].t())
-            start += n
-        y = torch.cat(outs) * w.flatten()[order, None]
-        out = torch.zeros_like(x).index_add_(0, token, y)
+        out = experts_grouped(x, idx, w, self.w13, self.w2)
         # Switch-style balance per layer: E * sum_e (share of assignments) * (mean prob).
+        flat = idx.flatten()
+        counts = torch.bincount(flat, minlength=c.num_experts).tolist()
         share = torch.bincount(flat, minlength=c.num_experts).float() / flat.numel()
         balance = c.num_experts * (share * probs.mean(0)).sum()
         return out, balance, torch.tensor(counts)

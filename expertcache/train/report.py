@@ -10,9 +10,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..lab.calibrate import encode_text
 from ..engine.engine import BUILTIN_MODEL
-from ..engine.perplexity import EVAL_TEXT
+from ..engine.perplexity import EVAL_TEXT, teacher_forced
+from ..lab.calibrate import encode_text
 from ..lab.prediction import record_states
 
 
@@ -26,14 +26,11 @@ def unigram_nll(train_tokens: np.ndarray, eval_ids: list[int], vocab: int) -> fl
 def hf_perplexity(model_path: Path, ids: list[int], context: int) -> float:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    x = torch.tensor(ids)
     total, n = 0.0, 0
     with torch.no_grad():
-        for start in range(0, len(ids) - 1, context):
-            end = min(start + context + 1, len(ids))
-            logits = model(x[start:end - 1][None]).logits[0]
-            total += F.cross_entropy(logits, x[start + 1:end], reduction="sum").item()
-            n += end - 1 - start
+        for logits, targets in teacher_forced(lambda x: model(x[None]).logits[0], ids, context):
+            total += F.cross_entropy(logits, targets, reduction="sum").item()
+            n += len(targets)
     return math.exp(total / n)
 
 
@@ -57,8 +54,8 @@ def router_statistics(model_path: Path, ids: list[int]) -> dict:
 
 def model_report(model_path: Path = BUILTIN_MODEL, train_tokens: Path | None = None, context: int = 512,
                  max_tokens: int | None = None) -> dict:
-    from ..engine.engine import Engine, EngineConfig
     from ..engine.cache import CacheConfig
+    from ..engine.engine import Engine, EngineConfig
     from ..engine.perplexity import perplexity
     ids = encode_text(model_path, EVAL_TEXT.read_text(encoding="utf-8"), max_tokens)
     engine = Engine(model_path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25)))

@@ -1,0 +1,96 @@
+"""The one plotting module: scatter plots of policies (with CIs and the Pareto frontier) and
+per-layer lines, written as PNGs a reader could put in a paper. matplotlib is imported
+lazily (an optional dependency, `pip install expertcache[study]`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+# A y range wider than this many times the spread of the bulk switches the axis to symlog,
+# so one outlier (substitute-all's +171%) does not flatten every other point.
+OUTLIER_SPREAD = 8.0
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.rcParams.update({"font.size": 8, "axes.spines.top": False, "axes.spines.right": False})
+    return plt
+
+
+def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
+    """Labels of the points no other point beats on both axes (lower is better on both), by x."""
+    ordered = sorted(points, key=lambda k: (points[k][0], points[k][1]))
+    front, best_y = [], float("inf")
+    for label in ordered:
+        if points[label][1] < best_y:
+            front.append(label)
+            best_y = points[label][1]
+    return front
+
+
+def _needs_symlog(ys: list[float]) -> bool:
+    if len(ys) < 3:
+        return False
+    ordered = sorted(abs(y) for y in ys)
+    bulk = ordered[len(ordered) // 2] or 1e-9
+    return ordered[-1] > OUTLIER_SPREAD * bulk and ordered[-1] > 10
+
+
+def _place_labels(ax, texts) -> None:
+    """Labels moved off each other and off the points (adjustText when installed)."""
+    try:
+        from adjustText import adjust_text
+    except ImportError:
+        return
+    adjust_text(texts, ax=ax, arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5})
+
+
+def scatter(points: dict[str, tuple[float, float]], xlabel: str, ylabel: str, title: str, path: Path,
+            errors: dict[str, tuple[float, float]] | None = None, frontier: bool = False,
+            highlight: str | None = None, short: dict[str, str] | None = None) -> Path:
+    """One point per label at (x, y); errors: label -> (below, above) for error bars on y;
+    frontier: draw the Pareto frontier (lower is better on both axes) as a line; highlight:
+    a label drawn as a star (a chosen policy); short: display names for long labels."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    texts = []
+    for label, (x, y) in points.items():
+        yerr = [[errors[label][0]], [errors[label][1]]] if errors and label in errors else None
+        star = label == highlight
+        ax.errorbar(x, y, yerr=yerr, fmt="*" if star else "o", ms=11 if star else 4, capsize=2, lw=0.8,
+                    color="C3" if star else "C0", zorder=3)
+        texts.append(ax.text(x, y, (short or {}).get(label, label), fontsize=6))
+    if frontier and len(points) > 1:
+        front = pareto_front(points)
+        ax.plot([points[k][0] for k in front], [points[k][1] for k in front], "-", color="C1", lw=1,
+                zorder=2, label="Pareto frontier")
+        ax.legend(loc="best", frameon=False)
+    if _needs_symlog([y for _, y in points.values()]):
+        ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, lw=0.5)
+    _place_labels(ax, texts)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return path
+
+
+def lines(series: dict[str, list[float]], xticks: list[str], xlabel: str, ylabel: str, path: Path) -> Path:
+    """One line per series over the same x positions (e.g. recall per layer transition)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, ys in series.items():
+        ax.plot(range(len(ys)), ys, "o-", ms=3, label=name)
+    ax.set_xticks(range(len(xticks)), xticks)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, lw=0.5)
+    ax.legend(frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return path
