@@ -25,6 +25,9 @@ for policy in policies:
         for window in (None, 1):
             r = replay(trace, policy, CacheConfig(fraction=0.25, quota=quota), window=window)
             assert r.stats.moe_calls == N * L
+            if policy == "quality-first":
+                r = replay(trace, policy, CacheConfig(fraction=0.25, quota=quota), "demand", window=window)
+                assert r.stats.moe_calls == N * L
 print("ok")
 """
 

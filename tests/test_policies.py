@@ -6,7 +6,8 @@ import torch
 from expertcache.engine.cache import CacheConfig, ExpertCache
 from expertcache.engine.stores import ExpertShape
 from expertcache.errors import UnknownName
-from expertcache.kernel.eviction import advance, eviction_code, insert, touch, victim
+from expertcache.kernel.eviction import (DECAY, EVICTIONS, add_demand, advance, enter_score, eviction_code,
+                                         insert, touch, victim)
 from expertcache.policies import Route, make_policy
 
 
@@ -123,7 +124,7 @@ class Order:
         return self
 
     def insert(self, slot):
-        insert(self.score, self.last_use, slot, self.t)
+        insert(self.score, self.last_use, slot, self.t, 0.0)
 
     def touch(self, slot):
         touch(self.kind, self.score, self.last_use, slot, self.t)
@@ -153,6 +154,24 @@ def test_eviction_orders():
     assert lfu.victim() == 1  # fewest uses, older of the tied
     empty = Order("lfu", 3)
     assert empty.victim() == 0  # never used: the lowest slot
+
+
+def test_demand_entry_score():
+    """Under `demand` an expert enters its slot with its decayed routing demand so far (resident
+    or not), so a newly admitted expert is not the next victim for being new; `freq` enters at 0."""
+    demand, clock = np.zeros((2, 4)), np.zeros((2, 4), np.int64)
+    add_demand(demand, clock, 1, 2, 10)
+    add_demand(demand, clock, 1, 2, 12)
+    assert enter_score(EVICTIONS["demand"], demand, clock, 1, 2, 15) == pytest.approx((DECAY ** 2 + 1) * DECAY ** 3)
+    assert enter_score(EVICTIONS["freq"], demand, clock, 1, 2, 15) == 0.0
+    assert enter_score(EVICTIONS["demand"], demand, clock, 0, 2, 15) == 0.0  # another layer's expert
+    ev = Order("demand", 3)
+    for t, s in enumerate([0, 1]):
+        ev.at(t).insert(s)
+        ev.touch(s)
+    ev.at(5)
+    insert(ev.score, ev.last_use, 2, 5, enter_score(EVICTIONS["demand"], demand, clock, 1, 2, 5))
+    assert ev.victim() == 0  # the old, once-used slot goes before the admitted expert with demand
 
 
 def test_cache_conditional_routing():

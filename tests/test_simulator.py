@@ -84,3 +84,37 @@ def test_cost_model_adds_fetch_time():
     extra = p.ms_per_token(some) - p.ms_per_token(none)
     assert extra == pytest.approx(1000 * 48 * p.fetch_s)
     assert 0.2 < p.fetch_s * 1000 < 0.3  # 6.3 MB over PCIe 4.0
+
+
+ADMITTING = ("quality-first", "threshold:tau=0.3,beta=0.2", "first-choice:beta=0.1,sub=drop")
+
+
+@pytest.mark.parametrize("policy", ADMITTING)
+def test_windows_decide_as_decode_in_the_replay(traced, policy):
+    """What is admitted for token t is resident from token t + 1, in a window as in decode."""
+    _, _, trace, _ = traced
+    windows = replay(trace, policy, CacheConfig(fraction=0.5)).stats
+    decode = replay(trace, policy, CacheConfig(fraction=0.5), window=1).stats
+    fields = ("hits", "misses", "sync_fetches", "substitutions", "background_fetches", "substituted_mass")
+    assert windows.background_fetches > 0
+    assert [getattr(windows, f) for f in fields] == [getattr(decode, f) for f in fields]
+
+
+@pytest.mark.parametrize("policy", ADMITTING)
+def test_windows_decide_as_decode_in_the_engine(traced, policy):
+    """A teacher-forced window and token-by-token decoding make the same decisions (exact
+    `ram` store): the same counts and the same logits."""
+    path, ids, _, _ = traced
+    x = torch.tensor(ids[:48])
+    runs = []
+    for window in (48, 1):
+        engine = Engine(path, EngineConfig(cache=CacheConfig(fraction=0.5), initial="cold", policy=policy))
+        logits = torch.cat([engine.forward(x[p:p + window], p) for p in range(0, len(x), window)])
+        runs.append((logits, engine.stats))
+        engine.close()
+    (lw, w), (ld, d) = runs
+    fields = ("hits", "misses", "sync_fetches", "substitutions", "background_fetches")
+    assert w.background_fetches > 0 and w.substitutions > 0
+    assert [getattr(w, f) for f in fields] == [getattr(d, f) for f in fields]
+    assert w.substituted_mass == pytest.approx(d.substituted_mass, rel=1e-6)
+    torch.testing.assert_close(lw, ld, atol=1e-4, rtol=0)

@@ -14,7 +14,7 @@ COUNTERS = ("moe_calls", "routed", "hits", "misses", "sync_fetches", "fetch_wait
 MOE_CALLS, ROUTED, HITS, MISSES, SYNC_FETCHES, FETCH_WAITS, SUBSTITUTIONS, SUBSTITUTED_CALLS, BACKGROUND, \
     PREFETCHES, SEGMENTS, EXPERT_RUNS = range(len(COUNTERS))
 # misc[]: scalars of the state
-EVICTION, SEGMENT, SEGMENT_START, N_PROTECTED, N_LOG, LOGGING, GLOBAL_QUOTA = range(7)
+EVICTION, SEGMENT, SEGMENT_START, N_PROTECTED, N_LOG, LOGGING, GLOBAL_QUOTA, N_FLYING = range(8)
 
 
 class CacheState(NamedTuple):
@@ -23,8 +23,11 @@ class CacheState(NamedTuple):
     pending: np.ndarray  # [S] bool: its transfer is in flight
     protected: np.ndarray  # [S] bool: used by the token being decided, not evictable
     protected_list: np.ndarray  # the protected slots, to clear them without a pass over S
+    flying: np.ndarray  # [S] slots of admissions and prefetches started in the current call (misc[N_FLYING])
     last_use: np.ndarray  # [S] eviction: token index of the last use (-1: never)
     score: np.ndarray  # [S] eviction: primary key (see eviction.py)
+    demand: np.ndarray  # [L, E] decayed routing demand of each expert (`demand` eviction only)
+    demand_clock: np.ndarray  # [L, E] the token each demand is current at
     group_clock: np.ndarray  # [L] eviction: the token each decay group's scores are current at
     slot_lo: np.ndarray  # [L] the slots layer l may use are [slot_lo[l], slot_hi[l])
     slot_hi: np.ndarray
@@ -43,12 +46,12 @@ class CacheState(NamedTuple):
         lo = np.zeros(L, np.int64) if quota == "global" else np.arange(L, dtype=np.int64) * per_layer
         hi = np.full(L, S, np.int64) if quota == "global" else lo + per_layer
         group = np.zeros(L, np.int64) if quota == "global" else np.arange(L, dtype=np.int64)
-        misc = np.zeros(7, np.int64)
+        misc = np.zeros(8, np.int64)
         misc[EVICTION] = eviction_code(eviction)
         misc[GLOBAL_QUOTA] = quota == "global"
         return cls(np.full((L, E), -1, np.int64), np.full(S, -1, np.int64), np.zeros(S, bool), np.zeros(S, bool),
-                   np.zeros(2 * top_k + 2, np.int64), np.full(S, -1, np.int64), np.zeros(S), np.zeros(L, np.int64),
-                   lo, hi, group, np.full(S, -1, np.int64), misc, np.zeros(len(COUNTERS), np.int64), np.zeros(1),
+                   np.zeros(2 * top_k + 2, np.int64), np.zeros(S, np.int64), np.full(S, -1, np.int64), np.zeros(S),
+                   np.zeros((L, E)), np.zeros((L, E), np.int64), np.zeros(L, np.int64), lo, hi, group, np.full(S, -1, np.int64), misc, np.zeros(len(COUNTERS), np.int64), np.zeros(1),
                    np.zeros((64, 4), np.int64))
 
     def with_log(self, capacity: int) -> CacheState:

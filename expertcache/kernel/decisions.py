@@ -7,6 +7,12 @@ expert compute owed before a slot is overwritten); the simulator runs the same
 `decide_token` over a whole trace in one call with logging off. Decisions never depend on
 when a transfer lands, only on which transfers are in flight (`pending`), which the engine
 updates from its transfers before each layer (`ExpertCache.poll`).
+
+A window of tokens decides as token-by-token decoding would: an expert admitted or
+prefetched for token t is resident from token t + 1 (`land_flying` at each token of a
+call), as in decode, where a background transfer lands within a token's time. The engine
+waits for those transfers at that point (a logged WAIT), so the slot is filled before the
+expert work of any later token reads it.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from .cache_state import (
     LOGGING,
     MISSES,
     MOE_CALLS,
+    N_FLYING,
     N_LOG,
     N_PROTECTED,
     PREFETCHES,
@@ -31,7 +38,7 @@ from .cache_state import (
     SYNC_FETCHES,
 )
 from .compiled import compiled
-from .eviction import advance, insert, touch, victim
+from .eviction import DEMAND, add_demand, advance, enter_score, insert, touch, victim
 from .policy import CONDITIONAL, KIND, decide, resident
 
 # Logged actions, rows of (op, a, b, c)
@@ -42,9 +49,10 @@ FETCH, ADMIT, PREFETCH, FILL = range(len(KINDS))
 
 def log_capacity(tokens: int, top_k: int, num_experts: int) -> int:
     """Room for the actions of a layer call of `tokens` tokens (per token at most k fetches
-    and k admissions, each with a flush and a finish-all, and k waits) and of a fill or a
-    prefetch (at most every expert of a layer, each with a flush and a finish-all)."""
-    return max(tokens * 7 * top_k, 3 * num_experts) + 1
+    and k admissions, each with a flush and a finish-all, k waits, and k waits for the
+    previous token's admissions) and of a fill or a prefetch (at most every expert of a
+    layer, each with a flush and a finish-all)."""
+    return max(tokens * 8 * top_k, 3 * num_experts) + 1
 
 
 @compiled
@@ -119,10 +127,33 @@ def load(st, layer, e, kind, t, clock):
         st.slot_of.reshape(-1)[old] = -1  # owner is the flat index layer * E + expert
     st.owner[s] = layer * E + e
     st.slot_of[layer, e] = s
-    insert(st.score, st.last_use, s, clock)
+    insert(st.score, st.last_use, s, clock, enter_score(ev, st.demand, st.demand_clock, layer, e, clock))
     st.pending[s] = True
+    if kind == ADMIT or kind == PREFETCH:
+        st.flying[st.misc[N_FLYING]] = s
+        st.misc[N_FLYING] += 1
     _log(st, LOAD, s, layer * E + e, kind)
     return s
+
+
+@compiled
+def land_flying(st):
+    """A new token: the admissions and prefetches started for earlier tokens of the call have
+    landed (the engine waits for any still in flight)."""
+    for i in range(st.misc[N_FLYING]):
+        s = st.flying[i]
+        if st.pending[s]:
+            st.pending[s] = False
+            _log(st, WAIT, s, 0, 0)
+    st.misc[N_FLYING] = 0
+
+
+@compiled
+def _count_demand(st, layer, ids, clock):
+    """After the token's loads (an expert fetched now enters with the demand before it)."""
+    if st.misc[EVICTION] == DEMAND:
+        for j in range(len(ids)):
+            add_demand(st.demand, st.demand_clock, layer, ids[j], clock)
 
 
 @compiled
@@ -151,6 +182,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ranked
             _protect(st, s)
             _owe(st, s, seg)
             slots_out[j], exec_out[j], gates_out[j] = s, ids[j], w[j]
+        _count_demand(st, layer, ids, clock)
         return True
     n_exec, n_fetch, n_admit, substituted, mass = decide(p, account, st, sc, layer, row, table, logits, ranked, w)
     cnt[MISSES] += k - hits
@@ -189,6 +221,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ranked
         slots_out[c], exec_out[c], gates_out[c] = s, sc.exec_e[c], sc.exec_w[c]
     for c in range(n_exec, k):  # fewer executed than routed: zero-weight padding
         slots_out[c], exec_out[c], gates_out[c] = slots_out[0], exec_out[0], 0.0
+    _count_demand(st, layer, ids, clock)
     return True
 
 
@@ -198,6 +231,7 @@ def begin_call(st):
     st.misc[SEGMENT] += 1
     st.misc[SEGMENT_START] = 0
     st.misc[N_LOG] = 0
+    st.misc[N_FLYING] = 0
 
 
 @compiled
@@ -207,6 +241,8 @@ def decide_layer(st, p, account, sc, layer, logits, ids, w, token_base, slots, e
     small for token t."""
     begin_call(st)
     for t in range(ids.shape[0]):
+        if t:
+            land_flying(st)
         if not decide_token(st, p, account, sc, layer, t, token_base + t, logits[t], None, True, ids[t], w[t],
                             slots[t], experts[t], gates[t]):
             return -1 - t

@@ -14,11 +14,12 @@ import numpy as np
 from ..errors import UnknownName
 from .compiled import compiled
 
-LRU, LFU, FREQ, HALVING = 0, 1, 2, 3
+LRU, LFU, FREQ, HALVING, DEMAND = 0, 1, 2, 3, 4
 EVICTIONS = {"lru": LRU,  # least recently used
              "lfu": LFU,  # least frequently used: uses since the expert entered its slot
              "freq": FREQ,  # uses decaying by DECAY per token: recent frequency beats old
-             "halving": HALVING}  # llama.cpp's expert cache: scores halve every PERIOD tokens
+             "halving": HALVING,  # llama.cpp's expert cache: scores halve every PERIOD tokens
+             "demand": DEMAND}  # freq, but an expert enters with its routing demand (see enter_score)
 DECAY = 0.98
 PERIOD = 128
 TINY = 1e-200  # decayed scores below this are 0 (no denormal arithmetic on stale slots)
@@ -37,7 +38,7 @@ def advance(kind, score, group_clock, group, lo, hi, clock):
     if clock <= prev:
         return
     group_clock[group] = clock
-    if kind == FREQ:
+    if kind == FREQ or kind == DEMAND:
         f = DECAY ** (clock - prev)
     elif kind == HALVING:
         n = clock // PERIOD - prev // PERIOD
@@ -60,9 +61,33 @@ def touch(kind, score, last_use, slot, clock):
 
 
 @compiled
-def insert(score, last_use, slot, clock):
+def insert(score, last_use, slot, clock, entry):
+    """A slot takes a new expert at token `clock` with score `entry`."""
     last_use[slot] = clock
-    score[slot] = 0.0
+    score[slot] = entry
+
+
+@compiled
+def decayed(value, since, clock):
+    """A DECAY-per-token count last brought current at token `since`, at token `clock`."""
+    return value * DECAY ** (clock - since) if clock > since else value
+
+
+@compiled
+def add_demand(demand, demand_clock, layer, e, clock):
+    """One more routing of expert e of `layer` at token `clock`, resident or not."""
+    demand[layer, e] = decayed(demand[layer, e], demand_clock[layer, e], clock) + 1.0
+    demand_clock[layer, e] = clock
+
+
+@compiled
+def enter_score(kind, demand, demand_clock, layer, e, clock):
+    """The score an expert enters its slot with: 0, except under `demand`, where it is the
+    expert's decayed routing demand so far (tokens that routed to it, resident or not), so
+    an admitted or prefetched expert is not the next victim merely for being new."""
+    if kind != DEMAND:
+        return 0.0
+    return decayed(demand[layer, e], demand_clock[layer, e], clock)
 
 
 @compiled

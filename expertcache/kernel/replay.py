@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .cache_state import SEGMENTS
 from .compiled import compiled, prefetch
-from .decisions import begin_call, decide_token
+from .decisions import begin_call, decide_token, land_flying
 from .routing import route_row
 
 
@@ -33,6 +33,8 @@ def replay_windows(st, p, account, sc, logits, table, ranked, weights, context, 
             st.pending[st.slot_lo[layer]:st.slot_hi[layer]] = False
             begin_call(st)
             for t in range(T):
+                if t:
+                    land_flying(st)
                 n = w0 + t
                 if n + 2 < N:  # rows of one layer lie L * E apart: the hardware would not guess them
                     ahead = logits[n + 2, layer]
