@@ -20,6 +20,7 @@ HELP = "time the policies on the real engine (disk store by default) with warm-u
 
 
 def add_arguments(p):
+    """The verb's options."""
     add_model_argument(p)
     add_store_arguments(p)
     p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
@@ -33,6 +34,7 @@ def add_arguments(p):
 
 
 def run(a) -> int:
+    """Run the verb; returns the exit code."""
     policies = tuple(dict.fromkeys(["fetch-all", *a.policies]))
     cfg = BenchConfig(store=a.store, device=a.device, store_dir=a.store_dir, cache_fraction=a.cache, policies=policies,
                       decode_tokens=a.decode_tokens, forced_tokens=a.forced_tokens, repeats=a.repeats)

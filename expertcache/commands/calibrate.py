@@ -14,12 +14,14 @@ HELP = "compute routing counts (warm cache) and per-expert default vectors on ca
 
 
 def add_arguments(p):
+    """The verb's options."""
     add_model_argument(p)
     p.add_argument("--text", type=Path, default=CALIB_TEXT, help="calibration text, disjoint from evaluation text")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="use only the first N tokens")
 
 
 def run(a) -> int:
+    """Run the verb; returns the exit code."""
     path = a.model or BUILTIN_MODEL
     ids = encode_text(path, a.text.read_text(encoding="utf-8"), a.max_tokens)
     with tqdm(total=len(ids), unit="tok", desc="calibrate", file=sys.stderr) as bar:

@@ -10,6 +10,7 @@ HELP = "measure fetch, expert and dense times on this machine into a cost-model 
 
 
 def add_arguments(p):
+    """The verb's options."""
     add_model_argument(p)
     add_store_arguments(p)
     p.add_argument("--mode", default="decode", choices=["decode", "forced"])
@@ -17,6 +18,7 @@ def add_arguments(p):
 
 
 def run(a) -> int:
+    """Run the verb; returns the exit code."""
     from ..lab.costmodel import measure_profile
     prof = measure_profile(a.model, a.store, a.mode, device=a.device, store_dir=a.store_dir)
     prof.save(a.out)

@@ -13,11 +13,13 @@ HELP = "convert a checkpoint's experts into a disk store (one aligned blob per e
 
 
 def add_arguments(p):
+    """The verb's options."""
     add_model_argument(p)
     p.add_argument("--out", type=Path, default=None, help="store folder (default: ~/.cache/expertcache/stores/...)")
 
 
 def run(a) -> int:
+    """Run the verb; returns the exit code."""
     ckpt = open_checkpoint(a.model or BUILTIN_MODEL)
     args = model_args(ckpt.config)
     out = convert_to_disk(ckpt, args, a.out or default_store_dir(ckpt))

@@ -10,6 +10,7 @@ HELP = "describe a model: layers, experts, bytes, and how many experts fit in a 
 
 
 def add_arguments(p):
+    """The verb's options."""
     add_model_argument(p)
     p.add_argument("--budget", type=non_negative, default=None, help="fast-tier budget in MiB for experts")
     p.add_argument("--dtype-bytes", type=positive_int, default=4, help="bytes per weight in the fast tier (fp32: 4)")
@@ -17,6 +18,7 @@ def add_arguments(p):
 
 
 def run(a) -> int:
+    """Run the verb; returns the exit code."""
     ckpt = open_checkpoint(a.model or BUILTIN_MODEL)
     m = model_args(ckpt.config)
     expert = m.expert_params * a.dtype_bytes

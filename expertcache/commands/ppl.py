@@ -13,6 +13,7 @@ HELP = "teacher-forced perplexity over a text file (default: the built-in evalua
 
 
 def add_arguments(p):
+    """The verb's options."""
     add_engine_arguments(p)
     p.add_argument("--text", type=Path, default=EVAL_TEXT, help="UTF-8 text file")
     p.add_argument("--context", type=positive_int, default=512, help="window length in tokens")
@@ -21,6 +22,7 @@ def add_arguments(p):
 
 
 def run(a) -> int:
+    """Run the verb; returns the exit code."""
     try:
         text = a.text.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

@@ -17,18 +17,22 @@ HELP = "train the estimator (--train) or report each predictor's recall@k per la
 
 
 def add_arguments(p):
+    """The verb's options."""
     add_model_argument(p)
     p.add_argument("--train", action="store_true", help="train the estimator on calibration text and save it")
-    p.add_argument("--text", type=Path, default=None, help="default: calibration text to train, evaluation text to measure")
+    p.add_argument("--text", type=Path, default=None,
+                   help="default: calibration text to train, evaluation text to measure")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="use only the first N tokens")
     p.add_argument("--epochs", type=positive_int, default=12, help="estimator training epochs")
-    p.add_argument("--hybrid-below", type=fraction, default=0.85, help="hybrid: estimator where quasi-hidden recall is below")
+    p.add_argument("--hybrid-below", type=fraction, default=0.85,
+                   help="hybrid: estimator where quasi-hidden recall is below")
     p.add_argument("--predictors", nargs="*", default=list(PREDICTORS))
     p.add_argument("--plot", type=Path, default=None, help="per-layer recall PNG")
     add_json_argument(p)
 
 
 def run(a) -> int:
+    """Run the verb; returns the exit code."""
     path = a.model or BUILTIN_MODEL
     if a.train:
         ids = encode_text(path, (a.text or CALIB_TEXT).read_text(encoding="utf-8"), a.max_tokens)

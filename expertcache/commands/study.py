@@ -14,6 +14,7 @@ HELP = "emulate every miss policy on the evaluation text (exact, ram store) and 
 
 
 def add_arguments(p):
+    """The verb's options."""
     add_model_argument(p)
     p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
     p.add_argument("--tokens-per-domain", type=positive_int, default=StudyConfig.tokens_per_domain,
@@ -25,6 +26,7 @@ def add_arguments(p):
 
 
 def run(a) -> int:
+    """Run the verb; returns the exit code."""
     cfg = StudyConfig(cache_fraction=a.cache, tokens_per_domain=a.tokens_per_domain, context=a.context)
     if a.policies:
         cfg = StudyConfig(**{**cfg.__dict__, "policies": tuple(dict.fromkeys(["fetch-all", *a.policies]))})

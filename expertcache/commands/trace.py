@@ -17,6 +17,7 @@ HELP = "record every token's router logits at every MoE layer into a trace file"
 
 
 def add_arguments(p):
+    """The verb's options."""
     add_model_argument(p)
     p.add_argument("--text", type=Path, default=EVAL_TEXT, help="UTF-8 text (default: the evaluation text)")
     p.add_argument("--out", type=Path, required=True, help="trace file to write")
@@ -26,6 +27,7 @@ def add_arguments(p):
 
 
 def run(a) -> int:
+    """Run the verb; returns the exit code."""
     path = a.model or BUILTIN_MODEL
     text = a.text.read_text(encoding="utf-8")
     docs, ids = [], []

@@ -19,14 +19,17 @@ ROUTING_COUNTS = "routing_counts.json"  # per layer, how often each expert is ro
 
 @dataclass
 class Checkpoint:
+    """An opened HF checkpoint folder: its config.json and where each tensor is stored."""
     path: Path
     config: dict
     files: dict[str, Path]  # tensor name -> safetensors file
 
     def names(self) -> list[str]:
+        """Every tensor name in the checkpoint."""
         return list(self.files)
 
     def tensor(self, name: str) -> torch.Tensor:
+        """Load one tensor by its checkpoint name."""
         try:
             with safe_open(str(self.files[name]), "pt") as f:
                 return f.get_tensor(name)
@@ -54,15 +57,18 @@ class Checkpoint:
 
     @property
     def tokenizer_file(self) -> Path | None:
+        """tokenizer.json beside the weights, or None if there is none."""
         p = self.path / "tokenizer.json"
         return p if p.exists() else None
 
     @property
     def weight_bytes(self) -> int:
+        """Bytes of the safetensors files on disk."""
         return sum(f.stat().st_size for f in set(self.files.values()))
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open a checkpoint folder (single or sharded safetensors); raises CheckpointError naming the fix."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder; pass --model a folder with config.json "
@@ -110,6 +116,7 @@ def load_routing_counts(model_path: Path, shape: tuple[int, int] | None = None) 
 
 
 def load_default_vectors(model_path: Path) -> torch.Tensor:
+    """default vectors [L, E, H] from default_vectors.safetensors beside the model (written by `calibrate`)."""
     p = Path(model_path) / DEFAULT_VECTORS
     if not p.exists():
         raise CheckpointError(f"{p} is missing; run `expertcache calibrate --model {model_path}`")

@@ -20,6 +20,8 @@ def expert_groups(ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]
 
 def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert over a batch: x [n, H], w13 [2F, H], w2 [H, F] -> [n, H]."""
+    assert w13.shape == (2 * w2.shape[1], x.shape[-1]), \
+        f"x [n, H], w13 [2F, H], w2 [H, F] do not fit: {tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}"
     g, u = (x @ w13.t()).chunk(2, dim=-1)
     return (F.silu(g) * u) @ w2.t()
 

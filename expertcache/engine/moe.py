@@ -25,11 +25,14 @@ from .stats import RunStats
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
     """x [T, H], router [E, H] -> logits [T, E] (float32), weights [T, k] (float32) and
     ids [T, k] (int64), on the host."""
+    assert x.dim() == 2 and router.dim() == 2 and router.shape[1] == x.shape[1], \
+        f"x must be [T, H] and router [E, H], got {tuple(x.shape)} and {tuple(router.shape)}"
     return route_logits((x @ router.t()).float().cpu().numpy(), top_k, norm_topk)
 
 
 @dataclass
 class LayerPlan:
+    """One layer call's decided work: which slot, expert and gate each token's k entries run with."""
     slots: np.ndarray  # [T, k] cache slots to run; padded entries have gate 0
     experts: np.ndarray  # [T, k] executed expert ids
     gates: np.ndarray  # [T, k]
@@ -57,6 +60,7 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
 
 @dataclass(frozen=True)
 class PrefetchConfig:
+    """How the next layer's experts are predicted and what the prediction does."""
     predictor: str = "quasi-hidden"  # router-ahead | quasi-hidden | estimator | hybrid
     mode: str = "prefetch"  # prefetch: the true router decides; speculative: the prediction runs
     budget: int | None = None  # prefetches per token and layer (default: top-k)
@@ -83,6 +87,8 @@ class MoELayerRunner:
         dev = x.device
         logits = self.predictor.logits(layer, self.resid, x, torch.from_numpy(exec_ids).to(dev),
                                        torch.from_numpy(gates).to(dev))
+        assert logits.shape == (x.shape[0], a.num_experts), \
+            f"{self.predictor.name} gave logits {tuple(logits.shape)}, expected [T, E] = {(x.shape[0], a.num_experts)}"
         self.predicted = route_logits(logits.float().cpu().numpy(), a.top_k, a.norm_topk_prob)
         if x.shape[0] != 1:  # prefetching ahead is a decode-time pipeline
             return

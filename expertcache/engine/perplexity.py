@@ -19,6 +19,7 @@ EVAL_TEXT = Path(__file__).parents[1] / "data" / "eval.txt"
 
 @dataclass
 class PerplexityResult:
+    """Perplexity of a text with its standard error, per-window NLLs and the run's counters."""
     ppl: float
     nll: float  # mean next-token negative log-likelihood (nats)
     stderr: float  # standard error of ppl (delta method over token NLLs)
@@ -29,6 +30,7 @@ class PerplexityResult:
     stats: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        """The result as JSON-ready values (without per-token NLLs)."""
         return {"ppl": self.ppl, "nll": self.nll, "stderr": self.stderr, "tokens": self.tokens,
                 "window_nll": self.window_nll, "window_stats": self.window_stats, "stats": self.stats}
 

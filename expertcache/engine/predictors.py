@@ -27,6 +27,7 @@ ESTIMATOR_FILE = "estimator.safetensors"
 
 
 class Predictor:
+    """Predicts layer l+1's router logits from layer l's state; subclasses implement `logits`."""
     name = "predictor"
 
     def __init__(self, model: Transformer):
@@ -34,6 +35,7 @@ class Predictor:
 
     def logits(self, layer: int, resid: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
+        """resid [T, H], x [T, H], ids [T, k], weights [T, k] at `layer` -> logits for layer+1 [T, E]."""
         raise NotImplementedError
 
     def _router(self, layer: int) -> torch.Tensor:
@@ -41,13 +43,17 @@ class Predictor:
 
 
 class RouterAhead(Predictor):
+    """Router_{l+1}(x_l): the next layer's router on this layer's normed MoE input."""
     name = "router-ahead"
 
     def logits(self, layer, resid, x, ids, weights):
+        """x [T, H] -> Router_{l+1}(x) [T, E]."""
         return x @ self._router(layer).t()
 
 
 class QuasiHidden(Predictor):
+    """Router_{l+1} on the quasi-hidden state: the residual plus the gate-weighted default vectors of the
+    experts executed at layer l, normed as layer l+1 would."""
     name = "quasi-hidden"
 
     def __init__(self, model: Transformer, default_vectors: torch.Tensor):
@@ -60,11 +66,15 @@ class QuasiHidden(Predictor):
 
     def quasi_hidden(self, layer, resid, ids, weights) -> torch.Tensor:
         """q_l = Norm_{l+1}(r_l + sum_j g_j d_{l, e_j}) [T, H]."""
+        assert ids.shape == weights.shape and ids.shape[0] == resid.shape[0], \
+            f"resid must be [T, H], ids and weights [T, k], got {tuple(resid.shape)}, {tuple(ids.shape)}, " \
+            f"{tuple(weights.shape)}"
         d = (self.default_vectors[layer][ids] * weights.unsqueeze(-1).to(resid.dtype)).sum(1)
         a = self.model.args
         return F.rms_norm(resid + d, (a.hidden_size,), self.model.layers[layer + 1]["moe_norm"], a.rms_norm_eps)
 
     def logits(self, layer, resid, x, ids, weights):
+        """Router_{l+1}(q_l) [T, E]."""
         return self.quasi_hidden(layer, resid, ids, weights) @ self._router(layer).t()
 
 
@@ -78,10 +88,12 @@ class EstimatorNet(nn.Module):
         self.fc2 = nn.Linear(width, experts)
 
     def forward(self, q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+        """q [T, H], layer [T] (long) -> logits [T, E]."""
         return self.fc2(F.silu(self.fc1(torch.cat([q, self.layer_embed(layer)], dim=-1))))
 
 
 class Estimator(QuasiHidden):
+    """EstimatorNet on the quasi-hidden state; with `layers`, only there (the hybrid), quasi-hidden elsewhere."""
     name = "estimator"
 
     def __init__(self, model: Transformer, default_vectors: torch.Tensor, net: EstimatorNet,
@@ -91,6 +103,7 @@ class Estimator(QuasiHidden):
         self.layers = layers  # None: every layer; else only these, quasi-hidden elsewhere
 
     def logits(self, layer, resid, x, ids, weights):
+        """The estimator's logits for layer+1 [T, E], or quasi-hidden's on layers it does not cover."""
         q = self.quasi_hidden(layer, resid, ids, weights)
         if self.layers is not None and layer not in self.layers:
             return q @ self._router(layer).t()
@@ -99,6 +112,8 @@ class Estimator(QuasiHidden):
 
 
 def save_estimator(net: EstimatorNet, path: Path, hybrid_layers: list[int], recall: dict) -> None:
+    """Write the net to estimator.safetensors in `path`, with its shape, hybrid layers and calibration recall
+    as metadata."""
     import json
     meta = {"hidden": str(net.fc1.in_features - net.layer_embed.embedding_dim), "experts": str(net.fc2.out_features),
             "layers": str(net.layer_embed.num_embeddings), "width": str(net.fc1.out_features),
@@ -108,6 +123,7 @@ def save_estimator(net: EstimatorNet, path: Path, hybrid_layers: list[int], reca
 
 
 def load_estimator(path: Path) -> tuple[EstimatorNet, list[int]]:
+    """The net saved in `path` and the layers the hybrid uses it on."""
     import json
 
     from safetensors import safe_open
@@ -126,6 +142,7 @@ PREDICTORS = ("router-ahead", "quasi-hidden", "estimator", "hybrid")
 
 
 def make_predictor(name: str, model: Transformer, model_path: Path) -> Predictor:
+    """The predictor named `name` (one of PREDICTORS) for `model`, loading its files from `model_path`."""
     from .checkpoint import load_default_vectors
     if name == "router-ahead":
         return RouterAhead(model)

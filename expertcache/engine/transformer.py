@@ -16,6 +16,8 @@ PrefetchHook = Callable[[int, torch.Tensor], None]
 
 
 class Transformer:
+    """The decoder over dense weights in our names; `moe(layer, x, router)` supplies each MoE layer's
+    routed output, `prefetch(layer, h)` (if set) sees the residual after each attention."""
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], moe: MoEFn,
                  device: torch.device, max_seq: int = 2048):
         self.args, self.moe, self.device, self.max_seq = args, moe, device, max_seq
@@ -48,6 +50,7 @@ class Transformer:
 
     @property
     def dense_bytes(self) -> int:
+        """Bytes of the dense (non-expert) weights, each tensor counted once."""
         seen, total = set(), 0
         for t in [self.embed, self.norm, self.lm_head] + [v for L in self.layers for v in L.values()]:
             if t.data_ptr() not in seen:
@@ -95,6 +98,7 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
         """ids [T] at positions pos..pos+T-1 -> logits [T, V]; extends the KV cache."""
+        assert ids.dim() == 1, f"ids must be [T], got {tuple(ids.shape)}"
         a = self.args
         T = ids.shape[0]
         if pos + T > self.max_seq:

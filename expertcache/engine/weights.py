@@ -55,5 +55,6 @@ def layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int) -> tuple[torch.
 
 
 def all_layer_experts(ckpt: Checkpoint, args: ModelArgs) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's stacked experts in order: w13 [E, 2F, H], w2 [E, H, F]."""
     for layer in range(args.num_layers):
         yield layer_experts(ckpt, args, layer)

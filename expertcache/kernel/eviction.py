@@ -26,6 +26,7 @@ TINY = 1e-200  # decayed scores below this are 0 (no denormal arithmetic on stal
 
 
 def eviction_code(name: str) -> int:
+    """The compiled code of the eviction order `name`; raises UnknownName for others."""
     if name not in EVICTIONS:
         raise UnknownName(f"unknown eviction {name!r}; choose one of {', '.join(EVICTIONS)}")
     return EVICTIONS[name]
@@ -55,6 +56,7 @@ def advance(kind, score, group_clock, group, lo, hi, clock):
 
 @compiled
 def touch(kind, score, last_use, slot, clock):
+    """Record a use of `slot` at token `clock`."""
     last_use[slot] = clock
     if kind != LRU:
         score[slot] += 1.0

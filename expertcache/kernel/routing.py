@@ -104,6 +104,9 @@ def route_rows(logits, table, norm, ids, weights, vals, comp, block_max):
 
 
 def route_logits(logits: np.ndarray, top_k: int, norm_topk: bool):
+    """logits [T, E] -> logits [T, E] (float32, contiguous), weights [T, k] (float32), ids [T, k] (int64):
+    each row's top-k experts in rank order and their softmax weights (renormalised over the k if `norm_topk`)."""
+    assert logits.ndim == 2, f"logits must be [T, E], got {logits.shape}"
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     T, E = logits.shape
     ids, weights = np.empty((T, top_k), np.int64), np.empty((T, top_k), np.float32)

@@ -33,6 +33,7 @@ def parse_variant(v: str) -> tuple[str, PrefetchConfig | None]:
 
 @dataclass(frozen=True)
 class BenchConfig:
+    """What the benchmark runs: tier, cache size, policy variants, token counts and repetitions."""
     store: str = "disk"
     store_dir: Path | None = None
     device: str = "cpu"
@@ -47,6 +48,8 @@ class BenchConfig:
 
 @dataclass
 class BenchResult:
+    """Per variant: per-repeat ms/token (decode and teacher-forced), perplexity, fetches, stalls and the
+    decoded tokens."""
     config: dict
     decode_ms: dict = field(default_factory=dict)  # variant -> per-repeat ms/token
     forced_ms: dict = field(default_factory=dict)
@@ -56,6 +59,8 @@ class BenchResult:
     decoded: dict = field(default_factory=dict)  # variant -> the greedy tokens it decoded
 
     def summary(self) -> dict:
+        """Per variant: median ms/token, speedups against fetch-all, ratios to the floor, perplexity increase
+        and counters."""
         med = {k: {"decode": statistics.median(self.decode_ms[k]), "forced": statistics.median(self.forced_ms[k])}
                for k in self.decode_ms}
         base, floor = med["fetch-all"], med[FLOOR]
@@ -64,12 +69,14 @@ class BenchResult:
             rows[k] = {"decode_ms": m["decode"], "forced_ms": m["forced"],
                        "decode_speedup_vs_fetch_all": base["decode"] / m["decode"],
                        "forced_speedup_vs_fetch_all": base["forced"] / m["forced"],
-                       "decode_vs_floor": m["decode"] / floor["decode"], "forced_vs_floor": m["forced"] / floor["forced"],
+                       "decode_vs_floor": m["decode"] / floor["decode"],
+                       "forced_vs_floor": m["forced"] / floor["forced"],
                        "ppl": self.ppl[k], "ppl_increase_pct": 100 * (self.ppl[k] / self.ppl["fetch-all"] - 1),
                        "fetches_per_token": self.fetches_per_token[k], "stall_ms_per_token": self.stall_ms_per_token[k]}
         return rows
 
     def to_dict(self) -> dict:
+        """The configuration, summary and raw timings as JSON-ready values."""
         return {"config": self.config, "summary": self.summary(), "decode_ms": self.decode_ms,
                 "forced_ms": self.forced_ms, "decoded": self.decoded}
 
@@ -90,12 +97,15 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], cfg: BenchConfi
         nll += F.cross_entropy(logits, targets, reduction="sum").item()
     n = len(forced) - 1
     forced_ms = 1000 * (time.perf_counter() - t0) / n
-    counters = {"fetches": (s.sync_fetches - f0) / (s.tokens - tok0), "stall": 1000 * (s.stall_s - st0) / (s.tokens - tok0),
+    counters = {"fetches": (s.sync_fetches - f0) / (s.tokens - tok0),
+                "stall": 1000 * (s.stall_s - st0) / (s.tokens - tok0),
                 "decoded": decoded}
     return decode, forced_ms, nll / n, counters
 
 
 def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Time every variant of `cfg.policies` and the all-resident floor on the same prompt and evaluation tokens,
+    repetitions interleaved round-robin after one warm-up round."""
     cache = CacheConfig(fraction=cfg.cache_fraction)
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir))
     floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0),
@@ -133,15 +143,17 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
 
 
 def markdown(res: BenchResult) -> str:
+    """The benchmark's summary as a Markdown table under a line describing the setup."""
     c = res.config
     lines = [f"`{c['store']}` store on {c['device']}, cache {c['slots_per_layer']}/{c['experts']} experts per layer, "
-             f"{'warm' if c['warm'] else 'cold'} start; decode {c['decode_tokens']} tokens after a {c['prompt_tokens']}-token "
-             f"prompt, teacher-force {c['forced_tokens']} tokens in windows of {c['context']}; median of {c['repeats']} "
-             "interleaved repetitions.", "",
+             f"{'warm' if c['warm'] else 'cold'} start; decode {c['decode_tokens']} tokens after a "
+             f"{c['prompt_tokens']}-token prompt, teacher-force {c['forced_tokens']} tokens in windows of "
+             f"{c['context']}; median of {c['repeats']} interleaved repetitions.", "",
              "| policy | decode ms/token | speedup vs fetch-all | vs floor | forced ms/token | speedup | vs floor | "
              "ppl increase | fetches/token | stall ms/token |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for k, r in res.summary().items():
-        lines.append(f"| `{k}` | {r['decode_ms']:.2f} | {r['decode_speedup_vs_fetch_all']:.2f}x | {r['decode_vs_floor']:.2f}x | "
-                     f"{r['forced_ms']:.2f} | {r['forced_speedup_vs_fetch_all']:.2f}x | {r['forced_vs_floor']:.2f}x | "
+        lines.append(f"| `{k}` | {r['decode_ms']:.2f} | {r['decode_speedup_vs_fetch_all']:.2f}x | "
+                     f"{r['decode_vs_floor']:.2f}x | {r['forced_ms']:.2f} | {r['forced_speedup_vs_fetch_all']:.2f}x | "
+                     f"{r['forced_vs_floor']:.2f}x | "
                      f"{r['ppl_increase_pct']:+.2f}% | {r['fetches_per_token']:.2f} | {r['stall_ms_per_token']:.2f} |")
     return "\n".join(lines)

@@ -32,12 +32,14 @@ CALIB_TEXT = Path(__file__).parents[1] / "data" / "calib.txt"
 
 @dataclass
 class Calibration:
+    """Routing counts [L, E] and default vectors [L, E, H] measured on `tokens` tokens of calibration text."""
     counts: torch.Tensor  # [L, E] routed selections
     default_vectors: torch.Tensor  # [L, E, H]
     tokens: int
 
     @property
     def never_routed(self) -> int:
+        """How many (layer, expert) pairs were never routed (their default vector is zero)."""
         return int((self.counts == 0).sum())
 
 
@@ -68,6 +70,7 @@ class RecordingMoE:
 
 
 def encode_text(model_path: Path, text: str, max_tokens: int | None = None) -> list[int]:
+    """`text` encoded with the model's tokenizer.json, cut to `max_tokens` if given."""
     from tokenizers import Tokenizer
     ckpt = open_checkpoint(model_path)
     if ckpt.tokenizer_file is None:
@@ -92,6 +95,7 @@ def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[RamStore, ob
 
 def calibrate(model_path: Path, ids: list[int], context: int = 512,
               progress: Callable[[int], None] | None = None) -> Calibration:
+    """Routing counts and default vectors of the exact model over `ids`, in windows of `context`."""
     _, moe = run_exact(model_path, ids, lambda store, a: RecordingMoE(store, a.top_k, a.norm_topk_prob),
                        context, progress)
     vectors = (moe.sums / moe.counts.clamp(min=1).unsqueeze(-1)).float()
@@ -99,6 +103,7 @@ def calibrate(model_path: Path, ids: list[int], context: int = 512,
 
 
 def save_calibration(c: Calibration, model_path: Path, source: str) -> None:
+    """Write routing_counts.json and default_vectors.safetensors beside the model; `source` names the text."""
     (model_path / ROUTING_COUNTS).write_text(json.dumps(
         {"counts": c.counts.tolist(), "tokens": c.tokens, "text": source}))
     save_file({"default_vectors": c.default_vectors.contiguous(), "counts": c.counts.contiguous()},

@@ -26,6 +26,7 @@ from ..engine.stats import RunStats
 
 @dataclass(frozen=True)
 class HardwareProfile:
+    """The cost of each term of the time-per-token model on one machine, slow tier and model depth."""
     name: str
     fetch_latency_s: float  # a call's wait for its synchronous fetches, beyond their transfer
     fetch_bandwidth: float  # bytes per second through the slow tier's link
@@ -42,6 +43,7 @@ class HardwareProfile:
 
     @property
     def transfer_s(self) -> float:
+        """One expert's transfer through the slow tier's link, without latency."""
         return self.expert_bytes / self.fetch_bandwidth
 
     @property
@@ -62,13 +64,16 @@ class HardwareProfile:
                 "decisions": per_token(s.substituted_calls) * self.decision_s}
 
     def ms_per_token(self, s: RunStats) -> float:
+        """Estimated milliseconds per token for a run's counters."""
         return 1000 * sum(self.terms(s).values())
 
     def save(self, path: Path) -> None:
+        """Write the profile as JSON."""
         path.write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: Path) -> "HardwareProfile":
+        """Read a profile written by `save`."""
         return cls(**json.loads(Path(path).read_text()))
 
 
@@ -91,6 +96,7 @@ DATASHEET = {
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
+    """A datasheet profile by name, or a profile file from `expertcache calibrate-hw`."""
     if name_or_path in DATASHEET:
         return DATASHEET[name_or_path]
     from ..errors import UnknownName

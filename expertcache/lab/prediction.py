@@ -22,6 +22,8 @@ from .calibrate import RecordingMoE, run_exact
 
 @dataclass
 class LayerStates:
+    """Per layer l, every recorded token's residual r_l and MoE input x_l [N, H], routed ids and weights
+    [N, k] and router logits [N, E]."""
     resid: list[torch.Tensor]  # per layer [N, H]
     x: list[torch.Tensor]
     ids: list[torch.Tensor]  # [N, k]
@@ -48,6 +50,7 @@ class _Recorder(RecordingMoE):
 
 def record_states(model_path: Path, ids: list[int], context: int = 512,
                   progress: Callable[[int], None] | None = None) -> tuple[Transformer, LayerStates]:
+    """Run the exact model over `ids` in windows of `context`, recording every layer's states."""
     model, rec = run_exact(model_path, ids, lambda store, a: _Recorder(store, a.top_k, a.norm_topk_prob, a.num_layers),
                            context, progress)
     cat = lambda key: [torch.cat(r[key]) for r in rec.rows]  # noqa: E731
@@ -64,7 +67,9 @@ def recall_per_layer(p: Predictor, s: LayerStates, top_k: int, batch: int = 8192
             sl = slice(i, i + batch)
             pred = p.logits(layer, s.resid[layer][sl], s.x[layer][sl], s.ids[layer][sl], s.weights[layer][sl])
             pred_ids = pred.topk(top_k, dim=-1).indices
-            true_ids = s.logits[layer + 1][sl].topk(top_k, dim=-1).indices
+            true = s.logits[layer + 1][sl]
+            assert pred.shape == true.shape, f"{p.name} gave logits {tuple(pred.shape)}, expected {tuple(true.shape)}"
+            true_ids = true.topk(top_k, dim=-1).indices
             hit += (pred_ids.unsqueeze(-1) == true_ids.unsqueeze(-2)).any(-1).sum().item()
             n += true_ids.numel()
         out.append(hit / n)
@@ -123,6 +128,7 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
 
 def recall_table(model_path: Path, ids: list[int],
                  predictors=("router-ahead", "quasi-hidden", "estimator", "hybrid")) -> dict:
+    """recall@k of each named predictor per layer transition, on the states recorded over `ids`."""
     model, states = record_states(model_path, ids)
     return {name: recall_per_layer(make_predictor(name, model, Path(model_path)), states, model.args.top_k)
             for name in predictors}

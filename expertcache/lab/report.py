@@ -13,6 +13,8 @@ def _ci(r: dict) -> str:
 
 
 def write_report(res: StudyResult, out: Path) -> list[Path]:
+    """Write the study's README.md (tables and findings), study.json and plots into `out`; returns the
+    files written."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.json").write_text(json.dumps(res.to_dict(), indent=1))
     plots = _plots(res, out)
@@ -22,7 +24,8 @@ def write_report(res: StudyResult, out: Path) -> list[Path]:
              f"windows of {res.config['context']}, cache {s['slots_per_layer']}/{s['experts']} experts per layer "
              f"(fraction {res.config['cache_fraction']}), warm start, `ram` store (exact). Perplexity increase is over "
              f"fetch-every-miss on the same windows, with a paired bootstrap 95% CI over windows.", "",
-             "| policy | ppl | increase [95% CI] | calls subst. | slots subst. | mass/call | hit rate | fetches/token | admissions/token |",
+             ("| policy | ppl | increase [95% CI] | calls subst. | slots subst. | mass/call | hit rate | fetches/token "
+              "| admissions/token |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for spec, r in res.runs.items():
         lines.append(f"| `{spec}` | {r['ppl']:.2f} | {_ci(r)} | {r['calls_substituted_pct']:.1f}% | "
@@ -62,7 +65,8 @@ def write_report(res: StudyResult, out: Path) -> list[Path]:
         lines += ["", "## 5. Generation test", "",
                   f"Greedy continuations ({res.config['new_tokens']} tokens) of {s['prompts']} prompts from every "
                   "domain, against fetch-every-miss.", "",
-                  "| policy | identical tokens | mean first divergence | r(mass, disagreement) |", "|---|---:|---:|---:|"]
+                  "| policy | identical tokens | mean first divergence | r(mass, disagreement) |",
+                  "|---|---:|---:|---:|"]
         for spec, r in g.items():
             if spec in ("samples", "prompt0"):
                 continue

@@ -30,6 +30,7 @@ from .trace import Trace
 
 @dataclass
 class Replay:
+    """One policy's replay of a trace: its counters and how fast the replay ran."""
     policy: str
     cache_fraction: float
     stats: RunStats
@@ -39,6 +40,7 @@ class Replay:
 
     @property
     def events_per_second(self) -> float:
+        """Replayed (token, layer, selected expert) events per second of wall time."""
         return self.events / self.seconds if self.seconds else 0.0
 
 

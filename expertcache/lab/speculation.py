@@ -15,6 +15,8 @@ from .study import BASELINE, StudyConfig, generation_test, paired_increase, stud
 
 def speculative_quality(model: Path | None, cfg: StudyConfig, predictors=PREDICTORS,
                         progress: Callable[[str, int], None] | None = None) -> dict:
+    """Perplexity increase over fetch-every-miss (paired bootstrap CI) and greedy agreement when each predictor's
+    experts run in place of the true router's."""
     engine = Engine(model, EngineConfig(store="ram", cache=CacheConfig(fraction=cfg.cache_fraction), initial="warm"))
     seq = study_sequences(engine, cfg)
     setups = {BASELINE: lambda e: (e.set_policy(BASELINE), e.set_prefetch(None))}

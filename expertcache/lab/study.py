@@ -31,6 +31,7 @@ LIGHT = [f"band:lo=0,hi={h:g}" for h in (0.06, 0.09, 0.12, 0.16)]  # only light 
 
 @dataclass(frozen=True)
 class StudyConfig:
+    """What the study runs: cache size, windows, tokens and prompts per domain, bootstrap and the policies."""
     cache_fraction: float = 0.25
     context: int = 512
     tokens_per_domain: int = 4096
@@ -46,6 +47,7 @@ class StudyConfig:
 
 @dataclass
 class StudySequences:
+    """The study's evaluation tokens (whole windows per domain) and generation prompts held out from them."""
     ids: list[int]
     domains: list[str]
     starts: list[int]  # token offset of each domain in ids (topic changes)
@@ -53,6 +55,7 @@ class StudySequences:
 
 
 def study_sequences(engine: Engine, cfg: StudyConfig) -> StudySequences:
+    """Each domain of the evaluation text cut to whole windows of `cfg.context`, and prompts from the rest of it."""
     text = EVAL_TEXT.read_text(encoding="utf-8")
     segments = json.loads(EVAL_SEGMENTS.read_text())["segments"]
     ids, domains, starts, prompts = [], [], [], []
@@ -83,6 +86,7 @@ def paired_increase(base: list[float], other: list[float], n_boot: int, seed: in
 
 
 def pearson(x, y) -> float:
+    """Pearson r of x and y; NaN with fewer than 3 points or no spread."""
     x, y = np.asarray(x, float), np.asarray(y, float)
     if len(x) < 3 or x.std() == 0 or y.std() == 0:
         return float("nan")
@@ -91,6 +95,7 @@ def pearson(x, y) -> float:
 
 @dataclass
 class StudyResult:
+    """The study's configuration, sequences, per-policy metrics, analyses and generation test."""
     config: dict
     model: str
     sequences: dict
@@ -99,14 +104,18 @@ class StudyResult:
     generation: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        """The result as JSON-ready values."""
         return {"config": self.config, "model": self.model, "sequences": self.sequences, "runs": self.runs,
                 "analyses": self.analyses, "generation": self.generation}
 
 
 def run_metrics(r: PerplexityResult, base: PerplexityResult, cfg: StudyConfig) -> dict:
+    """One policy's metrics against the baseline: perplexity increase with CI, substitution and fetch rates,
+    and per-window NLL and substituted mass."""
     s = r.stats
     calls, k_slots = s["moe_calls"], s["routed"]
-    return {"ppl": r.ppl, "ppl_stderr": r.stderr, **paired_increase(base.window_nll, r.window_nll, cfg.bootstrap, cfg.seed),
+    return {"ppl": r.ppl, "ppl_stderr": r.stderr,
+            **paired_increase(base.window_nll, r.window_nll, cfg.bootstrap, cfg.seed),
             "calls_substituted_pct": 100 * s["substituted_calls"] / calls,
             "slots_substituted_pct": 100 * s["substitutions"] / k_slots,
             "mass_per_call": s["substituted_mass"] / calls, "hit_rate": s["hit_rate"],
@@ -117,6 +126,8 @@ def run_metrics(r: PerplexityResult, base: PerplexityResult, cfg: StudyConfig) -
 
 
 def run_study(model: Path | None, cfg: StudyConfig, progress: Callable[[str, int], None] | None = None) -> StudyResult:
+    """Run every policy of `cfg` over the same sequences on the exact `ram` store (warm cache carried over),
+    then the analyses and the generation test."""
     engine = Engine(model, EngineConfig(store="ram", cache=CacheConfig(fraction=cfg.cache_fraction), initial="warm"))
     seq = study_sequences(engine, cfg)
     result = StudyResult(cfg.__dict__ | {"policies": list(cfg.policies)}, str(engine.path),
@@ -137,10 +148,13 @@ def run_study(model: Path | None, cfg: StudyConfig, progress: Callable[[str, int
 
 
 def make_name(spec: str) -> str:
+    """The policy's display name, e.g. `threshold(tau=0.15)` for 'threshold:tau=0.15'."""
     return repr(make_policy(spec))
 
 
 def analyses(runs: dict, seq: StudySequences, cfg: StudyConfig) -> dict:
+    """The study's findings from the per-policy metrics: where the loss comes from, the mass hypothesis,
+    equal mass with different composition, and background admission after topic changes."""
     out = {}
     sub_all, thr = runs.get("substitute-all"), runs.get("threshold:tau=0.15")
     if sub_all and thr:

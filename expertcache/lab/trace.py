@@ -25,16 +25,21 @@ FORMAT_VERSION = 1
 
 @dataclass
 class Trace:
+    """A router-logit trace: header (model shape, context, documents), token ids [N] and logits [N, L, E]."""
     header: dict
     tokens: np.ndarray  # [N] int32
     logits: np.ndarray  # [N, L, E]
 
     @property
     def num_tokens(self) -> int:
+        """Tokens in the trace."""
         return len(self.tokens)
 
 
 def write_trace(path: Path, header: dict, tokens: np.ndarray, logits: np.ndarray) -> None:
+    """Write tokens [N] and logits [N, L, E] with `header` in the trace layout."""
+    assert logits.ndim == 3 and logits.shape[0] == len(tokens), \
+        f"logits must be [N, L, E] for {len(tokens)} tokens, got {logits.shape}"
     header = {**header, "format_version": FORMAT_VERSION, "tokens": int(len(tokens)),
               "dtype": str(logits.dtype), "shape": list(logits.shape)}
     raw = json.dumps(header).encode()
@@ -46,6 +51,8 @@ def write_trace(path: Path, header: dict, tokens: np.ndarray, logits: np.ndarray
 
 
 def read_trace(path: Path) -> Trace:
+    """Open a trace file, its tokens and logits memory-mapped; raises CheckpointError on a missing or
+    foreign file."""
     try:
         with open(path, "rb") as f:
             head = f.read(len(MAGIC) + 8)
@@ -67,6 +74,8 @@ def read_trace(path: Path) -> Trace:
 
 def record_trace(model_path: Path, ids: list[int], out: Path, context: int = 512, dtype: str = "float16",
                  documents: list | None = None, progress: Callable[[int], None] | None = None) -> Trace:
+    """Record the exact model's router logits over `ids` in windows of `context` into `out`, as `dtype`; returns it
+    read back."""
     from .prediction import record_states
     model, states = record_states(model_path, ids, context, progress)
     a = model.args

@@ -9,6 +9,7 @@ FAMILIES = {"qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe, "mix
 
 
 def family_of(config: dict):
+    """The family module for config.json's model_type; raises UnsupportedArchitecture for others."""
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise UnsupportedArchitecture(
@@ -18,6 +19,7 @@ def family_of(config: dict):
 
 
 def model_args(config: dict) -> ModelArgs:
+    """ModelArgs of a config.json; raises CheckpointError naming a missing key."""
     family = family_of(config)
     try:
         return family.args_from_config(config)

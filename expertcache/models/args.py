@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 @dataclass(frozen=True)
 class ModelArgs:
+    """The shape of a decoder-only MoE transformer, read from a family's config.json."""
     family: str
     vocab_size: int
     hidden_size: int
@@ -28,9 +29,11 @@ class ModelArgs:
 
     @property
     def expert_params(self) -> int:
+        """Weights in one routed expert (w1, w3 and w2)."""
         return 3 * self.hidden_size * self.expert_dim
 
     def to_dict(self) -> dict:
+        """Every field as a JSON-ready dict."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
@@ -41,6 +44,7 @@ def rope_theta(config: dict, default: float) -> float:
 
 
 def head_dim(config: dict) -> int:
+    """The attention head size: head_dim if the config gives it, else hidden_size / num_attention_heads."""
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 

@@ -6,6 +6,7 @@ ARCHITECTURE = "MixtralForCausalLM"
 
 
 def args_from_config(c: dict) -> ModelArgs:
+    """ModelArgs from a Mixtral config.json."""
     return ModelArgs(
         family="mixtral", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
@@ -17,4 +18,5 @@ def args_from_config(c: dict) -> ModelArgs:
 
 
 def layer_names(i: int, a: ModelArgs) -> dict:
+    """Our name -> checkpoint name for layer i's tensors; experts as lists indexed by expert id."""
     return per_expert_names(i, a, moe="block_sparse_moe", gate="gate", w1="w1", w3="w3", w2="w2")

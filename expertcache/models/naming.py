@@ -6,6 +6,7 @@ from .args import ModelArgs
 
 
 def dense_layers_unsupported(c: dict) -> None:
+    """Raise UnsupportedArchitecture if the config has dense (non-MoE) layers."""
     if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
         raise UnsupportedArchitecture(
             f"{c.get('model_type')}: dense (non-MoE) layers via mlp_only_layers/decoder_sparse_step are not "

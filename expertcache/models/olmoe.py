@@ -6,6 +6,7 @@ ARCHITECTURE = "OlmoeForCausalLM"
 
 
 def args_from_config(c: dict) -> ModelArgs:
+    """ModelArgs from an OLMoE config.json."""
     return ModelArgs(
         family="olmoe", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
@@ -18,4 +19,5 @@ def args_from_config(c: dict) -> ModelArgs:
 
 
 def layer_names(i: int, a: ModelArgs) -> dict:
+    """Our name -> checkpoint name for layer i's tensors; experts as lists indexed by expert id."""
     return per_expert_names(i, a, moe="mlp", gate="gate", w1="gate_proj", w3="up_proj", w2="down_proj")

@@ -6,6 +6,7 @@ ARCHITECTURE = "Qwen3MoeForCausalLM"
 
 
 def args_from_config(c: dict) -> ModelArgs:
+    """ModelArgs from a Qwen3-MoE config.json."""
     dense_layers_unsupported(c)
     return ModelArgs(
         family="qwen3_moe", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
@@ -19,4 +20,5 @@ def args_from_config(c: dict) -> ModelArgs:
 
 
 def layer_names(i: int, a: ModelArgs) -> dict:
+    """Our name -> checkpoint name for layer i's tensors; experts as lists indexed by expert id."""
     return per_expert_names(i, a, moe="mlp", gate="gate", w1="gate_proj", w3="up_proj", w2="down_proj")

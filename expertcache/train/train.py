@@ -26,6 +26,7 @@ from .tokenizer import train_tokenizer
 
 @dataclass(frozen=True)
 class Schedule:
+    """The training run: token budget, batch, warm-up and cosine learning rate, balance loss, logging and saving."""
     tokens: int = 6_600_000
     batch: int = 16
     seq_len: int = 256
@@ -40,9 +41,11 @@ class Schedule:
 
     @property
     def steps(self) -> int:
+        """Optimizer steps in the run."""
         return self.tokens // (self.batch * self.seq_len)
 
     def lr_at(self, step: int) -> float:
+        """Learning rate at `step`: linear warm-up, then cosine decay to `min_lr`."""
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         t = (step - self.warmup) / max(1, self.steps - self.warmup)
@@ -50,6 +53,7 @@ class Schedule:
 
 
 def tokenize(tok: Tokenizer, path: Path, out: Path) -> np.ndarray:
+    """The training text's token ids as uint16, encoded once and cached in `out` (.npy)."""
     if not out.exists():
         docs = path.read_text(encoding="utf-8").split(corpus.EOT)
         eot = tok.token_to_id(corpus.EOT)
@@ -84,6 +88,8 @@ def export(model: TrainableQwen3Moe, tok_dir: Path, out: Path) -> None:
 
 
 def train(work: Path, out: Path, cfg: TrainConfig, sched: Schedule) -> dict:
+    """Build the corpus and tokenizer, train (resuming from the state file in `work`), evaluate and export
+    the HF checkpoint to `out`; returns the run's report."""
     meta = corpus.build(work / "corpus", work / "cache")
     tok_dir = work / "tokenizer"
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json")) if (tok_dir / "tokenizer.json").exists() \
@@ -138,6 +144,7 @@ def train(work: Path, out: Path, cfg: TrainConfig, sched: Schedule) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The training options."""
     p.add_argument("--work", type=Path, default=Path("build/train"), help="corpus, tokens and resume state")
     p.add_argument("--out", type=Path, default=Path("build/model"), help="where the HF checkpoint goes")
     p.add_argument("--tokens", type=int, default=Schedule.tokens)
@@ -145,6 +152,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(a: argparse.Namespace) -> None:
+    """Set the threads and train with the parsed options, printing the report as JSON."""
     if a.threads:
         torch.set_num_threads(a.threads)
     print(json.dumps(train(a.work, a.out, TrainConfig(), Schedule(tokens=a.tokens)), indent=1))
