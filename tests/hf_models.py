@@ -28,6 +28,14 @@ def hf_config(family: str, **over):
     return c
 
 
+ROUTER_SCALE = 8.0
+
+
+def is_router(name: str) -> bool:
+    """Router weights of every family: `mlp.gate.weight` / `block_sparse_moe.gate.weight` / `mlp.router`."""
+    return name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".mlp.router.weight"))
+
+
 def save_tiny(family: str, path: Path, seed: int = 0, **over):
     """Build a random HF model of `family`, save it to `path`, return it (eval, fp32)."""
     from transformers import AutoModelForCausalLM
@@ -37,6 +45,8 @@ def save_tiny(family: str, path: Path, seed: int = 0, **over):
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if is_router(name):  # a flat router would hide mistakes in routing: make it decisive
+                p.mul_(ROUTER_SCALE)
     model.save_pretrained(path)
     return model
 

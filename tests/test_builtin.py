@@ -27,7 +27,7 @@ def test_transformers_perplexity_equals_fetch_every_miss(eval_ids):
     engine = Engine(None, EngineConfig(store="disk", cache=CacheConfig(fraction=0.25)))
     ours = perplexity(engine, eval_ids, context=1024)
     assert engine.stats.sync_fetches > 0
-    assert ours.ppl == pytest.approx(math.exp(nll), rel=1e-3)
+    assert ours.ppl == pytest.approx(math.exp(nll), rel=1e-5)
 
 
 def test_generate_and_ppl_verbs(capsys, tmp_path):
@@ -47,7 +47,8 @@ def test_generate_and_ppl_verbs(capsys, tmp_path):
 def test_study_and_bench_run(tmp_path):
     from expertcache.lab.bench import BenchConfig, run_bench
     from expertcache.lab.report import write_report
-    from expertcache.lab.study import StudyConfig, run_study
+    from expertcache.engine.generate import generate
+    from expertcache.lab.study import StudyConfig, run_study, study_sequences
     cfg = StudyConfig(tokens_per_domain=256, context=128, prompts_per_domain=1, new_tokens=6, bootstrap=200,
                       policies=("fetch-all", "substitute-all", "threshold:tau=0.15", "first-choice", "quality-first",
                                 "quality-first:beta=0", "band:lo=0.25", "band:lo=0,hi=0.09"),
@@ -56,15 +57,24 @@ def test_study_and_bench_run(tmp_path):
     files = write_report(res, tmp_path)
     assert all(f.exists() for f in files)
     runs = res.runs
-    assert runs["fetch-all"]["pct"] == 0 and runs["substitute-all"]["slots_substituted_pct"] > 0
+    # the baseline is the full model: every expert resident gives its perplexity and its text
+    floor = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
+    seq = study_sequences(floor, cfg)
+    assert runs["fetch-all"]["ppl"] == pytest.approx(perplexity(floor, seq.ids, cfg.context).ppl, rel=1e-5)
+    floor.reset()
+    assert res.generation["samples"]["fetch-all"] == floor.decode(list(generate(floor, seq.prompts[0][1],
+                                                                                cfg.new_tokens)))
+    assert runs["substitute-all"]["slots_substituted_pct"] > 0
     assert runs["threshold:tau=0.15"]["sync_fetches_per_token"] > runs["first-choice"]["sync_fetches_per_token"]
     assert set(res.analyses) >= {"where_loss_comes_from", "mass_hypothesis", "equal_mass", "background_admission"}
-    assert res.generation["fetch-all"]["identical_token_share"] == 1.0
+    assert 0 <= res.generation["threshold:tau=0.15"]["identical_token_share"] <= 1
     b = run_bench(None, BenchConfig(policies=("fetch-all", "threshold:tau=0.15", "fetch-all+prefetch/router-ahead"),
                                     decode_tokens=4, forced_tokens=64, context=32, repeats=1))
     s = b.summary()
     assert s["fetch-all"]["ppl"] == pytest.approx(s["all resident"]["ppl"], rel=1e-5)
-    assert s["fetch-all+prefetch/router-ahead"]["ppl"] == pytest.approx(s["fetch-all"]["ppl"], rel=1e-5)
+    # prefetching is a decode-time pipeline: there it ran, and decoded the exact text
+    assert b.decode_prefetches_per_token["fetch-all+prefetch/router-ahead"] > 0
+    assert b.decoded["fetch-all+prefetch/router-ahead"] == b.decoded["all resident"] == b.decoded["fetch-all"]
 
 
 def test_trace_and_simulate_verbs(capsys, tmp_path):

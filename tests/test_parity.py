@@ -10,15 +10,52 @@ from expertcache.engine.engine import Engine, EngineConfig
 TOL = dict(atol=1e-4, rtol=0)
 
 
+def hf_moe_outputs(hf, ids) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """HF's logits [T, V] and each layer's routed-expert output [T, H] (before any shared expert)."""
+    outs, hooks = [], [layer.mlp.experts.register_forward_hook(lambda m, i, o: outs.append(o))
+                       for layer in hf.model.layers]
+    try:
+        with torch.no_grad():
+            logits = hf(ids[None]).logits[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, outs
+
+
+def engine_moe_outputs(engine, ids) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The engine's logits and each MoE layer's routed output, recorded around its MoE function."""
+    outs, moe = [], engine.model.moe
+
+    def recording(layer, x, router):
+        y = moe(layer, x, router)
+        outs.append(y.clone())
+        return y
+    engine.model.moe = recording
+    try:
+        return engine.forward(ids, 0), outs
+    finally:
+        engine.model.moe = moe
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("store,fraction", [("ram", 1.0), ("ram", 0.25), ("disk", 0.25)])
-def test_forward_matches_hf(tiny, family, store, fraction):
+@pytest.mark.parametrize("store,fraction,quota,eviction", [
+    ("ram", 1.0, "layer", None), ("ram", 0.25, "layer", None), ("disk", 0.25, "layer", None),
+    ("ram", 0.25, "global", None), ("ram", 0.25, "layer", "lfu"), ("ram", 0.25, "global", "freq"),
+    ("ram", 0.25, "layer", "demand")])
+def test_forward_matches_hf(tiny, family, store, fraction, quota, eviction):
+    """Logits and every layer's routed-expert output equal HF's under fetch-every-miss, whatever
+    the store, quota and eviction order; routing is decisive (scaled routers), not flat."""
     path, hf = tiny[family]
     ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0]
-    engine = Engine(path, EngineConfig(store=store, cache=CacheConfig(fraction=fraction), initial="cold"))
-    torch.testing.assert_close(engine.forward(ids, 0), ref, **TOL)
+    ref, ref_moe = hf_moe_outputs(hf, ids)
+    engine = Engine(path, EngineConfig(store=store, cache=CacheConfig(fraction=fraction, quota=quota),
+                                       eviction=eviction, initial="cold"))
+    logits, moe = engine_moe_outputs(engine, ids)
+    torch.testing.assert_close(logits, ref, **TOL)
+    assert len(moe) == len(ref_moe)
+    for ours, theirs in zip(moe, ref_moe):
+        torch.testing.assert_close(ours, theirs.reshape(ours.shape), **TOL)
     assert engine.stats.misses > 0 and engine.stats.sync_fetches == engine.stats.misses
     engine.close()
 

@@ -57,6 +57,7 @@ class BenchResult:
     fetches_per_token: dict = field(default_factory=dict)
     stall_ms_per_token: dict = field(default_factory=dict)
     decoded: dict = field(default_factory=dict)  # variant -> the greedy tokens it decoded
+    decode_prefetches_per_token: dict = field(default_factory=dict)  # variant -> prefetches issued in decode
 
     def summary(self) -> dict:
         """Per variant: median ms/token, speedups against fetch-all, ratios to the floor, perplexity increase
@@ -78,7 +79,8 @@ class BenchResult:
     def to_dict(self) -> dict:
         """The configuration, summary and raw timings as JSON-ready values."""
         return {"config": self.config, "summary": self.summary(), "decode_ms": self.decode_ms,
-                "forced_ms": self.forced_ms, "decoded": self.decoded}
+                "forced_ms": self.forced_ms, "decoded": self.decoded,
+                "decode_prefetches_per_token": self.decode_prefetches_per_token}
 
 
 def _timed(engine: Engine, prompt: list[int], forced: list[int], cfg: BenchConfig) -> tuple[float, float, float, dict]:
@@ -91,6 +93,7 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], cfg: BenchConfi
     decoded += list(it)
     decode = 1000 * (time.perf_counter() - t0) / (cfg.decode_tokens - 1)
     s = engine.stats
+    decode_prefetches = s.prefetch_fetches / len(decoded)
     f0, st0, tok0 = s.sync_fetches, s.stall_s, s.tokens
     nll, t0 = 0.0, time.perf_counter()
     for logits, targets in teacher_forced(lambda x: engine.forward(x, 0), forced, cfg.context):
@@ -99,7 +102,7 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], cfg: BenchConfi
     forced_ms = 1000 * (time.perf_counter() - t0) / n
     counters = {"fetches": (s.sync_fetches - f0) / (s.tokens - tok0),
                 "stall": 1000 * (s.stall_s - st0) / (s.tokens - tok0),
-                "decoded": decoded}
+                "decoded": decoded, "decode_prefetches": decode_prefetches}
     return decode, forced_ms, nll / n, counters
 
 
@@ -137,6 +140,7 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
                 res.fetches_per_token[v] = c["fetches"]
                 res.stall_ms_per_token[v] = c["stall"]
                 res.decoded[v] = c["decoded"]
+                res.decode_prefetches_per_token[v] = c["decode_prefetches"]
     engine.close()
     floor.close()
     return res
