@@ -5,11 +5,12 @@ the engine (a layer at a time) and the replay (a whole trace per call).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import UnknownName
+from .errors import BadInput, UnknownName
 from .kernel.policy import (
     BAND,
     BETA,
@@ -19,7 +20,9 @@ from .kernel.policy import (
     HI,
     KIND,
     LO,
+    N_PARAMS,
     NEVER,
+    NORM,
     RULE,
     SUB,
     SUBSTITUTES,
@@ -53,20 +56,55 @@ class Decision:
     substituted_mass: float = 0.0  # their summed gate weight
 
 
+def checked_number(policy: str, key: str, value, low: float, high: float = math.inf, whole: bool = False,
+           above: bool = False) -> float:
+    """A policy parameter given as a number or a spec's string, checked: finite, whole if
+    `whole`, within [low, high] (low excluded when `above`); BadInput naming it otherwise."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise BadInput(f"policy {policy!r}: {key}={value!r} is not a number; e.g. {policy}:{key}={EXAMPLES[key]}") \
+            from None
+    bounds = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+    if not math.isfinite(x) or (x <= low if above else x < low) or x > high:
+        raise BadInput(f"policy {policy!r}: {key}={value} is out of range; give a finite {key} {bounds}, "
+                       f"e.g. {policy}:{key}={EXAMPLES[key]}")
+    if whole and x != int(x):
+        raise BadInput(f"policy {policy!r}: {key}={value} must be a whole number, e.g. {policy}:{key}={EXAMPLES[key]}")
+    return int(x) if whole else x
+
+
+EXAMPLES = {"tau": "0.15", "lo": "0.1", "hi": "0.3", "beta": "0.5", "window": "16", "j": "2", "m": "16"}
+
 
 class MissPolicy:
     """Base: fetch every miss. Output identical to the full model."""
     name = "fetch-all"
     kind = FETCH_ALL
     eviction = "lru"  # the eviction order this policy prefers unless one is given
+    parameters: tuple[str, ...] = ()  # the keys its spec takes
 
     def __init__(self):
         self.account: np.ndarray | None = None  # [L, E] substituted mass towards admission
+        self.norm_topk = True  # the model's gate normalisation (`fit`): top-k renormalised or not
 
     def params(self) -> np.ndarray:
-        p = np.zeros(10)
+        p = np.zeros(N_PARAMS)
         p[KIND] = self.kind
+        p[NORM] = self.norm_topk
         return p
+
+    def check(self, top_k: int, num_experts: int) -> None:
+        """Raise BadInput when a parameter does not fit a model that routes each token to
+        `top_k` of `num_experts` experts per layer (the compiled `decide` relies on it)."""
+
+    def fit(self, top_k: int, num_experts: int, norm_topk: bool) -> MissPolicy:
+        """Check the parameters against the model's router and take up its gate normalisation
+        (`norm_topk`: the top-k weights renormalised to 1, or probabilities over all experts);
+        returns self. The engine and the replay call it before the first decision."""
+        self.check(top_k, num_experts)
+        self.norm_topk = bool(norm_topk)
+        return self
 
     def bind(self, num_layers: int, num_experts: int) -> np.ndarray:
         """The per-expert state `decide` carries between calls, sized for a model."""
@@ -83,6 +121,7 @@ class MissPolicy:
         """One decision against `cache` (an ExpertCache), without changing the cache: the
         compiled `decide` seen from Python, for tests and exploration."""
         st, E = cache.state, cache.shape.num_experts
+        self.check(len(route.experts), E)
         sc = Scratch.make(len(route.experts), E)
         n_exec, n_fetch, n_admit, subst, mass = decide(
             self.params(), self.bind(cache.shape.num_layers, E), st, sc, route.layer,
@@ -100,22 +139,34 @@ class SubstitutingPolicy(MissPolicy):
 
     sub=best: the best-ranked resident expert (by router probability) not already selected
     for the token runs in the missed expert's place with its weight; sub=drop: the miss is
-    dropped and the kept weights renormalised; sub=window: like best, but only within the
-    router's top-`window` ranks. A miss with no resident substitute is fetched. An expert
-    already in flight (prefetched, admitted) is waited for, never substituted: cheaper than
-    a new fetch, and exact.
+    dropped and the kept weights scaled up to the routed experts' total (1 where the family
+    renormalises its top-k, their share of the probability where it does not); sub=window:
+    like best, but only within the router's top-`window` ranks (window > top-k). A miss with
+    no resident substitute is fetched. An expert already in flight (prefetched, admitted) is
+    waited for, never substituted: cheaper than a new fetch, and exact.
     beta > 0: background admission; each expert accumulates the gate mass it was substituted
     with and is admitted off the critical path once that reaches beta.
     """
     kind, rule = SUBSTITUTING, NEVER
+    parameters = ("sub", "window", "beta")
 
-    def __init__(self, sub: str = "best", window: float = 0, beta: float = 0.0):
+    def __init__(self, sub: str = "best", window: float | None = None, beta: float = 0.0):
         super().__init__()
         if sub not in SUBSTITUTES:
             raise UnknownName(f"unknown substitute choice {sub!r}; choose one of {', '.join(SUBSTITUTES)}")
-        if sub == "window" and window < 1:
+        if sub == "window" and window is None:
             raise UnknownName("sub=window needs window=M (the router's top-M ranks), e.g. window=16")
-        self.sub, self.window, self.beta = sub, int(window), float(beta)
+        if sub != "window" and window is not None:
+            raise BadInput(f"policy {self.name!r}: window={window} applies only with sub=window; "
+                           f"add sub=window or leave window out")
+        self.sub, self.beta = sub, checked_number(self.name, "beta", beta, 0)
+        self.window = 0 if window is None else checked_number(self.name, "window", window, 1, whole=True)
+
+    def check(self, top_k: int, num_experts: int) -> None:
+        if self.sub == "window" and not top_k < self.window <= num_experts:
+            raise BadInput(f"policy {self.name!r}: window={self.window} must be more than top-k={top_k} (substitutes "
+                           f"come from the ranks after the top-k) and at most the {num_experts} experts; "
+                           f"e.g. window={min(2 * top_k, num_experts)}")
 
     def params(self) -> np.ndarray:
         p = super().params()
@@ -130,10 +181,11 @@ class SubstituteAll(SubstitutingPolicy):
 class ThresholdRule(SubstitutingPolicy):
     """Fetch a miss if it is the first choice or its gate weight is >= tau."""
     name, rule = "threshold", THRESHOLD
+    parameters = ("tau", *SubstitutingPolicy.parameters)
 
     def __init__(self, tau: float = 0.15, **kw):
         super().__init__(**kw)
-        self.tau = tau
+        self.tau = checked_number(self.name, "tau", tau, 0, 1)
 
     def params(self):
         p = super().params()
@@ -153,10 +205,12 @@ class WeightBand(SubstitutingPolicy):
     """Substitute exactly the misses whose gate weight lies in [lo, hi), first choices
     included; fetch the rest. Used to compare few heavy against many light substitutions."""
     name, rule = "band", BAND
+    parameters = ("lo", "hi", *SubstitutingPolicy.parameters)
 
     def __init__(self, lo: float = 0.0, hi: float = 1.01, **kw):
         super().__init__(**kw)
-        self.lo, self.hi = lo, hi
+        self.lo = checked_number(self.name, "lo", lo, 0, 1)
+        self.hi = checked_number(self.name, "hi", hi, self.lo, above=True)
 
     def params(self):
         p = super().params()
@@ -170,20 +224,40 @@ class WeightBand(SubstitutingPolicy):
 class CacheConditional(MissPolicy):
     """Cache-conditional routing: keep the router's top-j (fetched if missing) and fill the
     other k-j places with the best-ranked resident experts within the top-m, fetching in rank
-    order when too few are resident. Kept weights are the router's, renormalised."""
+    order when too few are resident. The chosen experts get the family's gate weights:
+    renormalised over them where the family renormalises its top-k, the router's
+    probabilities otherwise. 0 <= j <= top-k <= m <= experts."""
     name, kind = "conditional", CONDITIONAL
+    parameters = ("j", "m")
+    default_m = 16  # or every expert, when a model has fewer
 
-    def __init__(self, j: float = 2, m: float = 16):
+    def __init__(self, j: float = 2, m: float | None = None):
         super().__init__()
-        self.j, self.m = int(j), int(m)
+        self.j = checked_number(self.name, "j", j, 0, whole=True)
+        self.m = None if m is None else checked_number(self.name, "m", m, 1, whole=True)
+        if self.j > self.top_m:
+            raise BadInput(f"policy {self.name!r}: j={self.j} is more than m={self.top_m}; the top-j lie within "
+                           f"the top-m, e.g. conditional:j=2,m=16")
+
+    @property
+    def top_m(self) -> int:
+        """m as given, else the default (which the kernel keeps within [top-k, experts])."""
+        return self.default_m if self.m is None else self.m
+
+    def check(self, top_k: int, num_experts: int) -> None:
+        if self.j > top_k:
+            raise BadInput(f"policy {self.name!r}: j={self.j} is more than top-k={top_k}; give j <= {top_k}")
+        if self.m is not None and not top_k <= self.m <= num_experts:
+            raise BadInput(f"policy {self.name!r}: m={self.m} must lie between top-k={top_k} and the {num_experts} "
+                           f"experts; e.g. m={min(2 * top_k, num_experts)}")
 
     def params(self):
         p = super().params()
-        p[TOP_J], p[TOP_M] = self.j, self.m
+        p[TOP_J], p[TOP_M] = self.j, self.top_m
         return p
 
     def __repr__(self):
-        return f"conditional(j={self.j},m={self.m})"
+        return f"conditional(j={self.j},m={self.top_m})"
 
 
 POLICIES: dict[str, type[MissPolicy]] = {
@@ -198,27 +272,41 @@ PRESETS = {"quality-first": ("threshold:tau=0.15,beta=0.5", "freq"),
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """`name:key=value,...` -> (name, {key: value}); each key at most once."""
     name, _, rest = spec.partition(":")
     params = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
             raise UnknownName(f"policy parameter {item!r} in {spec!r} is not key=value; e.g. threshold:tau=0.15")
-        params[key.strip()] = value.strip()
+        key = key.strip()
+        if key in params:
+            raise BadInput(f"policy parameter {key!r} is given twice in {spec!r}; give it once")
+        params[key] = value.strip()
     return name.strip(), params
 
 
 def make_policy(spec: str) -> MissPolicy:
+    """The policy a spec names, its parameters checked (those that depend on the model's
+    router are checked by `MissPolicy.fit`). A preset's parameters can be overridden."""
     name, params = parse_spec(spec)
+    eviction = None
     if name in PRESETS:
         preset_spec, eviction = PRESETS[name]
-        policy = make_policy(preset_spec + "".join(f",{k}={v}" for k, v in params.items()))
-        policy.eviction, policy.name = eviction, name
-        return policy
-    if name not in POLICIES:
+        base, preset_params = parse_spec(preset_spec)
+        cls, params = POLICIES[base], {**preset_params, **params}
+    elif name in POLICIES:
+        cls = POLICIES[name]
+    else:
         raise UnknownName(f"unknown policy {name!r}; choose one of {', '.join([*POLICIES, *PRESETS])}")
-    cls = POLICIES[name]
+    for key in params:
+        if key not in cls.parameters:
+            takes = f"it takes {', '.join(cls.parameters)}" if cls.parameters else "it takes none"
+            raise UnknownName(f"policy {name!r} has no parameter {key!r}; {takes}")
     try:
-        return cls(**{k: (v if k == "sub" else float(v)) for k, v in params.items()})
-    except (TypeError, ValueError) as e:
-        raise UnknownName(f"bad parameters for policy {name!r} ({e}); see `expertcache --help`") from None
+        policy = cls(**params)
+    except BadInput as e:
+        raise BadInput(f"{e} (preset {name!r} is {PRESETS[name][0]})") if eviction is not None else e from None
+    if eviction is not None:
+        policy.eviction, policy.name = eviction, name
+    return policy

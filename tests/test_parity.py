@@ -60,6 +60,23 @@ def test_forward_matches_hf(tiny, family, store, fraction, quota, eviction):
     engine.close()
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe"])
+def test_conditional_keeping_the_top_k_is_exact(tiny, family):
+    """conditional:j=k runs the router's top-k with the family's own gate weights: renormalised
+    (qwen3_moe here) or the router's probabilities (qwen2_moe, olmoe: norm_topk_prob=False)."""
+    path, hf = tiny[family]
+    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    out = {}
+    for spec in ("fetch-all", "conditional:j=2,m=4"):
+        engine = Engine(path, EngineConfig(policy=spec, cache=CacheConfig(fraction=0.5), initial="cold"))
+        out[spec] = engine.forward(ids, 0)
+        engine.close()
+    torch.testing.assert_close(out["conditional:j=2,m=4"], out["fetch-all"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["fetch-all"], ref, **TOL)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decode_with_kv_cache_matches_hf(tiny, family):
     path, hf = tiny[family]

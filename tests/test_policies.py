@@ -5,7 +5,7 @@ import torch
 
 from expertcache.engine.cache import CacheConfig, ExpertCache
 from expertcache.engine.stores import ExpertShape
-from expertcache.errors import UnknownName
+from expertcache.errors import BadInput, UnknownName
 from expertcache.kernel.eviction import (DECAY, EVICTIONS, add_demand, advance, enter_score, eviction_code,
                                          insert, touch, victim)
 from expertcache.policies import Route, make_policy
@@ -76,6 +76,25 @@ def test_drop_renormalises_the_kept_weights():
     assert d.substituted == 2 and d.substituted_mass == pytest.approx(R.weights[2:].sum())
 
 
+def test_drop_keeps_the_routed_total_where_the_family_does_not_renormalise():
+    # OLMoE / Qwen2-MoE: gate weights are the router's probabilities, summing to less than 1
+    raw = Route(0, R.experts, np.array(PROBS, np.float32)[R.experts], np.array(PROBS))
+    d = make_policy("threshold:tau=0.3,sub=drop").fit(4, 8, False).decide(raw, Resident(8, [1]))
+    assert d.experts == [3, 1]
+    kept = raw.weights[:2] * raw.weights.sum() / raw.weights[:2].sum()  # the routed mass (.89), not 1
+    np.testing.assert_allclose(d.weights, kept, rtol=1e-6)
+
+
+def test_conditional_weights_are_the_familys():
+    resident = Resident(8, [4, 0, 7])
+    raw = Route(0, R.experts, np.array(PROBS, np.float32)[R.experts], np.array(PROBS))
+    d = make_policy("conditional:j=2,m=6").fit(4, 8, False).decide(raw, resident)
+    np.testing.assert_allclose(d.weights, np.array(PROBS)[[3, 1, 4, 0]], rtol=1e-6)  # probabilities as they are
+    d = make_policy("conditional:j=2,m=6").fit(4, 8, True).decide(R, resident)
+    p = np.array(PROBS)[[3, 1, 4, 0]]
+    np.testing.assert_allclose(d.weights, p / p.sum(), rtol=1e-6)  # renormalised over the chosen
+
+
 def test_window_substitutes_only_within_the_top_m():
     # top-5 by probability = [3, 1, 6, 4, 0]; expert 0 is resident and inside, 7 is outside
     d = make_policy("substitute-all:sub=window,window=5").decide(R, Resident(8, [0, 7]))
@@ -104,11 +123,12 @@ def test_presets():
     assert (s.beta, s.eviction, type(s).__name__) == (0.5, "freq", "FirstChoice")
 
 
-@pytest.mark.parametrize("spec", ["nope", "threshold:tau", "threshold:tau=x", "first-choice:sub=odd",
-                                  "substitute-all:sub=window"])
+@pytest.mark.parametrize("spec", ["nope", "threshold:tau", "first-choice:sub=odd", "substitute-all:sub=window"])
 def test_bad_specs(spec):
     with pytest.raises(UnknownName):
         make_policy(spec)
+    with pytest.raises(BadInput, match="tau='x' is not a number"):
+        make_policy("threshold:tau=x")
 
 
 class Order:

@@ -50,6 +50,17 @@ def test_substituting_replay_runs(traced):
     assert r.stats.substitutions > 0 and r.stats.sync_fetches > 0 and r.events == 300 * 2 * 2
 
 
+def test_warm_start_needs_the_routing_counts(traced, capsys):
+    from expertcache import cli
+    path, _, _, out = traced  # a tiny model without routing_counts.json
+    assert cli.main(["simulate", str(out), "--initial", "warm", "--policies", "fetch-all"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path / "routing_counts.json") in err and str(out) in err
+    assert "expertcache calibrate" in err
+    assert cli.main(["simulate", str(out), "--initial", "auto", "--policies", "fetch-all"]) == 0  # cold, as asked
+    assert "| `fetch-all` |" in capsys.readouterr().out
+
+
 def test_trace_format_version_is_checked(traced, tmp_path):
     _, ids, trace, out = traced
     assert trace.logits.shape == (300, 2, 8) and list(trace.tokens) == ids

@@ -5,7 +5,8 @@ import functools
 from pathlib import Path
 
 from ..engine.cache import CacheConfig
-from ..engine.checkpoint import load_routing_counts
+from ..engine.checkpoint import ROUTING_COUNTS, load_routing_counts
+from ..errors import CheckpointError
 from ..lab.costmodel import load_profile
 from ..lab.plots import scatter
 from ..lab.simulator import replay, route_trace
@@ -34,9 +35,16 @@ def add_arguments(p):
 
 @functools.lru_cache(maxsize=4)
 def _load(trace_path: str, initial: str):
-    """A trace, its routes and warm-start counts, once per process (a sweep's jobs share them)."""
+    """A trace, its routes and warm-start counts, once per process (a sweep's jobs share them).
+    initial: warm (the counts beside the trace's model, which must be there), cold, or auto
+    (warm when the counts are there)."""
     trace = read_trace(Path(trace_path))
-    counts = None if initial == "cold" else load_routing_counts(Path(trace.header["model"]))
+    h = trace.header
+    model = Path(h["model"])
+    counts = None if initial == "cold" else load_routing_counts(model, (h["num_layers"], h["num_experts"]))
+    if initial == "warm" and counts is None:
+        raise CheckpointError(f"{model / ROUTING_COUNTS} (the model of trace {trace_path}) is missing for a warm "
+                              f"start; run `expertcache calibrate --model {model}` or pass --initial cold")
     return trace, route_trace(trace), counts
 
 

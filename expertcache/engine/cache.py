@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import CacheTooSmall, UnknownName
+from ..errors import BadInput, CacheTooSmall, UnknownName
 from ..kernel import decisions as kernel
 from ..kernel.cache_state import LOGGING, N_LOG, CacheState
 from ..kernel.policy import Scratch
@@ -17,6 +17,9 @@ from ..kernel.routing import route_logits
 from ..policies import MissPolicy
 from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
+
+
+F32, I64 = np.dtype(np.float32), np.dtype(np.int64)  # the kernel's argument types
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,15 @@ class ExpertCache:
         """[L, E] slot of each (layer, expert), resident or in flight; -1 if absent."""
         return self.state.slot_of
 
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.shape.num_layers:
+            raise BadInput(f"layer {layer} is out of range; the model has {self.shape.num_layers} MoE layers")
+
+    def _check_experts(self, what: str, ids: np.ndarray) -> None:
+        E = self.shape.num_experts
+        if ids.size and ids.view(np.uint64).max() >= E:  # one reduction: negative ids wrap to huge ones
+            raise BadInput(f"{what} holds expert ids outside [0, {E}): {ids.min()}..{ids.max()}")
+
     def too_small(self, layer: int) -> CacheTooSmall:
         return CacheTooSmall(f"layer {layer}: every cache slot is needed by the current token; "
                              "give the cache more slots")
@@ -104,10 +116,24 @@ class ExpertCache:
     def decide(self, policy, layer: int, logits: np.ndarray, weights: np.ndarray, ids: np.ndarray,
                token_base: int, slots: np.ndarray, experts: np.ndarray, gates: np.ndarray) -> int:
         """Decide one layer's tokens (the compiled loop) and log the actions to carry out;
-        returns the first token whose expert work is still owed."""
-        T, k = ids.shape
-        self.state = self.state.with_log(kernel.log_capacity(T, k, self.shape.num_experts))
-        L, E = self.shape.num_layers, self.shape.num_experts
+        returns the first token whose expert work is still owed. logits [T, E] float32, weights
+        [T, k] float32, ids [T, k] int64 (the routes); slots, experts [T, k] int64 and gates
+        [T, k] float32 receive the plan. Sizes, types and ids are checked here: the compiled
+        loop checks no bounds."""
+        L, E, k = self.shape.num_layers, self.shape.num_experts, self.top_k
+        T = ids.shape[0] if isinstance(ids, np.ndarray) and ids.ndim == 2 else -1
+        for name, a, shape, dtype in (("logits", logits, (T, E), F32), ("weights", weights, (T, k), F32),
+                                      ("ids", ids, (T, k), I64), ("slots", slots, (T, k), I64),
+                                      ("experts", experts, (T, k), I64), ("gates", gates, (T, k), F32)):
+            if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != dtype:
+                got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+                raise BadInput(f"decide: {name} must be a {dtype} array of shape [T, "
+                               f"{'E' if name == 'logits' else 'k'}] = {shape} (T tokens, E={E} experts, "
+                               f"top-k={k}); got {got}")
+        self._check_layer(layer)
+        self._check_experts("decide: ids", ids)
+        policy.check(k, E)
+        self.state = self.state.with_log(kernel.log_capacity(T, k, E))
         owed_from = kernel.decide_layer(self.state, policy.params(), policy.bind(L, E), self.scratch,
                                         layer, logits, ids, weights, token_base, slots, experts, gates)
         if owed_from < 0:
@@ -116,7 +142,12 @@ class ExpertCache:
 
     def prefetch(self, layer: int, experts: np.ndarray, clock: int) -> float:
         """Start transfers of `experts` of `layer` that are not mapped yet."""
-        if not kernel.prefetch(self.state, layer, np.asarray(experts, np.int64), clock):
+        experts = np.asarray(experts, np.int64)
+        if experts.ndim != 1:
+            raise BadInput(f"prefetch: experts must be a list of expert ids; got an array of shape {experts.shape}")
+        self._check_layer(layer)
+        self._check_experts("prefetch: experts", experts)
+        if not kernel.prefetch(self.state, layer, experts, clock):
             raise self.too_small(layer)
         return self.carry_out()
 

@@ -57,6 +57,7 @@ class Engine:
         self.policy = policy or make_policy(config.policy)
         ckpt = open_checkpoint(self.path)
         self.args = model_args(ckpt.config)
+        self._fit(self.policy)
         self.routing_counts = load_routing_counts(self.path, (self.args.num_layers, self.args.num_experts))
         self.checkpoint = ckpt
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype)
@@ -95,10 +96,14 @@ class Engine:
     def set_policy(self, policy: MissPolicy | str, eviction: str | None = None) -> None:
         """Switch the miss policy (and the eviction it prefers, unless the config names one);
         starts a new run."""
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy = self._fit(make_policy(policy) if isinstance(policy, str) else policy)
         self.runner.policy = self.policy
         self.cache.cfg = replace(self.cache.cfg, eviction=eviction or self.config.eviction or self.policy.eviction)
         self.reset()
+
+    def _fit(self, policy: MissPolicy) -> MissPolicy:
+        """`policy` checked against the model's router, with its gate normalisation."""
+        return policy.fit(self.args.top_k, self.args.num_experts, self.args.norm_topk_prob)
 
     def set_prefetch(self, prefetch: PrefetchConfig | None) -> None:
         """Attach a predictor (or detach with None); starts a new run."""

@@ -7,16 +7,45 @@ from pathlib import Path
 import numba
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
+from numba.core import caching, cgutils
 from numba.extending import intrinsic
 
 # numba's cache is keyed on each function's own file: a function that inlines kernel code from
 # another module would keep stale code after that module changes. A cache directory per
 # version of the kernel's sources (every module of this folder) rules that out.
-_digest = hashlib.sha1(b"".join(f.read_bytes() for f in sorted(Path(__file__).parent.glob("*.py")))).hexdigest()[:16]
-if not os.environ.get("NUMBA_CACHE_DIR"):
-    _home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    numba.config.CACHE_DIR = str(_home / "expertcache-numba" / _digest)
+KERNEL_DIR = Path(__file__).parent.resolve()
+DIGEST = hashlib.sha1(b"".join(f.read_bytes() for f in sorted(KERNEL_DIR.glob("*.py")))).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where the kernel's machine code is cached: one folder per version of its sources, under
+    NUMBA_CACHE_DIR when the user set one, else under XDG_CACHE_HOME (default ~/.cache)."""
+    base = numba.config.CACHE_DIR or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "expertcache-numba" / DIGEST
+
+
+class KernelCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
+    """numba's cache locator for the functions of this folder only (`cache_dir`); numba's own
+    locators keep serving every other function, and numba's configuration is left as it is."""
+
+    def __init__(self, py_func, py_file):
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        self._cache_path = str(cache_dir())
+
+    def get_cache_path(self):
+        return self._cache_path
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if Path(py_file).resolve().parent != KERNEL_DIR:
+            return None
+        return super().from_function(py_func, py_file)  # None (numba falls back) if it cannot write there
+
+
+_locators = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # _CacheImpl in older numba
+if KernelCacheLocator not in _locators._locator_classes:
+    _locators._locator_classes.insert(0, KernelCacheLocator)
 
 # Kernel functions only read and write arrays that their caller owns and never allocate:
 # compiled without numba's reference counting, a call costs nothing instead of two runtime

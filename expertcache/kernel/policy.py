@@ -12,8 +12,9 @@ from .cache_state import GLOBAL_QUOTA
 from .compiled import compiled
 from .routing import rank_key, top_m, value
 
-# The parameter vector read by `decide`.
-KIND, RULE, SUB, WINDOW, BETA, TAU, LO, HI, TOP_J, TOP_M = range(10)
+# The parameter vector read by `decide`; NORM: the family renormalises its top-k gate weights.
+KIND, RULE, SUB, WINDOW, BETA, TAU, LO, HI, TOP_J, TOP_M, NORM = range(11)
+N_PARAMS = 11
 FETCH_ALL, SUBSTITUTING, CONDITIONAL = 0, 1, 2  # KIND
 NEVER, THRESHOLD, FIRST_CHOICE, BAND = 0, 1, 2, 3  # RULE: which misses a substituting policy fetches
 SUBSTITUTES = ("best", "drop", "window")  # SUB, by index
@@ -150,10 +151,11 @@ def _best_substitutes(p, st, sc, layer, row, table, ranked, k, n):
 
 @compiled
 def decide(p, account, st, sc, layer, row, table, logits, ranked, w):
-    """One MoE call. p: a policy's params(); account: its [L, E] state; st: the cache state;
-    sc: scratch; row [E]: the router's probabilities, or its logits when `logits` (only the
-    order and probability ratios are used), read through `table` (see `value`); ranked: the
-    row's experts in rank order, at least the k routed ones; w [k]: the routed gate weights.
+    """One MoE call. p: a policy's params(), checked against the model (`MissPolicy.fit`):
+    nothing here checks bounds; account: its [L, E] state; st: the cache state; sc: scratch;
+    row [E]: the router's probabilities, or its logits when `logits`, read through `table`
+    (see `value`); ranked: the row's experts in rank order, at least the k routed ones;
+    w [k]: the routed gate weights, normalised as the family does (p[NORM]).
 
     Writes the executed experts and weights to sc.exec_e / sc.exec_w, the synchronous
     fetches to sc.fetch and background admissions to sc.admit; returns
@@ -216,16 +218,17 @@ def decide(p, account, st, sc, layer, row, table, logits, ranked, w):
             substituted += 1
             mass += w[j]
             n_admit = _account(p, account, layer, ids[j], w[j], sc.admit, n_admit)
-    n_exec, kept = 0, 0.0
+    n_exec, kept, routed = 0, 0.0, 0.0
     for j in range(k):
+        routed += w[j]
         if sc.keep[j] or sc.sub_e[j] >= 0:
             sc.exec_e[n_exec] = ids[j] if sc.keep[j] else sc.sub_e[j]
             sc.exec_w[n_exec] = w[j]
             kept += w[j]
             n_exec += 1
-    if drop and substituted:
+    if drop and substituted:  # the kept weights take up the dropped ones' share: the routed total stays
         for i in range(n_exec):
-            sc.exec_w[i] /= kept
+            sc.exec_w[i] *= routed / kept
     return n_exec, n_fetch, n_admit, substituted, mass
 
 
@@ -267,6 +270,13 @@ def _conditional(p, st, sc, layer, row, table, logits, ranked, w):
         if not resident(st, layer, e):
             sc.fetch[n_fetch] = e
             n_fetch += 1
+    if not p[NORM]:  # the family's weights are probabilities over every expert, not renormalised
+        total = 0.0
+        if logits:
+            for e in range(len(row)):
+                total += np.exp(value(row, table, e) - sc.order_v[0])
+        else:
+            total = 1.0
     for c in range(n):
         sc.exec_w[c] /= total
     substituted, mass = 0, 0.0

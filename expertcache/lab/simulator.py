@@ -20,6 +20,7 @@ import torch
 from ..engine.cache import CacheConfig, ExpertCache
 from ..engine.stats import RunStats
 from ..engine.stores import ExpertShape
+from ..errors import BadInput
 from ..kernel.cache_state import LOGGING
 from ..kernel.policy import Scratch
 from ..kernel.replay import replay_windows, route_all
@@ -60,13 +61,25 @@ def logit_rows(trace: Trace) -> tuple[np.ndarray, np.ndarray | None]:
     return logits, None
 
 
+def check_trace(trace: Trace) -> tuple[int, int, int]:
+    """(L, E, k) of a trace whose logits [N, L, E] fit its header, 1 <= k <= E; BadInput
+    otherwise (the compiled routing and replay check no bounds)."""
+    h = trace.header
+    L, E, k = h["num_layers"], h["num_experts"], h["top_k"]
+    shape = np.shape(trace.logits)
+    if len(shape) != 3 or shape[1:] != (L, E) or not 1 <= k <= E:
+        raise BadInput(f"trace logits of shape {shape} do not fit its header ({L} layers, {E} experts, "
+                       f"top-k {k}); record the trace again with `expertcache trace`")
+    return L, E, k
+
+
 def route_trace(trace: Trace, ranks: int = 32) -> Routes:
     """Route every token at every layer, ranking `ranks` experts (at least the top-k): the
     ranks past the top-k are where substitutes and cache-conditional choices come from."""
     h = trace.header
+    L, E, k = check_trace(trace)
     logits, table = logit_rows(trace)
-    N, L, E = logits.shape
-    k = h["top_k"]
+    N = logits.shape[0]
     R = min(E, max(ranks, k))
     ranked = np.empty((L, N, R), np.int16 if E < 2**15 else np.int32)
     weights = np.empty((L, N, k), np.float32)
@@ -83,10 +96,23 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     context, as `ppl` runs; 1: decode order); `counts` [L, E] gives a warm start; `routes`
     (route_trace) saves routing the trace again."""
     h = trace.header
-    L, E, k = h["num_layers"], h["num_experts"], h["top_k"]
+    L, E, k = check_trace(trace)
+    N = np.shape(trace.logits)[0]
     hidden, numel = h["hidden_size"], h["expert_params"]
     shape = ExpertShape(L, E, (2 * (numel // (3 * hidden)), hidden), (hidden, numel // (3 * hidden)))
-    pol = make_policy(policy)
+    pol = make_policy(policy).fit(k, E, bool(h["norm_topk_prob"]))
+    window = int(window or h["context"])
+    if window < 1:
+        raise BadInput(f"window {window} must be at least 1 token; e.g. --window 1 (decode order)")
+    if counts is not None and np.shape(counts) != (L, E):
+        raise BadInput(f"routing counts of shape {np.shape(counts)} do not fit the trace's {L} layers x {E} experts; "
+                       "run `expertcache calibrate` on the trace's model")
+    if routes is not None:
+        R = routes.ranked.shape[-1]
+        if routes.ranked.shape[:2] != (L, N) or not k <= R <= E or routes.weights.shape != (L, N, k) \
+                or routes.ranked.min() < 0 or routes.ranked.max() >= E:
+            raise BadInput(f"routes of shape {routes.ranked.shape} do not fit the trace ({L} layers, {N} tokens, "
+                           f"{E} experts, top-k {k}); pass route_trace(trace) of this trace")
     cfg = CacheConfig(fraction=cache.fraction, bytes=cache.bytes, quota=cache.quota,
                       eviction=eviction or pol.eviction)
     vc = ExpertCache(cfg, None, k, None, torch.float32, shape=shape, fetch_bytes=numel * fetch_dtype_bytes)
@@ -98,7 +124,7 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     logits, table = logit_rows(trace)
     start = time.perf_counter()
     failed = replay_windows(st, pol.params(), pol.bind(L, E), Scratch.make(k, E), logits, table, routes.ranked,
-                     routes.weights, int(window or h["context"]), np.empty(k, np.int64), np.empty(k, np.int64),
+                     routes.weights, window, np.empty(k, np.int64), np.empty(k, np.int64),
                      np.empty(k, np.float32))
     seconds = time.perf_counter() - start
     if failed >= 0:

@@ -1,0 +1,189 @@
+"""Policy specs from users: every parameter checked in Python before the compiled kernel
+(which runs without bounds checks) sees it. Bad specs give one line naming the parameter
+and exit code 2; good ones run to a finite perplexity. Seeded fuzzing over names, keys,
+values and ranges, through the library on tiny models and through the CLI on the built-in one."""
+import math
+import random
+
+import pytest
+import torch
+
+from expertcache import cli
+from expertcache.engine.cache import CacheConfig
+from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.engine.perplexity import perplexity
+from expertcache.errors import BadInput, ExpertCacheError, UnknownName
+from expertcache.policies import POLICIES, PRESETS, make_policy
+
+K, E = 8, 128  # the built-in model's router: top-8 of 128 experts
+
+
+@pytest.mark.parametrize("spec,error,names", [
+    ("conditional:j=20,m=4", BadInput, "j=20"),
+    ("conditional:j=20,m=40", BadInput, "j=20"),  # j > top-k
+    ("conditional:j=2,m=4", BadInput, "m=4"),  # m < top-k
+    ("conditional:j=2,m=129", BadInput, "m=129"),  # m > experts
+    ("conditional:j=-1", BadInput, "j=-1"),
+    ("conditional:j=2.5", BadInput, "j=2.5"),
+    ("conditional:m=nan", BadInput, "m=nan"),
+    ("threshold:tau=nan", BadInput, "tau=nan"),
+    ("threshold:tau=inf", BadInput, "tau=inf"),
+    ("threshold:tau=-0.1", BadInput, "tau=-0.1"),
+    ("threshold:tau=1.5", BadInput, "tau=1.5"),
+    ("threshold:tau=0.1,tau=0.2", BadInput, "'tau' is given twice"),
+    ("band:lo=0.3,hi=0.2", BadInput, "hi=0.2"),
+    ("band:lo=-1", BadInput, "lo=-1"),
+    ("first-choice:beta=-0.5", BadInput, "beta=-0.5"),
+    ("quality-first:beta=1e400", BadInput, "beta=1e400"),
+    ("substitute-all:sub=window,window=8", BadInput, "window=8"),  # window <= top-k: no rank could substitute
+    ("substitute-all:sub=window,window=3", BadInput, "window=3"),
+    ("substitute-all:sub=window,window=200", BadInput, "window=200"),
+    ("substitute-all:sub=window,window=12.5", BadInput, "window=12.5"),
+    ("substitute-all:window=16", BadInput, "window=16"),  # ignored without sub=window
+    ("fetch-all:tau=0.1", UnknownName, "'tau'"),
+    ("threshold:j=2", UnknownName, "'j'"),
+    ("conditional:tau=0.1", UnknownName, "'tau'"),
+    ("speed-first:x=1", UnknownName, "'x'"),
+    ("threshold:sub=odd", UnknownName, "'odd'"),
+    ("nope", UnknownName, "'nope'"),
+])
+def test_bad_parameters_are_named(spec, error, names):
+    with pytest.raises(error) as e:
+        make_policy(spec).fit(K, E, True)
+    assert names in str(e.value) and "\n" not in str(e.value)
+
+
+def test_presets_take_overrides():
+    p = make_policy("quality-first:tau=0.3")
+    assert (p.name, p.tau, p.beta, p.eviction) == ("quality-first", 0.3, 0.5, "freq")
+
+
+# -- fuzzing ---------------------------------------------------------------------------
+NAMES = [*POLICIES, *PRESETS, "", "nope", "Threshold", "fetch_all", " conditional "]
+KEYS = ["tau", "lo", "hi", "beta", "window", "j", "m", "sub", "x", "", "TAU"]
+ODD = ["nan", "inf", "-inf", "1e400", "1e-400", "", "abc", "2.5", "0x10", "1_0", "best", "drop", "window", "odd",
+       "True", " 4 ", "-0", "1e30", "-1", "9" * 30]
+
+
+def random_value(rng: random.Random, key: str) -> str:
+    roll = rng.random()
+    if roll < 0.2:
+        return rng.choice(ODD)
+    if key == "sub":
+        return rng.choice(["best", "drop", "window", "window"])
+    if key in ("j", "m", "window") or roll < 0.4:
+        return str(rng.randint(-2, 12))
+    return f"{rng.uniform(-0.2, 1.2):.3g}"
+
+
+def random_spec(rng: random.Random) -> str:
+    """A spec near a valid one: a real policy name and its own keys, each once, most of the time."""
+    name = rng.choice(NAMES) if rng.random() < 0.2 else rng.choice([*POLICIES, *PRESETS])
+    cls = POLICIES.get(name) or POLICIES.get(PRESETS.get(name, ("",))[0].split(":")[0])
+    own = list(cls.parameters) if cls else []
+    keys = rng.sample(own, rng.randint(0, len(own))) if rng.random() < 0.8 else []
+    keys += [rng.choice(KEYS) for _ in range(rng.random() < 0.3)]  # unknown or repeated
+    if "window" in keys and "sub" not in keys and rng.random() < 0.7:
+        keys.append("sub")
+    items = [key if rng.random() < 0.02 else f"{key}={random_value(rng, key)}" for key in keys]
+    return name + (":" + ",".join(items) if items or rng.random() < 0.1 else "")
+
+
+def test_fuzzed_specs_give_an_error_or_a_finite_perplexity(tiny):
+    """Per family (k=2 of 8 experts): renormalised (qwen3_moe) and not (olmoe) gate weights."""
+    rng = random.Random(11)
+    ids = torch.randint(0, 96, (41,), generator=torch.Generator().manual_seed(3)).tolist()
+    engines = [Engine(tiny[f][0], EngineConfig(cache=CacheConfig(fraction=0.5), initial="cold"))
+               for f in ("qwen3_moe", "olmoe")]
+    outcomes = {"ran": 0, "UnknownName": 0, "BadInput": 0}
+    for i in range(400):
+        spec = random_spec(rng)
+        engine = engines[i % 2]
+        try:
+            engine.set_policy(spec)
+        except ExpertCacheError as e:
+            msg = str(e)
+            assert type(e) in (UnknownName, BadInput) and msg and "\n" not in msg, (spec, msg)
+            outcomes[type(e).__name__] += 1
+            continue
+        r = perplexity(engine, ids, context=20)
+        assert math.isfinite(r.ppl) and r.ppl > 1, spec
+        outcomes["ran"] += 1
+    assert min(outcomes.values()) > 40, outcomes  # each outcome well represented
+
+
+def test_fuzzed_specs_through_the_cli(capsys):
+    """A sample of the fuzzed specs and the one that crashed the process (exit 134) through
+    `expertcache ppl` on the built-in model: exit 0 with a finite perplexity or exit 2 with one line."""
+    rng = random.Random(5)
+    specs = ["conditional:j=20,m=4", "conditional:j=8,m=8", "substitute-all:sub=window,window=9"]
+    specs += [random_spec(rng) for _ in range(5)]
+    codes = []
+    for spec in specs:
+        code = cli.main(["ppl", "--store", "ram", "--max-tokens", "40", "--context", "40", "--policy", spec])
+        out, err = capsys.readouterr()
+        codes.append(code)
+        if code == 0:
+            assert math.isfinite(float(out.split()[1])), (spec, out)
+        else:
+            assert code == 2 and err.startswith("expertcache: error:") and err.count("\n") == 1, (spec, err)
+    assert codes[:3] == [2, 0, 0] and 0 in codes[3:] and 2 in codes[3:], list(zip(specs, codes))
+
+
+# -- the kernel's entries: sizes and ids checked before the compiled call ----------------
+def virtual_cache(L=2, E=8, k=2):
+    from expertcache.engine.cache import ExpertCache
+    from expertcache.engine.stores import ExpertShape
+    return ExpertCache(CacheConfig(fraction=0.5), None, k, None, torch.float32, shape=ExpertShape(L, E, (4, 2), (2, 2)),
+                       fetch_bytes=1)
+
+
+def test_decide_and_prefetch_check_their_arrays():
+    import numpy as np
+    cache, policy = virtual_cache(), make_policy("conditional:j=2,m=4")
+    T, E, k = 3, 8, 2
+
+    def decide(layer=0, logits=(T, E), ids=None, weights=(T, k), out=(T, k), dtype=np.float32, pol=policy):
+        ids = np.tile(np.arange(k), (T, 1)) if ids is None else np.asarray(ids, np.int64)
+        return cache.decide(pol, layer, np.zeros(logits, dtype), np.full(weights, 0.5, np.float32), ids, 0,
+                            np.zeros(out, np.int64), np.zeros(out, np.int64), np.zeros(out, np.float32))
+
+    assert decide() == 0  # the plan of every token is left to the caller
+    for bad, match in [(dict(logits=(T, E + 1)), "logits must be a float32 array of shape"),
+                       (dict(logits=(T + 1, E)), "logits"), (dict(dtype=np.float64), "logits"),
+                       (dict(weights=(T, k + 1)), "weights"), (dict(out=(T, k + 1)), "slots"),
+                       (dict(ids=[[0, 8]] * T), r"outside \[0, 8\)"), (dict(ids=[[-1, 0]] * T), "outside"),
+                       (dict(ids=[[0, 1, 2]] * T), "ids must be"), (dict(layer=2), "layer 2 is out of range"),
+                       (dict(layer=-1), "layer -1"), (dict(pol=make_policy("conditional:j=2,m=9")), "m=9")]:
+        with pytest.raises(BadInput, match=match):
+            decide(**bad)
+    cache.prefetch(1, [7, 0], 0)
+    for layer, experts, match in [(0, [8], "outside"), (0, [-1], "outside"), (2, [0], "layer 2"),
+                                  (0, [[0, 1]], "list of expert ids")]:
+        with pytest.raises(BadInput, match=match):
+            cache.prefetch(layer, experts, 0)
+
+
+def test_replay_checks_its_inputs():
+    import numpy as np
+
+    from expertcache.lab.simulator import replay, route_trace
+    from expertcache.lab.trace import Trace
+    L, E, N = 2, 8, 30
+    logits = np.random.default_rng(0).normal(size=(N, L, E)).astype(np.float16)
+    header = {"num_layers": L, "num_experts": E, "top_k": 2, "norm_topk_prob": False, "hidden_size": 8,
+              "expert_params": 3 * 8 * 4, "context": 10}
+    trace = Trace(header, np.zeros(N, np.int32), logits)
+    routes = route_trace(trace)
+    assert replay(trace, "conditional:j=2,m=8", routes=routes).stats.moe_calls == N * L
+    other = Trace(header, np.zeros(N - 1, np.int32), logits[:-1])
+    for kwargs, match in [(dict(policy="conditional:j=3"), "j=3 is more than top-k=2"),
+                          (dict(policy="substitute-all:sub=window,window=9"), "window=9"),
+                          (dict(routes=route_trace(other)), "routes of shape"),
+                          (dict(counts=np.zeros((L, E + 1))), "routing counts of shape"),
+                          (dict(window=-3), "window -3")]:
+        with pytest.raises(BadInput, match=match):
+            replay(trace, **{"policy": "fetch-all", **kwargs})
+    for bad in ({**header, "top_k": 9}, {**header, "num_experts": 16}):
+        with pytest.raises(BadInput, match="do not fit its header"):
+            route_trace(Trace(bad, trace.tokens, logits))
