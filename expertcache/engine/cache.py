@@ -1,6 +1,7 @@
 """The fast tier: a fixed number of expert slots on the compute device, the bookkeeping
 that maps (layer, expert) to slots (`cache_state.CacheState`), and the transfers that fill
-them. Slots of one weight kind are one stacked tensor (w13 [S, 2F, H], w2 [S, H, F]), so the
+them. Slots of one weight kind are one stacked tensor (w13 [S, 2F, H], w2 [S, H, F], and the
+biases b13 [S, 2F], b2 [S, H] of families that have them), so the
 expert kernel indexes them like any expert stack."""
 from __future__ import annotations
 
@@ -66,10 +67,14 @@ class ExpertCache:
         virtual = store is None
         self.w13 = None if virtual else torch.zeros((S, *shape.w13), device=device, dtype=dtype)
         self.w2 = None if virtual else torch.zeros((S, *shape.w2), device=device, dtype=dtype)
+        biased = shape.bias and not virtual  # families with expert biases: b13 [S, 2F], b2 [S, H]
+        self.b13 = torch.zeros((S, shape.w13[0]), device=device, dtype=dtype) if biased else None
+        self.b2 = torch.zeros((S, shape.w2[0]), device=device, dtype=dtype) if biased else None
         self.state = self._new_state()
         self.scratch = Scratch.make(top_k, shape.num_experts)
         self.pending: dict[int, Transfer] = {}  # slot -> transfer in flight
-        self.transfers = InstantTransfers() if virtual else TransferEngine(store, self.w13, self.w2, cfg.io_workers)
+        self.transfers = InstantTransfers() if virtual else \
+            TransferEngine(store, self.w13, self.w2, cfg.io_workers, self.b13, self.b2)
         if not virtual:
             self._compile()
 

@@ -1,10 +1,36 @@
 """Expert compute over stacked weights (w13 [S, 2F, H], w2 [S, H, F], indexed by slot or
-expert id): one token's k experts as matrix-vector products, or a batch grouped by expert.
-Offload-agnostic: the cache has already rewritten expert ids into slot ids."""
+expert id; optional biases b13 [S, 2F], b2 [S, H]): one token's k experts as matrix-vector
+products, or a batch grouped by expert. Offload-agnostic: the cache has already rewritten
+expert ids into slot ids."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ExpertKind:
+    """What an expert computes besides its weights: biases, and the gated activation of (gate, up)."""
+    bias: bool = False
+    limit: float | None = None  # GPT-OSS: gate clamped above, up clamped to +-limit, (up + 1) * gate * sigmoid(a gate)
+    alpha: float = 1.702
+
+    @classmethod
+    def of(cls, args) -> "ExpertKind":
+        """The expert kind of a ModelArgs."""
+        return cls(args.expert_bias, args.swiglu_limit, args.swiglu_alpha)
+
+    def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The gated activation: silu(g) * u, or GPT-OSS's clamped form."""
+        if self.limit is None:
+            return F.silu(g) * u
+        g = g.clamp(max=self.limit)
+        return (u.clamp(-self.limit, self.limit) + 1) * (g * torch.sigmoid(g * self.alpha))
+
+
+SWIGLU = ExpertKind()
 
 
 def expert_groups(ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
@@ -18,28 +44,35 @@ def expert_groups(ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]
     return order, used.tolist(), counts.tolist()
 
 
-def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One expert over a batch: x [n, H], w13 [2F, H], w2 [H, F] -> [n, H]."""
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
+           b2: torch.Tensor | None = None, kind: ExpertKind = SWIGLU) -> torch.Tensor:
+    """One expert over a batch: x [n, H], w13 [2F, H], w2 [H, F] (biases b13 [2F], b2 [H]) -> [n, H]."""
     assert w13.shape == (2 * w2.shape[1], x.shape[-1]), \
         f"x [n, H], w13 [2F, H], w2 [H, F] do not fit: {tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}"
-    g, u = (x @ w13.t()).chunk(2, dim=-1)
-    return (F.silu(g) * u) @ w2.t()
+    g, u = F.linear(x, w13, b13).chunk(2, dim=-1)
+    return F.linear(kind.glu(g, u), w2, b2)
 
 
-def experts_one_token(x, slots, weights, w13, w2):
+def experts_one_token(x, slots, weights, w13, w2, b13=None, b2=None, kind: ExpertKind = SWIGLU):
     """Decode: one token, k matrix-vector products straight from the slots (no gather copy).
     x [1, H], slots [1, k] (long), weights [1, k] -> [1, H]."""
     assert x.shape[0] == 1 and slots.shape == weights.shape, (x.shape, slots.shape, weights.shape)
     xv, ids = x[0], slots[0].tolist()
-    g, u = torch.stack([w13[s] @ xv for s in ids]).chunk(2, dim=-1)  # [k, F] each
-    act = F.silu(g) * u * weights[0].unsqueeze(-1).to(x.dtype)
+    h = torch.stack([w13[s] @ xv for s in ids])  # [k, 2F]
+    if b13 is not None:
+        h = h + b13[ids]
+    g, u = h.chunk(2, dim=-1)  # [k, F] each
+    gate = weights[0].to(x.dtype)
+    act = kind.glu(g, u) * gate.unsqueeze(-1)
     out = w2[ids[0]] @ act[0]
     for j in range(1, len(ids)):
         out.addmv_(w2[ids[j]], act[j])
+    if b2 is not None:  # sum_j gate_j (W2_j act_j + b2_j): the gates already sit in act
+        out.addmv_(b2[ids].t(), gate)
     return out.unsqueeze(0)
 
 
-def experts_grouped(x, slots, weights, w13, w2):
+def experts_grouped(x, slots, weights, w13, w2, b13=None, b2=None, kind: ExpertKind = SWIGLU):
     """Large batches: one matmul pair per used slot. x [T, H], slots, weights [T, k] -> [T, H]."""
     assert slots.shape == weights.shape and slots.shape[0] == x.shape[0], (x.shape, slots.shape, weights.shape)
     k = slots.shape[1]
@@ -50,14 +83,15 @@ def experts_grouped(x, slots, weights, w13, w2):
         w13, w2 = w13.unbind(0), w2.unbind(0)
     out_rows, start = [], 0
     for s, c in zip(used, counts):
-        out_rows.append(swiglu(xs[start:start + c], w13[s], w2[s]))
+        out_rows.append(swiglu(xs[start:start + c], w13[s], w2[s], None if b13 is None else b13[s],
+                               None if b2 is None else b2[s], kind))
         start += c
     y = torch.cat(out_rows) * weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token, y)
 
 
-def experts_compute(x, slots, weights, w13, w2):
+def experts_compute(x, slots, weights, w13, w2, b13=None, b2=None, kind: ExpertKind = SWIGLU):
     """x [T, H], slots [T, k] (a host tensor: the decode path reads it without a device sync),
     weights [T, k] -> the gate-weighted sum of each token's experts [T, H]."""
-    return experts_one_token(x, slots, weights, w13, w2) if x.shape[0] == 1 else \
-        experts_grouped(x, slots, weights, w13, w2)
+    run = experts_one_token if x.shape[0] == 1 else experts_grouped
+    return run(x, slots, weights, w13, w2, b13, b2, kind)

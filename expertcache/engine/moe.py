@@ -12,22 +12,23 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..kernel.routing import route_logits
 from ..models.args import ModelArgs
 from ..policies import MissPolicy
 from .cache import ExpertCache
-from .experts import experts_compute
+from .experts import ExpertKind, experts_compute
 from .predictors import Predictor
 from .stats import RunStats
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
-    """x [T, H], router [E, H] -> logits [T, E] (float32), weights [T, k] (float32) and
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool, bias: torch.Tensor | None = None):
+    """x [T, H], router [E, H] (bias [E]) -> logits [T, E] (float32), weights [T, k] (float32) and
     ids [T, k] (int64), on the host."""
     assert x.dim() == 2 and router.dim() == 2 and router.shape[1] == x.shape[1], \
         f"x must be [T, H] and router [E, H], got {tuple(x.shape)} and {tuple(router.shape)}"
-    return route_logits((x @ router.t()).float().cpu().numpy(), top_k, norm_topk)
+    return route_logits(F.linear(x, router, bias).float().cpu().numpy(), top_k, norm_topk)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class MoELayerRunner:
 
     def __init__(self, args: ModelArgs, cache: ExpertCache, policy: MissPolicy, stats: RunStats):
         self.args, self.cache, self.policy, self.stats = args, cache, policy, stats
+        self.kind = ExpertKind.of(args)
         self.token_base = 0  # index in the run of the first token of the current forward
         self.predictor: Predictor | None = None
         self.prefetch = PrefetchConfig()
@@ -96,20 +98,22 @@ class MoELayerRunner:
         self.stats.stall_s += cache.prefetch(layer + 1, self.predicted[2][0, :budget], self.token_base)
         self.stats.absorb(cache.state, cache.fetch_bytes)
 
-    def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor,
+                 router_bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] (normed MoE input) -> routed experts' combined output [T, H]."""
         a, cache, stats = self.args, self.cache, self.stats
         if self.prefetch.mode == "speculative" and layer > 0 and self.predicted is not None:
             logits_h, weights_h, ids_h = self.predicted  # the true router is skipped
         else:  # the one host sync of the layer: decisions need the routes on the host
-            logits_h, weights_h, ids_h = route(x, router, a.top_k, a.norm_topk_prob)
+            logits_h, weights_h, ids_h = route(x, router, a.top_k, a.norm_topk_prob, router_bias)
         self.predicted = None
         T = ids_h.shape[0]
         out = torch.empty_like(x)
 
         def experts_out(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
             return experts_compute(x[begin:end], torch.from_numpy(slots_h[begin:end]),
-                                   torch.from_numpy(gates_h[begin:end]).to(x.device), cache.w13, cache.w2)
+                                   torch.from_numpy(gates_h[begin:end]).to(x.device), cache.w13, cache.w2,
+                                   cache.b13, cache.b2, self.kind)
 
         def compute(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
             out[begin:end] = experts_out(begin, end, slots_h, gates_h)

@@ -38,8 +38,10 @@ class Predictor:
         """resid [T, H], x [T, H], ids [T, k], weights [T, k] at `layer` -> logits for layer+1 [T, E]."""
         raise NotImplementedError
 
-    def _router(self, layer: int) -> torch.Tensor:
-        return self.model.layers[layer + 1]["router"]
+    def _router_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer l+1's router (with its bias, where the family has one) on x [T, H] -> [T, E]."""
+        L = self.model.layers[layer + 1]
+        return F.linear(x, L["router"], L.get("router_bias"))
 
 
 class RouterAhead(Predictor):
@@ -48,7 +50,7 @@ class RouterAhead(Predictor):
 
     def logits(self, layer, resid, x, ids, weights):
         """x [T, H] -> Router_{l+1}(x) [T, E]."""
-        return x @ self._router(layer).t()
+        return self._router_logits(layer, x)
 
 
 class QuasiHidden(Predictor):
@@ -75,7 +77,7 @@ class QuasiHidden(Predictor):
 
     def logits(self, layer, resid, x, ids, weights):
         """Router_{l+1}(q_l) [T, E]."""
-        return self.quasi_hidden(layer, resid, ids, weights) @ self._router(layer).t()
+        return self._router_logits(layer, self.quasi_hidden(layer, resid, ids, weights))
 
 
 class EstimatorNet(nn.Module):
@@ -106,7 +108,7 @@ class Estimator(QuasiHidden):
         """The estimator's logits for layer+1 [T, E], or quasi-hidden's on layers it does not cover."""
         q = self.quasi_hidden(layer, resid, ids, weights)
         if self.layers is not None and layer not in self.layers:
-            return q @ self._router(layer).t()
+            return self._router_logits(layer, q)
         with torch.no_grad():
             return self.net(q.float(), torch.full((q.shape[0],), layer, device=q.device)).to(q.dtype)
 

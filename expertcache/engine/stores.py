@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import threading
@@ -34,14 +35,21 @@ class ExpertShape:
     num_experts: int
     w13: tuple[int, int]  # (2F, H)
     w2: tuple[int, int]  # (H, F)
+    bias: bool = False  # each expert also holds b13 [2F] and b2 [H]
 
     @classmethod
     def of(cls, a: ModelArgs) -> "ExpertShape":
-        return cls(a.num_layers, a.num_experts, (2 * a.expert_dim, a.hidden_size), (a.hidden_size, a.expert_dim))
+        return cls(a.num_layers, a.num_experts, (2 * a.expert_dim, a.hidden_size), (a.hidden_size, a.expert_dim),
+                   a.expert_bias)
+
+    @property
+    def parts(self) -> list[tuple[int, ...]]:
+        """The shapes one expert's blob holds, in order: w13, w2, then b13 and b2 if the family has biases."""
+        return [self.w13, self.w2] + ([(self.w13[0],), (self.w2[0],)] if self.bias else [])
 
     @property
     def numel(self) -> int:
-        return self.w13[0] * self.w13[1] + self.w2[0] * self.w2[1]
+        return sum(math.prod(p) for p in self.parts)
 
 
 class ExpertStore(ABC):
@@ -59,9 +67,10 @@ class ExpertStore(ABC):
         return self.shape.numel * self.dtype.itemsize
 
     @abstractmethod
-    def read_into(self, layer: int, expert: int, w13: torch.Tensor, w2: torch.Tensor) -> int:
-        """Copy expert (layer, expert) into w13 [2F, H] and w2 [H, F]; returns bytes moved.
-        Safe to call from worker threads."""
+    def read_into(self, layer: int, expert: int, w13: torch.Tensor, w2: torch.Tensor,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> int:
+        """Copy expert (layer, expert) into w13 [2F, H] and w2 [H, F] (and b13 [2F], b2 [H] when the
+        shape has biases); returns bytes moved. Safe to call from worker threads."""
 
     def close(self) -> None:
         pass
@@ -74,12 +83,18 @@ class RamStore(ExpertStore):
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32):
         super().__init__(ExpertShape.of(args), dtype)
         layers = list(all_layer_experts(ckpt, args))
-        self.w13 = torch.stack([w13.to(dtype) for w13, _ in layers])  # [L, E, 2F, H]
-        self.w2 = torch.stack([w2.to(dtype) for _, w2 in layers])  # [L, E, H, F]
+        self.w13 = torch.stack([x.w13.to(dtype) for x in layers])  # [L, E, 2F, H]
+        self.w2 = torch.stack([x.w2.to(dtype) for x in layers])  # [L, E, H, F]
+        self.b13 = torch.stack([x.b13.to(dtype) for x in layers]) if self.shape.bias else None  # [L, E, 2F]
+        self.b2 = torch.stack([x.b2.to(dtype) for x in layers]) if self.shape.bias else None  # [L, E, H]
 
-    def read_into(self, layer, expert, w13, w2):
-        w13.copy_(self.w13[layer, expert])
-        w2.copy_(self.w2[layer, expert])
+    def _sources(self, layer: int, expert: int) -> list[torch.Tensor]:
+        out = [self.w13[layer, expert], self.w2[layer, expert]]
+        return out + [self.b13[layer, expert], self.b2[layer, expert]] if self.shape.bias else out
+
+    def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
+        for dst, src in zip((w13, w2, b13, b2), self._sources(layer, expert)):
+            dst.copy_(src)
         return self.expert_bytes
 
 
@@ -93,10 +108,12 @@ class PinnedStore(RamStore):
             raise UnknownName("store 'pinned' needs a CUDA device; use --store ram or --store disk on this machine")
         super().__init__(ckpt, args, dtype)
         self.w13, self.w2 = self.w13.pin_memory(), self.w2.pin_memory()
+        if self.shape.bias:
+            self.b13, self.b2 = self.b13.pin_memory(), self.b2.pin_memory()
 
-    def read_into(self, layer, expert, w13, w2):
-        w13.copy_(self.w13[layer, expert], non_blocking=True)
-        w2.copy_(self.w2[layer, expert], non_blocking=True)
+    def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
+        for dst, src in zip((w13, w2, b13, b2), self._sources(layer, expert)):
+            dst.copy_(src, non_blocking=True)
         return self.expert_bytes
 
 
@@ -122,12 +139,13 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     tmp = out_dir / "experts.bin.partial"
     first = None
     with open(tmp, "wb") as f:
-        for w13, w2 in all_layer_experts(ckpt, args):
-            dtype = dtype or w13.dtype
+        for experts in all_layer_experts(ckpt, args):
+            dtype = dtype or experts.w13.dtype
             first = first or dtype
             blob = _blob_bytes(shape, dtype)
+            parts = [p for p in experts if p is not None]  # w13, w2 (and b13, b2): the blob's order
             for e in range(args.num_experts):
-                raw = torch.cat([w13[e].to(dtype).flatten(), w2[e].to(dtype).flatten()]).view(torch.uint8)
+                raw = torch.cat([p[e].to(dtype).flatten() for p in parts]).view(torch.uint8)
                 f.write(raw.numpy().tobytes())
                 f.write(b"\0" * (blob - raw.numel()))
         f.flush()
@@ -135,7 +153,7 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     os.replace(tmp, out_dir / "experts.bin")
     meta = {"format_version": DISK_FORMAT_VERSION, "dtype": str(dtype).removeprefix("torch."),
             "num_layers": shape.num_layers, "num_experts": shape.num_experts, "w13": list(shape.w13),
-            "w2": list(shape.w2), "blob_bytes": _blob_bytes(shape, dtype), "align": ALIGN}
+            "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": _blob_bytes(shape, dtype), "align": ALIGN}
     (out_dir / "experts.json").write_text(json.dumps(meta, indent=1))
     return out_dir
 
@@ -152,8 +170,8 @@ class DiskStore(ExpertStore):
             raise CheckpointError(f"{store_dir}: disk store format {meta.get('format_version')}, expected "
                                   f"{DISK_FORMAT_VERSION}; rerun `expertcache convert`")
         shape = ExpertShape.of(args)
-        if (meta["num_layers"], meta["num_experts"], tuple(meta["w13"]), tuple(meta["w2"])) != \
-                (shape.num_layers, shape.num_experts, shape.w13, shape.w2):
+        if (meta["num_layers"], meta["num_experts"], tuple(meta["w13"]), tuple(meta["w2"]), meta.get("bias", False)) \
+                != (shape.num_layers, shape.num_experts, shape.w13, shape.w2, shape.bias):
             raise CheckpointError(f"{store_dir}: disk store does not match the model's shape; "
                                   "rerun `expertcache convert`")
         super().__init__(shape, getattr(torch, meta["dtype"]))
@@ -165,8 +183,7 @@ class DiskStore(ExpertStore):
                                   "rerun `expertcache convert`")
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
         self._local = threading.local()
-        n13 = shape.w13[0] * shape.w13[1]
-        self._split = (n13, shape.numel - n13)
+        self._split = [math.prod(p) for p in shape.parts]
 
     def _buffer(self) -> tuple[mmap.mmap, torch.Tensor]:
         # O_DIRECT needs an aligned buffer: an anonymous mmap is page-aligned. One per thread.
@@ -176,7 +193,7 @@ class DiskStore(ExpertStore):
             self._local.buf = (buf, view)
         return self._local.buf
 
-    def read_into(self, layer, expert, w13, w2):
+    def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
         buf, view = self._buffer()
         offset = (layer * self.shape.num_experts + expert) * self.blob
         try:
@@ -187,9 +204,8 @@ class DiskStore(ExpertStore):
         if n != self.blob:
             raise FetchError(f"short read of expert {expert} of layer {layer}: {n} of {self.blob} bytes; "
                              "the store file is truncated, rerun `expertcache convert`")
-        a, b = view.split(self._split)
-        w13.copy_(a.view(self.shape.w13))
-        w2.copy_(b.view(self.shape.w2))
+        for dst, src, part in zip((w13, w2, b13, b2), view.split(self._split), self.shape.parts):
+            dst.copy_(src.view(part))
         return self.blob
 
     def close(self):

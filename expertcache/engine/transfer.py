@@ -32,19 +32,21 @@ class Transfer:
 
 
 class TransferEngine:
-    def __init__(self, store: ExpertStore, w13: torch.Tensor, w2: torch.Tensor, workers: int = 4):
+    def __init__(self, store: ExpertStore, w13: torch.Tensor, w2: torch.Tensor, workers: int = 4,
+                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None):
         self.store, self.w13, self.w2 = store, w13, w2
+        self.slot_tensors = [t for t in (w13, w2, b13, b2) if t is not None]  # what one slot holds
         self.cuda = w13.is_cuda
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="expert-io")
         self.stream = torch.cuda.Stream(device=w13.device) if self.cuda else None
 
     def _copy(self, t: Transfer) -> int:
         if self.stream is None:
-            return self.store.read_into(t.layer, t.expert, self.w13[t.slot], self.w2[t.slot])
+            return self.store.read_into(t.layer, t.expert, *(x[t.slot] for x in self.slot_tensors))
         # The slot's previous expert may still be read by queued compute: copy after it.
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
-            n = self.store.read_into(t.layer, t.expert, self.w13[t.slot], self.w2[t.slot])
+            n = self.store.read_into(t.layer, t.expert, *(x[t.slot] for x in self.slot_tensors))
             t.event = torch.cuda.Event()
             t.event.record(self.stream)
         return n

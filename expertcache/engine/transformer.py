@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from ..models.args import ModelArgs
+from .attention import attention_mask, rope_frequencies, sink_attention
+from .linear_attention import GatedDeltaNet
 
-# (layer, normed MoE input [T, H], router [E, H]) -> routed experts' output [T, H]
-MoEFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# (layer, normed MoE input [T, H], router [E, H], router bias [E] or None) -> routed experts' output [T, H]
+MoEFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (layer, residual stream after attention [T, H]) -> None: lets a predictor request layer+1's experts
 PrefetchHook = Callable[[int, torch.Tensor], None]
 
@@ -29,21 +31,26 @@ class Transformer:
         for i in range(a.num_layers):
             p = f"layers.{i}."
             L = {k[len(p):]: v for k, v in w.items() if k.startswith(p)}
-            L["wqkv"] = torch.cat([L.pop("wq"), L.pop("wk"), L.pop("wv")])  # one matmul for q, k, v
-            if a.attention_bias:
+            if "wq" in L:  # linear-attention layers have no q, k, v
+                L["wqkv"] = torch.cat([L.pop("wq"), L.pop("wk"), L.pop("wv")])  # one matmul for q, k, v
+            if a.attention_bias and "bq" in L:
                 L["bqkv"] = torch.cat([L.pop("bq"), L.pop("bk"), L.pop("bv")])
             if a.shared_expert_dim:
                 L["shared_w13"] = torch.cat([L.pop("shared_w1"), L.pop("shared_w3")])
             self.layers.append(L)
-        inv = 1.0 / a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float32) / a.head_dim)
+        inv, scale = rope_frequencies(a)  # over the rotated part of each head (all of it unless partial)
         freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         dtype = self.embed.dtype
-        half = a.head_dim // 2
+        half = inv.numel()
         # rotate_half(x) * sin == cat(x2, x1) * sin_signed, one op fewer per call
         sin_signed = torch.cat([-emb.sin()[:, :half], emb.sin()[:, half:]], dim=-1)
-        self.cos, self.sin = emb.cos().to(device, dtype), sin_signed.to(device, dtype)
-        shape = (a.num_layers, a.num_kv_heads, max_seq, a.head_dim)
+        self.cos, self.sin = (emb.cos() * scale).to(device, dtype), (sin_signed * scale).to(device, dtype)
+        # Gated DeltaNet layers carry a recurrent state instead of keys and values
+        self.linear = {i: GatedDeltaNet(a, self.layers[i]) for i in range(a.num_layers)
+                       if a.layer_type(i) == "linear_attention"}
+        self.kv_index = {i: n for n, i in enumerate(i for i in range(a.num_layers) if i not in self.linear)}
+        shape = (len(self.kv_index), a.num_kv_heads, max_seq, a.head_dim)
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.prefetch: PrefetchHook | None = None
@@ -58,17 +65,22 @@ class Transformer:
                 total += t.nbytes
         return total
 
-    def _rope(self, x, pos: int):  # x [heads, T, D]
-        T = x.shape[1]
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * self.cos[pos:pos + T] + torch.cat((x2, x1), dim=-1) * self.sin[pos:pos + T]
+    def _rope(self, x, pos: int):  # x [heads, T, D]; a partial rotary leaves the last D - rot channels as they are
+        T, rot = x.shape[1], self.cos.shape[1]
+        xr = x[..., :rot]
+        x1, x2 = xr.chunk(2, dim=-1)
+        out = xr * self.cos[pos:pos + T] + torch.cat((x2, x1), dim=-1) * self.sin[pos:pos + T]
+        return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
 
     def _attention(self, i: int, L: dict, x: torch.Tensor, pos: int) -> torch.Tensor:
         a = self.args
         T = x.shape[0]
         qkv = F.linear(x, L["wqkv"], L.get("bqkv"))
         nq, nk = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        q, k, v = qkv.split([nq, nk, nk], dim=-1)
+        q, k, v = qkv.split([nq * (2 if a.attention_gate else 1), nk, nk], dim=-1)
+        if a.attention_gate:  # per head: D query channels, then D gate channels
+            q, gate = q.view(T, a.num_heads, 2 * a.head_dim).chunk(2, dim=-1)
+            q = q.reshape(T, nq)
         if a.qk_norm == "full":
             q = F.rms_norm(q, (nq,), L["q_norm"], a.rms_norm_eps)
             k = F.rms_norm(k, (nk,), L["k_norm"], a.rms_norm_eps)
@@ -80,16 +92,21 @@ class Transformer:
             q = F.rms_norm(q, (a.head_dim,), L["q_norm"], a.rms_norm_eps)
             k = F.rms_norm(k, (a.head_dim,), L["k_norm"], a.rms_norm_eps)
         q, k = self._rope(torch.cat([q, k], dim=1).transpose(0, 1), pos).split([a.num_heads, a.num_kv_heads])
-        self.k_cache[i, :, pos:pos + T] = k
-        self.v_cache[i, :, pos:pos + T] = v.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)
-        keys, values = self.k_cache[i, :, :pos + T], self.v_cache[i, :, :pos + T]
-        if T == 1:
-            mask = None
-        else:  # query t sees keys up to pos + t
-            mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
-        o = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                           attn_mask=mask, enable_gqa=True)
-        return o[0].transpose(0, 1).reshape(T, nq) @ L["wo"].t()
+        c = self.kv_index[i]
+        self.k_cache[c, :, pos:pos + T] = k
+        self.v_cache[c, :, pos:pos + T] = v.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)
+        keys, values = self.k_cache[c, :, :pos + T], self.v_cache[c, :, :pos + T]
+        window = a.sliding_window if a.layer_type(i) == "sliding_attention" else None
+        mask = attention_mask(T, pos, window, x.device)
+        if a.attention_sinks:
+            o = sink_attention(q, keys, values, L["sinks"], mask)
+        else:
+            o = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                               attn_mask=mask, enable_gqa=True)[0]
+        o = o.transpose(0, 1).reshape(T, nq)
+        if a.attention_gate:
+            o = o * torch.sigmoid(gate.reshape(T, nq))
+        return F.linear(o, L["wo"], L.get("bo"))
 
     def _shared_expert(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         g, u = (x @ L["shared_w13"].t()).chunk(2, dim=-1)
@@ -97,7 +114,8 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
-        """ids [T] at positions pos..pos+T-1 -> logits [T, V]; extends the KV cache."""
+        """ids [T] at positions pos..pos+T-1 -> logits [T, V]; extends the KV cache (and the linear-attention
+        states, which restart at pos 0)."""
         assert ids.dim() == 1, f"ids must be [T], got {tuple(ids.shape)}"
         a = self.args
         T = ids.shape[0]
@@ -105,11 +123,12 @@ class Transformer:
             raise ValueError(f"sequence of {pos + T} tokens exceeds max_seq={self.max_seq}; raise --max-seq")
         h = self.embed[ids]
         for i, L in enumerate(self.layers):
-            h = h + self._attention(i, L, F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps), pos)
+            xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
+            h = h + (self.linear[i](xa, pos) if i in self.linear else self._attention(i, L, xa, pos))
             if self.prefetch is not None:
                 self.prefetch(i, h)
             x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
-            y = self.moe(i, x, L["router"])
+            y = self.moe(i, x, L["router"], L.get("router_bias"))
             if a.shared_expert_dim:
                 y = y + self._shared_expert(L, x)
             h = h + y

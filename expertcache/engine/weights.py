@@ -7,7 +7,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..models import family_of
-from ..models.args import ModelArgs
+from ..models.args import LayerExperts, ModelArgs
 from .checkpoint import Checkpoint
 
 
@@ -23,22 +23,43 @@ def dense_weights(ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32) -> dic
                 wanted[f"layers.{i}.{ours}"] = theirs
     loaded = ckpt.tensors(list(wanted.values()))
     out = {ours: loaded[theirs].to(dtype) for ours, theirs in wanted.items()}
+    if hasattr(family, "adapt_dense"):  # a family's own conventions, e.g. RMSNorm weights stored as w - 1
+        out = family.adapt_dense(out, args)
     _check_shapes(out, args)
     return out
 
 
 def _check_shapes(w: dict[str, torch.Tensor], a: ModelArgs) -> None:
-    expect = {"embed": (a.vocab_size, a.hidden_size), "layers.0.router": (a.num_experts, a.hidden_size),
-              "layers.0.wq": (a.num_heads * a.head_dim, a.hidden_size)}
+    attn = next((i for i in range(a.num_layers) if a.layer_type(i) != "linear_attention"), None)
+    expect = {"embed": (a.vocab_size, a.hidden_size), "layers.0.router": (a.num_experts, a.hidden_size)}
+    if attn is not None:  # a gated attention's q_proj also yields the gate
+        expect[f"layers.{attn}.wq"] = ((2 if a.attention_gate else 1) * a.num_heads * a.head_dim, a.hidden_size)
     for name, shape in expect.items():
         if tuple(w[name].shape) != shape:
             raise CheckpointError(f"tensor {name} has shape {tuple(w[name].shape)}, config.json implies {shape}; "
                                   "the config does not belong to these weights")
 
 
-def layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's experts stacked: w13 [E, 2F, H] (gate rows then up rows), w2 [E, H, F]."""
-    names = family_of(ckpt.config).layer_names(layer, args)["experts"]
+def layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int) -> LayerExperts:
+    """One layer's experts in our stacked layout (a family may translate its own storage)."""
+    family = family_of(ckpt.config)
+    if hasattr(family, "layer_experts"):
+        experts = family.layer_experts(ckpt, args, layer)
+    else:
+        experts = _standard_layer_experts(ckpt, args, layer, family.layer_names(layer, args)["experts"])
+    E, F, H = args.num_experts, args.expert_dim, args.hidden_size
+    w13, w2 = experts.w13, experts.w2
+    if tuple(w13.shape) != (E, 2 * F, H) or tuple(w2.shape) != (E, H, F):
+        raise CheckpointError(f"layer {layer} experts have shapes {tuple(w13.shape)}, {tuple(w2.shape)}; "
+                              f"config.json implies {(E, 2 * F, H)}, {(E, H, F)}")
+    if args.expert_bias and (experts.b13 is None or tuple(experts.b13.shape) != (E, 2 * F)
+                             or tuple(experts.b2.shape) != (E, H)):
+        raise CheckpointError(f"layer {layer} expert biases are missing or not of shapes {(E, 2 * F)}, {(E, H)}; "
+                              "the config does not belong to these weights")
+    return experts
+
+
+def _standard_layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int, names: dict) -> LayerExperts:
     fused = names["w1"][0].rsplit(".experts.", 1)[0] + ".experts."
     if fused + "gate_up_proj" in ckpt.files:  # checkpoints that store experts fused
         t = ckpt.tensors([fused + "gate_up_proj", fused + "down_proj"])
@@ -47,14 +68,10 @@ def layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int) -> tuple[torch.
         t = ckpt.tensors(names["w1"] + names["w3"] + names["w2"])
         w13 = torch.stack([torch.cat([t[a], t[b]]) for a, b in zip(names["w1"], names["w3"])])
         w2 = torch.stack([t[n] for n in names["w2"]])
-    E, F, H = args.num_experts, args.expert_dim, args.hidden_size
-    if tuple(w13.shape) != (E, 2 * F, H) or tuple(w2.shape) != (E, H, F):
-        raise CheckpointError(f"layer {layer} experts have shapes {tuple(w13.shape)}, {tuple(w2.shape)}; "
-                              f"config.json implies {(E, 2 * F, H)}, {(E, H, F)}")
-    return w13, w2
+    return LayerExperts(w13, w2)
 
 
-def all_layer_experts(ckpt: Checkpoint, args: ModelArgs) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's stacked experts in order: w13 [E, 2F, H], w2 [E, H, F]."""
+def all_layer_experts(ckpt: Checkpoint, args: ModelArgs) -> Iterator[LayerExperts]:
+    """Each layer's stacked experts in order."""
     for layer in range(args.num_layers):
         yield layer_experts(ckpt, args, layer)

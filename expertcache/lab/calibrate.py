@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..engine.checkpoint import DEFAULT_VECTORS, ROUTING_COUNTS, open_checkpoint
-from ..engine.experts import expert_groups, swiglu
+from ..engine.experts import SWIGLU, ExpertKind, expert_groups, swiglu
 from ..engine.moe import route
 from ..engine.perplexity import teacher_forced
 from ..engine.stores import RamStore
@@ -46,23 +46,26 @@ class Calibration:
 class RecordingMoE:
     """An exact MoE function over all experts in RAM that also sums each expert's output."""
 
-    def __init__(self, store: RamStore, top_k: int, norm_topk: bool):
-        self.store, self.top_k, self.norm_topk = store, top_k, norm_topk
+    def __init__(self, store: RamStore, top_k: int, norm_topk: bool, kind: ExpertKind = SWIGLU):
+        self.store, self.top_k, self.norm_topk, self.kind = store, top_k, norm_topk, kind
         L, E, H = store.w13.shape[0], store.w13.shape[1], store.w2.shape[2]
         self.sums = torch.zeros(L, E, H, dtype=torch.float64)
         self.counts = torch.zeros(L, E, dtype=torch.int64)
 
-    def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-        _, weights, ids = map(torch.from_numpy, route(x, router, self.top_k, self.norm_topk))
+    def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor,
+                 router_bias: torch.Tensor | None = None) -> torch.Tensor:
+        _, weights, ids = map(torch.from_numpy, route(x, router, self.top_k, self.norm_topk, router_bias))
         out = torch.zeros_like(x)
         w13, w2 = self.store.w13[layer], self.store.w2[layer]
+        b13, b2 = (self.store.b13[layer], self.store.b2[layer]) if self.store.shape.bias else (None, None)
         order, used, counts = expert_groups(ids)
         start = 0
         for e, c in zip(used, counts):
             pos = order[start:start + c]
             start += c
             tok = pos // self.top_k
-            y = swiglu(x[tok], w13[e], w2[e])  # [n, H]: the expert's own output, before its gate
+            y = swiglu(x[tok], w13[e], w2[e], None if b13 is None else b13[e], None if b2 is None else b2[e],
+                       self.kind)  # [n, H]: the expert's own output, before its gate
             self.sums[layer, e] += y.sum(0).double()
             self.counts[layer, e] += c
             out.index_add_(0, tok, y * weights.reshape(-1)[pos].unsqueeze(-1))
@@ -96,7 +99,8 @@ def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[RamStore, ob
 def calibrate(model_path: Path, ids: list[int], context: int = 512,
               progress: Callable[[int], None] | None = None) -> Calibration:
     """Routing counts and default vectors of the exact model over `ids`, in windows of `context`."""
-    _, moe = run_exact(model_path, ids, lambda store, a: RecordingMoE(store, a.top_k, a.norm_topk_prob),
+    _, moe = run_exact(model_path, ids,
+                       lambda store, a: RecordingMoE(store, a.top_k, a.norm_topk_prob, ExpertKind.of(a)),
                        context, progress)
     vectors = (moe.sums / moe.counts.clamp(min=1).unsqueeze(-1)).float()
     return Calibration(moe.counts, vectors, len(ids))

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.checkpoint import load_default_vectors
+from ..engine.experts import ExpertKind
 from ..engine.moe import route
 from ..engine.predictors import Estimator, EstimatorNet, Predictor, QuasiHidden, make_predictor, save_estimator
 from ..engine.transformer import Transformer
@@ -32,26 +33,27 @@ class LayerStates:
 
 
 class _Recorder(RecordingMoE):
-    def __init__(self, store, top_k, norm_topk, n_layers):
-        super().__init__(store, top_k, norm_topk)
+    def __init__(self, store, top_k, norm_topk, n_layers, kind):
+        super().__init__(store, top_k, norm_topk, kind)
         self.resid_now = None
         self.rows = [dict(resid=[], x=[], ids=[], weights=[], logits=[]) for _ in range(n_layers)]
 
     def hook(self, layer, h):
         self.resid_now = h
 
-    def __call__(self, layer, x, router):
-        logits, w, ids = map(torch.from_numpy, route(x, router, self.top_k, self.norm_topk))
+    def __call__(self, layer, x, router, router_bias=None):
+        logits, w, ids = map(torch.from_numpy, route(x, router, self.top_k, self.norm_topk, router_bias))
         r = self.rows[layer]
         for key, val in (("resid", self.resid_now), ("x", x), ("ids", ids), ("weights", w), ("logits", logits)):
             r[key].append(val.clone())
-        return super().__call__(layer, x, router)
+        return super().__call__(layer, x, router, router_bias)
 
 
 def record_states(model_path: Path, ids: list[int], context: int = 512,
                   progress: Callable[[int], None] | None = None) -> tuple[Transformer, LayerStates]:
     """Run the exact model over `ids` in windows of `context`, recording every layer's states."""
-    model, rec = run_exact(model_path, ids, lambda store, a: _Recorder(store, a.top_k, a.norm_topk_prob, a.num_layers),
+    model, rec = run_exact(model_path, ids, lambda store, a: _Recorder(store, a.top_k, a.norm_topk_prob, a.num_layers,
+                                                                     ExpertKind.of(a)),
                            context, progress)
     cat = lambda key: [torch.cat(r[key]) for r in rec.rows]  # noqa: E731
     return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"))

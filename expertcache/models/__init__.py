@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from ..errors import CheckpointError, UnsupportedArchitecture
-from . import mixtral, olmoe, qwen2_moe, qwen3_moe
+from . import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
 from .args import ModelArgs
 
-FAMILIES = {"qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe, "mixtral": mixtral}
+FAMILIES = {"qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe, "mixtral": mixtral,
+            "gpt_oss": gpt_oss, "qwen3_next": qwen3_next}
 
 
 def family_of(config: dict):

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,28 @@ class ModelArgs:
     clip_qkv: float | None = None
     shared_expert_dim: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
     max_position_embeddings: int = 4096
+    # Attention variants (GPT-OSS, Qwen3-Next); the defaults are plain causal GQA with full RoPE.
+    layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention | linear_attention
+    sliding_window: int | None = None
+    attention_sinks: bool = False  # a learned per-head logit in the softmax denominator
+    attention_gate: bool = False  # q_proj doubled: a sigmoid gate on the attention output per channel
+    partial_rotary_factor: float = 1.0
+    rope_scaling: dict | None = None  # rope_parameters beyond rope_theta (YaRN: factor, beta_fast, ...)
+    # Gated DeltaNet (linear_attention layers)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    # Routing and experts
+    router_bias: bool = False
+    expert_bias: bool = False  # b13 [2F] and b2 [H] per expert
+    swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU: gate <= limit, |up| <= limit, (up + 1) * glu
+    swiglu_alpha: float = 1.702
+
+    def layer_type(self, i: int) -> str:
+        """Layer i's attention kind: full_attention, sliding_attention or linear_attention."""
+        return self.layer_types[i] if self.layer_types else "full_attention"
 
     @property
     def expert_params(self) -> int:
@@ -51,3 +76,27 @@ def head_dim(config: dict) -> int:
 def num_experts(config: dict) -> int:
     """Released Qwen3 checkpoints say num_experts; transformers 5 writes num_local_experts."""
     return config.get("num_experts") or config["num_local_experts"]
+
+
+def rope_scaling(config: dict) -> dict | None:
+    """The RoPE parameters beyond rope_theta (rope_parameters in transformers 5, rope_scaling before),
+    or None for plain RoPE."""
+    params = {k: v for k, v in (config.get("rope_parameters") or config.get("rope_scaling") or {}).items()
+              if k not in ("rope_theta", "partial_rotary_factor")}
+    kind = params.get("rope_type", params.get("type", "default"))
+    return None if kind == "default" else params
+
+
+def partial_rotary_factor(config: dict) -> float:
+    """The share of each head that RoPE rotates (rope_parameters or the top-level key; 1 if absent)."""
+    params = config.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+
+
+class LayerExperts(NamedTuple):
+    """One layer's experts stacked: w13 [E, 2F, H] (gate rows then up rows), w2 [E, H, F], and for
+    families with expert biases b13 [E, 2F] (gate then up) and b2 [E, H]."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None

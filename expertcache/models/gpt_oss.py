@@ -1,0 +1,84 @@
+"""GPT-OSS: attention sinks, alternating sliding-window and full attention, YaRN RoPE, q/k/v/o
+biases; a router with a bias whose softmax over the top-k logits equals the full softmax
+renormalised over the top-k (norm_topk_prob); experts with biases and a clamped SwiGLU.
+
+HF stores the experts fused and transposed, gate and up interleaved (gate_up_proj [E, H, 2F],
+columns g0 u0 g1 u1 ...; down_proj [E, F, H]); released checkpoints hold them in MXFP4
+(`*_blocks`, `*_scales`). Both are translated at load time into our w13 [E, 2F, H] (gate rows,
+then up rows), w2 [E, H, F] and biases b13 [E, 2F], b2 [E, H]."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .args import LayerExperts, ModelArgs, head_dim, num_experts, rope_scaling, rope_theta
+
+if TYPE_CHECKING:
+    from ..engine.checkpoint import Checkpoint
+
+ARCHITECTURE = "GptOssForCausalLM"
+
+# The 16 values of an FP4 (E2M1) code: sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def args_from_config(c: dict) -> ModelArgs:
+    """ModelArgs from a GPT-OSS config.json."""
+    layers = c["num_hidden_layers"]
+    types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    return ModelArgs(
+        family="gpt_oss", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=layers,
+        num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"], head_dim=head_dim(c),
+        num_experts=num_experts(c), top_k=c.get("num_experts_per_tok", c.get("experts_per_token", 4)),
+        expert_dim=c["intermediate_size"], norm_topk_prob=True, rope_theta=rope_theta(c, 150000.0),
+        rms_norm_eps=c.get("rms_norm_eps", 1e-5), tie_word_embeddings=c.get("tie_word_embeddings", False),
+        attention_bias=c.get("attention_bias", True), max_position_embeddings=c.get("max_position_embeddings", 131072),
+        layer_types=tuple(types), sliding_window=c.get("sliding_window"), attention_sinks=True,
+        rope_scaling=rope_scaling(c), router_bias=True,
+        expert_bias=True, swiglu_limit=float(c.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(c.get("swiglu_alpha", 1.702)))
+
+
+def layer_names(i: int, a: ModelArgs) -> dict:
+    """Our name -> checkpoint name for layer i's dense tensors (experts: see `layer_experts`)."""
+    p = f"model.layers.{i}."
+    attn = p + "self_attn."
+    names = {"attn_norm": p + "input_layernorm.weight", "moe_norm": p + "post_attention_layernorm.weight",
+             "wq": attn + "q_proj.weight", "wk": attn + "k_proj.weight", "wv": attn + "v_proj.weight",
+             "wo": attn + "o_proj.weight", "sinks": attn + "sinks", "router": p + "mlp.router.weight",
+             "router_bias": p + "mlp.router.bias"}
+    if a.attention_bias:
+        names.update(bq=attn + "q_proj.bias", bk=attn + "k_proj.bias", bv=attn + "v_proj.bias", bo=attn + "o_proj.bias")
+    return names
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 -> float32: blocks [..., G, 16] uint8 (two FP4 codes per byte, low nibble first),
+    scales [..., G] uint8 (a power-of-two exponent biased by 127 per group of 32) -> [..., G * 32]."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [..., G, 16, 2]
+    values = lut[codes].flatten(-2)  # [..., G, 32]
+    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1))
+    return values.flatten(-2)
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """Rows (or entries) g0 u0 g1 u1 ... along dim 1 -> gate rows, then up rows."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+
+
+def layer_experts(ckpt: Checkpoint, a: ModelArgs, layer: int) -> LayerExperts:
+    """Layer `layer`'s experts in our layout, from HF's fused tensors or from MXFP4 blocks and scales."""
+    p = f"model.layers.{layer}.mlp.experts."
+    biases = ckpt.tensors([p + "gate_up_proj_bias", p + "down_proj_bias"])
+    if p + "gate_up_proj_blocks" in ckpt.files:  # released checkpoints: MXFP4, rows already [out, in]
+        t = ckpt.tensors([p + n for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
+                                          "down_proj_scales")])
+        gate_up = dequantize_mxfp4(t[p + "gate_up_proj_blocks"], t[p + "gate_up_proj_scales"])  # [E, 2F, H]
+        down = dequantize_mxfp4(t[p + "down_proj_blocks"], t[p + "down_proj_scales"])  # [E, H, F]
+    else:  # HF's in-memory layout: x @ W, so [E, in, out]
+        t = ckpt.tensors([p + "gate_up_proj", p + "down_proj"])
+        gate_up, down = t[p + "gate_up_proj"].transpose(1, 2), t[p + "down_proj"].transpose(1, 2)
+    return LayerExperts(_deinterleave(gate_up).contiguous(), down.contiguous(),
+                        _deinterleave(biases[p + "gate_up_proj_bias"]), biases[p + "down_proj_bias"])

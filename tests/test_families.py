@@ -1,0 +1,140 @@
+"""The GPT-OSS and Qwen3-Next pieces on their own: the chunked gated delta rule equals the
+recurrent one, MXFP4 experts load as HF dequantises them, expert biases travel through the disk
+store, and every verb runs on a tiny model of each family."""
+import json
+import shutil
+
+import pytest
+import torch
+from hf_models import save_tiny
+
+from expertcache import cli
+from expertcache.engine.cache import CacheConfig
+from expertcache.engine.checkpoint import open_checkpoint
+from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
+from expertcache.engine.experts import ExpertKind, experts_grouped, experts_one_token, swiglu
+from expertcache.engine.linear_attention import delta_rule_chunked, delta_rule_recurrent, l2norm
+from expertcache.engine.stores import DiskStore, RamStore, convert_to_disk
+from expertcache.models import model_args
+from expertcache.models.gpt_oss import FP4_VALUES
+
+NEW_FAMILIES = ["gpt_oss", "qwen3_next"]
+
+
+def test_chunked_delta_rule_equals_recurrent():
+    g = torch.Generator().manual_seed(0)
+    H, T, Dk, Dv = 3, 150, 8, 6  # three chunks of 64, the last one padded
+    q, k = (l2norm(torch.randn(H, T, Dk, generator=g)) for _ in range(2))
+    v = torch.randn(H, T, Dv, generator=g)
+    decay = -torch.rand(H, T, generator=g) * 0.5
+    beta = torch.rand(H, T, generator=g)
+    state = torch.randn(H, Dk, Dv, generator=g)
+    o_rec, s_rec = delta_rule_recurrent(q, k, v, decay, beta, state)
+    o_chunk, s_chunk = delta_rule_chunked(q, k, v, decay, beta, state, chunk=64)
+    torch.testing.assert_close(o_chunk, o_rec, atol=1e-4, rtol=0)
+    torch.testing.assert_close(s_chunk, s_rec, atol=1e-4, rtol=0)
+
+
+def test_biased_clamped_experts_one_token_equals_grouped():
+    g = torch.Generator().manual_seed(3)
+    S, H, F, T, k = 6, 16, 8, 5, 2
+    w13, w2 = torch.randn(S, 2 * F, H, generator=g), torch.randn(S, H, F, generator=g)
+    b13, b2 = torch.randn(S, 2 * F, generator=g), torch.randn(S, H, generator=g)
+    x = torch.randn(T, H, generator=g)
+    slots = torch.stack([torch.randperm(S, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    kind = ExpertKind(bias=True, limit=1.5)
+    ref = torch.stack([sum(weights[t, j] * swiglu(x[t:t + 1], w13[s], w2[s], b13[s], b2[s], kind)[0]
+                           for j, s in enumerate(slots[t].tolist())) for t in range(T)])
+    grouped = experts_grouped(x, slots, weights, w13, w2, b13, b2, kind)
+    one = torch.cat([experts_one_token(x[t:t + 1], slots[t:t + 1], weights[t:t + 1], w13, w2, b13, b2, kind)
+                     for t in range(T)])
+    torch.testing.assert_close(grouped, ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(one, ref, atol=1e-4, rtol=1e-5)
+    assert not torch.allclose(ref, experts_grouped(x, slots, weights, w13, w2, b13, b2, ExpertKind(bias=True)))
+
+
+def test_disk_store_holds_expert_biases(tiny, tmp_path):
+    ckpt = open_checkpoint(tiny["gpt_oss"][0])
+    args = model_args(ckpt.config)
+    ram = RamStore(ckpt, args)
+    disk = DiskStore(convert_to_disk(ckpt, args, tmp_path), args)
+    assert json.loads((tmp_path / "experts.json").read_text())["bias"] is True
+    bufs = [torch.empty(s) for s in ram.shape.parts]
+    for layer in range(args.num_layers):
+        for e in range(args.num_experts):
+            disk.read_into(layer, e, *bufs)
+            assert all(torch.equal(b, r) for b, r in zip(bufs, ram._sources(layer, e)))
+    assert ram.b13.abs().sum() > 0 and ram.b2.abs().sum() > 0
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N] (N a multiple of 32) -> (blocks [..., N / 32, 16] uint8, scales [..., N / 32] uint8):
+    per group of 32 a power-of-two scale, each value rounded to the nearest FP4 code."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))
+    lut = torch.tensor(FP4_VALUES)
+    codes = ((groups / torch.exp2(exp)[..., None])[..., None] - lut).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    hf = save_tiny("gpt_oss", tmp_path, hidden_size=64, intermediate_size=32)  # MXFP4 groups of 32 inputs
+    state = load_file(str(tmp_path / "model.safetensors"))
+    for i in range(hf.config.num_hidden_layers):
+        experts = hf.model.layers[i].mlp.experts
+        p = f"model.layers.{i}.mlp.experts."
+        for name in ("gate_up_proj", "down_proj"):
+            blocks, scales = quantize_mxfp4(state.pop(p + name).transpose(1, 2))  # stored as [E, out, in]
+            state[p + name + "_blocks"], state[p + name + "_scales"] = blocks, scales
+            with torch.no_grad():  # the reference runs on HF's own dequantisation of the same codes
+                getattr(experts, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(state, str(tmp_path / "model.safetensors"))
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    engine = Engine(tmp_path, EngineConfig(store="disk", cache=CacheConfig(fraction=0.25), initial="cold",
+                                           store_dir=tmp_path / "store"))
+    torch.testing.assert_close(engine.forward(ids, 0), ref, atol=1e-4, rtol=0)
+    assert engine.stats.sync_fetches > 0
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory):
+    """family -> a tiny checkpoint with the built-in model's tokenizer (so text verbs run)."""
+    out = {}
+    for fam in NEW_FAMILIES:
+        path = tmp_path_factory.mktemp(fam + "_tok")
+        save_tiny(fam, path, vocab_size=json.loads((BUILTIN_MODEL / "config.json").read_text())["vocab_size"])
+        shutil.copy(BUILTIN_MODEL / "tokenizer.json", path)
+        out[fam] = path
+    return out
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_every_verb_runs(with_tokenizer, family, tmp_path, capsys):
+    from expertcache.lab.study import StudyConfig, run_study
+    model = str(with_tokenizer[family])
+    common = ["--model", model, "--store", "disk", "--cache", "0.25"]
+    assert cli.main(["generate", *common, "-n", "6", "--json", str(tmp_path / "g.json"), "ROMEO."]) == 0
+    assert len(json.loads((tmp_path / "g.json").read_text())["tokens"]) == 6
+    assert cli.main(["ppl", *common, "--max-tokens", "200", "--context", "64", "--json", str(tmp_path / "p.json")]) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["ppl"] > 1
+    trace = tmp_path / "t.ectrace"
+    assert cli.main(["trace", "--model", model, "--max-tokens", "128", "--context", "64", "--out", str(trace)]) == 0
+    # 8 experts: 0.25 leaves top-k slots only, too few for quality-first's admissions
+    assert cli.main(["simulate", str(trace), "--cache", "0.5", "0.75", "--policies", "fetch-all", "quality-first",
+                     "--json", str(tmp_path / "s.json")]) == 0
+    rows = {(r["policy"], r["cache"]): r for r in json.loads((tmp_path / "s.json").read_text())["runs"]}
+    assert rows[("fetch-all", 0.75)]["hit_rate"] > rows[("fetch-all", 0.5)]["hit_rate"]
+    assert cli.main(["calibrate", "--model", model, "--max-tokens", "256"]) == 0  # the study starts warm
+    capsys.readouterr()
+    res = run_study(with_tokenizer[family], StudyConfig(
+        tokens_per_domain=64, context=64, prompts_per_domain=1, new_tokens=4, bootstrap=50,
+        policies=("fetch-all", "substitute-all", "threshold:tau=0.15"), generation_policies=("fetch-all",)))
+    assert res.runs["fetch-all"]["pct"] == 0 and res.runs["substitute-all"]["slots_substituted_pct"] > 0
+    assert res.generation["fetch-all"]["identical_token_share"] == 1.0
