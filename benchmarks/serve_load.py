@@ -48,6 +48,11 @@ def start_server(schedule: str, extra: list[str]) -> tuple[subprocess.Popen, str
     raise RuntimeError("the server did not come up")
 
 
+def hit_rate(url: str) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics").read().decode()
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("expertcache_cache_hit_rate ")))
+
+
 def one_request(url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
     """-> (latency s, time to first token s, chunks)"""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -105,8 +110,8 @@ def main() -> None:
     print(f"{time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cores, "
           f"{a.requests} requests x {a.max_tokens} tokens per level, greedy, --store ram {' '.join(a.extra)}\n")
     print("| schedule | clients | requests | tokens/s | requests/s | p50 latency s | p99 latency s | "
-          "p50 first token s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "p50 first token s | hit rate |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for schedule in a.schedules.split(","):
         proc, url = start_server(schedule, a.extra)
         try:
@@ -114,8 +119,8 @@ def main() -> None:
             for clients in map(int, a.clients.split(",")):
                 r = load(url, clients, a.requests, a.max_tokens, a.duration)
                 print(f"| {schedule} | {clients} | {r['requests']} | {r['tokens_per_s']:.1f} | "
-                      f"{r['requests_per_s']:.2f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['ttft_p50_s']:.2f} |",
-                      flush=True)
+                      f"{r['requests_per_s']:.2f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['ttft_p50_s']:.2f} | "
+                      f"{hit_rate(url):.1%} |", flush=True)
         finally:
             proc.terminate()
             proc.wait()
