@@ -57,3 +57,35 @@ def test_stop_strings_cut_before_the_stop_across_pieces():
     assert hit and "".join(shown) == "Hello world "
     stops = StopStrings(("END",))
     assert stops.feed("abcdE")[0] + stops.flush() == "abcdE"  # a held prefix comes out at the end
+
+
+def test_generation_stops_at_eos_and_reads_prompt_from_stdin(monkeypatch, capsys):
+    import io
+
+    from expertcache import cli
+    from expertcache.engine.engine import Engine, EngineConfig
+    from expertcache.engine.generate import TextGeneration, eos_token_ids
+    engine = Engine(None, EngineConfig(store="ram", max_seq=64))
+    assert eos_token_ids(engine) == {0}  # config.json's eos_token_id and tokenizer_config's eos_token
+    prompt = engine.encode("ROMEO.\n")
+    first = TextGeneration(engine, prompt, SamplingParams(max_tokens=4)).step()
+    gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=4))
+    gen.eos = frozenset({first.token})  # the greedy first token plays EOS
+    out = gen.step()
+    assert out.finish_reason == "stop" and out.text == "" and gen.tokens == []
+    engine.close()
+    monkeypatch.setattr("sys.stdin", io.StringIO("JULIET.\n"))
+    assert cli.main(["generate", "--store", "ram", "-n", "4", "-p", "-"]) == 0
+    assert capsys.readouterr().out.startswith("JULIET.\n")
+    assert cli.main(["generate", "--store", "ram", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_chat_verb_answers_each_stdin_line(monkeypatch, capsys):
+    import io
+
+    from expertcache import cli
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who goes there?\n\nStand and unfold yourself.\n"))
+    assert cli.main(["chat", "--store", "ram", "-n", "6"]) == 0
+    replies = capsys.readouterr().out.split("\n")
+    assert len([r for r in replies if r.strip()]) >= 2

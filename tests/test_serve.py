@@ -4,6 +4,7 @@ import io
 import json
 import os
 import re
+import socket
 import threading
 import time
 from pathlib import Path
@@ -180,3 +181,12 @@ def test_failed_fetch_ends_the_request_and_the_server_keeps_serving(tmp_path, re
         got = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=8, temperature=0)
         assert got.choices[0].text == want
     engine.close()
+
+
+def test_serve_verb_refuses_a_taken_port(capsys):
+    from expertcache import cli
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert cli.main(["serve", "--store", "ram", "--port", str(taken.getsockname()[1])]) == 2
+    assert "choose another --port" in capsys.readouterr().err

@@ -1,8 +1,10 @@
 """expertcache serve: an OpenAI-compatible HTTP server over one engine and one expert cache."""
 from __future__ import annotations
 
+import socket
 import sys
 
+from ..errors import ExpertCacheError
 from ..policies import make_policy
 from .options import add_engine_arguments, engine_from_args
 
@@ -33,13 +35,28 @@ def build_app(a):
     return create_app(Scheduler(engine, config), name)
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so a taken port fails fast."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise ExpertCacheError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port "
+                               "or --host") from None
+    return sock
+
+
 def run(a) -> int:
     import uvicorn
+    sock = bind(a.host, a.port)
     app = build_app(a)
     print(f"expertcache: serving {app.state.server.model_name!r} on http://{a.host}:{a.port}/v1", file=sys.stderr)
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:
+        sock.close()
         app.state.server.scheduler.stop()
         app.state.server.engine.close()
     return 0

@@ -132,7 +132,7 @@ def generate(engine: Engine, prompt: list[int], max_new_tokens: int, temperature
     yielded before the end): one forward over the prompt, then one per token (KV cache)."""
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_new_tokens, ignore_eos=True)
     gen = TextGeneration(engine, prompt, params)
-    gen.detok = None
+    gen.detok = None  # ids only: no text to build
     while gen.finish_reason is None:
         token = gen.step().token
         yield token

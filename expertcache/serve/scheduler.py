@@ -71,7 +71,8 @@ class Scheduler:
         with self.lock:
             self.stopping = True
             self.lock.notify()
-        self.thread.join()
+        if self.thread.is_alive():
+            self.thread.join()
 
     def submit(self, request: Request) -> None:
         with self.lock:
