@@ -10,7 +10,6 @@ of the long request's greedy tokens agree with the exact (fetch-all prefill) run
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import replace
 
 from expertcache.engine.cache import CacheConfig

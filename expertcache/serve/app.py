@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..engine.chat import ChatTemplate, ChatTemplateError, encode_chat
-from ..engine.generate import StepOutput
 from ..engine.sampling import SamplingError, SamplingParams
 from ..errors import CheckpointError
 from .metrics import ServerMetrics
@@ -153,12 +152,12 @@ class Server:
     def _error(e: Exception) -> APIError:
         return APIError(500, f"generation failed: {e}", None, type(e).__name__, "server_error")
 
-    def _usage(self, request: Request, completion_tokens: int) -> dict:
-        return {"prompt_tokens": len(request.prompt), "completion_tokens": completion_tokens,
-                "total_tokens": len(request.prompt) + completion_tokens}
+    @staticmethod
+    def _usage(request: Request) -> dict:
+        n = request.completion_tokens
+        return {"prompt_tokens": len(request.prompt), "completion_tokens": n, "total_tokens": len(request.prompt) + n}
 
     async def _stream(self, request: Request, queue: asyncio.Queue, rid: str, chat: bool):
-        tokens = 0
         try:
             if chat:
                 first = {**self._envelope(rid, chat, True),
@@ -169,7 +168,6 @@ class Server:
                 if isinstance(item, Exception):
                     yield f"data: {json.dumps(self._error(item).body())}\n\n"
                     return
-                tokens += 1
                 if not item.text and item.finish_reason is None:
                     continue
                 choice: dict[str, Any] = {"index": 0, "finish_reason": item.finish_reason}
@@ -184,7 +182,7 @@ class Server:
 
     async def _whole(self, http: HTTPRequest, request: Request, queue: asyncio.Queue, rid: str,
                      chat: bool) -> Response:
-        parts, tokens, finish = [], 0, None
+        parts, finish = [], None
         try:
             while True:
                 try:
@@ -199,9 +197,7 @@ class Server:
                 if isinstance(item, Exception):
                     err = self._error(item)
                     return JSONResponse(err.body(), status_code=err.status)
-                item: StepOutput
                 parts.append(item.text)
-                tokens += 1
                 finish = item.finish_reason or finish
         finally:
             request.cancel()
@@ -212,7 +208,7 @@ class Server:
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         return JSONResponse({**self._envelope(rid, chat, False), "choices": [choice],
-                             "usage": self._usage(request, tokens)})
+                             "usage": self._usage(request)})
 
 
 def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:

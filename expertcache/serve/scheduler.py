@@ -34,6 +34,7 @@ class Request:
     first_token: float | None = None
     finished: float | None = None
     generation: TextGeneration | None = None
+    completion_tokens: int = 0  # output tokens (an EOS that ended it is not one)
 
     def cancel(self) -> None:
         """Stop generating (the client went away); the worker drops it at its next step."""
@@ -97,6 +98,8 @@ class Scheduler:
     def _finish(self, request: Request, outcome: StepOutput | Exception | None, reason: str) -> None:
         request.finished = time.perf_counter()
         self.active.remove(request)
+        if request.generation is not None:
+            request.completion_tokens = len(request.generation.tokens)
         request.generation = None  # frees its KV buffers
         if outcome is not None:
             request.emit(outcome)
