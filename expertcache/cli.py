@@ -7,8 +7,8 @@ import sys
 
 from .errors import ExpertCacheError
 
-VERBS = ["generate", "ppl", "convert", "info", "calibrate", "predict", "study", "bench", "trace", "simulate",
-         "calibrate-hw", "train"]
+VERBS = ["generate", "chat", "serve", "ppl", "convert", "info", "calibrate", "predict", "study", "bench",
+         "trace", "simulate", "calibrate-hw", "train"]
 
 
 class Parser(argparse.ArgumentParser):

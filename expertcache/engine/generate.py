@@ -1,31 +1,140 @@
-"""Autoregressive generation through the engine (greedy or sampled), streamed token by token."""
+"""Autoregressive generation through the engine, one token per step: sampling, EOS and stop
+strings, incremental text. A `TextGeneration` may own its KV cache, so that a scheduler can
+interleave the steps of several requests over one engine and one expert cache."""
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
+from ..policies import MissPolicy
 from .engine import Engine
+from .sampling import IncrementalDetokenizer, Sampler, SamplingParams, StopStrings
+
+
+def eos_token_ids(engine: Engine) -> frozenset[int]:
+    """The checkpoint's end-of-sequence ids: config.json's eos_token_id (an id or a list) and
+    tokenizer_config.json's eos_token."""
+    ids = engine.checkpoint.config.get("eos_token_id")
+    found = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    token = tokenizer_config(engine).get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if token and engine.tokenizer is not None and engine.tokenizer.token_to_id(token) is not None:
+        found.add(engine.tokenizer.token_to_id(token))
+    return frozenset(found)
+
+
+def tokenizer_config(engine: Engine) -> dict:
+    """The checkpoint's tokenizer_config.json, or {} when it has none."""
+    path = engine.path / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def check_length(engine: Engine, prompt_len: int, max_tokens: int) -> None:
+    """Raise ValueError unless a prompt and its new tokens fit the engine's max_seq."""
+    if prompt_len < 1:
+        raise ValueError("generation needs a prompt of at least one token")
+    if prompt_len + max_tokens > engine.model.max_seq:
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed max_seq="
+                         f"{engine.model.max_seq}; shorten them or raise --max-seq")
+
+
+def prefill(engine: Engine, prompt: list[int], policy: MissPolicy | None = None) -> torch.Tensor:
+    """One forward over the prompt -> logits of its last position [V]. With `policy`, the
+    prompt's misses are decided by it instead of the engine's policy (prefill protection)."""
+    decode_policy = engine.runner.policy
+    if policy is not None:
+        engine.runner.policy = policy
+    try:
+        return engine.forward(torch.tensor(prompt), 0)[-1]
+    finally:
+        engine.runner.policy = decode_policy
+
+
+@dataclass
+class StepOutput:
+    token: int
+    text: str  # new text to show (may be '' while a character or a stop string is incomplete)
+    finish_reason: str | None  # None, "stop" (EOS or a stop string) or "length"
+
+
+class TextGeneration:
+    """One sequence being generated: call `step()` until `finish_reason` is set.
+
+    own_kv: the sequence keeps its KV cache in its own buffers, swapped into the transformer
+    for each step, so other sequences can run steps in between on the same engine."""
+
+    def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, own_kv: bool = False,
+                 prefill_policy: MissPolicy | None = None):
+        check_length(engine, len(prompt), params.max_tokens)
+        self.engine, self.prompt, self.params = engine, prompt, params
+        self.prefill_policy = prefill_policy
+        self.sampler = Sampler(params)
+        self.eos = frozenset() if params.ignore_eos else eos_token_ids(engine)
+        self.detok = IncrementalDetokenizer(engine.tokenizer, prompt) if engine.tokenizer is not None else None
+        self.stops = StopStrings(params.stop)
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.seen = None
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(engine.args.vocab_size, dtype=torch.bool)
+            self.seen[torch.tensor(prompt)] = True
+        self.kv = None
+        if own_kv:
+            m = engine.model
+            shape = (*m.k_cache.shape[:2], len(prompt) + params.max_tokens, m.k_cache.shape[3])
+            self.kv = (torch.zeros(shape, dtype=m.k_cache.dtype, device=m.k_cache.device),
+                       torch.zeros(shape, dtype=m.v_cache.dtype, device=m.v_cache.device))
+
+    def _logits(self) -> torch.Tensor:
+        if self.kv is not None:
+            self.engine.model.k_cache, self.engine.model.v_cache = self.kv
+        if not self.tokens:
+            return prefill(self.engine, self.prompt, self.prefill_policy)
+        pos = len(self.prompt) + len(self.tokens) - 1
+        return self.engine.forward(torch.tensor(self.tokens[-1:]), pos)[-1]
+
+    def step(self) -> StepOutput:
+        """Run the model for one new token and sample it."""
+        if self.finish_reason is not None:
+            raise RuntimeError("step() after the generation finished")
+        token = self.sampler(self._logits(), self.seen)
+        if self.seen is not None:
+            self.seen[token] = True
+        if token in self.eos:
+            self.finish_reason = "stop"
+        else:
+            self.tokens.append(token)
+            if len(self.tokens) >= self.params.max_tokens:
+                self.finish_reason = "length"
+        text = ""
+        if self.detok is not None:
+            text = self.detok.push(token) if token not in self.eos else ""
+            if self.finish_reason is not None:
+                text += self.detok.flush()
+        text, stopped = self.stops.feed(text)
+        if stopped:
+            self.finish_reason = "stop"
+        elif self.finish_reason is not None:
+            text += self.stops.flush()
+        return StepOutput(token, text, self.finish_reason)
+
+    def __iter__(self) -> Iterator[StepOutput]:
+        while self.finish_reason is None:
+            yield self.step()
 
 
 def generate(engine: Engine, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, stop: int | None = None) -> Iterator[int]:
-    """Yield new token ids: one forward over the prompt, then one per token (KV cache)."""
-    if not prompt:
-        raise ValueError("generation needs a prompt of at least one token")
-    if len(prompt) + max_new_tokens > engine.model.max_seq:
-        raise ValueError(f"prompt + new tokens ({len(prompt) + max_new_tokens}) exceed max_seq="
-                         f"{engine.model.max_seq}; shorten them or raise --max-seq")
-    gen = torch.Generator().manual_seed(seed)
-    logits = engine.forward(torch.tensor(prompt), 0)[-1]
-    pos = len(prompt)
-    for _ in range(max_new_tokens):
-        if temperature > 0:
-            token = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen))
-        else:
-            token = int(logits.argmax())
+    """Yield new token ids (ids only, no EOS handling unless `stop` names a token, which is
+    yielded before the end): one forward over the prompt, then one per token (KV cache)."""
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_new_tokens, ignore_eos=True)
+    gen = TextGeneration(engine, prompt, params)
+    gen.detok = None  # ids only: no text to build
+    while gen.finish_reason is None:
+        token = gen.step().token
         yield token
         if token == stop:
             return
-        logits = engine.forward(torch.tensor([token]), pos)[-1]
-        pos += 1

@@ -1,0 +1,47 @@
+"""expertcache chat: an interactive conversation through the checkpoint's chat template;
+one user message per stdin line, the reply streamed; the expert cache stays warm across turns."""
+from __future__ import annotations
+
+import sys
+
+from ..engine.chat import ChatTemplate, encode_chat
+from ..engine.generate import TextGeneration
+from .generate import add_sampling_arguments, sampling_from_args
+from .options import add_engine_arguments, engine_from_args
+
+HELP = "chat with the model: one message per stdin line, replies streamed (uses the chat template)"
+
+
+def add_arguments(p):
+    add_engine_arguments(p)
+    p.add_argument("--system", default=None, help="a system message that starts the conversation")
+    add_sampling_arguments(p, max_tokens=128)
+
+
+def run(a) -> int:
+    params = sampling_from_args(a)
+    engine = engine_from_args(a)
+    template = ChatTemplate.of(engine)
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        gen = TextGeneration(engine, encode_chat(engine, template, messages), params)
+        reply = []
+        for out in gen:
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            reply.append(out.text)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    print(f"[{engine.policy}] {engine.stats.line()}", file=sys.stderr)
+    engine.close()
+    return 0

@@ -1,0 +1,62 @@
+"""expertcache serve: an OpenAI-compatible HTTP server over one engine and one expert cache."""
+from __future__ import annotations
+
+import socket
+import sys
+
+from ..errors import ExpertCacheError
+from ..policies import make_policy
+from .options import add_engine_arguments, engine_from_args
+
+HELP = "serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"
+
+
+def add_arguments(p):
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    p.add_argument("--schedule", default="interleave",
+                   help="interleave: decode steps of active requests take turns; serial: one request at a time")
+    p.add_argument("--max-active", type=int, default=16, help="requests decoding at once under interleave")
+    p.add_argument("--prefill-policy", default="same",
+                   help="miss policy for prompt tokens ('same': the decode policy); e.g. substitute-all keeps "
+                        "a long prompt from flushing the experts decoding uses")
+
+
+def build_app(a):
+    """The engine, scheduler and ASGI app for parsed serve arguments."""
+    from ..serve.app import create_app
+    from ..serve.scheduler import Scheduler, SchedulerConfig
+    prefill = None if a.prefill_policy == "same" else make_policy(a.prefill_policy)
+    config = SchedulerConfig(schedule=a.schedule, max_active=a.max_active, prefill_policy=prefill)
+    engine = engine_from_args(a)
+    name = a.served_model_name or (a.model.resolve().name if a.model else "expertcache-builtin")
+    return create_app(Scheduler(engine, config), name)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so a taken port fails fast."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise ExpertCacheError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port "
+                               "or --host") from None
+    return sock
+
+
+def run(a) -> int:
+    import uvicorn
+    sock = bind(a.host, a.port)
+    app = build_app(a)
+    print(f"expertcache: serving {app.state.server.model_name!r} on http://{a.host}:{a.port}/v1", file=sys.stderr)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    finally:
+        sock.close()
+        app.state.server.scheduler.stop()
+        app.state.server.engine.close()
+    return 0

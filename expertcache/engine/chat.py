@@ -1,0 +1,67 @@
+"""Chat templates: the checkpoint's tokenizer_config.json `chat_template`, rendered with
+jinja2 the way HF transformers renders it (sandboxed, trim_blocks, lstrip_blocks, the
+`raise_exception` helper, bos/eos tokens from the tokenizer config)."""
+from __future__ import annotations
+
+from datetime import datetime
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..errors import CheckpointError
+from .engine import Engine
+from .generate import tokenizer_config
+
+
+class ChatTemplateError(ValueError):
+    """The template rejected the messages (its raise_exception) or failed to render."""
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(message)
+
+
+def _token_text(token) -> str:
+    return (token.get("content") if isinstance(token, dict) else token) or ""
+
+
+class ChatTemplate:
+    """messages [{"role", "content"}] -> prompt text."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise CheckpointError(f"chat_template does not parse ({e}); fix tokenizer_config.json") from None
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @classmethod
+    def of(cls, engine: Engine) -> ChatTemplate:
+        """The engine's checkpoint template; CheckpointError when it has none."""
+        cfg = tokenizer_config(engine)
+        source = cfg.get("chat_template")
+        if isinstance(source, list):  # named templates: HF picks "default"
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if not source:
+            raise CheckpointError(f"{engine.path}: tokenizer_config.json has no chat_template; "
+                                  "add one or use plain completions")
+        return cls(source, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render the conversation; ChatTemplateError when the template rejects it."""
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token, eos_token=self.eos_token)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed on these messages ({e})") from None
+
+
+def encode_chat(engine: Engine, template: ChatTemplate, messages: list[dict]) -> list[int]:
+    """Messages -> prompt ids (the template writes any special tokens itself, as in HF)."""
+    return engine.tokenizer.encode(template.render(messages), add_special_tokens=False).ids

@@ -1,0 +1,143 @@
+"""Sampling parameters, the sampler (logits -> next token) and an incremental detokenizer
+whose work per token is bounded, so streaming costs time linear in the output length."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request chooses its tokens and when it ends. temperature 0 is greedy."""
+    temperature: float = 0.0
+    top_p: float = 1.0  # nucleus: smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # 0: no limit
+    min_p: float = 0.0  # drop tokens below min_p * the most likely token's probability
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt or output (CTRL rule)
+    seed: int | None = None  # None: a fresh random seed per request
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()  # stop strings: the output ends before the first occurrence
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature >= 0, "temperature", "must be >= 0 (0 is greedy)"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 disables it)"),
+            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise SamplingError(name, f"{name}={getattr(self, name)!r} {rule}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class SamplingError(ValueError):
+    """A sampling parameter out of range; `param` names it (for OpenAI-style error bodies)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class Sampler:
+    """Picks the next token from logits [V] given the ids seen so far (prompt + output)."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor, seen: torch.Tensor) -> int:
+        p = self.params
+        if p.repetition_penalty != 1.0 and seen.numel():
+            prev = logits[seen]
+            logits = logits.clone()
+            logits[seen] = torch.where(prev > 0, prev / p.repetition_penalty, prev * p.repetition_penalty)
+        if p.greedy:
+            return int(logits.argmax())
+        logits = logits / p.temperature
+        if p.top_k and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, -1)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # keep a token if the mass before it is below top_p (the first token always stays)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, decoding only a short tail window
+    per token (a few ids), and holding back text that ends in an incomplete UTF-8 sequence
+    (byte-level BPE tokens can split a character)."""
+
+    def __init__(self, tokenizer, prompt: list[int] | None = None, context: int = 4):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt[-context:]) if prompt else []
+        # text of ids[prefix:read] was emitted; ids[read:] are pending
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        """Add one token; returns the new text it completes ('' while a character is split)."""
+        self.ids.append(token)
+        prefix_text = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(prefix_text):]
+
+    def flush(self) -> str:
+        """Text still held back at the end of the output (a split character stays replaced)."""
+        prefix_text = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(prefix_text):]
+
+
+class StopStrings:
+    """Cuts streamed text at the first stop string, holding back a tail that could be the
+    start of one so no stop text is ever emitted."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was reached)."""
+        if not self.stop:
+            return text, False
+        self.pending += text
+        cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.pending = self.pending[:cut], ""
+            return out, True
+        keep = len(self.pending) - self.hold
+        if keep <= 0:
+            return "", False
+        out, self.pending = self.pending[:keep], self.pending[keep:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: one engine and one expert cache shared by every request."""

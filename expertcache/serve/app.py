@@ -1,0 +1,269 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE
+streaming or not), /v1/models, /health and /metrics (Prometheus). Requests go to the one
+Scheduler that owns the engine; errors are OpenAI-style bodies
+{"error": {"message", "type", "param", "code"}}."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from ..engine.chat import ChatTemplate, ChatTemplateError, encode_chat
+from ..engine.sampling import SamplingError, SamplingParams
+from ..errors import CheckpointError
+from .metrics import ServerMetrics
+from .scheduler import Request, Scheduler
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by both endpoints; top_k, min_p, repetition_penalty are extensions (as in vLLM)."""
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    ignore_eos: bool = False
+
+
+class CompletionBody(SamplingFields):
+    prompt: str | list[str] | list[int]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatBody(SamplingFields):
+    messages: list[ChatMessage]
+
+
+def message_text(message: ChatMessage) -> dict:
+    """A message as the template sees it; content parts of type text are joined."""
+    content = message.content
+    if isinstance(content, list):
+        if any(part.get("type") != "text" for part in content):
+            raise APIError(400, "only text content parts are supported", "messages")
+        content = "".join(part.get("text", "") for part in content)
+    return {"role": message.role, "content": content or ""}
+
+
+class Server:
+    """Turns HTTP bodies into scheduler requests and their outputs into OpenAI responses."""
+
+    def __init__(self, scheduler: Scheduler, model_name: str, metrics: ServerMetrics):
+        self.scheduler, self.engine, self.model_name, self.metrics = scheduler, scheduler.engine, model_name, metrics
+        try:
+            self.template: ChatTemplate | None = ChatTemplate.of(self.engine)
+        except CheckpointError:
+            self.template = None
+        self.created = int(time.time())
+
+    def params(self, body: SamplingFields, prompt_len: int, default_max: int | None) -> SamplingParams:
+        if body.model != self.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+        if body.n != 1:
+            raise APIError(400, f"n={body.n} is not supported; use n=1", "n")
+        room = self.engine.model.max_seq - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens, the context is {self.engine.model.max_seq}; "
+                           "shorten the prompt", "prompt", "context_length_exceeded")
+        asked = [m for m in (body.max_completion_tokens, body.max_tokens) if m is not None]
+        max_tokens = asked[0] if asked else min(default_max or room, room)
+        if max_tokens > room:
+            raise APIError(400, f"max_tokens={max_tokens} with a {prompt_len}-token prompt exceeds the context of "
+                           f"{self.engine.model.max_seq} tokens; ask for at most {room}", "max_tokens",
+                           "context_length_exceeded")
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        try:
+            return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                  min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
+                                  max_tokens=max_tokens, stop=stop, ignore_eos=body.ignore_eos)
+        except SamplingError as e:
+            raise APIError(400, str(e), e.param) from None
+
+    def completion_prompt(self, body: CompletionBody) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request is supported; send a string", "prompt")
+            prompt = prompt[0]
+        ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise APIError(400, "the prompt is empty; send at least one token", "prompt")
+        if any(not 0 <= t < self.engine.args.vocab_size for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {self.engine.args.vocab_size})", "prompt")
+        return ids
+
+    def chat_prompt(self, body: ChatBody) -> list[int]:
+        if self.template is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+        if not body.messages:
+            raise APIError(400, "messages is empty; send at least one message", "messages")
+        try:
+            return encode_chat(self.engine, self.template, [message_text(m) for m in body.messages])
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "messages") from None
+
+    async def run(self, http: HTTPRequest, prompt: list[int], params: SamplingParams, chat: bool,
+                  stream: bool) -> Response:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        request = Request(prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+        self.scheduler.submit(request)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if stream:
+            return StreamingResponse(self._stream(request, queue, rid, chat), media_type="text/event-stream")
+        return await self._whole(http, request, queue, rid, chat)
+
+    def _envelope(self, rid: str, chat: bool, stream: bool) -> dict:
+        kind = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
+
+    @staticmethod
+    def _error(e: Exception) -> APIError:
+        return APIError(500, f"generation failed: {e}", None, type(e).__name__, "server_error")
+
+    @staticmethod
+    def _usage(request: Request) -> dict:
+        n = request.completion_tokens
+        return {"prompt_tokens": len(request.prompt), "completion_tokens": n, "total_tokens": len(request.prompt) + n}
+
+    async def _stream(self, request: Request, queue: asyncio.Queue, rid: str, chat: bool):
+        try:
+            if chat:
+                first = {**self._envelope(rid, chat, True),
+                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "finish_reason": None}]}
+                yield f"data: {json.dumps(first)}\n\n"
+            while (item := await queue.get()) is not None:
+                if isinstance(item, Exception):
+                    yield f"data: {json.dumps(self._error(item).body())}\n\n"
+                    return
+                if not item.text and item.finish_reason is None:
+                    continue
+                choice: dict[str, Any] = {"index": 0, "finish_reason": item.finish_reason}
+                if chat:
+                    choice["delta"] = {"content": item.text} if item.text else {}
+                else:
+                    choice.update(text=item.text, logprobs=None)
+                yield f"data: {json.dumps({**self._envelope(rid, chat, True), 'choices': [choice]})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # a client that went away ends its generation at the worker's next step
+            request.cancel()
+
+    async def _whole(self, http: HTTPRequest, request: Request, queue: asyncio.Queue, rid: str,
+                     chat: bool) -> Response:
+        parts, finish = [], None
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        request.cancel()
+                        return Response(status_code=499)
+                    continue
+                if item is None:
+                    break
+                if isinstance(item, Exception):
+                    err = self._error(item)
+                    return JSONResponse(err.body(), status_code=err.status)
+                parts.append(item.text)
+                finish = item.finish_reason or finish
+        finally:
+            request.cancel()
+        text = "".join(parts)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                      "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return JSONResponse({**self._envelope(rid, chat, False), "choices": [choice],
+                             "usage": self._usage(request)})
+
+
+def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
+    """The ASGI app; its lifespan starts and stops the scheduler's worker thread."""
+    metrics = ServerMetrics(scheduler)
+    server = Server(scheduler, model_name, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if not scheduler.thread.is_alive():
+            scheduler.start()
+        yield
+
+    app = FastAPI(title="expertcache", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            message, param = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
+        else:
+            message, param = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}", (loc[0] if loc else None)
+        return JSONResponse(APIError(400, message, param).body(), status_code=400)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, http: HTTPRequest):
+        prompt = server.completion_prompt(body)
+        params = server.params(body, len(prompt), default_max=16)
+        return await server.run(http, prompt, params, chat=False, stream=body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, http: HTTPRequest):
+        prompt = server.chat_prompt(body)
+        params = server.params(body, len(prompt), default_max=None)
+        return await server.run(http, prompt, params, chat=True, stream=body.stream)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
+                                            "owned_by": "expertcache"}]}
+
+    @app.get("/health")
+    async def health():
+        alive = scheduler.thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app

@@ -1,0 +1,151 @@
+"""One worker thread owns the engine; requests wait in a FIFO queue and are admitted in order.
+
+interleave: up to `max_active` requests run at once, one decode step each in turn (each
+request keeps its own KV cache, swapped into the transformer for its step), so a short
+request is not stuck behind a long one. serial: one request at a time, to completion.
+Either way the expert cache sees one token after another, so its decisions stay token-ordered
+and the cache persists across requests (it is never reset)."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..engine.engine import Engine
+from ..engine.generate import StepOutput, TextGeneration
+from ..engine.sampling import SamplingParams
+from ..errors import FetchError
+from ..policies import MissPolicy
+
+SCHEDULES = ("interleave", "serial")
+
+
+@dataclass
+class Request:
+    """One generation request. `emit(item)` is called from the worker thread with a
+    StepOutput per token, then None at the end, or an Exception that ended the request."""
+    prompt: list[int]
+    params: SamplingParams
+    emit: Callable[[StepOutput | Exception | None], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    finished: float | None = None
+    generation: TextGeneration | None = None
+    completion_tokens: int = 0  # output tokens (an EOS that ended it is not one)
+
+    def cancel(self) -> None:
+        """Stop generating (the client went away); the worker drops it at its next step."""
+        self.cancelled.set()
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    schedule: str = "interleave"
+    max_active: int = 16
+    prefill_policy: MissPolicy | None = None  # None: prompts use the engine's policy
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig(),
+                 on_finish: Callable[[Request, str], None] | None = None):
+        if config.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {config.schedule!r}; choose {' or '.join(SCHEDULES)}")
+        if config.max_active < 1:
+            raise ValueError(f"max_active={config.max_active} must be >= 1")
+        self.engine, self.config, self.on_finish = engine, config, on_finish
+        self.max_active = config.max_active if config.schedule == "interleave" else 1
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []
+        self.lock = threading.Condition()
+        self.stopping = False
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.thread = threading.Thread(target=self._loop, name="expertcache-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            self.lock.notify()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def submit(self, request: Request) -> None:
+        with self.lock:
+            self.waiting.append(request)
+            self.lock.notify()
+
+    @property
+    def queue_length(self) -> int:
+        return len(self.waiting)
+
+    def _admit(self) -> bool:
+        """Move waiting requests (FIFO) into the active set; False when stopping."""
+        with self.lock:
+            while not self.stopping and not self.active and not self.waiting:
+                self.lock.wait()
+            if self.stopping:
+                return False
+            while self.waiting and len(self.active) < self.max_active:
+                self.active.append(self.waiting.popleft())
+        return True
+
+    def _finish(self, request: Request, outcome: StepOutput | Exception | None, reason: str) -> None:
+        request.finished = time.perf_counter()
+        self.active.remove(request)
+        if request.generation is not None:
+            request.completion_tokens = len(request.generation.tokens)
+        request.generation = None  # frees its KV buffers
+        if outcome is not None:
+            request.emit(outcome)
+        request.emit(None)
+        if self.on_finish is not None:
+            self.on_finish(request, reason)
+
+    def _step(self, request: Request) -> None:
+        if request.cancelled.is_set():
+            return self._finish(request, None, "cancelled")
+        try:
+            if request.generation is None:
+                request.generation = TextGeneration(self.engine, request.prompt, request.params,
+                                                    own_kv=True, prefill_policy=self.config.prefill_policy)
+                self.prompt_tokens += len(request.prompt)
+            out = request.generation.step()
+        except Exception as e:  # the request ends with an error; the server keeps serving
+            if isinstance(e, FetchError):
+                repair_cache(self.engine)
+            return self._finish(request, e, "error")
+        self.generated_tokens += 1
+        if request.first_token is None:
+            request.first_token = time.perf_counter()
+        if out.finish_reason is not None:
+            return self._finish(request, out, out.finish_reason)
+        request.emit(out)
+
+    def _loop(self) -> None:
+        while self._admit():
+            for request in list(self.active):  # one step each, in admission order
+                self._step(request)
+
+
+def repair_cache(engine: Engine) -> None:
+    """After a failed fetch a slot may be mapped to an expert whose copy never landed: empty
+    the cache (waiting out the other transfers) and warm it again, so later requests compute
+    with the right weights."""
+    for _ in range(engine.cache.num_slots + 1):
+        try:
+            engine.cache.clear()
+            break
+        except FetchError:
+            continue
+    engine.runner.predicted = None
+    if engine.warm:
+        try:
+            engine.cache.warm(engine.routing_counts)
+        except FetchError:  # the slow tier is still failing: stay cold, fetch on demand later
+            engine.cache.clear()

@@ -1,0 +1,91 @@
+"""Sampling parameters, the sampler, incremental detokenization and stop strings."""
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from expertcache.engine.engine import BUILTIN_MODEL
+from expertcache.engine.sampling import IncrementalDetokenizer, Sampler, SamplingError, SamplingParams, StopStrings
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_file(str(BUILTIN_MODEL / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
+                                         ("min_p", 2.0), ("repetition_penalty", 0.0), ("max_tokens", 0),
+                                         ("stop", ("",))])
+def test_bad_sampling_values_name_the_field(field, value):
+    with pytest.raises(SamplingError, match=field) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field
+
+
+def test_sampler_filters():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    none = torch.zeros(4, dtype=torch.bool)
+    assert Sampler(SamplingParams())(logits, none) == 0
+    # top_k=1, a tiny top_p, or a min_p near 1 all leave only the best token, at any temperature
+    for params in [SamplingParams(temperature=5, top_k=1, seed=1), SamplingParams(temperature=5, top_p=0.01, seed=1),
+                   SamplingParams(temperature=5, min_p=0.99, seed=1)]:
+        sampler = Sampler(params)
+        assert {sampler(logits, none) for _ in range(20)} == {0}
+    seen = torch.tensor([True, False, False, False])
+    assert Sampler(SamplingParams(repetition_penalty=4.0))(logits, seen) == 1  # 3/4 < 2
+    draws = [Sampler(SamplingParams(temperature=1, seed=7))(logits, none) for _ in range(2)]
+    assert draws[0] == draws[1]  # a seed makes sampling repeatable
+
+
+def test_incremental_detokenizer_matches_full_decode(tokenizer):
+    text = "ROMEO.\nBut soft! what light — «ça» 日本語 through yonder window breaks? 🙂 It is the east."
+    ids = tokenizer.encode(text).ids
+    prompt, out = ids[:3], ids[3:]
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [detok.push(t) for t in out] + [detok.flush()]
+    assert "".join(pieces) == tokenizer.decode(out)
+    assert not any("\ufffd" in p for p in pieces)  # split characters were held back, not shown broken
+
+
+def test_stop_strings_cut_before_the_stop_across_pieces():
+    stops = StopStrings(("END", "\n\n"))
+    shown, hit = [], False
+    for piece in ["Hello", " wor", "ld E", "N", "D and more"]:
+        out, hit = stops.feed(piece)
+        shown.append(out)
+        if hit:
+            break
+    assert hit and "".join(shown) == "Hello world "
+    stops = StopStrings(("END",))
+    assert stops.feed("abcdE")[0] + stops.flush() == "abcdE"  # a held prefix comes out at the end
+
+
+def test_generation_stops_at_eos_and_reads_prompt_from_stdin(monkeypatch, capsys):
+    import io
+
+    from expertcache import cli
+    from expertcache.engine.engine import Engine, EngineConfig
+    from expertcache.engine.generate import TextGeneration, eos_token_ids
+    engine = Engine(None, EngineConfig(store="ram", max_seq=64))
+    assert eos_token_ids(engine) == {0}  # config.json's eos_token_id and tokenizer_config's eos_token
+    prompt = engine.encode("ROMEO.\n")
+    first = TextGeneration(engine, prompt, SamplingParams(max_tokens=4)).step()
+    gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=4))
+    gen.eos = frozenset({first.token})  # the greedy first token plays EOS
+    out = gen.step()
+    assert out.finish_reason == "stop" and out.text == "" and gen.tokens == []
+    engine.close()
+    monkeypatch.setattr("sys.stdin", io.StringIO("JULIET.\n"))
+    assert cli.main(["generate", "--store", "ram", "-n", "4", "-p", "-"]) == 0
+    assert capsys.readouterr().out.startswith("JULIET.\n")
+    assert cli.main(["generate", "--store", "ram", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_chat_verb_answers_each_stdin_line(monkeypatch, capsys):
+    import io
+
+    from expertcache import cli
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who goes there?\n\nStand and unfold yourself.\n"))
+    assert cli.main(["chat", "--store", "ram", "-n", "6"]) == 0
+    replies = capsys.readouterr().out.split("\n")
+    assert len([r for r in replies if r.strip()]) >= 2

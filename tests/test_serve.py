@@ -1,0 +1,192 @@
+"""The OpenAI-compatible server, live on a loopback port, driven by the official openai client."""
+import contextlib
+import io
+import json
+import os
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import urllib.error
+import urllib.request
+import openai
+import pytest
+
+from expertcache.engine.chat import ChatTemplate
+from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
+from expertcache.engine.generate import generate
+from expertcache.serve.app import create_app
+from expertcache.serve.background import BackgroundServer
+from expertcache.serve.scheduler import Scheduler
+
+MODEL = "expertcache-builtin"
+README = Path(__file__).parents[1] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """A separate engine that runs the plain token loop serially."""
+    engine = Engine(None, EngineConfig(store="ram", max_seq=512))
+
+    def complete(prompt_ids: list[int], max_tokens: int) -> str:
+        ids = list(generate(engine, prompt_ids, max_tokens, stop=0))
+        return engine.tokenizer.decode([t for t in ids if t != 0])
+
+    complete.engine = engine
+    yield complete
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = Engine(None, EngineConfig(store="ram", max_seq=512))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
+        yield s
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url) as r:
+        return r.read().decode()
+
+
+def metric(server, name: str) -> float:
+    text = get(f"{server.url}/metrics")
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_completion_whole_and_streamed_equal_serial_generate(client, reference):
+    want = reference(reference.engine.encode("ROMEO.\n"), 24)
+    got = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, temperature=0)
+    assert got.choices[0].text == want
+    assert got.usage.completion_tokens == 24 and got.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_whole_and_streamed_use_the_template(client, reference):
+    messages = [{"role": "user", "content": "Who goes there?"}]
+    prompt = ChatTemplate.of(reference.engine).render(messages)
+    assert prompt == "USER.\nWho goes there?\n\nASSISTANT.\n"
+    want = reference(reference.engine.tokenizer.encode(prompt, add_special_tokens=False).ids, 20)
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert got.choices[0].message.content == want and got.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want
+
+
+def test_builtin_template_renders_as_in_hf(reference):
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(BUILTIN_MODEL))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hail!"}]
+    assert ChatTemplate.of(reference.engine).render(messages) == \
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_stop_strings_and_seeded_sampling(client):
+    whole = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, temperature=0).choices[0]
+    first_line = whole.text.split("\n")[0]
+    got = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, temperature=0, stop=["\n"])
+    assert got.choices[0].text == first_line and got.choices[0].finish_reason == "stop"
+    kw = dict(model=MODEL, prompt="JULIET.\n", max_tokens=16, temperature=0.9, top_p=0.9, seed=3,
+              extra_body={"top_k": 50, "min_p": 0.02, "repetition_penalty": 1.1})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_concurrent_requests_each_get_their_own_answer(client, reference):
+    prompts = ["ROMEO.\n", "JULIET.\nO", "HAMLET.\nTo be", "KING.\nWhat"]
+    want = [reference(reference.engine.encode(p), 16 + 4 * i) for i, p in enumerate(prompts)]
+    got = [None] * len(prompts)
+
+    def ask(i):
+        got[i] = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=16 + 4 * i,
+                                           temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+
+
+def test_bad_requests_get_openai_errors(client, server):
+    bad = urllib.request.Request(f"{server.base_url}/completions", data=b"{not json",
+                                 headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(bad)
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="no-such-model", prompt="a", max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="max_tokens") as e:
+        client.completions.create(model=MODEL, prompt="a", max_tokens=100_000)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        client.completions.create(model=MODEL, prompt="word " * 600, max_tokens=4)
+    assert json.loads(get(f"{server.url}/health")) == {"status": "ok"}
+    assert client.models.list().data[0].id == MODEL
+
+
+def test_disconnect_stops_generation_and_metrics(server):
+    before = metric(server, 'expertcache_requests_total{outcome="cancelled"}')
+    body = {"model": MODEL, "prompt": "ROMEO.\n", "max_tokens": 400, "temperature": 0, "stream": True}
+    req = urllib.request.Request(f"{server.base_url}/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req) as r:
+        assert r.readline().startswith(b"data: ")
+    deadline = time.monotonic() + 30
+    while metric(server, 'expertcache_requests_total{outcome="cancelled"}') <= before:
+        assert time.monotonic() < deadline, "the generation did not stop after the client left"
+        time.sleep(0.1)
+    for name in ["expertcache_cache_hit_rate", "expertcache_tokens_per_second", "expertcache_fetches_per_token",
+                 "expertcache_request_latency_seconds_count", "expertcache_queue_length",
+                 "expertcache_stall_seconds", "expertcache_substituted_mass_per_call"]:
+        assert f"\n{name} " in get(f"{server.url}/metrics")
+    assert metric(server, "expertcache_request_latency_seconds_count") > 0
+
+
+def test_readme_python_example_runs(server):
+    section = README.read_text().split("## Serving", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code.replace("http://127.0.0.1:8000/v1", server.base_url), {})
+    assert len(out.getvalue().strip()) > 10
+
+
+def test_failed_fetch_ends_the_request_and_the_server_keeps_serving(tmp_path, reference):
+    engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, initial="cold", max_seq=256))
+    blob = tmp_path / "experts.bin"
+    original = blob.read_bytes()
+    want = reference(reference.engine.encode("ROMEO.\n"), 8)
+    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        os.truncate(blob, len(original) // 2)  # the later layers' experts now read short
+        with pytest.raises(openai.InternalServerError, match="short read"):
+            client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=8, temperature=0)
+        blob.write_bytes(original)
+        got = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=8, temperature=0)
+        assert got.choices[0].text == want
+    engine.close()
+
+
+def test_serve_verb_refuses_a_taken_port(capsys):
+    from expertcache import cli
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert cli.main(["serve", "--store", "ram", "--port", str(taken.getsockname()[1])]) == 2
+    assert "choose another --port" in capsys.readouterr().err
