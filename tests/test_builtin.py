@@ -45,9 +45,9 @@ def test_generate_and_ppl_verbs(capsys, tmp_path):
 
 
 def test_study_and_bench_run(tmp_path):
+    from expertcache.engine.generate import generate
     from expertcache.lab.bench import BenchConfig, run_bench
     from expertcache.lab.report import write_report
-    from expertcache.engine.generate import generate
     from expertcache.lab.study import StudyConfig, run_study, study_sequences
     cfg = StudyConfig(tokens_per_domain=256, context=128, prompts_per_domain=1, new_tokens=6, bootstrap=200,
                       policies=("fetch-all", "substitute-all", "threshold:tau=0.15", "first-choice", "quality-first",

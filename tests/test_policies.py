@@ -6,8 +6,17 @@ import torch
 from expertcache.engine.cache import CacheConfig, ExpertCache
 from expertcache.engine.stores import ExpertShape
 from expertcache.errors import BadInput, UnknownName
-from expertcache.kernel.eviction import (DECAY, EVICTIONS, add_demand, advance, enter_score, eviction_code,
-                                         insert, touch, victim)
+from expertcache.kernel.eviction import (
+    DECAY,
+    EVICTIONS,
+    add_demand,
+    advance,
+    enter_score,
+    eviction_code,
+    insert,
+    touch,
+    victim,
+)
 from expertcache.policies import Route, make_policy
 
 

@@ -7,10 +7,10 @@ import re
 import socket
 import threading
 import time
-from pathlib import Path
-
 import urllib.error
 import urllib.request
+from pathlib import Path
+
 import openai
 import pytest
 

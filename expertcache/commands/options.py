@@ -24,6 +24,20 @@ def bounded(kind, lo=None, hi=None, lo_open=False, what=""):
 
 
 positive_int = bounded(int, 1, what="give a whole number >= 1")
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: bytes, with an optional K, M or G suffix (powers of 1024), e.g. 64M."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = units.get(t[-1:], 1)
+    try:
+        n = float(t[:-1] if t[-1:] in units else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; e.g. 64M, 2G or 1048576") from None
+    if not n >= 1 or n != n or n == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: give a size of at least 1 byte")
+    return int(n)
 non_negative_int = bounded(int, 0, what="give a whole number >= 0")
 fraction = bounded(float, 0.0, 1.0, lo_open=True, what="give a fraction in (0, 1], e.g. 0.25")
 non_negative = bounded(float, 0.0, what="give a number >= 0")
@@ -47,7 +61,10 @@ def add_store_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     """The fast tier's size and how it is shared."""
     p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
-    p.add_argument("--cache-bytes", type=positive_int, default=None, help="cache size in bytes (overrides --cache)")
+    p.add_argument("--cache-bytes", type=byte_size, default=None, help="expert cache size in bytes, e.g. 32M "
+                   "(overrides --cache)")
+    p.add_argument("--memory-budget", type=byte_size, default=None, help="bytes of the whole fast tier (dense "
+                   "weights, KV cache at --max-seq, transfer buffers, expert slots), e.g. 64M; sizes the cache")
     p.add_argument("--quota", default="layer", choices=["layer", "global"], help="per-layer slots or one pool")
 
 
@@ -70,7 +87,7 @@ def engine_from_args(a: argparse.Namespace) -> Engine:
     cache = CacheConfig(fraction=a.cache, bytes=a.cache_bytes, quota=a.quota)
     return Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=cache, policy=a.policy,
                                         eviction=a.eviction, initial=a.initial, store_dir=a.store_dir,
-                                        max_seq=a.max_seq))
+                                        max_seq=a.max_seq, memory_budget=a.memory_budget))
 
 
 def write_json(path: Path | None, data: dict) -> None:

@@ -19,7 +19,6 @@ from ..policies import MissPolicy
 from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
 
-
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)  # the kernel's argument types
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, UnknownName
+from ..errors import CacheTooSmall, CheckpointError, UnknownName
 from ..models import model_args
 from ..policies import MissPolicy, make_policy
 from .cache import CacheConfig, ExpertCache
@@ -36,6 +36,7 @@ class EngineConfig:
     store_dir: Path | None = None
     max_seq: int = 2048
     prefetch: PrefetchConfig | None = None  # predict the next layer's experts and prefetch them
+    memory_budget: int | None = None  # bytes of the whole fast tier; sizes the expert cache (overrides cache size)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -61,12 +62,15 @@ class Engine:
         self.routing_counts = load_routing_counts(self.path, (self.args.num_layers, self.args.num_experts))
         self.checkpoint = ckpt
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype)
+        self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype), None, self.device,
+                                 config.max_seq)
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
+        if config.memory_budget is not None:
+            cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget, cache_cfg, dtype))
         self.cache = ExpertCache(cache_cfg, self.store, self.args.top_k, self.device, dtype)
         self.stats = RunStats()
         self.runner = MoELayerRunner(self.args, self.cache, self.policy, self.stats)
-        self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype), self.runner, self.device,
-                                 config.max_seq)
+        self.model.moe = self.runner
         if config.prefetch is not None:
             self.set_prefetch(config.prefetch)
         self.tokenizer = None
@@ -74,6 +78,21 @@ class Engine:
             from tokenizers import Tokenizer
             self.tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_file))
         self.reset()
+
+    def _expert_budget(self, budget: int, cache_cfg: CacheConfig, dtype: torch.dtype) -> int:
+        """Bytes left for expert slots when the fast tier holds `budget` bytes in all: the dense
+        weights, the KV cache at max_seq (it grows to that at most) and the transfer buffers first."""
+        fixed = {"dense weights": self.model.dense_bytes, "KV cache": self.model.kv_bytes(self.config.max_seq),
+                 "transfer buffers": self.store.buffer_bytes(cache_cfg.io_workers)}
+        left = budget - sum(fixed.values())
+        one = self.store.shape.numel * dtype.itemsize * self.args.num_layers * self.args.top_k
+        if left < one:
+            parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in fixed.items())
+            raise CacheTooSmall(f"--memory-budget {budget / 2**20:.1f} MiB leaves {max(left, 0) / 2**20:.1f} MiB for "
+                                f"experts after {parts}; top-{self.args.top_k} experts per layer need "
+                                f"{one / 2**20:.1f} MiB: raise it to at least {(budget - left + one) / 2**20:.1f} MiB "
+                                "or lower --max-seq")
+        return left
 
     # -- residency -----------------------------------------------------------------------
     def reset(self) -> None:
@@ -136,9 +155,12 @@ class Engine:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
 
     def budget(self) -> dict:
-        """Bytes of the fast tier: non-expert weights, the expert cache, the KV cache."""
+        """Bytes of the fast tier: non-expert weights, the expert cache, the KV cache (as allocated
+        now, and at max_seq), the transfer buffers; and the budget they were sized to, if any."""
         kv = self.model.k_cache.nbytes + self.model.v_cache.nbytes
-        return {"dense_bytes": self.model.dense_bytes, "cache_bytes": self.cache.bytes, "kv_bytes": kv,
+        return {"memory_budget": self.config.memory_budget, "dense_bytes": self.model.dense_bytes,
+                "cache_bytes": self.cache.bytes, "kv_bytes": kv, "kv_bytes_max": self.model.kv_bytes(self.model.max_seq),
+                "buffer_bytes": self.store.buffer_bytes(self.cache.cfg.io_workers),
                 "slots_per_layer": self.cache.per_layer, "expert_bytes_slow": self.store.expert_bytes,
                 "expert_bytes_fast": self.cache.expert_bytes}
 

@@ -72,6 +72,10 @@ class ExpertStore(ABC):
         """Copy expert (layer, expert) into w13 [2F, H] and w2 [H, F] (and b13 [2F], b2 [H] when the
         shape has biases); returns bytes moved. Safe to call from worker threads."""
 
+    def buffer_bytes(self, workers: int) -> int:
+        """Fast-tier memory the store's reads need besides the slots (per-worker staging)."""
+        return 0
+
     def close(self) -> None:
         pass
 
@@ -192,6 +196,9 @@ class DiskStore(ExpertStore):
             view = torch.frombuffer(buf, dtype=self.dtype, count=self.shape.numel)
             self._local.buf = (buf, view)
         return self._local.buf
+
+    def buffer_bytes(self, workers):
+        return workers * self.blob
 
     def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
         buf, view = self._buffer()

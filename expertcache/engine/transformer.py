@@ -17,6 +17,9 @@ MoEFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.T
 PrefetchHook = Callable[[int, torch.Tensor], None]
 
 
+KV_START = 256  # positions the KV cache holds before it first grows
+
+
 class Transformer:
     """The decoder over dense weights in our names; `moe(layer, x, router)` supplies each MoE layer's
     routed output, `prefetch(layer, h)` (if set) sees the residual after each attention."""
@@ -50,10 +53,27 @@ class Transformer:
         self.linear = {i: GatedDeltaNet(a, self.layers[i]) for i in range(a.num_layers)
                        if a.layer_type(i) == "linear_attention"}
         self.kv_index = {i: n for n, i in enumerate(i for i in range(a.num_layers) if i not in self.linear)}
-        shape = (len(self.kv_index), a.num_kv_heads, max_seq, a.head_dim)
+        # keys and values grow to what a sequence uses (doubling), up to max_seq
+        shape = (len(self.kv_index), a.num_kv_heads, min(max_seq, KV_START), a.head_dim)
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.prefetch: PrefetchHook | None = None
+
+    def kv_bytes(self, positions: int) -> int:
+        """Bytes of the KV cache holding `positions` positions."""
+        k = self.k_cache
+        return 2 * k.shape[0] * k.shape[1] * positions * k.shape[3] * k.element_size()
+
+    def _reserve(self, positions: int) -> None:
+        """Grow the KV cache to hold `positions` positions (at least doubling, at most max_seq)."""
+        have = self.k_cache.shape[2]
+        if positions <= have:
+            return
+        n = min(self.max_seq, max(positions, 2 * have))
+
+        def grow(c: torch.Tensor) -> torch.Tensor:
+            return torch.cat([c, c.new_zeros(c.shape[0], c.shape[1], n - have, c.shape[3])], dim=2)
+        self.k_cache, self.v_cache = grow(self.k_cache), grow(self.v_cache)
 
     @property
     def dense_bytes(self) -> int:
@@ -121,6 +141,7 @@ class Transformer:
         T = ids.shape[0]
         if pos + T > self.max_seq:
             raise ValueError(f"sequence of {pos + T} tokens exceeds max_seq={self.max_seq}; raise --max-seq")
+        self._reserve(pos + T)
         h = self.embed[ids]
         for i, L in enumerate(self.layers):
             xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
