@@ -23,3 +23,15 @@ class UnknownName(ExpertCacheError):
 
 class FetchError(ExpertCacheError):
     """A read from the slow tier failed or came back short."""
+
+
+class BadInput(ExpertCacheError):
+    """An argument or an input text the library cannot work with (too short, too long)."""
+
+
+class ReadModeUnsupported(ExpertCacheError):
+    """The disk store cannot be read the way asked (no O_DIRECT on this platform or filesystem)."""
+
+
+class NonFiniteOutput(ExpertCacheError):
+    """The model produced NaN or infinite logits: corrupt weights, never a result to report."""

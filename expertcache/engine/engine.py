@@ -12,7 +12,7 @@ import torch
 
 from .cache import CacheConfig, ExpertCache
 from .checkpoint import ROUTING_COUNTS, load_routing_counts, open_checkpoint
-from ..errors import CheckpointError, UnknownName
+from ..errors import CheckpointError, NonFiniteOutput, UnknownName
 from .moe import MoELayerRunner, PrefetchConfig
 from ..models import model_args
 from ..policies import MissPolicy, make_policy
@@ -34,6 +34,8 @@ class EngineConfig:
     eviction: str | None = None  # None: the policy's preferred order (lru, or freq for the presets)
     initial: str = "auto"  # warm: most-routed experts first; cold: empty; auto: warm if counts exist
     store_dir: Path | None = None
+    read_mode: str = "auto"  # disk store: direct (O_DIRECT or an error), buffered, auto (direct where allowed)
+    verify: bool = True  # disk store: check each fetched blob's CRC32C
     max_seq: int = 2048
     prefetch: PrefetchConfig | None = None  # speculative expert prefetch (seed B)
 
@@ -59,7 +61,8 @@ class Engine:
         self.args = model_args(ckpt.config)
         self.routing_counts = load_routing_counts(self.path, (self.args.num_layers, self.args.num_experts))
         self.checkpoint = ckpt
-        self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype)
+        self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype, config.read_mode,
+                                config.verify)
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
         self.cache = ExpertCache(cache_cfg, self.store, self.args.top_k, self.device, dtype)
         self.stats = RunStats()
@@ -89,7 +92,7 @@ class Engine:
             self.cache.warm(counts)
         self.policy.reset()
         self.runner.predicted = None
-        self.stats.__init__()
+        self.stats.__init__(read_mode=self.store.read_mode)
         self.warm = counts is not None
 
     def set_policy(self, policy: MissPolicy | str, eviction: str | None = None) -> None:
@@ -111,7 +114,8 @@ class Engine:
 
     # -- running -------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
-        """ids [T] -> logits [T, V] (fp32), counting tokens and wall time."""
+        """ids [T] -> logits [T, V] (fp32), counting tokens and wall time. Raises NonFiniteOutput
+        rather than return a NaN or infinite logit."""
         start = time.perf_counter()
         self.runner.token_base = self.stats.tokens
         logits = self.model.forward(ids.to(self.device), pos).float()
@@ -120,6 +124,11 @@ class Engine:
         self.stats.wall_s += time.perf_counter() - start
         self.stats.tokens += ids.shape[0]
         self.stats.peak_memory_bytes = peak_memory_bytes(self.device)
+        finite = torch.isfinite(logits).all(dim=-1)
+        if not bool(finite.all()):
+            t = int((~finite).nonzero()[0, 0])
+            raise NonFiniteOutput(f"the model produced non-finite logits at position {pos + t}: corrupt weights; "
+                                  "check the checkpoint, or rerun `expertcache convert` for a disk store")
         return logits
 
     def encode(self, text: str) -> list[int]:
