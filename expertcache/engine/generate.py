@@ -5,6 +5,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..errors import BadInput
 from .engine import Engine
 
 
@@ -12,9 +13,9 @@ def generate(engine: Engine, prompt: list[int], max_new_tokens: int, temperature
              seed: int = 0, stop: int | None = None) -> Iterator[int]:
     """Yield new token ids: one forward over the prompt, then one per token (KV cache)."""
     if not prompt:
-        raise ValueError("generation needs a prompt of at least one token")
+        raise BadInput("generation needs a prompt of at least one token")
     if len(prompt) + max_new_tokens > engine.model.max_seq:
-        raise ValueError(f"prompt + new tokens ({len(prompt) + max_new_tokens}) exceed max_seq="
+        raise BadInput(f"prompt + new tokens ({len(prompt) + max_new_tokens}) exceed max_seq="
                          f"{engine.model.max_seq}; shorten them or raise --max-seq")
     gen = torch.Generator().manual_seed(seed)
     logits = engine.forward(torch.tensor(prompt), 0)[-1]

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import BadInput
 from .engine import Engine
 
 EVAL_TEXT = Path(__file__).parents[1] / "data" / "eval.txt"
@@ -40,7 +41,7 @@ def windows(n_tokens: int, context: int) -> list[tuple[int, int]]:
 def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool = True,
                progress: Callable[[int], None] | None = None) -> PerplexityResult:
     if len(ids) < 2:
-        raise ValueError("perplexity needs at least 2 tokens of text")
+        raise BadInput("perplexity needs at least 2 tokens of text")
     if reset:
         engine.reset()
     x = torch.tensor(ids, dtype=torch.long)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..errors import BadInput
 from ..models.args import ModelArgs
 
 # (layer, normed MoE input [T, H], router [E, H]) -> routed experts' output [T, H]
@@ -98,7 +99,7 @@ class Transformer:
         a = self.args
         T = ids.shape[0]
         if pos + T > self.max_seq:
-            raise ValueError(f"sequence of {pos + T} tokens exceeds max_seq={self.max_seq}; raise --max-seq")
+            raise BadInput(f"sequence of {pos + T} tokens exceeds max_seq={self.max_seq}; raise --max-seq")
         h = self.embed[ids]
         for i, L in enumerate(self.layers):
             h = h + self._attention(i, L, F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps), pos)
