@@ -57,7 +57,8 @@ def quality(cache: float, cfg: StudyConfig) -> list[dict]:
         rows.append({"policy": spec, "eviction": eviction, "ppl": r.ppl,
                      "increase": paired_increase(base, w, cfg.bootstrap, cfg.seed),
                      "increase_after_topic_change": paired_increase(base[after], w[after], cfg.bootstrap, cfg.seed),
-                     "hit_rate": r.stats["hit_rate"], "mass_per_call": r.stats["substituted_mass"] / r.stats["moe_calls"],
+                     "hit_rate": r.stats["hit_rate"],
+                     "mass_per_call": r.stats["substituted_mass"] / r.stats["moe_calls"],
                      "admissions_per_token": r.stats["background_fetches"] / r.tokens})
     engine.close()
     return rows

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import json
 import sys
 
 from .errors import ExpertCacheError
@@ -30,11 +32,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return modules[args.verb].run(args)
-    except (ExpertCacheError, ValueError) as e:
+    except (ExpertCacheError, UnicodeDecodeError, json.JSONDecodeError) as e:  # bad input or a corrupt file
         print(f"expertcache: error: {e}", file=sys.stderr)
-        return 2
+    except OSError as e:
+        print(f"expertcache: error: {e}; {os_error_fix(e)}", file=sys.stderr)
     except KeyboardInterrupt:
         return 130
+    return 2
+
+
+def os_error_fix(e: OSError) -> str:
+    """What to do about an operating-system error the library did not expect (mostly under ~/.cache)."""
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "make the path writable, or choose another folder (--store-dir or --out, or EXPERTCACHE_HOME)"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free disk space, or choose a folder on another disk (--store-dir or --out, or EXPERTCACHE_HOME)"
+    if e.errno == errno.EINVAL:
+        return "the filesystem refused the operation; choose a folder on another filesystem (--store-dir)"
+    return "check the path and the disk"
 
 
 if __name__ == "__main__":

@@ -21,9 +21,17 @@ class UnknownName(ExpertCacheError):
     """An unknown policy, eviction, store or preset name."""
 
 
-class BadInput(ExpertCacheError):
-    """A value given by the user is out of range or malformed (a flag, a text, a request)."""
-
-
 class FetchError(ExpertCacheError):
     """A read from the slow tier failed or came back short."""
+
+
+class BadInput(ExpertCacheError):
+    """An argument or an input text the library cannot work with (too short, too long)."""
+
+
+class ReadModeUnsupported(ExpertCacheError):
+    """The disk store cannot be read the way asked (no O_DIRECT on this platform or filesystem)."""
+
+
+class NonFiniteOutput(ExpertCacheError):
+    """The model produced NaN or infinite logits: corrupt weights, never a result to report."""

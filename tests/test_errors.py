@@ -7,7 +7,8 @@ import pytest
 from expertcache import cli
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.engine import Engine, EngineConfig
-from expertcache.errors import CacheTooSmall, CheckpointError, UnknownName, UnsupportedArchitecture
+from expertcache.engine.perplexity import perplexity
+from expertcache.errors import BadInput, CacheTooSmall, CheckpointError, UnknownName, UnsupportedArchitecture
 
 
 def run_cli(capsys, *argv):
@@ -83,3 +84,29 @@ def test_unknown_names(capsys, ckpt):
 def test_missing_text_file(capsys, ckpt, tmp_path):
     code, err = run_cli(capsys, "ppl", "--model", str(ckpt), "--text", str(tmp_path / "none.txt"))
     assert code == 2 and "cannot read text" in err
+
+
+def test_bad_input_is_typed_and_programming_errors_are_not_bad_input(capsys, ckpt, monkeypatch):
+    code, err = run_cli(capsys, "generate", "--store", "ram", "--max-seq", "8", "-n", "16", "ROMEO.")
+    assert code == 2 and "exceed max_seq=8" in err and err.count("\n") == 0, err
+    with pytest.raises(BadInput, match="at least 2 tokens"):
+        perplexity(Engine(ckpt), [1])
+    from expertcache.commands import info
+
+    def broken(a):
+        raise ValueError("a bug, not bad input")
+    monkeypatch.setattr(info, "run", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        cli.main(["info"])
+
+
+def test_os_errors_are_one_line(capsys, ckpt, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("EXPERTCACHE_HOME", str(home))
+    expect_cli_error(capsys, ckpt, "Not a directory", "--store", "disk")
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "experts.bin.partial").symlink_to("/dev/full")  # every write: no space left on device
+    code, err = run_cli(capsys, "convert", "--model", str(ckpt), "--out", str(store))
+    assert code == 2 and err.count("\n") == 0 and "No space left on device" in err and "free disk space" in err, err

@@ -97,7 +97,7 @@ def test_cost_model_adds_fetch_time():
     assert 0.2 < p.fetch_s * 1000 < 0.3  # 6.3 MB over PCIe 4.0
 
 
-ADMITTING = ("quality-first", "threshold:tau=0.3,beta=0.2", "first-choice:beta=0.1,sub=drop")
+ADMITTING = ("quality-first:beta=0.1", "threshold:tau=0.3,beta=0.2", "first-choice:beta=0.1,sub=drop")
 
 
 @pytest.mark.parametrize("policy", ADMITTING)

@@ -56,6 +56,9 @@ def add_store_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--store", default=store, help="slow tier: ram, disk or pinned (default: %(default)s)")
     p.add_argument("--store-dir", type=Path, default=None, help="where the disk store lives (default: ~/.cache)")
+    p.add_argument("--read-mode", default="auto", choices=["auto", "direct", "buffered"],
+                   help="disk store reads: O_DIRECT, buffered with the page cache dropped, or auto (O_DIRECT where "
+                        "the filesystem allows it; the mode used is in the statistics)")
 
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,7 +90,7 @@ def engine_from_args(a: argparse.Namespace) -> Engine:
     cache = CacheConfig(fraction=a.cache, bytes=a.cache_bytes, quota=a.quota)
     return Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=cache, policy=a.policy,
                                         eviction=a.eviction, initial=a.initial, store_dir=a.store_dir,
-                                        max_seq=a.max_seq, memory_budget=a.memory_budget))
+                                        max_seq=a.max_seq, memory_budget=a.memory_budget, read_mode=a.read_mode))
 
 
 def write_json(path: Path | None, data: dict) -> None:

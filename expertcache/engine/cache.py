@@ -141,6 +141,7 @@ class ExpertCache:
         owed_from = kernel.decide_layer(self.state, policy.params(), policy.bind(L, E), self.scratch,
                                         layer, logits, ids, weights, token_base, slots, experts, gates)
         if owed_from < 0:
+            self._abandon(self._take_log())  # the tokens before the failing one logged loads
             raise self.too_small(layer)
         return owed_from
 
@@ -152,49 +153,105 @@ class ExpertCache:
         self._check_layer(layer)
         self._check_experts("prefetch: experts", experts)
         if not kernel.prefetch(self.state, layer, experts, clock):
+            self._abandon(self._take_log())
             raise self.too_small(layer)
         return self.carry_out()
 
     def carry_out(self, compute=None) -> float:
         """Carry out the logged actions in order: start transfers, wait for them, run the
         expert work owed before a slot is overwritten (`compute(begin, end)`). Returns the
-        seconds stalled."""
-        st, stall = self.state, 0.0
-        n = st.misc[N_LOG]
-        if not n:
-            return 0.0
+        seconds stalled. If an action raises, the cache is left consistent before the error
+        propagates: transfers not started or failed leave their experts absent and their slots
+        free, and no transfer is left in flight."""
+        rows, stall = self._take_log(), 0.0
         E = self.shape.num_experts
-        for op, a, b, c in st.log[:n].tolist():
-            if op == kernel.LOAD:
-                self.pending[a] = self.transfers.submit(b // E, b % E, a, kernel.KINDS[c])
-            elif op == kernel.WAIT:
-                stall += self.wait(a)
-            elif op == kernel.FLUSH:
-                compute(a, b)
-            else:
-                stall += self.finish_all()
-        st.misc[N_LOG] = 0
+        i = 0
+        try:
+            for i, (op, a, b, c) in enumerate(rows):
+                if op == kernel.LOAD:
+                    self.pending[a] = self.transfers.submit(b // E, b % E, a, kernel.KINDS[c])
+                elif op == kernel.WAIT:
+                    stall += self.wait(a)
+                elif op == kernel.FLUSH:
+                    compute(a, b)
+                else:
+                    stall += self.finish_all()
+        except BaseException:
+            self._abandon(rows[i:])  # the failed action, and those the kernel decided after it
+            raise
         return stall
 
+    def _take_log(self) -> list[list[int]]:
+        """The logged actions (op, a, b, c), removed from the log."""
+        n = self.state.misc[N_LOG]
+        self.state.misc[N_LOG] = 0
+        return self.state.log[:n].tolist()
+
+    def _abandon(self, rows: list[list[int]]) -> None:
+        """Logged actions that will not be carried out: their loads leave the experts absent and
+        the slots free, and every transfer already in flight lands (failures unmapped too)."""
+        for op, a, b, _ in rows:
+            if op == kernel.LOAD:
+                self._unmap(a, b)
+        self._drain()
+
     # -- transfers -----------------------------------------------------------------------
+    def _unmap(self, slot: int, flat: int) -> None:
+        """The transfer of expert `flat` (layer * E + expert) into `slot` failed or never started:
+        the expert is absent and the slot free, the first victim of its range."""
+        st = self.state
+        if st.owner[slot] == flat:
+            st.owner[slot] = -1
+            st.slot_of.reshape(-1)[flat] = -1
+            st.last_use[slot], st.score[slot] = -1, 0.0
+        st.pending[slot] = False
+
     def wait(self, slot: int) -> float:
-        """Block until `slot` holds its expert; returns the stall in seconds."""
+        """Block until `slot` holds its expert; returns the stall in seconds. If the transfer
+        failed, its expert is unmapped before the error propagates."""
         t = self.pending.pop(slot, None)
         self.state.pending[slot] = False
-        return self.transfers.wait(t) if t is not None else 0.0
+        if t is None:
+            return 0.0
+        try:
+            return self.transfers.wait(t)
+        except Exception:
+            self._unmap(slot, t.layer * self.shape.num_experts + t.expert)
+            raise
+
+    def _drain(self) -> None:
+        """Wait for every transfer in flight, unmapping those that fail. Their errors are dropped:
+        the caller is already raising one, or discarding the state."""
+        for slot in list(self.pending):
+            try:
+                self.wait(slot)
+            except Exception:  # noqa: BLE001 -- every transfer must land before the caller's error propagates
+                pass
+
+    def _wait_each(self, slots: list[int]) -> float:
+        """Wait for the transfers into `slots`; returns the stall. On a failure every other
+        transfer in flight lands too (failed experts unmapped) before the first error is raised."""
+        stall = 0.0
+        for slot in slots:
+            try:
+                stall += self.wait(slot)
+            except BaseException:
+                self._drain()
+                raise
+        return stall
 
     def poll(self) -> None:
         """Retire finished transfers so that decisions see them as resident."""
-        for slot in [s for s, t in self.pending.items() if t.done()]:
-            self.wait(slot)
+        self._wait_each([s for s, t in self.pending.items() if t.done()])
 
     def finish_all(self) -> float:
-        return sum(self.wait(s) for s in list(self.pending))
+        return self._wait_each(list(self.pending))
 
     # -- residency -----------------------------------------------------------------------
     def fill(self, layer: int, experts) -> None:
         """Initial residency: load `experts` of `layer` synchronously, outside any statistics."""
         if not kernel.fill(self.state, layer, np.asarray(experts, np.int64)):
+            self._abandon(self._take_log())
             raise self.too_small(layer)
         self.carry_out()
         self.finish_all()
@@ -207,9 +264,9 @@ class ExpertCache:
 
     def clear(self) -> None:
         """Empty the cache; takes up a changed eviction order."""
-        self.finish_all()
+        self._drain()  # a transfer that fails now is dropped with the rest of the state
         self.state = self._new_state()
 
     def close(self) -> None:
-        self.finish_all()
+        self._drain()
         self.transfers.close()

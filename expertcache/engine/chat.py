@@ -8,12 +8,12 @@ from datetime import datetime
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..errors import CheckpointError
+from ..errors import BadInput, CheckpointError
 from .engine import Engine
 from .generate import tokenizer_config
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(BadInput):
     """The template rejected the messages (its raise_exception) or failed to render."""
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CacheTooSmall, CheckpointError, UnknownName
+from ..errors import CacheTooSmall, CheckpointError, NonFiniteOutput, UnknownName
 from ..models import model_args
 from ..policies import MissPolicy, make_policy
 from .cache import CacheConfig, ExpertCache
@@ -34,6 +34,8 @@ class EngineConfig:
     eviction: str | None = None  # None: the policy's preferred order (lru, or freq for the presets)
     initial: str = "auto"  # warm: most-routed experts first; cold: empty; auto: warm if counts exist
     store_dir: Path | None = None
+    read_mode: str = "auto"  # disk store: direct (O_DIRECT or an error), buffered, auto (direct where allowed)
+    verify: bool = True  # disk store: check each fetched blob's CRC32C
     max_seq: int = 2048
     prefetch: PrefetchConfig | None = None  # predict the next layer's experts and prefetch them
     memory_budget: int | None = None  # bytes of the whole fast tier; sizes the expert cache (overrides cache size)
@@ -61,7 +63,8 @@ class Engine:
         self._fit(self.policy)
         self.routing_counts = load_routing_counts(self.path, (self.args.num_layers, self.args.num_experts))
         self.checkpoint = ckpt
-        self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype)
+        self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype, config.read_mode,
+                                config.verify)
         self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype), None, self.device,
                                  config.max_seq)
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
@@ -109,7 +112,7 @@ class Engine:
             self.cache.warm(counts)
         self.policy.reset()
         self.runner.predicted = None
-        self.stats.__init__()
+        self.stats.__init__(read_mode=self.store.read_mode)
         self.warm = counts is not None
 
     def set_policy(self, policy: MissPolicy | str, eviction: str | None = None) -> None:
@@ -135,7 +138,8 @@ class Engine:
 
     # -- running -------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
-        """ids [T] -> logits [T, V] (fp32), counting tokens and wall time."""
+        """ids [T] -> logits [T, V] (fp32), counting tokens and wall time. Raises NonFiniteOutput
+        rather than return a NaN or infinite logit."""
         start = time.perf_counter()
         self.runner.token_base = self.stats.tokens
         logits = self.model.forward(ids.to(self.device), pos).float()
@@ -144,6 +148,11 @@ class Engine:
         self.stats.wall_s += time.perf_counter() - start
         self.stats.tokens += ids.shape[0]
         self.stats.peak_memory_bytes = peak_memory_bytes(self.device)
+        finite = torch.isfinite(logits).all(dim=-1)
+        if not bool(finite.all()):
+            t = int((~finite).nonzero()[0, 0])
+            raise NonFiniteOutput(f"the model produced non-finite logits at position {pos + t}: corrupt weights; "
+                                  "check the checkpoint, or rerun `expertcache convert` for a disk store")
         return logits
 
     def encode(self, text: str) -> list[int]:
@@ -159,7 +168,8 @@ class Engine:
         now, and at max_seq), the transfer buffers; and the budget they were sized to, if any."""
         kv = self.model.k_cache.nbytes + self.model.v_cache.nbytes
         return {"memory_budget": self.config.memory_budget, "dense_bytes": self.model.dense_bytes,
-                "cache_bytes": self.cache.bytes, "kv_bytes": kv, "kv_bytes_max": self.model.kv_bytes(self.model.max_seq),
+                "cache_bytes": self.cache.bytes, "kv_bytes": kv,
+                "kv_bytes_max": self.model.kv_bytes(self.model.max_seq),
                 "buffer_bytes": self.store.buffer_bytes(self.cache.cfg.io_workers),
                 "slots_per_layer": self.cache.per_layer, "expert_bytes_slow": self.store.expert_bytes,
                 "expert_bytes_fast": self.cache.expert_bytes}

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import BadInput
 from ..policies import MissPolicy
 from .engine import Engine
 from .sampling import IncrementalDetokenizer, Sampler, SamplingParams, StopStrings
@@ -33,11 +34,11 @@ def tokenizer_config(engine: Engine) -> dict:
 
 
 def check_length(engine: Engine, prompt_len: int, max_tokens: int) -> None:
-    """Raise ValueError unless a prompt and its new tokens fit the engine's max_seq."""
+    """Raise BadInput unless a prompt and its new tokens fit the engine's max_seq."""
     if prompt_len < 1:
-        raise ValueError("generation needs a prompt of at least one token")
+        raise BadInput("generation needs a prompt of at least one token")
     if prompt_len + max_tokens > engine.model.max_seq:
-        raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed max_seq="
+        raise BadInput(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed max_seq="
                          f"{engine.model.max_seq}; shorten them or raise --max-seq")
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import BadInput
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -39,7 +41,7 @@ class SamplingParams:
         return self.temperature == 0
 
 
-class SamplingError(ValueError):
+class SamplingError(BadInput):
     """A sampling parameter out of range; `param` names it (for OpenAI-style error bodies)."""
 
     def __init__(self, param: str, message: str):

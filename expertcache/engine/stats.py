@@ -28,6 +28,7 @@ class RunStats:
     stall_s: float = 0.0  # time blocked waiting on transfers
     wall_s: float = 0.0  # time in model forward calls
     peak_memory_bytes: int = 0
+    read_mode: str = ""  # how fetches reached the slow tier: o_direct, buffered-dontneed, ram, ...
 
     def absorb(self, state, fetch_bytes: int) -> None:
         """Add and zero the decision kernel's counters (cache_state.CacheState)."""
@@ -69,4 +70,5 @@ class RunStats:
         return (f"{self.tokens} tokens, {self.ms_per_token:.2f} ms/token, hit rate {self.hit_rate:.1%}, "
                 f"{self.fetches_per_token:.2f} fetches/token ({self.sync_fetch_bytes / 2**20:.1f} MiB), "
                 f"stall {self.stall_s:.2f} s, {self.substitutions} substitutions "
-                f"(mass {self.mass_per_call:.4f}/call), peak memory {self.peak_memory_bytes / 2**20:.0f} MiB")
+                f"(mass {self.mass_per_call:.4f}/call), peak memory {self.peak_memory_bytes / 2**20:.0f} MiB"
+                + (f", reads: {self.read_mode}" if self.read_mode else ""))

@@ -3,30 +3,39 @@
 - `ram`: all experts in host memory in the compute dtype; exact and without latency
   (the store the emulation study uses).
 - `disk`: one 4 KiB-aligned blob per (layer, expert) in a file written once by `convert`,
-  read with O_DIRECT so every fetch moves real bytes from the device, never the page cache.
+  read with O_DIRECT so every fetch moves real bytes from the device, never the page cache
+  (where O_DIRECT is refused: buffered reads that drop each blob from the page cache, a
+  reported read mode), and checked against the blob's CRC32C recorded at convert time.
 - `pinned`: all experts in page-locked host memory, copied to a CUDA device asynchronously.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import math
 import mmap
 import os
+import sys
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
+import crc32c
+import numpy as np
 import torch
 
-from ..errors import CheckpointError, FetchError, UnknownName
+from ..errors import CheckpointError, FetchError, ReadModeUnsupported, UnknownName
 from ..models.args import ModelArgs
 from .checkpoint import Checkpoint
 from .weights import all_layer_experts
 
 ALIGN = 4096
-DISK_FORMAT_VERSION = 1
+DISK_FORMAT_VERSION = 2  # 2: a CRC32C per blob in experts.json
+F_NOCACHE = getattr(fcntl, "F_NOCACHE", 48 if sys.platform == "darwin" else None)  # macOS: no page cache
+READ_MODES = ("auto", "direct", "buffered")  # auto: O_DIRECT where the platform and filesystem allow it
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ class ExpertStore(ABC):
     """Holds every (layer, expert); `read_into` copies one expert into fast-tier tensors."""
 
     name: str
+    read_mode: str  # how fetches reach the slow tier, reported in RunStats
     inline = False  # True: a copy costs less than a hand-off to a worker, so transfers run in place
 
     def __init__(self, shape: ExpertShape, dtype: torch.dtype):
@@ -81,7 +91,7 @@ class ExpertStore(ABC):
 
 
 class RamStore(ExpertStore):
-    name = "ram"
+    name = read_mode = "ram"
     inline = True
 
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32):
@@ -105,7 +115,7 @@ class RamStore(ExpertStore):
 class PinnedStore(RamStore):
     """Page-locked host copies; the transfer engine issues the non_blocking copies in place,
     on its copy stream."""
-    name = "pinned"
+    name = read_mode = "pinned"
 
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float16):
         if not torch.cuda.is_available():
@@ -137,35 +147,81 @@ def default_store_dir(ckpt: Checkpoint) -> Path:
 
 
 def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: torch.dtype | None = None) -> Path:
-    """Write experts.bin (aligned blobs in (layer, expert) order) and experts.json; returns out_dir."""
+    """Write experts.bin (aligned blobs in (layer, expert) order) and experts.json (shapes and a
+    CRC32C per blob); returns out_dir."""
     shape = ExpertShape.of(args)
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
     tmp = out_dir / "experts.bin.partial"
-    first = None
+    checksums = []
     with open(tmp, "wb") as f:
         for experts in all_layer_experts(ckpt, args):
             dtype = dtype or experts.w13.dtype
-            first = first or dtype
             blob = _blob_bytes(shape, dtype)
             parts = [p for p in experts if p is not None]  # w13, w2 (and b13, b2): the blob's order
             for e in range(args.num_experts):
                 raw = torch.cat([p[e].to(dtype).flatten() for p in parts]).view(torch.uint8)
-                f.write(raw.numpy().tobytes())
-                f.write(b"\0" * (blob - raw.numel()))
+                data = raw.numpy().tobytes() + b"\0" * (blob - raw.numel())
+                checksums.append(crc32c.crc32c(data))
+                f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out_dir / "experts.bin")
     meta = {"format_version": DISK_FORMAT_VERSION, "dtype": str(dtype).removeprefix("torch."),
             "num_layers": shape.num_layers, "num_experts": shape.num_experts, "w13": list(shape.w13),
-            "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": _blob_bytes(shape, dtype), "align": ALIGN}
-    (out_dir / "experts.json").write_text(json.dumps(meta, indent=1))
+            "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": _blob_bytes(shape, dtype), "align": ALIGN,
+            "checksum": "crc32c", "checksums": checksums}
+    (out_dir / "experts.json.partial").write_text(json.dumps(meta))
+    os.replace(out_dir / "experts.json.partial", out_dir / "experts.json")
     return out_dir
 
 
+def store_format(store_dir: Path) -> int | None:
+    """The format version recorded in a store's experts.json; None if there is no readable one."""
+    try:
+        return json.loads((store_dir / "experts.json").read_text()).get("format_version")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def open_blob_file(path: Path, read_mode: str) -> tuple[int, str]:
+    """Open the store file for reads that bypass the page cache; returns (fd, the mode used):
+    "o_direct"; or, for `buffered` or when `auto` finds O_DIRECT refused, "buffered-nocache"
+    (macOS F_NOCACHE) or "buffered-dontneed" (each read dropped from the page cache after it)."""
+    if read_mode not in READ_MODES:
+        raise UnknownName(f"unknown read mode {read_mode!r}; choose one of {', '.join(READ_MODES)}")
+    direct = getattr(os, "O_DIRECT", None)
+    if read_mode != "buffered":
+        if direct is None:
+            if read_mode == "direct":
+                raise ReadModeUnsupported(f"this platform ({sys.platform}) has no O_DIRECT; use read mode "
+                                          "'auto' or 'buffered' (buffered reads that bypass the page cache)")
+        else:
+            try:
+                return os.open(path, os.O_RDONLY | direct), "o_direct"
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                if read_mode == "direct":
+                    raise ReadModeUnsupported(
+                        f"{path}: the filesystem refuses O_DIRECT ({e.strerror}); move the store to another "
+                        "filesystem with --store-dir, or use read mode 'auto' or 'buffered'") from None
+    fd = os.open(path, os.O_RDONLY)
+    if F_NOCACHE is not None:
+        fcntl.fcntl(fd, F_NOCACHE, 1)
+        return fd, "buffered-nocache"
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: it would cache the neighbouring blobs
+        return fd, "buffered-dontneed"
+    return fd, "buffered"
+
+
 class DiskStore(ExpertStore):
+    """Experts read from experts.bin into one aligned buffer per worker thread, each blob checked
+    against its CRC32C (`verify`) before it reaches a slot."""
     name = "disk"
 
-    def __init__(self, store_dir: Path, args: ModelArgs):
+    def __init__(self, store_dir: Path, args: ModelArgs, read_mode: str = "auto", verify: bool = True):
         try:
             meta = json.loads((store_dir / "experts.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError) as e:
@@ -175,17 +231,20 @@ class DiskStore(ExpertStore):
                                   f"{DISK_FORMAT_VERSION}; rerun `expertcache convert`")
         shape = ExpertShape.of(args)
         if (meta["num_layers"], meta["num_experts"], tuple(meta["w13"]), tuple(meta["w2"]), meta.get("bias", False)) \
-                != (shape.num_layers, shape.num_experts, shape.w13, shape.w2, shape.bias):
+                != (shape.num_layers, shape.num_experts, shape.w13, shape.w2, shape.bias) or \
+                len(meta["checksums"]) != shape.num_layers * shape.num_experts:
             raise CheckpointError(f"{store_dir}: disk store does not match the model's shape; "
                                   "rerun `expertcache convert`")
         super().__init__(shape, getattr(torch, meta["dtype"]))
         self.blob = meta["blob_bytes"]
-        path = store_dir / "experts.bin"
+        self.checksums = np.array(meta["checksums"], dtype=np.uint32)  # [L * E]
+        self.verify = verify
+        self.path = store_dir / "experts.bin"
         expected = self.blob * shape.num_layers * shape.num_experts
-        if not path.exists() or path.stat().st_size != expected:
-            raise CheckpointError(f"{path}: missing or truncated (expected {expected} bytes); "
+        if not self.path.exists() or self.path.stat().st_size != expected:
+            raise CheckpointError(f"{self.path}: missing or truncated (expected {expected} bytes); "
                                   "rerun `expertcache convert`")
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        self.fd, self.read_mode = open_blob_file(self.path, read_mode)
         self._local = threading.local()
         self._split = [math.prod(p) for p in shape.parts]
 
@@ -202,15 +261,21 @@ class DiskStore(ExpertStore):
 
     def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
         buf, view = self._buffer()
-        offset = (layer * self.shape.num_experts + expert) * self.blob
+        index = layer * self.shape.num_experts + expert
+        offset = index * self.blob
         try:
             n = os.preadv(self.fd, [buf], offset)
+            if self.read_mode == "buffered-dontneed":  # the next read of this blob comes from the device again
+                os.posix_fadvise(self.fd, offset, self.blob, os.POSIX_FADV_DONTNEED)
         except OSError as e:
             raise FetchError(f"reading expert {expert} of layer {layer} from the disk store failed ({e}); "
                              "check the disk or rerun `expertcache convert`") from None
         if n != self.blob:
             raise FetchError(f"short read of expert {expert} of layer {layer}: {n} of {self.blob} bytes; "
                              "the store file is truncated, rerun `expertcache convert`")
+        if self.verify and crc32c.crc32c(buf) != self.checksums[index]:
+            raise FetchError(f"expert {expert} of layer {layer} fails its CRC32C check in {self.path}: "
+                             "the store file is corrupt; rerun `expertcache convert`")
         for dst, src, part in zip((w13, w2, b13, b2), view.split(self._split), self.shape.parts):
             dst.copy_(src.view(part))
         return self.blob
@@ -225,14 +290,19 @@ STORES = ("ram", "disk", "pinned")
 
 
 def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | None = None,
-               dtype: torch.dtype = torch.float32) -> ExpertStore:
+               dtype: torch.dtype = torch.float32, read_mode: str = "auto", verify: bool = True) -> ExpertStore:
+    """The slow tier `name`. A disk store is converted where none exists yet; the default one
+    (under ~/.cache) is also reconverted when it was written in an older format."""
     if name == "ram":
         return RamStore(ckpt, args, dtype)
     if name == "pinned":
         return PinnedStore(ckpt, args, dtype)
     if name == "disk":
-        store_dir = store_dir or default_store_dir(ckpt)
-        if not (store_dir / "experts.json").exists():
+        if store_dir is None:
+            store_dir = default_store_dir(ckpt)
+            if store_format(store_dir) != DISK_FORMAT_VERSION:
+                convert_to_disk(ckpt, args, store_dir)
+        elif not (store_dir / "experts.json").exists():
             convert_to_disk(ckpt, args, store_dir)
-        return DiskStore(store_dir, args)
+        return DiskStore(store_dir, args, read_mode, verify)
     raise UnknownName(f"unknown store {name!r}; choose one of {', '.join(STORES)}")

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..errors import BadInput
 from ..models.args import ModelArgs
 from .attention import attention_mask, rope_frequencies, sink_attention
 from .linear_attention import GatedDeltaNet
@@ -140,7 +141,7 @@ class Transformer:
         a = self.args
         T = ids.shape[0]
         if pos + T > self.max_seq:
-            raise ValueError(f"sequence of {pos + T} tokens exceeds max_seq={self.max_seq}; raise --max-seq")
+            raise BadInput(f"sequence of {pos + T} tokens exceeds max_seq={self.max_seq}; raise --max-seq")
         self._reserve(pos + T)
         h = self.embed[ids]
         for i, L in enumerate(self.layers):

@@ -51,7 +51,8 @@ class CacheState(NamedTuple):
         misc[GLOBAL_QUOTA] = quota == "global"
         return cls(np.full((L, E), -1, np.int64), np.full(S, -1, np.int64), np.zeros(S, bool), np.zeros(S, bool),
                    np.zeros(2 * top_k + 2, np.int64), np.zeros(S, np.int64), np.full(S, -1, np.int64), np.zeros(S),
-                   np.zeros((L, E)), np.zeros((L, E), np.int64), np.zeros(L, np.int64), lo, hi, group, np.full(S, -1, np.int64), misc, np.zeros(len(COUNTERS), np.int64), np.zeros(1),
+                   np.zeros((L, E)), np.zeros((L, E), np.int64), np.zeros(L, np.int64), lo, hi, group,
+                   np.full(S, -1, np.int64), misc, np.zeros(len(COUNTERS), np.int64), np.zeros(1),
                    np.zeros((64, 4), np.int64))
 
     def with_log(self, capacity: int) -> CacheState:

@@ -17,6 +17,7 @@ from ..engine.engine import Engine, EngineConfig
 from ..engine.generate import generate
 from ..engine.moe import PrefetchConfig
 from ..engine.perplexity import EVAL_TEXT, teacher_forced
+from ..errors import BadInput
 
 POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "substitute-all")
 FLOOR = "all resident"
@@ -116,7 +117,7 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     need = cfg.prompt_tokens + cfg.forced_tokens + 1
     ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
     if len(ids) < need:
-        raise ValueError(f"the evaluation text gives {len(ids)} tokens, fewer than the {need} asked for")
+        raise BadInput(f"the evaluation text gives {len(ids)} tokens, fewer than the {need} asked for")
     prompt, forced = ids[:cfg.prompt_tokens], ids[cfg.prompt_tokens:cfg.prompt_tokens + cfg.forced_tokens + 1]
     res = BenchResult(cfg.__dict__ | {"policies": list(cfg.policies), "slots_per_layer": engine.cache.per_layer,
                                        "experts": engine.args.num_experts, "warm": engine.warm})

@@ -5,8 +5,9 @@ cache: the same policies, eviction orders and counters, without weights or trans
 trace is routed once (`route_trace`: top-k, gate weights and a ranked prefix of each row,
 with the engine's routing code); each policy then replays in one compiled call. A window
 decides as decoding would: what is admitted for token t is resident from token t + 1, as
-in the engine, and every transfer has landed by the next layer call. Routing never diverges in a replay: after a substitution the engine's later
-routing changes (the hidden state differs), the trace's does not. With fetch-every-miss the
+in the engine, and every transfer has landed by the next layer call. Routing never
+diverges in a replay: after a substitution the engine's later routing changes (the hidden
+state differs), the trace's does not. With fetch-every-miss the
 counts equal the engine's exactly on the same text and windows.
 """
 from __future__ import annotations

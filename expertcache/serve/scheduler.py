@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ..engine.engine import Engine
 from ..engine.generate import StepOutput, TextGeneration
 from ..engine.sampling import SamplingParams
-from ..errors import FetchError
+from ..errors import BadInput, FetchError, UnknownName
 from ..policies import MissPolicy
 
 SCHEDULES = ("interleave", "serial")
@@ -52,9 +52,9 @@ class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig(),
                  on_finish: Callable[[Request, str], None] | None = None):
         if config.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {config.schedule!r}; choose {' or '.join(SCHEDULES)}")
+            raise UnknownName(f"unknown schedule {config.schedule!r}; choose {' or '.join(SCHEDULES)}")
         if config.max_active < 1:
-            raise ValueError(f"max_active={config.max_active} must be >= 1")
+            raise BadInput(f"max_active={config.max_active} must be >= 1")
         self.engine, self.config, self.on_finish = engine, config, on_finish
         self.max_active = config.max_active if config.schedule == "interleave" else 1
         self.waiting: deque[Request] = deque()

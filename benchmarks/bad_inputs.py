@@ -1,0 +1,143 @@
+"""Every bad input and fault we know of, tried through the CLI as a user would: the exit code
+and the one line each ends with. Writes a markdown table (stdout) and JSON.
+
+    python benchmarks/bad_inputs.py --json build/results/bad_inputs.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from expertcache.engine.engine import BUILTIN_MODEL
+
+
+def cases(tmp: Path) -> list[tuple[str, list[str]]]:
+    """(what, argv) pairs; files they need are made under tmp."""
+    bad_text = tmp / "latin1.txt"
+    bad_text.write_bytes("caf\xe9 na\xefve".encode("latin-1"))
+    short = tmp / "short.txt"
+    short.write_text("a")
+    no_config = tmp / "no_config"
+    no_config.mkdir()
+    bad_json = tmp / "bad_json"
+    shutil.copytree(BUILTIN_MODEL, bad_json)
+    (bad_json / "config.json").write_text("{not json")
+    foreign = tmp / "foreign"
+    shutil.copytree(BUILTIN_MODEL, foreign)
+    cfg = json.loads((foreign / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    torn = tmp / "torn"
+    shutil.copytree(BUILTIN_MODEL, torn)
+    with open(torn / "model.safetensors", "r+b") as f:
+        f.truncate(1 << 20)
+    no_counts = tmp / "no_counts"
+    shutil.copytree(BUILTIN_MODEL, no_counts)
+    (no_counts / "routing_counts.json").unlink()
+    store = tmp / "store"
+    subprocess.run([sys.executable, "-m", "expertcache.cli", "convert", "--out", str(store)], check=True,
+                   capture_output=True)
+    corrupt = tmp / "corrupt"
+    shutil.copytree(store, corrupt)
+    with open(corrupt / "experts.bin", "r+b") as f:
+        f.seek(200 * 61440 + 4096)
+        f.write(os.urandom(4096))
+    truncated = tmp / "truncated"
+    shutil.copytree(store, truncated)
+    os.truncate(truncated / "experts.bin", 10 * 61440)
+    old = tmp / "old"
+    shutil.copytree(store, old)
+    meta = json.loads((old / "experts.json").read_text())
+    (old / "experts.json").write_text(json.dumps({**meta, "format_version": 1}))
+    png = tmp / "plot.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
+    ppl = ["ppl", "--store", "ram", "--max-tokens", "64"]
+    return [
+        ("--context 0", [*ppl, "--context", "0"]),
+        ("--context -5", [*ppl, "--context", "-5"]),
+        ("--max-tokens 0", ["ppl", "--store", "ram", "--max-tokens", "0"]),
+        ("--cache 0", [*ppl, "--cache", "0"]),
+        ("--cache 1.5", [*ppl, "--cache", "1.5"]),
+        ("--cache abc", [*ppl, "--cache", "abc"]),
+        ("--cache 0.01 (fewer slots than top-k)", [*ppl, "--cache", "0.01"]),
+        ("--cache-bytes 10", [*ppl, "--cache-bytes", "10"]),
+        ("--memory-budget 1M", [*ppl, "--memory-budget", "1M"]),
+        ("--memory-budget lots", [*ppl, "--memory-budget", "lots"]),
+        ("--max-seq 0", [*ppl, "--max-seq", "0"]),
+        ("--max-seq 16 with a 64-token window", [*ppl, "--max-seq", "16"]),
+        ("--quota nope", [*ppl, "--quota", "nope"]),
+        ("--initial hot", [*ppl, "--initial", "hot"]),
+        ("--store tape", [*ppl[:1], "--store", "tape", "--max-tokens", "64"]),
+        ("--eviction random", [*ppl, "--eviction", "random"]),
+        ("--device cuda without a GPU", [*ppl, "--device", "cuda"]),
+        ("--policy nope", [*ppl, "--policy", "nope"]),
+        ("--policy conditional:j=20,m=4", [*ppl, "--policy", "conditional:j=20,m=4"]),
+        ("--policy threshold:tau=2", [*ppl, "--policy", "threshold:tau=2"]),
+        ("--policy threshold:tau=nan", [*ppl, "--policy", "threshold:tau=nan"]),
+        ("--policy threshold:tau=0.1,tau=0.2", [*ppl, "--policy", "threshold:tau=0.1,tau=0.2"]),
+        ("--policy band:lo=0.5,hi=0.2", [*ppl, "--policy", "band:lo=0.5,hi=0.2"]),
+        ("--policy first-choice:sub=odd", [*ppl, "--policy", "first-choice:sub=odd"]),
+        ("--policy substitute-all:sub=window,window=200", [*ppl, "--policy", "substitute-all:sub=window,window=200"]),
+        ("--policy threshold:beta=-1", [*ppl, "--policy", "threshold:beta=-1"]),
+        ("text not UTF-8", [*ppl, "--text", str(bad_text)]),
+        ("text of one token", [*ppl, "--text", str(short)]),
+        ("text file missing", [*ppl, "--text", str(tmp / "nope.txt")]),
+        ("model folder missing", [*ppl, "--model", str(tmp / "nope")]),
+        ("model without config.json", [*ppl, "--model", str(no_config)]),
+        ("config.json not JSON", [*ppl, "--model", str(bad_json)]),
+        ("unsupported model_type", [*ppl, "--model", str(foreign)]),
+        ("truncated safetensors", [*ppl, "--model", str(torn)]),
+        ("--initial warm without routing counts", [*ppl, "--model", str(no_counts), "--initial", "warm"]),
+        ("disk store with corrupt bytes", ["ppl", "--store", "disk", "--store-dir", str(corrupt), "--max-tokens",
+                                           "512", "--cache", "0.25", "--initial", "cold"]),
+        ("disk store truncated", ["ppl", "--store", "disk", "--store-dir", str(truncated), "--max-tokens", "64"]),
+        ("disk store of an old format", ["ppl", "--store", "disk", "--store-dir", str(old), "--max-tokens", "64"]),
+        ("simulate a file that is not a trace", ["simulate", str(png)]),
+        ("simulate a missing trace", ["simulate", str(tmp / "nope.ectrace")]),
+        ("simulate --jobs 0", ["simulate", str(png), "--jobs", "0"]),
+        ("simulate --window 0", ["simulate", str(png), "--window", "0"]),
+        ("predict --epochs 0", ["predict", "--train", "--epochs", "0"]),
+        ("generate -n -1", ["generate", "--store", "ram", "-n", "-1", "hi"]),
+        ("generate --temperature -1", ["generate", "--store", "ram", "--temperature", "-1", "hi"]),
+        ("generate --top-p 2", ["generate", "--store", "ram", "--top-p", "2", "hi"]),
+        ("convert --out under a file", ["convert", "--out", str(png / "store")]),
+        ("an unknown verb", ["nope"]),
+    ]
+
+
+def run(argv: list[str], home: Path) -> tuple[int, str]:
+    env = {**os.environ, "EXPERTCACHE_HOME": str(home)}
+    out = subprocess.run([sys.executable, "-m", "expertcache.cli", *argv], capture_output=True, text=True,
+                         timeout=600, env=env, stdin=subprocess.DEVNULL)
+    lines = [line for line in out.stderr.splitlines() if line.strip() and "it/s]" not in line and "tok/s]" not in line]
+    return out.returncode, lines[-1] if lines else ""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for what, argv in cases(tmp):
+            code, line = run(argv, tmp / "home")
+            rows.append({"input": what, "exit": code, "message": line.replace(str(tmp), "TMP")})
+    print("| bad input or fault | exit | what the user sees |\n|---|---:|---|")
+    for r in rows:
+        print(f"| {r['input']} | {r['exit']} | {r['message'].replace('|', '/')} |")
+    bad = [r for r in rows if r["exit"] != 2]
+    print(f"\n{len(rows)} inputs, {len(rows) - len(bad)} ended with exit 2 and one line; others: "
+          + (", ".join(f"{r['input']} ({r['exit']})" for r in bad) or "none"))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Faults of the slow tier: a corrupt blob is caught by its checksum and named; a failed or short
+read in the I/O thread pool leaves the cache consistent (the expert absent, its slot free, nothing
+in flight) and the engine computing exactly what a clean engine computes from the same state."""
+import errno
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from expertcache import cli
+from expertcache.engine.cache import CacheConfig
+from expertcache.engine.checkpoint import ROUTING_COUNTS, open_checkpoint
+from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.engine.stores import RamStore, convert_to_disk
+from expertcache.errors import FetchError, NonFiniteOutput
+from expertcache.models import model_args
+
+FAMILY = "qwen3_moe"  # 2 layers, 8 experts, top-2
+
+
+@pytest.fixture
+def model(tiny, tmp_path):
+    """A copy of the tiny checkpoint and its converted disk store: (checkpoint folder, store folder)."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny[FAMILY][0], path)
+    ckpt = open_checkpoint(path)
+    return path, convert_to_disk(ckpt, model_args(ckpt.config), tmp_path / "store")
+
+
+def blob_bytes(store):
+    return json.loads((store / "experts.json").read_text())["blob_bytes"]
+
+
+def corrupt(store, layer, expert, data, at=100):
+    """Overwrite bytes inside the blob of (layer, expert)."""
+    E = json.loads((store / "experts.json").read_text())["num_experts"]
+    with open(store / "experts.bin", "r+b") as f:
+        f.seek((layer * E + expert) * blob_bytes(store) + at)
+        f.write(data)
+
+
+def test_corrupt_blob_ends_ppl_with_exit_2(capsys, model):
+    path, store = model
+    counts = np.ones((2, 8), np.int64)
+    counts[1, 5] = 100  # a warm start reads expert 5 of layer 1 first
+    (path / ROUTING_COUNTS).write_text(json.dumps({"counts": counts.tolist()}))
+    corrupt(store, 1, 5, os.urandom(64))
+    code = cli.main(["ppl", "--model", str(path), "--store", "disk", "--store-dir", str(store), "--initial", "warm",
+                     "--text", __file__])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    assert "expert 5 of layer 1" in err and "CRC32C" in err and "rerun `expertcache convert`" in err, err
+
+
+def test_corruption_found_in_a_fetch_or_as_non_finite_logits(model):
+    path, store = model
+    for e in range(8):  # every expert of layer 1: whatever the tokens route to is corrupt
+        corrupt(store, 1, e, b"\xff" * 256)  # fp32 NaNs
+    ids = torch.arange(10) % 96
+    cfg = EngineConfig(store="disk", store_dir=store, initial="cold")
+    engine = Engine(path, cfg)
+    with pytest.raises(FetchError, match="of layer 1 fails its CRC32C check"):
+        engine.forward(ids, 0)
+    unchecked = Engine(path, EngineConfig(store="disk", store_dir=store, initial="cold", verify=False))
+    with pytest.raises(NonFiniteOutput, match="non-finite logits at position 0"):
+        unchecked.forward(ids, 0)
+    engine.close()
+    unchecked.close()
+
+
+class FaultyReads:
+    """os.preadv that fails its `at`-th call (counted from arming): EIO, or a read that comes back
+    short. Records the (layer, expert) whose read failed."""
+
+    def __init__(self, monkeypatch, blob, num_experts, mode, at):
+        self.real, self.blob, self.E, self.mode, self.at = os.preadv, blob, num_experts, mode, at
+        self.calls, self.armed, self.failed = 0, False, None
+        monkeypatch.setattr(os, "preadv", self)
+
+    def __call__(self, fd, buffers, offset):
+        n = self.real(fd, buffers, offset)
+        if not self.armed:
+            return n
+        self.calls += 1
+        if self.calls != self.at:
+            return n
+        self.failed = divmod(offset // self.blob, self.E)
+        if self.mode == "eio":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return n // 2
+
+
+def check_consistent(engine):
+    """Every mapping has its inverse; nothing is in flight; every resident slot holds its expert."""
+    cache, st = engine.cache, engine.cache.state
+    E = engine.args.num_experts
+    assert not cache.pending and not st.pending.any()
+    for s in np.flatnonzero(st.owner >= 0):
+        assert st.slot_of.reshape(-1)[st.owner[s]] == s
+    for flat in np.flatnonzero(st.slot_of.reshape(-1) >= 0):
+        assert st.owner[st.slot_of.reshape(-1)[flat]] == flat
+    ram = RamStore(engine.checkpoint, engine.args)
+    for s in np.flatnonzero(st.owner >= 0):
+        layer, e = divmod(int(st.owner[s]), E)
+        assert torch.equal(cache.w13[s], ram.w13[layer, e]) and torch.equal(cache.w2[s], ram.w2[layer, e])
+
+
+def clone_state(src, dst):
+    """Give engine `dst` the cache state (bookkeeping, slot contents via its own store, policy
+    account, token clock) of engine `src`."""
+    for name in src.cache.state._fields:
+        if name != "log":  # the action log is scratch, sized by the last call
+            np.copyto(getattr(dst.cache.state, name), getattr(src.cache.state, name))
+    for s in np.flatnonzero(src.cache.state.owner >= 0):
+        layer, e = divmod(int(src.cache.state.owner[s]), src.args.num_experts)
+        dst.store.read_into(layer, e, dst.cache.w13[s], dst.cache.w2[s])
+    if src.policy.account is not None:
+        np.copyto(dst.policy.bind(*src.policy.account.shape), src.policy.account)
+    dst.stats.tokens = src.stats.tokens
+
+
+@pytest.mark.parametrize("mode", ["eio", "short"])
+@pytest.mark.parametrize("policy,at", [("fetch-all", 1), ("fetch-all", 4), ("quality-first", 2),
+                                       ("quality-first", 7), ("threshold:tau=0.3,beta=0.2", 5)])
+def test_failed_read_leaves_the_cache_consistent(model, monkeypatch, mode, policy, at):
+    path, store = model
+    cfg = EngineConfig(store="disk", store_dir=store, policy=policy, initial="cold", cache=CacheConfig(fraction=0.5))
+    g = torch.Generator().manual_seed(at)
+    first, faulted, after = (torch.randint(0, 96, (n,), generator=g) for n in (12, 16, 12))
+    engine = Engine(path, cfg)
+    engine.forward(first, 0)
+    faults = FaultyReads(monkeypatch, blob_bytes(store), engine.args.num_experts, mode, at)
+    faults.armed = True
+    with pytest.raises(FetchError) as info:
+        engine.forward(faulted, 0)
+    layer, e = faults.failed
+    assert f"expert {e} of layer {layer}" in str(info.value)
+    assert engine.cache.slot_of[layer, e] == -1
+    check_consistent(engine)
+    faults.armed = False
+
+    clean = Engine(path, cfg)
+    clone_state(engine, clean)
+    for pos, ids in enumerate([after, after[:1], after[1:2]]):  # a window, then two decode steps
+        p = 0 if pos == 0 else len(after) + pos - 1
+        torch.testing.assert_close(engine.forward(ids, p), clean.forward(ids, p), rtol=0, atol=0)
+    assert np.array_equal(engine.cache.slot_of, clean.cache.slot_of)
+    check_consistent(engine)
+    engine.close()
+    clean.close()
+
+
+def test_fetch_all_after_a_fault_matches_the_exact_baseline(model, monkeypatch):
+    path, store = model
+    cfg = EngineConfig(store="disk", store_dir=store, initial="cold", cache=CacheConfig(fraction=0.25))
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(0))
+    engine = Engine(path, cfg)
+    faults = FaultyReads(monkeypatch, blob_bytes(store), engine.args.num_experts, "eio", 3)
+    faults.armed = True
+    with pytest.raises(FetchError):
+        engine.forward(ids, 0)
+    faults.armed = False
+    exact = Engine(path, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
+    torch.testing.assert_close(engine.forward(ids, 0), exact.forward(ids, 0))
+    engine.close()
