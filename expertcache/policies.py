@@ -263,8 +263,8 @@ class CacheConditional(MissPolicy):
 POLICIES: dict[str, type[MissPolicy]] = {
     p.name: p for p in (MissPolicy, SubstituteAll, ThresholdRule, FirstChoice, WeightBand, CacheConditional)}
 # name -> (policy spec, eviction): the quality- and speed-first presets
-PRESETS = {"quality-first": ("threshold:tau=0.15,beta=0.5", "freq"),
-           "speed-first": ("first-choice:beta=0.5", "freq"),
+PRESETS = {"quality-first": ("threshold:tau=0.15,beta=0.5", "demand"),
+           "speed-first": ("first-choice:beta=0.5", "demand"),
            # peers' caches, by the eviction order each uses with fetch-on-miss
            "mixtral-offloading": ("fetch-all", "lru"),  # per-layer LRU
            "moe-infinity": ("fetch-all", "lfu"),  # least frequently used

@@ -128,8 +128,8 @@ def test_background_admission_after_beta_of_substituted_mass():
 
 def test_presets():
     q, s = make_policy("quality-first"), make_policy("speed-first")
-    assert (q.tau, q.beta, q.eviction) == (0.15, 0.5, "freq")
-    assert (s.beta, s.eviction, type(s).__name__) == (0.5, "freq", "FirstChoice")
+    assert (q.tau, q.beta, q.eviction) == (0.15, 0.5, "demand")
+    assert (s.beta, s.eviction, type(s).__name__) == (0.5, "demand", "FirstChoice")
 
 
 @pytest.mark.parametrize("spec", ["nope", "threshold:tau", "first-choice:sub=odd", "substitute-all:sub=window"])
@@ -165,7 +165,7 @@ class Order:
 
 
 def test_eviction_orders():
-    for name in ["lru", "lfu", "freq", "halving"]:
+    for name in ["lru", "lfu", "freq", "halving", "demand"]:
         ev = Order(name, 4)
         for t, s in enumerate([0, 1, 2, 3]):
             ev.at(t).insert(s)

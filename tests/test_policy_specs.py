@@ -55,7 +55,7 @@ def test_bad_parameters_are_named(spec, error, names):
 
 def test_presets_take_overrides():
     p = make_policy("quality-first:tau=0.3")
-    assert (p.name, p.tau, p.beta, p.eviction) == ("quality-first", 0.3, 0.5, "freq")
+    assert (p.name, p.tau, p.beta, p.eviction) == ("quality-first", 0.3, 0.5, "demand")
 
 
 # -- fuzzing ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ def traced(tiny, tmp_path_factory):
     return path, ids, record_trace(path, ids, out, context=64, dtype="float32"), out
 
 
-@pytest.mark.parametrize("eviction", ["lru", "lfu", "freq"])
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "freq", "demand"])
 def test_replay_counts_equal_the_engine(traced, eviction):
     path, ids, trace, _ = traced
     engine = Engine(path, EngineConfig(cache=CacheConfig(fraction=0.5), initial="cold", eviction=eviction))
