@@ -78,3 +78,48 @@ def test_tune_bad_input_is_one_line(argv, words, capsys):
     assert cli.main(["tune", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err
+
+
+@pytest.fixture(scope="module")
+def user_text(tmp_path_factory):
+    """A user's own text: two topics (verse, then scripture), changing at a known character."""
+    eval_text = EVAL_TEXT.read_text(encoding="utf-8")
+    first, second = eval_text[100_000:106_000], eval_text[200_000:206_000]
+    path = tmp_path_factory.mktemp("text") / "mine.txt"
+    path.write_text(first + second, encoding="utf-8")
+    return path, len(first)
+
+
+def test_study_on_a_users_text_and_domains(user_text, tmp_path, capsys):
+    path, change = user_text
+    out = tmp_path / "study.json"
+    assert cli.main(["study", "--text", str(path), "--domains", str(change), "--tokens-per-domain", "256",
+                     "--context", "128", "--policies", "threshold:tau=0.15", "--out", str(tmp_path / "s"),
+                     "--json", str(out)]) == 0
+    seq = json.loads(out.read_text())["sequences"]
+    assert seq["domains"] == ["mine:0", "mine:1"] and seq["topic_change_tokens"] == [0, 256]
+    assert seq["tokens"] == 512
+
+
+def test_trace_on_a_users_text_and_domains(user_text, tmp_path):
+    from expertcache.lab.calibrate import encode_text
+    from expertcache.lab.trace import read_trace
+    path, change = user_text
+    out = tmp_path / "mine.ectrace"
+    assert cli.main(["trace", "--text", str(path), "--domains", str(change), "--out", str(out)]) == 0
+    docs = read_trace(out).header["documents"]
+    text = path.read_text(encoding="utf-8")
+    from expertcache.engine.engine import BUILTIN_MODEL
+    n0 = len(encode_text(BUILTIN_MODEL, text[:change]))
+    assert [d[:2] for d in docs] == [[0, n0], [n0, n0 + len(encode_text(BUILTIN_MODEL, text[change:]))]]
+
+
+@pytest.mark.parametrize("domains, words", [("12,x", "comma-separated"), ("99999999", "must increase strictly")])
+def test_bad_domains_are_one_line(user_text, tmp_path, domains, words, capsys):
+    path, _ = user_text
+    try:
+        code = cli.main(["trace", "--text", str(path), "--domains", domains, "--out", str(tmp_path / "t")])
+    except SystemExit as e:  # argparse's own check
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and words in err

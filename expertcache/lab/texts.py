@@ -18,16 +18,6 @@ class Segment:
     chars: int
 
 
-def parse_offsets(text: str) -> tuple[int, ...]:
-    """'1000,52000' -> (1000, 52000): character offsets where a new domain starts."""
-    try:
-        offsets = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise BadInput(f"domain offsets {text!r} are not comma-separated whole numbers; e.g. --domains 1000,52000") \
-            from None
-    return offsets
-
-
 def read_text(path: Path) -> str:
     """The text of a UTF-8 file; BadInput naming the file when it is missing or not UTF-8."""
     try:
