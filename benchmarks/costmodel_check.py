@@ -1,86 +1,129 @@
-"""The cost model against the engine: replay the timed benchmark's tokens (same tokens, windows
-and warm start) and compare each profile's estimate with the measured time per token of each
-policy. Teacher-forced: the 1,024 forced tokens in the benchmark's windows, against a
-`--mode forced` profile. Decode (with a `--mode decode` profile): the prompt and the tokens
-each policy decoded, replayed in decode order; the decode tokens' counts are those of the
-whole sequence less those of the prompt.
+"""The cost model out of sample: calibrate a profile on one set of runs and text, then predict
+runs it never saw, on other cache sizes, other policies (prefetch variants included) and
+held-out text, in decode and teacher-forced.
 
-    python benchmarks/costmodel_check.py BENCH_JSON FORCED_PROFILE_JSON [DECODE_PROFILE_JSON]
+Calibration: the CALIBRATION runs (costmodel.py) timed on the start of the evaluation text
+(its first domain), fitted by non-negative least squares. Validation: the VALIDATION runs
+below, timed on a later domain of the evaluation text, interleaved like the calibration.
+Each validation run's time is estimated twice with the calibrated profile: from the engine's
+own counters in that run (tests the cost model alone), and from a replay of the same tokens'
+router-logit trace (what `simulate` and `tune` do; not for prefetch variants, which the
+replay does not model). Decode: a 32-token prompt, then every later token fed alone.
+
+    python benchmarks/costmodel_check.py [--repeats 3] [--json out.json]
 """
+import argparse
 import json
 import sys
 import tempfile
-from dataclasses import fields
 from pathlib import Path
 
+from tqdm import tqdm
+
 from expertcache.engine.cache import CacheConfig
-from expertcache.engine.checkpoint import load_routing_counts
+from expertcache.engine.checkpoint import load_routing_counts, open_checkpoint
 from expertcache.engine.engine import BUILTIN_MODEL
 from expertcache.engine.perplexity import EVAL_TEXT
-from expertcache.engine.stats import RunStats
-from expertcache.lab.bench import FLOOR
-from expertcache.lab.calibrate import encode_text
-from expertcache.lab.costmodel import HardwareProfile
+from expertcache.engine.stores import open_store
+from expertcache.lab.costmodel import CALIBRATION, calibration_ids, difference, fit_profile, time_runs
 from expertcache.lab.simulator import replay
 from expertcache.lab.trace import record_trace
+from expertcache.models import model_args
+
+# None of these (cache, variant) pairs is a calibration run: other sizes, rules, substitutes and prefetch.
+VALIDATION = ((0.375, "fetch-all"), (0.75, "fetch-all"), (0.1875, "threshold:tau=0.1"),
+              (0.375, "threshold:tau=0.05,beta=0.5"), (0.5, "first-choice"), (0.375, "speed-first"),
+              (0.25, "band:lo=0,hi=0.1"), (0.25, "conditional:j=2,m=16"),
+              (0.25, "fetch-all+prefetch/quasi-hidden"), (0.5, "quality-first+prefetch/router-ahead"))
+HELD_OUT_DOMAIN = 2  # the evaluation text's third domain (scripture); calibration reads the first (drama)
+TOKENS = {"decode": 160, "forced": 1025}
+CONTEXT = 256  # teacher-forced windows, as the benchmark
 
 
-def describe(profile: HardwareProfile) -> str:
-    return (f"profile {profile.name}: dense {1e3 * profile.dense_s:.3f} ms/token, expert run "
-            f"{1e6 * profile.expert_run_s:.1f} us, fetch wait {1e6 * profile.fetch_latency_s:.0f} us, per fetch "
-            f"{1e6 * profile.transfer_s:.0f} us, admission {1e6 * profile.admission_s:.0f} us, substituting call "
-            f"{1e6 * profile.decision_s:.1f} us")
+def held_out_ids(mode: str) -> list[int]:
+    seg = json.loads(EVAL_TEXT.with_suffix(".json").read_text())["segments"][HELD_OUT_DOMAIN]
+    text = EVAL_TEXT.read_text(encoding="utf-8")[seg["start_char"]:seg["start_char"] + seg["chars"]]
+    return calibration_ids(None, mode, TOKENS[mode], text)
 
 
-def table(rows: list[tuple[str, float, float, float, float]]) -> None:
-    print("| policy | measured ms/token | estimated | error | replay fetches/token | engine fetches/token |")
-    print("|---|---:|---:|---:|---:|---:|")
-    errors = []
-    for policy, measured, est, replay_fetches, engine_fetches in rows:
-        err = est / measured - 1
-        errors.append(abs(err))
-        engine = f"{engine_fetches:.2f}" if engine_fetches == engine_fetches else "-"
-        print(f"| `{policy}` | {measured:.2f} | {est:.2f} | {100 * err:+.1f}% | {replay_fetches:.2f} | {engine} |")
-    print(f"\nmean absolute error {100 * sum(errors) / len(errors):.1f}%, worst {100 * max(errors):.1f}%\n")
+def replayed_ms(profile, ids: list[int], variant: str, fraction: float, mode: str, counts, d: Path) -> float:
+    """Estimated ms/token from a replay of the trace of `ids` (decode: the tokens after the prompt)."""
+    cache = CacheConfig(fraction=fraction)
+    if mode == "forced":
+        trace = record_trace(BUILTIN_MODEL, ids, d / "forced.ectrace", CONTEXT, "float32")
+        return profile.ms_per_token(replay(trace, variant, cache, None, counts).stats)
+    whole = record_trace(BUILTIN_MODEL, ids, d / "whole.ectrace", len(ids), "float32")
+    head = record_trace(BUILTIN_MODEL, ids[:32], d / "head.ectrace", 32, "float32")
+    return profile.ms_per_token(difference(replay(whole, variant, cache, None, counts, window=1).stats,
+                                           replay(head, variant, cache, None, counts, window=1).stats))
 
 
-def difference(a: RunStats, b: RunStats) -> RunStats:
-    return RunStats(**{f.name: getattr(a, f.name) - getattr(b, f.name) for f in fields(RunStats)})
+def check(mode: str, repeats: int, bar) -> dict:
+    progress = lambda label: (bar.set_postfix_str(f"{mode} {label}"), bar.update())  # noqa: E731
+    cal_ids = calibration_ids(None, mode, TOKENS[mode])
+    cal = time_runs(None, CALIBRATION, cal_ids, mode, repeats, context=CONTEXT, progress=progress)
+    ckpt = open_checkpoint(BUILTIN_MODEL)
+    a = model_args(ckpt.config)
+    store = open_store("disk", ckpt, a)
+    profile = fit_profile(cal, store, a.num_layers, a.top_k, mode, "disk")
+    store.close()
+    ids = held_out_ids(mode)
+    val = time_runs(None, VALIDATION, ids, mode, repeats, context=CONTEXT, progress=progress)
+    counts = load_routing_counts(BUILTIN_MODEL)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for r in val:
+            replayable = "+" not in r.variant
+            rows.append({"cache": r.cache, "variant": r.variant, "measured_ms": 1000 * r.seconds,
+                         "from_engine_counts_ms": profile.ms_per_token(r.stats),
+                         "from_replay_ms": replayed_ms(profile, ids, r.variant, r.cache, mode, counts, Path(d))
+                         if replayable else None})
+    return {"profile": profile.__dict__, "calibration_tokens": len(cal_ids), "validation_tokens": len(ids),
+            "calibration": list(profile.calibration), "validation": rows}
+
+
+def table(mode: str, res: dict) -> None:
+    p = res["profile"]
+    print(f"\n### {mode}: calibrated on {len(CALIBRATION)} runs x {res['calibration_tokens']} tokens of the first "
+          f"domain, validated on {len(VALIDATION)} other runs x {res['validation_tokens']} tokens of a later one\n")
+    print(f"profile: dense {1e3 * p['dense_s']:.3f} ms/token, expert run {1e6 * p['expert_run_s']:.1f} us, fetch wait "
+          f"{1e6 * p['fetch_latency_s']:.0f} us, per fetch {1e6 * p['expert_bytes'] / p['fetch_bandwidth']:.0f} us, "
+          f"admission {1e6 * p['admission_s']:.0f} us, substituting call {1e6 * p['decision_s']:.1f} us\n")
+    print("| cache | variant | measured ms/token | est. (engine counts) | error | est. (replay) | error |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    errs = {"engine": [], "replay": []}
+    for r in res["validation"]:
+        e1 = r["from_engine_counts_ms"] / r["measured_ms"] - 1
+        errs["engine"].append(abs(e1))
+        rep = "-", "-"
+        if r["from_replay_ms"] is not None:
+            e2 = r["from_replay_ms"] / r["measured_ms"] - 1
+            errs["replay"].append(abs(e2))
+            rep = f"{r['from_replay_ms']:.2f}", f"{100 * e2:+.1f}%"
+        print(f"| {r['cache']:g} | `{r['variant']}` | {r['measured_ms']:.2f} | {r['from_engine_counts_ms']:.2f} | "
+              f"{100 * e1:+.1f}% | {rep[0]} | {rep[1]} |")
+    for k, v in errs.items():
+        within = sum(e <= 0.15 for e in v)
+        print(f"\nfrom {k} counts: mean |error| {100 * sum(v) / len(v):.1f}%, worst {100 * max(v):.1f}%, "
+              f"{within}/{len(v)} within 15%", end="")
+    print()
 
 
 def main():
-    bench = json.loads(Path(sys.argv[1]).read_text())
-    forced_profile = HardwareProfile.load(Path(sys.argv[2]))
-    decode_profile = HardwareProfile.load(Path(sys.argv[3])) if len(sys.argv) > 3 else None
-    cfg = bench["config"]
-    cache = CacheConfig(fraction=cfg["cache_fraction"])
-    policies = [p for p in bench["summary"] if p != FLOOR and "+" not in p]
-    ids = encode_text(BUILTIN_MODEL, EVAL_TEXT.read_text(encoding="utf-8"))
-    prompt = ids[:cfg["prompt_tokens"]]
-    forced = ids[cfg["prompt_tokens"]:cfg["prompt_tokens"] + cfg["forced_tokens"]]
-    counts = load_routing_counts(BUILTIN_MODEL)
-    with tempfile.TemporaryDirectory() as d:
-        trace = record_trace(BUILTIN_MODEL, forced, Path(d) / "forced.ectrace", cfg["context"], "float32")
-        print("Teacher-forced.", describe(forced_profile), "\n")
-        rows = []
-        for policy in policies:
-            r = replay(trace, policy, cache, None, counts)
-            rows.append((policy, bench["summary"][policy]["forced_ms"], forced_profile.ms_per_token(r.stats),
-                         r.stats.fetches_per_token, bench["summary"][policy]["fetches_per_token"]))
-        table(rows)
-        if decode_profile is None:
-            return
-        print("Decode.", describe(decode_profile), "\n")
-        head = record_trace(BUILTIN_MODEL, prompt, Path(d) / "prompt.ectrace", len(prompt), "float32")
-        rows = []
-        for policy in policies:
-            seq = prompt + bench["decoded"][policy][:-1]  # the last token decoded is never fed back
-            whole = record_trace(BUILTIN_MODEL, seq, Path(d) / "seq.ectrace", len(seq), "float32")
-            stats = difference(replay(whole, policy, cache, None, counts, window=1).stats,
-                               replay(head, policy, cache, None, counts, window=1).stats)
-            rows.append((policy, bench["summary"][policy]["decode_ms"], decode_profile.ms_per_token(stats),
-                         stats.fetches_per_token, float("nan")))
-        table(rows)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--modes", nargs="+", default=["forced", "decode"], choices=["forced", "decode"])
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    out = {}
+    total = len(a.modes) * (len(CALIBRATION) + len(VALIDATION)) * (a.repeats + 1)
+    with tqdm(total=total, unit="run", file=sys.stderr) as bar:
+        for mode in a.modes:
+            out[mode] = check(mode, a.repeats, bar)
+    for mode in a.modes:
+        table(mode, out[mode])
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1, default=str))
 
 
 if __name__ == "__main__":

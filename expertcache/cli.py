@@ -9,7 +9,7 @@ import sys
 
 from .errors import ExpertCacheError
 
-VERBS = ["generate", "chat", "serve", "ppl", "convert", "info", "calibrate", "predict", "study", "bench",
+VERBS = ["generate", "chat", "serve", "ppl", "convert", "info", "calibrate", "predict", "study", "tune", "bench",
          "trace", "simulate", "calibrate-hw", "train"]
 
 

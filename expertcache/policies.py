@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import BadInput, UnknownName
+from .kernel.eviction import eviction_code
 from .kernel.policy import (
     BAND,
     BETA,
@@ -288,8 +289,13 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
 
 def make_policy(spec: str) -> MissPolicy:
     """The policy a spec names, its parameters checked (those that depend on the model's
-    router are checked by `MissPolicy.fit`). A preset's parameters can be overridden."""
+    router are checked by `MissPolicy.fit`). A preset's parameters can be overridden. Every
+    spec also takes `eviction=ORDER` (lru, lfu, freq, halving, demand): the order the policy
+    runs with unless the engine or replay is given one, so that one string names a tuned policy."""
     name, params = parse_spec(spec)
+    chosen_eviction = params.pop("eviction", None)  # any policy: the eviction order it runs with
+    if chosen_eviction is not None:
+        eviction_code(chosen_eviction)  # UnknownName listing the orders
     eviction = None
     if name in PRESETS:
         preset_spec, eviction = PRESETS[name]
@@ -309,4 +315,6 @@ def make_policy(spec: str) -> MissPolicy:
         raise BadInput(f"{e} (preset {name!r} is {PRESETS[name][0]})") if eviction is not None else e from None
     if eviction is not None:
         policy.eviction, policy.name = eviction, name
+    if chosen_eviction is not None:
+        policy.eviction = chosen_eviction
     return policy

@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from ..engine.engine import BUILTIN_MODEL
 from ..lab.calibrate import CALIB_TEXT, calibrate, encode_text, save_calibration
+from ..lab.texts import read_text
 from .options import add_model_argument, positive_int
 
 HELP = "compute routing counts (warm cache) and per-expert default vectors on calibration text"
@@ -23,7 +24,7 @@ def add_arguments(p):
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     path = a.model or BUILTIN_MODEL
-    ids = encode_text(path, a.text.read_text(encoding="utf-8"), a.max_tokens)
+    ids = encode_text(path, read_text(a.text), a.max_tokens)
     with tqdm(total=len(ids), unit="tok", desc="calibrate", file=sys.stderr) as bar:
         c = calibrate(path, ids, progress=bar.update)
     save_calibration(c, path, a.text.name)

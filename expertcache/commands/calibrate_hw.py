@@ -1,10 +1,13 @@
 """expertcache calibrate-hw: measure this machine's hardware profile for the cost model."""
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from .options import add_model_argument, add_store_arguments
+from tqdm import tqdm
+
+from .options import add_model_argument, add_store_arguments, positive_int
 
 HELP = "measure fetch, expert and dense times on this machine into a cost-model profile"
 
@@ -14,13 +17,16 @@ def add_arguments(p):
     add_model_argument(p)
     add_store_arguments(p)
     p.add_argument("--mode", default="decode", choices=["decode", "forced"])
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed repetitions of each run (median)")
     p.add_argument("--out", type=Path, required=True, help="profile JSON to write")
 
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
-    from ..lab.costmodel import measure_profile
-    prof = measure_profile(a.model, a.store, a.mode, device=a.device, store_dir=a.store_dir)
+    from ..lab.costmodel import CALIBRATION, measure_profile
+    with tqdm(total=len(CALIBRATION) * (a.repeats + 1), unit="run", desc="calibrate-hw", file=sys.stderr) as bar:
+        prof = measure_profile(a.model, a.store, a.mode, a.repeats, device=a.device, store_dir=a.store_dir,
+                               progress=lambda label: (bar.set_postfix_str(label), bar.update()))
     prof.save(a.out)
     for k, v in asdict(prof).items():
         if k != "calibration":

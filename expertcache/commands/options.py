@@ -47,6 +47,27 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
 
 
+def domain_offsets(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated character offsets of topic changes, e.g. 1000,52000."""
+    try:
+        offsets = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated character offsets; "
+                                         "e.g. --domains 1000,52000") from None
+    if any(o <= 0 for o in offsets):
+        raise argparse.ArgumentTypeError(f"{text!r}: offsets are characters after the start, > 0")
+    return offsets
+
+
+def add_text_arguments(p: argparse.ArgumentParser, default: Path | None = None) -> None:
+    """A user's text and where its topics change."""
+    p.add_argument("--text", type=Path, default=default,
+                   help="UTF-8 text file (default: the built-in evaluation text, with its domains)")
+    p.add_argument("--domains", type=domain_offsets, default=None,
+                   help="comma-separated character offsets where a new topic starts (default: the segments "
+                        "file beside the text, else one domain)")
+
+
 def add_json_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write every number as JSON")
 

@@ -1,12 +1,13 @@
 """expertcache simulate: replay policies on a trace over a sweep of cache sizes."""
 from __future__ import annotations
 
+import argparse
 import functools
 from pathlib import Path
 
 from ..engine.cache import CacheConfig
 from ..engine.checkpoint import ROUTING_COUNTS, load_routing_counts
-from ..errors import CheckpointError
+from ..errors import BadInput, CheckpointError
 from ..lab.costmodel import load_profile
 from ..lab.plots import scatter
 from ..lab.simulator import replay, route_trace
@@ -28,9 +29,22 @@ def add_arguments(p):
                                                    "a6000-qwen3-30b; adds estimated ms/token")
     p.add_argument("--window", type=positive_int, default=None,
                    help="tokens decided per layer call: the trace's context (default, as ppl runs) or 1 (decode)")
-    p.add_argument("--jobs", type=positive_int, default=1, help="replay the sweep in this many processes")
+    p.add_argument("--jobs", type=job_count, default=1,
+                   help="replay the sweep in this many local processes, or 'ray' for a Ray cluster")
+    p.add_argument("--ray-address", default=None,
+                   help="with --jobs ray: the cluster to join, e.g. ray://head:10001 or auto (default: a local Ray)")
     p.add_argument("--plot", type=Path, default=None, help="time vs substituted-mass frontier PNG")
     add_json_argument(p)
+
+
+def job_count(text: str) -> int | str:
+    """An argparse type: a process count >= 1, or 'ray'."""
+    if text == "ray":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a process count >= 1 or 'ray'") from None
 
 
 @functools.lru_cache(maxsize=4)
@@ -59,17 +73,41 @@ def task(trace_path: str, policy: str, fraction: float, eviction: str | None, in
             "routing_seconds": routes.seconds, "estimated_ms_per_token": est, **r.stats.to_dict()}
 
 
-def run(a) -> int:
-    trace = read_trace(a.trace)
-    jobs = [(str(a.trace), policy, fraction, a.eviction, a.initial, a.profile, a.window)
-            for fraction in a.cache for policy in a.policies]
-    if a.jobs > 1:
+def run_tasks(tasks: list[tuple], jobs: int | str = 1, ray_address: str | None = None,
+              ray_init: dict | None = None) -> list[dict]:
+    """`task(*t)` for every t of `tasks`, in order: here (jobs 1), on a local process pool
+    (jobs N) or as Ray tasks (jobs 'ray': `ray.remote` over the same pure function, on the
+    cluster at `ray_address` or a local Ray; `ray_init` passes more ray.init options). Every
+    worker must see the trace file at the same path (a shared file system)."""
+    if jobs == "ray":
+        try:
+            import ray
+        except ImportError:
+            raise BadInput("--jobs ray needs Ray: pip install 'expertcache[cluster]' (or pip install ray)") from None
+        started = not ray.is_initialized()
+        if started:
+            ray.init(address=ray_address, **(ray_init or {}))
+        try:
+            remote = ray.remote(task)
+            return ray.get([remote.remote(*t) for t in tasks])
+        finally:
+            if started:
+                ray.shutdown()
+    if jobs > 1:
         import multiprocessing
         # spawn, not fork: a forked child of a process whose OpenMP threads have run can hang
-        with multiprocessing.get_context("spawn").Pool(a.jobs) as pool:
-            rows = pool.starmap(task, jobs)
-    else:
-        rows = [task(*j) for j in jobs]
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            return pool.starmap(task, tasks)
+    return [task(*t) for t in tasks]
+
+
+def run(a) -> int:
+    trace = read_trace(a.trace)
+    tasks = [(str(a.trace), policy, fraction, a.eviction, a.initial, a.profile, a.window)
+            for fraction in a.cache for policy in a.policies]
+    if a.ray_address and a.jobs != "ray":
+        raise BadInput("--ray-address applies with --jobs ray; add --jobs ray or leave --ray-address out")
+    rows = run_tasks(tasks, a.jobs, a.ray_address)
     print("| policy | cache | hit rate | fetches/token | admissions/token | slots subst. | mass/call | est. ms/token "
           "| events/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -8,9 +8,9 @@ from tqdm import tqdm
 
 from ..lab.report import write_report
 from ..lab.study import StudyConfig, run_study
-from .options import add_json_argument, add_model_argument, fraction, positive_int, write_json
+from .options import add_json_argument, add_model_argument, add_text_arguments, fraction, positive_int, write_json
 
-HELP = "emulate every miss policy on the evaluation text (exact, ram store) and write the report"
+HELP = "emulate every miss policy on a text (exact, ram store) and write the report"
 
 
 def add_arguments(p):
@@ -21,13 +21,15 @@ def add_arguments(p):
                    help="evaluation tokens taken from each domain of the text")
     p.add_argument("--context", type=positive_int, default=StudyConfig.context, help="window length in tokens")
     p.add_argument("--policies", nargs="*", default=None, help="policy specs (default: the full set)")
+    add_text_arguments(p)
     p.add_argument("--out", type=Path, default=Path("study"), help="report folder")
     add_json_argument(p)
 
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
-    cfg = StudyConfig(cache_fraction=a.cache, tokens_per_domain=a.tokens_per_domain, context=a.context)
+    cfg = StudyConfig(cache_fraction=a.cache, tokens_per_domain=a.tokens_per_domain, context=a.context,
+                      text=str(a.text) if a.text else None, domains=a.domains or ())
     if a.policies:
         cfg = StudyConfig(**{**cfg.__dict__, "policies": tuple(dict.fromkeys(["fetch-all", *a.policies]))})
     bar = tqdm(unit="tok", file=sys.stderr)

@@ -1,7 +1,6 @@
 """expertcache trace: record router logits of a text for the simulator."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -10,8 +9,9 @@ from tqdm import tqdm
 from ..engine.engine import BUILTIN_MODEL
 from ..engine.perplexity import EVAL_TEXT
 from ..lab.calibrate import encode_text
+from ..lab.texts import domain_texts
 from ..lab.trace import record_trace
-from .options import add_model_argument, positive_int
+from .options import add_model_argument, add_text_arguments, positive_int
 
 HELP = "record every token's router logits at every MoE layer into a trace file"
 
@@ -19,7 +19,7 @@ HELP = "record every token's router logits at every MoE layer into a trace file"
 def add_arguments(p):
     """The verb's options."""
     add_model_argument(p)
-    p.add_argument("--text", type=Path, default=EVAL_TEXT, help="UTF-8 text (default: the evaluation text)")
+    add_text_arguments(p, EVAL_TEXT)
     p.add_argument("--out", type=Path, required=True, help="trace file to write")
     p.add_argument("--context", type=positive_int, default=512, help="window length in tokens")
     p.add_argument("--dtype", default="float16", choices=["float16", "float32"])
@@ -29,17 +29,11 @@ def add_arguments(p):
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     path = a.model or BUILTIN_MODEL
-    text = a.text.read_text(encoding="utf-8")
     docs, ids = [], []
-    segments = a.text.with_suffix(".json")
-    if segments.exists():  # documents with known boundaries (the evaluation text's domains)
-        for seg in json.loads(segments.read_text())["segments"]:
-            part = encode_text(path, text[seg["start_char"]:seg["start_char"] + seg["chars"]])
-            docs.append([len(ids), len(ids) + len(part), seg["domain"]])
-            ids += part
-    else:
-        ids = encode_text(path, text)
-        docs = [[0, len(ids), a.text.name]]
+    for domain, text in domain_texts(a.text, a.domains):  # documents with known boundaries
+        part = encode_text(path, text)
+        docs.append([len(ids), len(ids) + len(part), domain])
+        ids += part
     ids = ids[:a.max_tokens]
     with tqdm(total=len(ids), unit="tok", desc="trace", file=sys.stderr) as bar:
         t = record_trace(path, ids, a.out, a.context, a.dtype, docs, bar.update)

@@ -16,7 +16,8 @@ mode) or written from datasheet figures.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -114,69 +115,159 @@ TERMS = ("dense", "expert_runs", "fetch_waits", "sync_fetches", "background_fetc
 
 
 def fit_terms(counts: np.ndarray, seconds: np.ndarray, names: tuple[str, ...]) -> dict[str, float]:
-    """Least squares of the relative error, seconds ~ counts @ cost, with every cost >= 0:
-    the term whose cost comes out most negative is dropped (cost 0) and the rest refitted."""
-    keep = list(range(len(names)))
-    scaled = counts / seconds[:, None]
-    while True:
-        cost, *_ = np.linalg.lstsq(scaled[:, keep], np.ones(len(seconds)), rcond=None)
-        if (cost >= 0).all() or len(keep) == 1:
-            break
-        keep.pop(int(np.argmin(cost)))
-    fitted = dict.fromkeys(names, 0.0)
-    fitted.update({names[i]: max(0.0, float(c)) for i, c in zip(keep, cost)})
-    return fitted
+    """Non-negative least squares of the relative error: the costs c >= 0 minimising
+    sum_i ((counts_i @ c) / seconds_i - 1)^2 (scipy.optimize.nnls), so that a fast run's
+    error weighs as much as a slow one's. counts [runs, terms], seconds [runs]."""
+    from scipy.optimize import nnls
+    assert counts.shape == (len(seconds), len(names)), (counts.shape, len(seconds), names)
+    cost, _ = nnls(counts / seconds[:, None], np.ones(len(seconds)))
+    return {n: float(c) for n, c in zip(names, cost)}
 
 
-def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode", repeats: int = 5,
-                    reads: int = 200, device: str = "cpu", store_dir: Path | None = None) -> HardwareProfile:
-    """Measure a profile on this machine with the engine itself. `mode`: decode (one token per
-    forward) or forced (windows of 256 tokens). Every CALIBRATION run is timed `repeats`
-    times, interleaved round-robin after a warm-up (so drift hits all alike), and its counts
-    per token recorded; a non-negative least-squares fit of the relative error gives the cost
-    of each term. In decode every token runs k experts per layer, so expert runs are part of
-    `dense` there. The raw O_DIRECT read time is reported in `source`."""
-    import statistics
+def difference(after: RunStats, before: RunStats) -> RunStats:
+    """The counters of the part of a run between two snapshots."""
+    return RunStats(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(RunStats)})
+
+
+def term_counts(s: RunStats, layers: int) -> np.ndarray:
+    """[len(TERMS)] counts per token (1 for dense) of a run's counters on a model of `layers` MoE layers."""
+    tokens = s.moe_calls / layers
+    return np.array([1.0, *(getattr(s, t) / tokens for t in TERMS[1:])])
+
+
+@dataclass
+class TimedRun:
+    """One (cache fraction, variant) timed on the engine: median seconds per token and the
+    counters of the median repetition. variant: a policy spec, optionally '+prefetch/predictor'."""
+    cache: float
+    variant: str
+    seconds: float
+    stats: RunStats
+
+
+def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", repeats: int = 5,
+              store: str = "disk", device: str = "cpu", store_dir: Path | None = None, prompt: int = 32,
+              context: int = 256, progress: Callable[[str], None] | None = None) -> list[TimedRun]:
+    """Time each (cache fraction, variant) of `runs` on the engine over the same tokens, repetitions
+    interleaved round-robin after a warm-up (so drift hits all alike). decode: `prompt` tokens in one
+    forward, then every later token of `ids` alone (one token per forward), timed; forced: `ids`
+    teacher-forced in windows of `context`. `progress(label)` after each run."""
     import time
 
     import torch
 
     from ..engine.cache import CacheConfig
     from ..engine.engine import Engine, EngineConfig
-    from ..engine.perplexity import EVAL_TEXT, teacher_forced
+    from ..engine.perplexity import teacher_forced
+    from .bench import parse_variant
 
-    engines = [Engine(model, EngineConfig(device=device, store=store, cache=CacheConfig(fraction=f), policy=p,
-                                                 store_dir=store_dir))
-               for f, p in CALIBRATION]
-    ids = engines[0].encode(EVAL_TEXT.read_text(encoding="utf-8")[:20000])
-    fields = ("moe_calls",) + TERMS[1:]
+    if mode not in ("decode", "forced"):
+        from ..errors import UnknownName
+        raise UnknownName(f"unknown mode {mode!r}; choose decode or forced")
+    engines = []
+    for fraction, variant in runs:
+        policy, prefetch = parse_variant(variant)
+        engines.append(Engine(model, EngineConfig(device=device, store=store, cache=CacheConfig(fraction=fraction),
+                                                  policy=policy, prefetch=prefetch, store_dir=store_dir)))
 
-    def run(eng: Engine) -> tuple[float, np.ndarray]:
+    def run(eng: Engine) -> tuple[float, RunStats]:
         eng.reset()
-        s = eng.stats
         if mode == "decode":
-            eng.forward(torch.tensor(ids[:32]), 0)
-            before, t = [getattr(s, f) for f in fields], time.perf_counter()
-            for pos in range(32, 96):
+            eng.forward(torch.tensor(ids[:prompt]), 0)
+            before, t = replace(eng.stats), time.perf_counter()
+            for pos in range(prompt, len(ids)):
                 eng.forward(torch.tensor(ids[pos:pos + 1]), pos)
         else:
-            before, t = [0] * len(fields), time.perf_counter()
-            for _ in teacher_forced(lambda x: eng.forward(x, 0), ids[:1025], 256):
+            before, t = RunStats(), time.perf_counter()
+            for _ in teacher_forced(lambda x: eng.forward(x, 0), ids, context):
                 pass
         elapsed = time.perf_counter() - t
-        calls, *counts = (getattr(s, f) - b for f, b in zip(fields, before))
-        tokens = calls / eng.args.num_layers
-        return elapsed / tokens, np.array([1.0, *counts]) / np.array([1.0] + [tokens] * len(counts))
+        s = difference(eng.stats, before)
+        return elapsed / (s.moe_calls / eng.args.num_layers), s
 
     samples = [[] for _ in engines]
     for rep in range(repeats + 1):  # repetition 0 warms up
         for i, eng in enumerate(engines):
-            t, counts = run(eng)
+            sample = run(eng)
             if rep:
-                samples[i].append((t, counts))
-    seconds = np.array([statistics.median(t for t, _ in runs) for runs in samples])
-    counts = np.array([np.median([c for _, c in runs], axis=0) for runs in samples])
-    a, st = engines[0].args, engines[0].store
+                samples[i].append(sample)
+            if progress:
+                progress(f"rep {rep} {runs[i][1]} @{runs[i][0]:g}")
+    for eng in engines:
+        eng.close()
+    out = []
+    for (fraction, variant), reps in zip(runs, samples):
+        reps.sort(key=lambda r: r[0])
+        seconds, stats = reps[len(reps) // 2]
+        out.append(TimedRun(fraction, variant, seconds, stats))
+    return out
+
+
+def fit_profile(timed: list[TimedRun], store, layers: int, top_k: int, mode: str, label: str = "",
+                read_s: float | None = None) -> HardwareProfile:
+    """The profile whose costs fit `timed` best (fit_terms over TERMS; in decode every token runs k
+    experts per layer, so expert runs are part of `dense` there). `store`: the runs' slow tier
+    (its expert_bytes); `read_s`: one raw read's time, reported in `source`."""
+    terms = TERMS if mode == "forced" else tuple(t for t in TERMS if t != "expert_runs")
+    counts = np.array([term_counts(r.stats, layers) for r in timed])
+    seconds = np.array([r.seconds for r in timed])
+    cost = fit_terms(counts[:, [TERMS.index(t) for t in terms]], seconds, terms)
+    fitted = counts @ np.array([cost.get(t, 0.0) for t in TERMS])
+    calibration = tuple({"cache": r.cache, "policy": r.variant, "ms_per_token": 1000 * r.seconds,
+                         "fitted_ms_per_token": 1000 * e, "per_token": dict(zip(TERMS[1:], c[1:].tolist()))}
+                        for r, e, c in zip(timed, fitted, counts))
+    # The slow tier's transfer per fetch is fitted as a time: bandwidth = bytes / that time.
+    transfer = cost["sync_fetches"]
+    read = f"; one O_DIRECT read alone: {1e6 * read_s:.0f} us" if read_s is not None else ""
+    return HardwareProfile(f"this-machine-{label or 'store'}-{mode}", fetch_latency_s=cost["fetch_waits"],
+                           fetch_bandwidth=store.expert_bytes / transfer if transfer else float("inf"),
+                           expert_run_s=cost.get("expert_runs", 0.0), dense_s=cost["dense"], overlap=True,
+                           expert_bytes=store.expert_bytes, layers=layers, top_k=top_k,
+                           source=f"measured by calibrate-hw ({label} store, {mode}){read}",
+                           admission_s=cost["background_fetches"], decision_s=cost["substituted_calls"],
+                           calibration=calibration)
+
+
+def calibration_ids(model: Path | None, mode: str, tokens: int | None = None, text: str | None = None) -> list[int]:
+    """The tokens calibrate-hw times: the start of `text` (default: the evaluation text), 96 tokens
+    in decode (a 32-token prompt, 64 decoded) and 1,025 teacher-forced, unless `tokens` says."""
+    from ..engine.engine import BUILTIN_MODEL
+    from ..engine.perplexity import EVAL_TEXT
+    from .calibrate import encode_text
+    tokens = tokens or (96 if mode == "decode" else 1025)
+    text = text if text is not None else EVAL_TEXT.read_text(encoding="utf-8")
+    ids = encode_text(model or BUILTIN_MODEL, text[:16 * tokens], tokens)  # tokens average ~3.4 characters
+    if len(ids) < min(tokens, 40):
+        from ..errors import BadInput
+        raise BadInput(f"the calibration text gives {len(ids)} tokens, fewer than the {tokens} needed; "
+                       "give a longer text")
+    return ids
+
+
+def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode", repeats: int = 5,
+                    reads: int = 200, device: str = "cpu", store_dir: Path | None = None,
+                    runs=CALIBRATION, ids: list[int] | None = None,
+                    progress: Callable[[str], None] | None = None) -> HardwareProfile:
+    """Measure a profile on this machine with the engine itself. `mode`: decode (one token per
+    forward) or forced (windows of 256 tokens). Every run of `runs` (cache fraction, variant) is
+    timed `repeats` times over `ids` (default: calibration_ids) by `time_runs`, and a
+    non-negative least-squares fit of the relative error gives the cost of each term. The raw
+    O_DIRECT read time is reported in `source`."""
+    import statistics
+    import time
+
+    import torch
+
+    from ..engine.checkpoint import open_checkpoint
+    from ..engine.stores import open_store
+    from ..models import model_args
+
+    ids = ids if ids is not None else calibration_ids(model, mode)
+    timed = time_runs(model, runs, ids, mode, repeats, store, device, store_dir, progress=progress)
+    from ..engine.engine import BUILTIN_MODEL
+    ckpt = open_checkpoint(Path(model or BUILTIN_MODEL))
+    a = model_args(ckpt.config)
+    st = open_store(store, ckpt, a, store_dir, torch.float32)
     rng = np.random.default_rng(0)
     w13, w2 = torch.empty(st.shape.w13), torch.empty(st.shape.w2)
     read_s = []
@@ -184,21 +275,6 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
         start = time.perf_counter()
         st.read_into(int(rng.integers(a.num_layers)), int(rng.integers(a.num_experts)), w13, w2)
         read_s.append(time.perf_counter() - start)
-    for eng in engines:
-        eng.close()
-    terms = TERMS if mode == "forced" else tuple(t for t in TERMS if t != "expert_runs")
-    cost = fit_terms(counts[:, [TERMS.index(t) for t in terms]], seconds, terms)
-    fitted = counts @ np.array([cost.get(t, 0.0) for t in TERMS])
-    calibration = tuple({"cache": f, "policy": p, "ms_per_token": 1000 * t, "fitted_ms_per_token": 1000 * e,
-                         "per_token": dict(zip(TERMS[1:], c[1:].tolist()))}
-                        for (f, p), t, e, c in zip(CALIBRATION, seconds, fitted, counts))
-    # The slow tier's transfer per fetch is fitted as a time: bandwidth = bytes / that time.
-    transfer = cost["sync_fetches"]
-    return HardwareProfile(f"this-machine-{store}-{mode}", fetch_latency_s=cost["fetch_waits"],
-                           fetch_bandwidth=st.expert_bytes / transfer if transfer else float("inf"),
-                           expert_run_s=cost.get("expert_runs", 0.0), dense_s=cost["dense"], overlap=True,
-                           expert_bytes=st.expert_bytes, layers=a.num_layers, top_k=a.top_k,
-                           source=f"measured by calibrate-hw ({store} store, {mode}); one O_DIRECT read alone: "
-                                  f"{1e6 * statistics.median(read_s):.0f} us",
-                           admission_s=cost["background_fetches"], decision_s=cost["substituted_calls"],
-                           calibration=calibration)
+    if hasattr(st, "close"):
+        st.close()
+    return fit_profile(timed, st, a.num_layers, a.top_k, mode, store, statistics.median(read_s))

@@ -4,7 +4,6 @@ measured; then the analyses (where the loss comes from, mass against increase, e
 Returns data; `report` writes the report."""
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,9 +15,9 @@ from ..engine.cache import CacheConfig
 from ..engine.engine import Engine, EngineConfig
 from ..engine.generate import generate
 from ..engine.perplexity import EVAL_TEXT, PerplexityResult, perplexity
+from ..errors import BadInput
 from ..policies import make_policy
-
-EVAL_SEGMENTS = EVAL_TEXT.with_suffix(".json")
+from .texts import domain_texts
 
 BASELINE = "fetch-all"
 TAUS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
@@ -43,6 +42,8 @@ class StudyConfig:
     policies: tuple[str, ...] = (BASELINE, *MAIN, NO_ADMISSION, HEAVY, *LIGHT)
     generation_policies: tuple[str, ...] = (BASELINE, "substitute-all", "threshold:tau=0.15", "first-choice",
                                             "quality-first", "speed-first")
+    text: str | None = None  # UTF-8 text file (default: the built-in evaluation text, domains from eval.json)
+    domains: tuple[int, ...] = ()  # character offsets of topic changes in `text` (default: its segments file)
 
 
 @dataclass
@@ -55,23 +56,28 @@ class StudySequences:
 
 
 def study_sequences(engine: Engine, cfg: StudyConfig) -> StudySequences:
-    """Each domain of the evaluation text cut to whole windows of `cfg.context`, and prompts from the rest of it."""
-    text = EVAL_TEXT.read_text(encoding="utf-8")
-    segments = json.loads(EVAL_SEGMENTS.read_text())["segments"]
+    """Each domain of the text (`cfg.text`, split at `cfg.domains`; default: the evaluation text and
+    its segments) cut to whole windows of `cfg.context`, and prompts from the rest of it."""
     ids, domains, starts, prompts = [], [], [], []
-    for seg in segments:
-        toks = engine.encode(text[seg["start_char"]: seg["start_char"] + seg["chars"]])
+    for domain, text in domain_texts(Path(cfg.text or EVAL_TEXT), cfg.domains or None):
+        toks = engine.encode(text)
         n = min(cfg.tokens_per_domain, len(toks) - cfg.prompts_per_domain * (cfg.prompt_tokens + 8))
         n = n // cfg.context * cfg.context  # windows never straddle a topic change
+        if n <= 0:
+            continue  # a domain too short for one window and its prompts
         starts.append(len(ids))
-        domains.append(seg["domain"])
+        domains.append(domain)
         ids += toks[:n]
         rest = toks[n:]
         step = max(cfg.prompt_tokens, len(rest) // cfg.prompts_per_domain)
         for p in range(cfg.prompts_per_domain):
             prompt = rest[p * step: p * step + cfg.prompt_tokens]
             if len(prompt) == cfg.prompt_tokens:
-                prompts.append((seg["domain"], prompt))
+                prompts.append((domain, prompt))
+    if not ids:
+        raise BadInput(f"no domain of {cfg.text or EVAL_TEXT} holds one window of {cfg.context} tokens and "
+                       f"{cfg.prompts_per_domain} prompts of {cfg.prompt_tokens}; give a longer text or a smaller "
+                       "--context")
     return StudySequences(ids + ids[-1:], domains, starts, prompts)
 
 

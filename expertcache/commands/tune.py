@@ -1,0 +1,115 @@
+"""expertcache tune: the fastest miss policy within a perplexity budget for a model, cache and machine."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..engine.perplexity import EVAL_TEXT
+from ..lab.calibrate import CALIB_TEXT
+from .options import add_json_argument, add_model_argument, fraction, positive_int, write_json
+
+HELP = "search miss policies for the fastest one within a perplexity budget, validated on held-out text"
+
+
+def budget(text: str) -> float:
+    """'1%' or '1' -> 1.0 (percent perplexity increase)."""
+    try:
+        v = float(text.strip().removesuffix("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage; e.g. --budget 1%") from None
+    if not 0 <= v < 1000:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: give a percentage >= 0, e.g. --budget 1%")
+    return v
+
+
+def add_arguments(p):
+    """The verb's options."""
+    add_model_argument(p)
+    p.add_argument("--budget", type=budget, default=1.0, help="allowed perplexity increase, e.g. 1%% (default 1%%)")
+    p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
+    p.add_argument("--cache-bytes", type=positive_int, default=None, help="cache size in bytes (overrides --cache)")
+    p.add_argument("--profile", default=None,
+                   help="cost model: a calibrate-hw file, rtx3090-qwen3-next or a6000-qwen3-30b (default: a quick "
+                        "profile measured now with the disk store, 6 runs x 1 repetition)")
+    p.add_argument("--mode", default="decode", choices=["decode", "forced"],
+                   help="what the time estimate is for: decode (default) or teacher-forced windows")
+    p.add_argument("--text", type=Path, default=EVAL_TEXT, help="held-out text the winner is validated on")
+    p.add_argument("--calib-text", type=Path, default=CALIB_TEXT, help="text the search is tuned on")
+    p.add_argument("--calib-tokens", type=positive_int, default=4096, help="calibration tokens traced and scored")
+    p.add_argument("--tokens", type=positive_int, default=8192, help="held-out tokens the winner is validated on")
+    p.add_argument("--context", type=positive_int, default=512, help="window length in tokens")
+    p.add_argument("--finalists", type=positive_int, default=16, help="most frontier points scored exactly")
+    p.add_argument("--plot", type=Path, default=None, help="frontier PNG: ppl increase vs estimated ms/token")
+    add_json_argument(p)
+
+
+def run(a) -> int:
+    """Run the verb; returns the exit code."""
+    from ..engine.cache import CacheConfig
+    from ..lab.costmodel import calibration_ids, load_profile, measure_profile
+    from ..lab.texts import read_text
+    from ..lab.tune import QUICK_RUNS, TuneConfig, tune
+
+    calib_text, eval_text = read_text(a.calib_text), read_text(a.text)
+    if a.profile:
+        profile, how = load_profile(a.profile), f"profile {a.profile}"
+    else:
+        with tqdm(total=2 * len(QUICK_RUNS), unit="run", desc="quick profile", file=sys.stderr) as bar:
+            profile = measure_profile(a.model, "disk", a.mode, repeats=1, runs=QUICK_RUNS, reads=20,
+                                      ids=calibration_ids(a.model, a.mode, text=calib_text),
+                                      progress=lambda label: bar.update())
+        how = f"a quick {a.mode} profile measured now on the disk store (pass --profile for a full calibrate-hw one)"
+    cfg = TuneConfig(budget_pct=a.budget, cache=CacheConfig(fraction=a.cache, bytes=a.cache_bytes),
+                     calib_tokens=a.calib_tokens, tokens=a.tokens, context=a.context, mode=a.mode,
+                     finalists=a.finalists)
+    bar = tqdm(unit="step", file=sys.stderr)
+
+    def progress(label, n):
+        bar.set_description(label.split(":")[0] if label != "replay" else "replay")
+        bar.update(n)
+    res = tune(a.model, calib_text, eval_text, profile, cfg, progress)
+    bar.close()
+    print(f"time estimates: {how}; replay in {a.mode} order on {res.config['calib_tokens_used']} tokens of "
+          f"{a.calib_text.name}; {len(res.candidates)} candidates, {len(res.finalists) - 1} finalists scored "
+          f"exactly; held-out: {res.config['tokens_used']} tokens of {a.text.name}\n")
+    print("| finalist | est. ms/token | est. speed-up | calibration ppl increase | 95% CI |\n|---|---:|---:|---:|---|")
+    est = {r["spec"]: r["estimated_ms"] for r in res.candidates}
+    for spec, f in sorted(res.finalists.items(), key=lambda kv: est[kv[0]]):
+        mark = " **winner**" if spec == res.winner else ""
+        print(f"| `{spec}`{mark} | {est[spec]:.2f} | {res.baseline_ms / est[spec]:.2f}x | {f['pct']:+.2f}% | "
+              f"[{f['ci'][0]:+.2f}, {f['ci'][1]:+.2f}] |")
+    print(f"\nheld-out validation ({a.text.name}):\n\n| policy | est. ms/token | est. speed-up | ppl increase | "
+          f"95% CI | within {a.budget:g}% |\n|---|---:|---:|---:|---|---|")
+    for spec, v in res.validation.items():
+        if spec == "fetch-all":
+            continue
+        print(f"| `{spec}` | {v['estimated_ms']:.2f} | {v['estimated_speedup']:.2f}x | {v['pct']:+.2f}% | "
+              f"[{v['ci'][0]:+.2f}, {v['ci'][1]:+.2f}] | {'yes' if v['within_budget'] else 'no'} |")
+    if res.winner is None:
+        print(f"\nno finalist stays within {a.budget:g}% on the calibration text; fetch-all is the policy "
+              "(raise --budget or the cache size)")
+    else:
+        v = res.validation[res.winner]
+        print(f"\npolicy: {res.winner}\nestimated speed-up over fetch-every-miss: {v['estimated_speedup']:.2f}x "
+              f"({v['estimated_ms']:.2f} vs {res.baseline_ms:.2f} ms/token)\nvalidated perplexity increase: "
+              f"{v['pct']:+.2f}% (95% CI {v['ci'][0]:+.2f} to {v['ci'][1]:+.2f}) on held-out text")
+    write_json(a.json, res.to_dict())
+    if a.plot:
+        plot_search(res, a.plot)
+    return 0
+
+
+def plot_search(res, path: Path) -> Path:
+    """Perplexity increase on calibration text (with its CI) against estimated ms/token, one point per
+    finalist, the Pareto frontier drawn and the winner marked."""
+    from ..lab.plots import scatter
+    est = {r["spec"]: r["estimated_ms"] for r in res.candidates}
+    points = {s: (est[s], f["pct"]) for s, f in res.finalists.items()}
+    errors = {s: (f["pct"] - f["ci"][0], f["ci"][1] - f["pct"]) for s, f in res.finalists.items()}
+    short = {s: s.replace("threshold:", "").replace("eviction=", "").replace("beta=", "b=") for s in points}
+    return scatter(points, "estimated ms/token", "perplexity increase on calibration text (%)",
+                   f"Tune: finalists and the winner (budget {res.config['budget_pct']:g}%)", path,
+                   errors=errors, frontier=True, highlight=res.winner, short=short)

@@ -1,0 +1,56 @@
+"""A user's text as the lab reads it: UTF-8 text cut into domains (topic changes) by character
+offsets, or by the segments file beside it (`eval.json` beside the built-in `eval.txt`), or
+one domain of the whole text."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BadInput
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One domain of a text: `chars` characters from `start_char`."""
+    domain: str
+    start_char: int
+    chars: int
+
+
+def read_text(path: Path) -> str:
+    """The text of a UTF-8 file; BadInput naming the file when it is missing or not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such text file; give a UTF-8 text file") from None
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
+
+
+def text_segments(path: Path, offsets: tuple[int, ...] | None = None) -> tuple[str, list[Segment]]:
+    """The text of `path` and its domains: split at `offsets` (character offsets of topic changes,
+    increasing, inside the text) when given; else the segments of `path.with_suffix('.json')`
+    ({"segments": [{"domain", "start_char", "chars"}]}) when that file exists; else one domain."""
+    path = Path(path)
+    text = read_text(path)
+    if offsets:
+        bounds = [0, *offsets, len(text)]
+        if any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise BadInput(f"domain offsets {','.join(map(str, offsets))} must increase strictly within the "
+                           f"{len(text)} characters of {path}; e.g. --domains {len(text) // 2}")
+        return text, [Segment(f"{path.stem}:{i}", a, b - a) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    segments_file = path.with_suffix(".json")
+    if segments_file.exists():
+        try:
+            segs = json.loads(segments_file.read_text())["segments"]
+            return text, [Segment(s["domain"], int(s["start_char"]), int(s["chars"])) for s in segs]
+        except (ValueError, KeyError, TypeError) as e:
+            raise BadInput(f"{segments_file}: not a segments file ({e}); remove it or pass --domains") from None
+    return text, [Segment(path.stem, 0, len(text))]
+
+
+def domain_texts(path: Path, offsets: tuple[int, ...] | None = None) -> list[tuple[str, str]]:
+    """(domain, text) of each domain of `path` (text_segments)."""
+    text, segs = text_segments(path, offsets)
+    return [(s.domain, text[s.start_char:s.start_char + s.chars]) for s in segs]

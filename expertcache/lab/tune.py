@@ -1,0 +1,168 @@
+"""Tune: the fastest miss policy within a perplexity budget, for one model, cache size and
+machine.
+
+1. Trace the calibration text once (router logits of the exact model).
+2. Replay every candidate of the search space on the trace (the decision kernel on a virtual
+   cache, decode order by default) and estimate its ms/token with a hardware profile.
+3. Take the Pareto frontier of (estimated ms/token, substituted gate mass per call) and score
+   its points exactly: teacher-forced perplexity on the calibration text with the exact `ram`
+   store and a warm cache, against fetch-every-miss on the same tokens.
+4. The winner is the fastest finalist whose perplexity increase is within the budget.
+5. Validate it, with the presets for comparison, on held-out text: paired bootstrap CI of the
+   increase over windows.
+Returns data; the verb prints and plots it.
+"""
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..engine.cache import CacheConfig
+from ..engine.engine import Engine, EngineConfig
+from ..engine.perplexity import perplexity
+from ..errors import BadInput
+from ..policies import make_policy
+from .costmodel import HardwareProfile
+from .plots import pareto_front
+from .simulator import replay, route_trace
+from .study import BASELINE, paired_increase
+from .trace import record_trace
+
+TAUS = (0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
+BETAS = (0.0, 0.5, 1.0)  # background admission (policies that substitute)
+EVICTIONS = ("lru", "freq", "demand")
+# The search space, one line per policy family. Every spec is tried with each eviction order,
+# and with each admission beta when its policy takes one.
+RULES = (
+    BASELINE,
+    *(f"threshold:tau={t:g}" for t in TAUS),  # fetch a first choice or a miss of weight >= tau
+    "first-choice",  # fetch only a missed first choice
+    *(f"band:lo=0,hi={h:g}" for h in (0.05, 0.1)),  # substitute only light misses, whatever their rank
+    *(f"conditional:j={j},m=16" for j in (2, 4, 6)),  # cache-conditional routing
+    "substitute-all",
+)
+PRESETS = ("quality-first", "speed-first", "threshold:tau=0.15", "first-choice")  # validated beside the winner
+# The quick profile measured when none is given: enough runs to separate dense, wait, fetch and admission costs.
+QUICK_RUNS = ((1.0, BASELINE), (0.125, BASELINE), (0.5, BASELINE), (0.25, "first-choice"), (0.25, "quality-first"),
+              (0.25, "substitute-all"))
+
+
+def search_space(rules=RULES, betas=BETAS, evictions=EVICTIONS) -> list[str]:
+    """Candidate policy specs: each rule with each eviction order, and each admission beta where it takes one."""
+    out = []
+    for rule in rules:
+        takes_beta = "beta" in make_policy(rule).parameters
+        sep = "," if ":" in rule else ":"
+        for beta in betas if takes_beta else (None,):
+            spec = rule if not beta else f"{rule}{sep}beta={beta:g}"
+            sep2 = "," if ":" in spec else ":"
+            out += [f"{spec}{sep2}eviction={e}" for e in evictions]
+    return list(dict.fromkeys(out))
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """What the search runs: budget, cache, tokens, windows, search space and statistics."""
+    budget_pct: float = 1.0  # allowed perplexity increase over fetch-every-miss, percent
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    calib_tokens: int = 4096
+    tokens: int = 8192  # held-out validation tokens
+    context: int = 512
+    mode: str = "decode"  # replay order for the time estimate: decode (one token at a time) or forced
+    finalists: int = 16  # most frontier points scored exactly
+    candidates: tuple[str, ...] = ()  # default: search_space()
+    presets: tuple[str, ...] = PRESETS
+    bootstrap: int = 2000
+    seed: int = 0
+
+
+@dataclass
+class TuneResult:
+    """The whole search: every candidate's replay, the finalists' exact scores, the winner and its validation."""
+    config: dict
+    profile: dict
+    candidates: list[dict]
+    finalists: dict  # spec -> {pct, ci, ppl} on calibration text
+    winner: str | None
+    validation: dict  # spec -> {pct, ci, ppl, estimated_ms, estimated_speedup} on held-out text
+    baseline_ms: float  # fetch-every-miss, estimated
+
+    def to_dict(self) -> dict:
+        """The search as JSON-ready values."""
+        return self.__dict__.copy()
+
+
+def replay_candidates(trace, specs: list[str], cache: CacheConfig, counts, profile: HardwareProfile,
+                      window: int | None, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Each spec replayed on `trace` with its estimated ms/token and substituted mass."""
+    routes = route_trace(trace)
+    rows = []
+    for spec in specs:
+        s = replay(trace, spec, cache, None, counts, routes=routes, window=window).stats
+        rows.append({"spec": spec, "estimated_ms": profile.ms_per_token(s), "mass_per_call": s.mass_per_call,
+                     "fetches_per_token": s.fetches_per_token, "hit_rate": s.hit_rate,
+                     "admissions_per_token": s.background_fetches / s.tokens})
+        if progress:
+            progress(spec)
+    return rows
+
+
+def pick_finalists(rows: list[dict], n: int) -> list[str]:
+    """The Pareto frontier of (estimated ms, mass per call), thinned evenly to at most `n` specs."""
+    front = pareto_front({r["spec"]: (r["estimated_ms"], r["mass_per_call"]) for r in rows})
+    if len(front) > n:
+        front = [front[i] for i in np.unique(np.linspace(0, len(front) - 1, n).round().astype(int))]
+    return front
+
+
+def score(engine: Engine, specs, ids: list[int], context: int, cfg: TuneConfig,
+          progress: Callable[[str, int], None] | None = None) -> dict:
+    """Exact perplexity of each spec over `ids` with the increase over fetch-every-miss (paired bootstrap CI)."""
+    results = {}
+    for spec in dict.fromkeys([BASELINE, *specs]):
+        engine.set_policy(spec)
+        results[spec] = perplexity(engine, ids, context,
+                                   progress=(lambda n, s=spec: progress(s, n)) if progress else None)
+    base = results[BASELINE]
+    return {spec: {"ppl": r.ppl, **paired_increase(base.window_nll, r.window_nll, cfg.bootstrap, cfg.seed)}
+            for spec, r in results.items()}
+
+
+def tune(model: Path | None, calib_text: str, eval_text: str, profile: HardwareProfile, cfg: TuneConfig,
+         progress: Callable[[str, int], None] | None = None) -> TuneResult:
+    """Search the policy space for the fastest policy within `cfg.budget_pct` (see the module's steps)."""
+    engine = Engine(model, EngineConfig(store="ram", cache=cfg.cache, initial="auto"))
+    note = (lambda label, n=0: progress(label, n)) if progress else None
+    try:
+        calib = engine.encode(calib_text)[:cfg.calib_tokens + 1]
+        held = engine.encode(eval_text)[:cfg.tokens + 1]
+        for name, ids, want in (("calibration", calib, cfg.calib_tokens), ("held-out", held, cfg.tokens)):
+            if len(ids) < 2 * cfg.context + 1:
+                raise BadInput(f"the {name} text gives {len(ids) - 1} tokens, fewer than two windows of "
+                               f"{cfg.context}; give a longer text or a smaller --context (asked for {want})")
+        if note:
+            note("trace")
+        with tempfile.TemporaryDirectory() as d:
+            trace = record_trace(engine.path, calib, Path(d) / "calib.ectrace", cfg.context, "float32")
+            window = 1 if cfg.mode == "decode" else None
+            specs = list(dict.fromkeys([BASELINE, *(cfg.candidates or search_space()), *cfg.presets]))
+            rows = replay_candidates(trace, specs, cfg.cache, engine.routing_counts, profile, window,
+                                     (lambda s: note("replay", 1)) if note else None)
+        est = {r["spec"]: r["estimated_ms"] for r in rows}
+        finalists = pick_finalists(rows, cfg.finalists)
+        scored = score(engine, finalists, calib, cfg.context, cfg, progress)
+        within = [s for s in finalists if scored[s]["pct"] <= cfg.budget_pct]
+        winner = min(within, key=lambda s: est[s]) if within else None
+        checked = score(engine, [s for s in [winner, *cfg.presets] if s], held, cfg.context, cfg, progress)
+    finally:
+        engine.close()
+    base_ms = est[BASELINE]
+    validation = {s: {**v, "estimated_ms": est.get(s), "estimated_speedup": base_ms / est[s] if s in est else None,
+                      "within_budget": v["pct"] <= cfg.budget_pct} for s, v in checked.items()}
+    config = {**cfg.__dict__, "cache": cfg.cache.__dict__, "candidates": specs,
+              "calib_tokens_used": len(calib) - 1, "tokens_used": len(held) - 1}
+    return TuneResult(config, profile.__dict__, rows, scored, winner, validation, base_ms)

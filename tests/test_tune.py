@@ -1,0 +1,125 @@
+"""tune on the built-in model: the search space, the frontier, the winner's rule and the verb."""
+import json
+
+import pytest
+
+from expertcache import cli
+from expertcache.engine.cache import CacheConfig
+from expertcache.engine.perplexity import EVAL_TEXT
+from expertcache.lab.calibrate import CALIB_TEXT
+from expertcache.lab.costmodel import DATASHEET
+from expertcache.lab.tune import BETAS, EVICTIONS, RULES, TuneConfig, search_space, tune
+from expertcache.policies import make_policy
+
+SMALL = ("fetch-all", "threshold:tau=0.05,eviction=demand", "threshold:tau=0.15,beta=0.5,eviction=freq",
+         "threshold:tau=0.3,eviction=lru", "first-choice:eviction=lru", "substitute-all")
+
+
+def test_search_space_crosses_rules_with_evictions_and_betas():
+    specs = search_space()
+    takes_beta = [r for r in RULES if "beta" in make_policy(r).parameters]
+    assert len(specs) == len(EVICTIONS) * (len(takes_beta) * len(BETAS) + len(RULES) - len(takes_beta))
+    for spec in specs:
+        assert make_policy(spec).eviction in EVICTIONS
+    assert make_policy("threshold:tau=0.1,beta=0.5,eviction=demand").eviction == "demand"
+    assert "threshold:tau=0.05,beta=0.5,eviction=demand" in specs and "conditional:j=2,m=16,eviction=lru" in specs
+
+
+def test_eviction_in_a_spec_must_be_known():
+    assert cli.main(["simulate", "x.ectrace", "--policies", "threshold:eviction=newest"]) == 2
+
+
+@pytest.fixture(scope="module")
+def result():
+    cfg = TuneConfig(budget_pct=3.0, cache=CacheConfig(fraction=0.25), calib_tokens=1024, tokens=1024, context=256,
+                     candidates=SMALL, presets=("quality-first",), finalists=8, bootstrap=500)
+    return tune(None, CALIB_TEXT.read_text(encoding="utf-8"), EVAL_TEXT.read_text(encoding="utf-8"),
+                DATASHEET["rtx3090-qwen3-next"], cfg)
+
+
+def test_finalists_are_the_frontier_and_the_winner_the_fastest_within_budget(result):
+    rows = {r["spec"]: r for r in result.candidates}
+    assert set(rows) == {*SMALL, "quality-first"}
+    finalists = [s for s in result.finalists if s != "fetch-all"]
+    assert finalists
+    for s in finalists:  # no candidate is at least as fast with less mass
+        assert not any(r["estimated_ms"] < rows[s]["estimated_ms"] and r["mass_per_call"] < rows[s]["mass_per_call"]
+                       for r in rows.values())
+    assert result.finalists["fetch-all"]["pct"] == 0
+    within = [s for s, f in result.finalists.items() if f["pct"] <= 3.0]
+    assert result.winner == min(within, key=lambda s: rows[s]["estimated_ms"])
+    assert result.finalists["substitute-all"]["pct"] > 3.0  # the budget binds
+    v = result.validation[result.winner]
+    assert v["ci"][0] <= v["pct"] <= v["ci"][1] and v["estimated_speedup"] >= 1
+    assert "quality-first" in result.validation
+
+
+def test_tune_verb_writes_the_search_and_the_plot(tmp_path, capsys):
+    out, png = tmp_path / "tune.json", tmp_path / "tune.png"
+    assert cli.main(["tune", "--budget", "3%", "--profile", "rtx3090-qwen3-next", "--calib-tokens", "600",
+                     "--tokens", "600", "--context", "256", "--finalists", "4", "--json", str(out),
+                     "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["winner"] in data["finalists"] and f"policy: {data['winner']}" in text
+    assert len(data["candidates"]) >= len(search_space()) and png.stat().st_size > 10_000
+
+
+def test_tune_bad_budget_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", "--budget", "lots"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--budget" in err and "1%" in err
+
+
+@pytest.mark.parametrize("argv, words", [(["--text", "/nonexistent.txt"], "no such text file"),
+                                         (["--profile", "nowhere.json"], "unknown hardware profile")])
+def test_tune_bad_input_is_one_line(argv, words, capsys):
+    assert cli.main(["tune", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err
+
+
+@pytest.fixture(scope="module")
+def user_text(tmp_path_factory):
+    """A user's own text: two topics (verse, then scripture), changing at a known character."""
+    eval_text = EVAL_TEXT.read_text(encoding="utf-8")
+    first, second = eval_text[100_000:106_000], eval_text[200_000:206_000]
+    path = tmp_path_factory.mktemp("text") / "mine.txt"
+    path.write_text(first + second, encoding="utf-8")
+    return path, len(first)
+
+
+def test_study_on_a_users_text_and_domains(user_text, tmp_path, capsys):
+    path, change = user_text
+    out = tmp_path / "study.json"
+    assert cli.main(["study", "--text", str(path), "--domains", str(change), "--tokens-per-domain", "256",
+                     "--context", "128", "--policies", "threshold:tau=0.15", "--out", str(tmp_path / "s"),
+                     "--json", str(out)]) == 0
+    seq = json.loads(out.read_text())["sequences"]
+    assert seq["domains"] == ["mine:0", "mine:1"] and seq["topic_change_tokens"] == [0, 256]
+    assert seq["tokens"] == 512
+
+
+def test_trace_on_a_users_text_and_domains(user_text, tmp_path):
+    from expertcache.lab.calibrate import encode_text
+    from expertcache.lab.trace import read_trace
+    path, change = user_text
+    out = tmp_path / "mine.ectrace"
+    assert cli.main(["trace", "--text", str(path), "--domains", str(change), "--out", str(out)]) == 0
+    docs = read_trace(out).header["documents"]
+    text = path.read_text(encoding="utf-8")
+    from expertcache.engine.engine import BUILTIN_MODEL
+    n0 = len(encode_text(BUILTIN_MODEL, text[:change]))
+    assert [d[:2] for d in docs] == [[0, n0], [n0, n0 + len(encode_text(BUILTIN_MODEL, text[change:]))]]
+
+
+@pytest.mark.parametrize("domains, words", [("12,x", "comma-separated"), ("99999999", "must increase strictly")])
+def test_bad_domains_are_one_line(user_text, tmp_path, domains, words, capsys):
+    path, _ = user_text
+    try:
+        code = cli.main(["trace", "--text", str(path), "--domains", domains, "--out", str(tmp_path / "t")])
+    except SystemExit as e:  # argparse's own check
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and words in err
