@@ -138,7 +138,15 @@ class ExpertCache:
         self._check_layer(layer)
         self._check_experts("decide: ids", ids)
         policy.check(k, E)
-        self.state = self.state.with_log(kernel.log_capacity(T, k, E))
+        return self.decide_routed(policy, layer, logits, weights, ids, token_base, slots, experts, gates)
+
+    def decide_routed(self, policy, layer: int, logits: np.ndarray, weights: np.ndarray, ids: np.ndarray,
+                      token_base: int, slots: np.ndarray, experts: np.ndarray, gates: np.ndarray) -> int:
+        """`decide` without its checks, for routes that `route_logits` made (the right types and
+        shapes, ids in range) and a policy already fitted to the model: the engine's per-layer call."""
+        L, E, k = self.shape.num_layers, self.shape.num_experts, self.top_k
+        if len(self.state.log) < kernel.log_capacity(ids.shape[0], k, E):
+            self.state = self.state.with_log(kernel.log_capacity(ids.shape[0], k, E))
         owed_from = kernel.decide_layer(self.state, policy.params(), policy.bind(L, E), self.scratch,
                                         layer, logits, ids, weights, token_base, slots, experts, gates)
         if owed_from < 0:
