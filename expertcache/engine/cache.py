@@ -125,7 +125,7 @@ class ExpertCache:
         [T, k] float32, ids [T, k] int64 (the routes); slots, experts [T, k] int64 and gates
         [T, k] float32 receive the plan. Sizes, types and ids are checked here: the compiled
         loop checks no bounds."""
-        L, E, k = self.shape.num_layers, self.shape.num_experts, self.top_k
+        E, k = self.shape.num_experts, self.top_k
         T = ids.shape[0] if isinstance(ids, np.ndarray) and ids.ndim == 2 else -1
         for name, a, shape, dtype in (("logits", logits, (T, E), F32), ("weights", weights, (T, k), F32),
                                       ("ids", ids, (T, k), I64), ("slots", slots, (T, k), I64),

@@ -170,12 +170,13 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
 def markdown(res: BenchResult) -> str:
     """The benchmark's summary as a Markdown table under a line describing the setup."""
     c = res.config
-    lines = [f"`{c['store']}` store on {c['device']}, cache {c['slots_per_layer']}/{c['experts']} experts per layer, "
+    setup = (f"`{c['store']}` store on {c['device']}, cache {c['slots_per_layer']}/{c['experts']} experts per layer, "
              f"{'warm' if c['warm'] else 'cold'} start; decode {c['decode_tokens']} tokens after a "
              f"{c['prompt_tokens']}-token prompt (free-running, and fetch-all's greedy tokens one per forward), "
              f"teacher-force {c['forced_tokens']} tokens in windows of {c['context']}; median of {c['repeats']} "
              f"interleaved repetitions; speed-ups against fetch-all, ratios to the floor (all resident). "
-             "Fetches and stalls are those of the teacher-forced phase.", "",
+             "Fetches and stalls are those of the teacher-forced phase.")
+    lines = [setup, "",
              "| policy | decode ms/token | speedup | vs floor | same-tokens decode ms/token | speedup | vs floor | "
              "teacher-forced ms/token | speedup | vs floor | ppl increase (teacher-forced) | "
              "teacher-forced fetches/token | teacher-forced stall ms/token |",
