@@ -12,7 +12,13 @@ from expertcache import cli
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.checkpoint import open_checkpoint
 from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
-from expertcache.engine.experts import ExpertKind, experts_grouped, experts_one_token, swiglu
+from expertcache.engine.experts import (
+    ExpertKind,
+    experts_grouped,
+    experts_one_token,
+    experts_one_token_compiled,
+    swiglu,
+)
 from expertcache.engine.linear_attention import delta_rule_chunked, delta_rule_recurrent, l2norm
 from expertcache.engine.stores import DiskStore, RamStore, convert_to_disk
 from expertcache.models import model_args
@@ -52,6 +58,20 @@ def test_biased_clamped_experts_one_token_equals_grouped():
     torch.testing.assert_close(grouped, ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(one, ref, atol=1e-4, rtol=1e-5)
     assert not torch.allclose(ref, experts_grouped(x, slots, weights, w13, w2, b13, b2, ExpertKind(bias=True)))
+
+
+@pytest.mark.parametrize("kind", [ExpertKind(), ExpertKind(bias=True, limit=1.5)], ids=["swiglu", "clamped+bias"])
+def test_compiled_decode_experts_equal_torch(kind):
+    g = torch.Generator().manual_seed(4)
+    S, H, F, k = 9, 40, 24, 4  # odd sizes: the vectorised sums have remainders
+    w13, w2 = torch.randn(S, 2 * F, H, generator=g), torch.randn(S, H, F, generator=g)
+    b13, b2 = (torch.randn(S, 2 * F, generator=g), torch.randn(S, H, generator=g)) if kind.bias else (None, None)
+    for _ in range(5):
+        x = torch.randn(1, H, generator=g)
+        slots, weights = torch.randperm(S, generator=g)[:k].view(1, k), torch.rand(1, k, generator=g)
+        ref = experts_one_token(x, slots, weights, w13, w2, b13, b2, kind)
+        torch.testing.assert_close(experts_one_token_compiled(x, slots, weights, w13, w2, b13, b2, kind), ref,
+                                   atol=1e-4, rtol=1e-5)
 
 
 def test_disk_store_holds_expert_biases(tiny, tmp_path):

@@ -124,7 +124,7 @@ class ExpertCache:
         [T, k] float32, ids [T, k] int64 (the routes); slots, experts [T, k] int64 and gates
         [T, k] float32 receive the plan. Sizes, types and ids are checked here: the compiled
         loop checks no bounds."""
-        L, E, k = self.shape.num_layers, self.shape.num_experts, self.top_k
+        E, k = self.shape.num_experts, self.top_k
         T = ids.shape[0] if isinstance(ids, np.ndarray) and ids.ndim == 2 else -1
         for name, a, shape, dtype in (("logits", logits, (T, E), F32), ("weights", weights, (T, k), F32),
                                       ("ids", ids, (T, k), I64), ("slots", slots, (T, k), I64),
@@ -137,7 +137,15 @@ class ExpertCache:
         self._check_layer(layer)
         self._check_experts("decide: ids", ids)
         policy.check(k, E)
-        self.state = self.state.with_log(kernel.log_capacity(T, k, E))
+        return self.decide_routed(policy, layer, logits, weights, ids, token_base, slots, experts, gates)
+
+    def decide_routed(self, policy, layer: int, logits: np.ndarray, weights: np.ndarray, ids: np.ndarray,
+                      token_base: int, slots: np.ndarray, experts: np.ndarray, gates: np.ndarray) -> int:
+        """`decide` without its checks, for routes that `route_logits` made (the right types and
+        shapes, ids in range) and a policy already fitted to the model: the engine's per-layer call."""
+        L, E, k = self.shape.num_layers, self.shape.num_experts, self.top_k
+        if len(self.state.log) < kernel.log_capacity(ids.shape[0], k, E):
+            self.state = self.state.with_log(kernel.log_capacity(ids.shape[0], k, E))
         owed_from = kernel.decide_layer(self.state, policy.params(), policy.bind(L, E), self.scratch,
                                         layer, logits, ids, weights, token_base, slots, experts, gates)
         if owed_from < 0:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from ..kernel.expert_compute import experts_token
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class ExpertKind:
 
 
 SWIGLU = ExpertKind()
+NO_BIAS = np.zeros((0, 0), np.float32)
 
 
 def expert_groups(ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
@@ -72,6 +76,23 @@ def experts_one_token(x, slots, weights, w13, w2, b13=None, b2=None, kind: Exper
     return out.unsqueeze(0)
 
 
+def compiled_applies(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """Whether decode's compiled kernel can run: one fp32 token on the CPU, no autograd."""
+    return (x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == w13.dtype == torch.float32
+            and not (x.requires_grad or w13.requires_grad))
+
+
+def experts_one_token_compiled(x, slots, weights, w13, w2, b13=None, b2=None, kind: ExpertKind = SWIGLU):
+    """experts_one_token as one compiled call (kernel.expert_compute); x [1, H] fp32 on the CPU."""
+    out = torch.empty_like(x)
+    nobias = b13 is None
+    experts_token(x[0].contiguous().numpy(), slots[0].numpy(), weights[0].to(torch.float32).numpy(), w13.numpy(),
+                  w2.numpy(), NO_BIAS if nobias else b13.numpy(), NO_BIAS if nobias else b2.numpy(),
+                  np.float32(kind.limit or 0.0), np.float32(kind.alpha), np.empty(w2.shape[2], np.float32),
+                  out[0].numpy())
+    return out
+
+
 def experts_grouped(x, slots, weights, w13, w2, b13=None, b2=None, kind: ExpertKind = SWIGLU):
     """Large batches: one matmul pair per used slot. x [T, H], slots, weights [T, k] -> [T, H]."""
     assert slots.shape == weights.shape and slots.shape[0] == x.shape[0], (x.shape, slots.shape, weights.shape)
@@ -93,5 +114,7 @@ def experts_grouped(x, slots, weights, w13, w2, b13=None, b2=None, kind: ExpertK
 def experts_compute(x, slots, weights, w13, w2, b13=None, b2=None, kind: ExpertKind = SWIGLU):
     """x [T, H], slots [T, k] (a host tensor: the decode path reads it without a device sync),
     weights [T, k] -> the gate-weighted sum of each token's experts [T, H]."""
+    if compiled_applies(x, w13):
+        return experts_one_token_compiled(x, slots, weights, w13, w2, b13, b2, kind)
     run = experts_one_token if x.shape[0] == 1 else experts_grouped
     return run(x, slots, weights, w13, w2, b13, b2, kind)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..kernel.cache_state import N_LOG
 from ..kernel.routing import route_logits
 from ..models.args import ModelArgs
 from ..policies import MissPolicy
@@ -49,12 +50,14 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
     [begin, end)). The work of tokens [plan.owed_from, T) is left to the caller, which can
     first start the next layer's prefetches."""
     T, k = ids_h.shape
-    slots_h = np.zeros((T, k), dtype=np.int64)
-    exec_h = np.zeros((T, k), dtype=np.int64)
-    gates_h = np.zeros((T, k), dtype=np.float32)
-    cache.poll()
-    owed_from = cache.decide(policy, layer, logits_h, weights_h, ids_h, token_base, slots_h, exec_h, gates_h)
-    stats.stall_s += cache.carry_out(lambda begin, end: compute(begin, end, slots_h, gates_h))
+    slots_h = np.empty((T, k), dtype=np.int64)  # the kernel writes every entry
+    exec_h = np.empty((T, k), dtype=np.int64)
+    gates_h = np.empty((T, k), dtype=np.float32)
+    if cache.pending:
+        cache.poll()
+    owed_from = cache.decide_routed(policy, layer, logits_h, weights_h, ids_h, token_base, slots_h, exec_h, gates_h)
+    if cache.state.misc[N_LOG]:
+        stats.stall_s += cache.carry_out(lambda begin, end: compute(begin, end, slots_h, gates_h))
     stats.absorb(cache.state, cache.fetch_bytes)
     return LayerPlan(slots_h, exec_h, gates_h, owed_from)
 
@@ -108,15 +111,17 @@ class MoELayerRunner:
             logits_h, weights_h, ids_h = route(x, router, a.top_k, a.norm_topk_prob, router_bias)
         self.predicted = None
         T = ids_h.shape[0]
-        out = torch.empty_like(x)
+        out = torch.empty_like(x) if T > 1 else None  # decode computes once, after its decisions
 
         def experts_out(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
+            gates = torch.from_numpy(gates_h[begin:end])
             return experts_compute(x[begin:end], torch.from_numpy(slots_h[begin:end]),
-                                   torch.from_numpy(gates_h[begin:end]).to(x.device), cache.w13, cache.w2,
+                                   gates if x.device.type == "cpu" else gates.to(x.device), cache.w13, cache.w2,
                                    cache.b13, cache.b2, self.kind)
 
         def compute(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
-            out[begin:end] = experts_out(begin, end, slots_h, gates_h)
+            if end > begin:  # a decode token owes no work before its own decisions: nothing to flush
+                out[begin:end] = experts_out(begin, end, slots_h, gates_h)
 
         plan = decide_layer(cache, self.policy, stats, layer, logits_h, weights_h, ids_h, self.token_base, compute)
         if self.predictor is not None and layer + 1 < a.num_layers:

@@ -1,0 +1,122 @@
+"""Where a decode token's time goes: wall-clock per stage of the engine's forward, decoding
+greedily with every expert resident (or a smaller cache), stages timed with perf_counter by
+wrapping the engine's own functions in this process.
+
+    python benchmarks/decode_profile.py [--model DIR] [--store ram] [--cache 1.0] [--tokens 64] [--trials 5]
+
+Stages (nested stages are subtracted from their parents): attention (the dense attention
+block, norms excluded), route (router matmul, host sync, top-k), decide (the decision
+kernel call with its argument checks), carry_out (logged actions: transfers, waits),
+absorb (counters), experts (the k experts' compute), lm_head (final norm and logits), and
+the rest of the forward (norms, residual adds, the MoE runner's Python, the engine's
+bookkeeping). The wrappers add ~0.3 us per call, which falls into the stage they wrap.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+
+class StageTimer:
+    """Accumulates wall seconds per stage; nested stages are charged to the innermost one."""
+
+    def __init__(self):
+        self.total = defaultdict(float)
+        self.calls = defaultdict(int)
+        self.stack: list[list] = []
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            frame = [name, 0.0]  # [name, seconds of nested stages]
+            self.stack.append(frame)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                self.stack.pop()
+                self.total[name] += dt - frame[1]
+                self.calls[name] += 1
+                if self.stack:
+                    self.stack[-1][1] += dt
+        return timed
+
+    def reset(self) -> None:
+        self.total.clear()
+        self.calls.clear()
+
+
+def instrument(engine, timer: StageTimer) -> None:
+    """Wrap the engine's stages in `timer` (this process only)."""
+    from expertcache.engine import moe
+    m, cache = engine.model, engine.cache
+    m._attention = timer.wrap("attention", m._attention)
+    for i, f in list(m.linear.items()):
+        m.linear[i] = timer.wrap("attention", f)
+    moe.route = timer.wrap("route", moe.route)
+    moe.experts_compute = timer.wrap("experts", moe.experts_compute)
+    decide = "decide_routed" if hasattr(cache, "decide_routed") else "decide"  # the runner's call
+    setattr(cache, decide, timer.wrap("decide", getattr(cache, decide)))
+    cache.carry_out = timer.wrap("carry_out", cache.carry_out)
+    cache.poll = timer.wrap("poll", cache.poll)
+    engine.stats.absorb = timer.wrap("absorb", engine.stats.absorb)
+
+
+def profile(a) -> dict:
+    from expertcache.engine.cache import CacheConfig
+    from expertcache.engine.engine import Engine, EngineConfig
+    engine = Engine(a.model, EngineConfig(store=a.store, cache=CacheConfig(fraction=a.cache), policy=a.policy))
+    timer = StageTimer()
+    instrument(engine, timer)
+    forward = timer.wrap("forward", engine.forward)
+    prompt = engine.encode("KING HENRY.\nNow, lords, for France; the enterprise whereof")
+    per_trial, stage_trials = [], defaultdict(list)
+    for trial in range(a.trials + 1):  # trial 0 warms up
+        engine.reset()
+        tok = int(forward(torch.tensor(prompt), 0)[-1].argmax())
+        pos = len(prompt)
+        timer.reset()
+        start = time.perf_counter()
+        for _ in range(a.tokens):
+            tok = int(forward(torch.tensor([tok]), pos)[-1].argmax())
+            pos += 1
+        wall = time.perf_counter() - start
+        if trial:
+            per_trial.append(1e3 * wall / a.tokens)
+            stage_trials["outside forward"].append(1e3 * (wall - sum(timer.total.values())) / a.tokens)
+            for name, s in timer.total.items():
+                stage_trials[name].append(1e3 * s / a.tokens)
+    calls = {name: n / a.tokens for name, n in timer.calls.items()}
+    return {"ms_per_token": statistics.median(per_trial),
+            "stages_ms": {k: statistics.median(v) for k, v in stage_trials.items()}, "calls_per_token": calls}
+
+
+def main() -> None:
+    from expertcache.engine.engine import BUILTIN_MODEL
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=BUILTIN_MODEL)
+    p.add_argument("--store", default="ram")
+    p.add_argument("--cache", type=float, default=1.0)
+    p.add_argument("--policy", default="fetch-all")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--trials", type=int, default=5)
+    a = p.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    r = profile(a)
+    print(f"{a.store} store, cache {a.cache}, {a.policy}: {r['ms_per_token']:.3f} ms/token "
+          f"(median of {a.trials} trials of {a.tokens} tokens; stage medians need not sum exactly)\n")
+    print("| stage | ms/token | share | calls/token |\n|---|---:|---:|---:|")
+    names = sorted(r["stages_ms"], key=lambda k: -r["stages_ms"][k])
+    for k in names:
+        ms = r["stages_ms"][k]
+        label = "rest of forward (norms, adds, runner, bookkeeping)" if k == "forward" else k
+        print(f"| {label} | {ms:.3f} | {ms / r['ms_per_token']:.0%} | {r['calls_per_token'].get(k, 0):.0f} |")
+
+
+if __name__ == "__main__":
+    main()
