@@ -17,6 +17,7 @@ class Parser(argparse.ArgumentParser):
     """argparse with its errors on one line (the usage stays behind --help) and exit code 2."""
 
     def error(self, message: str):
+        """Print one line naming the problem and exit with code 2."""
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 

@@ -13,12 +13,14 @@ HELP = "chat with the model: one message per stdin line, replies streamed (uses 
 
 
 def add_arguments(p):
+    """The verb's options."""
     add_engine_arguments(p)
     p.add_argument("--system", default=None, help="a system message that starts the conversation")
     add_sampling_arguments(p, max_tokens=128)
 
 
 def run(a) -> int:
+    """Run the verb; returns the exit code."""
     params = sampling_from_args(a)
     engine = engine_from_args(a)
     template = ChatTemplate.of(engine)

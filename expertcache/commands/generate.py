@@ -26,12 +26,14 @@ def add_sampling_arguments(p, max_tokens: int = 64) -> None:
 
 
 def sampling_from_args(a) -> SamplingParams:
+    """The SamplingParams that the sampling flags ask for."""
     return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                           repetition_penalty=a.repetition_penalty, seed=a.seed, max_tokens=a.max_new_tokens,
                           stop=tuple(a.stop), ignore_eos=a.ignore_eos)
 
 
 def add_arguments(p):
+    """The verb's options."""
     add_engine_arguments(p)
     p.add_argument("prompt", nargs="?", default=None, help="prompt text (or use -p)")
     p.add_argument("-p", "--prompt", dest="prompt_option", default=None,
@@ -49,6 +51,7 @@ def prompt_text(a) -> str:
 
 
 def run(a) -> int:
+    """Run the verb; returns the exit code."""
     params = sampling_from_args(a)
     text = prompt_text(a)
     engine = engine_from_args(a)

@@ -1,24 +1,100 @@
-"""expertcache info: a model's shape, its experts' bytes and what fits in a budget."""
+"""expertcache info: a model's shape, its experts' bytes and what fits in a budget; with
+--config, a real checkpoint sized from its config.json alone, before anyone downloads it."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL
+from ..errors import BadInput, CheckpointError
 from ..models import model_args
 from .options import add_json_argument, add_model_argument, non_negative, positive_int, write_json
 
 HELP = "describe a model: layers, experts, bytes, and how many experts fit in a budget"
 
+# bits per weight of an expert in each slow-tier format (group-wise formats: group 32 with an
+# fp16 scale and minimum per group; MXFP4: 4-bit values with an 8-bit scale per 32)
+FORMAT_BITS = {"bf16": 16.0, "fp16": 16.0, "int8": 8.0 + 32 / 32, "int4": 4.0 + 32 / 32, "mxfp4": 4.25}
+BUDGETS_GB = (8, 16, 24)
+CONTEXT = 4096  # tokens of KV cache reserved when sizing what fits
+
 
 def add_arguments(p):
     """The verb's options."""
     add_model_argument(p)
+    p.add_argument("--config", type=Path, default=None,
+                   help="a config.json alone: size that checkpoint (needs transformers to count dense weights)")
     p.add_argument("--budget", type=non_negative, default=None, help="fast-tier budget in MiB for experts")
     p.add_argument("--dtype-bytes", type=positive_int, default=4, help="bytes per weight in the fast tier (fp32: 4)")
     add_json_argument(p)
 
 
+def parameter_counts(config: dict) -> tuple[int, int]:
+    """(all parameters, routed-expert parameters) of the HF model a config describes, counted on
+    the meta device: no memory, no download."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise BadInput("sizing from a config counts its tensors with transformers; pip install transformers") from None
+    cfg = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = experts = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if ".experts." in name and "shared" not in name:
+            experts += p.numel()
+    return total, experts
+
+
+def size_config(config: dict) -> dict:
+    """Bytes of a checkpoint from its config: per expert in each format, dense weights (bf16),
+    KV cache per token (fp16), and how many experts per layer fit next to them in 8/16/24 GB."""
+    a = model_args(config)
+    layers = getattr(a, "num_moe_layers", a.num_layers)
+    total, expert_params = parameter_counts(config)
+    per_expert = expert_params // (layers * a.num_experts)
+    dense = total - expert_params
+    attn = [i for i in range(a.num_layers) if getattr(a, "layer_type", lambda i: "full_attention")(i)
+            != "linear_attention"]
+    kv_per_token = 2 * len(attn) * a.num_kv_heads * a.head_dim * 2
+    out = {"family": a.family, "moe_layers": layers, "experts": a.num_experts, "top_k": a.top_k,
+           "params": total, "expert_params": per_expert, "dense_params": dense, "dense_bytes": 2 * dense,
+           "kv_bytes_per_token": kv_per_token,
+           "expert_bytes": {f: int(per_expert * bits / 8) for f, bits in FORMAT_BITS.items()}, "fits": {}}
+    for gb in BUDGETS_GB:
+        left = gb * 2**30 - out["dense_bytes"] - CONTEXT * kv_per_token
+        slots = max(0, left // out["expert_bytes"]["fp16"]) // layers
+        out["fits"][gb] = {"experts_per_layer": int(min(slots, a.num_experts)),
+                           "fraction": min(slots, a.num_experts) / a.num_experts, "enough": slots >= a.top_k}
+    return out
+
+
+def _print_config(path: Path, s: dict) -> None:
+    print(f"{s['family']} from {path}: {s['params'] / 1e9:.1f}B parameters, {s['moe_layers']} MoE layers x "
+          f"{s['experts']} experts, top-{s['top_k']}")
+    print("  one expert: " + ", ".join(f"{f} {b / 2**20:.2f} MiB" for f, b in s["expert_bytes"].items()))
+    print(f"  dense weights (bf16): {s['dense_bytes'] / 2**30:.2f} GiB; KV cache: "
+          f"{s['kv_bytes_per_token'] / 2**10:.0f} KiB per token (fp16)")
+    for gb, f in s["fits"].items():
+        verdict = f"{f['experts_per_layer']} experts per layer ({f['fraction']:.0%})" if f["enough"] else \
+            f"not enough for top-{s['top_k']}"
+        print(f"  {gb} GB fast tier (fp16 experts, {CONTEXT}-token KV cache): {verdict}")
+
+
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    if a.config is not None:
+        try:
+            config = json.loads(a.config.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{a.config} is not valid JSON ({e}); give a model's config.json") from None
+        s = size_config(config)
+        _print_config(a.config, s)
+        write_json(a.json, s)
+        return 0
     ckpt = open_checkpoint(a.model or BUILTIN_MODEL)
     m = model_args(ckpt.config)
     expert = m.expert_params * a.dtype_bytes

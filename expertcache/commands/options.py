@@ -44,6 +44,7 @@ non_negative = bounded(float, 0.0, what="give a number >= 0")
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
+    """The checkpoint to load (--model; default: the built-in model)."""
     p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
 
 
@@ -69,6 +70,7 @@ def add_text_arguments(p: argparse.ArgumentParser, default: Path | None = None) 
 
 
 def add_json_argument(p: argparse.ArgumentParser) -> None:
+    """Where to write every number as JSON (--json)."""
     p.add_argument("--json", type=Path, default=None, help="write every number as JSON")
 
 

@@ -12,6 +12,7 @@ HELP = "serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1
 
 
 def add_arguments(p):
+    """The verb's options."""
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -49,6 +50,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(a) -> int:
+    """Run the verb; returns the exit code."""
     import uvicorn
     sock = bind(a.host, a.port)
     app = build_app(a)

@@ -18,6 +18,7 @@ HELP = "replay miss policies on a router-logit trace: hits, fetches, substitutio
 
 
 def add_arguments(p):
+    """The verb's options."""
     p.add_argument("trace", type=Path)
     p.add_argument("--policies", nargs="*", default=["fetch-all", "threshold:tau=0.15", "first-choice",
                                                     "quality-first", "speed-first", "substitute-all"])
@@ -102,6 +103,7 @@ def run_tasks(tasks: list[tuple], jobs: int | str = 1, ray_address: str | None =
 
 
 def run(a) -> int:
+    """Run the verb; returns the exit code."""
     trace = read_trace(a.trace)
     tasks = [(str(a.trace), policy, fraction, a.eviction, a.initial, a.profile, a.window)
             for fraction in a.cache for policy in a.policies]

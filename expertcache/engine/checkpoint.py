@@ -67,9 +67,34 @@ class Checkpoint:
         return sum(f.stat().st_size for f in set(self.files.values()))
 
 
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*"]
+
+
+def is_hub_id(name: str) -> bool:
+    """An `org/name` model id of the Hugging Face Hub, as opposed to a path."""
+    parts = str(name).split("/")
+    return len(parts) == 2 and all(parts) and not str(name).startswith((".", "~")) and not Path(name).exists()
+
+
+def download(repo_id: str) -> Path:
+    """A Hub model's config, weights and tokenizer in huggingface_hub's cache (downloaded once)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointError(f"{repo_id} looks like a Hub id, and downloading needs huggingface_hub; "
+                              "pip install huggingface_hub, or pass --model a local folder") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as e:  # offline, unknown repository, gated model, disk full: one line either way
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{repo_id}: no such folder here, and no Hub download of it ({type(e).__name__}: "
+                              f"{reason}); check the id and the network, or pass --model a local folder") from None
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
-    """Open a checkpoint folder (single or sharded safetensors); raises CheckpointError naming the fix."""
-    path = Path(path)
+    """Open a checkpoint folder (single or sharded safetensors), or a Hub id (`org/name`, downloaded
+    into huggingface_hub's cache); raises CheckpointError naming the fix."""
+    path = download(str(path)) if is_hub_id(str(path)) else Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder; pass --model a folder with config.json "
                               "and *.safetensors")

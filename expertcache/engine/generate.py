@@ -56,6 +56,8 @@ def prefill(engine: Engine, prompt: list[int], policy: MissPolicy | None = None)
 
 @dataclass
 class StepOutput:
+    """What one step produced: the token, the text it adds, and why generation ended (None while
+    it goes on)."""
     token: int
     text: str  # new text to show (may be '' while a character or a stop string is incomplete)
     finish_reason: str | None  # None, "stop" (EOS or a stop string) or "length"

@@ -38,6 +38,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether the next token is the most likely one (temperature 0)."""
         return self.temperature == 0
 
 
@@ -141,5 +142,6 @@ class StopStrings:
         return out, False
 
     def flush(self) -> str:
+        """The held-back tail, emitted when the stream ends without a stop string."""
         out, self.pending = self.pending, ""
         return out

@@ -18,6 +18,8 @@ from .stores import ExpertStore
 
 @dataclass
 class Transfer:
+    """One expert's copy from the slow tier into a cache slot; `future` (a pool read) or `event`
+    (a CUDA copy) tells when it has completed."""
     layer: int
     expert: int
     slot: int
@@ -26,12 +28,15 @@ class Transfer:
     event: "torch.cuda.Event | None" = None
 
     def done(self) -> bool:
+        """Whether the copy has finished, successfully or not, without blocking."""
         if self.future is not None and not self.future.done():
             return False
         return self.event is None or self.event.query()
 
 
 class TransferEngine:
+    """Copies experts from a store into the cache's slot tensors (w13, w2 and optional biases,
+    first dimension the slot): on a thread pool on CPU, on a copy stream on CUDA."""
     def __init__(self, store: ExpertStore, w13: torch.Tensor, w2: torch.Tensor, workers: int = 4,
                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None):
         self.store, self.w13, self.w2 = store, w13, w2
@@ -52,6 +57,8 @@ class TransferEngine:
         return n
 
     def submit(self, layer: int, expert: int, slot: int, kind: str) -> Transfer:
+        """Start copying `expert` of `layer` into `slot` (kind: fetch, admit or prefetch); an inline store
+        copies at once."""
         t = Transfer(layer, expert, slot, kind)
         if self.store.inline:
             self._copy(t)  # a host memcpy, or already asynchronous on the copy stream
@@ -73,6 +80,7 @@ class TransferEngine:
         return time.perf_counter() - start
 
     def close(self) -> None:
+        """Wait for the reads in flight and stop the pool's threads."""
         self.pool.shutdown(wait=True)
 
 
@@ -80,10 +88,13 @@ class InstantTransfers:
     """Transfers of a virtual cache: no bytes move, every transfer has completed."""
 
     def submit(self, layer: int, expert: int, slot: int, kind: str) -> Transfer:
+        """A transfer that has already completed."""
         return Transfer(layer, expert, slot, kind)
 
     def wait(self, t: Transfer) -> float:
+        """Never stalls: returns 0.0 seconds."""
         return 0.0
 
     def close(self) -> None:
+        """Nothing to release."""
         pass

@@ -25,12 +25,14 @@ from .scheduler import Request, Scheduler
 
 
 class APIError(Exception):
+    """An error answered with HTTP status `status` and an OpenAI-style body."""
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error"):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
     def body(self) -> dict:
+        """The OpenAI-style body {"error": {"message", "type", "param", "code"}}."""
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
@@ -53,16 +55,19 @@ class SamplingFields(BaseModel):
 
 
 class CompletionBody(SamplingFields):
+    """A /v1/completions request: the sampling fields and a prompt (text, a one-text list or token ids)."""
     prompt: str | list[str] | list[int]
 
 
 class ChatMessage(BaseModel):
+    """One message of a chat request: a role and its content (a string or text parts)."""
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict] | None = None
 
 
 class ChatBody(SamplingFields):
+    """A /v1/chat/completions request: the sampling fields and the conversation so far."""
     messages: list[ChatMessage]
 
 
@@ -88,6 +93,8 @@ class Server:
         self.created = int(time.time())
 
     def params(self, body: SamplingFields, prompt_len: int, default_max: int | None) -> SamplingParams:
+        """The SamplingParams of a request body; APIError for an unknown model, n != 1, or a prompt
+        plus max_tokens beyond the context. default_max caps max_tokens when the body gives none."""
         if body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
@@ -112,6 +119,7 @@ class Server:
             raise APIError(400, str(e), e.param) from None
 
     def completion_prompt(self, body: CompletionBody) -> list[int]:
+        """The prompt's token ids: the text encoded, or the ids as sent (checked against the vocabulary)."""
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -125,6 +133,7 @@ class Server:
         return ids
 
     def chat_prompt(self, body: ChatBody) -> list[int]:
+        """The conversation's token ids through the chat template; APIError when the model has none."""
         if self.template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         if not body.messages:
@@ -136,6 +145,8 @@ class Server:
 
     async def run(self, http: HTTPRequest, prompt: list[int], params: SamplingParams, chat: bool,
                   stream: bool) -> Response:
+        """Submit one request to the scheduler; returns an SSE stream of chunks, or the whole response
+        once generation ends."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request = Request(prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))

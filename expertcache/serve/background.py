@@ -22,10 +22,12 @@ class BackgroundServer:
 
     @property
     def url(self) -> str:
+        """The server's root, http://HOST:PORT."""
         return f"http://{self.host}:{self.port}"
 
     @property
     def base_url(self) -> str:
+        """The OpenAI API root, http://HOST:PORT/v1."""
         return f"{self.url}/v1"
 
     def __enter__(self) -> BackgroundServer:

@@ -10,6 +10,8 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class ServerMetrics:
+    """The server's Prometheus registry: engine statistics as gauges read at scrape time, request
+    outcomes and latencies observed as each request ends."""
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, scheduler: Scheduler):
@@ -46,4 +48,5 @@ class ServerMetrics:
             self.first_token.observe(request.first_token - request.submitted)
 
     def render(self) -> bytes:
+        """The metrics in Prometheus text format (of `content_type`)."""
         return generate_latest(self.registry)

@@ -43,12 +43,16 @@ class Request:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """How requests are admitted: the schedule (interleave or serial), how many decode at once
+    under interleave, and the miss policy for prompt tokens."""
     schedule: str = "interleave"
     max_active: int = 16
     prefill_policy: MissPolicy | None = None  # None: prompts use the engine's policy
 
 
 class Scheduler:
+    """Owns the engine on one worker thread: admits submitted requests in order and runs their
+    steps under the configured schedule; `on_finish(request, outcome)` is called as each ends."""
     def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig(),
                  on_finish: Callable[[Request, str], None] | None = None):
         if config.schedule not in SCHEDULES:
@@ -66,9 +70,11 @@ class Scheduler:
         self.thread = threading.Thread(target=self._loop, name="expertcache-engine", daemon=True)
 
     def start(self) -> None:
+        """Start the worker thread."""
         self.thread.start()
 
     def stop(self) -> None:
+        """Stop the worker after its current round of steps and wait for it to exit."""
         with self.lock:
             self.stopping = True
             self.lock.notify()
@@ -76,12 +82,14 @@ class Scheduler:
             self.thread.join()
 
     def submit(self, request: Request) -> None:
+        """Queue a request for admission (FIFO); its outputs arrive through `request.emit`."""
         with self.lock:
             self.waiting.append(request)
             self.lock.notify()
 
     @property
     def queue_length(self) -> int:
+        """Requests waiting for admission."""
         return len(self.waiting)
 
     def _admit(self) -> bool:
