@@ -34,10 +34,12 @@ class KernelCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLo
         self._cache_path = str(cache_dir())
 
     def get_cache_path(self):
+        """The folder of this kernel version's cached machine code (`cache_dir`)."""
         return self._cache_path
 
     @classmethod
     def from_function(cls, py_func, py_file):
+        """The locator of a function in this folder; None for any other function, so numba's own locators serve it."""
         if Path(py_file).resolve().parent != KERNEL_DIR:
             return None
         return super().from_function(py_func, py_file)  # None (numba falls back) if it cannot write there
