@@ -84,9 +84,11 @@ class Engine:
 
     def _expert_budget(self, budget: int, cache_cfg: CacheConfig, dtype: torch.dtype) -> int:
         """Bytes left for expert slots when the fast tier holds `budget` bytes in all: the dense
-        weights, the KV cache at max_seq (it grows to that at most) and the transfer buffers first."""
+        weights, the KV cache at max_seq (it grows to that at most), the transfer buffers and the
+        workspace first."""
         fixed = {"dense weights": self.model.dense_bytes, "KV cache": self.model.kv_bytes(self.config.max_seq),
-                 "transfer buffers": self.store.buffer_bytes(cache_cfg.io_workers)}
+                 "transfer buffers": self.store.buffer_bytes(cache_cfg.io_workers),
+                 "workspace": self.workspace_bytes(dtype)}
         left = budget - sum(fixed.values())
         one = self.store.shape.numel * dtype.itemsize * self.args.num_layers * self.args.top_k
         if left < one:
@@ -96,6 +98,13 @@ class Engine:
                                 f"{one / 2**20:.1f} MiB: raise it to at least {(budget - left + one) / 2**20:.1f} MiB "
                                 "or lower --max-seq")
         return left
+
+    def workspace_bytes(self, dtype: torch.dtype) -> int:
+        """Memory a run needs beyond weights, caches and buffers: the activations of a forward of
+        max_seq tokens (its logits [T, V] dominate) and, once at load, the dense weights in the
+        checkpoint's dtype before their conversion."""
+        a = self.args
+        return self.config.max_seq * (a.vocab_size + 8 * a.hidden_size) * 4 + self.model.dense_bytes // 2
 
     # -- residency -----------------------------------------------------------------------
     def reset(self) -> None:
@@ -171,6 +180,8 @@ class Engine:
                 "cache_bytes": self.cache.bytes, "kv_bytes": kv,
                 "kv_bytes_max": self.model.kv_bytes(self.model.max_seq),
                 "buffer_bytes": self.store.buffer_bytes(self.cache.cfg.io_workers),
+                "workspace_bytes": self.workspace_bytes(self.cache.w13.dtype if self.cache.w13 is not None
+                                                        else torch.float32),
                 "slots_per_layer": self.cache.per_layer, "expert_bytes_slow": self.store.expert_bytes,
                 "expert_bytes_fast": self.cache.expert_bytes}
 
