@@ -17,6 +17,7 @@ from .cache import CacheConfig, ExpertCache
 from .checkpoint import ROUTING_COUNTS, load_routing_counts, open_checkpoint
 from .moe import MoELayerRunner, PrefetchConfig
 from .predictors import make_predictor
+from .quant import ExpertFormat
 from .stats import RunStats
 from .stores import open_store
 from .transformer import Transformer
@@ -34,6 +35,7 @@ class EngineConfig:
     eviction: str | None = None  # None: the policy's preferred order (lru, or freq for the presets)
     initial: str = "auto"  # warm: most-routed experts first; cold: empty; auto: warm if counts exist
     store_dir: Path | None = None
+    store_format: ExpertFormat | None = None  # the experts' format in the slow tier; None: the checkpoint's
     max_seq: int = 2048
     prefetch: PrefetchConfig | None = None  # predict the next layer's experts and prefetch them
 
@@ -60,7 +62,7 @@ class Engine:
         self._fit(self.policy)
         self.routing_counts = load_routing_counts(self.path, (self.args.num_layers, self.args.num_experts))
         self.checkpoint = ckpt
-        self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype)
+        self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype, config.store_format)
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
         self.cache = ExpertCache(cache_cfg, self.store, self.args.top_k, self.device, dtype)
         self.stats = RunStats()

@@ -23,6 +23,7 @@ import torch
 from ..errors import CheckpointError, FetchError, UnknownName
 from ..models.args import ModelArgs
 from .checkpoint import Checkpoint
+from .quant import ExpertFormat, decode_into, encode, encoded_bytes, roundtrip
 from .weights import all_layer_experts
 
 ALIGN = 4096
@@ -77,16 +78,24 @@ class ExpertStore(ABC):
 
 
 class RamStore(ExpertStore):
+    """With a quantized `fmt`, holds the weights that format's disk store serves (quantised and
+    dequantised once at load): the emulation of a quantized slow tier."""
     name = "ram"
     inline = True
 
-    def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32):
+    def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32, fmt: ExpertFormat | None = None):
         super().__init__(ExpertShape.of(args), dtype)
+        self.format = fmt
         layers = list(all_layer_experts(ckpt, args))
-        self.w13 = torch.stack([x.w13.to(dtype) for x in layers])  # [L, E, 2F, H]
-        self.w2 = torch.stack([x.w2.to(dtype) for x in layers])  # [L, E, H, F]
-        self.b13 = torch.stack([x.b13.to(dtype) for x in layers]) if self.shape.bias else None  # [L, E, 2F]
-        self.b2 = torch.stack([x.b2.to(dtype) for x in layers]) if self.shape.bias else None  # [L, E, H]
+
+        def stack(part):  # [L, E, ...] in the compute dtype, each expert as the format stores it
+            if fmt is None:
+                return torch.stack([part(x).to(dtype) for x in layers])
+            return torch.stack([torch.stack([roundtrip(w, fmt) for w in part(x)]).to(dtype) for x in layers])
+        self.w13 = stack(lambda x: x.w13)  # [L, E, 2F, H]
+        self.w2 = stack(lambda x: x.w2)  # [L, E, H, F]
+        self.b13 = stack(lambda x: x.b13) if self.shape.bias else None  # [L, E, 2F]
+        self.b2 = stack(lambda x: x.b2) if self.shape.bias else None  # [L, E, H]
 
     def _sources(self, layer: int, expert: int) -> list[torch.Tensor]:
         out = [self.w13[layer, expert], self.w2[layer, expert]]
@@ -117,9 +126,8 @@ class PinnedStore(RamStore):
         return self.expert_bytes
 
 
-def _blob_bytes(shape: ExpertShape, dtype: torch.dtype) -> int:
-    raw = shape.numel * dtype.itemsize
-    return (raw + ALIGN - 1) // ALIGN * ALIGN
+def _blob_bytes(shape: ExpertShape, fmt: ExpertFormat) -> int:
+    return (encoded_bytes(shape.parts, fmt) + ALIGN - 1) // ALIGN * ALIGN
 
 
 def default_store_dir(ckpt: Checkpoint) -> Path:
@@ -132,28 +140,34 @@ def default_store_dir(ckpt: Checkpoint) -> Path:
     return root / "stores" / f"{ckpt.path.resolve().name}-{h.hexdigest()[:12]}"
 
 
-def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: torch.dtype | None = None) -> Path:
-    """Write experts.bin (aligned blobs in (layer, expert) order) and experts.json; returns out_dir."""
+def format_store_dir(ckpt: Checkpoint, fmt: ExpertFormat | None) -> Path:
+    """The default folder of a store in `fmt`: `default_store_dir`, suffixed by the format's tag
+    unless it is None (the checkpoint's own dtype)."""
+    base = default_store_dir(ckpt)
+    return base if fmt is None else base.with_name(f"{base.name}-{fmt.tag}")
+
+
+def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: torch.dtype | None = None,
+                    fmt: ExpertFormat | None = None) -> Path:
+    """Write experts.bin (aligned blobs in (layer, expert) order) and experts.json; returns out_dir.
+    The experts are stored in `fmt`, else as `dtype`, else in the checkpoint's dtype."""
     shape = ExpertShape.of(args)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / "experts.bin.partial"
-    first = None
+    fmt = fmt or (ExpertFormat.of_dtype(dtype) if dtype is not None else None)
     with open(tmp, "wb") as f:
         for experts in all_layer_experts(ckpt, args):
-            dtype = dtype or experts.w13.dtype
-            first = first or dtype
-            blob = _blob_bytes(shape, dtype)
+            fmt = fmt or ExpertFormat.of_dtype(experts.w13.dtype)
+            blob = _blob_bytes(shape, fmt)
             parts = [p for p in experts if p is not None]  # w13, w2 (and b13, b2): the blob's order
             for e in range(args.num_experts):
-                raw = torch.cat([p[e].to(dtype).flatten() for p in parts]).view(torch.uint8)
-                f.write(raw.numpy().tobytes())
-                f.write(b"\0" * (blob - raw.numel()))
+                f.write(encode([p[e] for p in parts], shape.parts, fmt, blob))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out_dir / "experts.bin")
-    meta = {"format_version": DISK_FORMAT_VERSION, "dtype": str(dtype).removeprefix("torch."),
+    meta = {"format_version": DISK_FORMAT_VERSION, **fmt.meta(),
             "num_layers": shape.num_layers, "num_experts": shape.num_experts, "w13": list(shape.w13),
-            "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": _blob_bytes(shape, dtype), "align": ALIGN}
+            "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": _blob_bytes(shape, fmt), "align": ALIGN}
     (out_dir / "experts.json").write_text(json.dumps(meta, indent=1))
     return out_dir
 
@@ -174,7 +188,16 @@ class DiskStore(ExpertStore):
                 != (shape.num_layers, shape.num_experts, shape.w13, shape.w2, shape.bias):
             raise CheckpointError(f"{store_dir}: disk store does not match the model's shape; "
                                   "rerun `expertcache convert`")
-        super().__init__(shape, getattr(torch, meta["dtype"]))
+        try:
+            self.format = ExpertFormat.from_meta(meta)
+            if meta.get("blob_bytes") != _blob_bytes(shape, self.format):
+                raise ValueError(f"blob_bytes {meta.get('blob_bytes')} is not the format's "
+                                 f"{_blob_bytes(shape, self.format)}")
+        except ValueError as e:
+            raise CheckpointError(f"{store_dir}: experts.json is corrupted ({e}); rerun `expertcache convert`") \
+                from None
+        quantized = self.format.quantized
+        super().__init__(shape, torch.uint8 if quantized else getattr(torch, meta["dtype"]))
         self.blob = meta["blob_bytes"]
         path = store_dir / "experts.bin"
         expected = self.blob * shape.num_layers * shape.num_experts
@@ -185,15 +208,39 @@ class DiskStore(ExpertStore):
         self._local = threading.local()
         self._split = [math.prod(p) for p in shape.parts]
 
+    @property
+    def expert_bytes(self) -> int:
+        return self.blob
+
     def _buffer(self) -> tuple[mmap.mmap, torch.Tensor]:
         # O_DIRECT needs an aligned buffer: an anonymous mmap is page-aligned. One per thread.
         if not hasattr(self._local, "buf"):
             buf = mmap.mmap(-1, self.blob)
-            view = torch.frombuffer(buf, dtype=self.dtype, count=self.shape.numel)
+            view = torch.frombuffer(buf, dtype=torch.uint8)
             self._local.buf = (buf, view)
         return self._local.buf
 
     def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
+        buf, view = self._read(layer, expert)
+        if self.format.quantized:
+            self._dequantize_into(view, (w13, w2, b13, b2))
+        else:
+            self._copy_into(view, (w13, w2, b13, b2))
+        return self.blob
+
+    def _copy_into(self, view: torch.Tensor, dsts) -> None:
+        """A float blob: its parts copied (and cast) into the slot."""
+        parts = view[:self.shape.numel * self.dtype.itemsize].view(self.dtype).split(self._split)
+        for dst, src, part in zip(dsts, parts, self.shape.parts):
+            if dst is not None:
+                dst.copy_(src.view(part))
+
+    def _dequantize_into(self, view: torch.Tensor, dsts) -> None:
+        """An integer blob: dequantised into the slot on the calling (worker) thread."""
+        decode_into(view, self.shape.parts, self.format, dsts)
+
+    def _read(self, layer: int, expert: int) -> tuple[mmap.mmap, torch.Tensor]:
+        """One blob read with O_DIRECT into this thread's buffer."""
         buf, view = self._buffer()
         offset = (layer * self.shape.num_experts + expert) * self.blob
         try:
@@ -204,9 +251,7 @@ class DiskStore(ExpertStore):
         if n != self.blob:
             raise FetchError(f"short read of expert {expert} of layer {layer}: {n} of {self.blob} bytes; "
                              "the store file is truncated, rerun `expertcache convert`")
-        for dst, src, part in zip((w13, w2, b13, b2), view.split(self._split), self.shape.parts):
-            dst.copy_(src.view(part))
-        return self.blob
+        return buf, view
 
     def close(self):
         if getattr(self, "fd", None) is not None:
@@ -218,14 +263,25 @@ STORES = ("ram", "disk", "pinned")
 
 
 def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | None = None,
-               dtype: torch.dtype = torch.float32) -> ExpertStore:
+               dtype: torch.dtype = torch.float32, fmt: ExpertFormat | None = None) -> ExpertStore:
+    """The slow tier `name` of a checkpoint's experts; `fmt`: the format they are stored in (None:
+    the checkpoint's dtype). A disk store missing from `store_dir` (default: `format_store_dir`)
+    is converted first; one there in another format is refused."""
     if name == "ram":
-        return RamStore(ckpt, args, dtype)
+        return RamStore(ckpt, args, dtype, fmt if fmt is not None and fmt.quantized else None)
     if name == "pinned":
+        if fmt is not None and fmt.quantized:
+            raise UnknownName(f"store 'pinned' holds float experts; drop the {fmt.dtype} store dtype "
+                              "or use --store disk")
         return PinnedStore(ckpt, args, dtype)
     if name == "disk":
-        store_dir = store_dir or default_store_dir(ckpt)
+        store_dir = store_dir or format_store_dir(ckpt, fmt)
         if not (store_dir / "experts.json").exists():
-            convert_to_disk(ckpt, args, store_dir)
-        return DiskStore(store_dir, args)
+            convert_to_disk(ckpt, args, store_dir, fmt=fmt)
+        store = DiskStore(store_dir, args)
+        if fmt is not None and store.format != fmt:
+            store.close()
+            raise CheckpointError(f"{store_dir} holds experts as {store.format.tag}, not {fmt.tag}; "
+                                  f"convert to another folder (`expertcache convert --dtype {fmt.dtype} --out DIR`)")
+        return store
     raise UnknownName(f"unknown store {name!r}; choose one of {', '.join(STORES)}")

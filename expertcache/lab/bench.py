@@ -17,6 +17,7 @@ from ..engine.engine import Engine, EngineConfig
 from ..engine.generate import generate
 from ..engine.moe import PrefetchConfig
 from ..engine.perplexity import EVAL_TEXT, teacher_forced
+from ..engine.quant import ExpertFormat
 
 POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "substitute-all")
 FLOOR = "all resident"
@@ -36,6 +37,7 @@ class BenchConfig:
     """What the benchmark runs: tier, cache size, policy variants, token counts and repetitions."""
     store: str = "disk"
     store_dir: Path | None = None
+    store_format: ExpertFormat | None = None  # the experts' format in the slow tier; None: the checkpoint's
     device: str = "cpu"
     cache_fraction: float = 0.25
     policies: tuple[str, ...] = POLICIES
@@ -110,9 +112,10 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     """Time every variant of `cfg.policies` and the all-resident floor on the same prompt and evaluation tokens,
     repetitions interleaved round-robin after one warm-up round."""
     cache = CacheConfig(fraction=cfg.cache_fraction)
-    engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir))
+    engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
+                                        store_format=cfg.store_format))
     floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0),
-                                        store_dir=cfg.store_dir))
+                                        store_dir=cfg.store_dir, store_format=cfg.store_format))
     need = cfg.prompt_tokens + cfg.forced_tokens + 1
     ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
     if len(ids) < need:
