@@ -90,6 +90,31 @@ def packed_kernels(rows: int, cols: int, repeats: int = 200) -> dict:
     return out
 
 
+LOWBIT_POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "substitute-all", "lowbit:tau=0.15",
+                   "lowbit:tau=0.15,lo=0.03", "lowbit:tau=0.5,lo=0.05", "lowbit:tau=1")
+
+
+def lowbit_quality(tokens: int, context: int, cache: float = 0.25) -> dict:
+    """Per policy at `cache` on the disk store (fp16 full copies, int4 small ones): perplexity increase
+    over fetch-all with a paired bootstrap CI over 64-token blocks, and KiB fetched per token."""
+    eng = Engine(None, EngineConfig(store="disk", cache=CacheConfig(fraction=cache)))
+    ids = eng.encode(EVAL_TEXT.read_text(encoding="utf-8"))[:tokens + 1]
+    out, base = {}, None
+    for spec in LOWBIT_POLICIES:
+        eng.set_policy(spec)
+        r = perplexity(eng, ids, context)
+        s = eng.stats
+        base = base or r
+        out[spec] = {"ppl": r.ppl, "increase": paired_increase(block_means(base.token_nll),
+                                                              block_means(r.token_nll), 2000, 0),
+                     "kib_per_token": s.fetched_bytes_per_token / 1024,
+                     "full_fetches_per_token": s.sync_fetches / s.tokens,
+                     "lowbit_fetches_per_token": s.lowbit_fetches / s.tokens,
+                     "substituted_per_token": s.substitutions / s.tokens}
+    eng.close()
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
@@ -98,7 +123,12 @@ def main() -> int:
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--lowbit-only", action="store_true", help="only the lowbit policies' quality and bytes")
     a = p.parse_args()
+    if a.lowbit_only:
+        res = lowbit_quality(a.tokens, a.context)
+        print(json.dumps(res, indent=1))
+        return 0
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     res = {"kernels": {f"{r}x{c}": packed_kernels(r, c) for r, c in ((128, 160), (160, 64), (2048, 1536))}}
     log(f"kernels {res['kernels']}")

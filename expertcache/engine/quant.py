@@ -245,3 +245,6 @@ def error_bound(w: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:
     # fp16 scales and minimums: a relative 2^-11, or a 2^-24 spacing when subnormal, times up to `levels` codes
     bound = 0.5 * step * 1.01 + x.abs().amax(-1) * 2 ** -10 + levels * 2 ** -23 + 1e-7
     return bound[..., None].expand(rows, n_groups, g).reshape(rows, -1)[:, :cols]
+
+
+SMALL_FORMAT = ExpertFormat.parse("int4", 32)  # the low-precision copies `lowbit` policies fetch

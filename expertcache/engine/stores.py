@@ -97,6 +97,11 @@ class RamStore(ExpertStore):
         self.b13 = stack(lambda x: x.b13) if self.shape.bias else None  # [L, E, 2F]
         self.b2 = stack(lambda x: x.b2) if self.shape.bias else None  # [L, E, H]
 
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of a fetch: in the emulated format's encoding when there is one."""
+        return super().expert_bytes if self.format is None else encoded_bytes(self.shape.parts, self.format)
+
     def _sources(self, layer: int, expert: int) -> list[torch.Tensor]:
         out = [self.w13[layer, expert], self.w2[layer, expert]]
         return out + [self.b13[layer, expert], self.b2[layer, expert]] if self.shape.bias else out
@@ -268,7 +273,7 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
     the checkpoint's dtype). A disk store missing from `store_dir` (default: `format_store_dir`)
     is converted first; one there in another format is refused."""
     if name == "ram":
-        return RamStore(ckpt, args, dtype, fmt if fmt is not None and fmt.quantized else None)
+        return RamStore(ckpt, args, dtype, fmt)
     if name == "pinned":
         if fmt is not None and fmt.quantized:
             raise UnknownName(f"store 'pinned' holds float experts; drop the {fmt.dtype} store dtype "
