@@ -17,6 +17,7 @@ from ..engine.engine import Engine, EngineConfig
 from ..engine.generate import generate
 from ..engine.moe import PrefetchConfig
 from ..engine.perplexity import EVAL_TEXT, teacher_forced
+from ..engine.quant import ExpertFormat
 from ..errors import BadInput
 
 POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "substitute-all")
@@ -37,6 +38,8 @@ class BenchConfig:
     """What the benchmark runs: tier, cache size, policy variants, token counts and repetitions."""
     store: str = "disk"
     store_dir: Path | None = None
+    store_format: ExpertFormat | None = None  # the experts' format in the slow tier; None: the checkpoint's
+    read_mode: str = "auto"  # disk store reads: auto, direct or buffered
     device: str = "cpu"
     cache_fraction: float = 0.25
     policies: tuple[str, ...] = POLICIES
@@ -56,6 +59,7 @@ class BenchResult:
     forced_ms: dict = field(default_factory=dict)
     ppl: dict = field(default_factory=dict)
     fetches_per_token: dict = field(default_factory=dict)
+    fetched_kib_per_token: dict = field(default_factory=dict)  # teacher-forced, every transfer and precision
     stall_ms_per_token: dict = field(default_factory=dict)
     decoded: dict = field(default_factory=dict)  # variant -> the greedy tokens it decoded
     decode_prefetches_per_token: dict = field(default_factory=dict)  # variant -> prefetches issued in decode
@@ -74,7 +78,8 @@ class BenchResult:
                        "decode_vs_floor": m["decode"] / floor["decode"],
                        "forced_vs_floor": m["forced"] / floor["forced"],
                        "ppl": self.ppl[k], "ppl_increase_pct": 100 * (self.ppl[k] / self.ppl["fetch-all"] - 1),
-                       "fetches_per_token": self.fetches_per_token[k], "stall_ms_per_token": self.stall_ms_per_token[k]}
+                       "fetches_per_token": self.fetches_per_token[k], "stall_ms_per_token": self.stall_ms_per_token[k],
+                       "fetched_kib_per_token": self.fetched_kib_per_token.get(k, 0.0)}
         return rows
 
     def to_dict(self) -> dict:
@@ -95,13 +100,14 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], cfg: BenchConfi
     decode = 1000 * (time.perf_counter() - t0) / (cfg.decode_tokens - 1)
     s = engine.stats
     decode_prefetches = s.prefetch_fetches / len(decoded)
-    f0, st0, tok0 = s.sync_fetches, s.stall_s, s.tokens
+    f0, st0, tok0, b0 = s.sync_fetches, s.stall_s, s.tokens, s.fetched_bytes_per_token * s.tokens
     nll, t0 = 0.0, time.perf_counter()
     for logits, targets in teacher_forced(lambda x: engine.forward(x, 0), forced, cfg.context):
         nll += F.cross_entropy(logits, targets, reduction="sum").item()
     n = len(forced) - 1
     forced_ms = 1000 * (time.perf_counter() - t0) / n
     counters = {"fetches": (s.sync_fetches - f0) / (s.tokens - tok0),
+                "kib": (s.fetched_bytes_per_token * s.tokens - b0) / 1024 / (s.tokens - tok0),
                 "stall": 1000 * (s.stall_s - st0) / (s.tokens - tok0),
                 "decoded": decoded, "decode_prefetches": decode_prefetches}
     return decode, forced_ms, nll / n, counters
@@ -111,9 +117,10 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     """Time every variant of `cfg.policies` and the all-resident floor on the same prompt and evaluation tokens,
     repetitions interleaved round-robin after one warm-up round."""
     cache = CacheConfig(fraction=cfg.cache_fraction)
-    engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir))
+    engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
+                                        store_format=cfg.store_format, read_mode=cfg.read_mode))
     floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0),
-                                        store_dir=cfg.store_dir))
+                                       store_dir=cfg.store_dir, store_format=cfg.store_format, read_mode=cfg.read_mode))
     need = cfg.prompt_tokens + cfg.forced_tokens + 1
     ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
     if len(ids) < need:
@@ -139,6 +146,7 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
                 res.forced_ms.setdefault(v, []).append(f)
                 res.ppl[v] = math.exp(nll)
                 res.fetches_per_token[v] = c["fetches"]
+                res.fetched_kib_per_token[v] = c["kib"]
                 res.stall_ms_per_token[v] = c["stall"]
                 res.decoded[v] = c["decoded"]
                 res.decode_prefetches_per_token[v] = c["decode_prefetches"]
@@ -155,10 +163,12 @@ def markdown(res: BenchResult) -> str:
              f"{c['prompt_tokens']}-token prompt, teacher-force {c['forced_tokens']} tokens in windows of "
              f"{c['context']}; median of {c['repeats']} interleaved repetitions.", "",
              "| policy | decode ms/token | speedup vs fetch-all | vs floor | forced ms/token | speedup | vs floor | "
-             "ppl increase | fetches/token | stall ms/token |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "ppl increase | fetches/token | KiB fetched/token | stall ms/token |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for k, r in res.summary().items():
         lines.append(f"| `{k}` | {r['decode_ms']:.2f} | {r['decode_speedup_vs_fetch_all']:.2f}x | "
                      f"{r['decode_vs_floor']:.2f}x | {r['forced_ms']:.2f} | {r['forced_speedup_vs_fetch_all']:.2f}x | "
                      f"{r['forced_vs_floor']:.2f}x | "
-                     f"{r['ppl_increase_pct']:+.2f}% | {r['fetches_per_token']:.2f} | {r['stall_ms_per_token']:.2f} |")
+                     f"{r['ppl_increase_pct']:+.2f}% | {r['fetches_per_token']:.2f} | "
+                     f"{r['fetched_kib_per_token']:.1f} | {r['stall_ms_per_token']:.2f} |")
     return "\n".join(lines)
