@@ -27,8 +27,8 @@ def engine_moe_outputs(engine, ids) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The engine's logits and each MoE layer's routed output, recorded around its MoE function."""
     outs, moe = [], engine.model.moe
 
-    def recording(layer, x, router):
-        y = moe(layer, x, router)
+    def recording(layer, x, router, router_bias=None):
+        y = moe(layer, x, router, router_bias)
         outs.append(y.clone())
         return y
     engine.model.moe = recording
