@@ -21,6 +21,7 @@ from .kernel.policy import (
     HI,
     KIND,
     LO,
+    LOWBIT,
     N_PARAMS,
     NEVER,
     NORM,
@@ -55,6 +56,7 @@ class Decision:
     admit: list[int] = field(default_factory=list)  # experts to admit in the background
     substituted: int = 0  # routed experts replaced or dropped
     substituted_mass: float = 0.0  # their summed gate weight
+    low: list[bool] = field(default_factory=list)  # per fetch: of the expert's low-precision copy
 
 
 def checked_number(policy: str, key: str, value, low: float, high: float = math.inf, whole: bool = False,
@@ -84,6 +86,7 @@ class MissPolicy:
     kind = FETCH_ALL
     eviction = "lru"  # the eviction order this policy prefers unless one is given
     parameters: tuple[str, ...] = ()  # the keys its spec takes
+    fetches_small = False  # some misses fetch the expert's low-precision copy (a second store)
 
     def __init__(self):
         self.account: np.ndarray | None = None  # [L, E] substituted mass towards admission
@@ -129,7 +132,7 @@ class MissPolicy:
             np.asarray(route.probs, np.float32), None, False, np.asarray(route.experts, np.int64),
             np.asarray(route.weights, np.float32))
         return Decision(sc.exec_e[:n_exec].tolist(), sc.exec_w[:n_exec].tolist(), sc.fetch[:n_fetch].tolist(),
-                        sc.admit[:n_admit].tolist(), subst, mass)
+                        sc.admit[:n_admit].tolist(), subst, mass, sc.low[:n_fetch].tolist())
 
     def __repr__(self) -> str:
         return self.name
@@ -222,6 +225,29 @@ class WeightBand(SubstitutingPolicy):
         return f"band(lo={self.lo:g},hi={self.hi:g})"
 
 
+class LowBit(SubstitutingPolicy):
+    """Three actions by gate weight: fetch a miss in full precision if it is the first choice or
+    its weight is >= tau; fetch its low-precision copy (int4, from a second store) if its weight
+    is >= lo; substitute it below lo (lo=0, the default: never substitute). A slot holding a small
+    copy serves later hits as it is, until evicted."""
+    name, rule = "lowbit", LOWBIT
+    fetches_small = True
+    parameters = ("tau", "lo", *SubstitutingPolicy.parameters)
+
+    def __init__(self, tau: float = 0.15, lo: float = 0.0, **kw):
+        super().__init__(**kw)
+        self.tau = checked_number(self.name, "tau", tau, 0, 1)
+        self.lo = checked_number(self.name, "lo", lo, 0, self.tau)
+
+    def params(self):
+        p = super().params()
+        p[TAU], p[LO] = self.tau, self.lo
+        return p
+
+    def __repr__(self):
+        return f"lowbit(tau={self.tau:g},lo={self.lo:g})"
+
+
 class CacheConditional(MissPolicy):
     """Cache-conditional routing: keep the router's top-j (fetched if missing) and fill the
     other k-j places with the best-ranked resident experts within the top-m, fetching in rank
@@ -262,7 +288,7 @@ class CacheConditional(MissPolicy):
 
 
 POLICIES: dict[str, type[MissPolicy]] = {
-    p.name: p for p in (MissPolicy, SubstituteAll, ThresholdRule, FirstChoice, WeightBand, CacheConditional)}
+    p.name: p for p in (MissPolicy, SubstituteAll, ThresholdRule, FirstChoice, WeightBand, LowBit, CacheConditional)}
 # name -> (policy spec, eviction): the quality- and speed-first presets
 PRESETS = {"quality-first": ("threshold:tau=0.15,beta=0.5", "demand"),
            "speed-first": ("first-choice:beta=0.5", "demand"),

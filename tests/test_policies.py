@@ -247,3 +247,31 @@ def test_global_quota_substitutes_within_the_layer():
     cache.fill(0, [1, 4, 2])
     d = make_policy("substitute-all").decide(R, cache)
     assert d.experts == [2, 1, 6, 4] and d.fetch == [6] and d.substituted == 1  # 3 -> 2; none left for 6
+
+
+def test_lowbit_fetches_light_misses_as_small_copies():
+    # 3 first choice and 1 (.281 >= .25): full; 6 (.225) and 4 (.101): small copies; nothing substituted
+    d = make_policy("lowbit:tau=0.25").decide(R, Resident(8, [0, 2, 5, 7]))
+    assert d.fetch == [3, 1, 6, 4] and d.experts == [3, 1, 6, 4] and d.substituted == 0
+    assert d.low == [False, False, True, True]
+    np.testing.assert_allclose(d.weights, R.weights)
+
+
+def test_lowbit_three_way_substitutes_below_lo():
+    # 6 (.225) is between lo and tau: small copy; 4 (.101) below lo=0.15: substituted by resident 0
+    d = make_policy("lowbit:tau=0.25,lo=0.15").decide(R, Resident(8, [0, 2, 5, 7]))
+    assert d.fetch == [3, 1, 6] and d.low == [False, False, True]
+    assert d.experts == [3, 1, 6, 0] and d.substituted == 1
+    assert d.substituted_mass == pytest.approx(R.weights[3])
+
+
+def test_lowbit_keeps_hits_and_in_flight_experts():
+    # 1 resident, 6 in flight: waited for, never fetched again; 4 light: small copy
+    d = make_policy("lowbit:tau=0.3").decide(R, Resident(8, [1, 6, 0], flying=[6]))
+    assert d.fetch == [3, 6, 4] and d.low == [False, False, True] and d.substituted == 0
+
+
+@pytest.mark.parametrize("spec", ["lowbit:tau=0.1,lo=0.2", "lowbit:lo=-1", "lowbit:tau=2"])
+def test_lowbit_parameters_are_checked(spec):
+    with pytest.raises(BadInput, match="out of range"):
+        make_policy(spec)

@@ -7,6 +7,7 @@ import torch
 
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.engine.quant import SMALL_FORMAT, encoded_bytes
 from expertcache.errors import CheckpointError
 from expertcache.lab.simulator import replay
 from expertcache.lab.trace import MAGIC, read_trace, record_trace
@@ -177,3 +178,28 @@ def test_ray_address_needs_jobs_ray(traced, capsys):
     _, _, _, out = traced
     assert cli.main(["simulate", str(out), "--ray-address", "auto", "--policies", "fetch-all"]) == 2
     assert "--jobs ray" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["lowbit:tau=0.3", "lowbit:tau=0.3,lo=0.1"])
+def test_replay_counts_lowbit_bytes_as_the_engine_does(traced, policy):
+    """Low-precision fetches are counted apart from full ones, in the replay and the engine
+    alike, and their bytes are those of the small copies (int4), not of full experts."""
+    path, ids, trace, _ = traced
+    engine = Engine(path, EngineConfig(cache=CacheConfig(fraction=0.5), initial="cold", policy=policy,
+                                       store="disk"))
+    x = torch.tensor(ids)
+    for start in range(0, len(ids), 64):
+        engine.forward(x[start:start + 64], 0)
+    sim = replay(trace, policy, CacheConfig(fraction=0.5)).stats
+    e = engine.stats
+    fields = ("hits", "misses", "sync_fetches", "lowbit_fetches", "substitutions", "moe_calls")
+    assert [getattr(sim, f) for f in fields] == [getattr(e, f) for f in fields]
+    assert e.lowbit_fetches > 0 and sim.lowbit_fetches > 0
+    small = encoded_bytes(engine.store.shape.parts, SMALL_FORMAT)
+    assert sim.lowbit_bytes == sim.lowbit_fetches * small
+    assert e.lowbit_bytes == e.lowbit_fetches * engine.cache.small.blob  # 4 KiB-aligned blobs on disk
+    assert engine.cache.small.format == SMALL_FORMAT and engine.cache.small.blob < engine.store.blob
+    assert e.sync_fetch_bytes == e.sync_fetches * engine.store.blob
+    engine.close()
+    full = replay(trace, "fetch-all", CacheConfig(fraction=0.5)).stats
+    assert sim.sync_fetch_bytes + sim.lowbit_bytes < full.sync_fetch_bytes

@@ -1,6 +1,6 @@
 """The slow tiers: the disk store reads what the ram store holds, with O_DIRECT, from a file
-converted once; a failed or short read, or a blob that fails its checksum, is an error, never
-stale or corrupt weights; where O_DIRECT is refused, reads are buffered and say so."""
+converted once, as is or quantized; a failed or short read, or a blob that fails its checksum,
+is an error, never stale or corrupt weights; where O_DIRECT is refused, reads are buffered and say so."""
 import errno
 import json
 import os
@@ -9,14 +9,17 @@ import crc32c
 import pytest
 import torch
 
+from expertcache.engine.cache import CacheConfig
 from expertcache.engine.checkpoint import open_checkpoint
 from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.engine.quant import FLOAT_DTYPES, ExpertFormat, encoded_bytes, error_bound, roundtrip
 from expertcache.engine.stores import (
     DISK_FORMAT_VERSION,
     DiskStore,
     RamStore,
     convert_to_disk,
     default_store_dir,
+    format_store_dir,
     open_store,
     store_format,
 )
@@ -145,3 +148,113 @@ def test_read_mode_in_the_run_stats(tiny, tmp_path, capsys):
     assert Engine(path).stats.read_mode == "ram"
     with pytest.raises(UnknownName, match="unknown read mode 'fast'"):
         Engine(path, EngineConfig(store="disk", store_dir=store, read_mode="fast"))
+
+
+@pytest.mark.parametrize("dtype,group,scheme", [("float16", 0, ""), ("bfloat16", 0, ""), ("int8", 16, "asym"),
+                                                ("int4", 16, "asym"), ("int4", 32, "sym"), ("int8", 12, "sym")])
+def test_quantized_store_round_trip(tiny, tmp_path, dtype, group, scheme):
+    """Each format's disk store serves every expert within the format's error bound of the original
+    weights, in the original shapes, from 4 KiB-aligned blobs, and exactly what its ram emulation holds."""
+    ckpt = open_checkpoint(tiny["gpt_oss"][0])  # expert biases: four parts per blob
+    args = model_args(ckpt.config)
+    fmt = ExpertFormat.parse(dtype, group, scheme or "asym")
+    disk = DiskStore(convert_to_disk(ckpt, args, tmp_path, fmt=fmt), args)
+    meta = json.loads((tmp_path / "experts.json").read_text())
+    assert ExpertFormat.from_meta(meta) == fmt and meta["blob_bytes"] % 4096 == 0
+    assert os.stat(tmp_path / "experts.bin").st_size == meta["blob_bytes"] * args.num_layers * args.num_experts
+    if fmt.quantized:
+        assert encoded_bytes(disk.shape.parts, fmt) < encoded_bytes(disk.shape.parts, ExpertFormat())
+    exact = RamStore(ckpt, args)
+    emulated = RamStore(ckpt, args, fmt=fmt) if fmt.quantized else None
+    slot = [torch.full(p, float("nan")) for p in disk.shape.parts]
+    for layer in range(args.num_layers):
+        for e in range(args.num_experts):
+            assert disk.read_into(layer, e, *slot) == meta["blob_bytes"]
+            for got, want in zip(slot, exact._sources(layer, e)):
+                assert got.shape == want.shape and got.isfinite().all()
+                assert ((got - want).abs() <= error_bound(want, fmt)).all()
+            if emulated is not None:
+                for got, want in zip(slot, emulated._sources(layer, e)):
+                    assert torch.equal(got, want)
+    # the float formats keep their dtype's values exactly
+    if not fmt.quantized:
+        want = exact.w13[0, 1].to(FLOAT_DTYPES[dtype]).float()
+        disk.read_into(0, 1, *slot)
+        assert torch.equal(slot[0], want)
+
+
+def test_int4_error_is_within_a_half_step_and_not_zero():
+    """The bound is tight enough to fail: int4 moves weights, by no more than half a group's step."""
+    w = torch.randn(24, 100)
+    fmt = ExpertFormat.parse("int4", 32)
+    err = (roundtrip(w, fmt) - w).abs()
+    assert err.max() > 0.01 and (err <= error_bound(w, fmt)).all()
+    assert (err > error_bound(w, ExpertFormat.parse("int8", 32))).any()
+
+
+@pytest.mark.parametrize("change", [{"dtype": "int3"}, {"group_size": 0}, {"group_size": "64"},
+                                    {"scheme": "nf4"}, {"blob_bytes": 8192}, {"dtype": "float16"}])
+def test_corrupted_format_header_is_refused(tiny, tmp_path, change):
+    ckpt = open_checkpoint(tiny["qwen2_moe"][0])
+    args = model_args(ckpt.config)
+    convert_to_disk(ckpt, args, tmp_path, fmt=ExpertFormat.parse("int4", 64))
+    meta = json.loads((tmp_path / "experts.json").read_text())
+    (tmp_path / "experts.json").write_text(json.dumps(meta | change))
+    with pytest.raises(CheckpointError, match="corrupted.*rerun `expertcache convert`"):
+        DiskStore(tmp_path, args)
+
+
+def test_a_store_in_another_format_is_refused(tiny, tmp_path):
+    ckpt = open_checkpoint(tiny["qwen2_moe"][0])
+    args = model_args(ckpt.config)
+    convert_to_disk(ckpt, args, tmp_path, fmt=ExpertFormat.parse("int8", 64))
+    with pytest.raises(CheckpointError, match="int8-g64-asym, not int4-g64-asym"):
+        open_store("disk", ckpt, args, tmp_path, fmt=ExpertFormat.parse("int4", 64))
+
+
+def test_quantized_blobs_carry_their_checksum(tiny, tmp_path):
+    """An int4 store's blobs get the CRC32C of their encoded bytes; a flipped code byte is caught."""
+    ckpt = open_checkpoint(tiny["qwen2_moe"][0])
+    args = model_args(ckpt.config)
+    disk = DiskStore(convert_to_disk(ckpt, args, tmp_path, fmt=ExpertFormat.parse("int4", 16)), args)
+    meta = json.loads((tmp_path / "experts.json").read_text())
+    assert meta["format_version"] == DISK_FORMAT_VERSION and meta["dtype"] == "int4"
+    data = (tmp_path / "experts.bin").read_bytes()
+    assert [crc32c.crc32c(data[i:i + disk.blob]) for i in range(0, len(data), disk.blob)] == meta["checksums"]
+    offset = (1 * args.num_experts + 2) * disk.blob  # the first code byte of expert 2 of layer 1
+    with open(tmp_path / "experts.bin", "r+b") as f:
+        f.seek(offset)
+        f.write(bytes([data[offset] ^ 0x01]))
+    slot = [torch.empty(p) for p in disk.shape.parts]
+    with pytest.raises(FetchError, match="expert 2 of layer 1 fails its CRC32C check"):
+        disk.read_into(1, 2, *slot)
+    DiskStore(tmp_path, args, verify=False).read_into(1, 2, *slot)
+
+
+def test_older_format_store_refused_or_reconverted(tiny, tmp_path):
+    """A quantized store of an older version: refused in a named folder, reconverted in its default one."""
+    ckpt = open_checkpoint(tiny["mixtral"][0])
+    args = model_args(ckpt.config)
+    fmt = ExpertFormat.parse("int8", 16)
+    convert_to_disk(ckpt, args, tmp_path, fmt=fmt)
+    meta = json.loads((tmp_path / "experts.json").read_text())
+    (tmp_path / "experts.json").write_text(json.dumps({**meta, "format_version": 1}))
+    with pytest.raises(CheckpointError, match="rerun `expertcache convert`"):
+        open_store("disk", ckpt, args, tmp_path, fmt=fmt)
+    default = format_store_dir(ckpt, fmt)
+    convert_to_disk(ckpt, args, default, fmt=fmt)
+    (default / "experts.json").write_text(json.dumps({**meta, "format_version": 1}))
+    store = open_store("disk", ckpt, args, fmt=fmt, read_mode="buffered", verify=False)
+    assert store.format == fmt and store_format(default) == DISK_FORMAT_VERSION
+    assert store.read_mode == "buffered-dontneed" and not store.verify
+
+
+def test_lowbit_small_copies_use_the_read_mode_and_checks(tiny, tmp_path):
+    path = tiny["qwen3_moe"][0]
+    engine = Engine(path, EngineConfig(store="disk", store_dir=tmp_path, read_mode="buffered", policy="lowbit:tau=0.3",
+                                       cache=CacheConfig(fraction=0.25), initial="cold"))
+    small = engine.cache.small
+    assert small.format == engine.config.small_format and small.read_mode == engine.store.read_mode
+    assert small.verify and engine.store.verify
+    engine.forward(torch.arange(8), 0)
+    assert engine.stats.lowbit_fetches > 0

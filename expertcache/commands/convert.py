@@ -5,24 +5,29 @@ from pathlib import Path
 
 from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL
-from ..engine.stores import convert_to_disk, default_store_dir
+from ..engine.stores import convert_to_disk, format_store_dir
 from ..models import model_args
-from .options import add_model_argument
+from .options import add_format_arguments, add_model_argument, format_from_args
 
-HELP = "convert a checkpoint's experts into a disk store (one aligned blob per expert)"
+HELP = "convert a checkpoint's experts into a disk store (one aligned blob per expert), as is or quantized"
 
 
 def add_arguments(p):
     """The verb's options."""
     add_model_argument(p)
     p.add_argument("--out", type=Path, default=None, help="store folder (default: ~/.cache/expertcache/stores/...)")
+    add_format_arguments(p, "--dtype", "stored format: fp16, bf16, fp32, or int8/int4 with group-wise scales along "
+                                       "the input dimension (default: the checkpoint's dtype)")
 
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     ckpt = open_checkpoint(a.model or BUILTIN_MODEL)
     args = model_args(ckpt.config)
-    out = convert_to_disk(ckpt, args, a.out or default_store_dir(ckpt))
+    fmt = format_from_args(a, a.dtype)
+    out = convert_to_disk(ckpt, args, a.out or format_store_dir(ckpt, fmt), fmt=fmt)
     size = (out / "experts.bin").stat().st_size
-    print(f"wrote {args.num_layers} x {args.num_experts} experts, {size / 2**20:.1f} MiB, to {out}")
+    per = size // (args.num_layers * args.num_experts)
+    print(f"wrote {args.num_layers} x {args.num_experts} experts ({fmt.tag if fmt else 'checkpoint dtype'}, "
+          f"{per} bytes each), {size / 2**20:.1f} MiB, to {out}")
     return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..engine.cache import CacheConfig
 from ..engine.engine import Engine, EngineConfig
+from ..engine.quant import DTYPES, SCHEMES, ExpertFormat
 
 
 def bounded(kind, lo=None, hi=None, lo_open=False, what=""):
@@ -82,6 +83,22 @@ def add_store_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None
     p.add_argument("--read-mode", default="auto", choices=["auto", "direct", "buffered"],
                    help="disk store reads: O_DIRECT, buffered with the page cache dropped, or auto (O_DIRECT where "
                         "the filesystem allows it; the mode used is in the statistics)")
+    add_format_arguments(p, "--store-dtype", "the experts' format in the slow tier (default: the checkpoint's "
+                                             "dtype, fp16 for the built-in model, the exact reference)")
+
+
+def add_format_arguments(p: argparse.ArgumentParser, flag: str, what: str) -> None:
+    """An expert format: the dtype flag, --group-size and --scheme (integer dtypes)."""
+    p.add_argument(flag, default=None, choices=DTYPES, help=what)
+    p.add_argument("--group-size", type=positive_int, default=32,
+                   help="int8/int4: inputs sharing one scale (default: %(default)s)")
+    p.add_argument("--scheme", default="asym", choices=SCHEMES,
+                   help="int8/int4: asym (scale and minimum per group, the default) or sym (scale only)")
+
+
+def format_from_args(a: argparse.Namespace, dtype: str | None) -> ExpertFormat | None:
+    """The format that add_format_arguments' options describe; None for the checkpoint's dtype."""
+    return None if dtype is None else ExpertFormat.parse(dtype, a.group_size, a.scheme)
 
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,7 +130,8 @@ def engine_from_args(a: argparse.Namespace) -> Engine:
     cache = CacheConfig(fraction=a.cache, bytes=a.cache_bytes, quota=a.quota)
     return Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=cache, policy=a.policy,
                                         eviction=a.eviction, initial=a.initial, store_dir=a.store_dir,
-                                        max_seq=a.max_seq, memory_budget=a.memory_budget, read_mode=a.read_mode))
+                                        max_seq=a.max_seq, memory_budget=a.memory_budget, read_mode=a.read_mode,
+                                        store_format=format_from_args(a, a.store_dtype)))
 
 
 def write_json(path: Path | None, data: dict) -> None:

@@ -53,13 +53,16 @@ class ExpertCache:
     same bookkeeping, no weights, and transfers that complete at once (the simulator's)."""
 
     def __init__(self, cfg: CacheConfig, store: ExpertStore | None, top_k: int, device: torch.device | None,
-                 dtype: torch.dtype, shape: ExpertShape | None = None, fetch_bytes: int | None = None):
+                 dtype: torch.dtype, shape: ExpertShape | None = None, fetch_bytes: int | None = None,
+                 lowbit_bytes: int = 0):
         if cfg.quota not in ("layer", "global"):
             raise UnknownName(f"unknown quota {cfg.quota!r}; choose 'layer' or 'global'")
         shape = store.shape if store is not None else shape
         self.shape, self.store, self.cfg, self.top_k = shape, store, cfg, top_k
         self.expert_bytes = shape.numel * dtype.itemsize  # in the fast tier
         self.fetch_bytes = store.expert_bytes if store is not None else fetch_bytes  # moved per fetch
+        self.lowbit_bytes = lowbit_bytes  # moved per fetch of a low-precision copy (`attach_small`)
+        self.small: ExpertStore | None = None
         self.per_layer = slots_per_layer(cfg, shape, self.expert_bytes, top_k)
         S = self.per_layer * shape.num_layers
         self.num_slots = S
@@ -76,6 +79,12 @@ class ExpertCache:
             TransferEngine(store, self.w13, self.w2, cfg.io_workers, self.b13, self.b2)
         if not virtual:
             self._compile()
+
+    def attach_small(self, store: ExpertStore) -> None:
+        """The slow tier's low-precision copies, which `lowbit` transfers read (into the same fp32 slots)."""
+        self.small, self.lowbit_bytes = store, store.expert_bytes
+        if isinstance(self.transfers, TransferEngine):
+            self.transfers.small = store
 
     def _compile(self) -> None:
         """Compile routing and the decision kernel for the engine's argument types now, on a
@@ -212,6 +221,7 @@ class ExpertCache:
             st.owner[slot] = -1
             st.slot_of.reshape(-1)[flat] = -1
             st.last_use[slot], st.score[slot] = -1, 0.0
+            st.low[slot] = False
         st.pending[slot] = False
 
     def wait(self, slot: int) -> float:
@@ -278,3 +288,5 @@ class ExpertCache:
     def close(self) -> None:
         self._drain()
         self.transfers.close()
+        if self.small is not None:
+            self.small.close()

@@ -17,6 +17,7 @@ from .cache import CacheConfig, ExpertCache
 from .checkpoint import ROUTING_COUNTS, load_routing_counts, open_checkpoint
 from .moe import MoELayerRunner, PrefetchConfig
 from .predictors import make_predictor
+from .quant import SMALL_FORMAT, ExpertFormat
 from .stats import RunStats
 from .stores import open_store
 from .transformer import Transformer
@@ -36,6 +37,8 @@ class EngineConfig:
     store_dir: Path | None = None
     read_mode: str = "auto"  # disk store: direct (O_DIRECT or an error), buffered, auto (direct where allowed)
     verify: bool = True  # disk store: check each fetched blob's CRC32C
+    store_format: ExpertFormat | None = None  # the experts' format in the slow tier; None: the checkpoint's
+    small_format: ExpertFormat = SMALL_FORMAT  # the low-precision copies `lowbit` policies fetch
     max_seq: int = 2048
     prefetch: PrefetchConfig | None = None  # predict the next layer's experts and prefetch them
     memory_budget: int | None = None  # bytes of the whole fast tier; sizes the expert cache (overrides cache size)
@@ -63,14 +66,15 @@ class Engine:
         self._fit(self.policy)
         self.routing_counts = load_routing_counts(self.path, (self.args.num_layers, self.args.num_experts))
         self.checkpoint = ckpt
-        self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype, config.read_mode,
-                                config.verify)
+        self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype, config.store_format,
+                                config.read_mode, config.verify)
         self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype), None, self.device,
                                  config.max_seq)
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
         if config.memory_budget is not None:
             cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget, cache_cfg, dtype))
         self.cache = ExpertCache(cache_cfg, self.store, self.args.top_k, self.device, dtype)
+        self._attach_small(self.policy)
         self.stats = RunStats()
         self.runner = MoELayerRunner(self.args, self.cache, self.policy, self.stats)
         self.model.moe = self.runner
@@ -129,8 +133,17 @@ class Engine:
         starts a new run."""
         self.policy = self._fit(make_policy(policy) if isinstance(policy, str) else policy)
         self.runner.policy = self.policy
+        self._attach_small(self.policy)
         self.cache.cfg = replace(self.cache.cfg, eviction=eviction or self.config.eviction or self.policy.eviction)
         self.reset()
+
+    def _attach_small(self, policy: MissPolicy) -> None:
+        """Open the slow tier's low-precision copies (a second store, converted once) the first
+        time a policy fetches them."""
+        if policy.fetches_small and self.cache.small is None:
+            dtype = self.cache.w13.dtype
+            self.cache.attach_small(open_store(self.config.store, self.checkpoint, self.args, None, dtype,
+                                               self.config.small_format, self.config.read_mode, self.config.verify))
 
     def _fit(self, policy: MissPolicy) -> MissPolicy:
         """`policy` checked against the model's router, with its gate normalisation."""

@@ -58,7 +58,7 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
     owed_from = cache.decide_routed(policy, layer, logits_h, weights_h, ids_h, token_base, slots_h, exec_h, gates_h)
     if cache.state.misc[N_LOG]:
         stats.stall_s += cache.carry_out(lambda begin, end: compute(begin, end, slots_h, gates_h))
-    stats.absorb(cache.state, cache.fetch_bytes)
+    stats.absorb(cache.state, cache.fetch_bytes, cache.lowbit_bytes)
     return LayerPlan(slots_h, exec_h, gates_h, owed_from)
 
 
@@ -99,7 +99,7 @@ class MoELayerRunner:
             return
         budget = self.prefetch.budget or a.top_k
         self.stats.stall_s += cache.prefetch(layer + 1, self.predicted[2][0, :budget], self.token_base)
-        self.stats.absorb(cache.state, cache.fetch_bytes)
+        self.stats.absorb(cache.state, cache.fetch_bytes, cache.lowbit_bytes)
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor,
                  router_bias: torch.Tensor | None = None) -> torch.Tensor:

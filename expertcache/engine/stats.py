@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..kernel.cache_state import BACKGROUND, COUNTERS, PREFETCHES, SYNC_FETCHES
+from ..kernel.cache_state import BACKGROUND, COUNTERS, LOWBIT_FETCHES, PREFETCHES, SYNC_FETCHES
 
 
 @dataclass
@@ -16,6 +16,8 @@ class RunStats:
     sync_fetches: int = 0  # misses fetched on the critical path
     fetch_waits: int = 0  # MoE calls that waited for synchronous fetches (a call's fetches overlap)
     sync_fetch_bytes: int = 0
+    lowbit_fetches: int = 0  # misses fetched on the critical path as their low-precision copy
+    lowbit_bytes: int = 0
     substitutions: int = 0  # routed experts replaced or dropped
     substituted_calls: int = 0  # calls with at least one substitution
     substituted_mass: float = 0.0  # summed gate weight of substituted experts
@@ -30,14 +32,16 @@ class RunStats:
     peak_memory_bytes: int = 0
     read_mode: str = ""  # how fetches reached the slow tier: o_direct, buffered-dontneed, ram, ...
 
-    def absorb(self, state, fetch_bytes: int) -> None:
-        """Add and zero the decision kernel's counters (cache_state.CacheState)."""
+    def absorb(self, state, fetch_bytes: int, lowbit_bytes: int = 0) -> None:
+        """Add and zero the decision kernel's counters (cache_state.CacheState); a fetch moves
+        `fetch_bytes`, one of a low-precision copy `lowbit_bytes`."""
         counts = state.counts
         if not counts.any() and not state.mass[0]:
             return
         for name, n in zip(COUNTERS, counts.tolist()):
             setattr(self, name, getattr(self, name) + n)
         self.sync_fetch_bytes += int(counts[SYNC_FETCHES]) * fetch_bytes
+        self.lowbit_bytes += int(counts[LOWBIT_FETCHES]) * lowbit_bytes
         self.background_bytes += int(counts[BACKGROUND]) * fetch_bytes
         self.prefetch_bytes += int(counts[PREFETCHES]) * fetch_bytes
         self.substituted_mass += float(state.mass[0])
@@ -57,18 +61,27 @@ class RunStats:
         return self.sync_fetches / self.tokens if self.tokens else 0.0
 
     @property
+    def fetched_bytes_per_token(self) -> float:
+        """Bytes moved through the slow tier per token, every kind of transfer and precision."""
+        moved = self.sync_fetch_bytes + self.lowbit_bytes + self.background_bytes + self.prefetch_bytes
+        return moved / self.tokens if self.tokens else 0.0
+
+    @property
     def mass_per_call(self) -> float:
         return self.substituted_mass / self.moe_calls if self.moe_calls else 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(hit_rate=self.hit_rate, ms_per_token=self.ms_per_token,
-                 fetches_per_token=self.fetches_per_token, substituted_mass_per_call=self.mass_per_call)
+                 fetches_per_token=self.fetches_per_token, substituted_mass_per_call=self.mass_per_call,
+                 fetched_bytes_per_token=self.fetched_bytes_per_token)
         return d
 
     def line(self) -> str:
         return (f"{self.tokens} tokens, {self.ms_per_token:.2f} ms/token, hit rate {self.hit_rate:.1%}, "
                 f"{self.fetches_per_token:.2f} fetches/token ({self.sync_fetch_bytes / 2**20:.1f} MiB), "
+                + (f"{self.lowbit_fetches / max(self.tokens, 1):.2f} low-precision fetches/token "
+                   f"({self.lowbit_bytes / 2**20:.1f} MiB), " if self.lowbit_fetches else "") +
                 f"stall {self.stall_s:.2f} s, {self.substitutions} substitutions "
                 f"(mass {self.mass_per_call:.4f}/call), peak memory {self.peak_memory_bytes / 2**20:.0f} MiB"
                 + (f", reads: {self.read_mode}" if self.read_mode else ""))

@@ -2,7 +2,8 @@
 
 - `ram`: all experts in host memory in the compute dtype; exact and without latency
   (the store the emulation study uses).
-- `disk`: one 4 KiB-aligned blob per (layer, expert) in a file written once by `convert`,
+- `disk`: one 4 KiB-aligned blob per (layer, expert) in a file written once by `convert` (as is, or
+  in a quantized format of quant.py, dequantised on the worker thread),
   read with O_DIRECT so every fetch moves real bytes from the device, never the page cache
   (where O_DIRECT is refused: buffered reads that drop each blob from the page cache, a
   reported read mode), and checked against the blob's CRC32C recorded at convert time.
@@ -30,6 +31,7 @@ import torch
 from ..errors import CheckpointError, FetchError, ReadModeUnsupported, UnknownName
 from ..models.args import ModelArgs
 from .checkpoint import Checkpoint
+from .quant import ExpertFormat, decode_into, encode, encoded_bytes, roundtrip
 from .weights import all_layer_experts
 
 ALIGN = 4096
@@ -91,16 +93,29 @@ class ExpertStore(ABC):
 
 
 class RamStore(ExpertStore):
+    """With a quantized `fmt`, holds the weights that format's disk store serves (quantised and
+    dequantised once at load): the emulation of a quantized slow tier."""
     name = read_mode = "ram"
     inline = True
 
-    def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32):
+    def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32, fmt: ExpertFormat | None = None):
         super().__init__(ExpertShape.of(args), dtype)
+        self.format = fmt
         layers = list(all_layer_experts(ckpt, args))
-        self.w13 = torch.stack([x.w13.to(dtype) for x in layers])  # [L, E, 2F, H]
-        self.w2 = torch.stack([x.w2.to(dtype) for x in layers])  # [L, E, H, F]
-        self.b13 = torch.stack([x.b13.to(dtype) for x in layers]) if self.shape.bias else None  # [L, E, 2F]
-        self.b2 = torch.stack([x.b2.to(dtype) for x in layers]) if self.shape.bias else None  # [L, E, H]
+
+        def stack(part):  # [L, E, ...] in the compute dtype, each expert as the format stores it
+            if fmt is None:
+                return torch.stack([part(x).to(dtype) for x in layers])
+            return torch.stack([torch.stack([roundtrip(w, fmt) for w in part(x)]).to(dtype) for x in layers])
+        self.w13 = stack(lambda x: x.w13)  # [L, E, 2F, H]
+        self.w2 = stack(lambda x: x.w2)  # [L, E, H, F]
+        self.b13 = stack(lambda x: x.b13) if self.shape.bias else None  # [L, E, 2F]
+        self.b2 = stack(lambda x: x.b2) if self.shape.bias else None  # [L, E, H]
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of a fetch: in the emulated format's encoding when there is one."""
+        return super().expert_bytes if self.format is None else encoded_bytes(self.shape.parts, self.format)
 
     def _sources(self, layer: int, expert: int) -> list[torch.Tensor]:
         out = [self.w13[layer, expert], self.w2[layer, expert]]
@@ -131,9 +146,8 @@ class PinnedStore(RamStore):
         return self.expert_bytes
 
 
-def _blob_bytes(shape: ExpertShape, dtype: torch.dtype) -> int:
-    raw = shape.numel * dtype.itemsize
-    return (raw + ALIGN - 1) // ALIGN * ALIGN
+def _blob_bytes(shape: ExpertShape, fmt: ExpertFormat) -> int:
+    return (encoded_bytes(shape.parts, fmt) + ALIGN - 1) // ALIGN * ALIGN
 
 
 def default_store_dir(ckpt: Checkpoint) -> Path:
@@ -146,30 +160,39 @@ def default_store_dir(ckpt: Checkpoint) -> Path:
     return root / "stores" / f"{ckpt.path.resolve().name}-{h.hexdigest()[:12]}"
 
 
-def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: torch.dtype | None = None) -> Path:
-    """Write experts.bin (aligned blobs in (layer, expert) order) and experts.json (shapes and a
-    CRC32C per blob); returns out_dir."""
+def format_store_dir(ckpt: Checkpoint, fmt: ExpertFormat | None) -> Path:
+    """The default folder of a store in `fmt`: `default_store_dir`, suffixed by the format's tag
+    unless it is None (the checkpoint's own dtype)."""
+    base = default_store_dir(ckpt)
+    return base if fmt is None else base.with_name(f"{base.name}-{fmt.tag}")
+
+
+def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: torch.dtype | None = None,
+                    fmt: ExpertFormat | None = None) -> Path:
+    """Write experts.bin (aligned blobs in (layer, expert) order) and experts.json (shapes, the
+    format and a CRC32C per encoded blob); returns out_dir. The experts are stored in `fmt`, else
+    as `dtype`, else in the checkpoint's dtype."""
     shape = ExpertShape.of(args)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
     tmp = out_dir / "experts.bin.partial"
     checksums = []
+    fmt = fmt or (ExpertFormat.of_dtype(dtype) if dtype is not None else None)
     with open(tmp, "wb") as f:
         for experts in all_layer_experts(ckpt, args):
-            dtype = dtype or experts.w13.dtype
-            blob = _blob_bytes(shape, dtype)
+            fmt = fmt or ExpertFormat.of_dtype(experts.w13.dtype)
+            blob = _blob_bytes(shape, fmt)
             parts = [p for p in experts if p is not None]  # w13, w2 (and b13, b2): the blob's order
             for e in range(args.num_experts):
-                raw = torch.cat([p[e].to(dtype).flatten() for p in parts]).view(torch.uint8)
-                data = raw.numpy().tobytes() + b"\0" * (blob - raw.numel())
-                checksums.append(crc32c.crc32c(data))
+                data = encode([p[e] for p in parts], shape.parts, fmt, blob)
+                checksums.append(crc32c.crc32c(data))  # of the stored bytes: the same check for every format
                 f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out_dir / "experts.bin")
-    meta = {"format_version": DISK_FORMAT_VERSION, "dtype": str(dtype).removeprefix("torch."),
+    meta = {"format_version": DISK_FORMAT_VERSION, **fmt.meta(),
             "num_layers": shape.num_layers, "num_experts": shape.num_experts, "w13": list(shape.w13),
-            "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": _blob_bytes(shape, dtype), "align": ALIGN,
+            "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": _blob_bytes(shape, fmt), "align": ALIGN,
             "checksum": "crc32c", "checksums": checksums}
     (out_dir / "experts.json.partial").write_text(json.dumps(meta))
     os.replace(out_dir / "experts.json.partial", out_dir / "experts.json")
@@ -235,7 +258,16 @@ class DiskStore(ExpertStore):
                 len(meta["checksums"]) != shape.num_layers * shape.num_experts:
             raise CheckpointError(f"{store_dir}: disk store does not match the model's shape; "
                                   "rerun `expertcache convert`")
-        super().__init__(shape, getattr(torch, meta["dtype"]))
+        try:
+            self.format = ExpertFormat.from_meta(meta)
+            if meta.get("blob_bytes") != _blob_bytes(shape, self.format):
+                raise ValueError(f"blob_bytes {meta.get('blob_bytes')} is not the format's "
+                                 f"{_blob_bytes(shape, self.format)}")
+        except ValueError as e:
+            raise CheckpointError(f"{store_dir}: experts.json is corrupted ({e}); rerun `expertcache convert`") \
+                from None
+        quantized = self.format.quantized
+        super().__init__(shape, torch.uint8 if quantized else getattr(torch, meta["dtype"]))
         self.blob = meta["blob_bytes"]
         self.checksums = np.array(meta["checksums"], dtype=np.uint32)  # [L * E]
         self.verify = verify
@@ -248,11 +280,15 @@ class DiskStore(ExpertStore):
         self._local = threading.local()
         self._split = [math.prod(p) for p in shape.parts]
 
+    @property
+    def expert_bytes(self) -> int:
+        return self.blob
+
     def _buffer(self) -> tuple[mmap.mmap, torch.Tensor]:
         # O_DIRECT needs an aligned buffer: an anonymous mmap is page-aligned. One per thread.
         if not hasattr(self._local, "buf"):
             buf = mmap.mmap(-1, self.blob)
-            view = torch.frombuffer(buf, dtype=self.dtype, count=self.shape.numel)
+            view = torch.frombuffer(buf, dtype=torch.uint8)
             self._local.buf = (buf, view)
         return self._local.buf
 
@@ -260,6 +296,26 @@ class DiskStore(ExpertStore):
         return workers * self.blob
 
     def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
+        buf, view = self._read(layer, expert)
+        if self.format.quantized:
+            self._dequantize_into(view, (w13, w2, b13, b2))
+        else:
+            self._copy_into(view, (w13, w2, b13, b2))
+        return self.blob
+
+    def _copy_into(self, view: torch.Tensor, dsts) -> None:
+        """A float blob: its parts copied (and cast) into the slot."""
+        parts = view[:self.shape.numel * self.dtype.itemsize].view(self.dtype).split(self._split)
+        for dst, src, part in zip(dsts, parts, self.shape.parts):
+            if dst is not None:
+                dst.copy_(src.view(part))
+
+    def _dequantize_into(self, view: torch.Tensor, dsts) -> None:
+        """An integer blob: dequantised into the slot on the calling (worker) thread."""
+        decode_into(view, self.shape.parts, self.format, dsts)
+
+    def _read(self, layer: int, expert: int) -> tuple[mmap.mmap, torch.Tensor]:
+        """One blob read with O_DIRECT into this thread's buffer."""
         buf, view = self._buffer()
         index = layer * self.shape.num_experts + expert
         offset = index * self.blob
@@ -276,9 +332,7 @@ class DiskStore(ExpertStore):
         if self.verify and crc32c.crc32c(buf) != self.checksums[index]:
             raise FetchError(f"expert {expert} of layer {layer} fails its CRC32C check in {self.path}: "
                              "the store file is corrupt; rerun `expertcache convert`")
-        for dst, src, part in zip((w13, w2, b13, b2), view.split(self._split), self.shape.parts):
-            dst.copy_(src.view(part))
-        return self.blob
+        return buf, view
 
     def close(self):
         if getattr(self, "fd", None) is not None:
@@ -290,19 +344,30 @@ STORES = ("ram", "disk", "pinned")
 
 
 def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | None = None,
-               dtype: torch.dtype = torch.float32, read_mode: str = "auto", verify: bool = True) -> ExpertStore:
-    """The slow tier `name`. A disk store is converted where none exists yet; the default one
-    (under ~/.cache) is also reconverted when it was written in an older format."""
+               dtype: torch.dtype = torch.float32, fmt: ExpertFormat | None = None, read_mode: str = "auto",
+               verify: bool = True) -> ExpertStore:
+    """The slow tier `name` of a checkpoint's experts; `fmt`: the format they are stored in (None:
+    the checkpoint's dtype). A disk store missing from `store_dir` is converted first; the default
+    folder (`format_store_dir`, under ~/.cache) is also reconverted when it was written in an older
+    format version; a store there in another format is refused."""
     if name == "ram":
-        return RamStore(ckpt, args, dtype)
+        return RamStore(ckpt, args, dtype, fmt)
     if name == "pinned":
+        if fmt is not None and fmt.quantized:
+            raise UnknownName(f"store 'pinned' holds float experts; drop the {fmt.dtype} store dtype "
+                              "or use --store disk")
         return PinnedStore(ckpt, args, dtype)
     if name == "disk":
         if store_dir is None:
-            store_dir = default_store_dir(ckpt)
+            store_dir = format_store_dir(ckpt, fmt)
             if store_format(store_dir) != DISK_FORMAT_VERSION:
-                convert_to_disk(ckpt, args, store_dir)
+                convert_to_disk(ckpt, args, store_dir, fmt=fmt)
         elif not (store_dir / "experts.json").exists():
-            convert_to_disk(ckpt, args, store_dir)
-        return DiskStore(store_dir, args, read_mode, verify)
+            convert_to_disk(ckpt, args, store_dir, fmt=fmt)
+        store = DiskStore(store_dir, args, read_mode, verify)
+        if fmt is not None and store.format != fmt:
+            store.close()
+            raise CheckpointError(f"{store_dir} holds experts as {store.format.tag}, not {fmt.tag}; "
+                                  f"convert to another folder (`expertcache convert --dtype {fmt.dtype} --out DIR`)")
+        return store
     raise UnknownName(f"unknown store {name!r}; choose one of {', '.join(STORES)}")

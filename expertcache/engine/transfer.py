@@ -40,18 +40,20 @@ class TransferEngine:
     def __init__(self, store: ExpertStore, w13: torch.Tensor, w2: torch.Tensor, workers: int = 4,
                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None):
         self.store, self.w13, self.w2 = store, w13, w2
+        self.small: ExpertStore | None = None  # low-precision copies, read by "lowbit" transfers
         self.slot_tensors = [t for t in (w13, w2, b13, b2) if t is not None]  # what one slot holds
         self.cuda = w13.is_cuda
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="expert-io")
         self.stream = torch.cuda.Stream(device=w13.device) if self.cuda else None
 
     def _copy(self, t: Transfer) -> int:
+        store = self.small if t.kind == "lowbit" else self.store
         if self.stream is None:
-            return self.store.read_into(t.layer, t.expert, *(x[t.slot] for x in self.slot_tensors))
+            return store.read_into(t.layer, t.expert, *(x[t.slot] for x in self.slot_tensors))
         # The slot's previous expert may still be read by queued compute: copy after it.
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
-            n = self.store.read_into(t.layer, t.expert, *(x[t.slot] for x in self.slot_tensors))
+            n = store.read_into(t.layer, t.expert, *(x[t.slot] for x in self.slot_tensors))
             t.event = torch.cuda.Event()
             t.event.record(self.stream)
         return n
@@ -60,7 +62,9 @@ class TransferEngine:
         """Start copying `expert` of `layer` into `slot` (kind: fetch, admit or prefetch); an inline store
         copies at once."""
         t = Transfer(layer, expert, slot, kind)
-        if self.store.inline:
+        if kind == "lowbit" and self.small is None:
+            raise RuntimeError("a low-precision fetch without a store of small copies (ExpertCache.attach_small)")
+        if (self.small if kind == "lowbit" else self.store).inline:
             self._copy(t)  # a host memcpy, or already asynchronous on the copy stream
         else:
             t.future = self.pool.submit(self._copy, t)

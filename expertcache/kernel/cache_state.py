@@ -10,9 +10,9 @@ from .eviction import eviction_code
 
 # Counters, in RunStats' names.
 COUNTERS = ("moe_calls", "routed", "hits", "misses", "sync_fetches", "fetch_waits", "substitutions",
-            "substituted_calls", "background_fetches", "prefetch_fetches", "segments", "expert_runs")
+            "substituted_calls", "background_fetches", "prefetch_fetches", "segments", "expert_runs", "lowbit_fetches")
 MOE_CALLS, ROUTED, HITS, MISSES, SYNC_FETCHES, FETCH_WAITS, SUBSTITUTIONS, SUBSTITUTED_CALLS, BACKGROUND, \
-    PREFETCHES, SEGMENTS, EXPERT_RUNS = range(len(COUNTERS))
+    PREFETCHES, SEGMENTS, EXPERT_RUNS, LOWBIT_FETCHES = range(len(COUNTERS))
 # misc[]: scalars of the state
 EVICTION, SEGMENT, SEGMENT_START, N_PROTECTED, N_LOG, LOGGING, GLOBAL_QUOTA, N_FLYING = range(8)
 
@@ -21,6 +21,7 @@ class CacheState(NamedTuple):
     slot_of: np.ndarray  # [L, E] slot holding (layer, expert), resident or in flight; -1: absent
     owner: np.ndarray  # [S] layer * E + expert held by the slot; -1: free
     pending: np.ndarray  # [S] bool: its transfer is in flight
+    low: np.ndarray  # [S] bool: the slot holds the expert's low-precision copy (fetched by a lowbit policy)
     protected: np.ndarray  # [S] bool: used by the token being decided, not evictable
     protected_list: np.ndarray  # the protected slots, to clear them without a pass over S
     flying: np.ndarray  # [S] slots of admissions and prefetches started in the current call (misc[N_FLYING])
@@ -50,6 +51,7 @@ class CacheState(NamedTuple):
         misc[EVICTION] = eviction_code(eviction)
         misc[GLOBAL_QUOTA] = quota == "global"
         return cls(np.full((L, E), -1, np.int64), np.full(S, -1, np.int64), np.zeros(S, bool), np.zeros(S, bool),
+                   np.zeros(S, bool),
                    np.zeros(2 * top_k + 2, np.int64), np.zeros(S, np.int64), np.full(S, -1, np.int64), np.zeros(S),
                    np.zeros((L, E)), np.zeros((L, E), np.int64), np.zeros(L, np.int64), lo, hi, group,
                    np.full(S, -1, np.int64), misc, np.zeros(len(COUNTERS), np.int64), np.zeros(1),

@@ -23,6 +23,7 @@ from .cache_state import (
     FETCH_WAITS,
     HITS,
     LOGGING,
+    LOWBIT_FETCHES,
     MISSES,
     MOE_CALLS,
     N_FLYING,
@@ -43,8 +44,8 @@ from .policy import CONDITIONAL, KIND, decide, resident
 
 # Logged actions, rows of (op, a, b, c)
 LOAD, WAIT, FLUSH, FINISH_ALL = 1, 2, 3, 4  # LOAD: slot, layer * E + expert, kind; WAIT: slot; FLUSH: begin, end
-KINDS = ("fetch", "admit", "prefetch", "fill")
-FETCH, ADMIT, PREFETCH, FILL = range(len(KINDS))
+KINDS = ("fetch", "admit", "prefetch", "fill", "lowbit")  # lowbit: a synchronous fetch of the small copy
+FETCH, ADMIT, PREFETCH, FILL, LOWBIT = range(len(KINDS))
 
 
 def log_capacity(tokens: int, top_k: int, num_experts: int) -> int:
@@ -129,6 +130,7 @@ def load(st, layer, e, kind, t, clock):
     st.slot_of[layer, e] = s
     insert(st.score, st.last_use, s, clock, enter_score(ev, st.demand, st.demand_clock, layer, e, clock))
     st.pending[s] = True
+    st.low[s] = kind == LOWBIT
     if kind == ADMIT or kind == PREFETCH:
         st.flying[st.misc[N_FLYING]] = s
         st.misc[N_FLYING] += 1
@@ -194,16 +196,17 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ranked
         s = st.slot_of[layer, sc.exec_e[c]]
         if s >= 0:
             _protect(st, s)
-    fetched = cnt[SYNC_FETCHES]
+    fetched = cnt[SYNC_FETCHES] + cnt[LOWBIT_FETCHES]
     for f in range(n_fetch):
         e = sc.fetch[f]
         if st.slot_of[layer, e] < 0:
-            s = load(st, layer, e, FETCH, t, clock)
+            s = load(st, layer, e, LOWBIT if sc.low[f] else FETCH, t, clock)
             if s < 0:
                 return False
             _protect(st, s)
-            cnt[SYNC_FETCHES] += 1
-    cnt[FETCH_WAITS] += cnt[SYNC_FETCHES] > fetched  # the call waits once for its fetches, read in parallel
+            cnt[LOWBIT_FETCHES if sc.low[f] else SYNC_FETCHES] += 1
+    # the call waits once for its fetches, read in parallel
+    cnt[FETCH_WAITS] += cnt[SYNC_FETCHES] + cnt[LOWBIT_FETCHES] > fetched
     for a in range(n_admit):
         e = sc.admit[a]
         if st.slot_of[layer, e] < 0:

@@ -16,7 +16,7 @@ from .routing import rank_key, top_m, value
 KIND, RULE, SUB, WINDOW, BETA, TAU, LO, HI, TOP_J, TOP_M, NORM = range(11)
 N_PARAMS = 11
 FETCH_ALL, SUBSTITUTING, CONDITIONAL = 0, 1, 2  # KIND
-NEVER, THRESHOLD, FIRST_CHOICE, BAND = 0, 1, 2, 3  # RULE: which misses a substituting policy fetches
+NEVER, THRESHOLD, FIRST_CHOICE, BAND, LOWBIT = 0, 1, 2, 3, 4  # RULE: which misses a substituting policy fetches
 SUBSTITUTES = ("best", "drop", "window")  # SUB, by index
 
 
@@ -26,6 +26,7 @@ class Scratch(NamedTuple):
     exec_e: np.ndarray  # [k] executed experts
     exec_w: np.ndarray  # [k] their weights
     fetch: np.ndarray  # [k]
+    low: np.ndarray  # [k] bool: fetch[i] is of the expert's low-precision copy
     admit: np.ndarray  # [k]
     missed: np.ndarray  # [k] ranks to substitute
     keep: np.ndarray  # [k] bool: rank runs its routed expert
@@ -40,7 +41,7 @@ class Scratch(NamedTuple):
 
     @classmethod
     def make(cls, k: int, E: int) -> Scratch:
-        return cls(np.zeros(k, np.int64), np.zeros(k), np.zeros(k, np.int64), np.zeros(k, np.int64),
+        return cls(np.zeros(k, np.int64), np.zeros(k), np.zeros(k, np.int64), np.zeros(k, bool), np.zeros(k, np.int64),
                    np.zeros(k, np.int64), np.zeros(k, bool), np.zeros(k, np.int64), np.zeros(E, np.int64),
                    np.zeros(E), np.zeros(E, bool), np.zeros(E, bool), np.zeros(k, np.int64), np.zeros(E, np.int64),
                    np.zeros(E // 16 + 1, np.int64))
@@ -56,7 +57,7 @@ def resident(st, layer, e):
 @compiled
 def _should_fetch(p, rank, w):
     rule = p[RULE]
-    if rule == THRESHOLD:
+    if rule == THRESHOLD or rule == LOWBIT:
         return rank == 0 or w >= p[TAU]
     if rule == FIRST_CHOICE:
         return rank == 0
@@ -158,11 +159,14 @@ def decide(p, account, st, sc, layer, row, table, logits, ranked, w):
     w [k]: the routed gate weights, normalised as the family does (p[NORM]).
 
     Writes the executed experts and weights to sc.exec_e / sc.exec_w, the synchronous
-    fetches to sc.fetch and background admissions to sc.admit; returns
+    fetches to sc.fetch (sc.low marks those of low-precision copies: the LOWBIT rule fetches
+    a miss it does not fetch in full as its small copy when its weight is >= p[LO], and
+    substitutes it below) and background admissions to sc.admit; returns
     (executed, fetches, admissions, substituted, substituted mass)."""
     k = len(w)
     ids = ranked[:k]
     kind = p[KIND]
+    sc.low[:] = False
     if kind == CONDITIONAL:
         return _conditional(p, st, sc, layer, row, table, logits, ranked, w)
     n_fetch = 0
@@ -183,6 +187,11 @@ def decide(p, account, st, sc, layer, row, table, logits, ranked, w):
             sc.keep[j] = True
         elif s >= 0 or _should_fetch(p, j, w[j]):
             sc.keep[j] = True
+            sc.fetch[n_fetch] = e
+            n_fetch += 1
+        elif p[RULE] == LOWBIT and w[j] >= p[LO]:
+            sc.keep[j] = True
+            sc.low[n_fetch] = True
             sc.fetch[n_fetch] = e
             n_fetch += 1
         else:

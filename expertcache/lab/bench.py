@@ -21,6 +21,7 @@ from ..engine.engine import Engine, EngineConfig
 from ..engine.generate import generate
 from ..engine.moe import PrefetchConfig
 from ..engine.perplexity import EVAL_TEXT, teacher_forced
+from ..engine.quant import ExpertFormat
 from ..errors import BadInput
 
 POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "substitute-all")
@@ -41,6 +42,8 @@ class BenchConfig:
     """What the benchmark runs: tier, cache size, policy variants, token counts and repetitions."""
     store: str = "disk"
     store_dir: Path | None = None
+    store_format: ExpertFormat | None = None  # the experts' format in the slow tier; None: the checkpoint's
+    read_mode: str = "auto"  # disk store reads: auto, direct or buffered
     device: str = "cpu"
     cache_fraction: float = 0.25
     policies: tuple[str, ...] = POLICIES
@@ -61,6 +64,7 @@ class BenchResult:
     forced_ms: dict = field(default_factory=dict)  # teacher-forced windows
     ppl: dict = field(default_factory=dict)
     fetches_per_token: dict = field(default_factory=dict)
+    fetched_kib_per_token: dict = field(default_factory=dict)  # teacher-forced, every transfer and precision
     stall_ms_per_token: dict = field(default_factory=dict)
     decoded: dict = field(default_factory=dict)  # variant -> the greedy tokens it decoded
     decode_prefetches_per_token: dict = field(default_factory=dict)  # variant -> prefetches issued in decode
@@ -76,7 +80,8 @@ class BenchResult:
             rows[k] = {f"{name}_{what}": v for name in timings for what, v in (
                 ("ms", m[name]), ("speedup_vs_fetch_all", base[name] / m[name]), ("vs_floor", m[name] / floor[name]))}
             rows[k] |= {"ppl": self.ppl[k], "ppl_increase_pct": 100 * (self.ppl[k] / self.ppl["fetch-all"] - 1),
-                       "fetches_per_token": self.fetches_per_token[k], "stall_ms_per_token": self.stall_ms_per_token[k]}
+                       "fetches_per_token": self.fetches_per_token[k], "stall_ms_per_token": self.stall_ms_per_token[k],
+                        "fetched_kib_per_token": self.fetched_kib_per_token.get(k, 0.0)}
         return rows
 
     def to_dict(self) -> dict:
@@ -111,13 +116,14 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], stream: list[in
     decoded += list(it)
     decode = 1000 * (time.perf_counter() - t0) / (s.tokens - tok0)  # the decode forwards that ran, one token each
     decode_prefetches = s.prefetch_fetches / len(decoded)
-    f0, st0, tok0 = s.sync_fetches, s.stall_s, s.tokens
+    f0, st0, tok0, b0 = s.sync_fetches, s.stall_s, s.tokens, s.fetched_bytes_per_token * s.tokens
     nll, t0 = 0.0, time.perf_counter()
     for logits, targets in teacher_forced(lambda x: engine.forward(x, 0), forced, cfg.context):
         nll += F.cross_entropy(logits, targets, reduction="sum").item()
     n = len(forced) - 1
     forced_ms = 1000 * (time.perf_counter() - t0) / n
     counters = {"fetches": (s.sync_fetches - f0) / (s.tokens - tok0),
+                "kib": (s.fetched_bytes_per_token * s.tokens - b0) / 1024 / (s.tokens - tok0),
                 "stall": 1000 * (s.stall_s - st0) / (s.tokens - tok0),
                 "decoded": decoded, "decode_prefetches": decode_prefetches}
     return decode, stream_ms, forced_ms, nll / n, counters
@@ -127,9 +133,10 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     """Time every variant of `cfg.policies` and the all-resident floor on the same prompt and evaluation tokens,
     repetitions interleaved round-robin after one warm-up round."""
     cache = CacheConfig(fraction=cfg.cache_fraction)
-    engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir))
+    engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
+                                        store_format=cfg.store_format, read_mode=cfg.read_mode))
     floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0),
-                                        store_dir=cfg.store_dir))
+                                       store_dir=cfg.store_dir, store_format=cfg.store_format, read_mode=cfg.read_mode))
     need = cfg.prompt_tokens + cfg.forced_tokens + 1
     ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
     if len(ids) < need:
@@ -160,6 +167,7 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
                 res.forced_ms.setdefault(v, []).append(f)
                 res.ppl[v] = math.exp(nll)
                 res.fetches_per_token[v] = c["fetches"]
+                res.fetched_kib_per_token[v] = c["kib"]
                 res.stall_ms_per_token[v] = c["stall"]
                 res.decoded[v] = c["decoded"]
                 res.decode_prefetches_per_token[v] = c["decode_prefetches"]
@@ -180,11 +188,12 @@ def markdown(res: BenchResult) -> str:
     lines = [setup, "",
              "| policy | decode ms/token | speedup | vs floor | same-tokens decode ms/token | speedup | vs floor | "
              "teacher-forced ms/token | speedup | vs floor | ppl increase (teacher-forced) | "
-             "teacher-forced fetches/token | teacher-forced stall ms/token |",
-             "|---|" + "---:|" * 12]
+             "teacher-forced fetches/token | teacher-forced KiB fetched/token | teacher-forced stall ms/token |",
+             "|---|" + "---:|" * 13]
     for k, r in res.summary().items():
         cells = [f"{r[f'{n}_ms']:.2f} | {r[f'{n}_speedup_vs_fetch_all']:.2f}x | {r[f'{n}_vs_floor']:.2f}x"
                  for n in ("decode", "stream", "forced")]
         lines.append(f"| `{k}` | {' | '.join(cells)} | "
-                     f"{r['ppl_increase_pct']:+.2f}% | {r['fetches_per_token']:.2f} | {r['stall_ms_per_token']:.2f} |")
+                     f"{r['ppl_increase_pct']:+.2f}% | {r['fetches_per_token']:.2f} | "
+                     f"{r['fetched_kib_per_token']:.1f} | {r['stall_ms_per_token']:.2f} |")
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 time/token = dense + (expert runs/token) * expert_run
              + (calls that wait for fetches/token) * fetch_latency
              + (synchronous fetches/token) * bytes / bandwidth
+             + (low-precision fetch bytes/token) / bandwidth
              + (admissions and prefetches/token) * bytes / bandwidth, unless they overlap compute
              + (admissions/token) * admission + (calls with a substitution/token) * decision
 A call's synchronous fetches are issued together and waited for once: the latency is paid per
@@ -59,6 +60,7 @@ class HardwareProfile:
                 "experts": per_token(s.expert_runs) * self.expert_run_s,
                 "fetch waits": per_token(s.fetch_waits) * self.fetch_latency_s,
                 "fetches": per_token(s.sync_fetches) * self.transfer_s,
+                "lowbit fetches": per_token(s.lowbit_bytes) / self.fetch_bandwidth,
                 "background": 0.0 if self.overlap else
                 per_token(s.background_fetches + s.prefetch_fetches) * self.transfer_s,
                 "admissions": per_token(s.background_fetches) * self.admission_s,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..engine.cache import CacheConfig, ExpertCache
+from ..engine.quant import SMALL_FORMAT, ExpertFormat, encoded_bytes
 from ..engine.stats import RunStats
 from ..engine.stores import ExpertShape
 from ..errors import BadInput
@@ -92,10 +93,11 @@ def route_trace(trace: Trace, ranks: int = 32) -> Routes:
 
 def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), eviction: str | None = None,
            counts: np.ndarray | None = None, fetch_dtype_bytes: int = 2, routes: Routes | None = None,
-           window: int | None = None) -> Replay:
+           window: int | None = None, small_format: ExpertFormat = SMALL_FORMAT) -> Replay:
     """Replay `policy` over the trace in windows of `window` tokens (default: the trace's
     context, as `ppl` runs; 1: decode order); `counts` [L, E] gives a warm start; `routes`
-    (route_trace) saves routing the trace again."""
+    (route_trace) saves routing the trace again. A fetch moves the expert at `fetch_dtype_bytes`
+    per parameter, one of a low-precision copy its bytes in `small_format` (unaligned)."""
     h = trace.header
     L, E, k = check_trace(trace)
     N = np.shape(trace.logits)[0]
@@ -116,7 +118,8 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
                            f"{E} experts, top-k {k}); pass route_trace(trace) of this trace")
     cfg = CacheConfig(fraction=cache.fraction, bytes=cache.bytes, quota=cache.quota,
                       eviction=eviction or pol.eviction)
-    vc = ExpertCache(cfg, None, k, None, torch.float32, shape=shape, fetch_bytes=numel * fetch_dtype_bytes)
+    vc = ExpertCache(cfg, None, k, None, torch.float32, shape=shape, fetch_bytes=numel * fetch_dtype_bytes,
+                     lowbit_bytes=encoded_bytes(shape.parts, small_format))
     if counts is not None:
         vc.warm(counts)
     st = vc.state
@@ -131,5 +134,5 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     if failed >= 0:
         raise vc.too_small(failed)
     stats = RunStats(tokens=trace.num_tokens)
-    stats.absorb(st, vc.fetch_bytes)
+    stats.absorb(st, vc.fetch_bytes, vc.lowbit_bytes)
     return Replay(policy, cache.fraction, stats, seconds, trace.num_tokens * L * k)

@@ -1,0 +1,167 @@
+"""Quantized experts on the built-in model: per format, bytes per expert, fetch latency (O_DIRECT
+read + dequantisation into an fp32 slot), perplexity against fp16 with a paired bootstrap CI,
+greedy agreement with fp16, and decode / teacher-forced ms/token on the disk store at 25% and
+100% cache; and torch's weight-only int8/int4 kernels at batch 1 against fp32 GEMV.
+
+    python benchmarks/quantized.py [--tokens 4096] [--context 512] [--skip-timing] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from expertcache.engine.cache import CacheConfig
+from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.engine.generate import generate
+from expertcache.engine.perplexity import EVAL_TEXT, perplexity
+from expertcache.engine.quant import ExpertFormat
+from expertcache.engine.stores import DiskStore, convert_to_disk, format_store_dir
+from expertcache.lab.bench import FLOOR, BenchConfig, run_bench
+from expertcache.lab.study import paired_increase
+
+FORMATS = {"fp16": None, "bf16": ExpertFormat.parse("bf16"), "int8-g32": ExpertFormat.parse("int8", 32),
+           "int4-g32": ExpertFormat.parse("int4", 32), "int4-g32-sym": ExpertFormat.parse("int4", 32, "sym"),
+           "int4-g64": ExpertFormat.parse("int4", 64)}
+
+
+def block_means(token_nll: np.ndarray, block: int = 64) -> list[float]:
+    n = len(token_nll) // block * block
+    return token_nll[:n].reshape(-1, block).mean(1).tolist()
+
+
+def fetch_latency(engine: Engine, fmt, reads: int = 300) -> dict:
+    """Median microseconds of one read_into (O_DIRECT read + dequantisation) into fp32 slot tensors."""
+    ckpt, args = engine.checkpoint, engine.args
+    path = format_store_dir(ckpt, fmt)
+    if not (path / "experts.json").exists():
+        convert_to_disk(ckpt, args, path, fmt=fmt)
+    store = DiskStore(path, args)
+    slot = [torch.empty(p) for p in store.shape.parts]
+    rng = random.Random(0)
+    times = []
+    for _ in range(reads):
+        layer, e = rng.randrange(args.num_layers), rng.randrange(args.num_experts)
+        t0 = time.perf_counter()
+        store.read_into(layer, e, *slot)
+        times.append(time.perf_counter() - t0)
+    read_only = []
+    for _ in range(reads):
+        layer, e = rng.randrange(args.num_layers), rng.randrange(args.num_experts)
+        t0 = time.perf_counter()
+        store._read(layer, e)
+        read_only.append(time.perf_counter() - t0)
+    store.close()
+    return {"bytes": store.blob, "fetch_us": 1e6 * statistics.median(times),
+            "read_us": 1e6 * statistics.median(read_only)}
+
+
+def packed_kernels(rows: int, cols: int, repeats: int = 200) -> dict:
+    """Median ms of y = x W^T at batch 1: fp32 GEMV, `_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`."""
+    w, x = torch.randn(rows, cols), torch.randn(1, cols)
+    scales = w.abs().amax(1) / 127
+    w8 = (w / scales[:, None]).round().to(torch.int8)
+    out = {}
+
+    def timed(name, f):
+        f()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        out[name] = 1e3 * statistics.median(ts)
+
+    timed("fp32", lambda: torch.nn.functional.linear(x, w))
+    timed("int8pack", lambda: torch._weight_int8pack_mm(x, w8, scales))
+    try:
+        q = torch.randint(0, 16, (rows, cols), dtype=torch.int32)
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        sz = torch.randn(cols // 32, rows, 2)
+        timed("int4pack", lambda: torch._weight_int4pack_mm_for_cpu(x, packed, 32, sz))
+    except (RuntimeError, AttributeError) as e:
+        out["int4pack"] = f"unavailable: {e}"
+    return out
+
+
+LOWBIT_POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "substitute-all", "lowbit:tau=0.15",
+                   "lowbit:tau=0.15,lo=0.03", "lowbit:tau=0.5,lo=0.05", "lowbit:tau=1")
+
+
+def lowbit_quality(tokens: int, context: int, cache: float = 0.25) -> dict:
+    """Per policy at `cache` on the disk store (fp16 full copies, int4 small ones): perplexity increase
+    over fetch-all with a paired bootstrap CI over 64-token blocks, and KiB fetched per token."""
+    eng = Engine(None, EngineConfig(store="disk", cache=CacheConfig(fraction=cache)))
+    ids = eng.encode(EVAL_TEXT.read_text(encoding="utf-8"))[:tokens + 1]
+    out, base = {}, None
+    for spec in LOWBIT_POLICIES:
+        eng.set_policy(spec)
+        r = perplexity(eng, ids, context)
+        s = eng.stats
+        base = base or r
+        out[spec] = {"ppl": r.ppl, "increase": paired_increase(block_means(base.token_nll),
+                                                              block_means(r.token_nll), 2000, 0),
+                     "kib_per_token": s.fetched_bytes_per_token / 1024,
+                     "full_fetches_per_token": s.sync_fetches / s.tokens,
+                     "lowbit_fetches_per_token": s.lowbit_fetches / s.tokens,
+                     "substituted_per_token": s.substitutions / s.tokens}
+    eng.close()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--greedy", type=int, default=64)
+    p.add_argument("--skip-timing", action="store_true")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None)
+    p.add_argument("--lowbit-only", action="store_true", help="only the lowbit policies' quality and bytes")
+    a = p.parse_args()
+    if a.lowbit_only:
+        res = lowbit_quality(a.tokens, a.context)
+        print(json.dumps(res, indent=1))
+        return 0
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    res = {"kernels": {f"{r}x{c}": packed_kernels(r, c) for r, c in ((128, 160), (160, 64), (2048, 1536))}}
+    log(f"kernels {res['kernels']}")
+    rows, base, base_gen = {}, None, None
+    for name, fmt in FORMATS.items():
+        eng = Engine(None, EngineConfig(store="ram", store_format=fmt, cache=CacheConfig(fraction=1.0)))
+        ids = eng.encode(EVAL_TEXT.read_text(encoding="utf-8"))[:a.tokens + 1]
+        r = perplexity(eng, ids, a.context)
+        gen = list(generate(eng, ids[:32], a.greedy))
+        row = {"ppl": r.ppl, **fetch_latency(eng, fmt)}
+        if base is None:
+            base, base_gen = r, gen
+        else:
+            row["increase"] = paired_increase(block_means(base.token_nll), block_means(r.token_nll), 2000, 0)
+        first_diff = next((i for i, (x, y) in enumerate(zip(gen, base_gen)) if x != y), len(gen))
+        row["greedy_match"] = sum(x == y for x, y in zip(gen, base_gen)) / len(gen)
+        row["greedy_prefix"] = first_diff
+        eng.close()
+        if not a.skip_timing:
+            b = run_bench(None, BenchConfig(store="disk", store_format=fmt, policies=("fetch-all",),
+                                            decode_tokens=32, forced_tokens=512, repeats=a.repeats))
+            s = b.summary()
+            row |= {"decode_ms_25": s["fetch-all"]["decode_ms"], "forced_ms_25": s["fetch-all"]["forced_ms"],
+                    "decode_ms_100": s[FLOOR]["decode_ms"], "forced_ms_100": s[FLOOR]["forced_ms"]}
+        rows[name] = row
+        log(f"{name} {row}")
+    res["formats"] = rows
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    print(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Storage formats of one expert in the slow tier: a float dtype (fp32, fp16, bf16) stored as
+is, or integers (int8, int4 packed two per byte) with group-wise scales along each weight
+matrix's input dimension. Biases stay fp16.
+
+Integer formats are asymmetric by default: each group of G inputs of one output row keeps
+an fp16 scale and an fp16 minimum, x ~ min + scale * q with q in [0, 2^bits - 1]. Symmetric
+(x ~ scale * q, q in [-2^(bits-1) + 1, 2^(bits-1) - 1]) is an option; on the built-in model
+asymmetric int4 reconstructs the weights with ~17% less error than symmetric at the same group size
+and ~10% less at the same bits per weight (see
+benchmarks/RESULTS.md, "Quantized experts"). An input dimension that is not a multiple of G
+is padded with zeros to one (the padding is stored and dropped when dequantising).
+
+A blob's layout (`layout`): for each part in the order `ExpertShape.parts`, its segments
+(codes, scales, minimums; or the raw values), each starting at a 16-byte boundary. Float
+formats keep the plain concatenation of the parts, byte for byte the original layout.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import BadInput
+
+FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+INT_BITS = {"int8": 8, "int4": 4}
+DTYPES = ("fp16", "bf16", "fp32", "int8", "int4")
+SCHEMES = ("asym", "sym")
+SEGMENT_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """How one expert is stored: `dtype` (float32, float16, bfloat16, int8, int4), and for the
+    integer dtypes the group size along the input dimension and the scheme (asym or sym)."""
+    dtype: str = "float16"
+    group_size: int = 0
+    scheme: str = ""
+
+    @classmethod
+    def parse(cls, dtype: str, group_size: int = 32, scheme: str = "asym") -> ExpertFormat:
+        """A format from user input (`fp16`, `bf16`, `int8`, `int4`, ...); BadInput naming the fix."""
+        name = ALIASES.get(dtype, dtype)
+        if name in FLOAT_DTYPES:
+            return cls(name)
+        if name not in INT_BITS:
+            raise BadInput(f"unknown expert dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        if not isinstance(group_size, int) or group_size < 2 or group_size % 2:
+            raise BadInput(f"group size {group_size!r} must be an even whole number >= 2; e.g. --group-size 64")
+        if scheme not in SCHEMES:
+            raise BadInput(f"unknown quantization scheme {scheme!r}; choose asym or sym")
+        return cls(name, group_size, scheme)
+
+    @classmethod
+    def of_dtype(cls, dtype: torch.dtype) -> ExpertFormat:
+        """The float format storing `dtype` as is."""
+        return cls(str(dtype).removeprefix("torch."))
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in INT_BITS
+
+    @property
+    def bits(self) -> int:
+        return INT_BITS[self.dtype] if self.quantized else FLOAT_DTYPES[self.dtype].itemsize * 8
+
+    @property
+    def tag(self) -> str:
+        """A short name for folders and tables: fp16, int4-g64-asym, ..."""
+        if not self.quantized:
+            return {v: k for k, v in ALIASES.items()}[self.dtype]
+        return f"{self.dtype}-g{self.group_size}-{self.scheme}"
+
+    def meta(self) -> dict:
+        """What experts.json records."""
+        return {"dtype": self.dtype, "group_size": self.group_size, "scheme": self.scheme}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> ExpertFormat:
+        """The format an experts.json records; ValueError when it is not one."""
+        dtype = meta.get("dtype")
+        if dtype in FLOAT_DTYPES and not meta.get("group_size") and not meta.get("scheme"):
+            return cls(dtype)
+        if dtype in INT_BITS and isinstance(meta.get("group_size"), int) and meta["group_size"] >= 2 \
+                and meta["group_size"] % 2 == 0 and meta.get("scheme") in SCHEMES:
+            return cls(dtype, meta["group_size"], meta["scheme"])
+        raise ValueError(f"dtype {dtype!r}, group size {meta.get('group_size')!r}, scheme {meta.get('scheme')!r} "
+                         "is not a known expert format")
+
+
+@dataclass(frozen=True)
+class Segment:
+    part: int  # index into ExpertShape.parts
+    role: str  # "raw" | "codes" | "scales" | "mins"
+    offset: int  # bytes from the blob's start
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _groups(cols: int, g: int) -> int:
+    return -(-cols // g)
+
+
+def layout(parts: list[tuple[int, ...]], fmt: ExpertFormat) -> list[Segment]:
+    """The segments of one blob, in order."""
+    segs, offset = [], 0
+    if not fmt.quantized:
+        dtype = FLOAT_DTYPES[fmt.dtype]
+        for i, shape in enumerate(parts):
+            segs.append(Segment(i, "raw", offset, dtype, shape))
+            offset += segs[-1].nbytes
+        return segs
+    for i, shape in enumerate(parts):
+        if len(shape) == 1:  # biases: fp16
+            roles = [("raw", torch.float16, shape)]
+        else:
+            rows, n_groups = shape[0], _groups(shape[1], fmt.group_size)
+            code_cols = n_groups * fmt.group_size * fmt.bits // 8
+            roles = [("codes", torch.uint8, (rows, code_cols)), ("scales", torch.float16, (rows, n_groups))]
+            roles += [("mins", torch.float16, (rows, n_groups))] if fmt.scheme == "asym" else []
+        for role, dtype, seg_shape in roles:
+            offset = -(-offset // SEGMENT_ALIGN) * SEGMENT_ALIGN
+            segs.append(Segment(i, role, offset, dtype, seg_shape))
+            offset += segs[-1].nbytes
+    return segs
+
+
+def encoded_bytes(parts: list[tuple[int, ...]], fmt: ExpertFormat) -> int:
+    """Bytes of one expert in `fmt`, before the blob's alignment."""
+    last = layout(parts, fmt)[-1]
+    return last.offset + last.nbytes
+
+
+def _divisor(scale: torch.Tensor) -> torch.Tensor:
+    """The stored (fp16) scale as the divisor of its group, 1 for an all-zero group."""
+    s = scale.float()
+    return torch.where(s == 0, 1.0, s)[..., None]
+
+
+def quantize(w: torch.Tensor, fmt: ExpertFormat) -> dict[str, torch.Tensor]:
+    """w [rows, cols] float -> codes [rows, groups * G * bits / 8] uint8, scales [rows, groups]
+    fp16 (and mins [rows, groups] fp16 when asymmetric)."""
+    rows, cols = w.shape
+    g, levels = fmt.group_size, 2 ** fmt.bits - 1
+    n_groups = _groups(cols, g)
+    x = torch.nn.functional.pad(w.float(), (0, n_groups * g - cols)).view(rows, n_groups, g)
+    if fmt.scheme == "asym":
+        lo, hi = x.amin(-1), x.amax(-1)
+        scale = ((hi - lo) / levels).half()
+        lo = lo.half()
+        s = _divisor(scale)
+        q = ((x - lo.float()[..., None]) / s).round().clamp(0, levels)
+        out = {"scales": scale, "mins": lo}
+    else:
+        half = levels // 2  # codes -half..half, stored unsigned as 0..2 * half
+        scale = (x.abs().amax(-1) / half).half()
+        s = _divisor(scale)
+        q = (x / s).round().clamp(-half, half) + half
+        out = {"scales": scale}
+    q = q.to(torch.uint8).view(rows, n_groups * g)
+    if fmt.bits == 4:
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+    out["codes"] = q.contiguous()
+    return out
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, fmt: ExpertFormat,
+               cols: int) -> torch.Tensor:
+    """The inverse of `quantize`: float32 [rows, cols]. Vectorised torch ops (which release the
+    GIL), so worker threads dequantise in parallel."""
+    rows = codes.shape[0]
+    if fmt.bits == 4:
+        codes = torch.stack((codes & 0xF, codes >> 4), -1).view(rows, -1)
+    n_groups = scales.shape[1]
+    q = codes.view(rows, n_groups, fmt.group_size).float()
+    if mins is None:
+        q = q - (2 ** fmt.bits - 1) // 2
+        w = q * scales.float()[..., None]
+    else:
+        w = torch.addcmul(mins.float()[..., None], q, scales.float()[..., None])
+    return w.view(rows, -1)[:, :cols]
+
+
+def encode(tensors: list[torch.Tensor], parts: list[tuple[int, ...]], fmt: ExpertFormat, blob: int) -> bytes:
+    """One expert's parts (w13, w2, then the biases) as a blob of `blob` bytes in `fmt`."""
+    out = torch.zeros(blob, dtype=torch.uint8)
+    quantized = {}
+    for seg in layout(parts, fmt):
+        t = tensors[seg.part]
+        if seg.role == "raw":
+            src = t.to(seg.dtype if fmt.quantized else FLOAT_DTYPES[fmt.dtype]).contiguous()
+        else:
+            if seg.part not in quantized:
+                quantized[seg.part] = quantize(t, fmt)
+            src = quantized[seg.part][seg.role]
+        out[seg.offset:seg.offset + seg.nbytes] = src.flatten().view(torch.uint8)
+    return out.numpy().tobytes()
+
+
+def decode_into(buf: torch.Tensor, parts: list[tuple[int, ...]], fmt: ExpertFormat, dsts) -> None:
+    """Dequantise one blob (buf: uint8 [blob]) into the destination tensors, one per part
+    (fp32 or any float dtype; `None` entries are skipped)."""
+    views: dict[int, dict[str, torch.Tensor]] = {}
+    for seg in layout(parts, fmt):
+        views.setdefault(seg.part, {})[seg.role] = buf[seg.offset:seg.offset + seg.nbytes].view(seg.dtype) \
+            .view(seg.shape)
+    for i, (dst, shape) in enumerate(zip(dsts, parts)):
+        if dst is None:
+            continue
+        v = views[i]
+        if "raw" in v:
+            dst.copy_(v["raw"])
+        else:
+            dst.copy_(dequantize(v["codes"], v["scales"], v.get("mins"), fmt, shape[1]))
+
+
+def roundtrip(w: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:
+    """w as `fmt` stores it: the weights a store in that format serves (float32 for integer formats,
+    as a fetch dequantises them; w's dtype otherwise)."""
+    if not fmt.quantized:
+        return w.to(FLOAT_DTYPES[fmt.dtype]).to(w.dtype)
+    if w.dim() == 1:
+        return w.half().to(w.dtype)
+    q = quantize(w, fmt)
+    return dequantize(q["codes"], q["scales"], q.get("mins"), fmt, w.shape[1])
+
+
+def error_bound(w: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:
+    """Per element, the most a round trip through `fmt` may move w [rows, cols]: half a
+    quantization step of its group (plus fp16 rounding of the scale and minimum)."""
+    if not fmt.quantized or w.dim() == 1:
+        return w.abs() * 2 ** -8 + 1e-7  # fp16's / bf16's rounding, generously
+    rows, cols = w.shape
+    g, levels = fmt.group_size, 2 ** fmt.bits - 1
+    n_groups = _groups(cols, g)
+    x = torch.nn.functional.pad(w.float(), (0, n_groups * g - cols)).view(rows, n_groups, g)
+    span = x.amax(-1) - x.amin(-1) if fmt.scheme == "asym" else 2 * x.abs().amax(-1)
+    step = span / (levels if fmt.scheme == "asym" else levels - 1)
+    # fp16 scales and minimums: a relative 2^-11, or a 2^-24 spacing when subnormal, times up to `levels` codes
+    bound = 0.5 * step * 1.01 + x.abs().amax(-1) * 2 ** -10 + levels * 2 ** -23 + 1e-7
+    return bound[..., None].expand(rows, n_groups, g).reshape(rows, -1)[:, :cols]
+
+
+SMALL_FORMAT = ExpertFormat.parse("int4", 32)  # the low-precision copies `lowbit` policies fetch
