@@ -84,6 +84,7 @@ class MissPolicy:
         compiled `decide` seen from Python, for tests and exploration."""
         st, E = cache.state, cache.shape.num_experts
         sc = Scratch.make(len(route.experts), E)
+        sc.gate_row[:] = route.probs  # probabilities rank and weigh alike
         n_exec, n_fetch, n_admit, subst, mass = decide(
             self.params(), self.bind(cache.shape.num_layers, E), st, sc, route.layer,
             np.asarray(route.probs, np.float32), None, False, np.asarray(route.experts, np.int64),

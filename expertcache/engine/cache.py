@@ -13,7 +13,7 @@ from ..errors import CacheTooSmall, UnknownName
 from ..kernel import decisions as kernel
 from ..kernel.cache_state import LOGGING, N_LOG, CacheState
 from ..kernel.policy import Scratch
-from ..kernel.routing import route_logits
+from ..kernel.routing import Router, Routing, route_logits
 from ..policies import MissPolicy
 from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
@@ -76,10 +76,13 @@ class ExpertCache:
         so that no forward pass is timed with a compilation in it."""
         L, E, k = self.shape.num_layers, self.shape.num_experts, self.top_k
         route_logits(np.zeros((1, E), np.float32), k, True)
+        Router(k, True, "sigmoid").route(np.zeros((1, E), np.float32), 0)
         ids = np.arange(k, dtype=np.int64)[None]
-        kernel.decide_layer(self._new_state(), MissPolicy().params(), np.zeros((L, E)), self.scratch, 0,
-                            np.zeros((1, E), np.float32), ids, np.full((1, k), 1 / k, np.float32), 0,
-                            np.zeros((1, k), np.int64), np.zeros((1, k), np.int64), np.zeros((1, k), np.float32))
+        for logits in (True, False):
+            kernel.decide_layer(self._new_state(), MissPolicy().params(), np.zeros((L, E)), self.scratch, 0,
+                                np.zeros((1, E), np.float32), np.zeros((1, E), np.float32), logits, ids,
+                                np.full((1, k), 1 / k, np.float32), 0, np.zeros((1, k), np.int64),
+                                np.zeros((1, k), np.int64), np.zeros((1, k), np.float32))
 
     def _new_state(self) -> CacheState:
         st = CacheState.make(self.shape.num_layers, self.shape.num_experts, self.per_layer, self.cfg.quota,
@@ -101,15 +104,17 @@ class ExpertCache:
                              "give the cache more slots")
 
     # -- deciding ------------------------------------------------------------------------
-    def decide(self, policy, layer: int, logits: np.ndarray, weights: np.ndarray, ids: np.ndarray,
-               token_base: int, slots: np.ndarray, experts: np.ndarray, gates: np.ndarray) -> int:
+    def decide(self, policy, layer: int, routing: Routing, token_base: int, slots: np.ndarray, experts: np.ndarray,
+               gates: np.ndarray) -> int:
         """Decide one layer's tokens (the compiled loop) and log the actions to carry out;
         returns the first token whose expert work is still owed."""
-        T, k = ids.shape
+        T, k = routing.ids.shape
         self.state = self.state.with_log(kernel.log_capacity(T, k, self.shape.num_experts))
         L, E = self.shape.num_layers, self.shape.num_experts
-        owed_from = kernel.decide_layer(self.state, policy.params(), policy.bind(L, E), self.scratch,
-                                        layer, logits, ids, weights, token_base, slots, experts, gates)
+        logits = routing.scores is routing.rows  # softmax: one row ranks and weighs
+        owed_from = kernel.decide_layer(self.state, policy.params(), policy.bind(L, E), self.scratch, layer,
+                                        routing.rows, routing.scores, logits, routing.ids, routing.weights,
+                                        token_base, slots, experts, gates)
         if owed_from < 0:
             raise self.too_small(layer)
         return owed_from

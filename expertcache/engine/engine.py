@@ -20,7 +20,7 @@ from .predictors import make_predictor
 from .stats import RunStats
 from .stores import open_store
 from .transformer import Transformer
-from .weights import dense_weights
+from .weights import dense_weights, router_of
 
 BUILTIN_MODEL = Path(__file__).parents[1] / "data" / "model"
 
@@ -57,15 +57,15 @@ class Engine:
         self.policy = policy or make_policy(config.policy)
         ckpt = open_checkpoint(self.path)
         self.args = model_args(ckpt.config)
-        self.routing_counts = load_routing_counts(self.path, (self.args.num_layers, self.args.num_experts))
+        self.routing_counts = load_routing_counts(self.path, (self.args.num_moe_layers, self.args.num_experts))
         self.checkpoint = ckpt
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype)
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
         self.cache = ExpertCache(cache_cfg, self.store, self.args.top_k, self.device, dtype)
         self.stats = RunStats()
-        self.runner = MoELayerRunner(self.args, self.cache, self.policy, self.stats)
-        self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype), self.runner, self.device,
-                                 config.max_seq)
+        dense = dense_weights(ckpt, self.args, dtype)
+        self.runner = MoELayerRunner(self.args, router_of(self.args, dense), self.cache, self.policy, self.stats)
+        self.model = Transformer(self.args, dense, self.runner, self.device, config.max_seq)
         if config.prefetch is not None:
             self.set_prefetch(config.prefetch)
         self.tokenizer = None
@@ -132,7 +132,7 @@ class Engine:
 
     def budget(self) -> dict:
         """Bytes of the fast tier: non-expert weights, the expert cache, the KV cache."""
-        kv = self.model.k_cache.nbytes + self.model.v_cache.nbytes
+        kv = self.model.kv_bytes
         return {"dense_bytes": self.model.dense_bytes, "cache_bytes": self.cache.bytes, "kv_bytes": kv,
                 "slots_per_layer": self.cache.per_layer, "expert_bytes_slow": self.store.expert_bytes,
                 "expert_bytes_fast": self.cache.expert_bytes}

@@ -39,7 +39,7 @@ class Predictor:
         raise NotImplementedError
 
     def _router(self, layer: int) -> torch.Tensor:
-        return self.model.layers[layer + 1]["router"]
+        return self.model.moe_layers[layer + 1]["router"]
 
 
 class RouterAhead(Predictor):
@@ -59,7 +59,7 @@ class QuasiHidden(Predictor):
     def __init__(self, model: Transformer, default_vectors: torch.Tensor):
         super().__init__(model)
         a = model.args
-        if tuple(default_vectors.shape) != (a.num_layers, a.num_experts, a.hidden_size):
+        if tuple(default_vectors.shape) != (a.num_moe_layers, a.num_experts, a.hidden_size):
             raise CheckpointError(f"default vectors of shape {tuple(default_vectors.shape)} do not fit the model; "
                                   "rerun `expertcache calibrate`")
         self.default_vectors = default_vectors.to(model.device, model.embed.dtype)
@@ -71,7 +71,7 @@ class QuasiHidden(Predictor):
             f"{tuple(weights.shape)}"
         d = (self.default_vectors[layer][ids] * weights.unsqueeze(-1).to(resid.dtype)).sum(1)
         a = self.model.args
-        return F.rms_norm(resid + d, (a.hidden_size,), self.model.layers[layer + 1]["moe_norm"], a.rms_norm_eps)
+        return F.rms_norm(resid + d, (a.hidden_size,), self.model.moe_layers[layer + 1]["moe_norm"], a.rms_norm_eps)
 
     def logits(self, layer, resid, x, ids, weights):
         """Router_{l+1}(q_l) [T, E]."""

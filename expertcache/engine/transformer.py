@@ -1,5 +1,6 @@
 """The decoder: embeddings, attention with a static KV cache, and MoE layers whose experts
-come from the expert cache. One sequence at a time (generation, or a teacher-forced window)."""
+come from the expert cache (the first `first_dense_layers` layers run a dense SwiGLU MLP).
+One sequence at a time (generation, or a teacher-forced window)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,16 +9,19 @@ import torch
 import torch.nn.functional as F
 
 from ..models.args import ModelArgs
+from .mla import LatentAttention, rope_tables
+from .weights import router_of
 
-# (layer, normed MoE input [T, H], router [E, H]) -> routed experts' output [T, H]
+# (MoE layer, normed MoE input [T, H], router [E, H]) -> routed experts' output [T, H]
 MoEFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
-# (layer, residual stream after attention [T, H]) -> None: lets a predictor request layer+1's experts
+# (MoE layer, residual stream after attention [T, H]) -> None: lets a predictor request layer+1's experts
 PrefetchHook = Callable[[int, torch.Tensor], None]
 
 
 class Transformer:
     """The decoder over dense weights in our names; `moe(layer, x, router)` supplies each MoE layer's
-    routed output, `prefetch(layer, h)` (if set) sees the residual after each attention."""
+    routed output, `prefetch(layer, h)` (if set) sees the residual after each attention; `layer`
+    counts MoE layers (decoder layer - first_dense_layers)."""
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], moe: MoEFn,
                  device: torch.device, max_seq: int = 2048):
         self.args, self.moe, self.device, self.max_seq = args, moe, device, max_seq
@@ -29,24 +33,31 @@ class Transformer:
         for i in range(a.num_layers):
             p = f"layers.{i}."
             L = {k[len(p):]: v for k, v in w.items() if k.startswith(p)}
-            L["wqkv"] = torch.cat([L.pop("wq"), L.pop("wk"), L.pop("wv")])  # one matmul for q, k, v
-            if a.attention_bias:
-                L["bqkv"] = torch.cat([L.pop("bq"), L.pop("bk"), L.pop("bv")])
-            if a.shared_expert_dim:
-                L["shared_w13"] = torch.cat([L.pop("shared_w1"), L.pop("shared_w3")])
+            if a.attention == "gqa":
+                L["wqkv"] = torch.cat([L.pop("wq"), L.pop("wk"), L.pop("wv")])  # one matmul for q, k, v
+                if a.attention_bias:
+                    L["bqkv"] = torch.cat([L.pop("bq"), L.pop("bk"), L.pop("bv")])
+            for mlp in ("shared", "dense"):
+                if mlp + "_w1" in L:
+                    L[mlp + "_w13"] = torch.cat([L.pop(mlp + "_w1"), L.pop(mlp + "_w3")])
             self.layers.append(L)
-        inv = 1.0 / a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float32) / a.head_dim)
-        freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
+        self.moe_layers = self.layers[a.first_dense_layers:]  # indexed as the cache and the kernel do
+        self.router = router_of(a, weights)
         dtype = self.embed.dtype
-        half = a.head_dim // 2
-        # rotate_half(x) * sin == cat(x2, x1) * sin_signed, one op fewer per call
-        sin_signed = torch.cat([-emb.sin()[:, :half], emb.sin()[:, half:]], dim=-1)
-        self.cos, self.sin = emb.cos().to(device, dtype), sin_signed.to(device, dtype)
-        shape = (a.num_layers, a.num_kv_heads, max_seq, a.head_dim)
-        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
-        self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.latent = LatentAttention(a, max_seq, device, dtype) if a.attention == "mla" else None
+        if self.latent is None:
+            self.cos, self.sin = rope_tables(a.rope_theta, a.rotary_dim or a.head_dim, max_seq, device, dtype)
+            shape = (a.num_layers, a.num_kv_heads, max_seq, a.head_dim)
+            self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
+            self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.prefetch: PrefetchHook | None = None
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the attention cache."""
+        if self.latent is not None:
+            return self.latent.nbytes
+        return self.k_cache.nbytes + self.v_cache.nbytes
 
     @property
     def dense_bytes(self) -> int:
@@ -59,11 +70,15 @@ class Transformer:
         return total
 
     def _rope(self, x, pos: int):  # x [heads, T, D]
-        T = x.shape[1]
+        T, R = x.shape[1], self.cos.shape[1]
+        if R < x.shape[-1]:  # partial RoPE: the rest of each head passes through
+            return torch.cat([self._rope(x[..., :R], pos), x[..., R:]], dim=-1)
         x1, x2 = x.chunk(2, dim=-1)
         return x * self.cos[pos:pos + T] + torch.cat((x2, x1), dim=-1) * self.sin[pos:pos + T]
 
     def _attention(self, i: int, L: dict, x: torch.Tensor, pos: int) -> torch.Tensor:
+        if self.latent is not None:
+            return self.latent(i, L, x, pos)
         a = self.args
         T = x.shape[0]
         qkv = F.linear(x, L["wqkv"], L.get("bqkv"))
@@ -91,9 +106,14 @@ class Transformer:
                                            attn_mask=mask, enable_gqa=True)
         return o[0].transpose(0, 1).reshape(T, nq) @ L["wo"].t()
 
+    def _mlp(self, L: dict, x: torch.Tensor, name: str) -> torch.Tensor:
+        """A SwiGLU MLP of the layer's `name`_w13, `name`_w2 (the shared expert, or a dense layer's MLP)."""
+        g, u = (x @ L[name + "_w13"].t()).chunk(2, dim=-1)
+        return (F.silu(g) * u) @ L[name + "_w2"].t()
+
     def _shared_expert(self, L: dict, x: torch.Tensor) -> torch.Tensor:
-        g, u = (x @ L["shared_w13"].t()).chunk(2, dim=-1)
-        return torch.sigmoid(x @ L["shared_gate"].t()) * ((F.silu(g) * u) @ L["shared_w2"].t())
+        y = self._mlp(L, x, "shared")
+        return torch.sigmoid(x @ L["shared_gate"].t()) * y if self.args.shared_expert_gate else y
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
@@ -106,10 +126,13 @@ class Transformer:
         h = self.embed[ids]
         for i, L in enumerate(self.layers):
             h = h + self._attention(i, L, F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps), pos)
-            if self.prefetch is not None:
-                self.prefetch(i, h)
             x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
-            y = self.moe(i, x, L["router"])
+            if i < a.first_dense_layers:
+                h = h + self._mlp(L, x, "dense")
+                continue
+            if self.prefetch is not None:
+                self.prefetch(i - a.first_dense_layers, h)
+            y = self.moe(i - a.first_dense_layers, x, L["router"])
             if a.shared_expert_dim:
                 y = y + self._shared_expert(L, x)
             h = h + y

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError
 from ..models import family_of
+from ..kernel.routing import Router
 from ..models.args import ModelArgs
 from .checkpoint import Checkpoint
 
@@ -28,8 +30,10 @@ def dense_weights(ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32) -> dic
 
 
 def _check_shapes(w: dict[str, torch.Tensor], a: ModelArgs) -> None:
-    expect = {"embed": (a.vocab_size, a.hidden_size), "layers.0.router": (a.num_experts, a.hidden_size),
-              "layers.0.wq": (a.num_heads * a.head_dim, a.hidden_size)}
+    first = a.first_dense_layers
+    expect = {"embed": (a.vocab_size, a.hidden_size), f"layers.{first}.router": (a.num_experts, a.hidden_size)}
+    if a.attention == "gqa":
+        expect["layers.0.wq"] = (a.num_heads * a.head_dim, a.hidden_size)
     for name, shape in expect.items():
         if tuple(w[name].shape) != shape:
             raise CheckpointError(f"tensor {name} has shape {tuple(w[name].shape)}, config.json implies {shape}; "
@@ -37,8 +41,8 @@ def _check_shapes(w: dict[str, torch.Tensor], a: ModelArgs) -> None:
 
 
 def layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's experts stacked: w13 [E, 2F, H] (gate rows then up rows), w2 [E, H, F]."""
-    names = family_of(ckpt.config).layer_names(layer, args)["experts"]
+    """MoE layer `layer`'s experts stacked: w13 [E, 2F, H] (gate rows then up rows), w2 [E, H, F]."""
+    names = family_of(ckpt.config).layer_names(args.moe_layers[layer], args)["experts"]
     fused = names["w1"][0].rsplit(".experts.", 1)[0] + ".experts."
     if fused + "gate_up_proj" in ckpt.files:  # checkpoints that store experts fused
         t = ckpt.tensors([fused + "gate_up_proj", fused + "down_proj"])
@@ -56,5 +60,15 @@ def layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int) -> tuple[torch.
 
 def all_layer_experts(ckpt: Checkpoint, args: ModelArgs) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's stacked experts in order: w13 [E, 2F, H], w2 [E, H, F]."""
-    for layer in range(args.num_layers):
+    for layer in range(args.num_moe_layers):
         yield layer_experts(ckpt, args, layer)
+
+
+def router_of(args: ModelArgs, weights: dict[str, torch.Tensor]) -> Router:
+    """The model's Router; a sigmoid router's selection bias [L, E] from the MoE layers' dense
+    weights ('layers.{i}.router_bias' in our names)."""
+    bias = None
+    if args.router_bias:
+        bias = np.stack([weights[f"layers.{i}.router_bias"].float().cpu().numpy() for i in args.moe_layers])
+    return Router(args.top_k, args.norm_topk_prob, args.router, args.n_group, args.topk_group,
+                  args.routed_scaling_factor, bias)

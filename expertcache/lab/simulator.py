@@ -23,7 +23,7 @@ from ..engine.stores import ExpertShape
 from ..kernel.cache_state import LOGGING
 from ..kernel.policy import Scratch
 from ..kernel.replay import replay_windows, route_all
-from ..kernel.routing import HALF_TO_FLOAT
+from ..kernel.routing import HALF_TO_FLOAT, Router
 from ..policies import make_policy
 from .trace import Trace
 
@@ -70,9 +70,12 @@ def route_trace(trace: Trace, ranks: int = 32) -> Routes:
     R = min(E, max(ranks, k))
     ranked = np.empty((L, N, R), np.int16 if E < 2**15 else np.int32)
     weights = np.empty((L, N, k), np.float32)
+    router = Router.from_header(h)
     start = time.perf_counter()
-    route_all(logits, table, bool(h["norm_topk_prob"]), ranked, weights, np.empty(R), np.empty(E, np.int64),
-               np.empty(E // 16 + 1, np.int64))
+    route_all(logits, table, router.norm_topk, ranked, weights, np.empty(R), np.empty(E, np.int64),
+              np.empty(E // 16 + 1, np.int64), router.sigmoid, router.bias_table(L, E), router.n_group,
+              router.topk_group, np.empty(E, np.float32), np.empty(E, np.float32),
+              np.empty(router.n_group, np.float32))
     return Routes(ranked, weights, time.perf_counter() - start)
 
 
@@ -96,10 +99,13 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     st.misc[LOGGING] = 0  # nothing carries actions out
     routes = routes or route_trace(trace)
     logits, table = logit_rows(trace)
+    router = Router.from_header(h)
     start = time.perf_counter()
     failed = replay_windows(st, pol.params(), pol.bind(L, E), Scratch.make(k, E), logits, table, routes.ranked,
-                     routes.weights, int(window or h["context"]), np.empty(k, np.int64), np.empty(k, np.int64),
-                     np.empty(k, np.float32))
+                            routes.weights, int(window or h["context"]), np.empty(k, np.int64),
+                            np.empty(k, np.int64), np.empty(k, np.float32), router.sigmoid, router.bias_table(L, E),
+                            router.n_group, router.topk_group, np.empty(E, np.float32),
+                            np.empty(router.n_group, np.float32))
     seconds = time.perf_counter() - start
     if failed >= 0:
         raise vc.too_small(failed)

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from ..errors import CheckpointError, UnsupportedArchitecture
-from . import mixtral, olmoe, qwen2_moe, qwen3_moe
+from . import deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
 from .args import ModelArgs
 
-FAMILIES = {"qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe, "mixtral": mixtral}
+FAMILIES = {"qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe, "mixtral": mixtral,
+            "glm4_moe": glm4_moe, "deepseek_v3": deepseek_v3}
 
 
 def family_of(config: dict):

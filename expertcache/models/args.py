@@ -24,8 +24,38 @@ class ModelArgs:
     attention_bias: bool = False
     qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3); "full": over all heads (OLMoE)
     clip_qkv: float | None = None
-    shared_expert_dim: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
+    shared_expert_dim: int = 0  # an always-on expert (Qwen2-MoE, GLM-4.5, DeepSeek-V3)
+    shared_expert_gate: bool = True  # Qwen2-MoE gates the shared expert with a sigmoid; GLM/DeepSeek do not
     max_position_embeddings: int = 4096
+    # the router (see kernel/routing.py)
+    router: str = "softmax"  # softmax | sigmoid
+    router_bias: bool = False  # sigmoid: a per-expert selection bias (e_score_correction_bias)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # dense layers: the first `first_dense_layers` decoder layers run a SwiGLU MLP of `dense_dim`
+    first_dense_layers: int = 0
+    dense_dim: int = 0
+    # attention variants
+    rotary_dim: int | None = None  # partial RoPE (GLM): only the first rotary_dim of each head rotate
+    attention: str = "gqa"  # gqa | mla (multi-head latent attention, DeepSeek-V3)
+    q_lora_rank: int | None = None  # mla: None projects q directly
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    softmax_scale: float | None = None  # None: head_dim ** -0.5
+    rope_interleave: bool = False  # rotate pairs (x0, x1), (x2, x3), ... (DeepSeek-V3)
+
+    @property
+    def moe_layers(self) -> range:
+        """Decoder layers with routed experts; the cache, kernel and routing counts index these 0.. in order."""
+        return range(self.first_dense_layers, self.num_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        """How many decoder layers route to experts."""
+        return self.num_layers - self.first_dense_layers
 
     @property
     def expert_params(self) -> int:
