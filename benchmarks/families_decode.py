@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+sys.path[:0] = [str(Path(__file__).parents[1]), str(Path(__file__).parents[1] / "tests")]
 from hf_models import save_tiny  # noqa: E402
 
 from expertcache.engine.cache import CacheConfig  # noqa: E402
@@ -39,11 +39,10 @@ def engine_ms(path: Path, ids: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def hf_ms(model, ids: torch.Tensor) -> float:
-    out = model(ids[None, :PROMPT], use_cache=True)
-    cache = out.past_key_values
+    cache = model(ids[None, :PROMPT], use_cache=True).past_key_values
     start = time.perf_counter()
     for pos in range(PROMPT, PROMPT + NEW):
-        cache = model(ids[None, pos:pos + 1], past_key_values=cache, use_cache=True).past_key_values
+        cache = model(ids[None, pos:pos + 1], cache=cache, use_cache=True).past_key_values
     return 1000 * (time.perf_counter() - start) / NEW
 
 

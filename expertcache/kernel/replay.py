@@ -10,19 +10,24 @@ from .routing import route_row, route_row_sigmoid, select_row
 
 
 @compiled
-def route_all(logits, table, norm, ranked, weights, vals, comp, block_max, sigmoid, bias, n_group, topk_group, sel,
-              scores, group_score):
-    """Route every row of logits [N, L, E] into ranked [L, N, R] and weights [L, N, k]; with
-    `sigmoid`, as the sigmoid router (bias [L, E], groups; sel, scores [E] and group_score
-    [n_group]: working arrays)."""
+def route_all(logits, table, norm, ranked, weights, vals, comp, block_max):
+    """Route every row of logits [N, L, E] into ranked [L, N, R] and weights [L, N, k]."""
     N, L, E = logits.shape
     for n in range(N):
         for layer in range(L):
-            if sigmoid:
-                route_row_sigmoid(logits[n, layer], table, bias[layer], n_group, topk_group, norm, ranked[layer, n],
-                                  vals, weights[layer, n], sel, scores, group_score, comp, block_max)
-            else:
-                route_row(logits[n, layer], table, norm, ranked[layer, n], vals, weights[layer, n], comp, block_max)
+            route_row(logits[n, layer], table, norm, ranked[layer, n], vals, weights[layer, n], comp, block_max)
+
+
+@compiled
+def route_all_sigmoid(logits, table, norm, ranked, weights, vals, comp, block_max, bias, n_group, topk_group, sel,
+                      scores, group_score):
+    """route_all for the sigmoid router: bias [L, E], groups; sel, scores [E] and group_score
+    [n_group]: working arrays."""
+    N, L, E = logits.shape
+    for n in range(N):
+        for layer in range(L):
+            route_row_sigmoid(logits[n, layer], table, bias[layer], n_group, topk_group, norm, ranked[layer, n],
+                              vals, weights[layer, n], sel, scores, group_score, comp, block_max)
 
 
 @compiled

@@ -22,7 +22,7 @@ from ..engine.stats import RunStats
 from ..engine.stores import ExpertShape
 from ..kernel.cache_state import LOGGING
 from ..kernel.policy import Scratch
-from ..kernel.replay import replay_windows, route_all
+from ..kernel.replay import replay_windows, route_all, route_all_sigmoid
 from ..kernel.routing import HALF_TO_FLOAT, Router
 from ..policies import make_policy
 from .trace import Trace
@@ -72,10 +72,13 @@ def route_trace(trace: Trace, ranks: int = 32) -> Routes:
     weights = np.empty((L, N, k), np.float32)
     router = Router.from_header(h)
     start = time.perf_counter()
-    route_all(logits, table, router.norm_topk, ranked, weights, np.empty(R), np.empty(E, np.int64),
-              np.empty(E // 16 + 1, np.int64), router.sigmoid, router.bias_table(L, E), router.n_group,
-              router.topk_group, np.empty(E, np.float32), np.empty(E, np.float32),
-              np.empty(router.n_group, np.float32))
+    work = (np.empty(R), np.empty(E, np.int64), np.empty(E // 16 + 1, np.int64))
+    if router.sigmoid:
+        route_all_sigmoid(logits, table, router.norm_topk, ranked, weights, *work, router.bias_table(L, E),
+                          router.n_group, router.topk_group, np.empty(E, np.float32), np.empty(E, np.float32),
+                          np.empty(router.n_group, np.float32))
+    else:
+        route_all(logits, table, router.norm_topk, ranked, weights, *work)
     return Routes(ranked, weights, time.perf_counter() - start)
 
 
