@@ -24,5 +24,5 @@ def run(a) -> int:
     args = model_args(ckpt.config)
     out = convert_to_disk(ckpt, args, a.out or default_store_dir(ckpt))
     size = (out / "experts.bin").stat().st_size
-    print(f"wrote {args.num_layers} x {args.num_experts} experts, {size / 2**20:.1f} MiB, to {out}")
+    print(f"wrote {args.num_moe_layers} x {args.num_experts} experts, {size / 2**20:.1f} MiB, to {out}")
     return 0

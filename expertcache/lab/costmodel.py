@@ -165,7 +165,7 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
                 pass
         elapsed = time.perf_counter() - t
         calls, *counts = (getattr(s, f) - b for f, b in zip(fields, before))
-        tokens = calls / eng.args.num_layers
+        tokens = calls / eng.args.num_moe_layers
         return elapsed / tokens, np.array([1.0, *counts]) / np.array([1.0] + [tokens] * len(counts))
 
     samples = [[] for _ in engines]
@@ -182,7 +182,7 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
     read_s = []
     for _ in range(reads):
         start = time.perf_counter()
-        st.read_into(int(rng.integers(a.num_layers)), int(rng.integers(a.num_experts)), w13, w2)
+        st.read_into(int(rng.integers(a.num_moe_layers)), int(rng.integers(a.num_experts)), w13, w2)
         read_s.append(time.perf_counter() - start)
     for eng in engines:
         eng.close()
@@ -197,7 +197,7 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
     return HardwareProfile(f"this-machine-{store}-{mode}", fetch_latency_s=cost["fetch_waits"],
                            fetch_bandwidth=st.expert_bytes / transfer if transfer else float("inf"),
                            expert_run_s=cost.get("expert_runs", 0.0), dense_s=cost["dense"], overlap=True,
-                           expert_bytes=st.expert_bytes, layers=a.num_layers, top_k=a.top_k,
+                           expert_bytes=st.expert_bytes, layers=a.num_moe_layers, top_k=a.top_k,
                            source=f"measured by calibrate-hw ({store} store, {mode}); one O_DIRECT read alone: "
                                   f"{1e6 * statistics.median(read_s):.0f} us",
                            admission_s=cost["background_fetches"], decision_s=cost["substituted_calls"],
