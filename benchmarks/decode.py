@@ -116,7 +116,7 @@ def fetch_latency(a) -> dict:
     w13, w2 = torch.empty(store.shape.w13), torch.empty(store.shape.w2)
     us = []
     for i in range(600):
-        layer, e = int(rng.integers(args.num_layers)), int(rng.integers(args.num_experts))
+        layer, e = int(rng.integers(args.num_moe_layers)), int(rng.integers(args.num_experts))
         t = time.perf_counter()
         store.read_into(layer, e, w13, w2)
         if i >= 100:

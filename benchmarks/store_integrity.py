@@ -64,7 +64,7 @@ def main() -> None:
         times = {name: [] for name in VARIANTS}
         for r in range(a.rounds + 1):  # round 0 warms up
             n = a.reads * len(stores)
-            pairs = np.stack([rng.integers(0, args.num_layers, n), rng.integers(0, args.num_experts, n)], 1)
+            pairs = np.stack([rng.integers(0, args.num_moe_layers, n), rng.integers(0, args.num_experts, n)], 1)
             for name, t in fetch_times(stores, pairs).items():
                 if r:
                     times[name] += t

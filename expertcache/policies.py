@@ -127,6 +127,7 @@ class MissPolicy:
         st, E = cache.state, cache.shape.num_experts
         self.check(len(route.experts), E)
         sc = Scratch.make(len(route.experts), E)
+        sc.gate_row[:] = route.probs  # probabilities rank and weigh alike
         n_exec, n_fetch, n_admit, subst, mass = decide(
             self.params(), self.bind(cache.shape.num_layers, E), st, sc, route.layer,
             np.asarray(route.probs, np.float32), None, False, np.asarray(route.experts, np.int64),

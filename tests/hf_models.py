@@ -10,7 +10,20 @@ COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_
 
 
 def hf_config(family: str, **over):
-    from transformers import GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig, Qwen3NextConfig
+    from transformers import (
+        DeepseekV3Config,
+        Glm4MoeConfig,
+        GptOssConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+        Qwen3NextConfig,
+    )
+    # GLM-4.5 / DeepSeek-V3 shapes in small: 16 experts in 4 groups, 2 groups allowed, top-4, one dense layer
+    grouped = dict(num_hidden_layers=3, moe_intermediate_size=16, intermediate_size=48, n_routed_experts=16,
+                   num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=1,
+                   routed_scaling_factor=2.5, norm_topk_prob=True)
     if family == "qwen3_moe":
         c = Qwen3MoeConfig(**COMMON, moe_intermediate_size=16, intermediate_size=48, num_experts=8,
                            num_experts_per_tok=2, head_dim=8, norm_topk_prob=True)
@@ -31,6 +44,12 @@ def hf_config(family: str, **over):
                             shared_expert_intermediate_size=24, num_experts=8, num_experts_per_tok=2, head_dim=8,
                             linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
                             linear_num_value_heads=4, linear_conv_kernel_dim=4)
+    elif family == "glm4_moe":
+        c = Glm4MoeConfig(**{**COMMON, **grouped}, use_qk_norm=True, attention_bias=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    elif family == "deepseek_v3":
+        c = DeepseekV3Config(**{**COMMON, **grouped, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=16,
+                             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, head_dim=4)
     else:
         raise ValueError(family)
     for k, v in over.items():
@@ -39,6 +58,7 @@ def hf_config(family: str, **over):
 
 
 ROUTER_SCALE = 8.0
+SIGMOID_ROUTER_SCALE = 10.0
 
 
 def is_router(name: str) -> bool:
@@ -55,12 +75,16 @@ def save_tiny(family: str, path: Path, seed: int = 0, **over):
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(0.1 * torch.randn_like(p))
-            if is_router(name):  # a flat router would hide mistakes in routing: make it decisive
-                p.mul_(ROUTER_SCALE)
+            if is_router(name):  # a flat router would hide mistakes in routing; sigmoid scores far from 0.5
+                p.mul_(SIGMOID_ROUTER_SCALE if family in SIGMOID_ROUTED else ROUTER_SCALE)
             if name.endswith("sinks"):
                 p.copy_(torch.randn_like(p))
+        for name, b in model.named_buffers():  # a selection bias that changes which experts are chosen
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
     model.save_pretrained(path)
     return model
 
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "qwen3_next"]
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")
+FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "qwen3_next", "glm4_moe", "deepseek_v3"]

@@ -11,9 +11,10 @@ TOL = dict(atol=1e-4, rtol=0)
 
 
 def hf_moe_outputs(hf, ids) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """HF's logits [T, V] and each layer's routed-expert output [T, H] (before any shared expert)."""
+    """HF's logits [T, V] and each MoE layer's routed-expert output [T, H] (before any shared expert;
+    dense layers have no experts)."""
     outs, hooks = [], [layer.mlp.experts.register_forward_hook(lambda m, i, o: outs.append(o))
-                       for layer in hf.model.layers]
+                       for layer in hf.model.layers if hasattr(layer.mlp, "experts")]
     try:
         with torch.no_grad():
             logits = hf(ids[None]).logits[0]

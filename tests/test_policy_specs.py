@@ -140,12 +140,15 @@ def virtual_cache(L=2, E=8, k=2):
 
 def test_decide_and_prefetch_check_their_arrays():
     import numpy as np
+
+    from expertcache.kernel.routing import Routing
     cache, policy = virtual_cache(), make_policy("conditional:j=2,m=4")
     T, E, k = 3, 8, 2
 
     def decide(layer=0, logits=(T, E), ids=None, weights=(T, k), out=(T, k), dtype=np.float32, pol=policy):
         ids = np.tile(np.arange(k), (T, 1)) if ids is None else np.asarray(ids, np.int64)
-        return cache.decide(pol, layer, np.zeros(logits, dtype), np.full(weights, 0.5, np.float32), ids, 0,
+        rows = np.zeros(logits, dtype)  # a softmax routing: the logits rank and weigh
+        return cache.decide(pol, layer, Routing(rows, rows, np.full(weights, 0.5, np.float32), ids), 0,
                             np.zeros(out, np.int64), np.zeros(out, np.int64), np.zeros(out, np.float32))
 
     assert decide() == 0  # the plan of every token is left to the caller

@@ -27,7 +27,7 @@ def run(a) -> int:
     fmt = format_from_args(a, a.dtype)
     out = convert_to_disk(ckpt, args, a.out or format_store_dir(ckpt, fmt), fmt=fmt)
     size = (out / "experts.bin").stat().st_size
-    per = size // (args.num_layers * args.num_experts)
-    print(f"wrote {args.num_layers} x {args.num_experts} experts ({fmt.tag if fmt else 'checkpoint dtype'}, "
+    per = size // (args.num_moe_layers * args.num_experts)
+    print(f"wrote {args.num_moe_layers} x {args.num_experts} experts ({fmt.tag if fmt else 'checkpoint dtype'}, "
           f"{per} bytes each), {size / 2**20:.1f} MiB, to {out}")
     return 0

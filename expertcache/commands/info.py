@@ -98,7 +98,7 @@ def run(a) -> int:
     ckpt = open_checkpoint(a.model or BUILTIN_MODEL)
     m = model_args(ckpt.config)
     expert = m.expert_params * a.dtype_bytes
-    total = expert * m.num_experts * m.num_layers
+    total = expert * m.num_experts * m.num_moe_layers
     info = {"path": str(ckpt.path), **m.to_dict(), "expert_params": m.expert_params,
             "expert_bytes": expert, "all_experts_bytes": total, "checkpoint_bytes": ckpt.weight_bytes}
     print(f"{m.family} at {ckpt.path}")
@@ -107,7 +107,7 @@ def run(a) -> int:
     print(f"  one expert: {m.expert_params:,} weights = {expert / 2**10:.1f} KiB at {a.dtype_bytes} B/weight; "
           f"all experts: {total / 2**20:.1f} MiB")
     if a.budget is not None:
-        per_layer = int(a.budget * 2**20 // expert // m.num_layers)
+        per_layer = int(a.budget * 2**20 // expert // m.num_moe_layers)
         info["budget_slots_per_layer"] = per_layer
         fits = "enough" if per_layer >= m.top_k else f"too few (top-k is {m.top_k})"
         print(f"  {a.budget:g} MiB holds {per_layer} experts per layer "

@@ -1,5 +1,6 @@
 """Attention variants beyond plain causal GQA with full RoPE: RoPE frequencies (default, YaRN,
-partial rotary), sliding-window masks, and softmax with per-head sinks (GPT-OSS)."""
+partial rotary) and their tables, which every attention kind shares (GQA, latent attention),
+sliding-window masks, and softmax with per-head sinks (GPT-OSS)."""
 from __future__ import annotations
 
 import math
@@ -10,10 +11,10 @@ from ..errors import UnsupportedArchitecture
 from ..models.args import ModelArgs
 
 
-def rope_frequencies(a: ModelArgs) -> tuple[torch.Tensor, float]:
+def rope_frequencies(a: ModelArgs, dim: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [rot / 2], attention scaling of cos and sin) for the rotated part of each head,
-    rot = head_dim * partial_rotary_factor; YaRN as in HF's _compute_yarn_parameters."""
-    dim = int(a.head_dim * a.partial_rotary_factor)
+    rot = `dim`, by default head_dim * partial_rotary_factor; YaRN as in HF's _compute_yarn_parameters."""
+    dim = dim or int(a.head_dim * a.partial_rotary_factor)
     pos_freqs = a.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     s = a.rope_scaling or {}
     kind = s.get("rope_type", s.get("type", "default"))
@@ -47,6 +48,27 @@ def rope_frequencies(a: ModelArgs) -> tuple[torch.Tensor, float]:
     extrapolation = 1 - ramp  # 1: keep the original frequency; 0: interpolate by `factor`
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, float(attention_factor)
+
+
+def rope_tables(inv_freq: torch.Tensor, scale: float, max_seq: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_seq, rot] for rotate-half RoPE at frequencies inv_freq [rot / 2], both times
+    `scale`; the sin signed so that rotate_half(x) * sin == cat(x2, x1) * sin_signed (one op fewer per call)."""
+    freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    half = inv_freq.numel()
+    sin_signed = torch.cat([-emb.sin()[:, :half], emb.sin()[:, half:]], dim=-1)
+    return (emb.cos() * scale).to(device, dtype), (sin_signed * scale).to(device, dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: int) -> torch.Tensor:
+    """x [heads, T, D] at positions pos.. rotated by the tables of `rope_tables` over its first rot
+    channels; a partial rotary (rot < D) leaves the last D - rot channels as they are."""
+    T, rot = x.shape[1], cos.shape[1]
+    xr = x[..., :rot]
+    x1, x2 = xr.chunk(2, dim=-1)
+    out = xr * cos[pos:pos + T] + torch.cat((x2, x1), dim=-1) * sin[pos:pos + T]
+    return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
 
 
 def attention_mask(T: int, pos: int, window: int | None, device: torch.device) -> torch.Tensor | None:

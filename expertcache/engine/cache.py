@@ -14,7 +14,7 @@ from ..errors import BadInput, CacheTooSmall, UnknownName
 from ..kernel import decisions as kernel
 from ..kernel.cache_state import LOGGING, N_LOG, CacheState
 from ..kernel.policy import Scratch
-from ..kernel.routing import route_logits
+from ..kernel.routing import Router, Routing, route_logits
 from ..policies import MissPolicy
 from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
@@ -92,10 +92,13 @@ class ExpertCache:
         so that no forward pass is timed with a compilation in it."""
         L, E, k = self.shape.num_layers, self.shape.num_experts, self.top_k
         route_logits(np.zeros((1, E), np.float32), k, True)
+        Router(k, True, "sigmoid").route(np.zeros((1, E), np.float32), 0)
         ids = np.arange(k, dtype=np.int64)[None]
-        kernel.decide_layer(self._new_state(), MissPolicy().params(), np.zeros((L, E)), self.scratch, 0,
-                            np.zeros((1, E), np.float32), ids, np.full((1, k), 1 / k, np.float32), 0,
-                            np.zeros((1, k), np.int64), np.zeros((1, k), np.int64), np.zeros((1, k), np.float32))
+        for logits in (True, False):
+            kernel.decide_layer(self._new_state(), MissPolicy().params(), np.zeros((L, E)), self.scratch, 0,
+                                np.zeros((1, E), np.float32), np.zeros((1, E), np.float32), logits, ids,
+                                np.full((1, k), 1 / k, np.float32), 0, np.zeros((1, k), np.int64),
+                                np.zeros((1, k), np.int64), np.zeros((1, k), np.float32))
 
     def _new_state(self) -> CacheState:
         st = CacheState.make(self.shape.num_layers, self.shape.num_experts, self.per_layer, self.cfg.quota,
@@ -126,37 +129,44 @@ class ExpertCache:
                              "give the cache more slots")
 
     # -- deciding ------------------------------------------------------------------------
-    def decide(self, policy, layer: int, logits: np.ndarray, weights: np.ndarray, ids: np.ndarray,
-               token_base: int, slots: np.ndarray, experts: np.ndarray, gates: np.ndarray) -> int:
+    def decide(self, policy, layer: int, routing: Routing, token_base: int, slots: np.ndarray, experts: np.ndarray,
+               gates: np.ndarray) -> int:
         """Decide one layer's tokens (the compiled loop) and log the actions to carry out;
-        returns the first token whose expert work is still owed. logits [T, E] float32, weights
-        [T, k] float32, ids [T, k] int64 (the routes); slots, experts [T, k] int64 and gates
-        [T, k] float32 receive the plan. Sizes, types and ids are checked here: the compiled
-        loop checks no bounds."""
+        returns the first token whose expert work is still owed. routing: the routes (rows, and
+        a sigmoid router's scores, [T, E] float32; weights [T, k] float32; ids [T, k] int64);
+        slots, experts [T, k] int64 and gates [T, k] float32 receive the plan. Sizes, types and
+        ids are checked here: the compiled loop checks no bounds."""
         E, k = self.shape.num_experts, self.top_k
+        ids = routing.ids
         T = ids.shape[0] if isinstance(ids, np.ndarray) and ids.ndim == 2 else -1
-        for name, a, shape, dtype in (("logits", logits, (T, E), F32), ("weights", weights, (T, k), F32),
-                                      ("ids", ids, (T, k), I64), ("slots", slots, (T, k), I64),
-                                      ("experts", experts, (T, k), I64), ("gates", gates, (T, k), F32)):
+        logits = routing.scores is routing.rows  # softmax: one row ranks and weighs
+        rows = [("logits", routing.rows)] if logits else [("selection rows", routing.rows), ("scores", routing.scores)]
+        checks = [(name, a, "E", F32) for name, a in rows] + [
+            ("weights", routing.weights, "k", F32), ("ids", ids, "k", I64), ("slots", slots, "k", I64),
+            ("experts", experts, "k", I64), ("gates", gates, "k", F32)]
+        for name, a, width, dtype in checks:
+            shape = (T, E if width == "E" else k)
             if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != dtype:
                 got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-                raise BadInput(f"decide: {name} must be a {dtype} array of shape [T, "
-                               f"{'E' if name == 'logits' else 'k'}] = {shape} (T tokens, E={E} experts, "
-                               f"top-k={k}); got {got}")
+                raise BadInput(f"decide: {name} must be a {dtype} array of shape [T, {width}] = {shape} "
+                               f"(T tokens, E={E} experts, top-k={k}); got {got}")
         self._check_layer(layer)
         self._check_experts("decide: ids", ids)
         policy.check(k, E)
-        return self.decide_routed(policy, layer, logits, weights, ids, token_base, slots, experts, gates)
+        return self.decide_routed(policy, layer, routing, token_base, slots, experts, gates)
 
-    def decide_routed(self, policy, layer: int, logits: np.ndarray, weights: np.ndarray, ids: np.ndarray,
-                      token_base: int, slots: np.ndarray, experts: np.ndarray, gates: np.ndarray) -> int:
-        """`decide` without its checks, for routes that `route_logits` made (the right types and
+    def decide_routed(self, policy, layer: int, routing: Routing, token_base: int, slots: np.ndarray,
+                      experts: np.ndarray, gates: np.ndarray) -> int:
+        """`decide` without its checks, for routes that the router made (the right types and
         shapes, ids in range) and a policy already fitted to the model: the engine's per-layer call."""
         L, E, k = self.shape.num_layers, self.shape.num_experts, self.top_k
-        if len(self.state.log) < kernel.log_capacity(ids.shape[0], k, E):
-            self.state = self.state.with_log(kernel.log_capacity(ids.shape[0], k, E))
-        owed_from = kernel.decide_layer(self.state, policy.params(), policy.bind(L, E), self.scratch,
-                                        layer, logits, ids, weights, token_base, slots, experts, gates)
+        T = routing.ids.shape[0]
+        if len(self.state.log) < kernel.log_capacity(T, k, E):
+            self.state = self.state.with_log(kernel.log_capacity(T, k, E))
+        logits = routing.scores is routing.rows  # softmax: one row ranks and weighs
+        owed_from = kernel.decide_layer(self.state, policy.params(), policy.bind(L, E), self.scratch, layer,
+                                        routing.rows, routing.scores, logits, routing.ids, routing.weights,
+                                        token_base, slots, experts, gates)
         if owed_from < 0:
             self._abandon(self._take_log())  # the tokens before the failing one logged loads
             raise self.too_small(layer)

@@ -64,7 +64,7 @@ class Engine:
         ckpt = open_checkpoint(self.path)
         self.args = model_args(ckpt.config)
         self._fit(self.policy)
-        self.routing_counts = load_routing_counts(self.path, (self.args.num_layers, self.args.num_experts))
+        self.routing_counts = load_routing_counts(self.path, (self.args.num_moe_layers, self.args.num_experts))
         self.checkpoint = ckpt
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype, config.store_format,
                                 config.read_mode, config.verify)
@@ -76,7 +76,7 @@ class Engine:
         self.cache = ExpertCache(cache_cfg, self.store, self.args.top_k, self.device, dtype)
         self._attach_small(self.policy)
         self.stats = RunStats()
-        self.runner = MoELayerRunner(self.args, self.cache, self.policy, self.stats)
+        self.runner = MoELayerRunner(self.args, self.model.router, self.cache, self.policy, self.stats)
         self.model.moe = self.runner
         if config.prefetch is not None:
             self.set_prefetch(config.prefetch)
@@ -94,7 +94,7 @@ class Engine:
                  "transfer buffers": self.store.buffer_bytes(cache_cfg.io_workers),
                  "workspace": self.workspace_bytes(dtype)}
         left = budget - sum(fixed.values())
-        one = self.store.shape.numel * dtype.itemsize * self.args.num_layers * self.args.top_k
+        one = self.store.shape.numel * dtype.itemsize * self.store.shape.num_layers * self.args.top_k
         if left < one:
             parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in fixed.items())
             raise CacheTooSmall(f"--memory-budget {budget / 2**20:.1f} MiB leaves {max(left, 0) / 2**20:.1f} MiB for "
@@ -188,7 +188,7 @@ class Engine:
     def budget(self) -> dict:
         """Bytes of the fast tier: non-expert weights, the expert cache, the KV cache (as allocated
         now, and at max_seq), the transfer buffers; and the budget they were sized to, if any."""
-        kv = self.model.k_cache.nbytes + self.model.v_cache.nbytes
+        kv = self.model.kv_bytes(self.model.kv_positions)
         return {"memory_budget": self.config.memory_budget, "dense_bytes": self.model.dense_bytes,
                 "cache_bytes": self.cache.bytes, "kv_bytes": kv,
                 "kv_bytes_max": self.model.kv_bytes(self.model.max_seq),

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..kernel.cache_state import N_LOG
-from ..kernel.routing import route_logits
+from ..kernel.routing import Router, Routing
 from ..models.args import ModelArgs
 from ..policies import MissPolicy
 from .cache import ExpertCache
@@ -24,12 +23,17 @@ from .predictors import Predictor
 from .stats import RunStats
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool, bias: torch.Tensor | None = None):
-    """x [T, H], router [E, H] (bias [E]) -> logits [T, E] (float32), weights [T, k] (float32) and
-    ids [T, k] (int64), on the host."""
-    assert x.dim() == 2 and router.dim() == 2 and router.shape[1] == x.shape[1], \
-        f"x must be [T, H] and router [E, H], got {tuple(x.shape)} and {tuple(router.shape)}"
-    return route_logits(F.linear(x, router, bias).float().cpu().numpy(), top_k, norm_topk)
+def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torch.Tensor:
+    """x [T, H], the router's weight [E, H] -> logits [T, E] float32, without the router's bias
+    (`router.route` adds it); a sigmoid router's computed in float32, as HF does."""
+    assert x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1], \
+        f"x must be [T, H] and the router's weight [E, H], got {tuple(x.shape)} and {tuple(weight.shape)}"
+    return x.float() @ weight.float().t() if router.sigmoid else (x @ weight.t()).float()
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, router: Router, layer: int) -> Routing:
+    """x [T, H], the router's weight [E, H] at MoE layer `layer` -> its Routing, on the host."""
+    return router.route(router_logits(x, weight, router).cpu().numpy(), layer)
 
 
 @dataclass
@@ -41,21 +45,20 @@ class LayerPlan:
     owed_from: int  # tokens [owed_from, T) still need their expert work
 
 
-def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer: int, logits_h: np.ndarray,
-                 weights_h: np.ndarray, ids_h: np.ndarray, token_base: int,
-                 compute: Callable[[int, int, np.ndarray, np.ndarray], None]) -> LayerPlan:
+def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer: int, routing: Routing,
+                 token_base: int, compute: Callable[[int, int, np.ndarray, np.ndarray], None]) -> LayerPlan:
     """Decide one layer's tokens in order (the compiled decision kernel, shared with the
     simulator) and carry out its actions: transfers, waits, and expert work that must run
     before a slot it uses is overwritten (`compute(begin, end, slots, gates)` for tokens
     [begin, end)). The work of tokens [plan.owed_from, T) is left to the caller, which can
     first start the next layer's prefetches."""
-    T, k = ids_h.shape
+    T, k = routing.ids.shape
     slots_h = np.empty((T, k), dtype=np.int64)  # the kernel writes every entry
     exec_h = np.empty((T, k), dtype=np.int64)
     gates_h = np.empty((T, k), dtype=np.float32)
     if cache.pending:
         cache.poll()
-    owed_from = cache.decide_routed(policy, layer, logits_h, weights_h, ids_h, token_base, slots_h, exec_h, gates_h)
+    owed_from = cache.decide_routed(policy, layer, routing, token_base, slots_h, exec_h, gates_h)
     if cache.state.misc[N_LOG]:
         stats.stall_s += cache.carry_out(lambda begin, end: compute(begin, end, slots_h, gates_h))
     stats.absorb(cache.state, cache.fetch_bytes, cache.lowbit_bytes)
@@ -74,14 +77,14 @@ class MoELayerRunner:
     """Runs every MoE layer of a model against one cache and one policy; with a predictor,
     requests layer l+1's experts before layer l's experts compute."""
 
-    def __init__(self, args: ModelArgs, cache: ExpertCache, policy: MissPolicy, stats: RunStats):
-        self.args, self.cache, self.policy, self.stats = args, cache, policy, stats
+    def __init__(self, args: ModelArgs, router: Router, cache: ExpertCache, policy: MissPolicy, stats: RunStats):
+        self.args, self.router, self.cache, self.policy, self.stats = args, router, cache, policy, stats
         self.kind = ExpertKind.of(args)
         self.token_base = 0  # index in the run of the first token of the current forward
         self.predictor: Predictor | None = None
         self.prefetch = PrefetchConfig()
         self.resid: torch.Tensor | None = None  # residual after the current layer's attention
-        self.predicted: tuple | None = None  # (logits, weights, ids) predicted for the next layer
+        self.predicted: Routing | None = None  # predicted for the next layer
 
     def observe_residual(self, layer: int, h: torch.Tensor) -> None:
         """The transformer's hook after each layer's attention."""
@@ -94,23 +97,23 @@ class MoELayerRunner:
                                        torch.from_numpy(gates).to(dev))
         assert logits.shape == (x.shape[0], a.num_experts), \
             f"{self.predictor.name} gave logits {tuple(logits.shape)}, expected [T, E] = {(x.shape[0], a.num_experts)}"
-        self.predicted = route_logits(logits.float().cpu().numpy(), a.top_k, a.norm_topk_prob)
+        self.predicted = self.router.route(logits.float().cpu().numpy(), layer + 1)
         if x.shape[0] != 1:  # prefetching ahead is a decode-time pipeline
             return
         budget = self.prefetch.budget or a.top_k
-        self.stats.stall_s += cache.prefetch(layer + 1, self.predicted[2][0, :budget], self.token_base)
+        self.stats.stall_s += cache.prefetch(layer + 1, self.predicted.ids[0, :budget], self.token_base)
         self.stats.absorb(cache.state, cache.fetch_bytes, cache.lowbit_bytes)
 
-    def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor,
-                 router_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H] (normed MoE input) -> routed experts' combined output [T, H]."""
+    def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (normed MoE input) of MoE layer `layer` -> routed experts' combined output
+        [T, H] (times the routed scaling factor)."""
         a, cache, stats = self.args, self.cache, self.stats
         if self.prefetch.mode == "speculative" and layer > 0 and self.predicted is not None:
-            logits_h, weights_h, ids_h = self.predicted  # the true router is skipped
+            routing = self.predicted  # the true router is skipped
         else:  # the one host sync of the layer: decisions need the routes on the host
-            logits_h, weights_h, ids_h = route(x, router, a.top_k, a.norm_topk_prob, router_bias)
+            routing = route(x, router, self.router, layer)
         self.predicted = None
-        T = ids_h.shape[0]
+        T = routing.ids.shape[0]
         out = torch.empty_like(x) if T > 1 else None  # decode computes once, after its decisions
 
         def experts_out(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
@@ -123,10 +126,11 @@ class MoELayerRunner:
             if end > begin:  # a decode token owes no work before its own decisions: nothing to flush
                 out[begin:end] = experts_out(begin, end, slots_h, gates_h)
 
-        plan = decide_layer(cache, self.policy, stats, layer, logits_h, weights_h, ids_h, self.token_base, compute)
-        if self.predictor is not None and layer + 1 < a.num_layers:
+        plan = decide_layer(cache, self.policy, stats, layer, routing, self.token_base, compute)
+        if self.predictor is not None and layer + 1 < a.num_moe_layers:
             self._predict_next(layer, x, plan.experts, plan.gates)  # this token's slots stay protected
         if T == 1:  # decode: nothing was computed early, no need to go through `out`
-            return experts_out(0, 1, plan.slots, plan.gates)
-        compute(plan.owed_from, T, plan.slots, plan.gates)
-        return out
+            out = experts_out(0, 1, plan.slots, plan.gates)
+        else:
+            compute(plan.owed_from, T, plan.slots, plan.gates)
+        return out if self.router.scale == 1.0 else out * self.router.scale

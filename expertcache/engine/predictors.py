@@ -39,9 +39,9 @@ class Predictor:
         raise NotImplementedError
 
     def _router_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Layer l+1's router (with its bias, where the family has one) on x [T, H] -> [T, E]."""
-        L = self.model.layers[layer + 1]
-        return F.linear(x, L["router"], L.get("router_bias"))
+        """MoE layer l+1's router weight on x [T, H] -> [T, E]: logits without the router's bias, which
+        the model's Router adds when it routes them (kernel/routing.Router.route)."""
+        return x @ self.model.moe_layers[layer + 1]["router"].t()
 
 
 class RouterAhead(Predictor):
@@ -61,7 +61,7 @@ class QuasiHidden(Predictor):
     def __init__(self, model: Transformer, default_vectors: torch.Tensor):
         super().__init__(model)
         a = model.args
-        if tuple(default_vectors.shape) != (a.num_layers, a.num_experts, a.hidden_size):
+        if tuple(default_vectors.shape) != (a.num_moe_layers, a.num_experts, a.hidden_size):
             raise CheckpointError(f"default vectors of shape {tuple(default_vectors.shape)} do not fit the model; "
                                   "rerun `expertcache calibrate`")
         self.default_vectors = default_vectors.to(model.device, model.embed.dtype)
@@ -73,7 +73,7 @@ class QuasiHidden(Predictor):
             f"{tuple(weights.shape)}"
         d = (self.default_vectors[layer][ids] * weights.unsqueeze(-1).to(resid.dtype)).sum(1)
         a = self.model.args
-        return F.rms_norm(resid + d, (a.hidden_size,), self.model.layers[layer + 1]["moe_norm"], a.rms_norm_eps)
+        return F.rms_norm(resid + d, (a.hidden_size,), self.model.moe_layers[layer + 1]["moe_norm"], a.rms_norm_eps)
 
     def logits(self, layer, resid, x, ids, weights):
         """Router_{l+1}(q_l) [T, E]."""

@@ -50,7 +50,7 @@ class ExpertShape:
 
     @classmethod
     def of(cls, a: ModelArgs) -> "ExpertShape":
-        return cls(a.num_layers, a.num_experts, (2 * a.expert_dim, a.hidden_size), (a.hidden_size, a.expert_dim),
+        return cls(a.num_moe_layers, a.num_experts, (2 * a.expert_dim, a.hidden_size), (a.hidden_size, a.expert_dim),
                    a.expert_bias)
 
     @property

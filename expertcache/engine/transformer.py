@@ -1,5 +1,6 @@
 """The decoder: embeddings, attention with a static KV cache, and MoE layers whose experts
-come from the expert cache. One sequence at a time (generation, or a teacher-forced window)."""
+come from the expert cache (the first `first_dense_layers` layers run a dense SwiGLU MLP).
+One sequence at a time (generation, or a teacher-forced window)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,12 +10,15 @@ import torch.nn.functional as F
 
 from ..errors import BadInput
 from ..models.args import ModelArgs
-from .attention import attention_mask, rope_frequencies, sink_attention
+from .attention import apply_rope, attention_mask, rope_frequencies, rope_tables, sink_attention
 from .linear_attention import GatedDeltaNet
+from .mla import LatentAttention
+from .weights import router_of
 
-# (layer, normed MoE input [T, H], router [E, H], router bias [E] or None) -> routed experts' output [T, H]
-MoEFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-# (layer, residual stream after attention [T, H]) -> None: lets a predictor request layer+1's experts
+# (MoE layer, normed MoE input [T, H], router weight [E, H]) -> routed experts' output [T, H]; a router's bias
+# lives in the model's Router (kernel/routing.py), which the MoE function routes with
+MoEFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# (MoE layer, residual stream after attention [T, H]) -> None: lets a predictor request layer+1's experts
 PrefetchHook = Callable[[int, torch.Tensor], None]
 
 
@@ -23,7 +27,8 @@ KV_START = 256  # positions the KV cache holds before it first grows
 
 class Transformer:
     """The decoder over dense weights in our names; `moe(layer, x, router)` supplies each MoE layer's
-    routed output, `prefetch(layer, h)` (if set) sees the residual after each attention."""
+    routed output, `prefetch(layer, h)` (if set) sees the residual after each attention; `layer`
+    counts MoE layers (decoder layer - first_dense_layers)."""
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], moe: MoEFn,
                  device: torch.device, max_seq: int = 2048):
         self.args, self.moe, self.device, self.max_seq = args, moe, device, max_seq
@@ -35,25 +40,26 @@ class Transformer:
         for i in range(a.num_layers):
             p = f"layers.{i}."
             L = {k[len(p):]: v for k, v in w.items() if k.startswith(p)}
-            if "wq" in L:  # linear-attention layers have no q, k, v
+            if "wq" in L:  # linear-attention and latent-attention layers have no q, k, v
                 L["wqkv"] = torch.cat([L.pop("wq"), L.pop("wk"), L.pop("wv")])  # one matmul for q, k, v
             if a.attention_bias and "bq" in L:
                 L["bqkv"] = torch.cat([L.pop("bq"), L.pop("bk"), L.pop("bv")])
-            if a.shared_expert_dim:
-                L["shared_w13"] = torch.cat([L.pop("shared_w1"), L.pop("shared_w3")])
+            for mlp in ("shared", "dense"):
+                if mlp + "_w1" in L:
+                    L[mlp + "_w13"] = torch.cat([L.pop(mlp + "_w1"), L.pop(mlp + "_w3")])
             self.layers.append(L)
-        inv, scale = rope_frequencies(a)  # over the rotated part of each head (all of it unless partial)
-        freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
+        self.moe_layers = self.layers[a.first_dense_layers:]  # indexed as the cache and the kernel do
+        self.router = router_of(a, weights)
         dtype = self.embed.dtype
-        half = inv.numel()
-        # rotate_half(x) * sin == cat(x2, x1) * sin_signed, one op fewer per call
-        sin_signed = torch.cat([-emb.sin()[:, :half], emb.sin()[:, half:]], dim=-1)
-        self.cos, self.sin = (emb.cos() * scale).to(device, dtype), (sin_signed * scale).to(device, dtype)
+        # multi-head latent attention caches a latent per position (preallocated at max_seq), not keys and values
+        self.latent = LatentAttention(a, max_seq, device, dtype) if a.attention == "mla" else None
+        if self.latent is None:  # RoPE over the rotated part of each head (all of it unless partial)
+            self.cos, self.sin = rope_tables(*rope_frequencies(a), max_seq, device, dtype)
         # Gated DeltaNet layers carry a recurrent state instead of keys and values
         self.linear = {i: GatedDeltaNet(a, self.layers[i]) for i in range(a.num_layers)
                        if a.layer_type(i) == "linear_attention"}
-        self.kv_index = {i: n for n, i in enumerate(i for i in range(a.num_layers) if i not in self.linear)}
+        kv_layers = [] if self.latent is not None else [i for i in range(a.num_layers) if i not in self.linear]
+        self.kv_index = {i: n for n, i in enumerate(kv_layers)}
         # keys and values grow to what a sequence uses (doubling), up to max_seq
         shape = (len(self.kv_index), a.num_kv_heads, min(max_seq, KV_START), a.head_dim)
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
@@ -61,9 +67,16 @@ class Transformer:
         self.prefetch: PrefetchHook | None = None
 
     def kv_bytes(self, positions: int) -> int:
-        """Bytes of the KV cache holding `positions` positions."""
+        """Bytes of the attention caches holding `positions` positions: keys and values, and a latent
+        cache (multi-head latent attention), which is preallocated at max_seq and counts in full."""
         k = self.k_cache
-        return 2 * k.shape[0] * k.shape[1] * positions * k.shape[3] * k.element_size()
+        latent = self.latent.nbytes if self.latent is not None else 0
+        return 2 * k.shape[0] * k.shape[1] * positions * k.shape[3] * k.element_size() + latent
+
+    @property
+    def kv_positions(self) -> int:
+        """Positions the KV cache holds now (it grows as a sequence needs)."""
+        return self.k_cache.shape[2]
 
     def _reserve(self, positions: int) -> None:
         """Grow the KV cache to hold `positions` positions (at least doubling, at most max_seq)."""
@@ -87,13 +100,11 @@ class Transformer:
         return total
 
     def _rope(self, x, pos: int):  # x [heads, T, D]; a partial rotary leaves the last D - rot channels as they are
-        T, rot = x.shape[1], self.cos.shape[1]
-        xr = x[..., :rot]
-        x1, x2 = xr.chunk(2, dim=-1)
-        out = xr * self.cos[pos:pos + T] + torch.cat((x2, x1), dim=-1) * self.sin[pos:pos + T]
-        return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
+        return apply_rope(x, self.cos, self.sin, pos)
 
     def _attention(self, i: int, L: dict, x: torch.Tensor, pos: int) -> torch.Tensor:
+        if self.latent is not None:
+            return self.latent(i, L, x, pos)
         a = self.args
         T = x.shape[0]
         qkv = F.linear(x, L["wqkv"], L.get("bqkv"))
@@ -129,9 +140,14 @@ class Transformer:
             o = o * torch.sigmoid(gate.reshape(T, nq))
         return F.linear(o, L["wo"], L.get("bo"))
 
+    def _mlp(self, L: dict, x: torch.Tensor, name: str) -> torch.Tensor:
+        """A SwiGLU MLP of the layer's `name`_w13, `name`_w2 (the shared expert, or a dense layer's MLP)."""
+        g, u = (x @ L[name + "_w13"].t()).chunk(2, dim=-1)
+        return (F.silu(g) * u) @ L[name + "_w2"].t()
+
     def _shared_expert(self, L: dict, x: torch.Tensor) -> torch.Tensor:
-        g, u = (x @ L["shared_w13"].t()).chunk(2, dim=-1)
-        return torch.sigmoid(x @ L["shared_gate"].t()) * ((F.silu(g) * u) @ L["shared_w2"].t())
+        y = self._mlp(L, x, "shared")
+        return torch.sigmoid(x @ L["shared_gate"].t()) * y if self.args.shared_expert_gate else y
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
@@ -147,10 +163,13 @@ class Transformer:
         for i, L in enumerate(self.layers):
             xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
             h = h + (self.linear[i](xa, pos) if i in self.linear else self._attention(i, L, xa, pos))
-            if self.prefetch is not None:
-                self.prefetch(i, h)
             x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
-            y = self.moe(i, x, L["router"], L.get("router_bias"))
+            if i < a.first_dense_layers:
+                h = h + self._mlp(L, x, "dense")
+                continue
+            if self.prefetch is not None:
+                self.prefetch(i - a.first_dense_layers, h)
+            y = self.moe(i - a.first_dense_layers, x, L["router"])
             if a.shared_expert_dim:
                 y = y + self._shared_expert(L, x)
             h = h + y

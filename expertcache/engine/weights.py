@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError
+from ..kernel.routing import Router
 from ..models import family_of
 from ..models.args import LayerExperts, ModelArgs
 from .checkpoint import Checkpoint
@@ -30,9 +32,12 @@ def dense_weights(ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32) -> dic
 
 
 def _check_shapes(w: dict[str, torch.Tensor], a: ModelArgs) -> None:
+    first = a.first_dense_layers
     attn = next((i for i in range(a.num_layers) if a.layer_type(i) != "linear_attention"), None)
-    expect = {"embed": (a.vocab_size, a.hidden_size), "layers.0.router": (a.num_experts, a.hidden_size)}
-    if attn is not None:  # a gated attention's q_proj also yields the gate
+    expect = {"embed": (a.vocab_size, a.hidden_size), f"layers.{first}.router": (a.num_experts, a.hidden_size)}
+    if a.router_bias:
+        expect[f"layers.{first}.router_bias"] = (a.num_experts,)
+    if attn is not None and a.attention == "gqa":  # a gated attention's q_proj also yields the gate
         expect[f"layers.{attn}.wq"] = ((2 if a.attention_gate else 1) * a.num_heads * a.head_dim, a.hidden_size)
     for name, shape in expect.items():
         if tuple(w[name].shape) != shape:
@@ -41,20 +46,21 @@ def _check_shapes(w: dict[str, torch.Tensor], a: ModelArgs) -> None:
 
 
 def layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int) -> LayerExperts:
-    """One layer's experts in our stacked layout (a family may translate its own storage)."""
+    """MoE layer `layer`'s experts in our stacked layout (a family may translate its own storage)."""
     family = family_of(ckpt.config)
+    decoder = args.moe_layers[layer]  # the decoder layer the checkpoint names
     if hasattr(family, "layer_experts"):
-        experts = family.layer_experts(ckpt, args, layer)
+        experts = family.layer_experts(ckpt, args, decoder)
     else:
-        experts = _standard_layer_experts(ckpt, args, layer, family.layer_names(layer, args)["experts"])
+        experts = _standard_layer_experts(ckpt, args, decoder, family.layer_names(decoder, args)["experts"])
     E, F, H = args.num_experts, args.expert_dim, args.hidden_size
     w13, w2 = experts.w13, experts.w2
     if tuple(w13.shape) != (E, 2 * F, H) or tuple(w2.shape) != (E, H, F):
-        raise CheckpointError(f"layer {layer} experts have shapes {tuple(w13.shape)}, {tuple(w2.shape)}; "
+        raise CheckpointError(f"layer {decoder} experts have shapes {tuple(w13.shape)}, {tuple(w2.shape)}; "
                               f"config.json implies {(E, 2 * F, H)}, {(E, H, F)}")
     if args.expert_bias and (experts.b13 is None or tuple(experts.b13.shape) != (E, 2 * F)
                              or tuple(experts.b2.shape) != (E, H)):
-        raise CheckpointError(f"layer {layer} expert biases are missing or not of shapes {(E, 2 * F)}, {(E, H)}; "
+        raise CheckpointError(f"layer {decoder} expert biases are missing or not of shapes {(E, 2 * F)}, {(E, H)}; "
                               "the config does not belong to these weights")
     return experts
 
@@ -72,6 +78,16 @@ def _standard_layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int, names
 
 
 def all_layer_experts(ckpt: Checkpoint, args: ModelArgs) -> Iterator[LayerExperts]:
-    """Each layer's stacked experts in order."""
-    for layer in range(args.num_layers):
+    """Each MoE layer's stacked experts in order."""
+    for layer in range(args.num_moe_layers):
         yield layer_experts(ckpt, args, layer)
+
+
+def router_of(args: ModelArgs, weights: dict[str, torch.Tensor]) -> Router:
+    """The model's Router; its bias [L, E] (a softmax router's logit bias, a sigmoid router's selection
+    bias) from the MoE layers' dense weights ('layers.{i}.router_bias' in our names)."""
+    bias = None
+    if args.router_bias:
+        bias = np.stack([weights[f"layers.{i}.router_bias"].float().cpu().numpy() for i in args.moe_layers])
+    return Router(args.top_k, args.norm_topk_prob, args.router, args.n_group, args.topk_group,
+                  args.routed_scaling_factor, bias)

@@ -238,15 +238,19 @@ def begin_call(st):
 
 
 @compiled
-def decide_layer(st, p, account, sc, layer, logits, ids, w, token_base, slots, experts, gates):
-    """The engine's call: tokens [0, T) of one layer in order. Returns the first token whose
-    expert work is still owed (the caller computes [that, T)), or -1-t when the cache is too
-    small for token t."""
+def decide_layer(st, p, account, sc, layer, rows, scores, logits, ids, w, token_base, slots, experts, gates):
+    """The engine's call: tokens [0, T) of one layer in order. rows [T, E]: router logits when
+    `logits`, else a sigmoid router's selection rows with its gate scores [T, E]. Returns the
+    first token whose expert work is still owed (the caller computes [that, T)), or -1-t when
+    the cache is too small for token t."""
     begin_call(st)
     for t in range(ids.shape[0]):
         if t:
             land_flying(st)
-        if not decide_token(st, p, account, sc, layer, t, token_base + t, logits[t], None, True, ids[t], w[t],
+        if not logits:
+            for e in range(scores.shape[1]):
+                sc.gate_row[e] = scores[t, e]
+        if not decide_token(st, p, account, sc, layer, t, token_base + t, rows[t], None, logits, ids[t], w[t],
                             slots[t], experts[t], gates[t]):
             return -1 - t
     st.counts[SEGMENTS] += 1  # the caller computes the rest

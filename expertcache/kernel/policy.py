@@ -38,13 +38,14 @@ class Scratch(NamedTuple):
     cand_e: np.ndarray  # [k] best substitutes
     comp: np.ndarray  # [E] int64, for top_m on float16 rows
     block_max: np.ndarray  # [E / 16 + 1] int64
+    gate_row: np.ndarray  # [E] float32: a sigmoid router's gate scores of the token being decided
 
     @classmethod
     def make(cls, k: int, E: int) -> Scratch:
         return cls(np.zeros(k, np.int64), np.zeros(k), np.zeros(k, np.int64), np.zeros(k, bool), np.zeros(k, np.int64),
                    np.zeros(k, np.int64), np.zeros(k, bool), np.zeros(k, np.int64), np.zeros(E, np.int64),
                    np.zeros(E), np.zeros(E, bool), np.zeros(E, bool), np.zeros(k, np.int64), np.zeros(E, np.int64),
-                   np.zeros(E // 16 + 1, np.int64))
+                   np.zeros(E // 16 + 1, np.int64), np.zeros(E, np.float32))
 
 
 
@@ -83,7 +84,8 @@ def _account(p, account, layer, e, w, admit, n_admit):
 @compiled
 def _best_substitutes(p, st, sc, layer, row, table, ranked, k, n):
     """The n best resident experts of `layer` by router score (not in flight, not routed,
-    within the top-window ranks for sub=window) into sc.cand_e, best first, ties to the lower
+    within the top-window ranks for sub=window, not -inf: a sigmoid router's selection row is
+    -inf outside the token's allowed groups) into sc.cand_e, best first, ties to the lower
     expert id; returns how many there are (<= n).
 
     `ranked` holds the row's experts in rank order as far as the caller ranked them (at
@@ -100,7 +102,7 @@ def _best_substitutes(p, st, sc, layer, row, table, ranked, k, n):
     for r in range(k, limit):
         e = ranked[r]
         s = st.slot_of[layer, e]
-        if s >= 0 and not st.pending[s]:
+        if s >= 0 and not st.pending[s] and value(row, table, e) > -np.inf:  # -inf: outside the allowed groups
             sc.cand_e[found] = e
             found += 1
             if found == n:
@@ -122,13 +124,15 @@ def _best_substitutes(p, st, sc, layer, row, table, ranked, k, n):
             s = lo + i
             e = st.owner[s] - layer * E
             ec = max(e, 0)  # a safe index for free slots, which are masked out
-            usable = (e >= 0) & (not st.pending[s]) & (not sc.routed[ec]) & ((not window) | sc.mark[ec])
+            usable = (e >= 0) & (not st.pending[s]) & (not sc.routed[ec]) & ((not window) | sc.mark[ec]) \
+                & (value(row, table, ec) > -np.inf)
             keys[i] = rank_key(row, table, ec) if usable else -1
     else:  # a global quota: the layer's experts
         n_keys = np.uint64(E)
         for e in range(E):
             s = st.slot_of[layer, e]
-            usable = (s >= 0) & (not st.pending[max(s, 0)]) & (not sc.routed[e]) & ((not window) | sc.mark[e])
+            usable = (s >= 0) & (not st.pending[max(s, 0)]) & (not sc.routed[e]) & ((not window) | sc.mark[e]) \
+                & (value(row, table, e) > -np.inf)
             keys[e] = rank_key(row, table, e) if usable else -1
     found = 0
     for c in range(n):
@@ -154,9 +158,10 @@ def _best_substitutes(p, st, sc, layer, row, table, ranked, k, n):
 def decide(p, account, st, sc, layer, row, table, logits, ranked, w):
     """One MoE call. p: a policy's params(), checked against the model (`MissPolicy.fit`):
     nothing here checks bounds; account: its [L, E] state; st: the cache state; sc: scratch;
-    row [E]: the router's probabilities, or its logits when `logits`, read through `table`
-    (see `value`); ranked: the row's experts in rank order, at least the k routed ones;
-    w [k]: the routed gate weights, normalised as the family does (p[NORM]).
+    row [E]: the router's probabilities, or its logits when `logits`, else a sigmoid router's
+    selection row (the order; the gate scores are in sc.gate_row), read through `table` (see
+    `value`); ranked: the row's experts in rank order, at least the k routed ones; w [k]: the
+    routed gate weights, normalised as the family does (p[NORM]).
 
     Writes the executed experts and weights to sc.exec_e / sc.exec_w, the synchronous
     fetches to sc.fetch (sc.low marks those of low-precision copies: the LOWBIT rule fetches
@@ -273,7 +278,7 @@ def _conditional(p, st, sc, layer, row, table, logits, ranked, w):
     for c in range(n):
         e = sc.exec_e[c]
         q = value(row, table, e)
-        q = np.exp(q - sc.order_v[0]) if logits else q
+        q = np.exp(q - sc.order_v[0]) if logits else sc.gate_row[e]
         sc.exec_w[c] = q
         total += q
         if not resident(st, layer, e):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .cache_state import SEGMENTS
 from .compiled import compiled, prefetch
 from .decisions import begin_call, decide_token, land_flying
-from .routing import route_row
+from .routing import biased_row, route_row, route_row_sigmoid, select_row
 
 
 @compiled
@@ -19,10 +19,35 @@ def route_all(logits, table, norm, ranked, weights, vals, comp, block_max):
 
 
 @compiled
-def replay_windows(st, p, account, sc, logits, table, ranked, weights, context, slots, experts, gates):
+def route_all_biased(logits, table, norm, ranked, weights, vals, comp, block_max, bias, row):
+    """route_all for a softmax router with a logit bias [L, E]; row [E]: a working array."""
+    N, L, E = logits.shape
+    for n in range(N):
+        for layer in range(L):
+            biased_row(logits[n, layer], table, bias[layer], row)
+            route_row(row, None, norm, ranked[layer, n], vals, weights[layer, n], comp, block_max)
+
+
+@compiled
+def route_all_sigmoid(logits, table, norm, ranked, weights, vals, comp, block_max, bias, n_group, topk_group, sel,
+                      scores, group_score):
+    """route_all for the sigmoid router: bias [L, E], groups; sel, scores [E] and group_score
+    [n_group]: working arrays."""
+    N, L, E = logits.shape
+    for n in range(N):
+        for layer in range(L):
+            route_row_sigmoid(logits[n, layer], table, bias[layer], n_group, topk_group, norm, ranked[layer, n],
+                              vals, weights[layer, n], sel, scores, group_score, comp, block_max)
+
+
+@compiled
+def replay_windows(st, p, account, sc, logits, table, ranked, weights, context, slots, experts, gates, sigmoid, biased,
+                   bias, n_group, topk_group, sel, group_score):
     """Every window of `context` tokens, layer by layer, token by token; -1 on success, else
     the layer whose cache was too small. ranked, weights: routes, layer-major [L, N, *];
-    slots, experts, gates [k]: working arrays."""
+    slots, experts, gates [k]: working arrays. With `sigmoid`, the kernel ranks each row's
+    selection row (bias [L, E], groups; sel [E], group_score [n_group]: working arrays); with
+    `biased` (a softmax router's logit bias [L, E]), each row plus the bias, in sel."""
     N, L, E = logits.shape
     line = 64 // logits.itemsize
     for w0 in range(0, N, context):
@@ -40,8 +65,19 @@ def replay_windows(st, p, account, sc, logits, table, ranked, weights, context, 
                     ahead = logits[n + 2, layer]
                     for e in range(0, E, line):
                         prefetch(ahead, e)
-                if not decide_token(st, p, account, sc, layer, t, n, logits[n, layer], table, True,
-                                    ranked[layer, n], weights[layer, n], slots, experts, gates):
+                if sigmoid:
+                    select_row(logits[n, layer], table, bias[layer], n_group, topk_group, sel, sc.gate_row,
+                               group_score)
+                    if not decide_token(st, p, account, sc, layer, t, n, sel, None, False,
+                                        ranked[layer, n], weights[layer, n], slots, experts, gates):
+                        return layer
+                elif biased:
+                    biased_row(logits[n, layer], table, bias[layer], sel)
+                    if not decide_token(st, p, account, sc, layer, t, n, sel, None, True,
+                                        ranked[layer, n], weights[layer, n], slots, experts, gates):
+                        return layer
+                elif not decide_token(st, p, account, sc, layer, t, n, logits[n, layer], table, True,
+                                      ranked[layer, n], weights[layer, n], slots, experts, gates):
                     return layer
             st.counts[SEGMENTS] += 1
     return -1

@@ -4,8 +4,22 @@ One compiled implementation serves the engine (rows it just computed, float32) a
 simulator (a trace's rows, float16 bit patterns read through a table: numba has no float16),
 so both break ties alike: equal logits go to the lower expert id. Rankings compare integer
 keys (`rank_key`) in the order of the values, which vectorises.
+
+Two router kinds. softmax: experts ranked by logit, gates the softmax (renormalised over the
+top-k when `norm`); a per-expert logit bias (GPT-OSS), where the router has one, is added to
+the logits before both, so the decision kernel ranks the biased logits. sigmoid (DeepSeek-V3,
+GLM-4.5): scores sigmoid(logit) in float32; experts are *selected* by score + a per-expert
+correction bias, only within the `topk_group` best of `n_group` groups (a group's worth: the
+sum of its two best biased scores); the gates are the unbiased scores of the chosen experts,
+divided by their sum (+1e-20) when `norm`. The routed_scaling_factor multiplies the layer's
+combined output, not the gates, so that gate weights stay shares of a token's routed mass for
+every router (the policies' thresholds mean the same on every family). For a sigmoid router
+the decision kernel ranks the *selection row*: biased scores, -inf outside the token's
+allowed groups.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from numba import types
@@ -101,6 +115,151 @@ def route_rows(logits, table, norm, ids, weights, vals, comp, block_max):
     """route_row over every row of logits [T, E] into ids, weights [T, k]."""
     for t in range(logits.shape[0]):
         route_row(logits[t], table, norm, ids[t], vals, weights[t], comp, block_max)
+
+
+@compiled
+def biased_row(row, table, bias, out):
+    """Softmax router with a logit bias, one token: out [E] <- row + bias (float32)."""
+    for e in range(len(row)):
+        out[e] = np.float32(value(row, table, e)) + bias[e]
+
+
+@compiled
+def select_row(row, table, bias, n_group, topk_group, sel, scores, group_score):
+    """Sigmoid router, one token: scores [E] <- sigmoid(row) (float32); sel [E] <- scores + bias
+    inside the token's topk_group best groups (a group's worth: its two best biased scores
+    summed; ties to the lower group), -inf outside them. group_score [n_group]: working array."""
+    E = len(row)
+    one = np.float32(1.0)
+    for e in range(E):
+        g = one / (one + np.exp(-np.float32(value(row, table, e))))
+        scores[e] = g
+        sel[e] = g + bias[e]
+    if topk_group >= n_group:
+        return
+    size = E // n_group
+    for g in range(n_group):
+        a, b = -np.inf, -np.inf  # best and second best of the group
+        for e in range(g * size, g * size + size):
+            v = sel[e]
+            if v > a:
+                a, b = v, a
+            elif v > b:
+                b = v
+        group_score[g] = np.float32(a + b)
+    for _ in range(n_group - topk_group):  # drop the worst groups, ties: the higher group goes first
+        worst = 0
+        for g in range(1, n_group):
+            if group_score[g] <= group_score[worst]:
+                worst = g
+        group_score[worst] = np.inf
+        for e in range(worst * size, worst * size + size):
+            sel[e] = -np.inf
+
+
+@compiled
+def route_row_sigmoid(row, table, bias, n_group, topk_group, norm, ranked, vals, w, sel, scores, group_score,
+                      comp, block_max):
+    """Sigmoid router, one token: ranked [R] <- experts in selection order (allowed groups by biased
+    score, then the rest by id), of which the first k = len(w) are routed; w [k] <- their unbiased
+    scores, divided by their sum when `norm`. sel, scores [E] <- the selection row and the scores
+    (see select_row)."""
+    k = len(w)
+    select_row(row, table, bias, n_group, topk_group, sel, scores, group_score)
+    top_m(sel, None, len(ranked), ranked, vals, comp, block_max)
+    total = np.float32(0.0)
+    for j in range(k):
+        w[j] = scores[ranked[j]]
+        total += np.float32(w[j])
+    if norm:
+        total += np.float32(1e-20)
+        for j in range(k):
+            w[j] = np.float32(w[j]) / total
+
+
+@compiled
+def route_rows_sigmoid(logits, table, bias, n_group, topk_group, norm, ids, weights, sel, scores, vals, group_score,
+                       comp, block_max):
+    """route_row_sigmoid over every row of logits [T, E] into ids, weights [T, k], sel, scores [T, E]."""
+    for t in range(logits.shape[0]):
+        route_row_sigmoid(logits[t], table, bias, n_group, topk_group, norm, ids[t], vals, weights[t], sel[t],
+                          scores[t], group_score, comp, block_max)
+
+
+@dataclass(frozen=True)
+class Router:
+    """How a model routes, for every place that routes (engine, calibrate, predictors, simulator)."""
+    top_k: int
+    norm_topk: bool
+    kind: str = "softmax"  # softmax | sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0  # routed_scaling_factor: multiplies the combined routed output
+    # [L, E] float32 per MoE layer: softmax, added to the logits before top-k and softmax; sigmoid, the selection bias
+    bias: np.ndarray | None = None
+
+    @property
+    def sigmoid(self) -> bool:
+        """True for the sigmoid router (selection rows, gate scores apart from the ranking)."""
+        return self.kind == "sigmoid"
+
+    @property
+    def logit_bias(self) -> bool:
+        """True for a softmax router with a logit bias: its logits are biased before they are ranked."""
+        return not self.sigmoid and self.bias is not None
+
+    def layer_bias(self, layer: int, num_experts: int) -> np.ndarray:
+        """The bias of MoE layer `layer` [E] (zeros when the router has none)."""
+        if self.bias is None:
+            return np.zeros(num_experts, np.float32)
+        return self.bias[layer]
+
+    def bias_table(self, num_layers: int, num_experts: int) -> np.ndarray:
+        """The bias of every MoE layer [L, E] float32 (zeros when the router has none)."""
+        if self.bias is None:
+            return np.zeros((num_layers, num_experts), np.float32)
+        return np.ascontiguousarray(self.bias, dtype=np.float32)
+
+    def route(self, logits: np.ndarray, layer: int) -> Routing:
+        """logits [T, E] of MoE layer `layer` (the router's weight times x, without a bias) -> its Routing."""
+        if not self.sigmoid:
+            if self.bias is not None:
+                logits = np.asarray(logits, np.float32) + self.bias[layer]
+            rows, weights, ids = route_logits(logits, self.top_k, self.norm_topk)
+            return Routing(rows, rows, weights, ids)
+        assert logits.ndim == 2, f"logits must be [T, E], got {logits.shape}"
+        logits = np.ascontiguousarray(logits, dtype=np.float32)
+        T, E = logits.shape
+        k = self.top_k
+        ids, weights = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
+        sel, scores = np.empty((T, E), np.float32), np.empty((T, E), np.float32)
+        route_rows_sigmoid(logits, None, self.layer_bias(layer, E), self.n_group, self.topk_group, self.norm_topk,
+                           ids, weights, sel, scores, np.empty(k), np.empty(self.n_group, np.float32),
+                           np.empty(E, np.int64), np.empty(E // 16 + 1, np.int64))
+        return Routing(sel, scores, weights, ids)
+
+    def header(self) -> dict:
+        """The router as trace-header fields (the bias as nested lists)."""
+        return {"router": self.kind, "n_group": self.n_group, "topk_group": self.topk_group,
+                "routed_scaling_factor": self.scale,
+                "router_bias": None if self.bias is None else np.asarray(self.bias).tolist()}
+
+    @classmethod
+    def from_header(cls, h: dict) -> Router:
+        """The Router a trace header records."""
+        bias = h.get("router_bias")
+        return cls(h["top_k"], bool(h["norm_topk_prob"]), h.get("router", "softmax"), h.get("n_group", 1),
+                   h.get("topk_group", 1), h.get("routed_scaling_factor", 1.0),
+                   None if bias is None else np.asarray(bias, np.float32))
+
+
+@dataclass
+class Routing:
+    """One layer call's routes, on the host."""
+    rows: np.ndarray  # [T, E] float32 what the decision kernel ranks: (biased) logits, or sigmoid selection rows
+    scores: np.ndarray  # [T, E] float32 the gate scores the conditional policy weighs by (sigmoid; softmax: rows)
+    weights: np.ndarray  # [T, k] float32 gate weights, shares of the routed mass
+    ids: np.ndarray  # [T, k] int64 routed experts in rank order
 
 
 def route_logits(logits: np.ndarray, top_k: int, norm_topk: bool):

@@ -23,8 +23,9 @@ from ..engine.moe import route
 from ..engine.perplexity import teacher_forced
 from ..engine.stores import RamStore
 from ..engine.transformer import Transformer
-from ..engine.weights import dense_weights
+from ..engine.weights import dense_weights, router_of
 from ..errors import CheckpointError
+from ..kernel.routing import Router
 from ..models import model_args
 
 CALIB_TEXT = Path(__file__).parents[1] / "data" / "calib.txt"
@@ -46,15 +47,15 @@ class Calibration:
 class RecordingMoE:
     """An exact MoE function over all experts in RAM that also sums each expert's output."""
 
-    def __init__(self, store: RamStore, top_k: int, norm_topk: bool, kind: ExpertKind = SWIGLU):
-        self.store, self.top_k, self.norm_topk, self.kind = store, top_k, norm_topk, kind
+    def __init__(self, store: RamStore, router: Router, kind: ExpertKind = SWIGLU):
+        self.store, self.router, self.top_k, self.kind = store, router, router.top_k, kind
         L, E, H = store.w13.shape[0], store.w13.shape[1], store.w2.shape[2]
         self.sums = torch.zeros(L, E, H, dtype=torch.float64)
         self.counts = torch.zeros(L, E, dtype=torch.int64)
 
-    def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor,
-                 router_bias: torch.Tensor | None = None) -> torch.Tensor:
-        _, weights, ids = map(torch.from_numpy, route(x, router, self.top_k, self.norm_topk, router_bias))
+    def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        routing = route(x, router, self.router, layer)
+        weights, ids = torch.from_numpy(routing.weights), torch.from_numpy(routing.ids)
         out = torch.zeros_like(x)
         w13, w2 = self.store.w13[layer], self.store.w2[layer]
         b13, b2 = (self.store.b13[layer], self.store.b2[layer]) if self.store.shape.bias else (None, None)
@@ -69,7 +70,7 @@ class RecordingMoE:
             self.sums[layer, e] += y.sum(0).double()
             self.counts[layer, e] += c
             out.index_add_(0, tok, y * weights.reshape(-1)[pos].unsqueeze(-1))
-        return out
+        return out if self.router.scale == 1.0 else out * self.router.scale
 
 
 def encode_text(model_path: Path, text: str, max_tokens: int | None = None) -> list[int]:
@@ -81,14 +82,15 @@ def encode_text(model_path: Path, text: str, max_tokens: int | None = None) -> l
     return Tokenizer.from_file(str(ckpt.tokenizer_file)).encode(text).ids[:max_tokens]
 
 
-def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[RamStore, object], RecordingMoE],
+def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[RamStore, object, Router], RecordingMoE],
               context: int = 512, progress: Callable[[int], None] | None = None) -> tuple[Transformer, RecordingMoE]:
     """Run the exact model (every expert in RAM) over `ids` in windows of `context`, with the
-    MoE function `make_moe(store, args)` recording what it needs; returns the model and it."""
+    MoE function `make_moe(store, args, router)` recording what it needs; returns the model and it."""
     ckpt = open_checkpoint(model_path)
     args = model_args(ckpt.config)
-    moe = make_moe(RamStore(ckpt, args), args)
-    model = Transformer(args, dense_weights(ckpt, args), moe, torch.device("cpu"), context)
+    weights = dense_weights(ckpt, args)
+    moe = make_moe(RamStore(ckpt, args), args, router_of(args, weights))
+    model = Transformer(args, weights, moe, torch.device("cpu"), context)
     model.prefetch = getattr(moe, "hook", None)
     for _ in teacher_forced(lambda x: model.forward(x, 0), ids, context, progress, score=False):
         pass
@@ -99,8 +101,7 @@ def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[RamStore, ob
 def calibrate(model_path: Path, ids: list[int], context: int = 512,
               progress: Callable[[int], None] | None = None) -> Calibration:
     """Routing counts and default vectors of the exact model over `ids`, in windows of `context`."""
-    _, moe = run_exact(model_path, ids,
-                       lambda store, a: RecordingMoE(store, a.top_k, a.norm_topk_prob, ExpertKind.of(a)),
+    _, moe = run_exact(model_path, ids, lambda store, a, router: RecordingMoE(store, router, ExpertKind.of(a)),
                        context, progress)
     vectors = (moe.sums / moe.counts.clamp(min=1).unsqueeze(-1)).float()
     return Calibration(moe.counts, vectors, len(ids))

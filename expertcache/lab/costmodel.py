@@ -185,7 +185,7 @@ def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", re
                 pass
         elapsed = time.perf_counter() - t
         s = difference(eng.stats, before)
-        return elapsed / (s.moe_calls / eng.args.num_layers), s
+        return elapsed / (s.moe_calls / eng.args.num_moe_layers), s
 
     samples = [[] for _ in engines]
     for rep in range(repeats + 1):  # repetition 0 warms up
@@ -275,8 +275,8 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
     read_s = []
     for _ in range(reads):
         start = time.perf_counter()
-        st.read_into(int(rng.integers(a.num_layers)), int(rng.integers(a.num_experts)), w13, w2)
+        st.read_into(int(rng.integers(a.num_moe_layers)), int(rng.integers(a.num_experts)), w13, w2)
         read_s.append(time.perf_counter() - start)
     if hasattr(st, "close"):
         st.close()
-    return fit_profile(timed, st, a.num_layers, a.top_k, mode, store, statistics.median(read_s))
+    return fit_profile(timed, st, a.num_moe_layers, a.top_k, mode, store, statistics.median(read_s))

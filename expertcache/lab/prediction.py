@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..engine.checkpoint import load_default_vectors
 from ..engine.experts import ExpertKind
-from ..engine.moe import route
+from ..engine.moe import router_logits
 from ..engine.predictors import Estimator, EstimatorNet, Predictor, QuasiHidden, make_predictor, save_estimator
 from ..engine.transformer import Transformer
 from .calibrate import RecordingMoE, run_exact
@@ -33,27 +33,29 @@ class LayerStates:
 
 
 class _Recorder(RecordingMoE):
-    def __init__(self, store, top_k, norm_topk, n_layers, kind):
-        super().__init__(store, top_k, norm_topk, kind)
+    def __init__(self, store, router, n_layers, kind):
+        super().__init__(store, router, kind)
         self.resid_now = None
         self.rows = [dict(resid=[], x=[], ids=[], weights=[], logits=[]) for _ in range(n_layers)]
 
     def hook(self, layer, h):
         self.resid_now = h
 
-    def __call__(self, layer, x, router, router_bias=None):
-        logits, w, ids = map(torch.from_numpy, route(x, router, self.top_k, self.norm_topk, router_bias))
+    def __call__(self, layer, x, router):
+        logits = router_logits(x, router, self.router)  # recorded without the router's bias, as traces hold them
+        routing = self.router.route(logits.cpu().numpy(), layer)
+        w, ids = torch.from_numpy(routing.weights), torch.from_numpy(routing.ids)
         r = self.rows[layer]
         for key, val in (("resid", self.resid_now), ("x", x), ("ids", ids), ("weights", w), ("logits", logits)):
             r[key].append(val.clone())
-        return super().__call__(layer, x, router, router_bias)
+        return super().__call__(layer, x, router)
 
 
 def record_states(model_path: Path, ids: list[int], context: int = 512,
                   progress: Callable[[int], None] | None = None) -> tuple[Transformer, LayerStates]:
     """Run the exact model over `ids` in windows of `context`, recording every layer's states."""
-    model, rec = run_exact(model_path, ids, lambda store, a: _Recorder(store, a.top_k, a.norm_topk_prob, a.num_layers,
-                                                                     ExpertKind.of(a)),
+    model, rec = run_exact(model_path, ids,
+                           lambda store, a, router: _Recorder(store, router, a.num_moe_layers, ExpertKind.of(a)),
                            context, progress)
     cat = lambda key: [torch.cat(r[key]) for r in rec.rows]  # noqa: E731
     return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"))
@@ -63,15 +65,19 @@ def record_states(model_path: Path, ids: list[int], context: int = 512,
 def recall_per_layer(p: Predictor, s: LayerStates, top_k: int, batch: int = 8192) -> list[float]:
     """recall@k of transition l -> l+1 for l = 0..L-2: share of the true top-k that was predicted."""
     out = []
+    router = p.model.router
     for layer in range(len(s.x) - 1):
         hit, n = 0, 0
         for i in range(0, len(s.x[layer]), batch):
             sl = slice(i, i + batch)
             pred = p.logits(layer, s.resid[layer][sl], s.x[layer][sl], s.ids[layer][sl], s.weights[layer][sl])
-            pred_ids = pred.topk(top_k, dim=-1).indices
             true = s.logits[layer + 1][sl]
             assert pred.shape == true.shape, f"{p.name} gave logits {tuple(pred.shape)}, expected {tuple(true.shape)}"
-            true_ids = true.topk(top_k, dim=-1).indices
+            if router.sigmoid or router.logit_bias:  # selection with the router's bias, as the model routes
+                pred_ids = torch.from_numpy(router.route(pred.float().numpy(), layer + 1).ids)
+                true_ids = s.ids[layer + 1][sl]
+            else:
+                pred_ids, true_ids = pred.topk(top_k, dim=-1).indices, true.topk(top_k, dim=-1).indices
             hit += (pred_ids.unsqueeze(-1) == true_ids.unsqueeze(-2)).any(-1).sum().item()
             n += true_ids.numel()
         out.append(hit / n)
@@ -85,12 +91,12 @@ def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.T
     a = model.args
     qh = QuasiHidden(model, default_vectors)
     with torch.no_grad():
-        q = torch.cat([qh.quasi_hidden(l, s.resid[l], s.ids[l], s.weights[l]) for l in range(a.num_layers - 1)])
-        layer = torch.cat([torch.full((len(s.x[l]),), l) for l in range(a.num_layers - 1)])
-        target = torch.cat([F.log_softmax(s.logits[l + 1].float(), -1) for l in range(a.num_layers - 1)])
+        q = torch.cat([qh.quasi_hidden(l, s.resid[l], s.ids[l], s.weights[l]) for l in range(a.num_moe_layers - 1)])
+        layer = torch.cat([torch.full((len(s.x[l]),), l) for l in range(a.num_moe_layers - 1)])
+        target = torch.cat([F.log_softmax(s.logits[l + 1].float(), -1) for l in range(a.num_moe_layers - 1)])
     batch = min(batch, len(q))
     torch.manual_seed(seed)
-    net = EstimatorNet(a.hidden_size, a.num_experts, a.num_layers)
+    net = EstimatorNet(a.hidden_size, a.num_experts, a.num_moe_layers)
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
     steps = epochs * (len(q) // batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)

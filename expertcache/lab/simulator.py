@@ -25,8 +25,8 @@ from ..engine.stores import ExpertShape
 from ..errors import BadInput
 from ..kernel.cache_state import LOGGING
 from ..kernel.policy import Scratch
-from ..kernel.replay import replay_windows, route_all
-from ..kernel.routing import HALF_TO_FLOAT
+from ..kernel.replay import replay_windows, route_all, route_all_biased, route_all_sigmoid
+from ..kernel.routing import HALF_TO_FLOAT, Router
 from ..policies import make_policy
 from .trace import Trace
 
@@ -75,19 +75,41 @@ def check_trace(trace: Trace) -> tuple[int, int, int]:
     return L, E, k
 
 
+def trace_router(trace: Trace) -> Router:
+    """The Router a trace's header records, checked against its shape (the compiled loops check no bounds)."""
+    h = trace.header
+    L, E, _ = check_trace(trace)
+    router = Router.from_header(h)
+    if router.bias is not None and router.bias.shape != (L, E):
+        raise BadInput(f"the trace's router bias of shape {router.bias.shape} does not fit its {L} layers x {E} "
+                       "experts; record the trace again with `expertcache trace`")
+    if router.sigmoid and not (1 <= router.topk_group <= router.n_group and E % router.n_group == 0):
+        raise BadInput(f"the trace's router groups (n_group={router.n_group}, topk_group={router.topk_group}) do not "
+                       f"fit its {E} experts; record the trace again with `expertcache trace`")
+    return router
+
+
 def route_trace(trace: Trace, ranks: int = 32) -> Routes:
     """Route every token at every layer, ranking `ranks` experts (at least the top-k): the
     ranks past the top-k are where substitutes and cache-conditional choices come from."""
-    h = trace.header
     L, E, k = check_trace(trace)
     logits, table = logit_rows(trace)
     N = logits.shape[0]
     R = min(E, max(ranks, k))
     ranked = np.empty((L, N, R), np.int16 if E < 2**15 else np.int32)
     weights = np.empty((L, N, k), np.float32)
+    router = trace_router(trace)
     start = time.perf_counter()
-    route_all(logits, table, bool(h["norm_topk_prob"]), ranked, weights, np.empty(R), np.empty(E, np.int64),
-               np.empty(E // 16 + 1, np.int64))
+    work = (np.empty(R), np.empty(E, np.int64), np.empty(E // 16 + 1, np.int64))
+    if router.sigmoid:
+        route_all_sigmoid(logits, table, router.norm_topk, ranked, weights, *work, router.bias_table(L, E),
+                          router.n_group, router.topk_group, np.empty(E, np.float32), np.empty(E, np.float32),
+                          np.empty(router.n_group, np.float32))
+    elif router.logit_bias:
+        route_all_biased(logits, table, router.norm_topk, ranked, weights, *work, router.bias_table(L, E),
+                         np.empty(E, np.float32))
+    else:
+        route_all(logits, table, router.norm_topk, ranked, weights, *work)
     return Routes(ranked, weights, time.perf_counter() - start)
 
 
@@ -126,10 +148,13 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     st.misc[LOGGING] = 0  # nothing carries actions out
     routes = routes or route_trace(trace)
     logits, table = logit_rows(trace)
+    router = trace_router(trace)
     start = time.perf_counter()
     failed = replay_windows(st, pol.params(), pol.bind(L, E), Scratch.make(k, E), logits, table, routes.ranked,
-                     routes.weights, window, np.empty(k, np.int64), np.empty(k, np.int64),
-                     np.empty(k, np.float32))
+                            routes.weights, window, np.empty(k, np.int64), np.empty(k, np.int64),
+                            np.empty(k, np.float32), router.sigmoid, router.logit_bias, router.bias_table(L, E),
+                            router.n_group, router.topk_group, np.empty(E, np.float32),
+                            np.empty(router.n_group, np.float32))
     seconds = time.perf_counter() - start
     if failed >= 0:
         raise vc.too_small(failed)

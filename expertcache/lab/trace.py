@@ -2,7 +2,8 @@
 shape, the token ids and document boundaries, in one versioned file.
 
 Layout (little-endian): b"ECTRACE\\0", uint32 format version, uint32 header length, the
-header as UTF-8 JSON, zero padding to a multiple of 64 bytes, token ids int32 [N], then the
+header as UTF-8 JSON (the model's shape and its router: kind, groups, scaling factor and
+selection bias, see kernel/routing.Router.header), zero padding to a multiple of 64 bytes, token ids int32 [N], then the
 logits [N, L, E] in the header's dtype (float16 or float32). Logits are recorded from the
 exact model over windows of `context` tokens (the KV cache restarts at each window), the
 way `ppl` and the simulator read the text.
@@ -20,7 +21,7 @@ import numpy as np
 from ..errors import CheckpointError
 
 MAGIC = b"ECTRACE\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the router (kind, groups, scaling, selection bias) in the header
 
 
 @dataclass
@@ -79,10 +80,11 @@ def record_trace(model_path: Path, ids: list[int], out: Path, context: int = 512
     from .prediction import record_states
     model, states = record_states(model_path, ids, context, progress)
     a = model.args
-    logits = np.stack([l.numpy() for l in states.logits], axis=1).astype(dtype)  # [N, L, E]
+    logits = np.stack([l.numpy() for l in states.logits], axis=1).astype(dtype)  # [N, L, E], MoE layers
     from ..engine.stores import ExpertShape
-    header = {"model": str(model_path), "family": a.family, "num_layers": a.num_layers, "num_experts": a.num_experts,
-              "top_k": a.top_k, "norm_topk_prob": a.norm_topk_prob, "hidden_size": a.hidden_size,
-              "expert_params": ExpertShape.of(a).numel, "context": context, "documents": documents or []}
+    header = {"model": str(model_path), "family": a.family, "num_layers": a.num_moe_layers,
+              "num_experts": a.num_experts, "top_k": a.top_k, "norm_topk_prob": a.norm_topk_prob,
+              "hidden_size": a.hidden_size, "expert_params": ExpertShape.of(a).numel, "context": context,
+              "documents": documents or [], **model.router.header()}
     write_trace(out, header, np.asarray(ids, dtype=np.int32), logits)
     return read_trace(out)

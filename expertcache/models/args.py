@@ -27,30 +27,60 @@ class ModelArgs:
     attention_bias: bool = False
     qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3); "full": over all heads (OLMoE)
     clip_qkv: float | None = None
-    shared_expert_dim: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
+    shared_expert_dim: int = 0  # an always-on expert (Qwen2-MoE, GLM-4.5, DeepSeek-V3)
+    shared_expert_gate: bool = True  # Qwen2-MoE gates the shared expert with a sigmoid; GLM/DeepSeek do not
     max_position_embeddings: int = 4096
-    # Attention variants (GPT-OSS, Qwen3-Next); the defaults are plain causal GQA with full RoPE.
+    # Attention variants (GPT-OSS, Qwen3-Next, GLM-4.5, DeepSeek-V3); the defaults are plain causal GQA with
+    # full RoPE.
     layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention | linear_attention
     sliding_window: int | None = None
     attention_sinks: bool = False  # a learned per-head logit in the softmax denominator
     attention_gate: bool = False  # q_proj doubled: a sigmoid gate on the attention output per channel
-    partial_rotary_factor: float = 1.0
+    partial_rotary_factor: float = 1.0  # partial RoPE (GLM-4.5, Qwen3-Next): the share of each head that rotates
     rope_scaling: dict | None = None  # rope_parameters beyond rope_theta (YaRN: factor, beta_fast, ...)
+    attention: str = "gqa"  # gqa | mla (multi-head latent attention, DeepSeek-V3)
+    q_lora_rank: int | None = None  # mla: None projects q directly
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    softmax_scale: float | None = None  # None: head_dim ** -0.5
+    rope_interleave: bool = False  # rotate pairs (x0, x1), (x2, x3), ... (DeepSeek-V3)
     # Gated DeltaNet (linear_attention layers)
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
-    # Routing and experts
+    # The router (see kernel/routing.py)
+    router: str = "softmax"  # softmax | sigmoid
+    # a per-expert bias of each MoE layer: added to the logits before top-k and softmax (GPT-OSS), or a
+    # sigmoid router's selection bias (e_score_correction_bias: GLM-4.5, DeepSeek-V3)
     router_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Experts
     expert_bias: bool = False  # b13 [2F] and b2 [H] per expert
     swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU: gate <= limit, |up| <= limit, (up + 1) * glu
     swiglu_alpha: float = 1.702
+    # Dense layers: the first `first_dense_layers` decoder layers run a SwiGLU MLP of `dense_dim`
+    first_dense_layers: int = 0
+    dense_dim: int = 0
 
     def layer_type(self, i: int) -> str:
         """Layer i's attention kind: full_attention, sliding_attention or linear_attention."""
         return self.layer_types[i] if self.layer_types else "full_attention"
+
+    @property
+    def moe_layers(self) -> range:
+        """Decoder layers with routed experts; the cache, kernel and routing counts index these 0.. in order."""
+        return range(self.first_dense_layers, self.num_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        """How many decoder layers route to experts."""
+        return self.num_layers - self.first_dense_layers
 
     @property
     def expert_params(self) -> int:
@@ -87,10 +117,10 @@ def rope_scaling(config: dict) -> dict | None:
     return None if kind == "default" else params
 
 
-def partial_rotary_factor(config: dict) -> float:
-    """The share of each head that RoPE rotates (rope_parameters or the top-level key; 1 if absent)."""
+def partial_rotary_factor(config: dict, default: float = 1.0) -> float:
+    """The share of each head that RoPE rotates (rope_parameters or the top-level key; `default` if absent)."""
     params = config.get("rope_parameters") or {}
-    return float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    return float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", default)))
 
 
 class LayerExperts(NamedTuple):

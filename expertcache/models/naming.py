@@ -13,19 +13,67 @@ def dense_layers_unsupported(c: dict) -> None:
             "supported; use a checkpoint whose every layer is MoE")
 
 
-def per_expert_names(i: int, a: ModelArgs, moe: str, gate: str, w1: str, w3: str, w2: str) -> dict:
-    """Our name -> checkpoint name for layer i; experts as lists indexed by expert id."""
+def attention_names(i: int, a: ModelArgs) -> dict:
+    """Our name -> checkpoint name for layer i's norms and (GQA) attention."""
     p = f"model.layers.{i}."
     attn = p + "self_attn."
     names = {"attn_norm": p + "input_layernorm.weight", "moe_norm": p + "post_attention_layernorm.weight",
              "wq": attn + "q_proj.weight", "wk": attn + "k_proj.weight", "wv": attn + "v_proj.weight",
-             "wo": attn + "o_proj.weight", "router": p + f"{moe}.{gate}.weight"}
+             "wo": attn + "o_proj.weight"}
     if a.attention_bias:
         names.update(bq=attn + "q_proj.bias", bk=attn + "k_proj.bias", bv=attn + "v_proj.bias")
     if a.qk_norm:
         names.update(q_norm=attn + "q_norm.weight", k_norm=attn + "k_norm.weight")
-    e = p + f"{moe}.experts."
-    names["experts"] = {"w1": [f"{e}{j}.{w1}.weight" for j in range(a.num_experts)],
-                        "w3": [f"{e}{j}.{w3}.weight" for j in range(a.num_experts)],
-                        "w2": [f"{e}{j}.{w2}.weight" for j in range(a.num_experts)]}
     return names
+
+
+def expert_names(prefix: str, a: ModelArgs, w1: str, w3: str, w2: str) -> dict:
+    """Per-expert tensor names under `prefix` ('model.layers.{i}.mlp.experts.'), as lists indexed by expert id."""
+    return {"w1": [f"{prefix}{j}.{w1}.weight" for j in range(a.num_experts)],
+            "w3": [f"{prefix}{j}.{w3}.weight" for j in range(a.num_experts)],
+            "w2": [f"{prefix}{j}.{w2}.weight" for j in range(a.num_experts)]}
+
+
+def per_expert_names(i: int, a: ModelArgs, moe: str, gate: str, w1: str, w3: str, w2: str) -> dict:
+    """Our name -> checkpoint name for layer i; experts as lists indexed by expert id."""
+    p = f"model.layers.{i}."
+    names = attention_names(i, a)
+    names["router"] = p + f"{moe}.{gate}.weight"
+    names["experts"] = expert_names(p + f"{moe}.experts.", a, w1, w3, w2)
+    return names
+
+
+def deepseek_mlp_names(i: int, a: ModelArgs) -> dict:
+    """Layer i's MLP tensors as DeepSeek-V3 and GLM-4.5 name them: a dense SwiGLU MLP in the first
+    first_dense_layers layers; elsewhere a router with its selection bias, shared experts and routed experts."""
+    p = f"model.layers.{i}.mlp."
+    if i < a.first_dense_layers:
+        return {"dense_w1": p + "gate_proj.weight", "dense_w3": p + "up_proj.weight",
+                "dense_w2": p + "down_proj.weight"}
+    names = {"router": p + "gate.weight", "experts": expert_names(p + "experts.", a, "gate_proj", "up_proj",
+                                                                   "down_proj")}
+    if a.router_bias:
+        names["router_bias"] = p + "gate.e_score_correction_bias"
+    if a.shared_expert_dim:
+        names.update(shared_w1=p + "shared_experts.gate_proj.weight", shared_w3=p + "shared_experts.up_proj.weight",
+                     shared_w2=p + "shared_experts.down_proj.weight")
+    return names
+
+
+def sigmoid_router_fields(c: dict) -> dict:
+    """ModelArgs fields of the DeepSeek-V3 / GLM-4.5 router, dense layers and shared experts."""
+    return dict(router="sigmoid", router_bias=True, n_group=c.get("n_group") or 1, topk_group=c.get("topk_group") or 1,
+                routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+                norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+                first_dense_layers=c.get("first_k_dense_replace") or 0, dense_dim=c["intermediate_size"],
+                shared_expert_dim=(c.get("n_shared_experts") or 0) * c["moe_intermediate_size"],
+                shared_expert_gate=False)
+
+
+def default_rope_only(c: dict) -> None:
+    """Raise UnsupportedArchitecture for a RoPE scaling other than none."""
+    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in (None, "default"):
+        raise UnsupportedArchitecture(f"{c.get('model_type')}: rope_type {kind!r} is not supported yet; "
+                                      "use a checkpoint without rope scaling")
