@@ -17,8 +17,20 @@ import json; from expertcache.lab.speculation import speculative_quality; from e
 print(json.dumps(speculative_quality(None, StudyConfig()), indent=1))"
   run trace expertcache trace --out build/eval.ectrace
   run trace16k expertcache trace --max-tokens 16384 --out build/eval16k.ectrace
+  run admission python benchmarks/admission.py --trace build/eval16k.ectrace --json "$out/admission.json"
+  run bad_inputs python benchmarks/bad_inputs.py --json "$out/bad_inputs.json"
+  run checkpoint_sizes python benchmarks/checkpoint_sizes.py --out build/configs
+  run quantized python benchmarks/quantized.py --json "$out/quantized.json"
+  run tune expertcache tune --cache 0.25 --budget 1% --json "$out/tune.json" --plot "$out/tune.png"
   ;;&
 timed|all)
+  run io_probe python benchmarks/io_probe.py
+  run store_integrity python benchmarks/store_integrity.py --json "$out/store_integrity.json"
+  run decode_profile python benchmarks/decode_profile.py
+  run families python benchmarks/families.py
+  run families_decode python benchmarks/families_decode.py
+  run serve_load python benchmarks/serve_load.py
+  run prefill_protection python benchmarks/prefill_protection.py
   run simulator_speed python benchmarks/simulator_speed.py --tokens 4000
   run simulator_speed_decode python benchmarks/simulator_speed.py --tokens 4000 --window 1
   run decode python benchmarks/decode.py --gguf build/model.gguf --json "$out/decode.json"
@@ -30,8 +42,7 @@ timed|all)
       quality-first quality-first+prefetch/hybrid
   run calibrate_hw expertcache calibrate-hw --store disk --mode forced --out "$out/cpu-disk-forced.json"
   run calibrate_hw_decode expertcache calibrate-hw --store disk --mode decode --out "$out/cpu-disk-decode.json"
-  run costmodel_check python benchmarks/costmodel_check.py "$out/bench.json" "$out/cpu-disk-forced.json" \
-      "$out/cpu-disk-decode.json"
+  run costmodel_check python benchmarks/costmodel_check.py --repeats 3 --json "$out/costmodel_check.json"
   run simulate expertcache simulate build/eval16k.ectrace --cache 0.125 0.25 0.5 --jobs 2 \
       --profile "$out/cpu-disk-forced.json" --plot "$out/frontier.png" --json "$out/simulate.json" \
       --policies fetch-all threshold:tau=0.15 first-choice quality-first moe-infinity llama.cpp conditional:j=2,m=16

@@ -50,6 +50,8 @@ class Route:
 
 @dataclass
 class Decision:
+    """One token's decision at one layer: the experts that run and their weights, the fetches, the
+    background admissions and what was substituted."""
     experts: list[int]  # executed experts, aligned with weights
     weights: list[float]
     fetch: list[int]  # executed experts to make resident before compute (synchronous)
@@ -93,6 +95,7 @@ class MissPolicy:
         self.norm_topk = True  # the model's gate normalisation (`fit`): top-k renormalised or not
 
     def params(self) -> np.ndarray:
+        """The parameter vector [N_PARAMS] float64 the compiled `decide` reads."""
         p = np.zeros(N_PARAMS)
         p[KIND] = self.kind
         p[NORM] = self.norm_topk
@@ -168,18 +171,21 @@ class SubstitutingPolicy(MissPolicy):
         self.window = 0 if window is None else checked_number(self.name, "window", window, 1, whole=True)
 
     def check(self, top_k: int, num_experts: int) -> None:
+        """BadInput when sub=window's window does not lie in (top-k, experts]."""
         if self.sub == "window" and not top_k < self.window <= num_experts:
             raise BadInput(f"policy {self.name!r}: window={self.window} must be more than top-k={top_k} (substitutes "
                            f"come from the ranks after the top-k) and at most the {num_experts} experts; "
                            f"e.g. window={min(2 * top_k, num_experts)}")
 
     def params(self) -> np.ndarray:
+        """The base vector plus the fetch rule, the substitute choice, window and beta."""
         p = super().params()
         p[RULE], p[SUB], p[WINDOW], p[BETA] = self.rule, SUBSTITUTES.index(self.sub), self.window, self.beta
         return p
 
 
 class SubstituteAll(SubstitutingPolicy):
+    """Substitute every miss that has a resident substitute; fetch only those that have none."""
     name = "substitute-all"
 
 
@@ -193,6 +199,7 @@ class ThresholdRule(SubstitutingPolicy):
         self.tau = checked_number(self.name, "tau", tau, 0, 1)
 
     def params(self):
+        """The substituting vector plus tau."""
         p = super().params()
         p[TAU] = self.tau
         return p
@@ -218,6 +225,7 @@ class WeightBand(SubstitutingPolicy):
         self.hi = checked_number(self.name, "hi", hi, self.lo, above=True)
 
     def params(self):
+        """The substituting vector plus the band's lo and hi."""
         p = super().params()
         p[LO], p[HI] = self.lo, self.hi
         return p
@@ -241,6 +249,7 @@ class LowBit(SubstitutingPolicy):
         self.lo = checked_number(self.name, "lo", lo, 0, self.tau)
 
     def params(self):
+        """The substituting vector plus tau and lo."""
         p = super().params()
         p[TAU], p[LO] = self.tau, self.lo
         return p
@@ -273,6 +282,7 @@ class CacheConditional(MissPolicy):
         return self.default_m if self.m is None else self.m
 
     def check(self, top_k: int, num_experts: int) -> None:
+        """BadInput when j is more than top-k or a given m lies outside [top-k, experts]."""
         if self.j > top_k:
             raise BadInput(f"policy {self.name!r}: j={self.j} is more than top-k={top_k}; give j <= {top_k}")
         if self.m is not None and not top_k <= self.m <= num_experts:
@@ -280,6 +290,7 @@ class CacheConditional(MissPolicy):
                            f"experts; e.g. m={min(2 * top_k, num_experts)}")
 
     def params(self):
+        """The base vector plus j and m."""
         p = super().params()
         p[TOP_J], p[TOP_M] = self.j, self.top_m
         return p

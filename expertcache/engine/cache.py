@@ -24,6 +24,8 @@ F32, I64 = np.dtype(np.float32), np.dtype(np.int64)  # the kernel's argument typ
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """The expert cache's size (a fraction of each layer's experts, or bytes), how layers share
+    slots (quota), the eviction order and the number of transfer workers."""
     fraction: float = 0.25  # of each layer's experts
     bytes: int | None = None  # overrides fraction when given
     quota: str = "layer"  # "layer": each layer owns its slots; "global": any layer may take any slot
@@ -32,6 +34,8 @@ class CacheConfig:
 
 
 def slots_per_layer(cfg: CacheConfig, shape: ExpertShape, fast_expert_bytes: int, top_k: int) -> int:
+    """Expert slots per layer under `cfg`, at most the layer's experts; CacheTooSmall when
+    fewer than `top_k` or the fraction is out of range."""
     if cfg.bytes is not None:
         per_layer = cfg.bytes // fast_expert_bytes // shape.num_layers
         what = f"{cfg.bytes} bytes"
@@ -108,6 +112,7 @@ class ExpertCache:
 
     @property
     def bytes(self) -> int:
+        """Fast-tier bytes of all slots."""
         return self.num_slots * self.expert_bytes
 
     @property
@@ -125,6 +130,7 @@ class ExpertCache:
             raise BadInput(f"{what} holds expert ids outside [0, {E}): {ids.min()}..{ids.max()}")
 
     def too_small(self, layer: int) -> CacheTooSmall:
+        """The error for a layer whose current token needs every slot, for the caller to raise."""
         return CacheTooSmall(f"layer {layer}: every cache slot is needed by the current token; "
                              "give the cache more slots")
 
@@ -273,6 +279,7 @@ class ExpertCache:
         self._wait_each([s for s, t in self.pending.items() if t.done()])
 
     def finish_all(self) -> float:
+        """Wait for every transfer in flight; returns the stall in seconds."""
         return self._wait_each(list(self.pending))
 
     # -- residency -----------------------------------------------------------------------
@@ -296,6 +303,8 @@ class ExpertCache:
         self.state = self._new_state()
 
     def close(self) -> None:
+        """Land the transfers in flight, stop the transfer workers and close the low-precision
+        store, if any (the engine closes the main store)."""
         self._drain()
         self.transfers.close()
         if self.small is not None:

@@ -28,6 +28,8 @@ BUILTIN_MODEL = Path(__file__).parents[1] / "data" / "model"
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """How an Engine runs a checkpoint: compute device, slow-tier store, cache size, miss policy,
+    eviction order, initial residency, expert formats, prefetching and an optional memory budget."""
     device: str = "cpu"
     store: str = "ram"  # ram | disk | pinned
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -45,6 +47,8 @@ class EngineConfig:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process on `device`: the CUDA allocator's maximum, or the
+    maximum resident set size on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -52,6 +56,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class Engine:
+    """A checkpoint run with its experts in a slow tier and an expert cache in the fast tier, under one
+    miss policy; `forward(ids [T], pos) -> logits [T, V]`."""
     def __init__(self, model_path: str | Path | None = None, config: EngineConfig = EngineConfig(),
                  policy: MissPolicy | None = None):
         self.path = Path(model_path) if model_path else BUILTIN_MODEL
@@ -178,11 +184,13 @@ class Engine:
         return logits
 
     def encode(self, text: str) -> list[int]:
+        """The token ids of `text` by the checkpoint's tokenizer; CheckpointError when it has none."""
         if self.tokenizer is None:
             raise CheckpointError(f"{self.path}: no tokenizer.json; text input needs the model's tokenizer")
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, or the ids joined by spaces when the checkpoint has no tokenizer."""
         return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
 
     def budget(self) -> dict:
@@ -199,5 +207,6 @@ class Engine:
                 "expert_bytes_fast": self.cache.expert_bytes}
 
     def close(self) -> None:
+        """Land the transfers in flight, stop the transfer workers and close the stores."""
         self.cache.close()
         self.store.close()

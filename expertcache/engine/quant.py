@@ -60,10 +60,12 @@ class ExpertFormat:
 
     @property
     def quantized(self) -> bool:
+        """True for the integer formats (int8, int4)."""
         return self.dtype in INT_BITS
 
     @property
     def bits(self) -> int:
+        """Bits per stored weight, not counting group scales and minimums."""
         return INT_BITS[self.dtype] if self.quantized else FLOAT_DTYPES[self.dtype].itemsize * 8
 
     @property
@@ -92,6 +94,8 @@ class ExpertFormat:
 
 @dataclass(frozen=True)
 class Segment:
+    """One array of a blob: the `role` it plays for part `part`, where it starts (`offset` bytes from
+    the blob's start), its dtype and its shape."""
     part: int  # index into ExpertShape.parts
     role: str  # "raw" | "codes" | "scales" | "mins"
     offset: int  # bytes from the blob's start
@@ -100,6 +104,7 @@ class Segment:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the segment's values take, without the alignment padding after it."""
         return math.prod(self.shape) * self.dtype.itemsize
 
 

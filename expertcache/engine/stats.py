@@ -8,6 +8,8 @@ from ..kernel.cache_state import BACKGROUND, COUNTERS, LOWBIT_FETCHES, PREFETCHE
 
 @dataclass
 class RunStats:
+    """Counters and timings of one run (reset by `Engine.reset`) and the rates derived from them;
+    `to_dict` for JSON, `line` for a one-line summary."""
     tokens: int = 0  # tokens through the model (prompt, decode or teacher-forced)
     moe_calls: int = 0  # one token at one MoE layer
     routed: int = 0  # routed (token, expert) selections
@@ -50,14 +52,17 @@ class RunStats:
 
     @property
     def hit_rate(self) -> float:
+        """Routed selections resident at decision time, as a fraction of all routed selections."""
         return self.hits / self.routed if self.routed else 0.0
 
     @property
     def ms_per_token(self) -> float:
+        """Wall time in the model's forward calls per token, in milliseconds."""
         return 1000 * self.wall_s / self.tokens if self.tokens else 0.0
 
     @property
     def fetches_per_token(self) -> float:
+        """Misses fetched on the critical path per token."""
         return self.sync_fetches / self.tokens if self.tokens else 0.0
 
     @property
@@ -68,9 +73,11 @@ class RunStats:
 
     @property
     def mass_per_call(self) -> float:
+        """Substituted gate weight per MoE call."""
         return self.substituted_mass / self.moe_calls if self.moe_calls else 0.0
 
     def to_dict(self) -> dict:
+        """Every field and every derived rate, for JSON output."""
         d = asdict(self)
         d.update(hit_rate=self.hit_rate, ms_per_token=self.ms_per_token,
                  fetches_per_token=self.fetches_per_token, substituted_mass_per_call=self.mass_per_call,
@@ -78,6 +85,8 @@ class RunStats:
         return d
 
     def line(self) -> str:
+        """A one-line summary: speed, hit rate, fetches and their bytes, stall, substitutions,
+        peak memory and the read mode."""
         return (f"{self.tokens} tokens, {self.ms_per_token:.2f} ms/token, hit rate {self.hit_rate:.1%}, "
                 f"{self.fetches_per_token:.2f} fetches/token ({self.sync_fetch_bytes / 2**20:.1f} MiB), "
                 + (f"{self.lowbit_fetches / max(self.tokens, 1):.2f} low-precision fetches/token "

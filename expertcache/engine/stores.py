@@ -42,6 +42,8 @@ READ_MODES = ("auto", "direct", "buffered")  # auto: O_DIRECT where the platform
 
 @dataclass(frozen=True)
 class ExpertShape:
+    """The shapes of one model's experts: MoE layers, experts per layer, w13 [2F, H], w2 [H, F],
+    and whether each expert also holds biases."""
     num_layers: int
     num_experts: int
     w13: tuple[int, int]  # (2F, H)
@@ -50,6 +52,7 @@ class ExpertShape:
 
     @classmethod
     def of(cls, a: ModelArgs) -> "ExpertShape":
+        """The expert shape of a model's arguments."""
         return cls(a.num_moe_layers, a.num_experts, (2 * a.expert_dim, a.hidden_size), (a.hidden_size, a.expert_dim),
                    a.expert_bias)
 
@@ -60,6 +63,7 @@ class ExpertShape:
 
     @property
     def numel(self) -> int:
+        """Elements of one expert, all parts together."""
         return sum(math.prod(p) for p in self.parts)
 
 
@@ -89,6 +93,7 @@ class ExpertStore(ABC):
         return 0
 
     def close(self) -> None:
+        """Release the store's files and buffers; the base store holds none."""
         pass
 
 
@@ -122,6 +127,8 @@ class RamStore(ExpertStore):
         return out + [self.b13[layer, expert], self.b2[layer, expert]] if self.shape.bias else out
 
     def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
+        """Copy expert (layer, expert) from host memory into w13 [2F, H], w2 [H, F] (and b13 [2F],
+        b2 [H]); returns the bytes a fetch counts (`expert_bytes`)."""
         for dst, src in zip((w13, w2, b13, b2), self._sources(layer, expert)):
             dst.copy_(src)
         return self.expert_bytes
@@ -141,6 +148,8 @@ class PinnedStore(RamStore):
             self.b13, self.b2 = self.b13.pin_memory(), self.b2.pin_memory()
 
     def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
+        """Issue non_blocking copies of expert (layer, expert) from page-locked memory into the
+        slot tensors on the current stream; returns `expert_bytes`."""
         for dst, src in zip((w13, w2, b13, b2), self._sources(layer, expert)):
             dst.copy_(src, non_blocking=True)
         return self.expert_bytes
@@ -282,6 +291,7 @@ class DiskStore(ExpertStore):
 
     @property
     def expert_bytes(self) -> int:
+        """Bytes of one blob, padded to the 4 KiB alignment: what every read moves."""
         return self.blob
 
     def _buffer(self) -> tuple[mmap.mmap, torch.Tensor]:
@@ -293,9 +303,12 @@ class DiskStore(ExpertStore):
         return self._local.buf
 
     def buffer_bytes(self, workers):
+        """One blob-sized, page-aligned read buffer per worker."""
         return workers * self.blob
 
     def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
+        """Read and check the blob of (layer, expert), then copy or dequantise it into w13 [2F, H],
+        w2 [H, F] (and b13 [2F], b2 [H]); returns the blob's bytes."""
         buf, view = self._read(layer, expert)
         if self.format.quantized:
             self._dequantize_into(view, (w13, w2, b13, b2))
@@ -335,6 +348,7 @@ class DiskStore(ExpertStore):
         return buf, view
 
     def close(self):
+        """Close the store file; a second call does nothing."""
         if getattr(self, "fd", None) is not None:
             os.close(self.fd)
             self.fd = None

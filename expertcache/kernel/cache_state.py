@@ -18,6 +18,8 @@ EVICTION, SEGMENT, SEGMENT_START, N_PROTECTED, N_LOG, LOGGING, GLOBAL_QUOTA, N_F
 
 
 class CacheState(NamedTuple):
+    """The cache's bookkeeping as arrays (L layers, E experts, S slots), read and written in
+    place by the compiled kernel."""
     slot_of: np.ndarray  # [L, E] slot holding (layer, expert), resident or in flight; -1: absent
     owner: np.ndarray  # [S] layer * E + expert held by the slot; -1: free
     pending: np.ndarray  # [S] bool: its transfer is in flight
@@ -42,6 +44,8 @@ class CacheState(NamedTuple):
     @classmethod
     def make(cls, num_layers: int, num_experts: int, per_layer: int, quota: str, eviction: str,
              top_k: int) -> CacheState:
+        """An empty state: per_layer * L free slots, each layer's own (quota 'layer') or shared
+        ('global'), ordered by `eviction`, with a small action log."""
         L, E = num_layers, num_experts
         S = per_layer * L
         lo = np.zeros(L, np.int64) if quota == "global" else np.arange(L, dtype=np.int64) * per_layer

@@ -42,6 +42,7 @@ class Scratch(NamedTuple):
 
     @classmethod
     def make(cls, k: int, E: int) -> Scratch:
+        """Zeroed working arrays for top-`k` routing over `E` experts."""
         return cls(np.zeros(k, np.int64), np.zeros(k), np.zeros(k, np.int64), np.zeros(k, bool), np.zeros(k, np.int64),
                    np.zeros(k, np.int64), np.zeros(k, bool), np.zeros(k, np.int64), np.zeros(E, np.int64),
                    np.zeros(E), np.zeros(E, bool), np.zeros(E, bool), np.zeros(k, np.int64), np.zeros(E, np.int64),
@@ -51,6 +52,7 @@ class Scratch(NamedTuple):
 
 @compiled
 def resident(st, layer, e):
+    """Whether expert `e` of `layer` holds a slot whose transfer has finished."""
     s = st.slot_of[layer, e]
     return s >= 0 and not st.pending[s]
 
