@@ -190,3 +190,13 @@ def test_serve_verb_refuses_a_taken_port(capsys):
         taken.listen()
         assert cli.main(["serve", "--store", "ram", "--port", str(taken.getsockname()[1])]) == 2
     assert "choose another --port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family,interleaves", [("qwen3_moe", True), ("qwen3_next", False), ("deepseek_v3", False)])
+def test_models_with_more_than_kv_state_serve_one_request_at_a_time(tiny, family, interleaves):
+    """A turn swaps in a request's keys and values only: a model with MLA's latent cache or
+    DeltaNet's recurrent state must not interleave requests, or their states would mix."""
+    engine = Engine(tiny[family][0], EngineConfig(initial="cold"))
+    scheduler = Scheduler(engine)
+    assert scheduler.interleaves is interleaves and (scheduler.max_active > 1) is interleaves
+    engine.close()

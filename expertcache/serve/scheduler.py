@@ -60,7 +60,11 @@ class Scheduler:
         if config.max_active < 1:
             raise BadInput(f"max_active={config.max_active} must be >= 1")
         self.engine, self.config, self.on_finish = engine, config, on_finish
-        self.max_active = config.max_active if config.schedule == "interleave" else 1
+        # a sequence swapped in for its turn brings only its keys and values: a model that keeps
+        # other per-sequence state (MLA's latent cache, DeltaNet's recurrent state) runs one at a time
+        m = engine.model
+        self.interleaves = config.schedule == "interleave" and m.latent is None and not m.linear
+        self.max_active = config.max_active if self.interleaves else 1
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.lock = threading.Condition()
