@@ -1,8 +1,10 @@
-"""Decode speed of the tiny GPT-OSS and Qwen3-Next models (the test configurations): the engine
-(all experts resident in RAM; fetch-every-miss from the disk store at a 25% cache) against HF
-transformers with its KV / linear-attention cache, in ms per decoded token, median of repeats.
+"""Decode speed of each model family on its tiny random model (the test configurations): the
+engine (all experts resident in RAM; fetch-every-miss from the disk store at a 25% cache)
+against HF transformers with its own KV / linear-attention cache, in ms per decoded token,
+median of repeats after a warm-up. Tiny models measure per-token overhead (routing,
+decisions, Python), not weight bandwidth.
 
-    python benchmarks/families.py [--tokens 64] [--repeats 5]
+    python benchmarks/families.py [--families gpt_oss qwen3_next ...] [--tokens 64] [--repeats 5]
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from hf_models import save_tiny  # noqa: E402
+from hf_models import FAMILIES, save_tiny  # noqa: E402
 
 from expertcache.engine.cache import CacheConfig  # noqa: E402
 from expertcache.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -53,13 +55,14 @@ def engine_decode(engine: Engine, tokens: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--families", nargs="+", default=FAMILIES, choices=FAMILIES)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args()
     torch.set_num_threads(1)
     print("| family | HF transformers | engine, ram, all resident | engine, disk, 25% cache, fetch-all |")
     print("|---|---:|---:|---:|")
-    for family in ("gpt_oss", "qwen3_next"):
+    for family in a.families:
         with tempfile.TemporaryDirectory() as d:
             hf = save_tiny(family, Path(d))
             row = [median_ms(lambda n: hf_decode(hf, n), a.tokens, a.repeats)]

@@ -28,7 +28,6 @@ timed|all)
   run store_integrity python benchmarks/store_integrity.py --json "$out/store_integrity.json"
   run decode_profile python benchmarks/decode_profile.py
   run families python benchmarks/families.py
-  run families_decode python benchmarks/families_decode.py
   run serve_load python benchmarks/serve_load.py
   run prefill_protection python benchmarks/prefill_protection.py
   run simulator_speed python benchmarks/simulator_speed.py --tokens 4000
