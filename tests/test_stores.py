@@ -33,7 +33,12 @@ from expertcache.engine.stores import (
     open_store,
     store_format,
 )
-from expertcache.errors import CheckpointError, FetchError, ReadModeUnsupported, UnknownName
+from expertcache.errors import (
+    CheckpointError,
+    FetchError,
+    ReadModeUnsupported,
+    UnknownName,
+)
 from expertcache.kernel.decode_blob import NO_PART, decode_blob
 from expertcache.models import model_args
 

@@ -29,10 +29,17 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, FetchError, ReadModeUnsupported, UnknownName
+from ..kernel.decode_blob import NO_PART, decode_blob
 from ..models.args import ModelArgs
 from .checkpoint import Checkpoint
-from ..kernel.decode_blob import NO_PART, decode_blob
-from .quant import ExpertFormat, decode_into, decode_plan, encode, encoded_bytes, roundtrip
+from .quant import (
+    ExpertFormat,
+    decode_into,
+    decode_plan,
+    encode,
+    encoded_bytes,
+    roundtrip,
+)
 from .weights import all_layer_experts
 
 ALIGN = 4096
