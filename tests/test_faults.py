@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from expertcache import cli
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.checkpoint import ROUTING_COUNTS, open_checkpoint
 from expertcache.engine.engine import Engine, EngineConfig
-from expertcache.engine.stores import RamStore, convert_to_disk
+from expertcache.engine.stores import DiskStore, RamStore, convert_to_disk
 from expertcache.errors import FetchError, NonFiniteOutput
 from expertcache.models import model_args
 
@@ -166,3 +167,35 @@ def test_fetch_all_after_a_fault_matches_the_exact_baseline(model, monkeypatch):
     exact = Engine(path, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
     torch.testing.assert_close(engine.forward(ids, 0), exact.forward(ids, 0))
     engine.close()
+
+
+def test_the_calling_thread_reads_each_tokens_last_fetch(model, monkeypatch):
+    """With several misses in a decode step, the workers read all but the last fetch, the
+    waiting thread reads that one itself; the logits equal those of reads all on the workers."""
+    path, store = model
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(1))
+    readers: list[tuple[int, bool]] = []
+    read_into = DiskStore.read_into
+
+    def recorded(self, layer, *a):
+        readers.append((layer, threading.current_thread() is threading.main_thread()))
+        return read_into(self, layer, *a)
+
+    logits = []
+    for caller_reads in (True, False):
+        cfg = EngineConfig(store="disk", store_dir=store, initial="cold",
+                           cache=CacheConfig(fraction=0.5, caller_reads=caller_reads))
+        engine = Engine(path, cfg)  # cold: the first steps miss all their experts
+        monkeypatch.setattr(DiskStore, "read_into", recorded)
+        readers.clear()
+        out = [engine.forward(ids[t:t + 1], t) for t in range(4)]
+        monkeypatch.setattr(DiskStore, "read_into", read_into)
+        here = [r for r in readers if r[1]]
+        fetched = engine.stats.sync_fetches
+        if caller_reads:
+            assert here and len(here) < len(readers) and fetched
+        else:
+            assert not here
+        logits.append(torch.cat(out))
+        engine.close()
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)

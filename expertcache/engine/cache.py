@@ -31,6 +31,7 @@ class CacheConfig:
     quota: str = "layer"  # "layer": each layer owns its slots; "global": any layer may take any slot
     eviction: str = "lru"  # the engine overrides it with EngineConfig.eviction or the policy's choice
     io_workers: int = 4
+    caller_reads: bool = True  # a layer's last synchronous fetch is read by the waiting thread, not a worker
 
 
 def slots_per_layer(cfg: CacheConfig, shape: ExpertShape, fast_expert_bytes: int, top_k: int) -> int:
@@ -198,11 +199,12 @@ class ExpertCache:
         free, and no transfer is left in flight."""
         rows, stall = self._take_log(), 0.0
         E = self.shape.num_experts
+        here = self._read_here(rows) if self.cfg.caller_reads else set()
         i = 0
         try:
             for i, (op, a, b, c) in enumerate(rows):
                 if op == kernel.LOAD:
-                    self.pending[a] = self.transfers.submit(b // E, b % E, a, kernel.KINDS[c])
+                    self.pending[a] = self.transfers.submit(b // E, b % E, a, kernel.KINDS[c], i in here)
                 elif op == kernel.WAIT:
                     stall += self.wait(a)
                 elif op == kernel.FLUSH:
@@ -213,6 +215,20 @@ class ExpertCache:
             self._abandon(rows[i:])  # the failed action, and those the kernel decided after it
             raise
         return stall
+
+    @staticmethod
+    def _read_here(rows: list[list[int]]) -> set[int]:
+        """The rows of each token's last synchronous fetch before the waits that follow it: the
+        calling thread would only wait, so it reads that one itself while the workers read the
+        others (the kernel logs a token's loads before its waits)."""
+        here, last = set(), -1
+        for i, (op, _, _, c) in enumerate(rows):
+            if op == kernel.LOAD and c in (kernel.FETCH, kernel.LOWBIT):
+                last = i
+            elif op == kernel.WAIT and last >= 0:
+                here.add(last)
+                last = -1
+        return here
 
     def _take_log(self) -> list[list[int]]:
         """The logged actions (op, a, b, c), removed from the log."""

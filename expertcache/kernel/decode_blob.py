@@ -1,6 +1,6 @@
 """One disk-store blob decoded into an expert's fp32 slot rows, compiled and without the GIL, on
 the worker thread that read it: fp16 and bf16 widened bit by bit, fp32 copied, int8/int4 codes
-dequantised group by group (engine/quant.py's layout). One pass over the blob, no temporaries.
+dequantised group by group (engine/quant.py's layout). One call per blob, no temporaries.
 Exact: the same values as quant.decode_into (fp16/bf16 -> fp32 is exact; an integer weight is
 `min + q * scale` or `(q - half) * scale`, each operation rounded once in fp32, as torch does).
 
@@ -8,8 +8,6 @@ A blob is described by a plan (`quant.decode_plan`): int64 [parts, PLAN_COLUMNS]
 part in the order of ExpertShape.parts (w13, w2, then b13 and b2), the columns named below.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 from numba import njit
@@ -21,9 +19,10 @@ PLAN_COLUMNS = 7
 RAW_F32, RAW_F16, RAW_BF16, INT8, INT4 = range(5)  # ENCODING values
 
 NO_PART = np.empty(0, np.float32)  # the destination of a part the family does not have
+POW2 = np.array([2.0 ** (e - 25) for e in range(32)], np.float32)  # an fp16 exponent's scale, exact
 
 
-@njit(cache=True, _nrt=False, nogil=True, inline="always")
+@njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
 def _halves_to_floats(src, out_f, out_u, n):
     """out[:n] = the fp16 values whose bits are src[:n] (uint16), exactly, in two passes that
     vectorise: every element as a subnormal (man * 2^-24, exact in fp32), then the bits of the
@@ -39,21 +38,22 @@ def _halves_to_floats(src, out_f, out_u, n):
         out_u[i] = sign | (out_u[i] if exp == 0 else bits)
 
 
-@njit(cache=True, _nrt=False, nogil=True, inline="always")
+@njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
 def _half_at(halves, i):
-    """The fp16 halves[i] (uint16 bits) as fp32, exactly: computed in fp64, where every fp16 is exact."""
+    """The fp16 halves[i] (uint16 bits) as fp32, exactly: (1024 + mantissa) * 2^(exp - 25), or
+    mantissa * 2^-24 when subnormal; both factors and their product are exact in fp32."""
     h = np.int64(halves[i])
-    exp, man = (h >> 10) & 0x1F, float(h & 0x3FF)
-    if exp == 0:
-        v = math.ldexp(man, -24)
-    elif exp == 0x1F:
-        v = math.inf if man == 0 else math.nan
+    exp, man = (h >> 10) & 0x1F, np.float32(h & 0x3FF)
+    if exp == 0x1F:
+        v = np.float32(np.inf) if man == 0 else np.float32(np.nan)
+    elif exp == 0:
+        v = man * POW2[1]
     else:
-        v = math.ldexp(1024.0 + man, exp - 25)
-    return np.float32(-v if h & 0x8000 else v)
+        v = (np.float32(1024.0) + man) * POW2[exp]
+    return -v if h & 0x8000 else v
 
 
-@njit(cache=True, _nrt=False, nogil=True)
+@njit(cache=True, _nrt=False, nogil=True, error_model="numpy")
 def _decode_part(buf, row, dst):
     """One part of the blob (plan row `row`) into dst (float32, [rows * cols] flat)."""
     kind, n = row[ENCODING], row[ROWS] * row[COLS]
@@ -81,41 +81,31 @@ def _decode_part(buf, row, dst):
         for r in range(rows):
             codes = buf[start + r * code_cols:start + (r + 1) * code_cols]
             out = dst[r * cols:(r + 1) * cols]
+            # the codes as floats first (each byte of int4 holds two, the low nibble first), then
+            # each group scaled in place: two unit-stride loops that vectorise
+            if four:
+                for j in range(cols >> 1):
+                    b = codes[j]
+                    out[2 * j] = np.float32(b & np.uint8(0xF))
+                    out[2 * j + 1] = np.float32(b >> np.uint8(4))
+                if cols & 1:
+                    out[cols - 1] = np.float32(codes[cols >> 1] & np.uint8(0xF))
+            else:
+                for c in range(cols):
+                    out[c] = np.float32(codes[c])
             for gi in range(groups):
                 sc = _half_at(scales, r * groups + gi)
-                mn = _half_at(mins, r * groups + gi)
                 c0, c1 = gi * g, min(gi * g + g, cols)
-                if four:
-                    _int4_group(codes, c0, c1, mn, sc, asym, half, out)
-                elif asym:
+                if asym:
+                    mn = _half_at(mins, r * groups + gi)
                     for c in range(c0, c1):
-                        out[c] = mn + np.float32(codes[c]) * sc
+                        out[c] = mn + out[c] * sc
                 else:
                     for c in range(c0, c1):
-                        out[c] = (np.float32(codes[c]) - half) * sc
+                        out[c] = (out[c] - half) * sc
 
 
-@njit(cache=True, _nrt=False, nogil=True, inline="always")
-def _int4_group(codes, c0, c1, mn, sc, asym, half, out):
-    """Columns [c0, c1) of one row (c0 even): each byte holds two codes, the low nibble first."""
-    pairs = (c1 - c0) // 2
-    b0 = c0 >> 1
-    if asym:
-        for j in range(pairs):
-            b = codes[b0 + j]
-            out[c0 + 2 * j] = mn + np.float32(b & np.uint8(0xF)) * sc
-            out[c0 + 2 * j + 1] = mn + np.float32(b >> np.uint8(4)) * sc
-    else:
-        for j in range(pairs):
-            b = codes[b0 + j]
-            out[c0 + 2 * j] = (np.float32(b & np.uint8(0xF)) - half) * sc
-            out[c0 + 2 * j + 1] = (np.float32(b >> np.uint8(4)) - half) * sc
-    if (c1 - c0) % 2:  # an odd last column: the low nibble of its byte
-        q = np.float32(codes[c1 >> 1] & np.uint8(0xF))
-        out[c1 - 1] = mn + q * sc if asym else (q - half) * sc
-
-
-@njit(cache=True, _nrt=False, nogil=True)
+@njit(cache=True, _nrt=False, nogil=True, error_model="numpy")
 def decode_blob(buf, plan, w13, w2, b13, b2):
     """buf uint8 [blob], plan int64 [parts, PLAN_COLUMNS] -> w13, w2 (and b13, b2 when the plan has
     four parts): flat float32 views of one slot's rows."""
