@@ -212,7 +212,9 @@ def encode(tensors: list[torch.Tensor], parts: list[tuple[int, ...]], fmt: Exper
 
 def decode_into(buf: torch.Tensor, parts: list[tuple[int, ...]], fmt: ExpertFormat, dsts) -> None:
     """Dequantise one blob (buf: uint8 [blob]) into the destination tensors, one per part
-    (fp32 or any float dtype; `None` entries are skipped)."""
+    (fp32 or any float dtype, any device; `None` entries are skipped). torch ops: the reference
+    of the compiled kernel.decode_blob, and the disk store's path for slots that are not fp32
+    CPU tensors."""
     views: dict[int, dict[str, torch.Tensor]] = {}
     for seg in layout(parts, fmt):
         views.setdefault(seg.part, {})[seg.role] = buf[seg.offset:seg.offset + seg.nbytes].view(seg.dtype) \
