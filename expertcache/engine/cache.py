@@ -31,7 +31,7 @@ class CacheConfig:
     quota: str = "layer"  # "layer": each layer owns its slots; "global": any layer may take any slot
     eviction: str = "lru"  # the engine overrides it with EngineConfig.eviction or the policy's choice
     io_workers: int = 4
-    caller_reads: bool = True  # a layer's last synchronous fetch is read by the waiting thread, not a worker
+    caller_reads: bool = True  # a token's only synchronous fetch of a layer is read by the waiting thread
 
 
 def slots_per_layer(cfg: CacheConfig, shape: ExpertShape, fast_expert_bytes: int, top_k: int) -> int:
@@ -218,16 +218,17 @@ class ExpertCache:
 
     @staticmethod
     def _read_here(rows: list[list[int]]) -> set[int]:
-        """The rows of each token's last synchronous fetch before the waits that follow it: the
-        calling thread would only wait, so it reads that one itself while the workers read the
-        others (the kernel logs a token's loads before its waits)."""
-        here, last = set(), -1
+        """The rows of the synchronous fetches that are their token's only one: the calling thread
+        would hand the read to a worker and wait, so it reads it itself (the kernel logs a token's
+        loads before its waits)."""
+        here, last, n = set(), -1, 0
         for i, (op, _, _, c) in enumerate(rows):
             if op == kernel.LOAD and c in (kernel.FETCH, kernel.LOWBIT):
-                last = i
-            elif op == kernel.WAIT and last >= 0:
-                here.add(last)
-                last = -1
+                last, n = i, n + 1
+            elif op == kernel.WAIT and n:
+                if n == 1:
+                    here.add(last)
+                n = 0
         return here
 
     def _take_log(self) -> list[list[int]]:
