@@ -310,8 +310,9 @@ class DiskStore(ExpertStore):
         return self._local.buf
 
     def buffer_bytes(self, workers):
-        """One blob-sized, page-aligned read buffer per worker."""
-        return workers * self.blob
+        """One blob-sized, page-aligned read buffer per worker, and one for the calling thread
+        (which reads a token's only fetch itself, `CacheConfig.caller_reads`)."""
+        return (workers + 1) * self.blob
 
     def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
         """Read and check the blob of (layer, expert), then decode it into w13 [2F, H], w2 [H, F]
