@@ -50,6 +50,13 @@ def hf_config(family: str, **over):
     elif family == "deepseek_v3":
         c = DeepseekV3Config(**{**COMMON, **grouped, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=16,
                              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, head_dim=4)
+    elif family == "deepseek_v3_yarn":  # released checkpoints' YaRN in small: a ramp inside the 8 rotary channels,
+        # mscale != mscale_all_dim so that both the rotary tables and the softmax scale change
+        c = DeepseekV3Config(**{**COMMON, **grouped, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=16,
+                             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8,
+                             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=8.0,
+                                                  beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8,
+                                                  original_max_position_embeddings=64))
     else:
         raise ValueError(family)
     for k, v in over.items():
@@ -86,5 +93,5 @@ def save_tiny(family: str, path: Path, seed: int = 0, **over):
     return model
 
 
-SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "deepseek_v3_yarn")
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "qwen3_next", "glm4_moe", "deepseek_v3"]

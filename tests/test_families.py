@@ -297,3 +297,57 @@ def test_short_study(tokenized):
     res = run_study(tokenized, cfg)
     assert res.runs["fetch-all"]["pct"] == 0 and res.runs["threshold:tau=0.15"]["slots_substituted_pct"] > 0
     assert res.generation["fetch-all"]["identical_token_share"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def deepseek_yarn(tmp_path_factory):
+    """A tiny DeepSeek-V3 with YaRN RoPE: (checkpoint folder, HF reference model)."""
+    path = tmp_path_factory.mktemp("deepseek_v3_yarn")
+    return path, save_tiny("deepseek_v3_yarn", path)
+
+
+def test_deepseek_v3_yarn_matches_hf(deepseek_yarn):
+    """Logits (disk store, fetch-every-miss) and KV-cache decode equal HF's: YaRN frequencies, the attention
+    factor on the rotary tables and the softmax scale times mscale(factor, mscale_all_dim) ** 2."""
+    path, hf = deepseek_yarn
+    assert model_args(open_checkpoint(path).config).rope_scaling["rope_type"] == "yarn"
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    engine = Engine(path, EngineConfig(store="disk", cache=CacheConfig(fraction=0.25), initial="cold",
+                                       store_dir=path / "store"))
+    torch.testing.assert_close(engine.forward(ids, 0), ref, atol=1e-4, rtol=0)
+    assert engine.stats.sync_fetches == engine.stats.misses > 0
+    engine.close()
+    engine = Engine(path, EngineConfig(cache=CacheConfig(fraction=0.25), initial="cold"))
+    prompt = 8
+    out = [engine.forward(ids[:prompt], 0)] + [engine.forward(ids[p:p + 1], p) for p in range(prompt, len(ids))]
+    torch.testing.assert_close(torch.cat(out), ref, atol=1e-4, rtol=0)
+    engine.close()
+
+
+def test_released_deepseek_v3_rope_scaling_equals_hf():
+    """The released DeepSeek-V3 config.json (old-style rope_scaling, type yarn, 64 rotary channels): our
+    frequencies, attention factor and softmax scale equal HF's."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    from expertcache.engine.attention import rope_frequencies
+    from expertcache.engine.mla import latent_softmax_scale
+    scaling = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+               "original_max_position_embeddings": 4096, "type": "yarn"}
+    config = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,
+                  num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                  qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+                  moe_intermediate_size=2048, intermediate_size=18432, n_group=8, topk_group=4, n_shared_experts=1,
+                  first_k_dense_replace=3, routed_scaling_factor=2.5, max_position_embeddings=163840,
+                  rope_theta=10000, rope_scaling=scaling)
+    a = model_args(config)
+    hf = DeepseekV3Config(**{k: v for k, v in config.items() if k != "model_type"})
+    inv_freq, factor = rope_frequencies(a, a.qk_rope_head_dim)
+    ref_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    torch.testing.assert_close(inv_freq, ref_freq, rtol=1e-6, atol=0)
+    assert factor == pytest.approx(ref_factor, rel=1e-9)
+    assert latent_softmax_scale(a) == pytest.approx(yarn_apply_mscale(hf.rope_parameters, 192 ** -0.5), rel=1e-9)
+    assert latent_softmax_scale(a) > 1.3 * 192 ** -0.5  # mscale(40, 1) ** 2 ~ 1.87
