@@ -351,3 +351,28 @@ def test_released_deepseek_v3_rope_scaling_equals_hf():
     assert factor == pytest.approx(ref_factor, rel=1e-9)
     assert latent_softmax_scale(a) == pytest.approx(yarn_apply_mscale(hf.rope_parameters, 192 ** -0.5), rel=1e-9)
     assert latent_softmax_scale(a) > 1.3 * 192 ** -0.5  # mscale(40, 1) ** 2 ~ 1.87
+
+
+def test_qwen3_next_512_experts_top_10_through_the_disk_store(tmp_path):
+    """Qwen3-Next's released routing shape (512 experts, top-10, a shared expert) in small: logits and each
+    layer's routed output equal HF's through the disk store at a tenth of the experts (fetch-every-miss), and
+    decode steps with the KV cache and the DeltaNet state too."""
+    from test_parity import engine_moe_outputs, hf_moe_outputs
+    hf = save_tiny("qwen3_next", tmp_path, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=8)
+    args = model_args(open_checkpoint(tmp_path).config)
+    assert (args.num_experts, args.top_k, args.shared_expert_dim) == (512, 10, 24)
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(1))
+    ref, ref_moe = hf_moe_outputs(hf, ids)
+    config = EngineConfig(store="disk", cache=CacheConfig(fraction=0.1), initial="cold", store_dir=tmp_path / "store")
+    engine = Engine(tmp_path, config)
+    assert engine.cache.per_layer < 20 * args.top_k  # the window's routes overflow the cache: slots are reused
+    logits, moe = engine_moe_outputs(engine, ids)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+    for ours, theirs in zip(moe, ref_moe, strict=True):
+        torch.testing.assert_close(ours, theirs.reshape(ours.shape), atol=1e-4, rtol=0)
+    assert engine.stats.sync_fetches == engine.stats.misses > 0
+    engine.close()
+    engine = Engine(tmp_path, config)
+    out = [engine.forward(ids[:8], 0)] + [engine.forward(ids[p:p + 1], p) for p in range(8, len(ids))]
+    torch.testing.assert_close(torch.cat(out), ref, atol=1e-4, rtol=0)
+    engine.close()
