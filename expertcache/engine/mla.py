@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from ..models.args import ModelArgs
-from .attention import apply_rope, rope_frequencies, rope_tables, yarn_factor, yarn_mscale
+from .attention import (
+    apply_rope,
+    rope_frequencies,
+    rope_tables,
+    yarn_factor,
+    yarn_mscale,
+)
 
 LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm and kv_a_layernorm with the default eps, not the config's
 
