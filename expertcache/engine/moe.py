@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,8 +20,10 @@ from ..models.args import ModelArgs
 from ..policies import MissPolicy
 from .cache import ExpertCache
 from .experts import ExpertKind, experts_compute
-from .predictors import Predictor
 from .stats import RunStats
+
+if TYPE_CHECKING:  # predictors route with router_logits below
+    from .predictors import Predictor
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torch.Tensor:
