@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from hf_models import hf_config, save_tiny
+from hf_models import hf_config, save_gpt_oss_mxfp4, save_tiny
 
 from expertcache import cli
 from expertcache.engine.cache import CacheConfig
@@ -26,7 +26,6 @@ from expertcache.engine.linear_attention import delta_rule_chunked, delta_rule_r
 from expertcache.engine.stores import DiskStore, RamStore, convert_to_disk
 from expertcache.kernel.routing import Router
 from expertcache.models import model_args
-from expertcache.models.gpt_oss import FP4_VALUES
 from expertcache.policies import Route, make_policy
 
 NEW_FAMILIES = ["gpt_oss", "qwen3_next"]
@@ -94,31 +93,8 @@ def test_disk_store_holds_expert_biases(tiny, tmp_path):
     assert ram.b13.abs().sum() > 0 and ram.b2.abs().sum() > 0
 
 
-def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., N] (N a multiple of 32) -> (blocks [..., N / 32, 16] uint8, scales [..., N / 32] uint8):
-    per group of 32 a power-of-two scale, each value rounded to the nearest FP4 code."""
-    groups = w.reshape(*w.shape[:-1], -1, 32)
-    exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))
-    lut = torch.tensor(FP4_VALUES)
-    codes = ((groups / torch.exp2(exp)[..., None])[..., None] - lut).abs().argmin(-1).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks, (exp + 127).to(torch.uint8)
-
-
 def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path):
-    from safetensors.torch import load_file, save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-    hf = save_tiny("gpt_oss", tmp_path, hidden_size=64, intermediate_size=32)  # MXFP4 groups of 32 inputs
-    state = load_file(str(tmp_path / "model.safetensors"))
-    for i in range(hf.config.num_hidden_layers):
-        experts = hf.model.layers[i].mlp.experts
-        p = f"model.layers.{i}.mlp.experts."
-        for name in ("gate_up_proj", "down_proj"):
-            blocks, scales = quantize_mxfp4(state.pop(p + name).transpose(1, 2))  # stored as [E, out, in]
-            state[p + name + "_blocks"], state[p + name + "_scales"] = blocks, scales
-            with torch.no_grad():  # the reference runs on HF's own dequantisation of the same codes
-                getattr(experts, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-    save_file(state, str(tmp_path / "model.safetensors"))
+    hf = save_gpt_oss_mxfp4(tmp_path)
     ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
