@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,8 +21,10 @@ from ..models.args import ModelArgs
 from ..policies import MissPolicy
 from .cache import ExpertCache
 from .experts import CompiledSlots, ExpertKind, experts_compute
-from .predictors import Predictor
 from .stats import RunStats
+
+if TYPE_CHECKING:  # predictors route with router_logits below
+    from .predictors import Predictor
 
 NO_BIAS_1D = np.zeros(0, np.float32)
 
