@@ -167,7 +167,8 @@ def test_read_mode_in_the_run_stats(tiny, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("dtype,group,scheme", [("float16", 0, ""), ("bfloat16", 0, ""), ("int8", 16, "asym"),
-                                                ("int4", 16, "asym"), ("int4", 32, "sym"), ("int8", 12, "sym")])
+                                                ("int4", 16, "asym"), ("int4", 32, "sym"), ("int8", 12, "sym"),
+                                                ("mxfp4", 0, "")])
 def test_quantized_store_round_trip(tiny, tmp_path, dtype, group, scheme):
     """Each format's disk store serves every expert within the format's error bound of the original
     weights, in the original shapes, from 4 KiB-aligned blobs, and exactly what its ram emulation holds."""
@@ -210,7 +211,7 @@ def test_int4_error_is_within_a_half_step_and_not_zero():
 
 @pytest.mark.parametrize("dtype,group,scheme", [("fp16", 0, ""), ("bf16", 0, ""), ("fp32", 0, ""),
                                                 ("int8", 4, "asym"), ("int8", 6, "sym"), ("int4", 4, "asym"),
-                                                ("int4", 8, "sym")])
+                                                ("int4", 8, "sym"), ("mxfp4", 0, "")])
 def test_compiled_decoder_equals_the_torch_reference(dtype, group, scheme):
     """kernel.decode_blob writes bit for bit what quant.decode_into writes, for every format: parts
     with biases and odd input counts (padded groups), fp16 specials (signed zeros, subnormals, inf,
@@ -223,6 +224,8 @@ def test_compiled_decoder_equals_the_torch_reference(dtype, group, scheme):
     fmt = ExpertFormat.parse(dtype, group, scheme or "asym")
     if fmt.quantized:
         tensors[0].view(-1)[6] = 1.0  # no inf in a group's range
+    if fmt.mx:
+        tensors[1][:, :5] *= 2.0 ** -130  # blocks whose scale is subnormal or tiny
     blob = (encoded_bytes(parts, fmt) + 4095) // 4096 * 4096
     buf = np.frombuffer(encode(tensors, parts, fmt, blob), np.uint8).copy()
     want = [torch.empty(p) for p in parts]

@@ -2,6 +2,7 @@
 tier, a fast-tier expert cache between them, and a miss policy deciding on every miss."""
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -170,14 +171,17 @@ class Engine:
         rather than return a NaN or infinite logit."""
         start = time.perf_counter()
         self.runner.token_base = self.stats.tokens
-        logits = self.model.forward(ids.to(self.device), pos).float()
+        try:
+            logits = self.model.forward(ids.to(self.device), pos).float()
+        finally:  # the decision kernel's counters of every layer decided, also when a fetch failed
+            self.stats.absorb(self.cache.state, self.cache.fetch_bytes, self.cache.lowbit_bytes)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.wall_s += time.perf_counter() - start
         self.stats.tokens += ids.shape[0]
         self.stats.peak_memory_bytes = peak_memory_bytes(self.device)
-        finite = torch.isfinite(logits).all(dim=-1)
-        if not bool(finite.all()):
+        # a finite sum means every logit is finite: one reduction, the full check only when it is not
+        if not math.isfinite(float(logits.sum())) and not bool((finite := torch.isfinite(logits).all(-1)).all()):
             t = int((~finite).nonzero()[0, 0])
             raise NonFiniteOutput(f"the model produced non-finite logits at position {pos + t}: corrupt weights; "
                                   "check the checkpoint, or rerun `expertcache convert` for a disk store")

@@ -9,18 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..kernel.cache_state import N_LOG
+from ..kernel.dense_decode import gemv
 from ..kernel.routing import Router, Routing
 from ..models.args import ModelArgs
 from ..policies import MissPolicy
 from .cache import ExpertCache
-from .experts import ExpertKind, experts_compute
-from .predictors import Predictor
+from .experts import CompiledSlots, ExpertKind, experts_compute
 from .stats import RunStats
+
+if TYPE_CHECKING:  # predictors route with router_logits below
+    from .predictors import Predictor
+
+NO_BIAS_1D = np.zeros(0, np.float32)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torch.Tensor:
@@ -33,6 +39,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torc
 
 def route(x: torch.Tensor, weight: torch.Tensor, router: Router, layer: int) -> Routing:
     """x [T, H], the router's weight [E, H] at MoE layer `layer` -> its Routing, on the host."""
+    if x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32:
+        logits = np.empty((1, weight.shape[0]), np.float32)  # decode: one compiled product, no torch op
+        gemv(weight.numpy(), x.numpy()[0], NO_BIAS_1D, logits[0])
+        return router.route(logits, layer)
     return router.route(router_logits(x, weight, router).cpu().numpy(), layer)
 
 
@@ -51,7 +61,8 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
     simulator) and carry out its actions: transfers, waits, and expert work that must run
     before a slot it uses is overwritten (`compute(begin, end, slots, gates)` for tokens
     [begin, end)). The work of tokens [plan.owed_from, T) is left to the caller, which can
-    first start the next layer's prefetches."""
+    first start the next layer's prefetches. The kernel's counters stay in the cache state
+    until the caller absorbs them into `stats` (the engine does, once per forward)."""
     T, k = routing.ids.shape
     slots_h = np.empty((T, k), dtype=np.int64)  # the kernel writes every entry
     exec_h = np.empty((T, k), dtype=np.int64)
@@ -61,7 +72,6 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
     owed_from = cache.decide_routed(policy, layer, routing, token_base, slots_h, exec_h, gates_h)
     if cache.state.misc[N_LOG]:
         stats.stall_s += cache.carry_out(lambda begin, end: compute(begin, end, slots_h, gates_h))
-    stats.absorb(cache.state, cache.fetch_bytes, cache.lowbit_bytes)
     return LayerPlan(slots_h, exec_h, gates_h, owed_from)
 
 
@@ -85,6 +95,8 @@ class MoELayerRunner:
         self.prefetch = PrefetchConfig()
         self.resid: torch.Tensor | None = None  # residual after the current layer's attention
         self.predicted: Routing | None = None  # predicted for the next layer
+        self.compiled = CompiledSlots(cache.w13, cache.w2, cache.b13, cache.b2, self.kind) \
+            if CompiledSlots.applies(cache.w13) else None  # decode's expert call on the CPU
 
     def observe_residual(self, layer: int, h: torch.Tensor) -> None:
         """The transformer's hook after each layer's attention."""
@@ -102,7 +114,6 @@ class MoELayerRunner:
             return
         budget = self.prefetch.budget or a.top_k
         self.stats.stall_s += cache.prefetch(layer + 1, self.predicted.ids[0, :budget], self.token_base)
-        self.stats.absorb(cache.state, cache.fetch_bytes, cache.lowbit_bytes)
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed MoE input) of MoE layer `layer` -> routed experts' combined output
@@ -129,7 +140,9 @@ class MoELayerRunner:
         plan = decide_layer(cache, self.policy, stats, layer, routing, self.token_base, compute)
         if self.predictor is not None and layer + 1 < a.num_moe_layers:
             self._predict_next(layer, x, plan.experts, plan.gates)  # this token's slots stay protected
-        if T == 1:  # decode: nothing was computed early, no need to go through `out`
+        if T == 1 and self.compiled is not None and x.dtype == torch.float32:
+            out = self.compiled(x, plan.slots[0], plan.gates[0])  # decode: nothing was computed early
+        elif T == 1:
             out = experts_out(0, 1, plan.slots, plan.gates)
         else:
             compute(plan.owed_from, T, plan.slots, plan.gates)

@@ -32,15 +32,8 @@ from ..errors import CheckpointError, FetchError, ReadModeUnsupported, UnknownNa
 from ..kernel.decode_blob import NO_PART, decode_blob
 from ..models.args import ModelArgs
 from .checkpoint import Checkpoint
-from .quant import (
-    ExpertFormat,
-    decode_into,
-    decode_plan,
-    encode,
-    encoded_bytes,
-    roundtrip,
-)
-from .weights import all_layer_experts
+from .quant import ExpertFormat, decode_into, decode_plan, encode, encoded_bytes, roundtrip
+from .weights import all_layer_experts, layer_experts, stored_layer_parts
 
 ALIGN = 4096
 DISK_FORMAT_VERSION = 2  # 2: a CRC32C per blob in experts.json
@@ -188,7 +181,8 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
                     fmt: ExpertFormat | None = None) -> Path:
     """Write experts.bin (aligned blobs in (layer, expert) order) and experts.json (shapes, the
     format and a CRC32C per encoded blob); returns out_dir. The experts are stored in `fmt`, else
-    as `dtype`, else in the checkpoint's dtype."""
+    as `dtype`, else in the checkpoint's dtype; a checkpoint already in `fmt` (GPT-OSS's MXFP4) is
+    written as it is, not requantised."""
     shape = ExpertShape.of(args)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
@@ -196,12 +190,17 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     checksums = []
     fmt = fmt or (ExpertFormat.of_dtype(dtype) if dtype is not None else None)
     with open(tmp, "wb") as f:
-        for experts in all_layer_experts(ckpt, args):
-            fmt = fmt or ExpertFormat.of_dtype(experts.w13.dtype)
+        for layer in range(args.num_moe_layers):
+            # w13, w2 (and b13, b2): the blob's order; as stored when the checkpoint is in `fmt` already
+            parts = stored_layer_parts(ckpt, args, layer, fmt and fmt.dtype)
+            if parts is None:
+                experts = layer_experts(ckpt, args, layer)
+                fmt = fmt or ExpertFormat.of_dtype(experts.w13.dtype)
+                parts = [p for p in experts if p is not None]
             blob = _blob_bytes(shape, fmt)
-            parts = [p for p in experts if p is not None]  # w13, w2 (and b13, b2): the blob's order
             for e in range(args.num_experts):
-                data = encode([p[e] for p in parts], shape.parts, fmt, blob)
+                expert = [{role: t[e] for role, t in p.items()} if isinstance(p, dict) else p[e] for p in parts]
+                data = encode(expert, shape.parts, fmt, blob)
                 checksums.append(crc32c.crc32c(data))  # of the stored bytes: the same check for every format
                 f.write(data)
         f.flush()
@@ -318,7 +317,7 @@ class DiskStore(ExpertStore):
         """Read and check the blob of (layer, expert), then decode it into w13 [2F, H], w2 [H, F]
         (and b13 [2F], b2 [H]): in one compiled pass that releases the GIL when they are
         contiguous fp32 CPU tensors (the CPU slots), with torch ops otherwise. Returns the blob's bytes."""
-        view, array = self._read(layer, expert)
+        array, view = self._read(layer, expert)
         dsts = (w13, w2, b13, b2)[:len(self.shape.parts)]
         if all(d is not None and d.dtype == torch.float32 and d.device.type == "cpu" and d.is_contiguous()
                and d.shape == p for d, p in zip(dsts, self.shape.parts)):  # the compiled pass checks no bounds
@@ -328,8 +327,8 @@ class DiskStore(ExpertStore):
             decode_into(view, self.shape.parts, self.format, dsts)
         return self.blob
 
-    def _read(self, layer: int, expert: int) -> tuple[torch.Tensor, np.ndarray]:
-        """One blob read with O_DIRECT into this thread's buffer; returns the buffer as a tensor and an array."""
+    def _read(self, layer: int, expert: int) -> tuple[np.ndarray, torch.Tensor]:
+        """One blob read with O_DIRECT into this thread's buffer; returns the buffer as an array and a tensor."""
         buf, view, array = self._buffer()
         index = layer * self.shape.num_experts + expert
         offset = index * self.blob
@@ -346,7 +345,7 @@ class DiskStore(ExpertStore):
         if self.verify and crc32c.crc32c(buf) != self.checksums[index]:
             raise FetchError(f"expert {expert} of layer {layer} fails its CRC32C check in {self.path}: "
                              "the store file is corrupt; rerun `expertcache convert`")
-        return view, array
+        return array, view
 
     def close(self):
         """Close the store file; a second call does nothing."""

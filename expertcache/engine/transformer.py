@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..errors import BadInput
+from ..kernel import dense_decode
 from ..models.args import ModelArgs
 from .attention import apply_rope, attention_mask, rope_frequencies, rope_tables, sink_attention
 from .linear_attention import GatedDeltaNet
@@ -65,6 +67,15 @@ class Transformer:
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.prefetch: PrefetchHook | None = None
+        # decode's compiled attention block (kernel/dense_decode.py): fp32 GQA layers on the CPU
+        self.compiled = device.type == "cpu" and dtype == torch.float32 and self.latent is None \
+            and not a.attention_gate
+        if self.compiled:
+            self.token_args = {i: self._token_args(i, self.layers[i]) for i in self.kv_index}
+            self.scratch = np.empty(dense_decode.scratch_size(a.hidden_size, a.num_heads, a.num_kv_heads,
+                                                              a.head_dim), np.float32)
+            self.scores = np.empty(max_seq, np.float32)
+            self.cos_np, self.sin_np = self.cos.numpy(), self.sin.numpy()
 
     def kv_bytes(self, positions: int) -> int:
         """Bytes of the attention caches holding `positions` positions: keys and values, and a latent
@@ -140,6 +151,30 @@ class Transformer:
             o = o * torch.sigmoid(gate.reshape(T, nq))
         return F.linear(o, L["wo"], L.get("bo"))
 
+    def _token_args(self, i: int, L: dict) -> tuple:
+        """Layer i's weights as attention_token takes them (empty arrays for what the family lacks)."""
+        a = self.args
+        empty = np.zeros(0, np.float32)
+
+        def arr(name: str) -> np.ndarray:
+            return L[name].contiguous().numpy() if name in L else empty
+        mode = {None: dense_decode.NORM_NONE, "full": dense_decode.NORM_FULL, "head": dense_decode.NORM_HEAD}
+        window = a.sliding_window if a.layer_type(i) == "sliding_attention" else 0
+        return (arr("attn_norm"), arr("moe_norm"), np.float32(a.rms_norm_eps), arr("wqkv"), arr("bqkv"),
+                mode[a.qk_norm], arr("q_norm"), arr("k_norm"), np.float32(a.clip_qkv or 0.0)), \
+            (window, arr("sinks") if a.attention_sinks else empty, arr("wo"), arr("bo"), a.num_heads, a.num_kv_heads)
+
+    def _attention_token(self, i: int, h: torch.Tensor, pos: int) -> torch.Tensor:
+        """Decode: layer i's attention block on one token in one compiled call; h [1, H] is updated in
+        place and the MoE input rms_norm(h) returned."""
+        x = torch.empty_like(h)
+        c = self.kv_index[i]
+        before, after = self.token_args[i]
+        dense_decode.attention_token(h.numpy()[0], *before, self.cos_np[pos], self.sin_np[pos], pos,
+                                     self.k_cache.numpy()[c], self.v_cache.numpy()[c], *after, self.scratch,
+                                     self.scores, x.numpy()[0])
+        return x
+
     def _mlp(self, L: dict, x: torch.Tensor, name: str) -> torch.Tensor:
         """A SwiGLU MLP of the layer's `name`_w13, `name`_w2 (the shared expert, or a dense layer's MLP)."""
         g, u = (x @ L[name + "_w13"].t()).chunk(2, dim=-1)
@@ -159,11 +194,15 @@ class Transformer:
         if pos + T > self.max_seq:
             raise BadInput(f"sequence of {pos + T} tokens exceeds max_seq={self.max_seq}; raise --max-seq")
         self._reserve(pos + T)
-        h = self.embed[ids]
+        h = self.embed[ids]  # a copy: the compiled attention block may update it in place
+        compiled = T == 1 and self.compiled
         for i, L in enumerate(self.layers):
-            xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
-            h = h + (self.linear[i](xa, pos) if i in self.linear else self._attention(i, L, xa, pos))
-            x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
+            if compiled and i in self.kv_index:
+                x = self._attention_token(i, h, pos)
+            else:
+                xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
+                h = h + (self.linear[i](xa, pos) if i in self.linear else self._attention(i, L, xa, pos))
+                x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
             if i < a.first_dense_layers:
                 h = h + self._mlp(L, x, "dense")
                 continue

@@ -16,10 +16,13 @@ from numba import njit
 # (-1: none, the symmetric scheme), rows and columns of the part (a bias: 1 row), group size
 ENCODING, VALUES, SCALES, MINS, ROWS, COLS, GROUP = range(7)
 PLAN_COLUMNS = 7
-RAW_F32, RAW_F16, RAW_BF16, INT8, INT4 = range(5)  # ENCODING values
+RAW_F32, RAW_F16, RAW_BF16, INT8, INT4, MXFP4 = range(6)  # ENCODING values
 
 NO_PART = np.empty(0, np.float32)  # the destination of a part the family does not have
 POW2 = np.array([2.0 ** (e - 25) for e in range(32)], np.float32)  # an fp16 exponent's scale, exact
+# MXFP4: the 16 FP4 (E2M1) values (quant.FP4_VALUES) and the E8M0 scales, 2^(byte - 127) (255: inf, as torch.ldexp)
+FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+E8M0 = np.array([2.0 ** (e - 127) for e in range(255)] + [np.inf], np.float32)
 
 
 @njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
@@ -69,6 +72,8 @@ def _decode_part(buf, row, dst):
             out_u[i] = np.uint32(src16[i]) << np.uint32(16)
     elif kind == RAW_F16:
         _halves_to_floats(buf[start:start + 2 * n].view(np.uint16), dst, out_u, n)
+    elif kind == MXFP4:
+        _decode_mxfp4(buf, row, dst)
     else:
         rows, cols, g = row[ROWS], row[COLS], row[GROUP]
         groups = (cols + g - 1) // g
@@ -103,6 +108,22 @@ def _decode_part(buf, row, dst):
                 else:
                     for c in range(c0, c1):
                         out[c] = (out[c] - half) * sc
+
+
+@njit(cache=True, _nrt=False, nogil=True, error_model="numpy")
+def _decode_mxfp4(buf, row, dst):
+    """An MXFP4 matrix (plan row `row`): per row, blocks of 32 FP4 codes (two per byte, the low
+    nibble first) times their block's power-of-two scale, the padding of the last block dropped."""
+    rows, cols, g = row[ROWS], row[COLS], row[GROUP]
+    blocks = (cols + g - 1) // g
+    code_cols = blocks * g // 2
+    for r in range(rows):
+        codes = buf[row[VALUES] + r * code_cols:row[VALUES] + (r + 1) * code_cols]
+        scales = buf[row[SCALES] + r * blocks:row[SCALES] + (r + 1) * blocks]
+        out = dst[r * cols:(r + 1) * cols]
+        for c in range(cols):
+            q = (codes[c >> 1] >> np.uint8((c & 1) << 2)) & np.uint8(0xF)
+            out[c] = FP4[q] * E8M0[scales[c // g]]
 
 
 @njit(cache=True, _nrt=False, nogil=True, error_model="numpy")
