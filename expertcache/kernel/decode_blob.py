@@ -121,9 +121,16 @@ def _decode_mxfp4(buf, row, dst):
         codes = buf[row[VALUES] + r * code_cols:row[VALUES] + (r + 1) * code_cols]
         scales = buf[row[SCALES] + r * blocks:row[SCALES] + (r + 1) * blocks]
         out = dst[r * cols:(r + 1) * cols]
-        for c in range(cols):
-            q = (codes[c >> 1] >> np.uint8((c & 1) << 2)) & np.uint8(0xF)
-            out[c] = FP4[q] * E8M0[scales[c // g]]
+        for j in range(cols >> 1):  # the values first, then each block scaled in place
+            b = codes[j]
+            out[2 * j] = FP4[b & np.uint8(0xF)]
+            out[2 * j + 1] = FP4[b >> np.uint8(4)]
+        if cols & 1:
+            out[cols - 1] = FP4[codes[cols >> 1] & np.uint8(0xF)]
+        for k in range(blocks):
+            scale = E8M0[scales[k]]
+            for c in range(k * g, min(k * g + g, cols)):
+                out[c] = out[c] * scale
 
 
 @njit(cache=True, _nrt=False, nogil=True, error_model="numpy")
