@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..engine.cache import CacheConfig
+from ..engine.cache import SLOT_DTYPES, CacheConfig
 from ..engine.engine import Engine, EngineConfig
 from ..engine.quant import DTYPES, SCHEMES, ExpertFormat
 
@@ -83,6 +83,10 @@ def add_store_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None
     p.add_argument("--read-mode", default="auto", choices=["auto", "direct", "buffered"],
                    help="disk store reads: O_DIRECT, buffered with the page cache dropped, or auto (O_DIRECT where "
                         "the filesystem allows it; the mode used is in the statistics)")
+    p.add_argument("--slot-dtype", default="auto", choices=SLOT_DTYPES,
+                   help="the experts' format in the fast tier: auto (on the CPU the store's fp16/bf16, else fp32; "
+                        "fp16 on CUDA), fp32, fp16, bf16, or int8/int4 (the store's quantized blobs as they are, "
+                        "computed by a compiled kernel; needs --store disk --store-dtype of the same dtype)")
     add_format_arguments(p, "--store-dtype", "the experts' format in the slow tier (default: the checkpoint's "
                                              "dtype, fp16 for the built-in model, the exact reference)")
 
@@ -131,7 +135,7 @@ def engine_from_args(a: argparse.Namespace) -> Engine:
     return Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=cache, policy=a.policy,
                                         eviction=a.eviction, initial=a.initial, store_dir=a.store_dir,
                                         max_seq=a.max_seq, memory_budget=a.memory_budget, read_mode=a.read_mode,
-                                        store_format=format_from_args(a, a.store_dtype)))
+                                        store_format=format_from_args(a, a.store_dtype), slot_dtype=a.slot_dtype))
 
 
 def write_json(path: Path | None, data: dict) -> None:

@@ -2,9 +2,11 @@
 that maps (layer, expert) to slots (`cache_state.CacheState`), and the transfers that fill
 them. Slots of one weight kind are one stacked tensor (w13 [S, 2F, H], w2 [S, H, F], and the
 biases b13 [S, 2F], b2 [S, H] of families that have them), so the
-expert kernel indexes them like any expert stack."""
+expert kernel indexes them like any expert stack; in fp32, fp16 or bf16. Quantized slots (int8, int4)
+hold each expert's encoded blob as the disk store keeps it instead (`blobs` uint8 [S, bytes])."""
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,10 +18,48 @@ from ..kernel.cache_state import LOGGING, N_LOG, CacheState
 from ..kernel.policy import Scratch
 from ..kernel.routing import Router, Routing, route_logits
 from ..policies import MissPolicy
+from .quant import FLOAT_DTYPES, ExpertFormat, encoded_bytes
 from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)  # the kernel's argument types
+SLOT_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4")
+
+
+def slot_format(name: str, device: torch.device, stored: ExpertFormat, store: str = "disk") -> ExpertFormat:
+    """The fast tier's format of one expert from --slot-dtype `name` and the slow tier's format
+    `stored`. auto: on the CPU the store's dtype when it is fp16 or bf16 (the compiled kernel widens
+    them exactly), else fp32; on CUDA fp16. int8/int4 keep the store's encoded blobs as they are
+    (its group size and scheme), so the store must hold that dtype, on the disk, for the CPU kernel."""
+    if name not in SLOT_DTYPES:
+        raise UnknownName(f"unknown slot dtype {name!r}; choose one of {', '.join(SLOT_DTYPES)}")
+    if name == "auto":
+        if device.type != "cpu":
+            return ExpertFormat("float16")
+        return stored if stored.dtype in ("float16", "bfloat16") else ExpertFormat("float32")
+    fmt = ExpertFormat.parse(name)
+    if not fmt.quantized:
+        return fmt
+    if device.type != "cpu":
+        raise BadInput(f"--slot-dtype {name} computes with the CPU kernel; use --device cpu or --slot-dtype fp16")
+    if stored.dtype != fmt.dtype:
+        raise BadInput(f"--slot-dtype {name} keeps the slow tier's {name} blobs as they are, but it holds "
+                       f"{stored.tag}; add --store-dtype {name}")
+    if store != "disk":
+        raise BadInput(f"--slot-dtype {name} copies the disk store's encoded blobs; use --store disk")
+    return stored
+
+
+def slot_bytes(shape: ExpertShape, fmt: ExpertFormat) -> int:
+    """Fast-tier bytes of one expert's slot in `fmt`: its float values, or its encoded blob unpadded."""
+    return encoded_bytes(shape.parts, fmt) if fmt.quantized else shape.numel * FLOAT_DTYPES[fmt.dtype].itemsize
+
+
+def page_aligned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose storage starts on a page (an anonymous mmap): slot rows whose bytes
+    are whole pages can then take O_DIRECT reads straight from the disk store."""
+    n = int(np.prod(shape)) * dtype.itemsize
+    return torch.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=torch.uint8)[:n].view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -58,13 +98,17 @@ class ExpertCache:
     same bookkeeping, no weights, and transfers that complete at once (the simulator's)."""
 
     def __init__(self, cfg: CacheConfig, store: ExpertStore | None, top_k: int, device: torch.device | None,
-                 dtype: torch.dtype, shape: ExpertShape | None = None, fetch_bytes: int | None = None,
+                 dtype: torch.dtype | ExpertFormat, shape: ExpertShape | None = None, fetch_bytes: int | None = None,
                  lowbit_bytes: int = 0):
         if cfg.quota not in ("layer", "global"):
             raise UnknownName(f"unknown quota {cfg.quota!r}; choose 'layer' or 'global'")
         shape = store.shape if store is not None else shape
         self.shape, self.store, self.cfg, self.top_k = shape, store, cfg, top_k
-        self.expert_bytes = shape.numel * dtype.itemsize  # in the fast tier
+        # dtype: a float dtype, or a slot format (`slot_format`): float, or quantized (encoded blobs)
+        self.format = dtype if isinstance(dtype, ExpertFormat) else ExpertFormat.of_dtype(dtype)
+        encoded = self.format.quantized
+        dtype = None if encoded else FLOAT_DTYPES[self.format.dtype]
+        self.expert_bytes = slot_bytes(shape, self.format)  # in the fast tier
         self.fetch_bytes = store.expert_bytes if store is not None else fetch_bytes  # moved per fetch
         self.lowbit_bytes = lowbit_bytes  # moved per fetch of a low-precision copy (`attach_small`)
         self.small: ExpertStore | None = None
@@ -72,21 +116,35 @@ class ExpertCache:
         S = self.per_layer * shape.num_layers
         self.num_slots = S
         virtual = store is None
-        self.w13 = None if virtual else torch.zeros((S, *shape.w13), device=device, dtype=dtype)
-        self.w2 = None if virtual else torch.zeros((S, *shape.w2), device=device, dtype=dtype)
-        biased = shape.bias and not virtual  # families with expert biases: b13 [S, 2F], b2 [S, H]
-        self.b13 = torch.zeros((S, shape.w13[0]), device=device, dtype=dtype) if biased else None
-        self.b2 = torch.zeros((S, shape.w2[0]), device=device, dtype=dtype) if biased else None
+        floats = not (virtual or encoded)
+
+        def zeros(*dims, dtype=dtype):
+            if device is None or torch.device(device).type == "cpu":
+                return page_aligned_zeros((S, *dims), dtype)
+            return torch.zeros((S, *dims), device=device, dtype=dtype)
+        self.w13 = zeros(*shape.w13) if floats else None
+        self.w2 = zeros(*shape.w2) if floats else None
+        biased = shape.bias and floats  # families with expert biases: b13 [S, 2F], b2 [S, H]
+        self.b13 = zeros(shape.w13[0]) if biased else None
+        self.b2 = zeros(shape.w2[0]) if biased else None
+        self.blobs = zeros(self.expert_bytes, dtype=torch.uint8) if encoded and not virtual else None
         self.state = self._new_state()
         self.scratch = Scratch.make(top_k, shape.num_experts)
         self.pending: dict[int, Transfer] = {}  # slot -> transfer in flight
-        self.transfers = InstantTransfers() if virtual else \
-            TransferEngine(store, self.w13, self.w2, cfg.io_workers, self.b13, self.b2)
+        if virtual:
+            self.transfers = InstantTransfers()
+        elif encoded:
+            self.transfers = TransferEngine(store, self.blobs, None, cfg.io_workers, encoded=True)
+        else:
+            self.transfers = TransferEngine(store, self.w13, self.w2, cfg.io_workers, self.b13, self.b2)
         if not virtual:
             self._compile()
 
     def attach_small(self, store: ExpertStore) -> None:
-        """The slow tier's low-precision copies, which `lowbit` transfers read (into the same fp32 slots)."""
+        """The slow tier's low-precision copies, which `lowbit` transfers read (into the same float slots)."""
+        if self.format.quantized:
+            raise BadInput(f"a lowbit policy fetches int4 copies into float slots; slots kept as {self.format.dtype} "
+                           "cannot take them: use --slot-dtype auto or another policy")
         self.small, self.lowbit_bytes = store, store.expert_bytes
         if isinstance(self.transfers, TransferEngine):
             self.transfers.small = store

@@ -14,11 +14,11 @@ import torch
 from ..errors import CacheTooSmall, CheckpointError, NonFiniteOutput, UnknownName
 from ..models import model_args
 from ..policies import MissPolicy, make_policy
-from .cache import CacheConfig, ExpertCache
+from .cache import CacheConfig, ExpertCache, slot_bytes, slot_format
 from .checkpoint import ROUTING_COUNTS, load_routing_counts, open_checkpoint
 from .moe import MoELayerRunner, PrefetchConfig
 from .predictors import make_predictor
-from .quant import SMALL_FORMAT, ExpertFormat
+from .quant import FLOAT_DTYPES, SMALL_FORMAT, ExpertFormat
 from .stats import RunStats
 from .stores import open_store
 from .transformer import Transformer
@@ -45,6 +45,7 @@ class EngineConfig:
     max_seq: int = 2048
     prefetch: PrefetchConfig | None = None  # predict the next layer's experts and prefetch them
     memory_budget: int | None = None  # bytes of the whole fast tier; sizes the expert cache (overrides cache size)
+    slot_dtype: str = "auto"  # the fast tier's expert format: auto, fp32, fp16, bf16, int8, int4 (cache.slot_format)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -73,15 +74,20 @@ class Engine:
         self._fit(self.policy)
         self.routing_counts = load_routing_counts(self.path, (self.args.num_moe_layers, self.args.num_experts))
         self.checkpoint = ckpt
-        self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype, config.store_format,
-                                config.read_mode, config.verify)
+        # a ram store on the CPU holds the experts in the slots' float dtype (plain copies), or for auto as stored
+        explicit = config.slot_dtype in ("fp32", "fp16", "bf16")
+        held = ExpertFormat.parse(config.slot_dtype) if explicit else None
+        self.store = open_store(config.store, ckpt, self.args, config.store_dir,
+                                dtype if self.device.type != "cpu" else held and FLOAT_DTYPES[held.dtype],
+                                config.store_format, config.read_mode, config.verify)
+        self.slot_format = slot_format(config.slot_dtype, self.device, self.store.stored_format, config.store)
         vocab_16bit = self.device.type == "cpu"  # the compiled decode path reads them as they are stored
         self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype, vocab_16bit), None, self.device,
                                  config.max_seq)
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
         if config.memory_budget is not None:
             cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget, cache_cfg, dtype))
-        self.cache = ExpertCache(cache_cfg, self.store, self.args.top_k, self.device, dtype)
+        self.cache = ExpertCache(cache_cfg, self.store, self.args.top_k, self.device, self.slot_format)
         self._attach_small(self.policy)
         self.stats = RunStats()
         self.runner = MoELayerRunner(self.args, self.model.router, self.cache, self.policy, self.stats)
@@ -102,7 +108,7 @@ class Engine:
                  "transfer buffers": self.store.buffer_bytes(cache_cfg.io_workers),
                  "workspace": self.workspace_bytes(dtype)}
         left = budget - sum(fixed.values())
-        one = self.store.shape.numel * dtype.itemsize * self.store.shape.num_layers * self.args.top_k
+        one = slot_bytes(self.store.shape, self.slot_format) * self.store.shape.num_layers * self.args.top_k
         if left < one:
             parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in fixed.items())
             raise CacheTooSmall(f"--memory-budget {budget / 2**20:.1f} MiB leaves {max(left, 0) / 2**20:.1f} MiB for "
@@ -208,7 +214,8 @@ class Engine:
                 "buffer_bytes": self.store.buffer_bytes(self.cache.cfg.io_workers),
                 "workspace_bytes": self.workspace_bytes(self.cache.w13.dtype if self.cache.w13 is not None
                                                         else torch.float32),
-                "slots_per_layer": self.cache.per_layer, "expert_bytes_slow": self.store.expert_bytes,
+                "slots_per_layer": self.cache.per_layer, "slot_dtype": self.slot_format.tag,
+                "expert_bytes_slow": self.store.expert_bytes,
                 "expert_bytes_fast": self.cache.expert_bytes}
 
     def close(self) -> None:

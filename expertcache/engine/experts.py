@@ -70,6 +70,10 @@ def experts_one_token(x, slots, weights, w13, w2, b13=None, b2=None, kind: Exper
     x [1, H], slots [1, k] (long), weights [1, k] -> [1, H]."""
     assert x.shape[0] == 1 and slots.shape == weights.shape, (x.shape, slots.shape, weights.shape)
     xv, ids = x[0], slots[0].tolist()
+    if w13.dtype != x.dtype:  # 16-bit slots under fp32 compute: each used expert widened (exact)
+        w13, w2 = w13[ids].to(x.dtype), w2[ids].to(x.dtype)
+        b13, b2 = (None, None) if b13 is None else (b13[ids].to(x.dtype), b2[ids].to(x.dtype))
+        ids = list(range(len(ids)))
     h = torch.stack([w13[s] @ xv for s in ids])  # [k, 2F]
     if b13 is not None:
         h = h + b13[ids]
@@ -124,18 +128,27 @@ class CompiledSlots:
 
 
 def experts_grouped(x, slots, weights, w13, w2, b13=None, b2=None, kind: ExpertKind = SWIGLU):
-    """Large batches: one matmul pair per used slot. x [T, H], slots, weights [T, k] -> [T, H]."""
+    """Large batches: one matmul pair per used slot. x [T, H], slots, weights [T, k] -> [T, H].
+    Slots in another float dtype than x (16-bit slots, fp32 compute) are widened per expert run."""
+    if w13.requires_grad:  # training: per-expert views, so backward does not build a full-size gradient per index
+        w13, w2 = w13.unbind(0), w2.unbind(0)
+
+    def expert(s: int):
+        return tuple(None if t is None else t[s].to(x.dtype) for t in (w13, w2, b13, b2))
+    return experts_grouped_by(x, slots, weights, expert, kind)
+
+
+def experts_grouped_by(x, slots, weights, expert, kind: ExpertKind = SWIGLU):
+    """experts_grouped with each used slot's weights from `expert(slot) -> (w13 [2F, H], w2 [H, F],
+    b13 [2F] or None, b2 [H] or None)` in x's dtype: how quantized slots dequantise per expert run."""
     assert slots.shape == weights.shape and slots.shape[0] == x.shape[0], (x.shape, slots.shape, weights.shape)
     k = slots.shape[1]
     order, used, counts = expert_groups(slots.to(x.device))
     token = order // k
     xs = x[token]
-    if w13.requires_grad:  # training: per-expert views, so backward does not build a full-size gradient per index
-        w13, w2 = w13.unbind(0), w2.unbind(0)
     out_rows, start = [], 0
     for s, c in zip(used, counts):
-        out_rows.append(swiglu(xs[start:start + c], w13[s], w2[s], None if b13 is None else b13[s],
-                               None if b2 is None else b2[s], kind))
+        out_rows.append(swiglu(xs[start:start + c], *expert(s), kind))
         start += c
     y = torch.cat(out_rows) * weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token, y)

@@ -21,6 +21,7 @@ from ..models.args import ModelArgs
 from ..policies import MissPolicy
 from .cache import ExpertCache
 from .experts import CompiledSlots, ExpertKind, experts_compute
+from .quantized_slots import QuantizedSlots
 from .stats import RunStats
 
 if TYPE_CHECKING:  # predictors route with router_logits below
@@ -95,6 +96,8 @@ class MoELayerRunner:
         self.predicted: Routing | None = None  # predicted for the next layer
         self.compiled = CompiledSlots(cache.w13, cache.w2, cache.b13, cache.b2, self.kind) \
             if CompiledSlots.applies(cache.w13) else None  # decode's expert call on the CPU
+        if cache.blobs is not None:  # quantized slots: their own compiled call, and windows' per-expert dequantising
+            self.compiled = QuantizedSlots(cache.blobs, cache.shape, cache.format, self.kind)
 
     def observe_residual(self, layer: int, h: torch.Tensor) -> None:
         """The transformer's hook after each layer's attention."""
@@ -127,6 +130,8 @@ class MoELayerRunner:
 
         def experts_out(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
             gates = torch.from_numpy(gates_h[begin:end])
+            if cache.blobs is not None:
+                return self.compiled.grouped(x[begin:end], torch.from_numpy(slots_h[begin:end]), gates)
             return experts_compute(x[begin:end], torch.from_numpy(slots_h[begin:end]),
                                    gates if x.device.type == "cpu" else gates.to(x.device), cache.w13, cache.w2,
                                    cache.b13, cache.b2, self.kind)

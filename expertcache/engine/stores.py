@@ -28,11 +28,11 @@ import crc32c
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, FetchError, ReadModeUnsupported, UnknownName
+from ..errors import BadInput, CheckpointError, FetchError, ReadModeUnsupported, UnknownName
 from ..kernel.decode_blob import NO_PART, decode_blob
 from ..models.args import ModelArgs
 from .checkpoint import Checkpoint
-from .quant import ExpertFormat, decode_into, decode_plan, encode, encoded_bytes, roundtrip
+from .quant import FLOAT_DTYPES, ExpertFormat, decode_into, decode_plan, encode, encoded_bytes, layout, roundtrip
 from .weights import all_layer_experts, layer_experts, stored_layer_parts
 
 ALIGN = 4096
@@ -89,6 +89,16 @@ class ExpertStore(ABC):
         """Copy expert (layer, expert) into w13 [2F, H] and w2 [H, F] (and b13 [2F], b2 [H] when the
         shape has biases); returns bytes moved. Safe to call from worker threads."""
 
+    def read_encoded(self, layer: int, expert: int, dst: torch.Tensor) -> int:
+        """Copy expert (layer, expert)'s encoded blob as it is stored, unpadded, into dst (uint8):
+        the fill of a quantized slot. Only the disk store keeps encoded blobs."""
+        raise BadInput(f"the {self.name} store holds no encoded blobs for quantized slots; use --store disk")
+
+    @property
+    def stored_format(self) -> ExpertFormat:
+        """The format the store serves experts in."""
+        return ExpertFormat.of_dtype(self.dtype)
+
     def buffer_bytes(self, workers: int) -> int:
         """Fast-tier memory the store's reads need besides the slots (per-worker staging)."""
         return 0
@@ -100,14 +110,19 @@ class ExpertStore(ABC):
 
 class RamStore(ExpertStore):
     """With a quantized `fmt`, holds the weights that format's disk store serves (quantised and
-    dequantised once at load): the emulation of a quantized slow tier."""
+    dequantised once at load): the emulation of a quantized slow tier. `dtype` None: the experts
+    as the checkpoint or a float `fmt` stores them (fp32 for a quantized `fmt`), so that 16-bit slots
+    take plain copies; a copy into slots of another dtype converts (rounds once to a 16-bit slot
+    dtype, as the disk store's fetch does)."""
     name = read_mode = "ram"
     inline = True
 
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32, fmt: ExpertFormat | None = None):
+        layers = list(all_layer_experts(ckpt, args))
+        if dtype is None:
+            dtype = layers[0].w13.dtype if fmt is None else FLOAT_DTYPES.get(fmt.dtype, torch.float32)
         super().__init__(ExpertShape.of(args), dtype)
         self.format = fmt
-        layers = list(all_layer_experts(ckpt, args))
 
         def stack(part):  # [L, E, ...] in the compute dtype, each expert as the format stores it
             if fmt is None:
@@ -122,6 +137,11 @@ class RamStore(ExpertStore):
     def expert_bytes(self) -> int:
         """Bytes of a fetch: in the emulated format's encoding when there is one."""
         return super().expert_bytes if self.format is None else encoded_bytes(self.shape.parts, self.format)
+
+    @property
+    def stored_format(self) -> ExpertFormat:
+        """The emulated format, or the dtype the experts are held in."""
+        return self.format or ExpertFormat.of_dtype(self.dtype)
 
     def _sources(self, layer: int, expert: int) -> list[torch.Tensor]:
         out = [self.w13[layer, expert], self.w2[layer, expert]]
@@ -295,6 +315,17 @@ class DiskStore(ExpertStore):
         self.fd, self.read_mode = open_blob_file(self.path, read_mode)
         self._local = threading.local()
         self._plan = decode_plan(shape.parts, self.format)  # how the compiled pass reads a blob
+        self.encoded_bytes = encoded_bytes(shape.parts, self.format)
+        raw = None if quantized else FLOAT_DTYPES[self.format.dtype]
+        self._raw = raw  # float blobs: the parts' values back to back, no padding between them
+        # a float blob that is whole pages per part can be read straight into slot rows of its dtype
+        self._direct_parts = raw is not None and self.encoded_bytes == self.blob and \
+            all(math.prod(p) * raw.itemsize % ALIGN == 0 for p in shape.parts)
+
+    @property
+    def stored_format(self) -> ExpertFormat:
+        """The format experts.json records."""
+        return self.format
 
     @property
     def expert_bytes(self) -> int:
@@ -314,26 +345,58 @@ class DiskStore(ExpertStore):
         return (workers + 1) * self.blob
 
     def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
-        """Read and check the blob of (layer, expert), then decode it into w13 [2F, H], w2 [H, F]
-        (and b13 [2F], b2 [H]): in one compiled pass that releases the GIL when they are
-        contiguous fp32 CPU tensors (the CPU slots), with torch ops otherwise. Returns the blob's bytes."""
-        array, view = self._read(layer, expert)
+        """Read and check the blob of (layer, expert) into w13 [2F, H], w2 [H, F] (and b13 [2F], b2 [H]).
+        Contiguous CPU tensors (the CPU slots): of the blob's own float dtype, its bytes as they are
+        (read straight into them when each part is whole pages at page-aligned addresses); fp32, one
+        compiled pass that releases the GIL; fp16 or bf16, that pass into fp32 scratch, then rounded
+        once to the slot's dtype (round to nearest even, as torch converts: what a ram store
+        emulating the format holds in that dtype). Torch ops otherwise (CUDA). Returns the blob's bytes."""
         dsts = (w13, w2, b13, b2)[:len(self.shape.parts)]
-        if all(d is not None and d.dtype == torch.float32 and d.device.type == "cpu" and d.is_contiguous()
-               and d.shape == p for d, p in zip(dsts, self.shape.parts)):  # the compiled pass checks no bounds
+        cpu = all(d is not None and d.device.type == "cpu" and d.is_contiguous() and d.shape == p
+                  for d, p in zip(dsts, self.shape.parts))  # the compiled pass checks no bounds
+        same = cpu and all(d.dtype == self._raw for d in dsts)
+        if same and self._direct_parts and all(d.data_ptr() % ALIGN == 0 for d in dsts):
+            self._read(layer, expert, [d.view(-1).view(torch.uint8).numpy() for d in dsts])
+            return self.blob
+        array, view = self._read(layer, expert)
+        if same:
+            for seg, d in zip(layout(self.shape.parts, self.format), dsts):
+                d.view(-1).view(torch.uint8).numpy()[:] = array[seg.offset:seg.offset + seg.nbytes]
+        elif cpu and all(d.dtype == torch.float32 for d in dsts):
             flat = [d.view(-1).numpy() for d in dsts]
             decode_blob(array, self._plan, *flat, *[NO_PART] * (4 - len(flat)))
+        elif cpu:
+            scratch = self._scratch()
+            decode_blob(array, self._plan, *[s.view(-1).numpy() for s in scratch])
+            for d, s in zip(dsts, scratch):
+                d.copy_(s)
         else:
             decode_into(view, self.shape.parts, self.format, dsts)
         return self.blob
 
-    def _read(self, layer: int, expert: int) -> tuple[np.ndarray, torch.Tensor]:
-        """One blob read with O_DIRECT into this thread's buffer; returns the buffer as an array and a tensor."""
+    def _scratch(self) -> list[torch.Tensor]:
+        """This thread's fp32 tensors of one expert's four parts (empty for biases the family has not)."""
+        if not hasattr(self._local, "scratch"):
+            parts = self.shape.parts
+            self._local.scratch = [torch.empty(p) for p in parts] + [torch.empty(0)] * (4 - len(parts))
+        return self._local.scratch
+
+    def read_encoded(self, layer, expert, dst):
+        """Read and check the blob of (layer, expert), then copy its encoded bytes (unpadded) into dst
+        uint8 [encoded_bytes]: a quantized slot keeps them as they are. Returns the blob's bytes."""
+        array, _ = self._read(layer, expert)
+        dst.numpy()[:] = array[:self.encoded_bytes]
+        return self.blob
+
+    def _read(self, layer: int, expert: int, into: list | None = None) -> tuple[np.ndarray, torch.Tensor]:
+        """One blob read with O_DIRECT into this thread's buffer, or into the buffers `into` (page-aligned,
+        whole pages, the blob's size together); returns the thread's buffer as an array and a tensor."""
         buf, view, array = self._buffer()
+        targets = [buf] if into is None else into
         index = layer * self.shape.num_experts + expert
         offset = index * self.blob
         try:
-            n = os.preadv(self.fd, [buf], offset)
+            n = os.preadv(self.fd, targets, offset)
             if self.read_mode == "buffered-dontneed":  # the next read of this blob comes from the device again
                 os.posix_fadvise(self.fd, offset, self.blob, os.POSIX_FADV_DONTNEED)
         except OSError as e:
@@ -342,10 +405,18 @@ class DiskStore(ExpertStore):
         if n != self.blob:
             raise FetchError(f"short read of expert {expert} of layer {layer}: {n} of {self.blob} bytes; "
                              "the store file is truncated, rerun `expertcache convert`")
-        if self.verify and crc32c.crc32c(buf) != self.checksums[index]:
+        if self.verify and self._crc(targets) != self.checksums[index]:
             raise FetchError(f"expert {expert} of layer {layer} fails its CRC32C check in {self.path}: "
                              "the store file is corrupt; rerun `expertcache convert`")
         return array, view
+
+    @staticmethod
+    def _crc(buffers: list) -> int:
+        """The CRC32C of the buffers' bytes back to back."""
+        crc = 0
+        for b in buffers:
+            crc = crc32c.crc32c(b, crc)
+        return crc
 
     def close(self):
         """Close the store file; a second call does nothing."""

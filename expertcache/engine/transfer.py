@@ -37,10 +37,11 @@ class Transfer:
 
 class TransferEngine:
     """Copies experts from a store into the cache's slot tensors (w13, w2 and optional biases,
-    first dimension the slot): on a thread pool on CPU, on a copy stream on CUDA."""
-    def __init__(self, store: ExpertStore, w13: torch.Tensor, w2: torch.Tensor, workers: int = 4,
-                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None):
-        self.store, self.w13, self.w2 = store, w13, w2
+    first dimension the slot; or with `encoded`, w13 the blobs [S, bytes] of quantized slots that
+    take the store's encoded bytes as they are): on a thread pool on CPU, on a copy stream on CUDA."""
+    def __init__(self, store: ExpertStore, w13: torch.Tensor, w2: torch.Tensor | None, workers: int = 4,
+                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, encoded: bool = False):
+        self.store, self.w13, self.w2, self.encoded = store, w13, w2, encoded
         self.small: ExpertStore | None = None  # low-precision copies, read by "lowbit" transfers
         self.slot_tensors = [t for t in (w13, w2, b13, b2) if t is not None]  # what one slot holds
         self.cuda = w13.is_cuda
@@ -49,6 +50,8 @@ class TransferEngine:
 
     def _copy(self, t: Transfer) -> int:
         store = self.small if t.kind == "lowbit" else self.store
+        if self.encoded:
+            return store.read_encoded(t.layer, t.expert, self.w13[t.slot])
         if self.stream is None:
             return store.read_into(t.layer, t.expert, *(x[t.slot] for x in self.slot_tensors))
         # The slot's previous expert may still be read by queued compute: copy after it.

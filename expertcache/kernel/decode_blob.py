@@ -75,62 +75,100 @@ def _decode_part(buf, row, dst):
     elif kind == MXFP4:
         _decode_mxfp4(buf, row, dst)
     else:
-        rows, cols, g = row[ROWS], row[COLS], row[GROUP]
-        groups = (cols + g - 1) // g
-        scales = buf[row[SCALES]:row[SCALES] + 2 * rows * groups].view(np.uint16)
-        asym = row[MINS] >= 0
-        mins = buf[row[MINS]:row[MINS] + 2 * rows * groups].view(np.uint16) if asym else scales
-        four = kind == INT4
-        code_cols = groups * g // 2 if four else groups * g
-        half = np.float32(7.0 if four else 127.0)  # (2^bits - 1) // 2: the symmetric codes' zero
-        for r in range(rows):
-            codes = buf[start + r * code_cols:start + (r + 1) * code_cols]
-            out = dst[r * cols:(r + 1) * cols]
-            # the codes as floats first (each byte of int4 holds two, the low nibble first), then
-            # each group scaled in place: two unit-stride loops that vectorise
-            if four:
-                for j in range(cols >> 1):
-                    b = codes[j]
-                    out[2 * j] = np.float32(b & np.uint8(0xF))
-                    out[2 * j + 1] = np.float32(b >> np.uint8(4))
-                if cols & 1:
-                    out[cols - 1] = np.float32(codes[cols >> 1] & np.uint8(0xF))
-            else:
-                for c in range(cols):
-                    out[c] = np.float32(codes[c])
-            for gi in range(groups):
-                sc = _half_at(scales, r * groups + gi)
-                c0, c1 = gi * g, min(gi * g + g, cols)
-                if asym:
-                    mn = _half_at(mins, r * groups + gi)
-                    for c in range(c0, c1):
-                        out[c] = mn + out[c] * sc
-                else:
-                    for c in range(c0, c1):
-                        out[c] = (out[c] - half) * sc
+        cols = row[COLS]
+        for r in range(row[ROWS]):
+            _int_row(buf, row, r, dst[r * cols:(r + 1) * cols])
+
+
+@njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
+def _int_row(buf, row, r, out):
+    """Row r of an int8/int4 matrix (plan row `row`) into out [cols] float32."""
+    cols, g = row[COLS], row[GROUP]
+    groups = (cols + g - 1) // g
+    rows = row[ROWS]
+    scales = buf[row[SCALES]:row[SCALES] + 2 * rows * groups].view(np.uint16)
+    asym = row[MINS] >= 0
+    mins = buf[row[MINS]:row[MINS] + 2 * rows * groups].view(np.uint16) if asym else scales
+    four = row[ENCODING] == INT4
+    code_cols = groups * g // 2 if four else groups * g
+    half = np.float32(7.0 if four else 127.0)  # (2^bits - 1) // 2: the symmetric codes' zero
+    start = row[VALUES]
+    codes = buf[start + r * code_cols:start + (r + 1) * code_cols]
+    # the codes as floats first (each byte of int4 holds two, the low nibble first), then
+    # each group scaled in place: two unit-stride loops that vectorise
+    if four:
+        for j in range(cols >> 1):
+            b = codes[j]
+            out[2 * j] = np.float32(b & np.uint8(0xF))
+            out[2 * j + 1] = np.float32(b >> np.uint8(4))
+        if cols & 1:
+            out[cols - 1] = np.float32(codes[cols >> 1] & np.uint8(0xF))
+    else:
+        for c in range(cols):
+            out[c] = np.float32(codes[c])
+    for gi in range(groups):
+        sc = _half_at(scales, r * groups + gi)
+        c0, c1 = gi * g, min(gi * g + g, cols)
+        if asym:
+            mn = _half_at(mins, r * groups + gi)
+            for c in range(c0, c1):
+                out[c] = mn + out[c] * sc
+        else:
+            for c in range(c0, c1):
+                out[c] = (out[c] - half) * sc
+
+
+@njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
+def decode_row(buf, row, r, out):
+    """Row r of one part of a blob (plan row `row`; a bias is one row) into out [cols] float32, the
+    same values decode_blob writes there: how a kernel computes straight from a quantized slot, one
+    row at a time."""
+    kind, cols = row[ENCODING], row[COLS]
+    if kind == RAW_F32:
+        src = buf[row[VALUES] + 4 * r * cols:row[VALUES] + 4 * (r + 1) * cols].view(np.float32)
+        for c in range(cols):
+            out[c] = src[c]
+    elif kind == RAW_BF16:
+        src16 = buf[row[VALUES] + 2 * r * cols:row[VALUES] + 2 * (r + 1) * cols].view(np.uint16)
+        out_u = out.view(np.uint32)
+        for c in range(cols):
+            out_u[c] = np.uint32(src16[c]) << np.uint32(16)
+    elif kind == RAW_F16:
+        _halves_to_floats(buf[row[VALUES] + 2 * r * cols:row[VALUES] + 2 * (r + 1) * cols].view(np.uint16), out,
+                          out.view(np.uint32), cols)
+    elif kind == MXFP4:
+        _mxfp4_row(buf, row, r, out)
+    else:
+        _int_row(buf, row, r, out)
 
 
 @njit(cache=True, _nrt=False, nogil=True, error_model="numpy")
 def _decode_mxfp4(buf, row, dst):
     """An MXFP4 matrix (plan row `row`): per row, blocks of 32 FP4 codes (two per byte, the low
     nibble first) times their block's power-of-two scale, the padding of the last block dropped."""
-    rows, cols, g = row[ROWS], row[COLS], row[GROUP]
+    cols = row[COLS]
+    for r in range(row[ROWS]):
+        _mxfp4_row(buf, row, r, dst[r * cols:(r + 1) * cols])
+
+
+@njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
+def _mxfp4_row(buf, row, r, out):
+    """Row r of an MXFP4 matrix (plan row `row`) into out [cols] float32."""
+    cols, g = row[COLS], row[GROUP]
     blocks = (cols + g - 1) // g
     code_cols = blocks * g // 2
-    for r in range(rows):
-        codes = buf[row[VALUES] + r * code_cols:row[VALUES] + (r + 1) * code_cols]
-        scales = buf[row[SCALES] + r * blocks:row[SCALES] + (r + 1) * blocks]
-        out = dst[r * cols:(r + 1) * cols]
-        for j in range(cols >> 1):  # the values first, then each block scaled in place
-            b = codes[j]
-            out[2 * j] = FP4[b & np.uint8(0xF)]
-            out[2 * j + 1] = FP4[b >> np.uint8(4)]
-        if cols & 1:
-            out[cols - 1] = FP4[codes[cols >> 1] & np.uint8(0xF)]
-        for k in range(blocks):
-            scale = E8M0[scales[k]]
-            for c in range(k * g, min(k * g + g, cols)):
-                out[c] = out[c] * scale
+    codes = buf[row[VALUES] + r * code_cols:row[VALUES] + (r + 1) * code_cols]
+    scales = buf[row[SCALES] + r * blocks:row[SCALES] + (r + 1) * blocks]
+    for j in range(cols >> 1):  # the values first, then each block scaled in place
+        b = codes[j]
+        out[2 * j] = FP4[b & np.uint8(0xF)]
+        out[2 * j + 1] = FP4[b >> np.uint8(4)]
+    if cols & 1:
+        out[cols - 1] = FP4[codes[cols >> 1] & np.uint8(0xF)]
+    for k in range(blocks):
+        scale = E8M0[scales[k]]
+        for c in range(k * g, min(k * g + g, cols)):
+            out[c] = out[c] * scale
 
 
 @njit(cache=True, _nrt=False, nogil=True, error_model="numpy")

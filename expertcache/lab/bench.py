@@ -44,6 +44,7 @@ class BenchConfig:
     store_dir: Path | None = None
     store_format: ExpertFormat | None = None  # the experts' format in the slow tier; None: the checkpoint's
     read_mode: str = "auto"  # disk store reads: auto, direct or buffered
+    slot_dtype: str = "auto"  # the fast tier's expert format (EngineConfig.slot_dtype)
     device: str = "cpu"
     cache_fraction: float = 0.25
     policies: tuple[str, ...] = POLICIES
@@ -134,9 +135,11 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     repetitions interleaved round-robin after one warm-up round."""
     cache = CacheConfig(fraction=cfg.cache_fraction)
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
-                                        store_format=cfg.store_format, read_mode=cfg.read_mode))
+                                        store_format=cfg.store_format, read_mode=cfg.read_mode,
+                                        slot_dtype=cfg.slot_dtype))
     floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0),
-                                       store_dir=cfg.store_dir, store_format=cfg.store_format, read_mode=cfg.read_mode))
+                                       store_dir=cfg.store_dir, store_format=cfg.store_format, read_mode=cfg.read_mode,
+                                       slot_dtype=cfg.slot_dtype))
     need = cfg.prompt_tokens + cfg.forced_tokens + 1
     ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
     if len(ids) < need:

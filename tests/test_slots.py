@@ -1,0 +1,140 @@
+"""The fast tier's slot formats: 16-bit slots (fp16, bf16) give the logits of fp32 slots holding
+the same values, a fetch into them equals the ram emulation of the store's format, and they hold
+twice the experts in the same bytes; quantized slots (int8, int4) keep the disk store's encoded
+blobs and compute what dequantised fp32 slots compute."""
+import numpy as np
+import pytest
+import torch
+
+from expertcache import cli
+from expertcache.engine.cache import CacheConfig
+from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.engine.experts import CompiledSlots, ExpertKind, experts_grouped
+from expertcache.engine.quant import ExpertFormat, encode, encoded_bytes
+from expertcache.engine.quantized_slots import QuantizedSlots
+from expertcache.engine.stores import ExpertShape
+from expertcache.errors import BadInput
+
+PROMPT = [3, 17, 5, 9, 30, 2, 11, 7, 4, 21, 8, 13]
+
+
+def logits_of(engine: Engine, decode: int = 4) -> torch.Tensor:
+    """A prompt's window logits, then `decode` greedy tokens one at a time (the compiled decode path)."""
+    ids = torch.tensor(PROMPT)
+    rows = [engine.forward(ids, 0)]
+    for i in range(decode):
+        nxt = rows[-1][-1:].argmax(-1)
+        rows.append(engine.forward(nxt, len(PROMPT) + i))
+    return torch.cat(rows)
+
+
+def engine(path, **kw) -> Engine:
+    return Engine(path, EngineConfig(cache=CacheConfig(fraction=0.5), initial="cold", **kw))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("store_dtype,slot", [("fp16", "fp16"), ("bf16", "bf16"), ("int8", "fp16"), ("int4", "bf16")])
+def test_16_bit_slots_equal_the_ram_emulation(tiny, tmp_path, family, store_dtype, slot):
+    """A tiny fp32 checkpoint stored as fp16/bf16/int8/int4 on disk and fetched into 16-bit slots gives
+    the logits of the ram store emulating that format into the same slot dtype, bit for bit (a
+    quantized fetch rounds the fp32 dequantised value once to the slot's dtype, as the emulation's
+    copy does); auto keeps an fp16 or bf16 store's dtype."""
+    path = tiny[family][0]
+    fmt = ExpertFormat.parse(store_dtype, 16)
+    disk = engine(path, store="disk", store_dir=tmp_path, store_format=fmt, slot_dtype=slot)
+    ram = engine(path, store="ram", store_format=fmt, slot_dtype=slot)
+    assert disk.cache.w13.dtype == ram.cache.w13.dtype == getattr(torch, {"fp16": "float16"}.get(slot, "bfloat16"))
+    got, want = logits_of(disk), logits_of(ram)
+    assert disk.stats.sync_fetches > 0 and torch.equal(got, want)
+    if not fmt.quantized:
+        assert engine(path, store="disk", store_dir=tmp_path, store_format=fmt).cache.w13.dtype == disk.cache.w13.dtype
+    assert engine(path, store="ram").cache.w13.dtype == torch.float32  # an fp32 checkpoint: fp32 slots
+
+
+def test_builtin_fp16_slots_equal_fp32_slots_and_hold_twice_the_experts(tmp_path):
+    """The built-in model's fp16 experts widen exactly: its auto (fp16) slots give fp32 slots' logits,
+    from the ram store and from the disk store (whose whole-page parts are read straight into the
+    slot rows); at equal cache bytes fp16 slots hold twice the experts, and the budget counts them."""
+    fp32 = Engine(None, EngineConfig(store="ram", slot_dtype="fp32"))
+    fp16 = Engine(None, EngineConfig(store="ram"))
+    assert fp16.cache.w13.dtype == torch.float16 and fp16.budget()["slot_dtype"] == "fp16"
+    assert fp16.budget()["cache_bytes"] * 2 == fp32.budget()["cache_bytes"]
+    want = logits_of(fp32)
+    torch.testing.assert_close(logits_of(fp16), want, atol=1e-5, rtol=1e-5)
+    disk = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, initial="cold"))
+    assert disk.cache.w13.dtype == torch.float16 and disk.store._direct_parts
+    assert disk.cache.w13.data_ptr() % 4096 == 0
+    torch.testing.assert_close(logits_of(disk), want, atol=1e-5, rtol=1e-5)
+    assert disk.stats.sync_fetches > 0
+    size = fp32.cache.bytes
+    big = Engine(None, EngineConfig(store="ram", cache=CacheConfig(bytes=size)))
+    assert big.cache.per_layer == 2 * fp32.cache.per_layer and big.cache.bytes == size
+    budget = 100 * 2**20  # about 11 MiB left for expert slots
+    per = {d: Engine(None, EngineConfig(store="ram", slot_dtype=d, memory_budget=budget)).cache.per_layer
+           for d in ("fp32", "fp16")}
+    assert per["fp16"] >= 2 * per["fp32"] - 1
+
+
+def random_blobs(fmt: ExpertFormat, parts, S: int, g: torch.Generator) -> torch.Tensor:
+    n = encoded_bytes(parts, fmt)
+    blobs = torch.zeros(S, n, dtype=torch.uint8)
+    for s in range(S):
+        tensors = [torch.randn(p, generator=g) * 0.2 for p in parts]
+        blobs[s] = torch.frombuffer(bytearray(encode(tensors, parts, fmt, n)), dtype=torch.uint8)
+    return blobs
+
+
+@pytest.mark.parametrize("dtype,scheme", [("int8", "asym"), ("int4", "asym"), ("int4", "sym"), ("int8", "sym")])
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantized_kernel_equals_dequantise_then_compute(dtype, scheme, bias):
+    """The compiled kernel over encoded slots computes what the fp32 kernel computes over the same
+    slots dequantised (decode_blob), to fp32 rounding; windows dequantise per expert run the same way."""
+    g = torch.Generator().manual_seed(2)
+    S, F, H, k = 5, 24, 40, 3  # 40 inputs, groups of 16: a padded last group
+    shape = ExpertShape(1, S, (2 * F, H), (H, F), bias)
+    fmt = ExpertFormat.parse(dtype, 16, scheme)
+    kind = ExpertKind(bias, 7.0 if bias else None)
+    blobs = random_blobs(fmt, shape.parts, S, g)
+    quantized = QuantizedSlots(blobs, shape, fmt, kind)
+    deq = [torch.stack([quantized.expert(s)[i].clone() for s in range(S)]) for i in range(len(shape.parts))]
+    ref = CompiledSlots(*deq, *([None, None] if not bias else []), kind)
+    x = torch.randn(1, H, generator=g)
+    slots, gates = np.array([4, 0, 2]), np.array([0.5, 0.3, 0.2], np.float32)
+    torch.testing.assert_close(quantized(x, slots, gates), ref(x, slots, gates), atol=1e-6, rtol=1e-5)
+    assert not torch.equal(deq[0][0], deq[0][0].half().float())  # dequantised values, not fp16 ones
+    xs = torch.randn(6, H, generator=g)
+    ids = torch.randint(0, S, (6, k), generator=g)
+    w = torch.rand(6, k, generator=g)
+    want = experts_grouped(xs, ids, w, *deq, *([None, None] if not bias else []), kind)
+    torch.testing.assert_close(quantized.grouped(xs, ids, w), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_slots_equal_dequantised_fp32_slots(tiny, tmp_path, family, dtype):
+    """An engine whose slots keep the disk store's int8/int4 blobs gives the logits of fp32 slots
+    filled from the same store (windows and decode), and its slots take the encoded bytes only."""
+    path = tiny[family][0]
+    fmt = ExpertFormat.parse(dtype, 16)
+    q = engine(path, store="disk", store_dir=tmp_path, store_format=fmt, slot_dtype=dtype)
+    f = engine(path, store="disk", store_dir=tmp_path, store_format=fmt, slot_dtype="fp32")
+    assert q.cache.w13 is None and q.cache.blobs.shape[1] == encoded_bytes(q.store.shape.parts, fmt)
+    assert q.cache.expert_bytes < f.cache.expert_bytes / 3 and q.budget()["slot_dtype"] == fmt.tag
+    torch.testing.assert_close(logits_of(q), logits_of(f), atol=1e-5, rtol=1e-5)
+    assert q.stats.sync_fetches == f.stats.sync_fetches > 0
+
+
+def test_quantized_slots_refuse_another_store_format(tiny, tmp_path, capsys):
+    """int8 slots copy int8 blobs: a store in another format, the ram store or a CUDA device is refused
+    with the fix in one line."""
+    path = tiny["qwen2_moe"][0]
+    with pytest.raises(BadInput, match="add --store-dtype int8"):
+        engine(path, store="disk", store_dir=tmp_path / "fp32", slot_dtype="int8")
+    with pytest.raises(BadInput, match="use --store disk"):
+        engine(path, store="ram", store_format=ExpertFormat.parse("int8"), slot_dtype="int8")
+    code = cli.main(["ppl", "--model", str(path), "--text", __file__, "--store", "disk", "--store-dir",
+                     str(tmp_path / "int4"), "--store-dtype", "int4", "--slot-dtype", "int8"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "--store-dtype int8" in err, err
+    with pytest.raises(SystemExit):
+        cli.main(["ppl", "--model", str(path), "--slot-dtype", "fp8"])
