@@ -4,6 +4,12 @@ greedy agreement with fp16, and decode / teacher-forced ms/token on the disk sto
 100% cache; and torch's weight-only int8/int4 kernels at batch 1 against fp32 GEMV.
 
     python benchmarks/quantized.py [--tokens 4096] [--context 512] [--skip-timing] [--json out.json]
+
+--slots: the fast tier's slot formats at equal bytes (a 25% cache of fp16 slots): fp32, fp16, int8 and
+int4 slots (the store fp16 for the float slots, int8 / int4 g32 for the quantized ones), fetch-all,
+and each format's all-resident floor.
+
+    python benchmarks/quantized.py --slots [--repeats 3] [--json out.json]
 """
 from __future__ import annotations
 
@@ -115,6 +121,30 @@ def lowbit_quality(tokens: int, context: int, cache: float = 0.25) -> dict:
     return out
 
 
+SLOT_VARIANTS = {"fp32": None, "fp16": None, "int8": ExpertFormat.parse("int8", 32),
+                 "int4": ExpertFormat.parse("int4", 32)}  # slot dtype -> the store's format (None: fp16)
+
+
+def slot_formats(repeats: int, forced: int, decode: int) -> dict:
+    """Per slot dtype at the bytes of a 25% cache of fp16 slots: experts per layer, hit rate, fetch-all's
+    decode and teacher-forced ms/token and perplexity, and the all-resident floor's ms/token."""
+    fp16 = Engine(None, EngineConfig(store="ram", slot_dtype="fp16"))
+    size = fp16.cache.bytes
+    routed = fp16.args.top_k * fp16.args.num_moe_layers
+    out = {"cache_bytes": size}
+    for slot, fmt in SLOT_VARIANTS.items():
+        b = run_bench(None, BenchConfig(store="disk", store_format=fmt, slot_dtype=slot, cache_bytes=size,
+                                        policies=("fetch-all",), decode_tokens=decode, forced_tokens=forced,
+                                        repeats=repeats))
+        s = b.summary()
+        out[slot] = {"experts_per_layer": b.config["slots_per_layer"],
+                     "hit_rate": 1 - s["fetch-all"]["fetches_per_token"] / routed, "ppl": s["fetch-all"]["ppl"],
+                     "decode_ms": s["fetch-all"]["decode_ms"], "forced_ms": s["fetch-all"]["forced_ms"],
+                     "floor_decode_ms": s[FLOOR]["decode_ms"], "floor_forced_ms": s[FLOOR]["forced_ms"]}
+        print(f"{slot} {out[slot]}", file=sys.stderr, flush=True)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
@@ -124,7 +154,15 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
     p.add_argument("--lowbit-only", action="store_true", help="only the lowbit policies' quality and bytes")
+    p.add_argument("--slots", action="store_true", help="only the slot formats at equal fast-tier bytes")
     a = p.parse_args()
+    if a.slots:
+        res = slot_formats(a.repeats, 1024, 32)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        print(json.dumps(res, indent=1))
+        return 0
     if a.lowbit_only:
         res = lowbit_quality(a.tokens, a.context)
         print(json.dumps(res, indent=1))

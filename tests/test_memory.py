@@ -26,7 +26,9 @@ def status(key):
     return int(re.search(key + r":\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 torch.set_num_threads(1)
-cfg = EngineConfig(store="disk", max_seq=512, cache=CacheConfig(fraction=1.0, io_workers=2), initial="cold")
+# fp32 slots: every expert alone (90 MiB) exceeds the budget below
+cfg = EngineConfig(store="disk", max_seq=512, cache=CacheConfig(fraction=1.0, io_workers=2), initial="cold",
+                   slot_dtype="fp32")
 warm = Engine(sys.argv[1], cfg)
 list(generate(warm, [1, 2, 3], 4))
 tokenizer = Tokenizer.from_file(str(BUILTIN_MODEL / "tokenizer.json"))

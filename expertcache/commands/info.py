@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+from ..engine.cache import SLOT_DTYPES, slot_bytes, slot_format
 from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL
+from ..engine.quant import ExpertFormat
+from ..engine.stores import ExpertShape
+from ..engine.weights import layer_experts
 from ..errors import BadInput, CheckpointError
 from ..models import model_args
 from .options import add_json_argument, add_model_argument, non_negative, positive_int, write_json
@@ -26,7 +32,11 @@ def add_arguments(p):
     p.add_argument("--config", type=Path, default=None,
                    help="a config.json alone: size that checkpoint (needs transformers to count dense weights)")
     p.add_argument("--budget", type=non_negative, default=None, help="fast-tier budget in MiB for experts")
-    p.add_argument("--dtype-bytes", type=positive_int, default=4, help="bytes per weight in the fast tier (fp32: 4)")
+    p.add_argument("--slot-dtype", default="auto", choices=SLOT_DTYPES,
+                   help="the experts' format in the fast tier, as the engine's option: auto (the checkpoint's fp16 "
+                        "or bf16, else fp32), fp32, fp16, bf16, int8, int4 (group 32, asym)")
+    p.add_argument("--dtype-bytes", type=positive_int, default=None,
+                   help="bytes per weight in the fast tier (overrides --slot-dtype)")
     add_json_argument(p)
 
 
@@ -97,14 +107,20 @@ def run(a) -> int:
         return 0
     ckpt = open_checkpoint(a.model or BUILTIN_MODEL)
     m = model_args(ckpt.config)
-    expert = m.expert_params * a.dtype_bytes
+    if a.dtype_bytes is not None:
+        expert, per_weight = m.expert_params * a.dtype_bytes, f"{a.dtype_bytes} B/weight"
+    else:
+        stored = ExpertFormat.parse(a.slot_dtype) if a.slot_dtype in ("int8", "int4") else \
+            ExpertFormat.of_dtype(layer_experts(ckpt, m, 0).w13.dtype)
+        fmt = slot_format(a.slot_dtype, torch.device("cpu"), stored)
+        expert, per_weight = slot_bytes(ExpertShape.of(m), fmt), f"{fmt.tag} slots"
     total = expert * m.num_experts * m.num_moe_layers
     info = {"path": str(ckpt.path), **m.to_dict(), "expert_params": m.expert_params,
-            "expert_bytes": expert, "all_experts_bytes": total, "checkpoint_bytes": ckpt.weight_bytes}
+            "expert_bytes": expert, "slot": per_weight, "all_experts_bytes": total, "checkpoint_bytes": ckpt.weight_bytes}
     print(f"{m.family} at {ckpt.path}")
     print(f"  {m.num_layers} layers, {m.num_experts} experts per layer, top-{m.top_k}, hidden {m.hidden_size}, "
           f"expert width {m.expert_dim}")
-    print(f"  one expert: {m.expert_params:,} weights = {expert / 2**10:.1f} KiB at {a.dtype_bytes} B/weight; "
+    print(f"  one expert: {m.expert_params:,} weights = {expert / 2**10:.1f} KiB in {per_weight}; "
           f"all experts: {total / 2**20:.1f} MiB")
     if a.budget is not None:
         per_layer = int(a.budget * 2**20 // expert // m.num_moe_layers)

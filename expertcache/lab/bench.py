@@ -47,6 +47,7 @@ class BenchConfig:
     slot_dtype: str = "auto"  # the fast tier's expert format (EngineConfig.slot_dtype)
     device: str = "cpu"
     cache_fraction: float = 0.25
+    cache_bytes: int | None = None  # overrides cache_fraction (CacheConfig.bytes)
     policies: tuple[str, ...] = POLICIES
     prompt_tokens: int = 32
     decode_tokens: int = 64
@@ -133,7 +134,7 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], stream: list[in
 def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:
     """Time every variant of `cfg.policies` and the all-resident floor on the same prompt and evaluation tokens,
     repetitions interleaved round-robin after one warm-up round."""
-    cache = CacheConfig(fraction=cfg.cache_fraction)
+    cache = CacheConfig(fraction=cfg.cache_fraction, bytes=cfg.cache_bytes)
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
                                         store_format=cfg.store_format, read_mode=cfg.read_mode,
                                         slot_dtype=cfg.slot_dtype))
