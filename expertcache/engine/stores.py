@@ -318,6 +318,7 @@ class DiskStore(ExpertStore):
         self.encoded_bytes = encoded_bytes(shape.parts, self.format)
         raw = None if quantized else FLOAT_DTYPES[self.format.dtype]
         self._raw = raw  # float blobs: the parts' values back to back, no padding between them
+        self._segments = layout(shape.parts, self.format)
         # a float blob that is whole pages per part can be read straight into slot rows of its dtype
         self._direct_parts = raw is not None and self.encoded_bytes == self.blob and \
             all(math.prod(p) * raw.itemsize % ALIGN == 0 for p in shape.parts)
@@ -360,7 +361,7 @@ class DiskStore(ExpertStore):
             return self.blob
         array, view = self._read(layer, expert)
         if same:
-            for seg, d in zip(layout(self.shape.parts, self.format), dsts):
+            for seg, d in zip(self._segments, dsts):
                 d.view(-1).view(torch.uint8).numpy()[:] = array[seg.offset:seg.offset + seg.nbytes]
         elif cpu and all(d.dtype == torch.float32 for d in dsts):
             flat = [d.view(-1).numpy() for d in dsts]
