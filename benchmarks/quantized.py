@@ -27,8 +27,10 @@ from expertcache.engine.cache import CacheConfig
 from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.engine.generate import generate
 from expertcache.engine.perplexity import EVAL_TEXT, perplexity
-from expertcache.engine.quant import ExpertFormat
-from expertcache.engine.stores import DiskStore, convert_to_disk, format_store_dir
+from expertcache.engine.experts import SWIGLU, CompiledSlots
+from expertcache.engine.quant import ExpertFormat, encode, encoded_bytes
+from expertcache.engine.quantized_slots import QuantizedSlots
+from expertcache.engine.stores import DiskStore, ExpertShape, convert_to_disk, format_store_dir
 from expertcache.lab.bench import FLOOR, BenchConfig, run_bench
 from expertcache.lab.study import paired_increase
 
@@ -125,13 +127,43 @@ SLOT_VARIANTS = {"fp32": None, "fp16": None, "int8": ExpertFormat.parse("int8", 
                  "int4": ExpertFormat.parse("int4", 32)}  # slot dtype -> the store's format (None: fp16)
 
 
+def slot_kernel_us(calls: int = 3000) -> dict:
+    """Median microseconds of decode's compiled expert call (one token, k=8) per slot format, over slots
+    of every expert of the built-in model's shape (768 experts: 90 MiB at fp32, so each call streams
+    its experts from memory), random distinct slots per call, random weights."""
+    S, F, H, k = 768, 64, 160, 8
+    shape = ExpertShape(1, S, (2 * F, H), (H, F))
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(S, 2 * F, H, generator=g) * 0.1, torch.randn(S, H, F, generator=g) * 0.1
+    x, gates = torch.randn(1, H, generator=g), np.full(k, 1 / k, np.float32)
+    kernels = {"fp32": CompiledSlots(w13, w2, None, None, SWIGLU),
+               "fp16": CompiledSlots(w13.half(), w2.half(), None, None, SWIGLU)}
+    for name, fmt in SLOT_VARIANTS.items():
+        if fmt is not None:
+            n = encoded_bytes(shape.parts, fmt)
+            blobs = torch.stack([torch.frombuffer(bytearray(encode([w13[s], w2[s]], shape.parts, fmt, n)),
+                                                  dtype=torch.uint8) for s in range(S)])
+            kernels[name] = QuantizedSlots(blobs, shape, fmt, SWIGLU)
+    rng, times = np.random.default_rng(0), {name: [] for name in kernels}
+    for f in kernels.values():
+        f(x, np.arange(k, dtype=np.int64), gates)  # compiled before timing
+    for _ in range(calls):  # formats interleaved, so load from other jobs falls on all of them alike
+        slots = rng.choice(S, k, replace=False).astype(np.int64)
+        for name, f in kernels.items():
+            t0 = time.perf_counter()
+            f(x, slots, gates)
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e6 * statistics.median(t) for name, t in times.items()}
+
+
 def slot_formats(repeats: int, forced: int, decode: int) -> dict:
     """Per slot dtype at the bytes of a 25% cache of fp16 slots: experts per layer, hit rate, fetch-all's
     decode and teacher-forced ms/token and perplexity, and the all-resident floor's ms/token."""
     fp16 = Engine(None, EngineConfig(store="ram", slot_dtype="fp16"))
     size = fp16.cache.bytes
     routed = fp16.args.top_k * fp16.args.num_moe_layers
-    out = {"cache_bytes": size}
+    out = {"cache_bytes": size, "kernel_us": slot_kernel_us()}
+    print(f"kernel us per token and layer {out['kernel_us']}", file=sys.stderr, flush=True)
     for slot, fmt in SLOT_VARIANTS.items():
         b = run_bench(None, BenchConfig(store="disk", store_format=fmt, slot_dtype=slot, cache_bytes=size,
                                         policies=("fetch-all",), decode_tokens=decode, forced_tokens=forced,

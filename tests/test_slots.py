@@ -122,6 +122,8 @@ def test_quantized_slots_equal_dequantised_fp32_slots(tiny, tmp_path, family, dt
     assert q.cache.expert_bytes < f.cache.expert_bytes / 3 and q.budget()["slot_dtype"] == fmt.tag
     torch.testing.assert_close(logits_of(q), logits_of(f), atol=1e-5, rtol=1e-5)
     assert q.stats.sync_fetches == f.stats.sync_fetches > 0
+    with pytest.raises(BadInput, match="cannot take them"):  # lowbit copies need float slots
+        q.set_policy("lowbit:tau=0.15")
 
 
 def test_quantized_slots_refuse_another_store_format(tiny, tmp_path, capsys):

@@ -142,9 +142,6 @@ class ExpertCache:
 
     def attach_small(self, store: ExpertStore) -> None:
         """The slow tier's low-precision copies, which `lowbit` transfers read (into the same float slots)."""
-        if self.format.quantized:
-            raise BadInput(f"a lowbit policy fetches int4 copies into float slots; slots kept as {self.format.dtype} "
-                           "cannot take them: use --slot-dtype auto or another policy")
         self.small, self.lowbit_bytes = store, store.expert_bytes
         if isinstance(self.transfers, TransferEngine):
             self.transfers.small = store

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CacheTooSmall, CheckpointError, NonFiniteOutput, UnknownName
+from ..errors import BadInput, CacheTooSmall, CheckpointError, NonFiniteOutput, UnknownName
 from ..models import model_args
 from ..policies import MissPolicy, make_policy
 from .cache import CacheConfig, ExpertCache, slot_bytes, slot_format
@@ -155,6 +155,9 @@ class Engine:
         """Open the slow tier's low-precision copies (a second store, converted once) the first
         time a policy fetches them."""
         if policy.fetches_small and self.cache.small is None:
+            if self.cache.blobs is not None:
+                raise BadInput(f"policy {policy.name!r} fetches int4 copies into float slots; slots kept as "
+                               f"{self.slot_format.dtype} cannot take them: use --slot-dtype auto or another policy")
             dtype = self.cache.w13.dtype
             self.cache.attach_small(open_store(self.config.store, self.checkpoint, self.args, None, dtype,
                                                self.config.small_format, self.config.read_mode, self.config.verify))
