@@ -81,6 +81,7 @@ class MoELayerRunner:
         self.args, self.router, self.cache, self.policy, self.stats = args, router, cache, policy, stats
         self.kind = ExpertKind.of(args)
         self.token_base = 0  # index in the run of the first token of the current forward
+        self.decoding = False  # the current forward's tokens are decode tokens (of one or of several sequences)
         self.predictor: Predictor | None = None
         self.prefetch = PrefetchConfig()
         self.resid: torch.Tensor | None = None  # residual after the current layer's attention
@@ -98,10 +99,14 @@ class MoELayerRunner:
         assert logits.shape == (x.shape[0], a.num_experts), \
             f"{self.predictor.name} gave logits {tuple(logits.shape)}, expected [T, E] = {(x.shape[0], a.num_experts)}"
         self.predicted = self.router.route(logits.float().cpu().numpy(), layer + 1)
-        if x.shape[0] != 1:  # prefetching ahead is a decode-time pipeline
+        if x.shape[0] != 1 and not self.decoding:  # prefetching ahead is a decode-time pipeline
             return
         budget = self.prefetch.budget or a.top_k
-        self.stats.stall_s += cache.prefetch(layer + 1, self.predicted.ids[0, :budget], self.token_base)
+        wanted = self.predicted.ids[:, :budget]
+        if wanted.shape[0] > 1:  # a decode batch: the `budget` experts most of its tokens predict (ties: best rank)
+            experts, first, counts = np.unique(wanted.T.ravel(), return_index=True, return_counts=True)
+            wanted = experts[np.lexsort((first, -counts))][None, :budget]
+        self.stats.stall_s += cache.prefetch(layer + 1, wanted[0], self.token_base)
         self.stats.absorb(cache.state, cache.fetch_bytes, cache.lowbit_bytes)
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
