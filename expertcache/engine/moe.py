@@ -18,7 +18,7 @@ from ..kernel.routing import Router, Routing
 from ..models.args import ModelArgs
 from ..policies import MissPolicy
 from .cache import ExpertCache
-from .experts import ExpertKind, experts_compute
+from .experts import ExpertKind, compiled_applies, experts_compute
 from .predictors import Predictor
 from .stats import RunStats
 
@@ -120,8 +120,13 @@ class MoELayerRunner:
         self.predicted = None
         T = routing.ids.shape[0]
         out = torch.empty_like(x) if T > 1 else None  # decode computes once, after its decisions
+        # a decode batch shares few experts between its tokens: where decode's compiled kernel runs (fp32 on the
+        # CPU), one call per token beats grouped matmuls over a handful of tokens per expert
+        per_token = self.decoding and compiled_applies(x[:1], cache.w13)
 
         def experts_out(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
+            if per_token and end - begin > 1:
+                return torch.cat([experts_out(t, t + 1, slots_h, gates_h) for t in range(begin, end)])
             gates = torch.from_numpy(gates_h[begin:end])
             return experts_compute(x[begin:end], torch.from_numpy(slots_h[begin:end]),
                                    gates if x.device.type == "cpu" else gates.to(x.device), cache.w13, cache.w2,
