@@ -168,7 +168,6 @@ class Engine:
     def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
         """ids [T] -> logits [T, V] (fp32), counting tokens and wall time. Raises NonFiniteOutput
         rather than return a NaN or infinite logit."""
-        self.runner.decoding = ids.shape[0] == 1
         logits = self._timed(lambda: self.model.forward(ids.to(self.device), pos), ids.shape[0])
         self._check_finite(logits, lambda t: f"at position {pos + t}")
         return logits
@@ -178,7 +177,10 @@ class Engine:
         """Decode B sequences one token each (Transformer.forward_batch): ids [B] at `positions`, keys and
         values in kv[b] -> logits [B, V] (fp32); the B tokens count as B decode tokens."""
         self.runner.decoding = True
-        logits = self._timed(lambda: self.model.forward_batch(ids.to(self.device), positions, kv), ids.shape[0])
+        try:
+            logits = self._timed(lambda: self.model.forward_batch(ids.to(self.device), positions, kv), ids.shape[0])
+        finally:
+            self.runner.decoding = False
         self._check_finite(logits, lambda b: f"in sequence {b} of the batch (position {positions[b]})")
         return logits
 

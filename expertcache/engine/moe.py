@@ -81,7 +81,7 @@ class MoELayerRunner:
         self.args, self.router, self.cache, self.policy, self.stats = args, router, cache, policy, stats
         self.kind = ExpertKind.of(args)
         self.token_base = 0  # index in the run of the first token of the current forward
-        self.decoding = False  # the current forward's tokens are decode tokens (of one or of several sequences)
+        self.decoding = False  # the current forward is a decode batch: one token of each of several sequences
         self.predictor: Predictor | None = None
         self.prefetch = PrefetchConfig()
         self.resid: torch.Tensor | None = None  # residual after the current layer's attention

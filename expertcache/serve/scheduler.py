@@ -6,8 +6,8 @@ request as ONE batched forward (each request keeps its own KV cache; attention r
 everything else on the batch, and the MoE layer decides the batch's tokens in order).
 interleave: the same rounds, but each request's decode step is its own forward (its KV cache
 swapped into the transformer for its step). serial: one request at a time, to completion.
-Under every schedule a short request is not stuck behind a long one except under serial, the
-expert cache sees tokens in order, and the cache persists across requests (it is never reset)."""
+Under batch and interleave a short request is not stuck behind a long one. Under every schedule
+the expert cache sees tokens in order and persists across requests (it is never reset)."""
 from __future__ import annotations
 
 import threading
@@ -59,7 +59,7 @@ class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig(),
                  on_finish: Callable[[Request, str], None] | None = None):
         if config.schedule not in SCHEDULES:
-            raise UnknownName(f"unknown schedule {config.schedule!r}; choose {' or '.join(SCHEDULES)}")
+            raise UnknownName(f"unknown schedule {config.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if config.max_active < 1:
             raise BadInput(f"max_active={config.max_active} must be >= 1")
         self.engine, self.config, self.on_finish = engine, config, on_finish
