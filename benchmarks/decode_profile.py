@@ -5,7 +5,7 @@ wrapping the engine's own functions in this process.
     python benchmarks/decode_profile.py [--model DIR] [--store ram] [--cache 1.0] [--tokens 64] [--trials 5]
 
 Stages (nested stages are subtracted from their parents): attention (the dense attention
-block, norms excluded), route (router matmul, host sync, top-k), decide (the decision
+block, norms excluded; the compiled decode block includes its two norms), route (router matmul, host sync, top-k), decide (the decision
 kernel call with its argument checks), carry_out (logged actions: transfers, waits),
 absorb (counters), experts (the k experts' compute), lm_head (final norm and logits), and
 the rest of the forward (norms, residual adds, the MoE runner's Python, the engine's
@@ -56,6 +56,7 @@ def instrument(engine, timer: StageTimer) -> None:
     from expertcache.engine import moe
     m, cache = engine.model, engine.cache
     m._attention = timer.wrap("attention", m._attention)
+    m._attention_token = timer.wrap("attention", m._attention_token)  # the compiled block, norms included
     for i, f in list(m.linear.items()):
         m.linear[i] = timer.wrap("attention", f)
     moe.route = timer.wrap("route", moe.route)

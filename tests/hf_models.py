@@ -50,6 +50,13 @@ def hf_config(family: str, **over):
     elif family == "deepseek_v3":
         c = DeepseekV3Config(**{**COMMON, **grouped, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=16,
                              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, head_dim=4)
+    elif family == "deepseek_v3_yarn":  # released checkpoints' YaRN in small: a ramp inside the 8 rotary channels,
+        # mscale != mscale_all_dim so that both the rotary tables and the softmax scale change
+        c = DeepseekV3Config(**{**COMMON, **grouped, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=16,
+                             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8,
+                             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=8.0,
+                                                  beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8,
+                                                  original_max_position_embeddings=64))
     else:
         raise ValueError(family)
     for k, v in over.items():
@@ -86,5 +93,36 @@ def save_tiny(family: str, path: Path, seed: int = 0, **over):
     return model
 
 
-SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "deepseek_v3_yarn")
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "qwen3_next", "glm4_moe", "deepseek_v3"]
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reference MXFP4 encoder: w [..., N] (N a multiple of 32) -> (blocks [..., N / 32, 16] uint8,
+    scales [..., N / 32] uint8): per group of 32 a power-of-two scale, each value rounded to the nearest FP4 code."""
+    from expertcache.engine.quant import FP4_VALUES
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))
+    lut = torch.tensor(FP4_VALUES)
+    codes = ((groups / torch.exp2(exp)[..., None])[..., None] - lut).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def save_gpt_oss_mxfp4(path: Path):
+    """A tiny GPT-OSS saved as released checkpoints are, experts in MXFP4 (`*_blocks`, `*_scales`); returns
+    the HF reference model running on HF's own dequantisation of the same codes."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    hf = save_tiny("gpt_oss", path, hidden_size=64, intermediate_size=32)  # MXFP4 groups of 32 inputs
+    state = load_file(str(path / "model.safetensors"))
+    for i in range(hf.config.num_hidden_layers):
+        experts = hf.model.layers[i].mlp.experts
+        p = f"model.layers.{i}.mlp.experts."
+        for name in ("gate_up_proj", "down_proj"):
+            blocks, scales = quantize_mxfp4(state.pop(p + name).transpose(1, 2))  # stored as [E, out, in]
+            state[p + name + "_blocks"], state[p + name + "_scales"] = blocks, scales
+            with torch.no_grad():
+                getattr(experts, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(state, str(path / "model.safetensors"))
+    return hf

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from hf_models import hf_config, save_tiny
+from hf_models import hf_config, save_gpt_oss_mxfp4, save_tiny
 
 from expertcache import cli
 from expertcache.engine.cache import CacheConfig
@@ -26,7 +26,6 @@ from expertcache.engine.linear_attention import delta_rule_chunked, delta_rule_r
 from expertcache.engine.stores import DiskStore, RamStore, convert_to_disk
 from expertcache.kernel.routing import Router
 from expertcache.models import model_args
-from expertcache.models.gpt_oss import FP4_VALUES
 from expertcache.policies import Route, make_policy
 
 NEW_FAMILIES = ["gpt_oss", "qwen3_next"]
@@ -94,31 +93,8 @@ def test_disk_store_holds_expert_biases(tiny, tmp_path):
     assert ram.b13.abs().sum() > 0 and ram.b2.abs().sum() > 0
 
 
-def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., N] (N a multiple of 32) -> (blocks [..., N / 32, 16] uint8, scales [..., N / 32] uint8):
-    per group of 32 a power-of-two scale, each value rounded to the nearest FP4 code."""
-    groups = w.reshape(*w.shape[:-1], -1, 32)
-    exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))
-    lut = torch.tensor(FP4_VALUES)
-    codes = ((groups / torch.exp2(exp)[..., None])[..., None] - lut).abs().argmin(-1).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks, (exp + 127).to(torch.uint8)
-
-
 def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path):
-    from safetensors.torch import load_file, save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-    hf = save_tiny("gpt_oss", tmp_path, hidden_size=64, intermediate_size=32)  # MXFP4 groups of 32 inputs
-    state = load_file(str(tmp_path / "model.safetensors"))
-    for i in range(hf.config.num_hidden_layers):
-        experts = hf.model.layers[i].mlp.experts
-        p = f"model.layers.{i}.mlp.experts."
-        for name in ("gate_up_proj", "down_proj"):
-            blocks, scales = quantize_mxfp4(state.pop(p + name).transpose(1, 2))  # stored as [E, out, in]
-            state[p + name + "_blocks"], state[p + name + "_scales"] = blocks, scales
-            with torch.no_grad():  # the reference runs on HF's own dequantisation of the same codes
-                getattr(experts, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-    save_file(state, str(tmp_path / "model.safetensors"))
+    hf = save_gpt_oss_mxfp4(tmp_path)
     ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
@@ -297,3 +273,82 @@ def test_short_study(tokenized):
     res = run_study(tokenized, cfg)
     assert res.runs["fetch-all"]["pct"] == 0 and res.runs["threshold:tau=0.15"]["slots_substituted_pct"] > 0
     assert res.generation["fetch-all"]["identical_token_share"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def deepseek_yarn(tmp_path_factory):
+    """A tiny DeepSeek-V3 with YaRN RoPE: (checkpoint folder, HF reference model)."""
+    path = tmp_path_factory.mktemp("deepseek_v3_yarn")
+    return path, save_tiny("deepseek_v3_yarn", path)
+
+
+def test_deepseek_v3_yarn_matches_hf(deepseek_yarn):
+    """Logits (disk store, fetch-every-miss) and KV-cache decode equal HF's: YaRN frequencies, the attention
+    factor on the rotary tables and the softmax scale times mscale(factor, mscale_all_dim) ** 2."""
+    path, hf = deepseek_yarn
+    assert model_args(open_checkpoint(path).config).rope_scaling["rope_type"] == "yarn"
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    engine = Engine(path, EngineConfig(store="disk", cache=CacheConfig(fraction=0.25), initial="cold",
+                                       store_dir=path / "store"))
+    torch.testing.assert_close(engine.forward(ids, 0), ref, atol=1e-4, rtol=0)
+    assert engine.stats.sync_fetches == engine.stats.misses > 0
+    engine.close()
+    engine = Engine(path, EngineConfig(cache=CacheConfig(fraction=0.25), initial="cold"))
+    prompt = 8
+    out = [engine.forward(ids[:prompt], 0)] + [engine.forward(ids[p:p + 1], p) for p in range(prompt, len(ids))]
+    torch.testing.assert_close(torch.cat(out), ref, atol=1e-4, rtol=0)
+    engine.close()
+
+
+def test_released_deepseek_v3_rope_scaling_equals_hf():
+    """The released DeepSeek-V3 config.json (old-style rope_scaling, type yarn, 64 rotary channels): our
+    frequencies, attention factor and softmax scale equal HF's."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    from expertcache.engine.attention import rope_frequencies
+    from expertcache.engine.mla import latent_softmax_scale
+    scaling = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+               "original_max_position_embeddings": 4096, "type": "yarn"}
+    config = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,
+                  num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                  qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+                  moe_intermediate_size=2048, intermediate_size=18432, n_group=8, topk_group=4, n_shared_experts=1,
+                  first_k_dense_replace=3, routed_scaling_factor=2.5, max_position_embeddings=163840,
+                  rope_theta=10000, rope_scaling=scaling)
+    a = model_args(config)
+    hf = DeepseekV3Config(**{k: v for k, v in config.items() if k != "model_type"})
+    inv_freq, factor = rope_frequencies(a, a.qk_rope_head_dim)
+    ref_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    torch.testing.assert_close(inv_freq, ref_freq, rtol=1e-6, atol=0)
+    assert factor == pytest.approx(ref_factor, rel=1e-9)
+    assert latent_softmax_scale(a) == pytest.approx(yarn_apply_mscale(hf.rope_parameters, 192 ** -0.5), rel=1e-9)
+    assert latent_softmax_scale(a) > 1.3 * 192 ** -0.5  # mscale(40, 1) ** 2 ~ 1.87
+
+
+def test_qwen3_next_512_experts_top_10_through_the_disk_store(tmp_path):
+    """Qwen3-Next's released routing shape (512 experts, top-10, a shared expert) in small: logits and each
+    layer's routed output equal HF's through the disk store at a tenth of the experts (fetch-every-miss), and
+    decode steps with the KV cache and the DeltaNet state too."""
+    from test_parity import engine_moe_outputs, hf_moe_outputs
+    hf = save_tiny("qwen3_next", tmp_path, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=8)
+    args = model_args(open_checkpoint(tmp_path).config)
+    assert (args.num_experts, args.top_k, args.shared_expert_dim) == (512, 10, 24)
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(1))
+    ref, ref_moe = hf_moe_outputs(hf, ids)
+    config = EngineConfig(store="disk", cache=CacheConfig(fraction=0.1), initial="cold", store_dir=tmp_path / "store")
+    engine = Engine(tmp_path, config)
+    assert engine.cache.per_layer < 20 * args.top_k  # the window's routes overflow the cache: slots are reused
+    logits, moe = engine_moe_outputs(engine, ids)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+    for ours, theirs in zip(moe, ref_moe, strict=True):
+        torch.testing.assert_close(ours, theirs.reshape(ours.shape), atol=1e-4, rtol=0)
+    assert engine.stats.sync_fetches == engine.stats.misses > 0
+    engine.close()
+    engine = Engine(tmp_path, config)
+    out = [engine.forward(ids[:8], 0)] + [engine.forward(ids[p:p + 1], p) for p in range(8, len(ids))]
+    torch.testing.assert_close(torch.cat(out), ref, atol=1e-4, rtol=0)
+    engine.close()

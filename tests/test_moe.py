@@ -1,10 +1,11 @@
 """The expert kernels against a plain per-token reference, and the deferred compute of a
 window when later tokens evict slots that earlier tokens used."""
+import numpy as np
 import torch
 
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.engine import Engine, EngineConfig
-from expertcache.engine.experts import experts_grouped, experts_one_token
+from expertcache.engine.experts import SWIGLU, CompiledSlots, experts_grouped, experts_one_token
 
 
 def reference(x, slots, weights, w13, w2):
@@ -28,6 +29,21 @@ def test_kernels_match_reference():
         one = experts_one_token(x[t:t + 1], slots[t:t + 1], weights[t:t + 1], w13, w2)
         torch.testing.assert_close(one, ref[t:t + 1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(experts_grouped(x, slots, weights, w13, w2), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_kernel_reads_16_bit_slots_exactly():
+    """Slots kept as fp16 or bf16 give the compiled kernel the same result as their fp32 values."""
+    g = torch.Generator().manual_seed(1)
+    S, F, H, k = 5, 8, 16, 3
+    x = torch.randn(1, H, generator=g)
+    slots, gates = np.array([4, 0, 2]), np.array([0.5, 0.3, 0.2], np.float32)
+    for dtype in (torch.float16, torch.bfloat16):
+        w13, w2 = (torch.randn(S, *shape, generator=g).to(dtype) for shape in ((2 * F, H), (H, F)))
+        ref = reference(x, torch.from_numpy(slots)[None], torch.from_numpy(gates)[None], w13.float(), w2.float())
+        out = CompiledSlots(w13, w2, None, None, SWIGLU)(x, slots, gates)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        fp32 = CompiledSlots(w13.float(), w2.float(), None, None, SWIGLU)(x, slots, gates)
+        assert torch.equal(out, fp32)  # the same products in the same order: widening is exact
 
 
 def test_window_equals_token_by_token_under_eviction(tiny):

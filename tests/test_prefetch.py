@@ -1,15 +1,26 @@
 """Speculative prefetch: prefetch-only keeps the output exact; predictors and the estimator
-work end to end on a tiny model calibrated in the test."""
+work end to end on a tiny model calibrated in the test; on a sigmoid router (DeepSeek-V3) the
+estimator learns the family's own scores, not a softmax's."""
 import shutil
 
 import pytest
 import torch
 
 from expertcache.engine.cache import CacheConfig
+from expertcache.engine.checkpoint import load_default_vectors
 from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.engine.moe import PrefetchConfig
+from expertcache.engine.predictors import Estimator
+from expertcache.kernel.routing import Router
 from expertcache.lab.calibrate import calibrate, save_calibration
-from expertcache.lab.prediction import fit_estimator, recall_table
+from expertcache.lab.prediction import (
+    fit_estimator,
+    recall_per_layer,
+    recall_table,
+    record_states,
+    routing_loss,
+    train_estimator,
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +73,34 @@ def test_recall_table(calibrated):
     table = recall_table(path, ids)
     assert set(table) == {"router-ahead", "quasi-hidden", "estimator", "hybrid"}
     assert all(len(r) == 1 and 0 <= r[0] <= 1 for r in table.values())
+
+
+def test_routing_loss_follows_the_router():
+    """A shift of every logit leaves a softmax router's routing, and its loss, unchanged; it moves a sigmoid
+    router's scores, so its loss grows; a logit bias weighs the softmax as the router does."""
+    g = torch.Generator().manual_seed(0)
+    true = 3 * torch.randn(64, 16, generator=g)
+    softmax, sigmoid = Router(4, True), Router(4, True, "sigmoid", 4, 2)
+    assert routing_loss(softmax, true + 2.0, true).item() == pytest.approx(0, abs=1e-5)
+    assert routing_loss(sigmoid, true + 2.0, true) > routing_loss(sigmoid, true, true) + 1.0
+    pred, bias = true + torch.randn(64, 16, generator=g), 3 * torch.randn(16, generator=g).expand(64, 16)
+    assert routing_loss(softmax, pred, true, bias).item() != pytest.approx(routing_loss(softmax, pred, true).item(),
+                                                                           rel=0.05)
+
+
+def test_estimator_learns_a_sigmoid_routers_scores(tiny, tmp_path):
+    """Trained on DeepSeek-V3 states, the estimator's logits give the next layer's sigmoid scores (which the
+    selection bias ranks and the gates weigh) within 0.03 on average; the softmax KL left them off by a shift."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny["deepseek_v3"][0], path)
+    ids = torch.randint(0, 96, (600,), generator=torch.Generator().manual_seed(5)).tolist()
+    save_calibration(calibrate(path, ids, context=128), path, "random ids")
+    model, states = record_states(path, ids, context=128)
+    assert model.router.sigmoid
+    dv = load_default_vectors(path)
+    est = Estimator(model, dv, train_estimator(model, states, dv, epochs=20, batch=64))
+    with torch.no_grad():
+        pred = est.logits(0, states.resid[0], states.x[0], states.ids[0], states.weights[0])
+    predicted, true = (model.router.route(r.numpy(), 1) for r in (pred, states.logits[1]))
+    assert abs(predicted.scores - true.scores).mean() < 0.03
+    assert recall_per_layer(est, states, model.args.top_k)[0] > 0.9

@@ -151,7 +151,8 @@ def test_read_mode_in_the_run_stats(tiny, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("dtype,group,scheme", [("float16", 0, ""), ("bfloat16", 0, ""), ("int8", 16, "asym"),
-                                                ("int4", 16, "asym"), ("int4", 32, "sym"), ("int8", 12, "sym")])
+                                                ("int4", 16, "asym"), ("int4", 32, "sym"), ("int8", 12, "sym"),
+                                                ("mxfp4", 0, "")])
 def test_quantized_store_round_trip(tiny, tmp_path, dtype, group, scheme):
     """Each format's disk store serves every expert within the format's error bound of the original
     weights, in the original shapes, from 4 KiB-aligned blobs, and exactly what its ram emulation holds."""

@@ -16,8 +16,9 @@ def add_arguments(p):
     """The verb's options."""
     add_model_argument(p)
     p.add_argument("--out", type=Path, default=None, help="store folder (default: ~/.cache/expertcache/stores/...)")
-    add_format_arguments(p, "--dtype", "stored format: fp16, bf16, fp32, or int8/int4 with group-wise scales along "
-                                       "the input dimension (default: the checkpoint's dtype)")
+    add_format_arguments(p, "--dtype", "stored format: fp16, bf16, fp32, int8/int4 with group-wise scales along "
+                                       "the input dimension, or mxfp4 (an MXFP4 checkpoint's experts kept as they "
+                                       "are) (default: the checkpoint's dtype)")
 
 
 def run(a) -> int:

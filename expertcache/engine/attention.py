@@ -11,6 +11,18 @@ from ..errors import UnsupportedArchitecture
 from ..models.args import ModelArgs
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for stretching positions by `scale`: 0.1 * m * ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def yarn_factor(a: ModelArgs) -> float:
+    """The YaRN stretch `factor`; configs without one (DeepSeek-V3's) stretch max_position_embeddings over the
+    original."""
+    s = a.rope_scaling
+    return s.get("factor") or a.max_position_embeddings / s["original_max_position_embeddings"]
+
+
 def rope_frequencies(a: ModelArgs, dim: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [rot / 2], attention scaling of cos and sin) for the rotated part of each head,
     rot = `dim`, by default head_dim * partial_rotary_factor; YaRN as in HF's _compute_yarn_parameters."""
@@ -23,17 +35,13 @@ def rope_frequencies(a: ModelArgs, dim: int | None = None) -> tuple[torch.Tensor
     if kind != "yarn":
         raise UnsupportedArchitecture(f"rope_type {kind!r} is not supported; supported: default, yarn")
     original = s["original_max_position_embeddings"]
-    factor = s.get("factor") or a.max_position_embeddings / original
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
+    factor = yarn_factor(a)
     attention_factor = s.get("attention_factor")
     if attention_factor is None:
         if s.get("mscale") and s.get("mscale_all_dim"):
-            attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+            attention_factor = yarn_mscale(factor, s["mscale"]) / yarn_mscale(factor, s["mscale_all_dim"])
         else:
-            attention_factor = mscale(factor)
+            attention_factor = yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(a.rope_theta))

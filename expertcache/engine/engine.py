@@ -2,6 +2,7 @@
 tier, a fast-tier expert cache between them, and a miss policy deciding on every miss."""
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -187,7 +188,10 @@ class Engine:
     def _timed(self, run, tokens: int) -> torch.Tensor:
         start = time.perf_counter()
         self.runner.token_base = self.stats.tokens
-        logits = run().float()
+        try:
+            logits = run().float()
+        finally:  # the decision kernel's counters of every layer decided, also when a fetch failed
+            self.stats.absorb(self.cache.state, self.cache.fetch_bytes, self.cache.lowbit_bytes)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.wall_s += time.perf_counter() - start
@@ -197,8 +201,8 @@ class Engine:
 
     @staticmethod
     def _check_finite(logits: torch.Tensor, where) -> None:
-        finite = torch.isfinite(logits).all(dim=-1)
-        if not bool(finite.all()):
+        # a finite sum means every logit is finite: one reduction, the full check only when it is not
+        if not math.isfinite(float(logits.sum())) and not bool((finite := torch.isfinite(logits).all(-1)).all()):
             t = int((~finite).nonzero()[0, 0])
             raise NonFiniteOutput(f"the model produced non-finite logits {where(t)}: corrupt weights; "
                                   "check the checkpoint, or rerun `expertcache convert` for a disk store")

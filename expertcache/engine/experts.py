@@ -35,6 +35,14 @@ class ExpertKind:
 
 SWIGLU = ExpertKind()
 NO_BIAS = np.zeros((0, 0), np.float32)
+# how the compiled kernel sees slots of each dtype: numpy has no fp16 arithmetic in numba and no bf16
+# at all, so 16-bit slots go in as their bits (kernel/compiled.widen converts them exactly)
+KERNEL_VIEWS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloat16: torch.int16}
+
+
+def kernel_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the compiled kernel reads it (KERNEL_VIEWS), sharing its memory."""
+    return t.view(KERNEL_VIEWS[t.dtype]).numpy()
 
 
 def expert_groups(ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
@@ -91,6 +99,28 @@ def experts_one_token_compiled(x, slots, weights, w13, w2, b13=None, b2=None, ki
                   np.float32(kind.limit or 0.0), np.float32(kind.alpha), np.empty(w2.shape[2], np.float32),
                   out[0].numpy())
     return out
+
+
+class CompiledSlots:
+    """Decode's compiled expert call (kernel.expert_compute) over one cache's fp32 CPU slot tensors,
+    their numpy views taken once: what is left per call is the kernel itself."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None,
+                 kind: ExpertKind):
+        biases = (NO_BIAS, NO_BIAS) if b13 is None else (kernel_view(b13), kernel_view(b2))
+        self.weights = (kernel_view(w13), kernel_view(w2), *biases, np.float32(kind.limit or 0.0),
+                        np.float32(kind.alpha), np.empty(w2.shape[2], np.float32))
+
+    @staticmethod
+    def applies(w13: torch.Tensor | None) -> bool:
+        """Whether slots of this kind can run compiled: fp32, fp16 or bf16 on the CPU, outside autograd."""
+        return w13 is not None and w13.device.type == "cpu" and w13.dtype in KERNEL_VIEWS and not w13.requires_grad
+
+    def __call__(self, x: torch.Tensor, slots: np.ndarray, gates: np.ndarray) -> torch.Tensor:
+        """x [1, H] fp32, slots [k] int64, gates [k] float32 -> [1, H]."""
+        out = torch.empty_like(x)
+        experts_token(x.numpy()[0], slots, gates, *self.weights, out.numpy()[0])
+        return out
 
 
 def experts_grouped(x, slots, weights, w13, w2, b13=None, b2=None, kind: ExpertKind = SWIGLU):

@@ -5,6 +5,8 @@ rotary key k_rope [qk_rope_head_dim] shared by every head; the per-head keys (no
 and values come from the latent through kv_b_proj. The cache holds the latent and the
 rotary key, as HF's does (kv_lora_rank + qk_rope_head_dim numbers per token and layer
 instead of heads * (qk_head_dim + v_head_dim)); each call expands the cached latents.
+Under YaRN the softmax scale grows by mscale(factor, mscale_all_dim) ** 2 (DeepSeek's
+yarn_apply_mscale), besides the attention factor on the rotary tables.
 """
 from __future__ import annotations
 
@@ -12,9 +14,24 @@ import torch
 import torch.nn.functional as F
 
 from ..models.args import ModelArgs
-from .attention import apply_rope, rope_frequencies, rope_tables
+from .attention import (
+    apply_rope,
+    rope_frequencies,
+    rope_tables,
+    yarn_factor,
+    yarn_mscale,
+)
 
 LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm and kv_a_layernorm with the default eps, not the config's
+
+
+def latent_softmax_scale(a: ModelArgs) -> float:
+    """DeepSeek's attention softmax scale: qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) ** 2
+    when YaRN's parameters give an mscale_all_dim (as HF's yarn_apply_mscale)."""
+    scale = (a.qk_nope_head_dim + a.qk_rope_head_dim) ** -0.5
+    if a.rope_scaling and a.rope_scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(yarn_factor(a), a.rope_scaling["mscale_all_dim"]) ** 2
+    return scale
 
 
 class LatentAttention:
@@ -27,7 +44,7 @@ class LatentAttention:
         # interleaved RoPE rotates pairs (x0, x1), (x2, x3), ...: de-interleaved, that is rotate-half RoPE
         self.order = torch.cat([torch.arange(0, R, 2), torch.arange(1, R, 2)]).to(device) \
             if a.rope_interleave else None
-        self.scale = a.softmax_scale or (a.qk_nope_head_dim + R) ** -0.5
+        self.scale = a.softmax_scale or latent_softmax_scale(a)
         self.latent = torch.zeros(a.num_layers, max_seq, a.kv_lora_rank, device=device, dtype=dtype)
         self.k_rope = torch.zeros(a.num_layers, max_seq, R, device=device, dtype=dtype)
 

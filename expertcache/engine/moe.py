@@ -9,18 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..kernel.cache_state import N_LOG
+from ..kernel.dense_decode import gemv
 from ..kernel.routing import Router, Routing
 from ..models.args import ModelArgs
 from ..policies import MissPolicy
 from .cache import ExpertCache
-from .experts import ExpertKind, compiled_applies, experts_compute
-from .predictors import Predictor
+from .experts import CompiledSlots, ExpertKind, experts_compute
 from .stats import RunStats
+
+if TYPE_CHECKING:  # predictors route with router_logits below
+    from .predictors import Predictor
+
+NO_BIAS_1D = np.zeros(0, np.float32)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torch.Tensor:
@@ -33,6 +39,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torc
 
 def route(x: torch.Tensor, weight: torch.Tensor, router: Router, layer: int) -> Routing:
     """x [T, H], the router's weight [E, H] at MoE layer `layer` -> its Routing, on the host."""
+    if x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32:
+        logits = np.empty((1, weight.shape[0]), np.float32)  # decode: one compiled product, no torch op
+        gemv(weight.numpy(), x.numpy()[0], NO_BIAS_1D, logits[0])
+        return router.route(logits, layer)
     return router.route(router_logits(x, weight, router).cpu().numpy(), layer)
 
 
@@ -51,7 +61,8 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
     simulator) and carry out its actions: transfers, waits, and expert work that must run
     before a slot it uses is overwritten (`compute(begin, end, slots, gates)` for tokens
     [begin, end)). The work of tokens [plan.owed_from, T) is left to the caller, which can
-    first start the next layer's prefetches."""
+    first start the next layer's prefetches. The kernel's counters stay in the cache state
+    until the caller absorbs them into `stats` (the engine does, once per forward)."""
     T, k = routing.ids.shape
     slots_h = np.empty((T, k), dtype=np.int64)  # the kernel writes every entry
     exec_h = np.empty((T, k), dtype=np.int64)
@@ -61,7 +72,6 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
     owed_from = cache.decide_routed(policy, layer, routing, token_base, slots_h, exec_h, gates_h)
     if cache.state.misc[N_LOG]:
         stats.stall_s += cache.carry_out(lambda begin, end: compute(begin, end, slots_h, gates_h))
-    stats.absorb(cache.state, cache.fetch_bytes, cache.lowbit_bytes)
     return LayerPlan(slots_h, exec_h, gates_h, owed_from)
 
 
@@ -86,6 +96,8 @@ class MoELayerRunner:
         self.prefetch = PrefetchConfig()
         self.resid: torch.Tensor | None = None  # residual after the current layer's attention
         self.predicted: Routing | None = None  # predicted for the next layer
+        self.compiled = CompiledSlots(cache.w13, cache.w2, cache.b13, cache.b2, self.kind) \
+            if CompiledSlots.applies(cache.w13) else None  # decode's expert call on the CPU
 
     def observe_residual(self, layer: int, h: torch.Tensor) -> None:
         """The transformer's hook after each layer's attention."""
@@ -107,7 +119,6 @@ class MoELayerRunner:
             experts, first, counts = np.unique(wanted.T.ravel(), return_index=True, return_counts=True)
             wanted = experts[np.lexsort((first, -counts))][None, :budget]
         self.stats.stall_s += cache.prefetch(layer + 1, wanted[0], self.token_base)
-        self.stats.absorb(cache.state, cache.fetch_bytes, cache.lowbit_bytes)
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed MoE input) of MoE layer `layer` -> routed experts' combined output
@@ -120,13 +131,13 @@ class MoELayerRunner:
         self.predicted = None
         T = routing.ids.shape[0]
         out = torch.empty_like(x) if T > 1 else None  # decode computes once, after its decisions
-        # a decode batch shares few experts between its tokens: where decode's compiled kernel runs (fp32 on the
+        # a decode batch shares few experts between its tokens: where decode's compiled kernel runs (on the
         # CPU), one call per token beats grouped matmuls over a handful of tokens per expert
-        per_token = self.decoding and compiled_applies(x[:1], cache.w13)
+        per_token = self.decoding and self.compiled is not None and x.dtype == torch.float32
 
         def experts_out(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
-            if per_token and end - begin > 1:
-                return torch.cat([experts_out(t, t + 1, slots_h, gates_h) for t in range(begin, end)])
+            if per_token:
+                return torch.cat([self.compiled(x[t:t + 1], slots_h[t], gates_h[t]) for t in range(begin, end)])
             gates = torch.from_numpy(gates_h[begin:end])
             return experts_compute(x[begin:end], torch.from_numpy(slots_h[begin:end]),
                                    gates if x.device.type == "cpu" else gates.to(x.device), cache.w13, cache.w2,
@@ -139,7 +150,9 @@ class MoELayerRunner:
         plan = decide_layer(cache, self.policy, stats, layer, routing, self.token_base, compute)
         if self.predictor is not None and layer + 1 < a.num_moe_layers:
             self._predict_next(layer, x, plan.experts, plan.gates)  # this token's slots stay protected
-        if T == 1:  # decode: nothing was computed early, no need to go through `out`
+        if T == 1 and self.compiled is not None and x.dtype == torch.float32:
+            out = self.compiled(x, plan.slots[0], plan.gates[0])  # decode: nothing was computed early
+        elif T == 1:
             out = experts_out(0, 1, plan.slots, plan.gates)
         else:
             compute(plan.owed_from, T, plan.slots, plan.gates)

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import CheckpointError, UnknownName
+from .moe import router_logits
 from .transformer import Transformer
 
 ESTIMATOR_FILE = "estimator.safetensors"
@@ -40,8 +41,9 @@ class Predictor:
 
     def _router_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """MoE layer l+1's router weight on x [T, H] -> [T, E]: logits without the router's bias, which
-        the model's Router adds when it routes them (kernel/routing.Router.route)."""
-        return x @ self.model.moe_layers[layer + 1]["router"].t()
+        the model's Router adds when it routes them (kernel/routing.Router.route); computed as the model's
+        MoE layer computes them (a sigmoid router's in float32)."""
+        return router_logits(x, self.model.moe_layers[layer + 1]["router"], self.model.router)
 
 
 class RouterAhead(Predictor):

@@ -1,6 +1,14 @@
 """Storage formats of one expert in the slow tier: a float dtype (fp32, fp16, bf16) stored as
 is, or integers (int8, int4 packed two per byte) with group-wise scales along each weight
-matrix's input dimension. Biases stay fp16.
+matrix's input dimension, or MXFP4. Biases stay fp16 (fp32 with MXFP4, so that a checkpoint's bf16
+or fp32 biases convert without loss).
+
+MXFP4 (OCP Microscaling, GPT-OSS's released experts): blocks of 32 inputs of one output row share a
+power-of-two scale stored as its biased exponent (E8M0, one byte); each weight is an FP4 (E2M1)
+code, two per byte, low nibble first: 4.25 bits per weight. Encoding follows HF's GPT-OSS
+conversion (triton_kernels' downcast_to_mxfp, scale rounding up): the block's scale is its largest
+magnitude / 6 rounded up to a power of two, so no weight clips, and each weight goes to the
+nearest FP4 value, ties away from zero. A checkpoint already in MXFP4 is stored as is.
 
 Integer formats are asymmetric by default: each group of G inputs of one output row keeps
 an fp16 scale and an fp16 minimum, x ~ min + scale * q with q in [0, 2^bits - 1]. Symmetric
@@ -26,25 +34,34 @@ from ..errors import BadInput
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 INT_BITS = {"int8": 8, "int4": 4}
-DTYPES = ("fp16", "bf16", "fp32", "int8", "int4")
+MXFP4 = "mxfp4"
+MX_BLOCK = 32  # MXFP4: weights per shared scale
+DTYPES = ("fp16", "bf16", "fp32", "int8", "int4", MXFP4)
+# The 16 values of an FP4 (E2M1) code: sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between consecutive FP4 magnitudes
 SCHEMES = ("asym", "sym")
 SEGMENT_ALIGN = 16
 
 
 @dataclass(frozen=True)
 class ExpertFormat:
-    """How one expert is stored: `dtype` (float32, float16, bfloat16, int8, int4), and for the
-    integer dtypes the group size along the input dimension and the scheme (asym or sym)."""
+    """How one expert is stored: `dtype` (float32, float16, bfloat16, int8, int4, mxfp4), and for the
+    integer dtypes the group size along the input dimension and the scheme (asym or sym); mxfp4's
+    group is its block of 32."""
     dtype: str = "float16"
     group_size: int = 0
     scheme: str = ""
 
     @classmethod
     def parse(cls, dtype: str, group_size: int = 32, scheme: str = "asym") -> ExpertFormat:
-        """A format from user input (`fp16`, `bf16`, `int8`, `int4`, ...); BadInput naming the fix."""
+        """A format from user input (`fp16`, `bf16`, `int8`, `int4`, `mxfp4`, ...); BadInput naming the
+        fix. mxfp4 ignores group_size and scheme: its blocks of 32 are fixed by the format."""
         name = ALIASES.get(dtype, dtype)
         if name in FLOAT_DTYPES:
             return cls(name)
+        if name == MXFP4:
+            return cls(MXFP4, MX_BLOCK)
         if name not in INT_BITS:
             raise BadInput(f"unknown expert dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         if not isinstance(group_size, int) or group_size < 2 or group_size % 2:
@@ -60,17 +77,26 @@ class ExpertFormat:
 
     @property
     def quantized(self) -> bool:
-        """True for the integer formats (int8, int4)."""
-        return self.dtype in INT_BITS
+        """True for the formats a fetch decodes (int8, int4, mxfp4); False for the float dtypes."""
+        return self.dtype in INT_BITS or self.mx
+
+    @property
+    def mx(self) -> bool:
+        """True for MXFP4."""
+        return self.dtype == MXFP4
 
     @property
     def bits(self) -> int:
         """Bits per stored weight, not counting group scales and minimums."""
+        if self.mx:
+            return 4
         return INT_BITS[self.dtype] if self.quantized else FLOAT_DTYPES[self.dtype].itemsize * 8
 
     @property
     def tag(self) -> str:
-        """A short name for folders and tables: fp16, int4-g64-asym, ..."""
+        """A short name for folders and tables: fp16, int4-g64-asym, mxfp4, ..."""
+        if self.mx:
+            return MXFP4
         if not self.quantized:
             return {v: k for k, v in ALIASES.items()}[self.dtype]
         return f"{self.dtype}-g{self.group_size}-{self.scheme}"
@@ -85,6 +111,8 @@ class ExpertFormat:
         dtype = meta.get("dtype")
         if dtype in FLOAT_DTYPES and not meta.get("group_size") and not meta.get("scheme"):
             return cls(dtype)
+        if dtype == MXFP4 and meta.get("group_size") == MX_BLOCK and not meta.get("scheme"):
+            return cls(MXFP4, MX_BLOCK)
         if dtype in INT_BITS and isinstance(meta.get("group_size"), int) and meta["group_size"] >= 2 \
                 and meta["group_size"] % 2 == 0 and meta.get("scheme") in SCHEMES:
             return cls(dtype, meta["group_size"], meta["scheme"])
@@ -122,7 +150,9 @@ def layout(parts: list[tuple[int, ...]], fmt: ExpertFormat) -> list[Segment]:
             offset += segs[-1].nbytes
         return segs
     for i, shape in enumerate(parts):
-        if len(shape) == 1:  # biases: fp16
+        if fmt.mx:
+            roles = mxfp4_segments(shape)
+        elif len(shape) == 1:  # biases: fp16
             roles = [("raw", torch.float16, shape)]
         else:
             rows, n_groups = shape[0], _groups(shape[1], fmt.group_size)
@@ -140,6 +170,67 @@ def encoded_bytes(parts: list[tuple[int, ...]], fmt: ExpertFormat) -> int:
     """Bytes of one expert in `fmt`, before the blob's alignment."""
     last = layout(parts, fmt)[-1]
     return last.offset + last.nbytes
+
+
+def mxfp4_segments(shape: tuple[int, ...]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(role, dtype, shape) of one part in MXFP4: a matrix [rows, cols] as codes [rows, blocks * 16]
+    uint8 and scales [rows, blocks] uint8 (E8M0), cols padded to blocks of 32; a bias as fp32."""
+    if len(shape) == 1:
+        return [("raw", torch.float32, shape)]
+    rows, blocks = shape[0], _groups(shape[1], MX_BLOCK)
+    return [("codes", torch.uint8, (rows, blocks * MX_BLOCK // 2)), ("scales", torch.uint8, (rows, blocks))]
+
+
+def float_to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N] float (N a multiple of 32) -> (blocks [..., N / 32, 16] uint8, two FP4 codes per byte, low
+    nibble first; scales [..., N / 32] uint8, each block's power-of-two scale as its exponent biased by 127).
+    The scale: the block's largest magnitude / 6 rounded up to a power of two (an all-zero block: byte 0);
+    codes: the nearest FP4 value of w / scale, ties away from zero."""
+    assert w.shape[-1] % MX_BLOCK == 0, f"MXFP4 needs whole blocks of {MX_BLOCK}, got {w.shape[-1]} inputs"
+    groups = w.float().reshape(*w.shape[:-1], -1, MX_BLOCK)
+    # rounding the float32 bits of amax / 6 up to the next exponent, as triton_kernels does
+    scale_bits = ((groups.abs().amax(-1) / 6.0).view(torch.int32) + 0x7FFFFF) & 0x7F800000
+    scale = scale_bits.view(torch.float32)
+    v = groups / torch.where(scale == 0, 1.0, scale).unsqueeze(-1)
+    magnitude = torch.bucketize(v.abs(), torch.tensor(FP4_MIDPOINTS), right=True)  # 0..7, ties go up
+    codes = (magnitude | ((v < 0).to(magnitude.dtype) << 3)).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (scale_bits >> 23).to(torch.uint8)
+
+
+def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The inverse of float_to_mxfp4: blocks [..., G, 16] uint8, scales [..., G] uint8 -> float32 [..., G * 32].
+    Vectorised torch ops (which release the GIL), so worker threads decode in parallel."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [..., G, 16, 2]
+    values = lut[codes].flatten(-2)  # [..., G, 32]
+    return torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1)).flatten(-2)
+
+
+def _whole_blocks(w: torch.Tensor) -> torch.Tensor:
+    """w [rows, cols] as float32 with zero inputs appended up to whole MXFP4 blocks."""
+    return torch.nn.functional.pad(w.float(), (0, _groups(w.shape[1], MX_BLOCK) * MX_BLOCK - w.shape[1]))
+
+
+def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """w [rows, cols] float -> the MXFP4 segments of `mxfp4_segments`: codes and scales."""
+    blocks, scales = float_to_mxfp4(_whole_blocks(w))
+    return {"codes": blocks.reshape(w.shape[0], -1), "scales": scales}
+
+
+def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, cols: int) -> torch.Tensor:
+    """MXFP4 segments codes [rows, blocks * 16], scales [rows, blocks] -> float32 [rows, cols]."""
+    rows, blocks = scales.shape
+    return mxfp4_to_float(codes.view(rows, blocks, MX_BLOCK // 2), scales)[:, :cols]
+
+
+def mxfp4_error_bound(w: torch.Tensor) -> torch.Tensor:
+    """Per element, the most an MXFP4 round trip may move w [rows, cols]: half the FP4 spacing at the
+    element's magnitude (0.5, 1, 2 below 2, 4, 6) times its block's scale."""
+    _, scales = float_to_mxfp4(_whole_blocks(w))
+    scale = torch.exp2(scales.float() - 127).repeat_interleave(MX_BLOCK, -1)[:, :w.shape[1]]
+    v = w.float().abs() / scale
+    half_step = torch.where(v < 2, 0.25, torch.where(v < 4, 0.5, 1.0))
+    return half_step * scale * 1.0001 + 1e-30
 
 
 def _divisor(scale: torch.Tensor) -> torch.Tensor:
@@ -192,17 +283,20 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
     return w.view(rows, -1)[:, :cols]
 
 
-def encode(tensors: list[torch.Tensor], parts: list[tuple[int, ...]], fmt: ExpertFormat, blob: int) -> bytes:
-    """One expert's parts (w13, w2, then the biases) as a blob of `blob` bytes in `fmt`."""
+def encode(tensors: list, parts: list[tuple[int, ...]], fmt: ExpertFormat, blob: int) -> bytes:
+    """One expert's parts (w13, w2, then the biases) as a blob of `blob` bytes in `fmt`: each a float
+    tensor, or a dict of its segments by role when it is stored in `fmt` already (written as is)."""
     out = torch.zeros(blob, dtype=torch.uint8)
     quantized = {}
     for seg in layout(parts, fmt):
         t = tensors[seg.part]
-        if seg.role == "raw":
+        if isinstance(t, dict):  # a part already in `fmt` (a checkpoint's MXFP4): its segments as they are
+            src = t[seg.role]
+        elif seg.role == "raw":
             src = t.to(seg.dtype if fmt.quantized else FLOAT_DTYPES[fmt.dtype]).contiguous()
         else:
             if seg.part not in quantized:
-                quantized[seg.part] = quantize(t, fmt)
+                quantized[seg.part] = quantize_mxfp4(t) if fmt.mx else quantize(t, fmt)
             src = quantized[seg.part][seg.role]
         out[seg.offset:seg.offset + seg.nbytes] = src.flatten().view(torch.uint8)
     return out.numpy().tobytes()
@@ -221,6 +315,8 @@ def decode_into(buf: torch.Tensor, parts: list[tuple[int, ...]], fmt: ExpertForm
         v = views[i]
         if "raw" in v:
             dst.copy_(v["raw"])
+        elif fmt.mx:
+            dst.copy_(dequantize_mxfp4(v["codes"], v["scales"], shape[1]))
         else:
             dst.copy_(dequantize(v["codes"], v["scales"], v.get("mins"), fmt, shape[1]))
 
@@ -230,6 +326,11 @@ def roundtrip(w: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:
     as a fetch dequantises them; w's dtype otherwise)."""
     if not fmt.quantized:
         return w.to(FLOAT_DTYPES[fmt.dtype]).to(w.dtype)
+    if fmt.mx:
+        if w.dim() == 1:
+            return w
+        q = quantize_mxfp4(w)
+        return dequantize_mxfp4(q["codes"], q["scales"], w.shape[1])
     if w.dim() == 1:
         return w.half().to(w.dtype)
     q = quantize(w, fmt)
@@ -241,6 +342,8 @@ def error_bound(w: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:
     quantization step of its group (plus fp16 rounding of the scale and minimum)."""
     if not fmt.quantized or w.dim() == 1:
         return w.abs() * 2 ** -8 + 1e-7  # fp16's / bf16's rounding, generously
+    if fmt.mx:
+        return mxfp4_error_bound(w)
     rows, cols = w.shape
     g, levels = fmt.group_size, 2 ** fmt.bits - 1
     n_groups = _groups(cols, g)

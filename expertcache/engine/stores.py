@@ -32,7 +32,7 @@ from ..errors import CheckpointError, FetchError, ReadModeUnsupported, UnknownNa
 from ..models.args import ModelArgs
 from .checkpoint import Checkpoint
 from .quant import ExpertFormat, decode_into, encode, encoded_bytes, roundtrip
-from .weights import all_layer_experts
+from .weights import all_layer_experts, layer_experts, stored_layer_parts
 
 ALIGN = 4096
 DISK_FORMAT_VERSION = 2  # 2: a CRC32C per blob in experts.json
@@ -180,7 +180,8 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
                     fmt: ExpertFormat | None = None) -> Path:
     """Write experts.bin (aligned blobs in (layer, expert) order) and experts.json (shapes, the
     format and a CRC32C per encoded blob); returns out_dir. The experts are stored in `fmt`, else
-    as `dtype`, else in the checkpoint's dtype."""
+    as `dtype`, else in the checkpoint's dtype; a checkpoint already in `fmt` (GPT-OSS's MXFP4) is
+    written as it is, not requantised."""
     shape = ExpertShape.of(args)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
@@ -188,12 +189,17 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     checksums = []
     fmt = fmt or (ExpertFormat.of_dtype(dtype) if dtype is not None else None)
     with open(tmp, "wb") as f:
-        for experts in all_layer_experts(ckpt, args):
-            fmt = fmt or ExpertFormat.of_dtype(experts.w13.dtype)
+        for layer in range(args.num_moe_layers):
+            # w13, w2 (and b13, b2): the blob's order; as stored when the checkpoint is in `fmt` already
+            parts = stored_layer_parts(ckpt, args, layer, fmt and fmt.dtype)
+            if parts is None:
+                experts = layer_experts(ckpt, args, layer)
+                fmt = fmt or ExpertFormat.of_dtype(experts.w13.dtype)
+                parts = [p for p in experts if p is not None]
             blob = _blob_bytes(shape, fmt)
-            parts = [p for p in experts if p is not None]  # w13, w2 (and b13, b2): the blob's order
             for e in range(args.num_experts):
-                data = encode([p[e] for p in parts], shape.parts, fmt, blob)
+                expert = [{role: t[e] for role, t in p.items()} if isinstance(p, dict) else p[e] for p in parts]
+                data = encode(expert, shape.parts, fmt, blob)
                 checksums.append(crc32c.crc32c(data))  # of the stored bytes: the same check for every format
                 f.write(data)
         f.flush()

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..errors import BadInput
+from ..kernel import dense_decode
 from ..models.args import ModelArgs
 from .attention import apply_rope, attention_mask, rope_frequencies, rope_tables, sink_attention
 from .linear_attention import GatedDeltaNet
@@ -66,6 +68,15 @@ class Transformer:
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.prefetch: PrefetchHook | None = None
+        # decode's compiled attention block (kernel/dense_decode.py): fp32 GQA layers on the CPU
+        self.compiled = device.type == "cpu" and dtype == torch.float32 and self.latent is None \
+            and not a.attention_gate
+        if self.compiled:
+            self.token_args = {i: self._token_args(i, self.layers[i]) for i in self.kv_index}
+            self.scratch = np.empty(dense_decode.scratch_size(a.hidden_size, a.num_heads, a.num_kv_heads,
+                                                              a.head_dim), np.float32)
+            self.scores = np.empty(max_seq, np.float32)
+            self.cos_np, self.sin_np = self.cos.numpy(), self.sin.numpy()
 
     def kv_bytes(self, positions: int) -> int:
         """Bytes of the attention caches holding `positions` positions: keys and values, and a latent
@@ -159,6 +170,32 @@ class Transformer:
             o = o * torch.sigmoid(gate.reshape(o.shape))
         return F.linear(o, L["wo"], L.get("bo"))
 
+    def _token_args(self, i: int, L: dict) -> tuple:
+        """Layer i's weights as attention_token takes them (empty arrays for what the family lacks)."""
+        a = self.args
+        empty = np.zeros(0, np.float32)
+
+        def arr(name: str) -> np.ndarray:
+            return L[name].contiguous().numpy() if name in L else empty
+        mode = {None: dense_decode.NORM_NONE, "full": dense_decode.NORM_FULL, "head": dense_decode.NORM_HEAD}
+        window = a.sliding_window if a.layer_type(i) == "sliding_attention" else 0
+        return (arr("attn_norm"), arr("moe_norm"), np.float32(a.rms_norm_eps), arr("wqkv"), arr("bqkv"),
+                mode[a.qk_norm], arr("q_norm"), arr("k_norm"), np.float32(a.clip_qkv or 0.0)), \
+            (window, arr("sinks") if a.attention_sinks else empty, arr("wo"), arr("bo"), a.num_heads, a.num_kv_heads)
+
+    def _attention_token(self, i: int, h: torch.Tensor, pos: int, kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
+        """Decode: layer i's attention block on one token in one compiled call; h [1, H] is updated in
+        place and the MoE input rms_norm(h) returned. kv: the keys and values to use (default: the model's)."""
+        x = torch.empty_like(h)
+        c = self.kv_index[i]
+        before, after = self.token_args[i]
+        k_cache, v_cache = kv or (self.k_cache, self.v_cache)
+        dense_decode.attention_token(h.numpy()[0], *before, self.cos_np[pos], self.sin_np[pos], pos,
+                                     k_cache.numpy()[c], v_cache.numpy()[c], *after, self.scratch,
+                                     self.scores, x.numpy()[0])
+        return x
+
     def _mlp(self, L: dict, x: torch.Tensor, name: str) -> torch.Tensor:
         """A SwiGLU MLP of the layer's `name`_w13, `name`_w2 (the shared expert, or a dense layer's MLP)."""
         g, u = (x @ L[name + "_w13"].t()).chunk(2, dim=-1)
@@ -178,17 +215,22 @@ class Transformer:
         if pos + T > self.max_seq:
             raise BadInput(f"sequence of {pos + T} tokens exceeds max_seq={self.max_seq}; raise --max-seq")
         self._reserve(pos + T)
-        h = self.embed[ids]
+        h = self.embed[ids]  # a copy: the compiled attention block may update it in place
+        compiled = T == 1 and self.compiled
         for i, L in enumerate(self.layers):
-            xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
-            h = h + (self.linear[i](xa, pos) if i in self.linear else self._attention(i, L, xa, pos))
-            h = self._feed_forward(i, L, h)
+            if compiled and i in self.kv_index:
+                x = self._attention_token(i, h, pos)
+            else:
+                xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
+                h = h + (self.linear[i](xa, pos) if i in self.linear else self._attention(i, L, xa, pos))
+                x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
+            h = self._feed_forward(i, L, h, x)
         return F.rms_norm(h, (a.hidden_size,), self.norm, a.rms_norm_eps) @ self.lm_head.t()
 
-    def _feed_forward(self, i: int, L: dict, h: torch.Tensor) -> torch.Tensor:
-        """The residual stream h [T, H] after layer i's dense MLP or MoE block (routed and shared experts)."""
+    def _feed_forward(self, i: int, L: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream h [T, H] after layer i's dense MLP or MoE block (routed and shared experts) on its
+        normed input x [T, H]."""
         a = self.args
-        x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
         if i < a.first_dense_layers:
             return h + self._mlp(L, x, "dense")
         if self.prefetch is not None:
@@ -203,8 +245,9 @@ class Transformer:
                       kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Decode B sequences one token each: ids [B], sequence b's token at position positions[b] with its keys
         and values in kv[b] = (k_cache, v_cache) [kv layers, Hkv, >= positions[b] + 1, D] -> logits [B, V].
-        Everything but attention runs on the batch (the MoE layer decides its B tokens in order); attention runs
-        per sequence against its own cache. Models with state beyond keys and values (latent attention, linear
+        The MoE blocks run on the batch (the MoE layer decides its B tokens in order); attention runs per
+        sequence against its own cache, through decode's compiled attention block where it applies, else with
+        the projections on the batch. Models with state beyond keys and values (latent attention, linear
         attention) decode one sequence at a time through `forward`."""
         assert ids.dim() == 1 and len(positions) == len(kv) == ids.shape[0], \
             f"ids [B], B positions and B caches expected, got {tuple(ids.shape)}, {len(positions)}, {len(kv)}"
@@ -216,11 +259,16 @@ class Transformer:
             if pos >= k_cache.shape[2]:
                 raise BadInput(f"position {pos} is beyond its KV buffer of {k_cache.shape[2]} positions; "
                                "allocate the buffer for the whole sequence")
-        h = self.embed[ids]
+        h = self.embed[ids]  # a copy: the compiled attention block updates its rows in place
         for i, L in enumerate(self.layers):
-            xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
-            q, k, v, gate = self._qkv(L, xa)
-            o = torch.cat([self._attend(i, L, q[b:b + 1], k[b:b + 1], v[b:b + 1], pos, *kv[b])
-                           for b, pos in enumerate(positions)])
-            h = self._feed_forward(i, L, h + self._out(L, o, gate))
+            if self.compiled:
+                x = torch.cat([self._attention_token(i, h[b:b + 1], pos, kv[b]) for b, pos in enumerate(positions)])
+            else:
+                xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
+                q, k, v, gate = self._qkv(L, xa)
+                o = torch.cat([self._attend(i, L, q[b:b + 1], k[b:b + 1], v[b:b + 1], pos, *kv[b])
+                               for b, pos in enumerate(positions)])
+                h = h + self._out(L, o, gate)
+                x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
+            h = self._feed_forward(i, L, h, x)
         return F.rms_norm(h, (a.hidden_size,), self.norm, a.rms_norm_eps) @ self.lm_head.t()

@@ -83,6 +83,16 @@ def all_layer_experts(ckpt: Checkpoint, args: ModelArgs) -> Iterator[LayerExpert
         yield layer_experts(ckpt, args, layer)
 
 
+def stored_layer_parts(ckpt: Checkpoint, args: ModelArgs, layer: int, fmt_dtype: str | None) -> list | None:
+    """MoE layer `layer`'s expert parts (w13, w2, then biases; stacked [E, ...]) as the checkpoint already
+    stores them in the disk format `fmt_dtype` (GPT-OSS's MXFP4: quant.py's segments by role), so a conversion
+    writes them as they are; None when the checkpoint holds them otherwise."""
+    family = family_of(ckpt.config)
+    if fmt_dtype == "mxfp4" and hasattr(family, "layer_experts_mxfp4"):
+        return family.layer_experts_mxfp4(ckpt, args, args.moe_layers[layer])
+    return None
+
+
 def router_of(args: ModelArgs, weights: dict[str, torch.Tensor]) -> Router:
     """The model's Router; its bias [L, E] (a softmax router's logit bias, a sigmoid router's selection
     bias) from the MoE layers' dense weights ('layers.{i}.router_bias' in our names)."""

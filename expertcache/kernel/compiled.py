@@ -69,3 +69,24 @@ def prefetch(typingctx, array, index):
         builder.call(fn, [ptr, i32(0), i32(3), i32(1)])  # read, keep in all levels, data
         return context.get_dummy_value()
     return types.void(array, index), codegen
+
+
+@intrinsic
+def widen(typingctx, value):
+    """A stored weight as float32: float32 as it is; uint16 as the bits of an fp16 value, int16 as
+    those of a bf16 one (numpy has neither type), converted exactly (LLVM's fpext, or the bf16 bits
+    as the top half of an fp32). Lets a kernel read slots kept in the checkpoint's 16-bit dtype,
+    halving the bytes each expert's products stream from memory."""
+    if isinstance(value, types.Float):
+        def codegen(context, builder, signature, args):
+            return builder.fpext(args[0], ir.FloatType()) if value.bitwidth < 32 else args[0]
+        return types.float32(value), codegen
+    if value not in (types.uint16, types.int16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        if value == types.uint16:
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(bits, ir.FloatType())
+    return types.float32(value), codegen

@@ -16,8 +16,16 @@ import torch.nn.functional as F
 from ..engine.checkpoint import load_default_vectors
 from ..engine.experts import ExpertKind
 from ..engine.moe import router_logits
-from ..engine.predictors import Estimator, EstimatorNet, Predictor, QuasiHidden, make_predictor, save_estimator
+from ..engine.predictors import (
+    Estimator,
+    EstimatorNet,
+    Predictor,
+    QuasiHidden,
+    make_predictor,
+    save_estimator,
+)
 from ..engine.transformer import Transformer
+from ..kernel.routing import Router
 from .calibrate import RecordingMoE, run_exact
 
 
@@ -71,29 +79,47 @@ def recall_per_layer(p: Predictor, s: LayerStates, top_k: int, batch: int = 8192
         for i in range(0, len(s.x[layer]), batch):
             sl = slice(i, i + batch)
             pred = p.logits(layer, s.resid[layer][sl], s.x[layer][sl], s.ids[layer][sl], s.weights[layer][sl])
-            true = s.logits[layer + 1][sl]
-            assert pred.shape == true.shape, f"{p.name} gave logits {tuple(pred.shape)}, expected {tuple(true.shape)}"
-            if router.sigmoid or router.logit_bias:  # selection with the router's bias, as the model routes
-                pred_ids = torch.from_numpy(router.route(pred.float().numpy(), layer + 1).ids)
-                true_ids = s.ids[layer + 1][sl]
-            else:
-                pred_ids, true_ids = pred.topk(top_k, dim=-1).indices, true.topk(top_k, dim=-1).indices
+            true_ids = s.ids[layer + 1][sl][:, :top_k]  # routed by the family's router when recorded
+            assert pred.shape == s.logits[layer + 1][sl].shape, \
+                f"{p.name} gave logits {tuple(pred.shape)}, expected {tuple(s.logits[layer + 1][sl].shape)}"
+            # the prediction routed as the model routes: biases, groups, a sigmoid router's selection
+            pred_ids = torch.from_numpy(router.route(pred.float().numpy(), layer + 1).ids[:, :top_k])
             hit += (pred_ids.unsqueeze(-1) == true_ids.unsqueeze(-2)).any(-1).sum().item()
             n += true_ids.numel()
         out.append(hit / n)
     return out
 
 
+def routing_loss(router: Router, pred: torch.Tensor, true: torch.Tensor, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """How far predicted router logits pred [N, E] are from the true ones true [N, E] in the family's own
+    routing terms, the estimator's training loss. softmax: KL(true || predicted) of the softmax over the
+    logits plus the router's logit bias `bias` [N, E] (GPT-OSS; None: no bias); shift-invariant, as the
+    softmax's ranking and gates are. sigmoid (DeepSeek-V3, GLM-4.5): the scores sigmoid(logit) rank (plus
+    the selection bias, within groups) and weigh absolutely, so a shift moves the routing: each expert's
+    binary cross-entropy between the predicted and true scores, summed over experts, meaned over tokens;
+    least at pred == true."""
+    pred, true = pred.float(), true.float()
+    if router.sigmoid:
+        return F.binary_cross_entropy_with_logits(pred, torch.sigmoid(true), reduction="sum") / len(pred)
+    if bias is not None:
+        pred, true = pred + bias, true + bias
+    return F.kl_div(F.log_softmax(pred, -1), F.log_softmax(true, -1), log_target=True, reduction="batchmean")
+
+
 def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.Tensor, epochs: int = 4,
                     lr: float = 2e-3, batch: int = 1024, seed: int = 0,
                     progress: Callable[[str], None] | None = None) -> EstimatorNet:
-    """Distil q_l -> Router_{l+1} logits by KL(true || predicted) over every transition."""
-    a = model.args
+    """Distil q_l -> Router_{l+1} logits by `routing_loss` under the model's router over every transition."""
+    a, router = model.args, model.router
     qh = QuasiHidden(model, default_vectors)
     with torch.no_grad():
         q = torch.cat([qh.quasi_hidden(l, s.resid[l], s.ids[l], s.weights[l]) for l in range(a.num_moe_layers - 1)])
         layer = torch.cat([torch.full((len(s.x[l]),), l) for l in range(a.num_moe_layers - 1)])
-        target = torch.cat([F.log_softmax(s.logits[l + 1].float(), -1) for l in range(a.num_moe_layers - 1)])
+        target = torch.cat([s.logits[l + 1].float() for l in range(a.num_moe_layers - 1)])
+    # a softmax router's logit bias of each sample's target layer (GPT-OSS); a sigmoid router's is not needed
+    bias = torch.from_numpy(router.bias_table(a.num_moe_layers, a.num_experts))[layer + 1] \
+        if router.logit_bias else None
     batch = min(batch, len(q))
     torch.manual_seed(seed)
     net = EstimatorNet(a.hidden_size, a.num_experts, a.num_moe_layers)
@@ -106,8 +132,7 @@ def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.T
         total = 0.0
         for i in range(0, len(q) - batch + 1, batch):
             idx = perm[i:i + batch]
-            pred = F.log_softmax(net(q[idx], layer[idx]), -1)
-            loss = F.kl_div(pred, target[idx], log_target=True, reduction="batchmean")
+            loss = routing_loss(router, net(q[idx], layer[idx]), target[idx], None if bias is None else bias[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -1,15 +1,15 @@
 """DeepSeek-V3 (and Kimi K2's layout): multi-head latent attention (low-rank q and kv, a
 rope/nope split of each head, interleaved RoPE); sigmoid router with a selection bias and
-group-limited top-k; shared experts without a gate; the first `first_k_dense_replace` layers dense."""
-from .args import ModelArgs, rope_theta
-from .naming import deepseek_mlp_names, default_rope_only, sigmoid_router_fields
+group-limited top-k; shared experts without a gate; the first `first_k_dense_replace` layers dense;
+plain or YaRN RoPE (released checkpoints: YaRN, which also rescales the softmax, see engine/mla.py)."""
+from .args import ModelArgs, rope_scaling, rope_theta
+from .naming import deepseek_mlp_names, sigmoid_router_fields
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 
 
 def args_from_config(c: dict) -> ModelArgs:
     """ModelArgs from a DeepSeek-V3 config.json."""
-    default_rope_only(c)
     return ModelArgs(
         family="deepseek_v3", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
@@ -20,7 +20,7 @@ def args_from_config(c: dict) -> ModelArgs:
         max_position_embeddings=c.get("max_position_embeddings", 4096), attention="mla",
         q_lora_rank=c.get("q_lora_rank"), kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
         qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
-        rope_interleave=c.get("rope_interleave", True), **sigmoid_router_fields(c))
+        rope_interleave=c.get("rope_interleave", True), rope_scaling=rope_scaling(c), **sigmoid_router_fields(c))
 
 
 def layer_names(i: int, a: ModelArgs) -> dict:

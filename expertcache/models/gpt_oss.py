@@ -5,22 +5,29 @@ renormalised over the top-k (norm_topk_prob); experts with biases and a clamped 
 HF stores the experts fused and transposed, gate and up interleaved (gate_up_proj [E, H, 2F],
 columns g0 u0 g1 u1 ...; down_proj [E, F, H]); released checkpoints hold them in MXFP4
 (`*_blocks`, `*_scales`). Both are translated at load time into our w13 [E, 2F, H] (gate rows,
-then up rows), w2 [E, H, F] and biases b13 [E, 2F], b2 [E, H]."""
+then up rows), w2 [E, H, F] and biases b13 [E, 2F], b2 [E, H]; converting MXFP4 experts to an mxfp4
+disk store takes their codes and scales as they are (`layer_experts_mxfp4`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
 
-from .args import LayerExperts, ModelArgs, head_dim, num_experts, rope_scaling, rope_theta
+from ..engine.quant import mxfp4_to_float
+from .args import (
+    LayerExperts,
+    ModelArgs,
+    head_dim,
+    num_experts,
+    rope_scaling,
+    rope_theta,
+)
 
 if TYPE_CHECKING:
     from ..engine.checkpoint import Checkpoint
 
 ARCHITECTURE = "GptOssForCausalLM"
 
-# The 16 values of an FP4 (E2M1) code: sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def args_from_config(c: dict) -> ModelArgs:
@@ -53,16 +60,6 @@ def layer_names(i: int, a: ModelArgs) -> dict:
     return names
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """MXFP4 -> float32: blocks [..., G, 16] uint8 (two FP4 codes per byte, low nibble first),
-    scales [..., G] uint8 (a power-of-two exponent biased by 127 per group of 32) -> [..., G * 32]."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [..., G, 16, 2]
-    values = lut[codes].flatten(-2)  # [..., G, 32]
-    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1))
-    return values.flatten(-2)
-
-
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
     """Rows (or entries) g0 u0 g1 u1 ... along dim 1 -> gate rows, then up rows."""
     return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
@@ -75,10 +72,26 @@ def layer_experts(ckpt: Checkpoint, a: ModelArgs, layer: int) -> LayerExperts:
     if p + "gate_up_proj_blocks" in ckpt.files:  # released checkpoints: MXFP4, rows already [out, in]
         t = ckpt.tensors([p + n for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
                                           "down_proj_scales")])
-        gate_up = dequantize_mxfp4(t[p + "gate_up_proj_blocks"], t[p + "gate_up_proj_scales"])  # [E, 2F, H]
-        down = dequantize_mxfp4(t[p + "down_proj_blocks"], t[p + "down_proj_scales"])  # [E, H, F]
+        gate_up = mxfp4_to_float(t[p + "gate_up_proj_blocks"], t[p + "gate_up_proj_scales"])  # [E, 2F, H]
+        down = mxfp4_to_float(t[p + "down_proj_blocks"], t[p + "down_proj_scales"])  # [E, H, F]
     else:  # HF's in-memory layout: x @ W, so [E, in, out]
         t = ckpt.tensors([p + "gate_up_proj", p + "down_proj"])
         gate_up, down = t[p + "gate_up_proj"].transpose(1, 2), t[p + "down_proj"].transpose(1, 2)
     return LayerExperts(_deinterleave(gate_up).contiguous(), down.contiguous(),
                         _deinterleave(biases[p + "gate_up_proj_bias"]), biases[p + "down_proj_bias"])
+
+
+def layer_experts_mxfp4(ckpt: Checkpoint, a: ModelArgs, layer: int) -> list | None:
+    """Layer `layer`'s experts as a released (MXFP4) checkpoint stores them, in our layout without
+    decoding: [w13, w2] as {"codes": [E, rows, H / 2 or F / 2], "scales": [E, rows, blocks]} (the
+    segments of engine/quant.py's MXFP4 format), then b13 [E, 2F] and b2 [E, H]; None for a float checkpoint."""
+    p = f"model.layers.{layer}.mlp.experts."
+    if p + "gate_up_proj_blocks" not in ckpt.files:
+        return None
+    t = ckpt.tensors([p + n for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
+                                      "down_proj_scales", "gate_up_proj_bias", "down_proj_bias")])
+    E = a.num_experts
+    w13 = {"codes": _deinterleave(t[p + "gate_up_proj_blocks"]).reshape(E, 2 * a.expert_dim, -1),
+           "scales": _deinterleave(t[p + "gate_up_proj_scales"])}
+    w2 = {"codes": t[p + "down_proj_blocks"].reshape(E, a.hidden_size, -1), "scales": t[p + "down_proj_scales"]}
+    return [w13, w2, _deinterleave(t[p + "gate_up_proj_bias"]), t[p + "down_proj_bias"]]

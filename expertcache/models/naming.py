@@ -69,11 +69,3 @@ def sigmoid_router_fields(c: dict) -> dict:
                 shared_expert_dim=(c.get("n_shared_experts") or 0) * c["moe_intermediate_size"],
                 shared_expert_gate=False)
 
-
-def default_rope_only(c: dict) -> None:
-    """Raise UnsupportedArchitecture for a RoPE scaling other than none."""
-    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in (None, "default"):
-        raise UnsupportedArchitecture(f"{c.get('model_type')}: rope_type {kind!r} is not supported yet; "
-                                      "use a checkpoint without rope scaling")

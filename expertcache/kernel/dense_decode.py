@@ -1,0 +1,123 @@
+"""Decode's dense path on the CPU, compiled: one token's attention block (norm, q/k/v projection,
+q/k norms, RoPE, the KV-cache write, grouped-query attention with an optional sliding window and
+sinks, the output projection and the residual add) and the MoE input's norm in one call per
+layer, where PyTorch runs ~25 operations whose per-call overhead is most of a decode token.
+fp32 only; sums may be reassociated (SIMD), so results differ from PyTorch's by rounding only."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+FAST = {"reassoc", "contract"}  # as in expert_compute: vectorised sums, inf and nan keep their meaning
+NORM_NONE, NORM_FULL, NORM_HEAD = 0, 1, 2  # q/k norms: none, over all heads' channels (OLMoE), per head (Qwen3)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def rms_norm(x, w, eps, out):
+    """out [n] = x [n] / rms(x) * w [n]."""
+    ss = np.float32(0.0)
+    for i in range(x.shape[0]):
+        ss += x[i] * x[i]
+    r = np.float32(1.0) / np.sqrt(ss / np.float32(x.shape[0]) + np.float32(eps))
+    for i in range(x.shape[0]):
+        out[i] = x[i] * r * w[i]
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def gemv(w, x, b, out):
+    """out [R] = w [R, C] @ x [C] (+ b [R] unless b is empty)."""
+    biased = b.shape[0] > 0
+    for r in range(w.shape[0]):
+        acc = np.float32(0.0)
+        for c in range(w.shape[1]):
+            acc += w[r, c] * x[c]
+        out[r] = acc + b[r] if biased else acc
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _norm_heads(v, w, eps, heads, dim):
+    """RMS-normalise each of `heads` consecutive dim-channel slices of v in place with w [dim]."""
+    for h in range(heads):
+        rms_norm(v[h * dim:(h + 1) * dim], w, eps, v[h * dim:(h + 1) * dim])
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _rope(v, cos, sin, dim):
+    """Rotate-half RoPE of one head v [dim] in place over its first rot = len(cos) channels, with
+    the signed sin of attention.rope_tables (the rest of the head as it is)."""
+    half = cos.shape[0] // 2
+    for d in range(half):
+        a, b = v[d], v[d + half]
+        v[d] = a * cos[d] + b * sin[d]
+        v[d + half] = b * cos[d + half] + a * sin[d + half]
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def attention_token(h, attn_norm, moe_norm, eps, wqkv, bqkv, norm_mode, q_norm, k_norm, clip, cos, sin, pos,
+                    keys, values, window, sinks, wo, bo, heads, kv_heads, scratch, scores, x_out):
+    """One decode token's attention block, in place: h [H] += attention(rms_norm(h)), then x_out [H] =
+    rms_norm(h, moe_norm). wqkv [(heads + 2 kv_heads) D, H] with bias bqkv; q/k norms by norm_mode;
+    |q|, |k|, |v| clipped at clip when > 0; cos, sin [rot] the RoPE row of `pos`; keys, values
+    [kv_heads, S, D] (S > pos) receive this token's key and value at pos; a sliding window of `window`
+    positions when > 0; sinks [heads] (GPT-OSS) join each head's softmax denominator when given;
+    wo [H, heads D] with bias bo. Empty arrays stand for absent biases, norms and sinks.
+    scratch [2 H + (2 heads + 2 kv_heads) D], scores [S]: work space."""
+    H = h.shape[0]
+    D = keys.shape[2]
+    nq, nk = heads * D, kv_heads * D
+    xa = scratch[:H]
+    qkv = scratch[H:H + nq + 2 * nk]
+    o = scratch[H + nq + 2 * nk:H + 2 * nq + 2 * nk]
+    y = scratch[H + 2 * nq + 2 * nk:2 * H + 2 * nq + 2 * nk]
+    rms_norm(h, attn_norm, eps, xa)
+    gemv(wqkv, xa, bqkv, qkv)
+    q, k, v = qkv[:nq], qkv[nq:nq + nk], qkv[nq + nk:]
+    if norm_mode == NORM_FULL:
+        rms_norm(q, q_norm, eps, q)
+        rms_norm(k, k_norm, eps, k)
+    elif norm_mode == NORM_HEAD:
+        _norm_heads(q, q_norm, eps, heads, D)
+        _norm_heads(k, k_norm, eps, kv_heads, D)
+    if clip > 0:
+        for i in range(qkv.shape[0]):
+            qkv[i] = min(max(qkv[i], -clip), clip)
+    for hd in range(heads):
+        _rope(q[hd * D:(hd + 1) * D], cos, sin, D)
+    for hd in range(kv_heads):
+        _rope(k[hd * D:(hd + 1) * D], cos, sin, D)
+        for d in range(D):
+            keys[hd, pos, d] = k[hd * D + d]
+            values[hd, pos, d] = v[hd * D + d]
+    first = max(0, pos - window + 1) if window > 0 else 0
+    scale = np.float32(1.0) / np.sqrt(np.float32(D))
+    group = heads // kv_heads
+    for hd in range(heads):
+        kv = hd // group
+        qh = q[hd * D:(hd + 1) * D]
+        top = sinks[hd] if sinks.shape[0] > 0 else -np.inf
+        for j in range(first, pos + 1):
+            s = np.float32(0.0)
+            for d in range(D):
+                s += qh[d] * keys[kv, j, d]
+            scores[j] = s * scale
+            top = max(top, scores[j])
+        total = np.exp(sinks[hd] - top) if sinks.shape[0] > 0 else np.float32(0.0)
+        for j in range(first, pos + 1):
+            scores[j] = np.exp(scores[j] - top)
+            total += scores[j]
+        oh = o[hd * D:(hd + 1) * D]
+        for d in range(D):
+            oh[d] = 0.0
+        for j in range(first, pos + 1):
+            p = scores[j] / total
+            for d in range(D):
+                oh[d] += p * values[kv, j, d]
+    gemv(wo, o, bo, y)
+    for i in range(H):
+        h[i] += y[i]
+    rms_norm(h, moe_norm, eps, x_out)
+
+
+def scratch_size(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Elements of attention_token's scratch for a model's shape."""
+    return 2 * hidden + (2 * heads + 2 * kv_heads) * head_dim
