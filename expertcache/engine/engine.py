@@ -75,7 +75,8 @@ class Engine:
         self.checkpoint = ckpt
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype, config.store_format,
                                 config.read_mode, config.verify)
-        self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype), None, self.device,
+        vocab_16bit = self.device.type == "cpu"  # the compiled decode path reads them as they are stored
+        self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype, vocab_16bit), None, self.device,
                                  config.max_seq)
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
         if config.memory_budget is not None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..kernel.cache_state import N_LOG
-from ..kernel.dense_decode import gemv
+from ..kernel.dense_decode import EMPTY, gemv
 from ..kernel.routing import Router, Routing
 from ..models.args import ModelArgs
 from ..policies import MissPolicy
@@ -25,8 +25,6 @@ from .stats import RunStats
 
 if TYPE_CHECKING:  # predictors route with router_logits below
     from .predictors import Predictor
-
-NO_BIAS_1D = np.zeros(0, np.float32)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torch.Tensor:
@@ -41,7 +39,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, router: Router, layer: int) -> 
     """x [T, H], the router's weight [E, H] at MoE layer `layer` -> its Routing, on the host."""
     if x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32:
         logits = np.empty((1, weight.shape[0]), np.float32)  # decode: one compiled product, no torch op
-        gemv(weight.numpy(), x.numpy()[0], NO_BIAS_1D, logits[0])
+        gemv(weight.numpy(), x.numpy()[0], EMPTY, logits[0])
         return router.route(logits, layer)
     return router.route(router_logits(x, weight, router).cpu().numpy(), layer)
 

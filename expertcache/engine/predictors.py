@@ -66,7 +66,7 @@ class QuasiHidden(Predictor):
         if tuple(default_vectors.shape) != (a.num_moe_layers, a.num_experts, a.hidden_size):
             raise CheckpointError(f"default vectors of shape {tuple(default_vectors.shape)} do not fit the model; "
                                   "rerun `expertcache calibrate`")
-        self.default_vectors = default_vectors.to(model.device, model.embed.dtype)
+        self.default_vectors = default_vectors.to(model.device, model.dtype)
 
     def quasi_hidden(self, layer, resid, ids, weights) -> torch.Tensor:
         """q_l = Norm_{l+1}(r_l + sum_j g_j d_{l, e_j}) [T, H]."""

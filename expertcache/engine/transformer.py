@@ -14,6 +14,7 @@ from ..errors import BadInput
 from ..kernel import dense_decode
 from ..models.args import ModelArgs
 from .attention import apply_rope, attention_mask, rope_frequencies, rope_tables, sink_attention
+from .experts import kernel_view
 from .linear_attention import GatedDeltaNet
 from .mla import LatentAttention
 from .weights import router_of
@@ -53,7 +54,7 @@ class Transformer:
             self.layers.append(L)
         self.moe_layers = self.layers[a.first_dense_layers:]  # indexed as the cache and the kernel do
         self.router = router_of(a, weights)
-        dtype = self.embed.dtype
+        dtype = self.dtype = self.norm.dtype  # compute dtype; embed and lm_head may be stored in 16 bits
         # multi-head latent attention caches a latent per position (preallocated at max_seq), not keys and values
         self.latent = LatentAttention(a, max_seq, device, dtype) if a.attention == "mla" else None
         if self.latent is None:  # RoPE over the rotated part of each head (all of it unless partial)
@@ -68,9 +69,12 @@ class Transformer:
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.prefetch: PrefetchHook | None = None
-        # decode's compiled attention block (kernel/dense_decode.py): fp32 GQA layers on the CPU
-        self.compiled = device.type == "cpu" and dtype == torch.float32 and self.latent is None \
-            and not a.attention_gate
+        # decode's compiled logits and attention block (kernel/dense_decode.py): fp32 compute on the
+        # CPU; the attention block for GQA layers (not latent or gated attention)
+        self.compiled_logits = device.type == "cpu" and dtype == torch.float32
+        self.compiled = self.compiled_logits and self.latent is None and not a.attention_gate
+        if self.compiled_logits:
+            self.lm_head_np = kernel_view(self.lm_head)
         if self.compiled:
             self.token_args = {i: self._token_args(i, self.layers[i]) for i in self.kv_index}
             self.scratch = np.empty(dense_decode.scratch_size(a.hidden_size, a.num_heads, a.num_kv_heads,
@@ -215,7 +219,7 @@ class Transformer:
         if pos + T > self.max_seq:
             raise BadInput(f"sequence of {pos + T} tokens exceeds max_seq={self.max_seq}; raise --max-seq")
         self._reserve(pos + T)
-        h = self.embed[ids]  # a copy: the compiled attention block may update it in place
+        h = self.embed[ids].to(self.dtype)  # a copy: the compiled attention block may update it in place
         compiled = T == 1 and self.compiled
         for i, L in enumerate(self.layers):
             if compiled and i in self.kv_index:
@@ -225,7 +229,22 @@ class Transformer:
                 h = h + (self.linear[i](xa, pos) if i in self.linear else self._attention(i, L, xa, pos))
                 x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
             h = self._feed_forward(i, L, h, x)
-        return F.rms_norm(h, (a.hidden_size,), self.norm, a.rms_norm_eps) @ self.lm_head.t()
+        if T == 1 and self.compiled_logits:
+            return self._logits_token(h)
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [T, V] of the last residual stream h [T, H]: final norm, output matrix in the compute dtype."""
+        a = self.args
+        return F.rms_norm(h, (a.hidden_size,), self.norm, a.rms_norm_eps) @ self.lm_head.to(self.dtype).t()
+
+    def _logits_token(self, h: torch.Tensor) -> torch.Tensor:
+        """Decode's logits [1, V] of h [1, H] (final norm, output matrix as stored) in two compiled calls."""
+        x = np.empty(h.shape[1], np.float32)
+        logits = torch.empty((1, self.lm_head.shape[0]), dtype=torch.float32)
+        dense_decode.rms_norm(h.numpy()[0], self.norm.numpy(), np.float32(self.args.rms_norm_eps), x)
+        dense_decode.gemv(self.lm_head_np, x, dense_decode.EMPTY, logits.numpy()[0])
+        return logits
 
     def _feed_forward(self, i: int, L: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The residual stream h [T, H] after layer i's dense MLP or MoE block (routed and shared experts) on its
@@ -259,7 +278,7 @@ class Transformer:
             if pos >= k_cache.shape[2]:
                 raise BadInput(f"position {pos} is beyond its KV buffer of {k_cache.shape[2]} positions; "
                                "allocate the buffer for the whole sequence")
-        h = self.embed[ids]  # a copy: the compiled attention block updates its rows in place
+        h = self.embed[ids].to(self.dtype)  # a copy: the compiled attention block updates its rows in place
         for i, L in enumerate(self.layers):
             if self.compiled:
                 x = torch.cat([self._attention_token(i, h[b:b + 1], pos, kv[b]) for b, pos in enumerate(positions)])
@@ -271,4 +290,4 @@ class Transformer:
                 h = h + self._out(L, o, gate)
                 x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
             h = self._feed_forward(i, L, h, x)
-        return F.rms_norm(h, (a.hidden_size,), self.norm, a.rms_norm_eps) @ self.lm_head.t()
+        return self._logits(h)
