@@ -54,13 +54,16 @@ class LayerPlan:
 
 
 def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer: int, routing: Routing,
-                 token_base: int, compute: Callable[[int, int, np.ndarray, np.ndarray], None]) -> LayerPlan:
+                 token_base: int, compute: Callable[[int, int, np.ndarray, np.ndarray], None],
+                 started: Callable[[np.ndarray, np.ndarray], None] | None = None) -> LayerPlan:
     """Decide one layer's tokens in order (the compiled decision kernel, shared with the
     simulator) and carry out its actions: transfers, waits, and expert work that must run
     before a slot it uses is overwritten (`compute(begin, end, slots, gates)` for tokens
-    [begin, end)). The work of tokens [plan.owed_from, T) is left to the caller, which can
-    first start the next layer's prefetches. The kernel's counters stay in the cache state
-    until the caller absorbs them into `stats` (the engine does, once per forward)."""
+    [begin, end)). `started(experts, gates)` (the decided [T, k] arrays) runs as soon as the
+    layer's transfers are under way, before any wait: the next layer's prefetches then overlap
+    this layer's fetches as well as its compute. The work of tokens [plan.owed_from, T) is
+    left to the caller. The kernel's counters stay in the cache state until the caller absorbs
+    them into `stats` (the engine does, once per forward)."""
     T, k = routing.ids.shape
     slots_h = np.empty((T, k), dtype=np.int64)  # the kernel writes every entry
     exec_h = np.empty((T, k), dtype=np.int64)
@@ -68,8 +71,11 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
     if cache.pending:
         cache.poll()
     owed_from = cache.decide_routed(policy, layer, routing, token_base, slots_h, exec_h, gates_h)
+    begun = None if started is None else (lambda: started(exec_h, gates_h))
     if cache.state.misc[N_LOG]:
-        stats.stall_s += cache.carry_out(lambda begin, end: compute(begin, end, slots_h, gates_h))
+        stats.stall_s += cache.carry_out(lambda begin, end: compute(begin, end, slots_h, gates_h), begun)
+    elif begun is not None:
+        begun()
     return LayerPlan(slots_h, exec_h, gates_h, owed_from)
 
 
@@ -103,9 +109,10 @@ class MoELayerRunner:
 
     def _predict_next(self, layer: int, x: torch.Tensor, exec_ids: np.ndarray, gates: np.ndarray) -> None:
         a, cache = self.args, self.cache
-        dev = x.device
-        logits = self.predictor.logits(layer, self.resid, x, torch.from_numpy(exec_ids).to(dev),
-                                       torch.from_numpy(gates).to(dev))
+        ids, weights = torch.from_numpy(exec_ids), torch.from_numpy(gates)
+        if x.device.type != "cpu":
+            ids, weights = ids.to(x.device), weights.to(x.device)
+        logits = self.predictor.logits(layer, self.resid, x, ids, weights)
         assert logits.shape == (x.shape[0], a.num_experts), \
             f"{self.predictor.name} gave logits {tuple(logits.shape)}, expected [T, E] = {(x.shape[0], a.num_experts)}"
         self.predicted = self.router.route(logits.float().cpu().numpy(), layer + 1)
@@ -145,9 +152,15 @@ class MoELayerRunner:
             if end > begin:  # a decode token owes no work before its own decisions: nothing to flush
                 out[begin:end] = experts_out(begin, end, slots_h, gates_h)
 
-        plan = decide_layer(cache, self.policy, stats, layer, routing, self.token_base, compute)
-        if self.predictor is not None and layer + 1 < a.num_moe_layers:
-            self._predict_next(layer, x, plan.experts, plan.gates)  # this token's slots stay protected
+        ahead = self.predictor is not None and layer + 1 < a.num_moe_layers
+
+        def predict(experts: np.ndarray, gates: np.ndarray) -> None:  # this token's slots stay protected
+            self._predict_next(layer, x, experts, gates)
+        # decode: the next layer's prefetches start as soon as this layer's fetches are under way
+        plan = decide_layer(cache, self.policy, stats, layer, routing, self.token_base, compute,
+                            predict if ahead and T == 1 else None)
+        if ahead and T > 1:
+            predict(plan.experts, plan.gates)
         if T == 1 and self.compiled is not None and x.dtype == torch.float32:
             out = self.compiled(x, plan.slots[0], plan.gates[0])  # decode: nothing was computed early
         elif T == 1:
