@@ -246,26 +246,34 @@ class ExpertCache:
             raise self.too_small(layer)
         return self.carry_out()
 
-    def carry_out(self, compute=None) -> float:
+    def carry_out(self, compute=None, started=None) -> float:
         """Carry out the logged actions in order: start transfers, wait for them, run the
-        expert work owed before a slot is overwritten (`compute(begin, end)`). Returns the
-        seconds stalled. If an action raises, the cache is left consistent before the error
-        propagates: transfers not started or failed leave their experts absent and their slots
-        free, and no transfer is left in flight."""
+        expert work owed before a slot is overwritten (`compute(begin, end)`). `started()`, if
+        given, runs once the transfers logged before the first wait are under way (before that
+        wait), so that work it starts overlaps them. Returns the seconds stalled. If an action
+        raises, the cache is left consistent before the error propagates: transfers not started
+        or failed leave their experts absent and their slots free, and no transfer is left in flight."""
         rows, stall = self._take_log(), 0.0
         E = self.shape.num_experts
-        here = self._read_here(rows) if self.cfg.caller_reads else set()
+        # a lone fetch is read by the waiting thread, unless `started` has work to overlap with it
+        here = self._read_here(rows) if self.cfg.caller_reads and started is None else set()
         i = 0
         try:
             for i, (op, a, b, c) in enumerate(rows):
                 if op == kernel.LOAD:
                     self.pending[a] = self.transfers.submit(b // E, b % E, a, kernel.KINDS[c], i in here)
-                elif op == kernel.WAIT:
+                    continue
+                if started is not None:
+                    started, run = None, started
+                    run()
+                if op == kernel.WAIT:
                     stall += self.wait(a)
                 elif op == kernel.FLUSH:
                     compute(a, b)
                 else:
                     stall += self.finish_all()
+            if started is not None:
+                started()
         except BaseException:
             self._abandon(rows[i:])  # the failed action, and those the kernel decided after it
             raise

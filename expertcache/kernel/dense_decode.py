@@ -124,3 +124,17 @@ def attention_token(h, attn_norm, moe_norm, eps, wqkv, bqkv, norm_mode, q_norm, 
 def scratch_size(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
     """Elements of attention_token's scratch for a model's shape."""
     return 2 * hidden + (2 * heads + 2 * kv_heads) * head_dim
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def quasi_hidden_logits(resid, vectors, ids, gates, norm, eps, router, q, out):
+    """Next-layer router logits out [E] of one token's quasi-hidden state q [H] = rms_norm(resid [H] +
+    sum_j gates[j] vectors[ids[j]], norm): vectors [E, H] the layer's default vectors, router [E, H]."""
+    for h in range(resid.shape[0]):
+        q[h] = resid[h]
+    for j in range(ids.shape[0]):
+        g = gates[j]
+        for h in range(resid.shape[0]):
+            q[h] += g * vectors[ids[j], h]
+    rms_norm(q, norm, eps, q)
+    gemv(router, q, EMPTY, out)
