@@ -126,6 +126,17 @@ def test_quantized_slots_equal_dequantised_fp32_slots(tiny, tmp_path, family, dt
         q.set_policy("lowbit:tau=0.15")
 
 
+def test_batched_decode_over_quantized_slots(tiny, tmp_path):
+    """A decode batch runs its tokens through the quantized slots' compiled call, one per token: the
+    logits of one forward per sequence."""
+    from test_batching import check_batched_logits
+    e = Engine(tiny["gpt_oss"][0], EngineConfig(store="disk", store_dir=tmp_path, initial="cold", max_seq=64,
+                                                store_format=ExpertFormat.parse("int4", 16), slot_dtype="int4"))
+    check_batched_logits(e, [2, 6, 11], steps=3)
+    assert e.stats.sync_fetches > 0
+    e.close()
+
+
 def test_quantized_slots_refuse_another_store_format(tiny, tmp_path, capsys):
     """int8 slots copy int8 blobs: a store in another format, the ram store or a CUDA device is refused
     with the fix in one line."""
