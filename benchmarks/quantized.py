@@ -25,12 +25,17 @@ import torch
 
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.engine.experts import SWIGLU, CompiledSlots
 from expertcache.engine.generate import generate
 from expertcache.engine.perplexity import EVAL_TEXT, perplexity
-from expertcache.engine.experts import SWIGLU, CompiledSlots
 from expertcache.engine.quant import ExpertFormat, encode, encoded_bytes
 from expertcache.engine.quantized_slots import QuantizedSlots
-from expertcache.engine.stores import DiskStore, ExpertShape, convert_to_disk, format_store_dir
+from expertcache.engine.stores import (
+    DiskStore,
+    ExpertShape,
+    convert_to_disk,
+    format_store_dir,
+)
 from expertcache.lab.bench import FLOOR, BenchConfig, run_bench
 from expertcache.lab.study import paired_increase
 

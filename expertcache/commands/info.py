@@ -15,7 +15,13 @@ from ..engine.stores import ExpertShape
 from ..engine.weights import layer_experts
 from ..errors import BadInput, CheckpointError
 from ..models import model_args
-from .options import add_json_argument, add_model_argument, non_negative, positive_int, write_json
+from .options import (
+    add_json_argument,
+    add_model_argument,
+    non_negative,
+    positive_int,
+    write_json,
+)
 
 HELP = "describe a model: layers, experts, bytes, and how many experts fit in a budget"
 
@@ -116,7 +122,8 @@ def run(a) -> int:
         expert, per_weight = slot_bytes(ExpertShape.of(m), fmt), f"{fmt.tag} slots"
     total = expert * m.num_experts * m.num_moe_layers
     info = {"path": str(ckpt.path), **m.to_dict(), "expert_params": m.expert_params,
-            "expert_bytes": expert, "slot": per_weight, "all_experts_bytes": total, "checkpoint_bytes": ckpt.weight_bytes}
+            "expert_bytes": expert, "slot": per_weight, "all_experts_bytes": total,
+            "checkpoint_bytes": ckpt.weight_bytes}
     print(f"{m.family} at {ckpt.path}")
     print(f"  {m.num_layers} layers, {m.num_experts} experts per layer, top-{m.top_k}, hidden {m.hidden_size}, "
           f"expert width {m.expert_dim}")

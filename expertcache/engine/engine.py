@@ -11,7 +11,13 @@ from pathlib import Path
 
 import torch
 
-from ..errors import BadInput, CacheTooSmall, CheckpointError, NonFiniteOutput, UnknownName
+from ..errors import (
+    BadInput,
+    CacheTooSmall,
+    CheckpointError,
+    NonFiniteOutput,
+    UnknownName,
+)
 from ..models import model_args
 from ..policies import MissPolicy, make_policy
 from .cache import CacheConfig, ExpertCache, slot_bytes, slot_format

@@ -28,11 +28,26 @@ import crc32c
 import numpy as np
 import torch
 
-from ..errors import BadInput, CheckpointError, FetchError, ReadModeUnsupported, UnknownName
+from ..errors import (
+    BadInput,
+    CheckpointError,
+    FetchError,
+    ReadModeUnsupported,
+    UnknownName,
+)
 from ..kernel.decode_blob import NO_PART, decode_blob
 from ..models.args import ModelArgs
 from .checkpoint import Checkpoint
-from .quant import FLOAT_DTYPES, ExpertFormat, decode_into, decode_plan, encode, encoded_bytes, layout, roundtrip
+from .quant import (
+    FLOAT_DTYPES,
+    ExpertFormat,
+    decode_into,
+    decode_plan,
+    encode,
+    encoded_bytes,
+    layout,
+    roundtrip,
+)
 from .weights import all_layer_experts, layer_experts, stored_layer_parts
 
 ALIGN = 4096
