@@ -46,9 +46,10 @@ RULES = (
     "substitute-all",
 )
 PRESETS = ("quality-first", "speed-first", "threshold:tau=0.15", "first-choice")  # validated beside the winner
-# The quick profile measured when none is given: enough runs to separate dense, wait, fetch and admission costs.
+# The quick profile measured when none is given: enough runs to separate dense, wait, fetch, low-precision
+# fetch, admission and substitution costs (tune's candidates make no predictions).
 QUICK_RUNS = ((1.0, BASELINE), (0.125, BASELINE), (0.5, BASELINE), (0.25, "first-choice"), (0.25, "quality-first"),
-              (0.25, "substitute-all"))
+              (0.5, "threshold:tau=0.1,beta=1"), (0.25, "substitute-all"), (0.25, "lowbit:tau=0.15"))
 
 
 def search_space(rules=RULES, betas=BETAS, evictions=EVICTIONS) -> list[str]:
