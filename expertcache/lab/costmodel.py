@@ -105,11 +105,12 @@ class HardwareProfile:
         version = data.setdefault("version", 1)
         known = {f.name for f in fields(cls)}
         missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
-        if version not in (1, PROFILE_VERSION) or set(data) - known or missing:
-            what = (f"version {version}, this expertcache reads 1 and {PROFILE_VERSION}"
-                    if version not in (1, PROFILE_VERSION) else
-                    f"unknown fields {sorted(set(data) - known)}" if set(data) - known else f"no {missing}")
-            raise BadInput(f"{path}: hardware profile of {what}; measure it again with `expertcache calibrate-hw "
+        unknown = sorted(set(data) - known)
+        problem = (f"of version {version} (this expertcache reads 1 and {PROFILE_VERSION})"
+                   if version not in (1, PROFILE_VERSION) else f"with unknown fields {unknown}" if unknown
+                   else f"without {', '.join(missing)}" if missing else "")
+        if problem:
+            raise BadInput(f"{path}: hardware profile {problem}; measure it again with `expertcache calibrate-hw "
                            "--out FILE`")
         data["calibration"], data["unfitted"] = tuple(data.get("calibration", ())), tuple(data.get("unfitted", ()))
         return cls(**data)
