@@ -4,7 +4,9 @@ held-out text, in decode and teacher-forced.
 
 Calibration: the CALIBRATION runs (costmodel.py) timed on the start of the evaluation text
 (its first domain), fitted by non-negative least squares. Validation: the VALIDATION runs
-below, timed on a later domain of the evaluation text, interleaved like the calibration.
+below, timed on a later domain of the evaluation text. Calibration and validation runs are
+timed in one round-robin, repetition by repetition, so that a change of the machine's load
+hits both alike.
 Each validation run's time is estimated twice with the calibrated profile: from the engine's
 own counters in that run (tests the cost model alone), and from a replay of the same tokens'
 router-logit trace (what `simulate` and `tune` do; not for prefetch variants, which the
@@ -48,37 +50,44 @@ def held_out_ids(mode: str) -> list[int]:
     return calibration_ids(None, mode, TOKENS[mode], text)
 
 
-def replayed_ms(profile, ids: list[int], variant: str, fraction: float, mode: str, counts, d: Path) -> float:
-    """Estimated ms/token from a replay of the trace of `ids` (decode: the tokens after the prompt)."""
-    cache = CacheConfig(fraction=fraction)
+def record(ids: list[int], mode: str, d: Path) -> tuple:
+    """The traces a replay of `ids` needs: the teacher-forced windows, or (whole, prompt) in decode."""
     if mode == "forced":
-        trace = record_trace(BUILTIN_MODEL, ids, d / "forced.ectrace", CONTEXT, "float32")
-        return profile.ms_per_token(replay(trace, variant, cache, None, counts).stats)
-    whole = record_trace(BUILTIN_MODEL, ids, d / "whole.ectrace", len(ids), "float32")
-    head = record_trace(BUILTIN_MODEL, ids[:32], d / "head.ectrace", 32, "float32")
+        return (record_trace(BUILTIN_MODEL, ids, d / "forced.ectrace", CONTEXT, "float32"),)
+    return (record_trace(BUILTIN_MODEL, ids, d / "whole.ectrace", len(ids), "float32"),
+            record_trace(BUILTIN_MODEL, ids[:32], d / "head.ectrace", 32, "float32"))
+
+
+def replayed_ms(profile, traces: tuple, variant: str, fraction: float, counts) -> float:
+    """Estimated ms/token from a replay of `record`'s traces (decode: the tokens after the prompt)."""
+    cache = CacheConfig(fraction=fraction)
+    if len(traces) == 1:
+        return profile.ms_per_token(replay(traces[0], variant, cache, None, counts).stats)
+    whole, head = traces
     return profile.ms_per_token(difference(replay(whole, variant, cache, None, counts, window=1).stats,
                                            replay(head, variant, cache, None, counts, window=1).stats))
 
 
 def check(mode: str, repeats: int, bar) -> dict:
     progress = lambda label: (bar.set_postfix_str(f"{mode} {label}"), bar.update())  # noqa: E731
-    cal_ids = calibration_ids(None, mode, TOKENS[mode])
-    cal = time_runs(None, CALIBRATION, cal_ids, mode, repeats, context=CONTEXT, progress=progress)
+    cal_ids, ids = calibration_ids(None, mode, TOKENS[mode]), held_out_ids(mode)
+    timed = time_runs(None, CALIBRATION + VALIDATION, cal_ids, mode, repeats, context=CONTEXT, progress=progress,
+                      run_ids=[cal_ids] * len(CALIBRATION) + [ids] * len(VALIDATION))
+    cal, val = timed[:len(CALIBRATION)], timed[len(CALIBRATION):]
     ckpt = open_checkpoint(BUILTIN_MODEL)
     a = model_args(ckpt.config)
     store = open_store("disk", ckpt, a)
     profile = fit_profile(cal, store, a.num_moe_layers, a.top_k, mode, "disk")
     store.close()
-    ids = held_out_ids(mode)
-    val = time_runs(None, VALIDATION, ids, mode, repeats, context=CONTEXT, progress=progress)
     counts = load_routing_counts(BUILTIN_MODEL)
     rows = []
     with tempfile.TemporaryDirectory() as d:
+        traces = record(ids, mode, Path(d))
         for r in val:
             replayable = "+" not in r.variant
             rows.append({"cache": r.cache, "variant": r.variant, "measured_ms": 1000 * r.seconds,
                          "from_engine_counts_ms": profile.ms_per_token(r.stats),
-                         "from_replay_ms": replayed_ms(profile, ids, r.variant, r.cache, mode, counts, Path(d))
+                         "from_replay_ms": replayed_ms(profile, traces, r.variant, r.cache, counts)
                          if replayable else None})
     return {"profile": profile.__dict__, "calibration_tokens": len(cal_ids), "validation_tokens": len(ids),
             "calibration": list(profile.calibration), "validation": rows,

@@ -129,12 +129,13 @@ def test_bad_domains_are_one_line(user_text, tmp_path, domains, words, capsys):
 
 def test_per_layer_taus_follow_the_layers_scale():
     from expertcache.lab.tune import PER_LAYER_TAUS, TILTS, per_layer_specs
-    scale = np.array([1.0, 2.0, 4.0])
+    scale = np.array([1.0, 2.0, 3.0])  # z-scores -1.22, 0, 1.22
     specs = per_layer_specs(scale, evictions=("lru",), betas=(0.0,))
     assert len(specs) == len(PER_LAYER_TAUS) * len(TILTS)
     taus = [make_policy(s).taus for s in specs]
-    assert taus[0] == pytest.approx((0.1, 0.05, 0.025), rel=1e-2)  # tau 0.05, tilt -1: geometric mean 2
-    assert taus[1] == pytest.approx((0.025, 0.05, 0.1), rel=1e-2)
+    f = 2 ** 1.2247
+    assert taus[0] == pytest.approx((0.05 * f, 0.05, 0.05 / f), rel=1e-2)  # tau 0.05, tilt -1
+    assert taus[1] == pytest.approx((0.05 / f, 0.05, 0.05 * f), rel=1e-2)
     for spec in specs:
         make_policy(spec).bind(3, 8)  # one tau per layer
 

@@ -210,11 +210,13 @@ class TimedRun:
 
 def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", repeats: int = 5,
               store: str = "disk", device: str = "cpu", store_dir: Path | None = None, prompt: int = 32,
-              context: int = 256, progress: Callable[[str], None] | None = None) -> list[TimedRun]:
-    """Time each (cache fraction, variant) of `runs` on the engine over the same tokens, repetitions
-    interleaved round-robin after a warm-up (so drift hits all alike). decode: `prompt` tokens in one
-    forward, then every later token of `ids` alone (one token per forward), timed; forced: `ids`
-    teacher-forced in windows of `context`. `progress(label)` after each run."""
+              context: int = 256, progress: Callable[[str], None] | None = None,
+              run_ids: list[list[int]] | None = None) -> list[TimedRun]:
+    """Time each (cache fraction, variant) of `runs` on the engine over the same tokens (or over
+    `run_ids[i]` for run i), repetitions interleaved round-robin after a warm-up (so drift hits all
+    alike). decode: `prompt` tokens in one forward, then every later token alone (one token per
+    forward), timed; forced: the tokens teacher-forced in windows of `context`. `progress(label)`
+    after each run."""
     import time
 
     import torch
@@ -233,7 +235,7 @@ def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", re
         engines.append(Engine(model, EngineConfig(device=device, store=store, cache=CacheConfig(fraction=fraction),
                                                   policy=policy, prefetch=prefetch, store_dir=store_dir)))
 
-    def run(eng: Engine) -> tuple[float, RunStats]:
+    def run(eng: Engine, ids: list[int]) -> tuple[float, RunStats]:
         eng.reset()
         if mode == "decode":
             eng.forward(torch.tensor(ids[:prompt]), 0)
@@ -251,7 +253,7 @@ def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", re
     samples = [[] for _ in engines]
     for rep in range(repeats + 1):  # repetition 0 warms up
         for i, eng in enumerate(engines):
-            sample = run(eng)
+            sample = run(eng, run_ids[i] if run_ids is not None else ids)
             if rep:
                 samples[i].append(sample)
             if progress:

@@ -45,9 +45,10 @@ RULES = (
     *(f"conditional:j={j},m=16" for j in (2, 4, 6)),  # cache-conditional routing
     "substitute-all",
 )
-# Per-layer tau: a small family, not a free search over layers. tau_l = tau * (h_l / mean h)^tilt,
-# h_l the layer's mean router entropy on the calibration trace: tilt 1 fetches less where the
-# router is flat (its misses' weights are small anyway), tilt -1 the reverse.
+# Per-layer tau: a small family, not a free search over layers. tau_l = tau * 2^(tilt * z_l), z_l
+# the layer's mean router entropy on the calibration trace as a z-score over layers (the layers'
+# entropies differ by a few percent: their ratio would leave tau nearly flat): tilt 1 fetches
+# less where the router is flattest (its misses' weights are small anyway), tilt -1 the reverse.
 PER_LAYER_TAUS = (0.05, 0.07, 0.1, 0.15)
 TILTS = (-1.0, 1.0)
 PER_LAYER_BETAS = (0.0, 0.5)
@@ -90,12 +91,14 @@ def layer_entropy(trace, chunk: int = 1024) -> np.ndarray:
 
 def per_layer_specs(scale: np.ndarray, taus=PER_LAYER_TAUS, tilts=TILTS, betas=PER_LAYER_BETAS,
                     evictions=EVICTIONS) -> list[str]:
-    """Threshold specs with one tau per layer: tau * (scale / its geometric mean)^tilt, within
-    [0, 1] and to 3 significant digits, each with each admission beta and eviction order."""
-    rel = np.asarray(scale, float) / np.exp(np.log(np.maximum(scale, 1e-12)).mean())
-    rules = [f"threshold:tau={'/'.join(f'{v:.3g}' for v in np.clip(t * rel ** tilt, 0, 1))}"
+    """Threshold specs with one tau per layer: tau * 2^(tilt * z), z the z-score of `scale` over
+    the layers (0 where it is flat), within [0, 1] and to 3 significant digits, each with each
+    admission beta and eviction order."""
+    scale = np.asarray(scale, float)
+    z = (scale - scale.mean()) / scale.std() if scale.std() > 0 else np.zeros_like(scale)
+    rules = [f"threshold:tau={'/'.join(f'{v:.3g}' for v in np.clip(t * 2.0 ** (tilt * z), 0, 1))}"
              for t in taus for tilt in tilts]
-    return search_space(rules, betas, evictions)
+    return search_space(list(dict.fromkeys(rules)), betas, evictions)
 
 
 @dataclass(frozen=True)
