@@ -4,7 +4,12 @@ Each variant runs in its own process (so peak memory is its own), decodes the sa
 tokens after the same prompt, warms up, repeats, and reports the median time per decoded
 token; ratios are computed within this one run.
 
-    python benchmarks/decode.py [--model DIR] [--gguf FILE] [--tokens 64] [--trials 5] [--json OUT]
+    python benchmarks/decode.py [--model DIR] [--gguf FILE ...] [--llama-threads 1 2] [--tokens 64]
+        [--prompt-tokens 256] [--trials 5] [--json OUT]
+
+Besides decoding, each variant that can evaluates a prompt of --prompt-tokens tokens of the
+evaluation text in one call (the engine: one teacher-forced window; llama.cpp: `eval`), reported
+as prompt ms/token.
 """
 from __future__ import annotations
 
@@ -20,6 +25,15 @@ import time
 from pathlib import Path
 
 PROMPT = "KING HENRY.\nNow, lords, for France; the enterprise whereof\nShall be to you, as us, like glorious."
+
+
+def window_ids(a) -> list[int]:
+    """--prompt-tokens token ids of the evaluation text, by the checkpoint's tokenizer (every variant gets the same)."""
+    from tokenizers import Tokenizer
+
+    from expertcache.engine.perplexity import EVAL_TEXT
+    tok = Tokenizer.from_file(str(Path(a.model) / "tokenizer.json"))
+    return tok.encode(EVAL_TEXT.read_text(encoding="utf-8")[:20000]).ids[:a.prompt_tokens]
 
 
 def rss_peak() -> int:
@@ -48,8 +62,16 @@ def run_engine(a, store: str, fraction: float) -> dict:
             out.append(tok)
         if trial:
             times.append((time.perf_counter() - start) / a.tokens)
+    window, prompt_times = torch.tensor(window_ids(a)), []
+    for trial in range(a.trials + 1):
+        engine.reset()
+        start = time.perf_counter()
+        engine.forward(window, 0)
+        if trial:
+            prompt_times.append((time.perf_counter() - start) / len(window))
     s = engine.stats
     return {"ms_per_token": 1000 * statistics.median(times), "trials_ms": [1000 * t for t in times],
+            "prompt_ms_per_token": 1000 * statistics.median(prompt_times),
             "fetches_per_decode_token": (s.sync_fetches - fetches0) / a.tokens,
             "stall_ms_per_token": 1000 * (s.stall_s - stall0) / a.tokens,
             "hit_rate": s.hit_rate, "peak_rss": rss_peak(), "rss_before_load": base, "greedy": out,
@@ -81,7 +103,8 @@ def run_llama(a) -> dict:
     import numpy as np
     from llama_cpp import Llama
     base = rss_peak()
-    llm = Llama(model_path=str(a.gguf), n_ctx=512, n_threads=os.cpu_count(), verbose=False)
+    llm = Llama(model_path=str(a.gguf[0]), n_ctx=512, n_threads=a.llama_threads[0], n_threads_batch=a.llama_threads[0],
+                n_batch=512, verbose=False)
     vocab = llm.n_vocab()
     prompt = llm.tokenize(PROMPT.encode(), add_bos=False)
     times = []
@@ -97,7 +120,15 @@ def run_llama(a) -> dict:
             llm.eval([tok])
         if trial:
             times.append((time.perf_counter() - start) / a.tokens)
+    window, prompt_times = window_ids(a), []
+    for trial in range(a.trials + 1):
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(window)
+        if trial:
+            prompt_times.append((time.perf_counter() - start) / len(window))
     return {"ms_per_token": 1000 * statistics.median(times), "trials_ms": [1000 * t for t in times],
+            "prompt_ms_per_token": 1000 * statistics.median(prompt_times),
             "peak_rss": rss_peak(), "rss_before_load": base, "greedy": out}
 
 
@@ -140,8 +171,12 @@ def main() -> None:
     from expertcache.engine.engine import BUILTIN_MODEL
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(BUILTIN_MODEL))
-    p.add_argument("--gguf", type=Path, default=None, help="the same model as GGUF for llama.cpp")
+    p.add_argument("--gguf", type=Path, nargs="+", default=[], help="the same model as GGUF for llama.cpp "
+                   "(one variant per file, e.g. f32 and f16)")
+    p.add_argument("--llama-threads", type=int, nargs="+", default=[os.cpu_count()],
+                   help="llama.cpp's threads (one variant per count)")
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # child process
@@ -150,11 +185,13 @@ def main() -> None:
         print(json.dumps(VARIANTS[a.variant](a)))
         return
     results = {}
-    for name in VARIANTS:
-        if name == "llama.cpp" and a.gguf is None:
-            continue
-        cmd = [sys.executable, __file__, "--variant", name, "--model", a.model, "--tokens", str(a.tokens),
-               "--trials", str(a.trials)] + (["--gguf", str(a.gguf)] if a.gguf else [])
+    runs = [(name, []) for name in VARIANTS if name != "llama.cpp"]
+    runs[-1:-1] = [(f"llama.cpp {g.stem} {n} thread{'s' * (n > 1)}", ["--gguf", str(g), "--llama-threads", str(n)])
+                   for g in a.gguf for n in a.llama_threads]  # before the fetch-latency probe
+    for name, extra in runs:
+        variant = "llama.cpp" if name.startswith("llama.cpp") else name
+        cmd = [sys.executable, __file__, "--variant", variant, "--model", a.model, "--tokens", str(a.tokens),
+               "--prompt-tokens", str(a.prompt_tokens), "--trials", str(a.trials)] + extra
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             print(f"{name}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
@@ -165,13 +202,17 @@ def main() -> None:
     print(f"decode {a.tokens} tokens after a {len(PROMPT)}-char prompt, median of {a.trials} trials, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores\n")
     ref = results.get("engine ram 100%", {}).get("greedy", [])
-    print("| variant | ms/token | vs engine ram 100% | peak RSS MiB | greedy tokens equal to the engine's |")
-    print("|---|---:|---:|---:|---:|")
+    prompt_floor = results.get("engine ram 100%", {}).get("prompt_ms_per_token")
+    print("| variant | decode ms/token | vs engine ram 100% | prompt ms/token | vs engine ram 100% | peak RSS MiB "
+          "| greedy tokens equal to the engine's |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         if "ms_per_token" in r:
             n = min(len(ref), len(r["greedy"]))
             same = sum(x == y for x, y in zip(ref, r["greedy"]))
-            print(f"| {name} | {r['ms_per_token']:.2f} | {r['ms_per_token'] / floor:.2f}x | "
+            prompt = r.get("prompt_ms_per_token")
+            prompt_cells = f"{prompt:.3f} | {prompt / prompt_floor:.2f}x" if prompt and prompt_floor else "- | -"
+            print(f"| {name} | {r['ms_per_token']:.2f} | {r['ms_per_token'] / floor:.2f}x | {prompt_cells} | "
                   f"{r['peak_rss'] / 2**20:.0f} | {same}/{n} |")
     if "fetch latency" in results:
         f = results["fetch latency"]

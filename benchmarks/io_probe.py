@@ -1,14 +1,16 @@
 """The disk's raw O_DIRECT read rate for expert-sized blocks (like fio's randread), against
-the engine's own fetch path (DiskStore.read_into: O_DIRECT read into a per-thread buffer,
-then an fp16 -> fp32 copy into the slot), at the queue depths the engine uses.
+the engine's own fetch path (DiskStore.read_into: O_DIRECT read into a per-thread buffer, the
+CRC32C check, then one compiled pass decoding the blob into the fp32 slot), at the queue
+depths the engine uses, for each store format.
 
-    python benchmarks/io_probe.py [--model DIR] [--reads 512] [--depths 1 2 4 8] [--repeats 3]
+    python benchmarks/io_probe.py [--model DIR] [--formats fp16 int8 int4] [--reads 512]
+                                  [--depths 1 2 4 8] [--repeats 3]
 
-Raw: `depth` threads each read random blocks of the disk store's file (one expert each,
+Raw: `depth` threads each read random blocks of the format's store file (one expert each,
 aligned) into their own page-aligned buffer, `reads` in all; the store: the same with
 read_into into real slots. Per read: latency (submit to completion within its thread) and
-CPU time (time.thread_time: the syscall's kernel time and, for the store, the copy). Round
-robin across variants, `repeats` times; medians.
+CPU time (time.thread_time: the syscall's kernel time and, for the store, the check and the
+decode). Round robin across variants, `repeats` times; medians.
 """
 from __future__ import annotations
 
@@ -55,50 +57,59 @@ def run_reads(depth: int, blocks: np.ndarray, read) -> dict:
 def main() -> None:
     from expertcache.engine.checkpoint import open_checkpoint
     from expertcache.engine.engine import BUILTIN_MODEL
+    from expertcache.engine.quant import ExpertFormat
     from expertcache.engine.stores import open_store
     from expertcache.models import model_args
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=BUILTIN_MODEL)
+    p.add_argument("--formats", nargs="+", default=["fp16", "int8", "int4"], help="store formats (quant.DTYPES)")
     p.add_argument("--reads", type=int, default=512)
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
-    args = model_args(open_checkpoint(a.model).config)
-    store = open_store("disk", open_checkpoint(a.model), args)
-    n_blocks, blob = store.shape.num_layers * store.shape.num_experts, store.blob
+    ckpt = open_checkpoint(a.model)
+    args = model_args(ckpt.config)
+    stores = {f: open_store("disk", ckpt, args, fmt=ExpertFormat.parse(f)) for f in a.formats}
     local = threading.local()
 
-    def raw(block: int) -> int:
-        if not hasattr(local, "buf"):
-            local.buf = mmap.mmap(-1, blob)  # page-aligned, as O_DIRECT needs
-        return os.preadv(store.fd, [local.buf], block * blob)
+    def reader(store, raw: bool):
+        n_experts = store.shape.num_experts
+        slots = torch.zeros((max(a.depths), *store.shape.w13)), torch.zeros((max(a.depths), *store.shape.w2))
 
-    slots = torch.zeros((max(a.depths), *store.shape.w13)), torch.zeros((max(a.depths), *store.shape.w2))
+        def read(block: int) -> int:
+            if raw:
+                if getattr(local, "buf", None) is None or len(local.buf) != store.blob:
+                    local.buf = mmap.mmap(-1, store.blob)  # page-aligned, as O_DIRECT needs
+                return os.preadv(store.fd, [local.buf], block * store.blob)
+            s = slot_of.setdefault(threading.get_ident(), len(slot_of))
+            layer, expert = divmod(block, n_experts)
+            return store.read_into(layer, expert, slots[0][s], slots[1][s])
+        return read
+
     slot_of = {}  # thread -> its own slot, as the engine's transfers write distinct slots
-
-    def via_store(block: int) -> int:
-        s = slot_of.setdefault(threading.get_ident(), len(slot_of))
-        layer, expert = divmod(block, store.shape.num_experts)
-        return store.read_into(layer, expert, slots[0][s], slots[1][s])
-
+    variants = [(f"{path} {f}", store, reader(store, path == "raw O_DIRECT"))
+                for f, store in stores.items() for path in ("raw O_DIRECT", "store.read_into")]
     rng = np.random.default_rng(0)
     results = {}
     for rep in range(a.repeats + 1):  # repetition 0 warms up
         for depth in a.depths:
-            for name, read in (("raw O_DIRECT", raw), ("store.read_into", via_store)):
+            for name, store, read in variants:
                 slot_of.clear()
+                n_blocks = store.shape.num_layers * store.shape.num_experts
                 r = run_reads(depth, rng.integers(0, n_blocks, a.reads), read)
                 if rep:
-                    results.setdefault((name, depth), []).append(r)
-    print(f"blocks of {blob} bytes ({store.dtype}), {n_blocks} blocks in the store file, "
-          f"{a.reads} random reads per run, median of {a.repeats} interleaved runs\n")
-    print("| path | queue depth | MB/s | median latency us | p90 latency us | CPU us per read |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for (name, depth), rs in results.items():
+                    results.setdefault((name, depth), (store, []))[1].append(r)
+    print(f"{a.reads} random reads per run, median of {a.repeats} interleaved runs; blob bytes: "
+          + ", ".join(f"{f} {s.blob}" for f, s in stores.items()) + "\n")
+    print("| path | queue depth | MB/s | experts/s | median latency us | p90 latency us | CPU us per read |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for (name, depth), (store, rs) in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0].split()[-1])):
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        print(f"| {name} | {depth} | {blob * med['reads'] / med['wall_s'] / 1e6:.0f} | "
-              f"{med['median_latency_us']:.0f} | {med['p90_latency_us']:.0f} | {med['cpu_us_per_read']:.0f} |")
-    store.close()
+        rate = med["reads"] / med["wall_s"]
+        print(f"| {name} | {depth} | {store.blob * rate / 1e6:.0f} | {rate:.0f} | {med['median_latency_us']:.0f} | "
+              f"{med['p90_latency_us']:.0f} | {med['cpu_us_per_read']:.0f} |")
+    for store in stores.values():
+        store.close()
 
 
 if __name__ == "__main__":

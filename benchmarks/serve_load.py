@@ -4,7 +4,7 @@ last one ends), for each schedule. Reports throughput and p50/p99 latency and ti
 token. Bounded: --requests per level and --duration seconds at most per level.
 
     PYTHONPATH=. python benchmarks/serve_load.py [--clients 1,4,16] [--requests 32] [--max-tokens 32]
-        [--schedules interleave,serial] [--duration 300] [-- extra serve options]
+        [--schedules batch,interleave,serial] [--duration 300] [-- extra serve options]
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def main() -> None:
     p.add_argument("--clients", default="1,4,16")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--schedules", default="interleave,serial")
+    p.add_argument("--schedules", default="batch,interleave,serial")
     p.add_argument("--duration", type=float, default=300, help="seconds at most per level")
     p.add_argument("extra", nargs="*", help="serve options after --")
     a = p.parse_args()

@@ -91,3 +91,15 @@ def test_trace_and_simulate_verbs(capsys, tmp_path):
     capsys.readouterr()
     assert cli.main(["simulate", str(tmp_path / "f.png")]) == 2
     assert "not an expertcache trace" in capsys.readouterr().err
+
+
+def test_trained_tokenizer_keeps_the_chat_template(tmp_path):
+    """`train` rewrites tokenizer_config.json: the rebuilt model must keep the shipped chat template."""
+    from expertcache.train.corpus import EOT
+    from expertcache.train.tokenizer import train_tokenizer
+    text = tmp_path / "train.txt"
+    text.write_text(f"KING HENRY.\nNow, lords, for France.{EOT}EXETER.\nMy lord.{EOT}", encoding="utf-8")
+    train_tokenizer(text, tmp_path / "model", vocab_size=300)
+    written = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
+    shipped = json.loads((BUILTIN_MODEL / "tokenizer_config.json").read_text())
+    assert written["chat_template"] == shipped["chat_template"]

@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from expertcache import cli
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.checkpoint import ROUTING_COUNTS, open_checkpoint
 from expertcache.engine.engine import Engine, EngineConfig
-from expertcache.engine.stores import RamStore, convert_to_disk
+from expertcache.engine.stores import DiskStore, RamStore, convert_to_disk
 from expertcache.errors import FetchError, NonFiniteOutput
 from expertcache.models import model_args
 
@@ -166,3 +167,36 @@ def test_fetch_all_after_a_fault_matches_the_exact_baseline(model, monkeypatch):
     exact = Engine(path, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
     torch.testing.assert_close(engine.forward(ids, 0), exact.forward(ids, 0))
     engine.close()
+
+
+def test_the_calling_thread_reads_a_tokens_only_fetch(model, monkeypatch):
+    """With caller reads, a layer's only miss of a decode step is read by the waiting thread and
+    several misses by the workers; the logits equal those of reads all on the workers."""
+    path, store = model
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(1))
+    reads: dict[tuple[int, int], list[bool]] = {}  # (step, layer) -> read in the calling thread?
+    step = 0
+    read_into = DiskStore.read_into
+
+    def recorded(self, layer, *a):
+        reads.setdefault((step, layer), []).append(threading.current_thread() is threading.main_thread())
+        return read_into(self, layer, *a)
+
+    logits = []
+    for caller_reads in (True, False):
+        cfg = EngineConfig(store="disk", store_dir=store, initial="cold",
+                           cache=CacheConfig(fraction=0.5, caller_reads=caller_reads))
+        engine = Engine(path, cfg)  # cold: the first steps miss several experts per layer
+        monkeypatch.setattr(DiskStore, "read_into", recorded)
+        reads.clear()
+        out = []
+        for step in range(12):
+            out.append(engine.forward(ids[step:step + 1], step))
+        monkeypatch.setattr(DiskStore, "read_into", read_into)
+        sizes = {len(r) for r in reads.values()}
+        assert 1 in sizes and max(sizes) > 1  # both cases happened
+        for here in reads.values():
+            assert here == [caller_reads and len(here) == 1] * len(here)
+        logits.append(torch.cat(out))
+        engine.close()
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)

@@ -104,3 +104,18 @@ def test_estimator_learns_a_sigmoid_routers_scores(tiny, tmp_path):
     predicted, true = (model.router.route(r.numpy(), 1) for r in (pred, states.logits[1]))
     assert abs(predicted.scores - true.scores).mean() < 0.03
     assert recall_per_layer(est, states, model.args.top_k)[0] > 0.9
+
+
+def test_compiled_quasi_hidden_equals_torch():
+    """Decode's compiled quasi-hidden prediction gives the logits of the PyTorch formula."""
+    from expertcache.engine.predictors import QuasiHidden, make_predictor
+    engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
+    p = make_predictor("quasi-hidden", engine.model, engine.path)
+    assert isinstance(p, QuasiHidden)
+    g = torch.Generator().manual_seed(0)
+    resid = torch.randn(1, engine.args.hidden_size, generator=g)
+    ids = torch.randperm(engine.args.num_experts, generator=g)[:engine.args.top_k][None]
+    gates = torch.softmax(torch.randn(1, engine.args.top_k, generator=g), -1)
+    compiled = p.logits(2, resid, None, ids, gates)
+    reference = p._router_logits(2, p.quasi_hidden(2, resid, ids, gates))
+    torch.testing.assert_close(compiled, reference, atol=1e-5, rtol=1e-5)

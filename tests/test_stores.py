@@ -6,13 +6,23 @@ import json
 import os
 
 import crc32c
+import numpy as np
 import pytest
 import torch
 
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.checkpoint import open_checkpoint
 from expertcache.engine.engine import Engine, EngineConfig
-from expertcache.engine.quant import FLOAT_DTYPES, ExpertFormat, encoded_bytes, error_bound, roundtrip
+from expertcache.engine.quant import (
+    FLOAT_DTYPES,
+    ExpertFormat,
+    decode_into,
+    decode_plan,
+    encode,
+    encoded_bytes,
+    error_bound,
+    roundtrip,
+)
 from expertcache.engine.stores import (
     DISK_FORMAT_VERSION,
     DiskStore,
@@ -23,7 +33,13 @@ from expertcache.engine.stores import (
     open_store,
     store_format,
 )
-from expertcache.errors import CheckpointError, FetchError, ReadModeUnsupported, UnknownName
+from expertcache.errors import (
+    CheckpointError,
+    FetchError,
+    ReadModeUnsupported,
+    UnknownName,
+)
+from expertcache.kernel.decode_blob import NO_PART, decode_blob
 from expertcache.models import model_args
 
 
@@ -191,6 +207,36 @@ def test_int4_error_is_within_a_half_step_and_not_zero():
     err = (roundtrip(w, fmt) - w).abs()
     assert err.max() > 0.01 and (err <= error_bound(w, fmt)).all()
     assert (err > error_bound(w, ExpertFormat.parse("int8", 32))).any()
+
+
+@pytest.mark.parametrize("dtype,group,scheme", [("fp16", 0, ""), ("bf16", 0, ""), ("fp32", 0, ""),
+                                                ("int8", 4, "asym"), ("int8", 6, "sym"), ("int4", 4, "asym"),
+                                                ("int4", 8, "sym"), ("mxfp4", 0, "")])
+def test_compiled_decoder_equals_the_torch_reference(dtype, group, scheme):
+    """kernel.decode_blob writes bit for bit what quant.decode_into writes, for every format: parts
+    with biases and odd input counts (padded groups), fp16 specials (signed zeros, subnormals, inf,
+    values past fp16's range), symmetric and asymmetric codes."""
+    torch.manual_seed(0)
+    parts = [(10, 37), (37, 5), (10,), (37,)]
+    tensors = [torch.randn(p) * 0.05 for p in parts]
+    tensors[0].view(-1)[:8] = torch.tensor([0.0, -0.0, 1e-7, -3e-6, 7e4, -1e5, float("inf"), 2.0 ** -20])
+    tensors[1][3] = 0.0  # all-zero groups: a zero scale
+    fmt = ExpertFormat.parse(dtype, group, scheme or "asym")
+    if fmt.quantized:
+        tensors[0].view(-1)[6] = 1.0  # no inf in a group's range
+    if fmt.mx:
+        tensors[1][:, :5] *= 2.0 ** -130  # blocks whose scale is subnormal or tiny
+    blob = (encoded_bytes(parts, fmt) + 4095) // 4096 * 4096
+    buf = np.frombuffer(encode(tensors, parts, fmt, blob), np.uint8).copy()
+    want = [torch.empty(p) for p in parts]
+    decode_into(torch.from_numpy(buf), parts, fmt, want)
+    got = [torch.full(p, float("nan")) for p in parts]
+    decode_blob(buf, decode_plan(parts, fmt), *[t.view(-1).numpy() for t in got])
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.int32), w.view(torch.int32))
+    two = [torch.full(p, float("nan")) for p in parts[:2]]  # a family without biases: a plan of two parts
+    decode_blob(buf, decode_plan(parts[:2], fmt), *[t.view(-1).numpy() for t in two], NO_PART, NO_PART)
+    assert all(torch.equal(g, w) for g, w in zip(two, want))
 
 
 @pytest.mark.parametrize("change", [{"dtype": "int3"}, {"group_size": 0}, {"group_size": "64"},

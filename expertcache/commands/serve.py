@@ -17,9 +17,10 @@ def add_arguments(p):
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
-    p.add_argument("--schedule", default="interleave",
-                   help="interleave: decode steps of active requests take turns; serial: one request at a time")
-    p.add_argument("--max-active", type=int, default=16, help="requests decoding at once under interleave")
+    p.add_argument("--schedule", default="batch",
+                   help="batch: the decode steps of active requests run as one batched forward; interleave: they "
+                        "take turns, one forward each; serial: one request at a time")
+    p.add_argument("--max-active", type=int, default=16, help="requests decoding at once under batch or interleave")
     p.add_argument("--prefill-policy", default="same",
                    help="miss policy for prompt tokens ('same': the decode policy); e.g. substitute-all keeps "
                         "a long prompt from flushing the experts decoding uses")

@@ -31,6 +31,7 @@ class CacheConfig:
     quota: str = "layer"  # "layer": each layer owns its slots; "global": any layer may take any slot
     eviction: str = "lru"  # the engine overrides it with EngineConfig.eviction or the policy's choice
     io_workers: int = 4
+    caller_reads: bool = True  # a token's only synchronous fetch of a layer is read by the waiting thread
 
 
 def slots_per_layer(cfg: CacheConfig, shape: ExpertShape, fast_expert_bytes: int, top_k: int) -> int:
@@ -190,29 +191,53 @@ class ExpertCache:
             raise self.too_small(layer)
         return self.carry_out()
 
-    def carry_out(self, compute=None) -> float:
+    def carry_out(self, compute=None, started=None) -> float:
         """Carry out the logged actions in order: start transfers, wait for them, run the
-        expert work owed before a slot is overwritten (`compute(begin, end)`). Returns the
-        seconds stalled. If an action raises, the cache is left consistent before the error
-        propagates: transfers not started or failed leave their experts absent and their slots
-        free, and no transfer is left in flight."""
+        expert work owed before a slot is overwritten (`compute(begin, end)`). `started()`, if
+        given, runs once the transfers logged before the first wait are under way (before that
+        wait), so that work it starts overlaps them. Returns the seconds stalled. If an action
+        raises, the cache is left consistent before the error propagates: transfers not started
+        or failed leave their experts absent and their slots free, and no transfer is left in flight."""
         rows, stall = self._take_log(), 0.0
         E = self.shape.num_experts
+        # a lone fetch is read by the waiting thread, unless `started` has work to overlap with it
+        here = self._read_here(rows) if self.cfg.caller_reads and started is None else set()
         i = 0
         try:
             for i, (op, a, b, c) in enumerate(rows):
                 if op == kernel.LOAD:
-                    self.pending[a] = self.transfers.submit(b // E, b % E, a, kernel.KINDS[c])
-                elif op == kernel.WAIT:
+                    self.pending[a] = self.transfers.submit(b // E, b % E, a, kernel.KINDS[c], i in here)
+                    continue
+                if started is not None:
+                    started, run = None, started
+                    run()
+                if op == kernel.WAIT:
                     stall += self.wait(a)
                 elif op == kernel.FLUSH:
                     compute(a, b)
                 else:
                     stall += self.finish_all()
+            if started is not None:
+                started()
         except BaseException:
             self._abandon(rows[i:])  # the failed action, and those the kernel decided after it
             raise
         return stall
+
+    @staticmethod
+    def _read_here(rows: list[list[int]]) -> set[int]:
+        """The rows of the synchronous fetches that are their token's only one: the calling thread
+        would hand the read to a worker and wait, so it reads it itself (the kernel logs a token's
+        loads before its waits)."""
+        here, last, n = set(), -1, 0
+        for i, (op, _, _, c) in enumerate(rows):
+            if op == kernel.LOAD and c in (kernel.FETCH, kernel.LOWBIT):
+                last, n = i, n + 1
+            elif op == kernel.WAIT and n:
+                if n == 1:
+                    here.add(last)
+                n = 0
+        return here
 
     def _take_log(self) -> list[list[int]]:
         """The logged actions (op, a, b, c), removed from the log."""

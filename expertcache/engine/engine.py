@@ -75,7 +75,8 @@ class Engine:
         self.checkpoint = ckpt
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, dtype, config.store_format,
                                 config.read_mode, config.verify)
-        self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype), None, self.device,
+        vocab_16bit = self.device.type == "cpu"  # the compiled decode path reads them as they are stored
+        self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype, vocab_16bit), None, self.device,
                                  config.max_seq)
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
         if config.memory_budget is not None:
@@ -171,23 +172,43 @@ class Engine:
     def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
         """ids [T] -> logits [T, V] (fp32), counting tokens and wall time. Raises NonFiniteOutput
         rather than return a NaN or infinite logit."""
+        logits = self._timed(lambda: self.model.forward(ids.to(self.device), pos), ids.shape[0])
+        self._check_finite(logits, lambda t: f"at position {pos + t}")
+        return logits
+
+    def forward_batch(self, ids: torch.Tensor, positions: list[int],
+                      kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Decode B sequences one token each (Transformer.forward_batch): ids [B] at `positions`, keys and
+        values in kv[b] -> logits [B, V] (fp32); the B tokens count as B decode tokens."""
+        self.runner.decoding = True
+        try:
+            logits = self._timed(lambda: self.model.forward_batch(ids.to(self.device), positions, kv), ids.shape[0])
+        finally:
+            self.runner.decoding = False
+        self._check_finite(logits, lambda b: f"in sequence {b} of the batch (position {positions[b]})")
+        return logits
+
+    def _timed(self, run, tokens: int) -> torch.Tensor:
         start = time.perf_counter()
         self.runner.token_base = self.stats.tokens
         try:
-            logits = self.model.forward(ids.to(self.device), pos).float()
+            logits = run().float()
         finally:  # the decision kernel's counters of every layer decided, also when a fetch failed
             self.stats.absorb(self.cache.state, self.cache.fetch_bytes, self.cache.lowbit_bytes)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.wall_s += time.perf_counter() - start
-        self.stats.tokens += ids.shape[0]
+        self.stats.tokens += tokens
         self.stats.peak_memory_bytes = peak_memory_bytes(self.device)
+        return logits
+
+    @staticmethod
+    def _check_finite(logits: torch.Tensor, where) -> None:
         # a finite sum means every logit is finite: one reduction, the full check only when it is not
         if not math.isfinite(float(logits.sum())) and not bool((finite := torch.isfinite(logits).all(-1)).all()):
             t = int((~finite).nonzero()[0, 0])
-            raise NonFiniteOutput(f"the model produced non-finite logits at position {pos + t}: corrupt weights; "
+            raise NonFiniteOutput(f"the model produced non-finite logits {where(t)}: corrupt weights; "
                                   "check the checkpoint, or rerun `expertcache convert` for a disk store")
-        return logits
 
     def encode(self, text: str) -> list[int]:
         """The token ids of `text` by the checkpoint's tokenizer; CheckpointError when it has none."""

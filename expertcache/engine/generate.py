@@ -1,6 +1,7 @@
 """Autoregressive generation through the engine, one token per step: sampling, EOS and stop
 strings, incremental text. A `TextGeneration` may own its KV cache, so that a scheduler can
-interleave the steps of several requests over one engine and one expert cache."""
+interleave the steps of several requests over one engine and one expert cache, or run them
+as one batched forward (`batch_logits`)."""
 from __future__ import annotations
 
 import json
@@ -96,14 +97,27 @@ class TextGeneration:
             self.engine.model.k_cache, self.engine.model.v_cache = self.kv
         if not self.tokens:
             return prefill(self.engine, self.prompt, self.prefill_policy)
-        pos = len(self.prompt) + len(self.tokens) - 1
-        return self.engine.forward(torch.tensor(self.tokens[-1:]), pos)[-1]
+        return self.engine.forward(torch.tensor(self.tokens[-1:]), self.position)[-1]
+
+    @property
+    def position(self) -> int:
+        """The position of the last sampled token, which the next decode step feeds (after the prefill)."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the prompt is done and the next step decodes one token (it can join a batch)."""
+        return bool(self.tokens) and self.finish_reason is None
 
     def step(self) -> StepOutput:
         """Run the model for one new token and sample it."""
         if self.finish_reason is not None:
             raise RuntimeError("step() after the generation finished")
-        token = self.sampler(self._logits(), self.seen)
+        return self.advance(self._logits())
+
+    def advance(self, logits: torch.Tensor) -> StepOutput:
+        """Sample the next token from this sequence's logits [V] and apply EOS, max_tokens and stop strings."""
+        token = self.sampler(logits, self.seen)
         if self.seen is not None:
             self.seen[token] = True
         if token in self.eos:
@@ -127,6 +141,15 @@ class TextGeneration:
     def __iter__(self) -> Iterator[StepOutput]:
         while self.finish_reason is None:
             yield self.step()
+
+
+def batch_logits(engine: Engine, generations: list[TextGeneration]) -> torch.Tensor:
+    """The next-token logits [B, V] of several sequences from one batched forward (Engine.forward_batch), for
+    each to `advance` with its own sampling. Every generation must own its KV cache and be decoding."""
+    if any(g.kv is None or not g.decoding for g in generations):
+        raise BadInput("a batched step takes generations that own their KV cache and are past their prompt")
+    ids = torch.tensor([g.tokens[-1] for g in generations])
+    return engine.forward_batch(ids, [g.position for g in generations], [g.kv for g in generations])
 
 
 def generate(engine: Engine, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..kernel.cache_state import N_LOG
-from ..kernel.dense_decode import gemv
+from ..kernel.dense_decode import EMPTY, gemv
 from ..kernel.routing import Router, Routing
 from ..models.args import ModelArgs
 from ..policies import MissPolicy
@@ -25,8 +25,6 @@ from .stats import RunStats
 
 if TYPE_CHECKING:  # predictors route with router_logits below
     from .predictors import Predictor
-
-NO_BIAS_1D = np.zeros(0, np.float32)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torch.Tensor:
@@ -41,7 +39,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, router: Router, layer: int) -> 
     """x [T, H], the router's weight [E, H] at MoE layer `layer` -> its Routing, on the host."""
     if x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32:
         logits = np.empty((1, weight.shape[0]), np.float32)  # decode: one compiled product, no torch op
-        gemv(weight.numpy(), x.numpy()[0], NO_BIAS_1D, logits[0])
+        gemv(weight.numpy(), x.numpy()[0], EMPTY, logits[0])
         return router.route(logits, layer)
     return router.route(router_logits(x, weight, router).cpu().numpy(), layer)
 
@@ -56,13 +54,16 @@ class LayerPlan:
 
 
 def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer: int, routing: Routing,
-                 token_base: int, compute: Callable[[int, int, np.ndarray, np.ndarray], None]) -> LayerPlan:
+                 token_base: int, compute: Callable[[int, int, np.ndarray, np.ndarray], None],
+                 started: Callable[[np.ndarray, np.ndarray], None] | None = None) -> LayerPlan:
     """Decide one layer's tokens in order (the compiled decision kernel, shared with the
     simulator) and carry out its actions: transfers, waits, and expert work that must run
     before a slot it uses is overwritten (`compute(begin, end, slots, gates)` for tokens
-    [begin, end)). The work of tokens [plan.owed_from, T) is left to the caller, which can
-    first start the next layer's prefetches. The kernel's counters stay in the cache state
-    until the caller absorbs them into `stats` (the engine does, once per forward)."""
+    [begin, end)). `started(experts, gates)` (the decided [T, k] arrays) runs as soon as the
+    layer's transfers are under way, before any wait: the next layer's prefetches then overlap
+    this layer's fetches as well as its compute. The work of tokens [plan.owed_from, T) is
+    left to the caller. The kernel's counters stay in the cache state until the caller absorbs
+    them into `stats` (the engine does, once per forward)."""
     T, k = routing.ids.shape
     slots_h = np.empty((T, k), dtype=np.int64)  # the kernel writes every entry
     exec_h = np.empty((T, k), dtype=np.int64)
@@ -70,8 +71,11 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
     if cache.pending:
         cache.poll()
     owed_from = cache.decide_routed(policy, layer, routing, token_base, slots_h, exec_h, gates_h)
+    begun = None if started is None else (lambda: started(exec_h, gates_h))
     if cache.state.misc[N_LOG]:
-        stats.stall_s += cache.carry_out(lambda begin, end: compute(begin, end, slots_h, gates_h))
+        stats.stall_s += cache.carry_out(lambda begin, end: compute(begin, end, slots_h, gates_h), begun)
+    elif begun is not None:
+        begun()
     return LayerPlan(slots_h, exec_h, gates_h, owed_from)
 
 
@@ -91,6 +95,7 @@ class MoELayerRunner:
         self.args, self.router, self.cache, self.policy, self.stats = args, router, cache, policy, stats
         self.kind = ExpertKind.of(args)
         self.token_base = 0  # index in the run of the first token of the current forward
+        self.decoding = False  # the current forward is a decode batch: one token of each of several sequences
         self.predictor: Predictor | None = None
         self.prefetch = PrefetchConfig()
         self.resid: torch.Tensor | None = None  # residual after the current layer's attention
@@ -104,17 +109,22 @@ class MoELayerRunner:
 
     def _predict_next(self, layer: int, x: torch.Tensor, exec_ids: np.ndarray, gates: np.ndarray) -> None:
         a, cache = self.args, self.cache
-        dev = x.device
-        logits = self.predictor.logits(layer, self.resid, x, torch.from_numpy(exec_ids).to(dev),
-                                       torch.from_numpy(gates).to(dev))
+        ids, weights = torch.from_numpy(exec_ids), torch.from_numpy(gates)
+        if x.device.type != "cpu":
+            ids, weights = ids.to(x.device), weights.to(x.device)
+        logits = self.predictor.logits(layer, self.resid, x, ids, weights)
         assert logits.shape == (x.shape[0], a.num_experts), \
             f"{self.predictor.name} gave logits {tuple(logits.shape)}, expected [T, E] = {(x.shape[0], a.num_experts)}"
         self.predicted = self.router.route(logits.float().cpu().numpy(), layer + 1)
         self.stats.predictions += x.shape[0]
-        if x.shape[0] != 1:  # prefetching ahead is a decode-time pipeline
+        if x.shape[0] != 1 and not self.decoding:  # prefetching ahead is a decode-time pipeline
             return
         budget = self.prefetch.budget or a.top_k
-        self.stats.stall_s += cache.prefetch(layer + 1, self.predicted.ids[0, :budget], self.token_base)
+        wanted = self.predicted.ids[:, :budget]
+        if wanted.shape[0] > 1:  # a decode batch: the `budget` experts most of its tokens predict (ties: best rank)
+            experts, first, counts = np.unique(wanted.T.ravel(), return_index=True, return_counts=True)
+            wanted = experts[np.lexsort((first, -counts))][None, :budget]
+        self.stats.stall_s += cache.prefetch(layer + 1, wanted[0], self.token_base)
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed MoE input) of MoE layer `layer` -> routed experts' combined output
@@ -127,8 +137,13 @@ class MoELayerRunner:
         self.predicted = None
         T = routing.ids.shape[0]
         out = torch.empty_like(x) if T > 1 else None  # decode computes once, after its decisions
+        # a decode batch shares few experts between its tokens: where decode's compiled kernel runs (on the
+        # CPU), one call per token beats grouped matmuls over a handful of tokens per expert
+        per_token = self.decoding and self.compiled is not None and x.dtype == torch.float32
 
         def experts_out(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
+            if per_token:
+                return torch.cat([self.compiled(x[t:t + 1], slots_h[t], gates_h[t]) for t in range(begin, end)])
             gates = torch.from_numpy(gates_h[begin:end])
             return experts_compute(x[begin:end], torch.from_numpy(slots_h[begin:end]),
                                    gates if x.device.type == "cpu" else gates.to(x.device), cache.w13, cache.w2,
@@ -138,9 +153,15 @@ class MoELayerRunner:
             if end > begin:  # a decode token owes no work before its own decisions: nothing to flush
                 out[begin:end] = experts_out(begin, end, slots_h, gates_h)
 
-        plan = decide_layer(cache, self.policy, stats, layer, routing, self.token_base, compute)
-        if self.predictor is not None and layer + 1 < a.num_moe_layers:
-            self._predict_next(layer, x, plan.experts, plan.gates)  # this token's slots stay protected
+        ahead = self.predictor is not None and layer + 1 < a.num_moe_layers
+
+        def predict(experts: np.ndarray, gates: np.ndarray) -> None:  # this token's slots stay protected
+            self._predict_next(layer, x, experts, gates)
+        # decode: the next layer's prefetches start as soon as this layer's fetches are under way
+        plan = decide_layer(cache, self.policy, stats, layer, routing, self.token_base, compute,
+                            predict if ahead and T == 1 else None)
+        if ahead and T > 1:
+            predict(plan.experts, plan.gates)
         if T == 1 and self.compiled is not None and x.dtype == torch.float32:
             out = self.compiled(x, plan.slots[0], plan.gates[0])  # decode: nothing was computed early
         elif T == 1:

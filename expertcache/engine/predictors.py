@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import CheckpointError, UnknownName
+from ..kernel import dense_decode
 from .moe import router_logits
 from .transformer import Transformer
 
@@ -66,7 +68,7 @@ class QuasiHidden(Predictor):
         if tuple(default_vectors.shape) != (a.num_moe_layers, a.num_experts, a.hidden_size):
             raise CheckpointError(f"default vectors of shape {tuple(default_vectors.shape)} do not fit the model; "
                                   "rerun `expertcache calibrate`")
-        self.default_vectors = default_vectors.to(model.device, model.embed.dtype)
+        self.default_vectors = default_vectors.to(model.device, model.dtype)
 
     def quasi_hidden(self, layer, resid, ids, weights) -> torch.Tensor:
         """q_l = Norm_{l+1}(r_l + sum_j g_j d_{l, e_j}) [T, H]."""
@@ -79,7 +81,19 @@ class QuasiHidden(Predictor):
 
     def logits(self, layer, resid, x, ids, weights):
         """Router_{l+1}(q_l) [T, E]."""
+        if self._compiled(resid):  # decode on the CPU: one compiled call
+            a, nxt = self.model.args, self.model.moe_layers[layer + 1]
+            out = torch.empty((1, a.num_experts), dtype=torch.float32)
+            dense_decode.quasi_hidden_logits(resid.numpy()[0], self.default_vectors[layer].numpy(), ids.numpy()[0],
+                                             weights.numpy()[0], nxt["moe_norm"].numpy(), np.float32(a.rms_norm_eps),
+                                             nxt["router"].numpy(), np.empty(a.hidden_size, np.float32),
+                                             out.numpy()[0])
+            return out
         return self._router_logits(layer, self.quasi_hidden(layer, resid, ids, weights))
+
+    def _compiled(self, resid: torch.Tensor) -> bool:
+        return resid.shape[0] == 1 and resid.device.type == "cpu" and resid.dtype == torch.float32 \
+            and self.model.moe_layers[0]["router"].dtype == torch.float32
 
 
 class EstimatorNet(nn.Module):

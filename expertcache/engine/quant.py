@@ -27,9 +27,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import BadInput
+from ..kernel import decode_blob as kernel
 
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -304,7 +306,9 @@ def encode(tensors: list, parts: list[tuple[int, ...]], fmt: ExpertFormat, blob:
 
 def decode_into(buf: torch.Tensor, parts: list[tuple[int, ...]], fmt: ExpertFormat, dsts) -> None:
     """Dequantise one blob (buf: uint8 [blob]) into the destination tensors, one per part
-    (fp32 or any float dtype; `None` entries are skipped)."""
+    (fp32 or any float dtype, any device; `None` entries are skipped). torch ops: the reference
+    of the compiled kernel.decode_blob, and the disk store's path for slots that are not fp32
+    CPU tensors."""
     views: dict[int, dict[str, torch.Tensor]] = {}
     for seg in layout(parts, fmt):
         views.setdefault(seg.part, {})[seg.role] = buf[seg.offset:seg.offset + seg.nbytes].view(seg.dtype) \
@@ -319,6 +323,24 @@ def decode_into(buf: torch.Tensor, parts: list[tuple[int, ...]], fmt: ExpertForm
             dst.copy_(dequantize_mxfp4(v["codes"], v["scales"], shape[1]))
         else:
             dst.copy_(dequantize(v["codes"], v["scales"], v.get("mins"), fmt, shape[1]))
+
+
+def decode_plan(parts: list[tuple[int, ...]], fmt: ExpertFormat) -> np.ndarray:
+    """How the compiled decoder (kernel.decode_blob) reads a blob in `fmt`: int64 [parts,
+    PLAN_COLUMNS], one row per part (its encoding, segment offsets, rows, columns, group size)."""
+    raw = {torch.float32: kernel.RAW_F32, torch.float16: kernel.RAW_F16, torch.bfloat16: kernel.RAW_BF16}
+    plan = np.full((len(parts), kernel.PLAN_COLUMNS), -1, np.int64)
+    for seg in layout(parts, fmt):
+        row, shape = plan[seg.part], parts[seg.part]
+        row[kernel.ROWS], row[kernel.COLS] = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
+        if seg.role == "raw":
+            row[kernel.ENCODING], row[kernel.VALUES] = raw[seg.dtype], seg.offset
+        elif seg.role == "codes":
+            row[kernel.ENCODING] = kernel.MXFP4 if fmt.mx else kernel.INT4 if fmt.bits == 4 else kernel.INT8
+            row[kernel.VALUES], row[kernel.GROUP] = seg.offset, fmt.group_size
+        else:
+            row[kernel.SCALES if seg.role == "scales" else kernel.MINS] = seg.offset
+    return plan
 
 
 def roundtrip(w: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:

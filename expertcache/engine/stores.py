@@ -29,9 +29,10 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, FetchError, ReadModeUnsupported, UnknownName
+from ..kernel.decode_blob import NO_PART, decode_blob
 from ..models.args import ModelArgs
 from .checkpoint import Checkpoint
-from .quant import ExpertFormat, decode_into, encode, encoded_bytes, roundtrip
+from .quant import ExpertFormat, decode_into, decode_plan, encode, encoded_bytes, roundtrip
 from .weights import all_layer_experts, layer_experts, stored_layer_parts
 
 ALIGN = 4096
@@ -293,49 +294,42 @@ class DiskStore(ExpertStore):
                                   "rerun `expertcache convert`")
         self.fd, self.read_mode = open_blob_file(self.path, read_mode)
         self._local = threading.local()
-        self._split = [math.prod(p) for p in shape.parts]
+        self._plan = decode_plan(shape.parts, self.format)  # how the compiled pass reads a blob
 
     @property
     def expert_bytes(self) -> int:
         """Bytes of one blob, padded to the 4 KiB alignment: what every read moves."""
         return self.blob
 
-    def _buffer(self) -> tuple[mmap.mmap, torch.Tensor]:
+    def _buffer(self) -> tuple[mmap.mmap, torch.Tensor, np.ndarray]:
         # O_DIRECT needs an aligned buffer: an anonymous mmap is page-aligned. One per thread.
         if not hasattr(self._local, "buf"):
             buf = mmap.mmap(-1, self.blob)
-            view = torch.frombuffer(buf, dtype=torch.uint8)
-            self._local.buf = (buf, view)
+            self._local.buf = (buf, torch.frombuffer(buf, dtype=torch.uint8), np.frombuffer(buf, dtype=np.uint8))
         return self._local.buf
 
     def buffer_bytes(self, workers):
-        """One blob-sized, page-aligned read buffer per worker."""
-        return workers * self.blob
+        """One blob-sized, page-aligned read buffer per worker, and one for the calling thread
+        (which reads a token's only fetch itself, `CacheConfig.caller_reads`)."""
+        return (workers + 1) * self.blob
 
     def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
-        """Read and check the blob of (layer, expert), then copy or dequantise it into w13 [2F, H],
-        w2 [H, F] (and b13 [2F], b2 [H]); returns the blob's bytes."""
-        buf, view = self._read(layer, expert)
-        if self.format.quantized:
-            self._dequantize_into(view, (w13, w2, b13, b2))
+        """Read and check the blob of (layer, expert), then decode it into w13 [2F, H], w2 [H, F]
+        (and b13 [2F], b2 [H]): in one compiled pass that releases the GIL when they are
+        contiguous fp32 CPU tensors (the CPU slots), with torch ops otherwise. Returns the blob's bytes."""
+        array, view = self._read(layer, expert)
+        dsts = (w13, w2, b13, b2)[:len(self.shape.parts)]
+        if all(d is not None and d.dtype == torch.float32 and d.device.type == "cpu" and d.is_contiguous()
+               and d.shape == p for d, p in zip(dsts, self.shape.parts)):  # the compiled pass checks no bounds
+            flat = [d.view(-1).numpy() for d in dsts]
+            decode_blob(array, self._plan, *flat, *[NO_PART] * (4 - len(flat)))
         else:
-            self._copy_into(view, (w13, w2, b13, b2))
+            decode_into(view, self.shape.parts, self.format, dsts)
         return self.blob
 
-    def _copy_into(self, view: torch.Tensor, dsts) -> None:
-        """A float blob: its parts copied (and cast) into the slot."""
-        parts = view[:self.shape.numel * self.dtype.itemsize].view(self.dtype).split(self._split)
-        for dst, src, part in zip(dsts, parts, self.shape.parts):
-            if dst is not None:
-                dst.copy_(src.view(part))
-
-    def _dequantize_into(self, view: torch.Tensor, dsts) -> None:
-        """An integer blob: dequantised into the slot on the calling (worker) thread."""
-        decode_into(view, self.shape.parts, self.format, dsts)
-
-    def _read(self, layer: int, expert: int) -> tuple[mmap.mmap, torch.Tensor]:
-        """One blob read with O_DIRECT into this thread's buffer."""
-        buf, view = self._buffer()
+    def _read(self, layer: int, expert: int) -> tuple[np.ndarray, torch.Tensor]:
+        """One blob read with O_DIRECT into this thread's buffer; returns the buffer as an array and a tensor."""
+        buf, view, array = self._buffer()
         index = layer * self.shape.num_experts + expert
         offset = index * self.blob
         try:
@@ -351,7 +345,7 @@ class DiskStore(ExpertStore):
         if self.verify and crc32c.crc32c(buf) != self.checksums[index]:
             raise FetchError(f"expert {expert} of layer {layer} fails its CRC32C check in {self.path}: "
                              "the store file is corrupt; rerun `expertcache convert`")
-        return buf, view
+        return array, view
 
     def close(self):
         """Close the store file; a second call does nothing."""

@@ -26,6 +26,7 @@ class Transfer:
     kind: str  # "fetch" | "admit" | "prefetch"
     future: Future | None = None
     event: "torch.cuda.Event | None" = None
+    stall_s: float = 0.0  # a read the calling thread ran itself: the time it blocked there
 
     def done(self) -> bool:
         """Whether the copy has finished, successfully or not, without blocking."""
@@ -58,14 +59,24 @@ class TransferEngine:
             t.event.record(self.stream)
         return n
 
-    def submit(self, layer: int, expert: int, slot: int, kind: str) -> Transfer:
+    def submit(self, layer: int, expert: int, slot: int, kind: str, here: bool = False) -> Transfer:
         """Start copying `expert` of `layer` into `slot` (kind: fetch, admit or prefetch); an inline store
-        copies at once."""
+        copies at once. `here`: the caller is about to wait for this copy and has nothing else to do,
+        so it reads in its own thread instead of handing the read to a worker (a read error is kept
+        for `wait` to raise, as a worker's would be)."""
         t = Transfer(layer, expert, slot, kind)
         if kind == "lowbit" and self.small is None:
             raise RuntimeError("a low-precision fetch without a store of small copies (ExpertCache.attach_small)")
         if (self.small if kind == "lowbit" else self.store).inline:
             self._copy(t)  # a host memcpy, or already asynchronous on the copy stream
+        elif here:
+            t.future = Future()
+            start = time.perf_counter()
+            try:
+                t.future.set_result(self._copy(t))
+            except Exception as e:  # noqa: BLE001 -- raised by `wait`, like a worker's read error
+                t.future.set_exception(e)
+            t.stall_s = time.perf_counter() - start
         else:
             t.future = self.pool.submit(self._copy, t)
         return t
@@ -75,13 +86,13 @@ class TransferEngine:
         if t.done() and (t.future is None or t.future.exception() is None):
             if t.event is not None:
                 torch.cuda.current_stream().wait_event(t.event)
-            return 0.0
+            return t.stall_s
         start = time.perf_counter()
         if t.future is not None:
             t.future.result()
         if t.event is not None:
             t.event.synchronize()
-        return time.perf_counter() - start
+        return t.stall_s + time.perf_counter() - start
 
     def close(self) -> None:
         """Wait for the reads in flight and stop the pool's threads."""
@@ -91,7 +102,7 @@ class TransferEngine:
 class InstantTransfers:
     """Transfers of a virtual cache: no bytes move, every transfer has completed."""
 
-    def submit(self, layer: int, expert: int, slot: int, kind: str) -> Transfer:
+    def submit(self, layer: int, expert: int, slot: int, kind: str, here: bool = False) -> Transfer:
         """A transfer that has already completed."""
         return Transfer(layer, expert, slot, kind)
 

@@ -1,6 +1,7 @@
 """The decoder: embeddings, attention with a static KV cache, and MoE layers whose experts
 come from the expert cache (the first `first_dense_layers` layers run a dense SwiGLU MLP).
-One sequence at a time (generation, or a teacher-forced window)."""
+One sequence at a time (generation, or a teacher-forced window), or a batch of sequences decoding
+one token each against their own keys and values (`forward_batch`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from ..errors import BadInput
 from ..kernel import dense_decode
 from ..models.args import ModelArgs
 from .attention import apply_rope, attention_mask, rope_frequencies, rope_tables, sink_attention
+from .experts import kernel_view
 from .linear_attention import GatedDeltaNet
 from .mla import LatentAttention
 from .weights import router_of
@@ -52,7 +54,7 @@ class Transformer:
             self.layers.append(L)
         self.moe_layers = self.layers[a.first_dense_layers:]  # indexed as the cache and the kernel do
         self.router = router_of(a, weights)
-        dtype = self.embed.dtype
+        dtype = self.dtype = self.norm.dtype  # compute dtype; embed and lm_head may be stored in 16 bits
         # multi-head latent attention caches a latent per position (preallocated at max_seq), not keys and values
         self.latent = LatentAttention(a, max_seq, device, dtype) if a.attention == "mla" else None
         if self.latent is None:  # RoPE over the rotated part of each head (all of it unless partial)
@@ -67,9 +69,12 @@ class Transformer:
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.prefetch: PrefetchHook | None = None
-        # decode's compiled attention block (kernel/dense_decode.py): fp32 GQA layers on the CPU
-        self.compiled = device.type == "cpu" and dtype == torch.float32 and self.latent is None \
-            and not a.attention_gate
+        # decode's compiled logits and attention block (kernel/dense_decode.py): fp32 compute on the
+        # CPU; the attention block for GQA layers (not latent or gated attention)
+        self.compiled_logits = device.type == "cpu" and dtype == torch.float32
+        self.compiled = self.compiled_logits and self.latent is None and not a.attention_gate
+        if self.compiled_logits:
+            self.lm_head_np = kernel_view(self.lm_head)
         if self.compiled:
             self.token_args = {i: self._token_args(i, self.layers[i]) for i in self.kv_index}
             self.scratch = np.empty(dense_decode.scratch_size(a.hidden_size, a.num_heads, a.num_kv_heads,
@@ -116,11 +121,18 @@ class Transformer:
     def _attention(self, i: int, L: dict, x: torch.Tensor, pos: int) -> torch.Tensor:
         if self.latent is not None:
             return self.latent(i, L, x, pos)
+        q, k, v, gate = self._qkv(L, x)
+        return self._out(L, self._attend(i, L, q, k, v, pos, self.k_cache, self.v_cache), gate)
+
+    def _qkv(self, L: dict, x: torch.Tensor):
+        """x [T, H] -> q [T, Hq, D], k, v [T, Hkv, D] (normed, clipped, not yet rotated), and the output
+        gate [T, Hq, D] or None."""
         a = self.args
         T = x.shape[0]
         qkv = F.linear(x, L["wqkv"], L.get("bqkv"))
         nq, nk = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         q, k, v = qkv.split([nq * (2 if a.attention_gate else 1), nk, nk], dim=-1)
+        gate = None
         if a.attention_gate:  # per head: D query channels, then D gate channels
             q, gate = q.view(T, a.num_heads, 2 * a.head_dim).chunk(2, dim=-1)
             q = q.reshape(T, nq)
@@ -134,21 +146,32 @@ class Transformer:
         if a.qk_norm == "head":
             q = F.rms_norm(q, (a.head_dim,), L["q_norm"], a.rms_norm_eps)
             k = F.rms_norm(k, (a.head_dim,), L["k_norm"], a.rms_norm_eps)
+        return q, k, v.view(T, a.num_kv_heads, a.head_dim), gate
+
+    def _attend(self, i: int, L: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """One sequence's attention: q [T, Hq, D], k, v [T, Hkv, D] at positions pos.. are rotated, their keys
+        and values written to k_cache, v_cache [kv layers, Hkv, positions, D] -> o [T, Hq * D]."""
+        a = self.args
+        T = q.shape[0]
         q, k = self._rope(torch.cat([q, k], dim=1).transpose(0, 1), pos).split([a.num_heads, a.num_kv_heads])
         c = self.kv_index[i]
-        self.k_cache[c, :, pos:pos + T] = k
-        self.v_cache[c, :, pos:pos + T] = v.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)
-        keys, values = self.k_cache[c, :, :pos + T], self.v_cache[c, :, :pos + T]
+        k_cache[c, :, pos:pos + T] = k
+        v_cache[c, :, pos:pos + T] = v.transpose(0, 1)
+        keys, values = k_cache[c, :, :pos + T], v_cache[c, :, :pos + T]
         window = a.sliding_window if a.layer_type(i) == "sliding_attention" else None
-        mask = attention_mask(T, pos, window, x.device)
+        mask = attention_mask(T, pos, window, q.device)
         if a.attention_sinks:
             o = sink_attention(q, keys, values, L["sinks"], mask)
         else:
             o = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                attn_mask=mask, enable_gqa=True)[0]
-        o = o.transpose(0, 1).reshape(T, nq)
-        if a.attention_gate:
-            o = o * torch.sigmoid(gate.reshape(T, nq))
+        return o.transpose(0, 1).reshape(T, a.num_heads * a.head_dim)
+
+    def _out(self, L: dict, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The output projection of o [T, Hq * D], gated per channel when the model has an attention gate."""
+        if gate is not None:
+            o = o * torch.sigmoid(gate.reshape(o.shape))
         return F.linear(o, L["wo"], L.get("bo"))
 
     def _token_args(self, i: int, L: dict) -> tuple:
@@ -164,14 +187,16 @@ class Transformer:
                 mode[a.qk_norm], arr("q_norm"), arr("k_norm"), np.float32(a.clip_qkv or 0.0)), \
             (window, arr("sinks") if a.attention_sinks else empty, arr("wo"), arr("bo"), a.num_heads, a.num_kv_heads)
 
-    def _attention_token(self, i: int, h: torch.Tensor, pos: int) -> torch.Tensor:
+    def _attention_token(self, i: int, h: torch.Tensor, pos: int, kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
         """Decode: layer i's attention block on one token in one compiled call; h [1, H] is updated in
-        place and the MoE input rms_norm(h) returned."""
+        place and the MoE input rms_norm(h) returned. kv: the keys and values to use (default: the model's)."""
         x = torch.empty_like(h)
         c = self.kv_index[i]
         before, after = self.token_args[i]
+        k_cache, v_cache = kv or (self.k_cache, self.v_cache)
         dense_decode.attention_token(h.numpy()[0], *before, self.cos_np[pos], self.sin_np[pos], pos,
-                                     self.k_cache.numpy()[c], self.v_cache.numpy()[c], *after, self.scratch,
+                                     k_cache.numpy()[c], v_cache.numpy()[c], *after, self.scratch,
                                      self.scores, x.numpy()[0])
         return x
 
@@ -194,7 +219,7 @@ class Transformer:
         if pos + T > self.max_seq:
             raise BadInput(f"sequence of {pos + T} tokens exceeds max_seq={self.max_seq}; raise --max-seq")
         self._reserve(pos + T)
-        h = self.embed[ids]  # a copy: the compiled attention block may update it in place
+        h = self.embed[ids].to(self.dtype)  # a copy: the compiled attention block may update it in place
         compiled = T == 1 and self.compiled
         for i, L in enumerate(self.layers):
             if compiled and i in self.kv_index:
@@ -203,13 +228,66 @@ class Transformer:
                 xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
                 h = h + (self.linear[i](xa, pos) if i in self.linear else self._attention(i, L, xa, pos))
                 x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
-            if i < a.first_dense_layers:
-                h = h + self._mlp(L, x, "dense")
-                continue
-            if self.prefetch is not None:
-                self.prefetch(i - a.first_dense_layers, h)
-            y = self.moe(i - a.first_dense_layers, x, L["router"])
-            if a.shared_expert_dim:
-                y = y + self._shared_expert(L, x)
-            h = h + y
-        return F.rms_norm(h, (a.hidden_size,), self.norm, a.rms_norm_eps) @ self.lm_head.t()
+            h = self._feed_forward(i, L, h, x)
+        if T == 1 and self.compiled_logits:
+            return self._logits_token(h)
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [T, V] of the last residual stream h [T, H]: final norm, output matrix in the compute dtype."""
+        a = self.args
+        return F.rms_norm(h, (a.hidden_size,), self.norm, a.rms_norm_eps) @ self.lm_head.to(self.dtype).t()
+
+    def _logits_token(self, h: torch.Tensor) -> torch.Tensor:
+        """Decode's logits [1, V] of h [1, H] (final norm, output matrix as stored) in two compiled calls."""
+        x = np.empty(h.shape[1], np.float32)
+        logits = torch.empty((1, self.lm_head.shape[0]), dtype=torch.float32)
+        dense_decode.rms_norm(h.numpy()[0], self.norm.numpy(), np.float32(self.args.rms_norm_eps), x)
+        dense_decode.gemv(self.lm_head_np, x, dense_decode.EMPTY, logits.numpy()[0])
+        return logits
+
+    def _feed_forward(self, i: int, L: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream h [T, H] after layer i's dense MLP or MoE block (routed and shared experts) on its
+        normed input x [T, H]."""
+        a = self.args
+        if i < a.first_dense_layers:
+            return h + self._mlp(L, x, "dense")
+        if self.prefetch is not None:
+            self.prefetch(i - a.first_dense_layers, h)
+        y = self.moe(i - a.first_dense_layers, x, L["router"])
+        if a.shared_expert_dim:
+            y = y + self._shared_expert(L, x)
+        return h + y
+
+    @torch.inference_mode()
+    def forward_batch(self, ids: torch.Tensor, positions: list[int],
+                      kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Decode B sequences one token each: ids [B], sequence b's token at position positions[b] with its keys
+        and values in kv[b] = (k_cache, v_cache) [kv layers, Hkv, >= positions[b] + 1, D] -> logits [B, V].
+        The MoE blocks run on the batch (the MoE layer decides its B tokens in order); attention runs per
+        sequence against its own cache, through decode's compiled attention block where it applies, else with
+        the projections on the batch. Models with state beyond keys and values (latent attention, linear
+        attention) decode one sequence at a time through `forward`."""
+        assert ids.dim() == 1 and len(positions) == len(kv) == ids.shape[0], \
+            f"ids [B], B positions and B caches expected, got {tuple(ids.shape)}, {len(positions)}, {len(kv)}"
+        if self.latent is not None or self.linear:
+            raise BadInput("batched decode needs a model whose per-sequence state is its keys and values; "
+                           "this one has latent or linear attention: decode one sequence at a time")
+        a = self.args
+        for pos, (k_cache, _) in zip(positions, kv):
+            if pos >= k_cache.shape[2]:
+                raise BadInput(f"position {pos} is beyond its KV buffer of {k_cache.shape[2]} positions; "
+                               "allocate the buffer for the whole sequence")
+        h = self.embed[ids].to(self.dtype)  # a copy: the compiled attention block updates its rows in place
+        for i, L in enumerate(self.layers):
+            if self.compiled:
+                x = torch.cat([self._attention_token(i, h[b:b + 1], pos, kv[b]) for b, pos in enumerate(positions)])
+            else:
+                xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
+                q, k, v, gate = self._qkv(L, xa)
+                o = torch.cat([self._attend(i, L, q[b:b + 1], k[b:b + 1], v[b:b + 1], pos, *kv[b])
+                               for b, pos in enumerate(positions)])
+                h = h + self._out(L, o, gate)
+                x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
+            h = self._feed_forward(i, L, h, x)
+        return self._logits(h)

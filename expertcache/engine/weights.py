@@ -13,8 +13,14 @@ from ..models.args import LayerExperts, ModelArgs
 from .checkpoint import Checkpoint
 
 
-def dense_weights(ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Every non-expert tensor under our names ('layers.{i}.wq', 'embed', ...), as `dtype`."""
+VOCAB = ("embed", "lm_head")  # the largest dense tensors, read whole for every decoded token's logits
+
+
+def dense_weights(ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32,
+                  keep_16bit_vocab: bool = False) -> dict[str, torch.Tensor]:
+    """Every non-expert tensor under our names ('layers.{i}.wq', 'embed', ...), as `dtype`; with
+    `keep_16bit_vocab`, the embedding and output matrices stay fp16 or bf16 when the checkpoint
+    stores them so (exact in fp32 arithmetic, half the bytes to read per token)."""
     family = family_of(ckpt.config)
     wanted = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
     if not args.tie_word_embeddings:
@@ -24,7 +30,10 @@ def dense_weights(ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32) -> dic
             if ours != "experts":
                 wanted[f"layers.{i}.{ours}"] = theirs
     loaded = ckpt.tensors(list(wanted.values()))
-    out = {ours: loaded[theirs].to(dtype) for ours, theirs in wanted.items()}
+    def kept(ours: str, t: torch.Tensor) -> bool:
+        return keep_16bit_vocab and ours in VOCAB and t.dtype in (torch.float16, torch.bfloat16)
+    out = {ours: loaded[theirs] if kept(ours, loaded[theirs]) else loaded[theirs].to(dtype)
+           for ours, theirs in wanted.items()}
     if hasattr(family, "adapt_dense"):  # a family's own conventions, e.g. RMSNorm weights stored as w - 1
         out = family.adapt_dense(out, args)
     _check_shapes(out, args)

@@ -8,7 +8,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .compiled import widen
+
 FAST = {"reassoc", "contract"}  # as in expert_compute: vectorised sums, inf and nan keep their meaning
+EMPTY = np.zeros(0, np.float32)  # an absent bias
 NORM_NONE, NORM_FULL, NORM_HEAD = 0, 1, 2  # q/k norms: none, over all heads' channels (OLMoE), per head (Qwen3)
 
 
@@ -25,12 +28,12 @@ def rms_norm(x, w, eps, out):
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
 def gemv(w, x, b, out):
-    """out [R] = w [R, C] @ x [C] (+ b [R] unless b is empty)."""
+    """out [R] = w [R, C] @ x [C] (+ b [R] unless b is empty); w float32 or 16-bit (`widen`)."""
     biased = b.shape[0] > 0
     for r in range(w.shape[0]):
         acc = np.float32(0.0)
         for c in range(w.shape[1]):
-            acc += w[r, c] * x[c]
+            acc += widen(w[r, c]) * x[c]
         out[r] = acc + b[r] if biased else acc
 
 
@@ -121,3 +124,17 @@ def attention_token(h, attn_norm, moe_norm, eps, wqkv, bqkv, norm_mode, q_norm, 
 def scratch_size(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
     """Elements of attention_token's scratch for a model's shape."""
     return 2 * hidden + (2 * heads + 2 * kv_heads) * head_dim
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def quasi_hidden_logits(resid, vectors, ids, gates, norm, eps, router, q, out):
+    """Next-layer router logits out [E] of one token's quasi-hidden state q [H] = rms_norm(resid [H] +
+    sum_j gates[j] vectors[ids[j]], norm): vectors [E, H] the layer's default vectors, router [E, H]."""
+    for h in range(resid.shape[0]):
+        q[h] = resid[h]
+    for j in range(ids.shape[0]):
+        g = gates[j]
+        for h in range(resid.shape[0]):
+            q[h] += g * vectors[ids[j], h]
+    rms_norm(q, norm, eps, q)
+    gemv(router, q, EMPTY, out)

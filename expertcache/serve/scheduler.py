@@ -1,10 +1,13 @@
 """One worker thread owns the engine; requests wait in a FIFO queue and are admitted in order.
 
-interleave: up to `max_active` requests run at once, one decode step each in turn (each
-request keeps its own KV cache, swapped into the transformer for its step), so a short
-request is not stuck behind a long one. serial: one request at a time, to completion.
-Either way the expert cache sees one token after another, so its decisions stay token-ordered
-and the cache persists across requests (it is never reset)."""
+batch: up to `max_active` requests run at once; each round prefills the newly admitted ones
+(one at a time, under the prefill policy) and then runs one decode step of every other active
+request as ONE batched forward (each request keeps its own KV cache; attention runs per request,
+everything else on the batch, and the MoE layer decides the batch's tokens in order).
+interleave: the same rounds, but each request's decode step is its own forward (its KV cache
+swapped into the transformer for its step). serial: one request at a time, to completion.
+Under batch and interleave a short request is not stuck behind a long one. Under every schedule
+the expert cache sees tokens in order and persists across requests (it is never reset)."""
 from __future__ import annotations
 
 import threading
@@ -14,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine.engine import Engine
-from ..engine.generate import StepOutput, TextGeneration
+from ..engine.generate import StepOutput, TextGeneration, batch_logits
 from ..engine.sampling import SamplingParams
 from ..errors import BadInput, FetchError, UnknownName
 from ..policies import MissPolicy
 
-SCHEDULES = ("interleave", "serial")
+SCHEDULES = ("batch", "interleave", "serial")
 
 
 @dataclass
@@ -43,9 +46,9 @@ class Request:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How requests are admitted: the schedule (interleave or serial), how many decode at once
-    under interleave, and the miss policy for prompt tokens."""
-    schedule: str = "interleave"
+    """How requests are admitted: the schedule (batch, interleave or serial), how many decode at
+    once under batch or interleave, and the miss policy for prompt tokens."""
+    schedule: str = "batch"
     max_active: int = 16
     prefill_policy: MissPolicy | None = None  # None: prompts use the engine's policy
 
@@ -56,14 +59,15 @@ class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig(),
                  on_finish: Callable[[Request, str], None] | None = None):
         if config.schedule not in SCHEDULES:
-            raise UnknownName(f"unknown schedule {config.schedule!r}; choose {' or '.join(SCHEDULES)}")
+            raise UnknownName(f"unknown schedule {config.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if config.max_active < 1:
             raise BadInput(f"max_active={config.max_active} must be >= 1")
         self.engine, self.config, self.on_finish = engine, config, on_finish
-        # a sequence swapped in for its turn brings only its keys and values: a model that keeps
-        # other per-sequence state (MLA's latent cache, DeltaNet's recurrent state) runs one at a time
+        # a sequence brings only its keys and values to its step (swapped in, or batched): a model that
+        # keeps other per-sequence state (MLA's latent cache, DeltaNet's recurrent state) runs one at a time
         m = engine.model
-        self.interleaves = config.schedule == "interleave" and m.latent is None and not m.linear
+        self.interleaves = config.schedule != "serial" and m.latent is None and not m.linear
+        self.batches = self.interleaves and config.schedule == "batch"
         self.max_active = config.max_active if self.interleaves else 1
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
@@ -132,6 +136,9 @@ class Scheduler:
             if isinstance(e, FetchError):
                 repair_cache(self.engine)
             return self._finish(request, e, "error")
+        self._deliver(request, out)
+
+    def _deliver(self, request: Request, out: StepOutput) -> None:
         self.generated_tokens += 1
         if request.first_token is None:
             request.first_token = time.perf_counter()
@@ -139,10 +146,44 @@ class Scheduler:
             return self._finish(request, out, out.finish_reason)
         request.emit(out)
 
+    def _batch_step(self, requests: list[Request]) -> None:
+        """One decode step of `requests` as one batched forward. If it fails, each request retries its step
+        alone, so only the requests whose own step fails end with the error (a retried step rewrites the same
+        keys and values at the same positions, so the others continue exactly)."""
+        live = []
+        for request in requests:
+            if request.cancelled.is_set():
+                self._finish(request, None, "cancelled")
+            else:
+                live.append(request)
+        if len(live) < 2:
+            return self._step(live[0]) if live else None
+        try:
+            logits = batch_logits(self.engine, [r.generation for r in live])
+        except Exception as e:
+            if isinstance(e, FetchError):
+                repair_cache(self.engine)
+            for request in live:
+                self._step(request)
+            return
+        for request, row in zip(live, logits):
+            try:
+                out = request.generation.advance(row)
+            except Exception as e:  # sampling failed: this request ends, the others go on
+                self._finish(request, e, "error")
+                continue
+            self._deliver(request, out)
+
     def _loop(self) -> None:
         while self._admit():
-            for request in list(self.active):  # one step each, in admission order
+            if not self.batches:
+                for request in list(self.active):  # one step each, in admission order
+                    self._step(request)
+                continue
+            decoding = [r for r in self.active if r.generation is not None]
+            for request in [r for r in self.active if r.generation is None]:  # prompts one at a time
                 self._step(request)
+            self._batch_step(decoding)
 
 
 def repair_cache(engine: Engine) -> None:

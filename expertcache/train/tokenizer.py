@@ -8,9 +8,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .corpus import EOT
 
+# the built-in model's chat format: each turn as its speaker's name in capitals, as in the plays it learnt from
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | upper }}.\n{{ message['content'] }}\n\n"
+                 "{% endfor %}{% if add_generation_prompt %}ASSISTANT.\n{% endif %}")
+
 
 def train_tokenizer(train_txt: Path, out_dir: Path, vocab_size: int = 8192) -> Tokenizer:
-    """Byte-level BPE (GPT-2 style) with EOT as its only special token; writes tokenizer.json."""
+    """Byte-level BPE (GPT-2 style) with EOT as its only special token; writes tokenizer.json and
+    tokenizer_config.json (with the chat template)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -22,5 +27,6 @@ def train_tokenizer(train_txt: Path, out_dir: Path, vocab_size: int = 8192) -> T
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT, "bos_token": None,
-        "pad_token": EOT, "model_max_length": 4096, "add_prefix_space": False}, indent=1))
+        "pad_token": EOT, "model_max_length": 4096, "add_prefix_space": False,
+        "chat_template": CHAT_TEMPLATE}, indent=1))
     return tok

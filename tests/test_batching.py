@@ -1,0 +1,162 @@
+"""Continuous batching: the batched decode forward against per-sequence forwards, and the server's
+batch schedule against serial runs of the same requests."""
+import os
+import threading
+
+import pytest
+import torch
+
+from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.engine.generate import TextGeneration, batch_logits, generate
+from expertcache.engine.sampling import SamplingParams
+from expertcache.errors import BadInput
+from expertcache.serve.scheduler import Request, Scheduler, SchedulerConfig
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    engine = Engine(None, EngineConfig(store="ram", max_seq=256))
+    yield engine
+    engine.close()
+
+
+def prompts_of(engine: Engine, lengths: list[int]) -> list[list[int]]:
+    """Prompts of the given lengths, different from each other."""
+    V = engine.args.vocab_size
+    return [[(17 * n + 31 * j + 5) % V for j in range(n)] for n in lengths]
+
+
+def check_batched_logits(engine: Engine, lengths: list[int], steps: int) -> None:
+    """Sequences of different lengths decode `steps` batched steps; each step's logits equal one forward per
+    sequence over a copy of its keys and values, and the keys and values it writes are the same."""
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    gens = [TextGeneration(engine, p, params, own_kv=True) for p in prompts_of(engine, lengths)]
+    for g in gens:
+        g.step()  # the prompt
+    for _ in range(steps):
+        alone = []
+        for g in gens:
+            engine.model.k_cache, engine.model.v_cache = (t.clone() for t in g.kv)
+            alone.append((engine.forward(torch.tensor(g.tokens[-1:]), g.position)[-1],
+                          engine.model.k_cache, engine.model.v_cache))
+        logits = batch_logits(engine, gens)
+        for b, (g, (want, k, v)) in enumerate(zip(gens, alone)):
+            torch.testing.assert_close(logits[b], want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(g.kv[0], k, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(g.kv[1], v, atol=1e-5, rtol=1e-5)
+            g.advance(logits[b])
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_batched_forward_equals_one_forward_per_sequence(builtin, compiled, monkeypatch):
+    """Both attention paths of the batch: decode's compiled block per sequence, and the projections on the
+    batch with attention per sequence (where the compiled block does not apply: GPU, 16-bit, gated)."""
+    assert builtin.model.compiled
+    monkeypatch.setattr(builtin.model, "compiled", compiled)
+    tokens = builtin.stats.tokens
+    check_batched_logits(builtin, [3, 9, 1, 20], steps=3)
+    assert builtin.stats.tokens - tokens == (3 + 9 + 1 + 20) + 3 * 4 * 2  # a batch of B counts B decode tokens
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_batched_forward_with_sliding_window_and_sinks(tiny, compiled):
+    """GPT-OSS: sinks, and a 4-token window that the longer sequences have passed and the shorter not."""
+    engine = Engine(tiny["gpt_oss"][0], EngineConfig(initial="cold", max_seq=64))
+    assert engine.args.attention_sinks and engine.args.sliding_window == 4 and engine.model.compiled
+    engine.model.compiled = compiled
+    check_batched_logits(engine, [2, 6, 11], steps=4)
+    engine.close()
+
+
+def test_batched_forward_with_prefetching(builtin):
+    """A predictor prefetches the experts most of the batch's tokens predict; outputs stay exact."""
+    from expertcache.engine.moe import PrefetchConfig
+    builtin.set_prefetch(PrefetchConfig())
+    try:
+        check_batched_logits(builtin, [4, 7, 12], steps=2)
+        assert builtin.stats.prefetch_fetches > 0
+    finally:
+        builtin.set_prefetch(None)
+
+
+def test_batched_forward_refuses_bad_input(builtin, tiny):
+    gen = TextGeneration(builtin, [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), own_kv=True)
+    with pytest.raises(BadInput, match="past their prompt"):
+        batch_logits(builtin, [gen])
+    k, v = gen.kv
+    with pytest.raises(BadInput, match="beyond its KV buffer"):
+        builtin.forward_batch(torch.tensor([1]), [k.shape[2]], [(k, v)])
+    engine = Engine(tiny["deepseek_v3"][0], EngineConfig(initial="cold", max_seq=32))
+    with pytest.raises(BadInput, match="one sequence at a time"):
+        engine.forward_batch(torch.tensor([1]), [0], [(k, v)])
+    engine.close()
+
+
+def run_requests(engine: Engine, config: SchedulerConfig, requests: list[Request]) -> None:
+    """Submit all requests at once and wait until every one has ended."""
+    done = threading.Semaphore(0)
+    for r in requests:
+        emit = r.emit
+        r.emit = lambda item, emit=emit: (emit(item), item is None and done.release())
+    scheduler = Scheduler(engine, config)
+    scheduler.start()
+    for r in requests:
+        scheduler.submit(r)
+    for _ in requests:
+        assert done.acquire(timeout=300), "a request did not end"
+    scheduler.stop()
+
+
+def collecting(prompt: list[int], params: SamplingParams) -> tuple[Request, list]:
+    """A request whose outputs (tokens, then errors) land in the returned list."""
+    got: list = []
+    request = Request(prompt, params, lambda item: got.append(item.token if hasattr(item, "token") else item))
+    return request, got
+
+
+@pytest.mark.parametrize("schedule", ["batch", "interleave"])
+def test_concurrent_greedy_requests_equal_their_serial_runs(builtin, schedule):
+    """More requests than max_active, of different lengths, so the batch changes as requests end and others are
+    admitted; one seeded sampled request; one request cancelled midway."""
+    prompts = prompts_of(builtin, [5, 1, 12, 3, 8, 2])
+    lengths = [6, 11, 3, 9, 5, 7]
+    want = [list(generate(builtin, p, n)) for p, n in zip(prompts, lengths)]
+    sampled = SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=8, ignore_eos=True)
+    alone = TextGeneration(builtin, prompts[0], sampled)
+    want_sampled = [out.token for out in alone]
+    jobs = [collecting(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+    jobs.append(collecting(prompts[0], sampled))
+    victim, victim_got = collecting(prompts[2], SamplingParams(max_tokens=40, ignore_eos=True))
+    victim.emit = lambda item, emit=victim.emit: (emit(item), len(victim_got) == 2 and victim.cancel())
+    run_requests(builtin, SchedulerConfig(schedule=schedule, max_active=4), [r for r, _ in jobs] + [victim])
+    for (_, got), ids in zip(jobs, want + [want_sampled]):
+        assert got == ids + [None]
+    assert victim_got[-1] is None and 2 <= len(victim_got) - 1 < 40
+
+
+def test_failed_fetch_in_a_batch_ends_its_requests_and_the_scheduler_goes_on(tmp_path, builtin):
+    engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, initial="cold", max_seq=128))
+    blob = tmp_path / "experts.bin"
+    original = blob.read_bytes()
+    prompts = prompts_of(engine, [4, 6, 3])
+    want = [list(generate(builtin, p, 6)) for p in prompts]
+    # the prompts prefill (one round) while the store is whole; it fails once they decode as a batch
+    jobs = [collecting(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
+    firsts = []
+
+    def first_token(item, emit, got) -> None:
+        emit(item)
+        if len(got) == 1:
+            firsts.append(item)
+            if len(firsts) == len(jobs):  # on the worker thread, before the next round
+                os.truncate(blob, len(original) // 2)  # the later layers' experts now read short
+    for request, got in jobs:
+        request.emit = lambda item, emit=request.emit, got=got: first_token(item, emit, got)
+    run_requests(engine, SchedulerConfig(schedule="batch", max_active=4), [r for r, _ in jobs])
+    for _, got in jobs:
+        assert isinstance(got[-2], Exception) and "short read" in str(got[-2])
+    blob.write_bytes(original)
+    jobs = [collecting(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
+    run_requests(engine, SchedulerConfig(schedule="batch"), [r for r, _ in jobs])
+    assert [got for _, got in jobs] == [ids + [None] for ids in want]
+    engine.close()
