@@ -113,7 +113,8 @@ def table(mode: str, res: dict) -> None:
           f"lowbit fetch {lowbit}, admission {1e6 * p['admission_s']:.0f} us, prefetch {1e6 * p['prefetch_s']:.0f} us, "
           f"prediction {1e6 * p['prediction_s']:.0f} us, substituting call {1e6 * p['decision_s']:.1f} us; "
           f"unfitted: {', '.join(p['unfitted']) or 'none'}; {p['source']}\n")
-    print("| cache | variant | measured ms/token | est. (engine counts) | measured/est. | est. (replay) | measured/est. |")
+    print("| cache | variant | measured ms/token | est. (engine counts) | measured/est. | est. (replay) "
+          "| measured/est. |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for r in res["validation"]:
         rep = "-", "-"

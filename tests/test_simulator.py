@@ -240,3 +240,31 @@ def test_terms_the_runs_do_not_vary_are_not_fitted():
     counts = np.column_stack([np.ones(5), np.full(5, 48.0), [0, 1, 2, 3, 4], np.zeros(5), [1, 1, 1, 1, 1.01]])
     assert identifiable(counts, ("dense", "runs", "fetches", "never", "flat")) == (["dense", "fetches"],
                                                                                   ["runs", "never", "flat"])
+
+
+def test_fit_profile_recovers_each_term_and_folds_constant_ones_into_dense():
+    """Synthetic runs whose times follow known costs: the fitted profile gives them back, its
+    estimate of each run is its time, and expert runs (k per token and layer in every run, as
+    in decode) are folded into dense."""
+    from types import SimpleNamespace
+
+    from expertcache.engine.stats import RunStats
+    from expertcache.lab.costmodel import TimedRun, fit_profile
+    rng = np.random.default_rng(3)
+    layers, k, tokens = 6, 8, 100
+    cost = {"fetch_waits": 4e-4, "sync_fetches": 2e-4, "lowbit_fetches": 5e-4, "background_fetches": 3e-4,
+            "prefetch_fetches": 1e-4, "predictions": 6e-5, "substituted_calls": 2e-5}
+    runs = []
+    for i in range(12):
+        s = RunStats(tokens=tokens, moe_calls=tokens * layers, expert_runs=tokens * layers * k,
+                     **{t: int(rng.integers(0, 3 * tokens)) for t in cost})
+        seconds = 2e-3 + sum(c * getattr(s, t) / tokens for t, c in cost.items())
+        runs.append(TimedRun(0.25, f"run {i}", seconds, s))
+    p = fit_profile(runs, SimpleNamespace(expert_bytes=10**6), layers, k, "decode", "test")
+    assert p.unfitted == ("expert_runs",) and p.dense_s == pytest.approx(2e-3, rel=1e-6)
+    fitted = {"fetch_waits": p.fetch_latency_s, "sync_fetches": p.transfer_s, "lowbit_fetches": p.lowbit_fetch_s,
+              "background_fetches": p.admission_s, "prefetch_fetches": p.prefetch_s, "predictions": p.prediction_s,
+              "substituted_calls": p.decision_s}
+    assert fitted == pytest.approx(cost, rel=1e-6)
+    for r in runs:
+        assert p.ms_per_token(r.stats) == pytest.approx(1000 * r.seconds, rel=1e-6)
