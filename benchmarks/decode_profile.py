@@ -61,6 +61,9 @@ def instrument(engine, timer: StageTimer) -> None:
         m.linear[i] = timer.wrap("attention", f)
     moe.route = timer.wrap("route", moe.route)
     moe.experts_compute = timer.wrap("experts", moe.experts_compute)
+    if engine.runner.compiled is not None:  # decode's compiled expert call on the CPU
+        engine.runner.compiled = timer.wrap("experts", engine.runner.compiled)
+    m._logits_token = timer.wrap("lm_head", m._logits_token)
     decide = "decide_routed" if hasattr(cache, "decide_routed") else "decide"  # the runner's call
     setattr(cache, decide, timer.wrap("decide", getattr(cache, decide)))
     cache.carry_out = timer.wrap("carry_out", cache.carry_out)

@@ -32,7 +32,8 @@ timed|all)
   run prefill_protection python benchmarks/prefill_protection.py
   run simulator_speed python benchmarks/simulator_speed.py --tokens 4000
   run simulator_speed_decode python benchmarks/simulator_speed.py --tokens 4000 --window 1
-  run decode python benchmarks/decode.py --gguf build/model.gguf --json "$out/decode.json"
+  run decode python benchmarks/decode.py --gguf build/model.gguf build/model-f16.gguf --llama-threads 1 2 \
+      --json "$out/decode.json"
   run bench expertcache bench --json "$out/bench.json" --policies fetch-all threshold:tau=0.15 first-choice \
       quality-first speed-first substitute-all
   run bench_prefetch expertcache bench --json "$out/bench_prefetch.json" --forced-tokens 512 --policies fetch-all \

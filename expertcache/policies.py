@@ -189,23 +189,47 @@ class SubstituteAll(SubstitutingPolicy):
     name = "substitute-all"
 
 
-class ThresholdRule(SubstitutingPolicy):
-    """Fetch a miss if it is the first choice or its gate weight is >= tau."""
+def checked_taus(policy: str, value) -> tuple[float, ...]:
+    """tau as one number, or one per MoE layer ('0.05/0.1/...' in a spec, or a sequence), each
+    checked in [0, 1]; BadInput naming it otherwise."""
+    parts = value.split("/") if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [value]
+    return tuple(checked_number(policy, "tau", v, 0, 1) for v in parts)
+
+
+class TauRule(SubstitutingPolicy):
+    """A substituting rule that fetches a first choice or a miss of gate weight >= tau: one tau,
+    or one per MoE layer (`tau=0.05/0.1/0.07/...`, as many as the model has MoE layers)."""
+    def __init__(self, tau: float | str = 0.15, **kw):
+        super().__init__(**kw)
+        self.taus = checked_taus(self.name, tau)
+        self.tau = self.taus[0] if len(self.taus) == 1 else min(self.taus)  # the lowest, for bounds
+
+    def bind(self, num_layers: int, num_experts: int) -> np.ndarray:
+        """The base's state; BadInput when per-layer taus do not number the model's MoE layers."""
+        if len(self.taus) > 1 and len(self.taus) != num_layers:
+            raise BadInput(f"policy {self.name!r}: {len(self.taus)} per-layer taus for a model of {num_layers} MoE "
+                           f"layers; give one tau, or one per layer separated by '/'")
+        return super().bind(num_layers, num_experts)
+
+    def params(self):
+        """The substituting vector plus tau (per layer after the vector when there are several)."""
+        p = super().params()
+        p[TAU] = self.tau
+        return np.concatenate([p, self.taus]) if len(self.taus) > 1 else p
+
+    @property
+    def tau_text(self) -> str:
+        """tau as a spec writes it."""
+        return "/".join(f"{t:g}" for t in self.taus)
+
+
+class ThresholdRule(TauRule):
+    """Fetch a miss if it is the first choice or its gate weight is >= tau (per layer, if given so)."""
     name, rule = "threshold", THRESHOLD
     parameters = ("tau", *SubstitutingPolicy.parameters)
 
-    def __init__(self, tau: float = 0.15, **kw):
-        super().__init__(**kw)
-        self.tau = checked_number(self.name, "tau", tau, 0, 1)
-
-    def params(self):
-        """The substituting vector plus tau."""
-        p = super().params()
-        p[TAU] = self.tau
-        return p
-
     def __repr__(self):
-        return f"{self.name}(tau={self.tau:g})"
+        return f"{self.name}(tau={self.tau_text})"
 
 
 class FirstChoice(SubstitutingPolicy):
@@ -234,28 +258,27 @@ class WeightBand(SubstitutingPolicy):
         return f"band(lo={self.lo:g},hi={self.hi:g})"
 
 
-class LowBit(SubstitutingPolicy):
+class LowBit(TauRule):
     """Three actions by gate weight: fetch a miss in full precision if it is the first choice or
-    its weight is >= tau; fetch its low-precision copy (int4, from a second store) if its weight
-    is >= lo; substitute it below lo (lo=0, the default: never substitute). A slot holding a small
-    copy serves later hits as it is, until evicted."""
+    its weight is >= tau (per layer, if given so); fetch its low-precision copy (int4, from a
+    second store) if its weight is >= lo; substitute it below lo (lo=0, the default: never
+    substitute). A slot holding a small copy serves later hits as it is, until evicted."""
     name, rule = "lowbit", LOWBIT
     fetches_small = True
     parameters = ("tau", "lo", *SubstitutingPolicy.parameters)
 
-    def __init__(self, tau: float = 0.15, lo: float = 0.0, **kw):
-        super().__init__(**kw)
-        self.tau = checked_number(self.name, "tau", tau, 0, 1)
+    def __init__(self, tau: float | str = 0.15, lo: float = 0.0, **kw):
+        super().__init__(tau, **kw)
         self.lo = checked_number(self.name, "lo", lo, 0, self.tau)
 
     def params(self):
-        """The substituting vector plus tau and lo."""
+        """The tau rule's vector plus lo."""
         p = super().params()
-        p[TAU], p[LO] = self.tau, self.lo
+        p[LO] = self.lo
         return p
 
     def __repr__(self):
-        return f"lowbit(tau={self.tau:g},lo={self.lo:g})"
+        return f"lowbit(tau={self.tau_text},lo={self.lo:g})"
 
 
 class CacheConditional(MissPolicy):

@@ -275,3 +275,38 @@ def test_lowbit_keeps_hits_and_in_flight_experts():
 def test_lowbit_parameters_are_checked(spec):
     with pytest.raises(BadInput, match="out of range"):
         make_policy(spec)
+
+
+@pytest.mark.parametrize("name", ["threshold", "lowbit"])
+def test_per_layer_tau_decides_each_layer_as_its_own_tau(name):
+    """Seeded fuzz over routes and residency: at every layer, a per-layer tau decides exactly as
+    that layer's tau given alone."""
+    rng = np.random.default_rng(5)
+    L, E, k = 4, 16, 4
+    shape = ExpertShape(L, E, (4, 2), (2, 2))
+    for _ in range(60):
+        taus = rng.choice([0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0], L)
+        per_layer = make_policy(f"{name}:tau={'/'.join(f'{t:g}' for t in taus)}")
+        cache = ExpertCache(CacheConfig(fraction=0.5), None, k, None, torch.float32, shape=shape, fetch_bytes=1)
+        for layer in range(L):
+            cache.fill(layer, rng.choice(E, E // 2, replace=False).tolist())
+        for layer in range(L):
+            probs = rng.dirichlet(np.full(E, 0.5)).astype(np.float32)
+            ids = np.argsort(-probs, kind="stable")[:k]
+            route = Route(layer, ids, probs[ids] / probs[ids].sum(), probs)
+            alone = make_policy(f"{name}:tau={taus[layer]:g}")
+            assert per_layer.decide(route, cache) == alone.decide(route, cache), (taus, layer)
+
+
+@pytest.mark.parametrize("spec, words", [("threshold:tau=0.1/x", "not a number"),
+                                         ("threshold:tau=0.1/1.5", "out of range"),
+                                         ("lowbit:tau=0.1/0.3,lo=0.2", "out of range")])
+def test_per_layer_taus_are_checked(spec, words):
+    with pytest.raises(BadInput, match=words):
+        make_policy(spec)
+
+
+def test_per_layer_taus_must_number_the_layers():
+    with pytest.raises(BadInput, match="3 per-layer taus for a model of 4 MoE layers"):
+        make_policy("threshold:tau=0.1/0.2/0.3").bind(4, 16)
+    assert make_policy("threshold:tau=0.1/0.2/0.3/0.4").params()[-4:].tolist() == [0.1, 0.2, 0.3, 0.4]

@@ -190,3 +190,29 @@ def test_replay_checks_its_inputs():
     for bad in ({**header, "top_k": 9}, {**header, "num_experts": 16}):
         with pytest.raises(BadInput, match="do not fit its header"):
             route_trace(Trace(bad, trace.tokens, logits))
+
+
+def test_fuzzed_per_layer_taus_give_an_error_or_a_finite_perplexity(tiny):
+    """tau given per layer ('a/b/...'): the right count of valid values runs, any other count or
+    value is one line naming the problem."""
+    rng = random.Random(12)
+    ids = torch.randint(0, 96, (41,), generator=torch.Generator().manual_seed(3)).tolist()
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(cache=CacheConfig(fraction=0.5), initial="cold"))
+    layers = engine.args.num_moe_layers
+    outcomes = {"ran": 0, "BadInput": 0}
+    for _ in range(60):
+        n = rng.choice([layers, layers, 1, layers + 1, layers + 2])  # one tau is a scalar
+        taus = "/".join(random_value(rng, "tau") if rng.random() < 0.15 else f"{rng.uniform(0, 1):.3g}"
+                        for _ in range(n))
+        spec = f"{rng.choice(['threshold', 'lowbit'])}:tau={taus}"
+        try:
+            engine.set_policy(spec)
+        except ExpertCacheError as e:
+            assert type(e) is BadInput and "\n" not in str(e) and "tau" in str(e), (spec, str(e))
+            outcomes["BadInput"] += 1
+            continue
+        assert n in (1, layers), spec
+        r = perplexity(engine, ids, context=20)
+        assert math.isfinite(r.ppl) and r.ppl > 1, spec
+        outcomes["ran"] += 1
+    assert min(outcomes.values()) > 10, outcomes

@@ -203,3 +203,68 @@ def test_replay_counts_lowbit_bytes_as_the_engine_does(traced, policy):
     engine.close()
     full = replay(trace, "fetch-all", CacheConfig(fraction=0.5)).stats
     assert sim.sync_fetch_bytes + sim.lowbit_bytes < full.sync_fetch_bytes
+
+
+def test_profiles_are_versioned(tmp_path, capsys):
+    """A version-1 profile (before the version field) loads with its newer terms unmeasured; a
+    later version, or a field this version does not know, is refused in one line."""
+    import json
+    from dataclasses import asdict
+
+    from expertcache import cli
+    from expertcache.engine.stats import RunStats
+    from expertcache.errors import BadInput
+    from expertcache.lab.costmodel import DATASHEET, PROFILE_VERSION, HardwareProfile
+    p = DATASHEET["rtx3090-qwen3-next"]
+    old = {k: v for k, v in asdict(p).items() if k not in ("version", "lowbit_fetch_s", "prefetch_s", "prediction_s",
+                                                          "unfitted")}
+    (tmp_path / "v1.json").write_text(json.dumps(old))
+    v1 = HardwareProfile.load(tmp_path / "v1.json")
+    s = RunStats(tokens=10, moe_calls=480, sync_fetches=100, fetch_waits=50, lowbit_fetches=30, lowbit_bytes=30 * 10**6)
+    assert v1.version == 1 and v1.ms_per_token(s) == pytest.approx(p.ms_per_token(s))
+    p.save(tmp_path / "v2.json")
+    assert HardwareProfile.load(tmp_path / "v2.json") == p and p.version == PROFILE_VERSION
+    for name, data, words in (("v9", {**asdict(p), "version": 9}, "version 9"),
+                              ("odd", {**asdict(p), "speed": 1}, "unknown fields \\['speed'\\]"),
+                              ("junk", "not json", "not a readable hardware profile")):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data) if name != "junk" else data)
+        with pytest.raises(BadInput, match=words):
+            HardwareProfile.load(tmp_path / f"{name}.json")
+    assert cli.main(["tune", "--profile", str(tmp_path / "v9.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "calibrate-hw" in err
+
+
+def test_terms_the_runs_do_not_vary_are_not_fitted():
+    from expertcache.lab.costmodel import identifiable
+    counts = np.column_stack([np.ones(5), np.full(5, 48.0), [0, 1, 2, 3, 4], np.zeros(5), [1, 1, 1, 1, 1.01]])
+    assert identifiable(counts, ("dense", "runs", "fetches", "never", "flat")) == (["dense", "fetches"],
+                                                                                  ["runs", "never", "flat"])
+
+
+def test_fit_profile_recovers_each_term_and_folds_constant_ones_into_dense():
+    """Synthetic runs whose times follow known costs: the fitted profile gives them back, its
+    estimate of each run is its time, and expert runs (k per token and layer in every run, as
+    in decode) are folded into dense."""
+    from types import SimpleNamespace
+
+    from expertcache.engine.stats import RunStats
+    from expertcache.lab.costmodel import TimedRun, fit_profile
+    rng = np.random.default_rng(3)
+    layers, k, tokens = 6, 8, 100
+    cost = {"fetch_waits": 4e-4, "sync_fetches": 2e-4, "lowbit_fetches": 5e-4, "background_fetches": 3e-4,
+            "prefetch_fetches": 1e-4, "predictions": 6e-5, "substituted_calls": 2e-5}
+    runs = []
+    for i in range(12):
+        s = RunStats(tokens=tokens, moe_calls=tokens * layers, expert_runs=tokens * layers * k,
+                     **{t: int(rng.integers(0, 3 * tokens)) for t in cost})
+        seconds = 2e-3 + sum(c * getattr(s, t) / tokens for t, c in cost.items())
+        runs.append(TimedRun(0.25, f"run {i}", seconds, s))
+    p = fit_profile(runs, SimpleNamespace(expert_bytes=10**6), layers, k, "decode", "test")
+    assert p.unfitted == ("expert_runs",) and p.dense_s == pytest.approx(2e-3, rel=1e-6)
+    fitted = {"fetch_waits": p.fetch_latency_s, "sync_fetches": p.transfer_s, "lowbit_fetches": p.lowbit_fetch_s,
+              "background_fetches": p.admission_s, "prefetch_fetches": p.prefetch_s, "predictions": p.prediction_s,
+              "substituted_calls": p.decision_s}
+    assert fitted == pytest.approx(cost, rel=1e-6)
+    for r in runs:
+        assert p.ms_per_token(r.stats) == pytest.approx(1000 * r.seconds, rel=1e-6)

@@ -1,6 +1,8 @@
 """tune on the built-in model: the search space, the frontier, the winner's rule and the verb."""
 import json
 
+import numpy as np
+
 import pytest
 
 from expertcache import cli
@@ -123,3 +125,42 @@ def test_bad_domains_are_one_line(user_text, tmp_path, domains, words, capsys):
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and words in err
+
+
+def test_per_layer_taus_follow_the_layers_scale():
+    from expertcache.lab.tune import PER_LAYER_TAUS, TILTS, per_layer_specs
+    scale = np.array([1.0, 2.0, 3.0])  # z-scores -1.22, 0, 1.22
+    specs = per_layer_specs(scale, evictions=("lru",), betas=(0.0,))
+    assert len(specs) == len(PER_LAYER_TAUS) * len(TILTS)
+    taus = [make_policy(s).taus for s in specs]
+    f = 2 ** 1.2247
+    assert taus[0] == pytest.approx((0.05 * f, 0.05, 0.05 / f), rel=1e-2)  # tau 0.05, tilt -1
+    assert taus[1] == pytest.approx((0.05 / f, 0.05, 0.05 * f), rel=1e-2)
+    for spec in specs:
+        make_policy(spec).bind(3, 8)  # one tau per layer
+
+
+def test_lowbit_candidates_have_their_own_frontier():
+    from expertcache.lab.tune import pick_finalists
+    rows = [{"spec": "fetch-all", "estimated_ms": 10, "mass_per_call": 0, "inexact_per_call": 0},
+            {"spec": "first-choice", "estimated_ms": 5, "mass_per_call": 0.2, "inexact_per_call": 3},
+            {"spec": "lowbit:tau=0.3", "estimated_ms": 6, "mass_per_call": 0, "inexact_per_call": 4},
+            {"spec": "lowbit:tau=0.1", "estimated_ms": 8, "mass_per_call": 0, "inexact_per_call": 1},
+            {"spec": "lowbit:tau=0.15", "estimated_ms": 9, "mass_per_call": 0, "inexact_per_call": 2}]
+    # lowbit's zero substituted mass would hide fetch-all; apart, its frontier is by inexact experts
+    assert pick_finalists(rows, 8) == ["first-choice", "fetch-all"]
+    assert pick_finalists(rows, 8, 4) == ["first-choice", "fetch-all", "lowbit:tau=0.3", "lowbit:tau=0.1"]
+
+
+def test_default_candidates_add_per_layer_taus_and_lowbit(tmp_path):
+    from expertcache.engine.engine import BUILTIN_MODEL
+    from expertcache.lab.trace import record_trace
+    from expertcache.lab.tune import LOWBIT_RULES, default_candidates, layer_entropy
+    trace = record_trace(BUILTIN_MODEL, list(range(1, 200)), tmp_path / "t.ectrace", 64, "float32")
+    h = layer_entropy(trace)
+    assert h.shape == (trace.header["num_layers"],) and (h > 0).all() and (h < np.log(128)).all()
+    specs = default_candidates(trace, TuneConfig())
+    assert len(specs) == len(search_space()) + 48 + 3 * len(LOWBIT_RULES)
+    assert len(default_candidates(trace, TuneConfig(per_layer=False, lowbit=False))) == len(search_space())
+    per_layer = [s for s in specs if "/" in s]
+    assert len(per_layer) == 48 and all(len(make_policy(s).taus) == len(h) for s in per_layer)

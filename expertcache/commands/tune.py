@@ -42,6 +42,10 @@ def add_arguments(p):
     p.add_argument("--tokens", type=positive_int, default=8192, help="held-out tokens the winner is validated on")
     p.add_argument("--context", type=positive_int, default=512, help="window length in tokens")
     p.add_argument("--finalists", type=positive_int, default=16, help="most frontier points scored exactly")
+    p.add_argument("--no-per-layer-tau", dest="per_layer", action="store_false",
+                   help="leave out thresholds with one tau per layer (scaled by each layer's router entropy)")
+    p.add_argument("--no-lowbit", dest="lowbit", action="store_false",
+                   help="leave out the low-precision miss option (lowbit: int4 copies converted by the engine)")
     p.add_argument("--plot", type=Path, default=None, help="frontier PNG: ppl increase vs estimated ms/token")
     add_json_argument(p)
 
@@ -64,7 +68,7 @@ def run(a) -> int:
         how = f"a quick {a.mode} profile measured now on the disk store (pass --profile for a full calibrate-hw one)"
     cfg = TuneConfig(budget_pct=a.budget, cache=CacheConfig(fraction=a.cache, bytes=a.cache_bytes),
                      calib_tokens=a.calib_tokens, tokens=a.tokens, context=a.context, mode=a.mode,
-                     finalists=a.finalists)
+                     finalists=a.finalists, per_layer=a.per_layer, lowbit=a.lowbit)
     bar = tqdm(unit="step", file=sys.stderr)
 
     def progress(label, n):

@@ -169,8 +169,10 @@ class Engine:
                                                self.config.small_format, self.config.read_mode, self.config.verify))
 
     def _fit(self, policy: MissPolicy) -> MissPolicy:
-        """`policy` checked against the model's router, with its gate normalisation."""
-        return policy.fit(self.args.top_k, self.args.num_experts, self.args.norm_topk_prob)
+        """`policy` checked against the model's router and depth, with its gate normalisation."""
+        policy.fit(self.args.top_k, self.args.num_experts, self.args.norm_topk_prob)
+        policy.bind(self.args.num_moe_layers, self.args.num_experts)  # per-layer parameters fit the depth
+        return policy
 
     def set_prefetch(self, prefetch: PrefetchConfig | None) -> None:
         """Attach a predictor (or detach with None); starts a new run."""

@@ -119,6 +119,7 @@ class MoELayerRunner:
         assert logits.shape == (x.shape[0], a.num_experts), \
             f"{self.predictor.name} gave logits {tuple(logits.shape)}, expected [T, E] = {(x.shape[0], a.num_experts)}"
         self.predicted = self.router.route(logits.float().cpu().numpy(), layer + 1)
+        self.stats.predictions += x.shape[0]
         if x.shape[0] != 1 and not self.decoding:  # prefetching ahead is a decode-time pipeline
             return
         budget = self.prefetch.budget or a.top_k

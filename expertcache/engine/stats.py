@@ -26,6 +26,7 @@ class RunStats:
     background_fetches: int = 0  # admissions started off the critical path
     prefetch_fetches: int = 0
     prefetch_bytes: int = 0
+    predictions: int = 0  # (token, layer) next-layer predictions a prefetch predictor made
     background_bytes: int = 0
     segments: int = 0  # expert-compute batches: a fetch that reuses a slot with owed work splits a window
     expert_runs: int = 0  # (batch, expert) pairs: one expert applied to one batch of tokens

@@ -13,6 +13,8 @@ from .compiled import compiled
 from .routing import rank_key, top_m, value
 
 # The parameter vector read by `decide`; NORM: the family renormalises its top-k gate weights.
+# A vector longer than N_PARAMS carries one tau per MoE layer after them (p[N_PARAMS + layer]),
+# which replaces p[TAU] at that layer.
 KIND, RULE, SUB, WINDOW, BETA, TAU, LO, HI, TOP_J, TOP_M, NORM = range(11)
 N_PARAMS = 11
 FETCH_ALL, SUBSTITUTING, CONDITIONAL = 0, 1, 2  # KIND
@@ -58,10 +60,16 @@ def resident(st, layer, e):
 
 
 @compiled
-def _should_fetch(p, rank, w):
+def tau_of(p, layer):
+    """The fetch threshold tau at `layer`: its own where p carries one per layer, else p[TAU]."""
+    return p[N_PARAMS + layer] if len(p) > N_PARAMS else p[TAU]
+
+
+@compiled
+def _should_fetch(p, layer, rank, w):
     rule = p[RULE]
     if rule == THRESHOLD or rule == LOWBIT:
-        return rank == 0 or w >= p[TAU]
+        return rank == 0 or w >= tau_of(p, layer)
     if rule == FIRST_CHOICE:
         return rank == 0
     if rule == BAND:
@@ -192,7 +200,7 @@ def decide(p, account, st, sc, layer, row, table, logits, ranked, w):
         s = st.slot_of[layer, e]
         if s >= 0 and not st.pending[s]:
             sc.keep[j] = True
-        elif s >= 0 or _should_fetch(p, j, w[j]):
+        elif s >= 0 or _should_fetch(p, layer, j, w[j]):
             sc.keep[j] = True
             sc.fetch[n_fetch] = e
             n_fetch += 1

@@ -3,27 +3,33 @@
 time/token = dense + (expert runs/token) * expert_run
              + (calls that wait for fetches/token) * fetch_latency
              + (synchronous fetches/token) * bytes / bandwidth
-             + (low-precision fetch bytes/token) / bandwidth
+             + (low-precision fetches/token) * lowbit_fetch (their read and decode; bytes / bandwidth
+               when not measured)
              + (admissions and prefetches/token) * bytes / bandwidth, unless they overlap compute
-             + (admissions/token) * admission + (calls with a substitution/token) * decision
+             + (admissions/token) * admission + (prefetches/token) * prefetch
+             + (predictions/token) * prediction + (calls with a substitution/token) * decision
 A call's synchronous fetches are issued together and waited for once: the latency is paid per
 waiting call, the transfer per fetch. An expert run is one expert applied to one batch of
 tokens (its weights read once): k per token and layer in decode, fewer per token when a
-window's tokens share experts. Counts per token are counts per MoE call times the profile's
-layers, so a datasheet profile applies a trace's per-layer rates to the profiled model's
-depth. Profiles are measured on this machine by `expertcache calibrate-hw` (per store and
-mode) or written from datasheet figures.
+window's tokens share experts. A prediction is a prefetch predictor's forecast of the next
+layer's experts for one token (its own compute). Counts per token are counts per MoE call times
+the profile's layers, so a datasheet profile applies a trace's per-layer rates to the profiled
+model's depth. Every count is one the engine (RunStats) and the replay both keep (the replay
+makes no predictions). Profiles are measured on this machine by `expertcache calibrate-hw`
+(per store and mode) or written from datasheet figures.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 
 from ..engine.stats import RunStats
+
+PROFILE_VERSION = 2  # 1: no lowbit_fetch_s, prefetch_s, prediction_s, unfitted (they load as unmeasured)
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,11 @@ class HardwareProfile:
     admission_s: float = 0.0  # what an admission costs the critical path even when it overlaps
     decision_s: float = 0.0  # one MoE call with a substitution (the policy's own work)
     calibration: tuple = ()  # measured runs behind a fitted profile: config, ms/token, counts/token, fit
+    lowbit_fetch_s: float | None = None  # one low-precision fetch (read and decode); None: its bytes / bandwidth
+    prefetch_s: float = 0.0  # what a prefetch costs the critical path even when it overlaps
+    prediction_s: float = 0.0  # one token's next-layer prediction (the predictor's compute)
+    unfitted: tuple = ()  # terms the calibration runs did not vary (folded into dense or left at 0)
+    version: int = PROFILE_VERSION
 
     @property
     def transfer_s(self) -> float:
@@ -56,14 +67,18 @@ class HardwareProfile:
     def terms(self, s: RunStats) -> dict[str, float]:
         """Seconds per token by term."""
         per_token = lambda n: n / s.moe_calls * self.layers  # noqa: E731
+        lowbit = per_token(s.lowbit_bytes) / self.fetch_bandwidth if self.lowbit_fetch_s is None \
+            else per_token(s.lowbit_fetches) * self.lowbit_fetch_s
         return {"dense": self.dense_s,
                 "experts": per_token(s.expert_runs) * self.expert_run_s,
                 "fetch waits": per_token(s.fetch_waits) * self.fetch_latency_s,
                 "fetches": per_token(s.sync_fetches) * self.transfer_s,
-                "lowbit fetches": per_token(s.lowbit_bytes) / self.fetch_bandwidth,
+                "lowbit fetches": lowbit,
                 "background": 0.0 if self.overlap else
                 per_token(s.background_fetches + s.prefetch_fetches) * self.transfer_s,
                 "admissions": per_token(s.background_fetches) * self.admission_s,
+                "prefetches": per_token(s.prefetch_fetches) * self.prefetch_s,
+                "predictions": per_token(s.predictions) * self.prediction_s,
                 "decisions": per_token(s.substituted_calls) * self.decision_s}
 
     def ms_per_token(self, s: RunStats) -> float:
@@ -76,8 +91,29 @@ class HardwareProfile:
 
     @classmethod
     def load(cls, path: Path) -> "HardwareProfile":
-        """Read a profile written by `save`."""
-        return cls(**json.loads(Path(path).read_text()))
+        """Read a profile written by `save`, this version or version 1 (written before the
+        version field: its newer terms load as unmeasured); BadInput for anything else."""
+        from ..errors import BadInput
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise BadInput(f"{path}: not a readable hardware profile ({e}); write one with `expertcache "
+                           "calibrate-hw --out FILE`") from None
+        if not isinstance(data, dict):
+            raise BadInput(f"{path}: not a hardware profile (a JSON object); write one with `expertcache "
+                           "calibrate-hw --out FILE`")
+        version = data.setdefault("version", 1)
+        known = {f.name for f in fields(cls)}
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
+        unknown = sorted(set(data) - known)
+        problem = (f"of version {version} (this expertcache reads 1 and {PROFILE_VERSION})"
+                   if version not in (1, PROFILE_VERSION) else f"with unknown fields {unknown}" if unknown
+                   else f"without {', '.join(missing)}" if missing else "")
+        if problem:
+            raise BadInput(f"{path}: hardware profile {problem}; measure it again with `expertcache calibrate-hw "
+                           "--out FILE`")
+        data["calibration"], data["unfitted"] = tuple(data.get("calibration", ())), tuple(data.get("unfitted", ()))
+        return cls(**data)
 
 
 def _datasheet(name, pcie_gbs, mem_gbs, expert_bytes, dense_bytes, layers, top_k, source):
@@ -109,11 +145,22 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     return HardwareProfile.load(Path(name_or_path))
 
 
-# calibration runs: (cache fraction, policy); together they vary every term of the model
+# Calibration runs: (cache fraction, variant). Together they vary every term independently: cache
+# size moves fetches and waits with no substitution; substituting rules at two sizes move
+# substituting calls against fetches; admission betas and rules move admissions apart from
+# substitution; lowbit moves low-precision fetches; two predictors move predictions and prefetches.
 CALIBRATION = ((1.0, "fetch-all"), (0.125, "fetch-all"), (0.25, "fetch-all"), (0.5, "fetch-all"),
-               (0.25, "threshold:tau=0.15"), (0.5, "threshold:tau=0.15"), (0.25, "first-choice"),
-               (0.25, "first-choice:beta=0.3"), (0.25, "quality-first"), (0.25, "substitute-all"))
-TERMS = ("dense", "expert_runs", "fetch_waits", "sync_fetches", "background_fetches", "substituted_calls")
+               (0.75, "fetch-all"), (0.25, "threshold:tau=0.15"), (0.5, "threshold:tau=0.15"),
+               (0.25, "first-choice"), (0.25, "first-choice:beta=0.3"), (0.5, "threshold:tau=0.1,beta=1"),
+               (0.25, "substitute-all"), (0.25, "lowbit:tau=0.15"), (0.125, "lowbit:tau=0.3"),
+               (0.5, "fetch-all+prefetch/router-ahead"), (0.25, "threshold:tau=0.15+prefetch/quasi-hidden"))
+# RunStats counters, one cost each; "dense" (1 per token) first
+TERMS = ("dense", "expert_runs", "fetch_waits", "sync_fetches", "lowbit_fetches", "background_fetches",
+         "prefetch_fetches", "predictions", "substituted_calls")
+# the profile field each term's fitted cost goes to (sync_fetches: a time, turned into a bandwidth)
+FIELD = {"dense": "dense_s", "expert_runs": "expert_run_s", "fetch_waits": "fetch_latency_s",
+         "lowbit_fetches": "lowbit_fetch_s", "background_fetches": "admission_s", "prefetch_fetches": "prefetch_s",
+         "predictions": "prediction_s", "substituted_calls": "decision_s"}
 
 
 def fit_terms(counts: np.ndarray, seconds: np.ndarray, names: tuple[str, ...]) -> dict[str, float]:
@@ -126,9 +173,23 @@ def fit_terms(counts: np.ndarray, seconds: np.ndarray, names: tuple[str, ...]) -
     return {n: float(c) for n, c in zip(names, cost)}
 
 
+def identifiable(counts: np.ndarray, names: tuple[str, ...], spread: float = 0.02) -> tuple[list[str], list[str]]:
+    """(terms to fit, terms the runs leave unidentified) of counts [runs, terms] (names[0] the
+    constant dense term): a term that never occurs, or varies by less than `spread` of its mean
+    across the runs (expert runs in decode: k per token and layer always), cannot be told apart
+    from dense; its cost is folded into dense (or stays 0 where it never occurs)."""
+    keep, dropped = [names[0]], []
+    for j, name in enumerate(names[1:], 1):
+        col = counts[:, j]
+        varies = col.max() > 0 and (col.max() - col.min()) > spread * max(col.mean(), 1e-12)
+        (keep if varies else dropped).append(name)
+    return keep, dropped
+
+
 def difference(after: RunStats, before: RunStats) -> RunStats:
-    """The counters of the part of a run between two snapshots."""
-    return RunStats(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(RunStats)})
+    """The counters of the part of a run between two snapshots (labels such as read_mode: the later one's)."""
+    a, b = asdict(after), asdict(before)
+    return RunStats(**{k: v - b[k] if isinstance(v, (int, float)) else v for k, v in a.items()})
 
 
 def term_counts(s: RunStats, layers: int) -> np.ndarray:
@@ -149,11 +210,13 @@ class TimedRun:
 
 def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", repeats: int = 5,
               store: str = "disk", device: str = "cpu", store_dir: Path | None = None, prompt: int = 32,
-              context: int = 256, progress: Callable[[str], None] | None = None) -> list[TimedRun]:
-    """Time each (cache fraction, variant) of `runs` on the engine over the same tokens, repetitions
-    interleaved round-robin after a warm-up (so drift hits all alike). decode: `prompt` tokens in one
-    forward, then every later token of `ids` alone (one token per forward), timed; forced: `ids`
-    teacher-forced in windows of `context`. `progress(label)` after each run."""
+              context: int = 256, progress: Callable[[str], None] | None = None,
+              run_ids: list[list[int]] | None = None) -> list[TimedRun]:
+    """Time each (cache fraction, variant) of `runs` on the engine over the same tokens (or over
+    `run_ids[i]` for run i), repetitions interleaved round-robin after a warm-up (so drift hits all
+    alike). decode: `prompt` tokens in one forward, then every later token alone (one token per
+    forward), timed; forced: the tokens teacher-forced in windows of `context`. `progress(label)`
+    after each run."""
     import time
 
     import torch
@@ -172,7 +235,7 @@ def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", re
         engines.append(Engine(model, EngineConfig(device=device, store=store, cache=CacheConfig(fraction=fraction),
                                                   policy=policy, prefetch=prefetch, store_dir=store_dir)))
 
-    def run(eng: Engine) -> tuple[float, RunStats]:
+    def run(eng: Engine, ids: list[int]) -> tuple[float, RunStats]:
         eng.reset()
         if mode == "decode":
             eng.forward(torch.tensor(ids[:prompt]), 0)
@@ -190,7 +253,7 @@ def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", re
     samples = [[] for _ in engines]
     for rep in range(repeats + 1):  # repetition 0 warms up
         for i, eng in enumerate(engines):
-            sample = run(eng)
+            sample = run(eng, run_ids[i] if run_ids is not None else ids)
             if rep:
                 samples[i].append(sample)
             if progress:
@@ -207,27 +270,32 @@ def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", re
 
 def fit_profile(timed: list[TimedRun], store, layers: int, top_k: int, mode: str, label: str = "",
                 read_s: float | None = None) -> HardwareProfile:
-    """The profile whose costs fit `timed` best (fit_terms over TERMS; in decode every token runs k
-    experts per layer, so expert runs are part of `dense` there). `store`: the runs' slow tier
-    (its expert_bytes); `read_s`: one raw read's time, reported in `source`."""
-    terms = TERMS if mode == "forced" else tuple(t for t in TERMS if t != "expert_runs")
+    """The profile whose costs fit `timed` best: fit_terms over the TERMS the runs identify (see
+    `identifiable`; the others are listed in `unfitted`). `store`: the runs' slow tier (its
+    expert_bytes); `read_s`: one raw read's time, reported in `source`. The condition number of the
+    scaled count matrix goes into `source`: large means the runs barely separate two terms."""
     counts = np.array([term_counts(r.stats, layers) for r in timed])
     seconds = np.array([r.seconds for r in timed])
-    cost = fit_terms(counts[:, [TERMS.index(t) for t in terms]], seconds, terms)
+    terms, unfitted = identifiable(counts, TERMS)
+    cols = [TERMS.index(t) for t in terms]
+    cost = fit_terms(counts[:, cols], seconds, tuple(terms))
+    scaled = counts[:, cols] / seconds[:, None]
+    cond = float(np.linalg.cond(scaled / np.linalg.norm(scaled, axis=0)))
     fitted = counts @ np.array([cost.get(t, 0.0) for t in TERMS])
     calibration = tuple({"cache": r.cache, "policy": r.variant, "ms_per_token": 1000 * r.seconds,
                          "fitted_ms_per_token": 1000 * e, "per_token": dict(zip(TERMS[1:], c[1:].tolist()))}
                         for r, e, c in zip(timed, fitted, counts))
     # The slow tier's transfer per fetch is fitted as a time: bandwidth = bytes / that time.
-    transfer = cost["sync_fetches"]
+    transfer = cost.get("sync_fetches", 0.0)
     read = f"; one O_DIRECT read alone: {1e6 * read_s:.0f} us" if read_s is not None else ""
-    return HardwareProfile(f"this-machine-{label or 'store'}-{mode}", fetch_latency_s=cost["fetch_waits"],
+    costs = {FIELD[t]: cost.get(t, 0.0) for t in FIELD}
+    if "lowbit_fetches" not in cost:  # never measured: the bytes over the bandwidth
+        costs["lowbit_fetch_s"] = None
+    return HardwareProfile(f"this-machine-{label or 'store'}-{mode}", **costs,
                            fetch_bandwidth=store.expert_bytes / transfer if transfer else float("inf"),
-                           expert_run_s=cost.get("expert_runs", 0.0), dense_s=cost["dense"], overlap=True,
-                           expert_bytes=store.expert_bytes, layers=layers, top_k=top_k,
-                           source=f"measured by calibrate-hw ({label} store, {mode}){read}",
-                           admission_s=cost["background_fetches"], decision_s=cost["substituted_calls"],
-                           calibration=calibration)
+                           overlap=True, expert_bytes=store.expert_bytes, layers=layers, top_k=top_k,
+                           source=f"measured by calibrate-hw ({label} store, {mode}, {len(timed)} runs, condition "
+                                  f"number {cond:.0f}){read}", calibration=calibration, unfitted=tuple(unfitted))
 
 
 def calibration_ids(model: Path | None, mode: str, tokens: int | None = None, text: str | None = None) -> list[int]:

@@ -45,10 +45,22 @@ RULES = (
     *(f"conditional:j={j},m=16" for j in (2, 4, 6)),  # cache-conditional routing
     "substitute-all",
 )
+# Per-layer tau: a small family, not a free search over layers. tau_l = tau * 2^(tilt * z_l), z_l
+# the layer's mean router entropy on the calibration trace as a z-score over layers (the layers'
+# entropies differ by a few percent: their ratio would leave tau nearly flat): tilt 1 fetches
+# less where the router is flattest (its misses' weights are small anyway), tilt -1 the reverse.
+PER_LAYER_TAUS = (0.05, 0.07, 0.1, 0.15)
+TILTS = (-1.0, 1.0)
+PER_LAYER_BETAS = (0.0, 0.5)
+# The low-precision miss option: a light miss fetches its int4 copy (lo=0: never substitutes), or
+# three ways, substituting below lo. No admission: lo=0 substitutes nothing to account.
+LOWBIT_RULES = (*(f"lowbit:tau={t:g}" for t in (0.07, 0.1, 0.15, 0.3)),
+                *(f"lowbit:tau={t:g},lo={lo:g}" for t, lo in ((0.15, 0.05), (0.3, 0.05), (0.3, 0.1))))
 PRESETS = ("quality-first", "speed-first", "threshold:tau=0.15", "first-choice")  # validated beside the winner
-# The quick profile measured when none is given: enough runs to separate dense, wait, fetch and admission costs.
+# The quick profile measured when none is given: enough runs to separate dense, wait, fetch, low-precision
+# fetch, admission and substitution costs (tune's candidates make no predictions).
 QUICK_RUNS = ((1.0, BASELINE), (0.125, BASELINE), (0.5, BASELINE), (0.25, "first-choice"), (0.25, "quality-first"),
-              (0.25, "substitute-all"))
+              (0.5, "threshold:tau=0.1,beta=1"), (0.25, "substitute-all"), (0.25, "lowbit:tau=0.15"))
 
 
 def search_space(rules=RULES, betas=BETAS, evictions=EVICTIONS) -> list[str]:
@@ -64,6 +76,31 @@ def search_space(rules=RULES, betas=BETAS, evictions=EVICTIONS) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def layer_entropy(trace, chunk: int = 1024) -> np.ndarray:
+    """[L] each MoE layer's mean entropy (nats) of the router's softmax over the trace's tokens."""
+    logits = np.asarray(trace.logits)
+    total = np.zeros(logits.shape[1])
+    for i in range(0, len(logits), chunk):
+        x = logits[i:i + chunk].astype(np.float64)
+        x -= x.max(-1, keepdims=True)
+        p = np.exp(x)
+        p /= p.sum(-1, keepdims=True)
+        total += -(p * np.log(np.maximum(p, 1e-30))).sum(-1).sum(0)
+    return total / len(logits)
+
+
+def per_layer_specs(scale: np.ndarray, taus=PER_LAYER_TAUS, tilts=TILTS, betas=PER_LAYER_BETAS,
+                    evictions=EVICTIONS) -> list[str]:
+    """Threshold specs with one tau per layer: tau * 2^(tilt * z), z the z-score of `scale` over
+    the layers (0 where it is flat), within [0, 1] and to 3 significant digits, each with each
+    admission beta and eviction order."""
+    scale = np.asarray(scale, float)
+    z = (scale - scale.mean()) / scale.std() if scale.std() > 0 else np.zeros_like(scale)
+    rules = [f"threshold:tau={'/'.join(f'{v:.3g}' for v in np.clip(t * 2.0 ** (tilt * z), 0, 1))}"
+             for t in taus for tilt in tilts]
+    return search_space(list(dict.fromkeys(rules)), betas, evictions)
+
+
 @dataclass(frozen=True)
 class TuneConfig:
     """What the search runs: budget, cache, tokens, windows, search space and statistics."""
@@ -74,7 +111,10 @@ class TuneConfig:
     context: int = 512
     mode: str = "decode"  # replay order for the time estimate: decode (one token at a time) or forced
     finalists: int = 16  # most frontier points scored exactly
-    candidates: tuple[str, ...] = ()  # default: search_space()
+    candidates: tuple[str, ...] = ()  # default: search_space(), plus the two below
+    per_layer: bool = True  # add per-layer taus (per_layer_specs) to the default candidates
+    lowbit: bool = True  # add the low-precision miss option (LOWBIT_RULES) to the default candidates
+    lowbit_finalists: int = 4  # most lowbit frontier points scored exactly, beyond `finalists`
     presets: tuple[str, ...] = PRESETS
     bootstrap: int = 2000
     seed: int = 0
@@ -105,18 +145,26 @@ def replay_candidates(trace, specs: list[str], cache: CacheConfig, counts, profi
         s = replay(trace, spec, cache, None, counts, routes=routes, window=window).stats
         rows.append({"spec": spec, "estimated_ms": profile.ms_per_token(s), "mass_per_call": s.mass_per_call,
                      "fetches_per_token": s.fetches_per_token, "hit_rate": s.hit_rate,
-                     "admissions_per_token": s.background_fetches / s.tokens})
+                     "admissions_per_token": s.background_fetches / s.tokens,
+                     "lowbit_per_token": s.lowbit_fetches / s.tokens,
+                     "inexact_per_call": (s.substitutions + s.lowbit_fetches) / s.moe_calls})
         if progress:
             progress(spec)
     return rows
 
 
-def pick_finalists(rows: list[dict], n: int) -> list[str]:
-    """The Pareto frontier of (estimated ms, mass per call), thinned evenly to at most `n` specs."""
-    front = pareto_front({r["spec"]: (r["estimated_ms"], r["mass_per_call"]) for r in rows})
-    if len(front) > n:
-        front = [front[i] for i in np.unique(np.linspace(0, len(front) - 1, n).round().astype(int))]
-    return front
+def pick_finalists(rows: list[dict], n: int, n_lowbit: int = 0) -> list[str]:
+    """The Pareto frontier of (estimated ms, mass per call), thinned evenly to at most `n` specs;
+    lowbit specs apart (their error is in low-precision runs, not substituted mass): the frontier
+    of (estimated ms, inexact experts per call), at most `n_lowbit` of it."""
+    def front(key: str, group: list[dict], most: int) -> list[str]:
+        f = pareto_front({r["spec"]: (r["estimated_ms"], r[key]) for r in group}) if group else []
+        if len(f) > most:
+            f = [f[i] for i in np.unique(np.linspace(0, len(f) - 1, most).round().astype(int))]
+        return f
+    lowbit = [r for r in rows if make_policy(r["spec"]).fetches_small]
+    rest = [r for r in rows if not make_policy(r["spec"]).fetches_small]
+    return front("mass_per_call", rest, n) + (front("inexact_per_call", lowbit, n_lowbit) if n_lowbit else [])
 
 
 def score(engine: Engine, specs, ids: list[int], context: int, cfg: TuneConfig,
@@ -130,6 +178,17 @@ def score(engine: Engine, specs, ids: list[int], context: int, cfg: TuneConfig,
     base = results[BASELINE]
     return {spec: {"ppl": r.ppl, **paired_increase(base.window_nll, r.window_nll, cfg.bootstrap, cfg.seed)}
             for spec, r in results.items()}
+
+
+def default_candidates(trace, cfg: TuneConfig) -> list[str]:
+    """search_space(), with per-layer taus scaled by the trace's router entropy and the lowbit
+    rules where `cfg` asks for them."""
+    specs = search_space()
+    if cfg.per_layer and trace.header["num_layers"] > 1:
+        specs += per_layer_specs(layer_entropy(trace))
+    if cfg.lowbit:
+        specs += search_space(LOWBIT_RULES, (0.0,))
+    return specs
 
 
 def tune(model: Path | None, calib_text: str, eval_text: str, profile: HardwareProfile, cfg: TuneConfig,
@@ -149,11 +208,11 @@ def tune(model: Path | None, calib_text: str, eval_text: str, profile: HardwareP
         with tempfile.TemporaryDirectory() as d:
             trace = record_trace(engine.path, calib, Path(d) / "calib.ectrace", cfg.context, "float32")
             window = 1 if cfg.mode == "decode" else None
-            specs = list(dict.fromkeys([BASELINE, *(cfg.candidates or search_space()), *cfg.presets]))
+            specs = list(dict.fromkeys([BASELINE, *(cfg.candidates or default_candidates(trace, cfg)), *cfg.presets]))
             rows = replay_candidates(trace, specs, cfg.cache, engine.routing_counts, profile, window,
                                      (lambda s: note("replay", 1)) if note else None)
         est = {r["spec"]: r["estimated_ms"] for r in rows}
-        finalists = pick_finalists(rows, cfg.finalists)
+        finalists = pick_finalists(rows, cfg.finalists, cfg.lowbit_finalists)
         scored = score(engine, finalists, calib, cfg.context, cfg, progress)
         within = [s for s in finalists if scored[s]["pct"] <= cfg.budget_pct]
         winner = min(within, key=lambda s: est[s]) if within else None
