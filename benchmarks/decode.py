@@ -62,6 +62,9 @@ def run_engine(a, store: str, fraction: float) -> dict:
             out.append(tok)
         if trial:
             times.append((time.perf_counter() - start) / a.tokens)
+    s = engine.stats  # the last decode trial's counters, before the prompt timing adds its own
+    decode_counts = {"fetches_per_decode_token": (s.sync_fetches - fetches0) / a.tokens,
+                     "stall_ms_per_token": 1000 * (s.stall_s - stall0) / a.tokens, "hit_rate": s.hit_rate}
     window, prompt_times = torch.tensor(window_ids(a)), []
     for trial in range(a.trials + 1):
         engine.reset()
@@ -69,13 +72,9 @@ def run_engine(a, store: str, fraction: float) -> dict:
         engine.forward(window, 0)
         if trial:
             prompt_times.append((time.perf_counter() - start) / len(window))
-    s = engine.stats
     return {"ms_per_token": 1000 * statistics.median(times), "trials_ms": [1000 * t for t in times],
-            "prompt_ms_per_token": 1000 * statistics.median(prompt_times),
-            "fetches_per_decode_token": (s.sync_fetches - fetches0) / a.tokens,
-            "stall_ms_per_token": 1000 * (s.stall_s - stall0) / a.tokens,
-            "hit_rate": s.hit_rate, "peak_rss": rss_peak(), "rss_before_load": base, "greedy": out,
-            **engine.budget()}
+            "prompt_ms_per_token": 1000 * statistics.median(prompt_times), **decode_counts,
+            "peak_rss": rss_peak(), "rss_before_load": base, "greedy": out, **engine.budget()}
 
 
 def run_hf(a) -> dict:

@@ -5,8 +5,9 @@ wrapping the engine's own functions in this process.
     python benchmarks/decode_profile.py [--model DIR] [--store ram] [--cache 1.0] [--tokens 64] [--trials 5]
 
 Stages (nested stages are subtracted from their parents): attention (the dense attention
-block, norms excluded; the compiled decode block includes its two norms), route (router matmul, host sync, top-k), decide (the decision
-kernel call with its argument checks), carry_out (logged actions: transfers, waits),
+block, norms excluded; the compiled decode block includes its two norms), route (router
+product, host sync, top-k), decide (the decision kernel call), carry_out (logged actions:
+transfers, waits),
 absorb (counters), experts (the k experts' compute), lm_head (final norm and logits), and
 the rest of the forward (norms, residual adds, the MoE runner's Python, the engine's
 bookkeeping). The wrappers add ~0.3 us per call, which falls into the stage they wrap.

@@ -34,7 +34,7 @@ def test_kernels_match_reference():
 def test_compiled_kernel_reads_16_bit_slots_exactly():
     """Slots kept as fp16 or bf16 give the compiled kernel the same result as their fp32 values."""
     g = torch.Generator().manual_seed(1)
-    S, F, H, k = 5, 8, 16, 3
+    S, F, H = 5, 8, 16
     x = torch.randn(1, H, generator=g)
     slots, gates = np.array([4, 0, 2]), np.array([0.5, 0.3, 0.2], np.float32)
     for dtype in (torch.float16, torch.bfloat16):

@@ -177,7 +177,7 @@ class Transformer:
     def _token_args(self, i: int, L: dict) -> tuple:
         """Layer i's weights as attention_token takes them (empty arrays for what the family lacks)."""
         a = self.args
-        empty = np.zeros(0, np.float32)
+        empty = dense_decode.EMPTY
 
         def arr(name: str) -> np.ndarray:
             return L[name].contiguous().numpy() if name in L else empty

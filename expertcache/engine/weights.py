@@ -12,7 +12,6 @@ from ..models import family_of
 from ..models.args import LayerExperts, ModelArgs
 from .checkpoint import Checkpoint
 
-
 VOCAB = ("embed", "lm_head")  # the largest dense tensors, read whole for every decoded token's logits
 
 
