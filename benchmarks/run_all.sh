@@ -40,6 +40,11 @@ timed|all)
       fetch-all+prefetch/router-ahead fetch-all+prefetch/quasi-hidden fetch-all+prefetch/estimator \
       fetch-all+prefetch/hybrid fetch-all+speculative/quasi-hidden fetch-all+speculative/hybrid \
       quality-first quality-first+prefetch/hybrid
+  run make_checkpoint python benchmarks/make_checkpoint.py --out build/qwen3-30b-shape --layers 4
+  run calibrate_big expertcache calibrate --model build/qwen3-30b-shape --max-tokens 1024
+  run bench_big expertcache bench --model build/qwen3-30b-shape --cache 0.25 --decode-tokens 16 --forced-tokens 64 \
+      --repeats 2 --json "$out/bench_big.json" --policies fetch-all threshold:tau=0.15 quality-first \
+      threshold:tau=0.07,eviction=demand fetch-all+prefetch/quasi-hidden quality-first+prefetch/quasi-hidden
   run calibrate_hw expertcache calibrate-hw --store disk --mode forced --out "$out/cpu-disk-forced.json"
   run calibrate_hw_decode expertcache calibrate-hw --store disk --mode decode --out "$out/cpu-disk-decode.json"
   run costmodel_check python benchmarks/costmodel_check.py --repeats 3 --json "$out/costmodel_check.json"
