@@ -51,7 +51,7 @@ def test_study_and_bench_run(tmp_path):
     from expertcache.lab.study import StudyConfig, run_study, study_sequences
     cfg = StudyConfig(tokens_per_domain=256, context=128, prompts_per_domain=1, new_tokens=6, bootstrap=200,
                       policies=("fetch-all", "substitute-all", "threshold:tau=0.15", "first-choice", "quality-first",
-                                "quality-first:beta=0", "band:lo=0.25", "band:lo=0,hi=0.09"),
+                                "quality-first:beta=0", "band:lo=0.25", "band:lo=0,hi=0.09", "lowbit:tau=0.15"),
                       generation_policies=("fetch-all", "threshold:tau=0.15"))
     res = run_study(None, cfg)
     files = write_report(res, tmp_path)
@@ -66,6 +66,9 @@ def test_study_and_bench_run(tmp_path):
                                                                                 cfg.new_tokens)))
     assert runs["substitute-all"]["slots_substituted_pct"] > 0
     assert runs["threshold:tau=0.15"]["sync_fetches_per_token"] > runs["first-choice"]["sync_fetches_per_token"]
+    # low-precision copies move fewer bytes than full fetches, substitution fewer still
+    kib = {p: runs[p]["fetched_kib_per_token"] for p in ("fetch-all", "lowbit:tau=0.15", "threshold:tau=0.15")}
+    assert kib["fetch-all"] > kib["lowbit:tau=0.15"] > kib["threshold:tau=0.15"] > 0
     assert set(res.analyses) >= {"where_loss_comes_from", "mass_hypothesis", "equal_mass", "background_admission"}
     assert 0 <= res.generation["threshold:tau=0.15"]["identical_token_share"] <= 1
     b = run_bench(None, BenchConfig(policies=("fetch-all", "threshold:tau=0.15", "fetch-all+prefetch/router-ahead"),

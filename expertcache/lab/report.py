@@ -72,7 +72,7 @@ def write_report(res: StudyResult, out: Path) -> list[Path]:
                 continue
             lines.append(f"| `{spec}` | {r['identical_token_share']:.1%} | {r['mean_first_divergence']:.1f} | "
                          f"{r['r_mass_vs_disagreement']:.3f} |")
-    lines += ["", "![pareto](pareto.png)", ""]
+    lines += ["", "![pareto](pareto.png)", "", "![bytes fetched](bytes.png)", ""]
     (out / "README.md").write_text("\n".join(lines))
     return [out / "README.md", out / "study.json", *plots]
 
@@ -87,4 +87,7 @@ def _plots(res: StudyResult, out: Path) -> list[Path]:
                 ci, short=short),
         scatter({p: (r["sync_fetches_per_token"], r["pct"]) for p, r in res.runs.items()},
                 "synchronous fetches per token", "perplexity increase (%)",
-                "Quality vs fetches (lower left is better)", out / "pareto.png", ci, frontier=True, short=short)]
+                "Quality vs fetches (lower left is better)", out / "pareto.png", ci, frontier=True, short=short),
+        scatter({p: (r["fetched_kib_per_token"], r["pct"]) for p, r in res.runs.items()},
+                "KiB fetched per token (every transfer and precision)", "perplexity increase (%)",
+                "Quality vs bytes fetched (lower left is better)", out / "bytes.png", ci, frontier=True, short=short)]

@@ -26,6 +26,7 @@ MAIN = ["substitute-all", *(f"threshold:tau={t:g}" for t in TAUS), "first-choice
 NO_ADMISSION = "quality-first:beta=0"
 HEAVY = "band:lo=0.25"  # substitute only misses with gate weight >= 0.25 (first choices included)
 LIGHT = [f"band:lo=0,hi={h:g}" for h in (0.06, 0.09, 0.12, 0.16)]  # only light misses
+LOWBIT = ["lowbit:tau=0.15", "lowbit:tau=0.15,lo=0.05"]  # light misses as int4 copies; the lightest substituted
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class StudyConfig:
     new_tokens: int = 32
     bootstrap: int = 2000
     seed: int = 0
-    policies: tuple[str, ...] = (BASELINE, *MAIN, NO_ADMISSION, HEAVY, *LIGHT)
+    policies: tuple[str, ...] = (BASELINE, *MAIN, NO_ADMISSION, HEAVY, *LIGHT, *LOWBIT)
     generation_policies: tuple[str, ...] = (BASELINE, "substitute-all", "threshold:tau=0.15", "first-choice",
                                             "quality-first", "speed-first")
     text: str | None = None  # UTF-8 text file (default: the built-in evaluation text, domains from eval.json)
@@ -127,6 +128,9 @@ def run_metrics(r: PerplexityResult, base: PerplexityResult, cfg: StudyConfig) -
             "mass_per_call": s["substituted_mass"] / calls, "hit_rate": s["hit_rate"],
             "sync_fetches_per_token": s["sync_fetches"] / r.tokens,
             "admissions_per_token": s["background_fetches"] / r.tokens,
+            # every transfer and precision: what a policy moves over the slow link, to compare at equal bytes
+            "fetched_kib_per_token": (s["sync_fetch_bytes"] + s["lowbit_bytes"] + s["background_bytes"]
+                                      + s["prefetch_bytes"]) / r.tokens / 1024,
             "window_nll": r.window_nll, "window_mass": [w["substituted_mass"] / max(1, w["moe_calls"])
                                                         for w in r.window_stats]}
 
