@@ -96,18 +96,12 @@ def compiled_applies(x: torch.Tensor, w13: torch.Tensor) -> bool:
 
 def experts_one_token_compiled(x, slots, weights, w13, w2, b13=None, b2=None, kind: ExpertKind = SWIGLU):
     """experts_one_token as one compiled call (kernel.expert_compute); x [1, H] fp32 on the CPU."""
-    out = torch.empty_like(x)
-    nobias = b13 is None
-    experts_token(x[0].contiguous().numpy(), slots[0].numpy(), weights[0].to(torch.float32).numpy(), w13.numpy(),
-                  w2.numpy(), NO_BIAS if nobias else b13.numpy(), NO_BIAS if nobias else b2.numpy(),
-                  np.float32(kind.limit or 0.0), np.float32(kind.alpha), np.empty(w2.shape[2], np.float32),
-                  out[0].numpy())
-    return out
+    return CompiledSlots(w13, w2, b13, b2, kind)(x.contiguous(), slots[0].numpy(), weights[0].to(torch.float32).numpy())
 
 
 class CompiledSlots:
-    """Decode's compiled expert call (kernel.expert_compute) over one cache's fp32 CPU slot tensors,
-    their numpy views taken once: what is left per call is the kernel itself."""
+    """Decode's compiled expert call (kernel.expert_compute) over one cache's CPU slot tensors (fp32,
+    fp16 or bf16), their numpy views taken once: what is left per call is the kernel itself."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None,
                  kind: ExpertKind):

@@ -72,12 +72,10 @@ def _decode_part(buf, row, dst):
             out_u[i] = np.uint32(src16[i]) << np.uint32(16)
     elif kind == RAW_F16:
         _halves_to_floats(buf[start:start + 2 * n].view(np.uint16), dst, out_u, n)
-    elif kind == MXFP4:
-        _decode_mxfp4(buf, row, dst)
-    else:
+    else:  # quantized: row by row, as a kernel computing from a quantized slot reads them
         cols = row[COLS]
         for r in range(row[ROWS]):
-            _int_row(buf, row, r, dst[r * cols:(r + 1) * cols])
+            decode_row(buf, row, r, dst[r * cols:(r + 1) * cols])
 
 
 @njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
@@ -142,18 +140,11 @@ def decode_row(buf, row, r, out):
         _int_row(buf, row, r, out)
 
 
-@njit(cache=True, _nrt=False, nogil=True, error_model="numpy")
-def _decode_mxfp4(buf, row, dst):
-    """An MXFP4 matrix (plan row `row`): per row, blocks of 32 FP4 codes (two per byte, the low
-    nibble first) times their block's power-of-two scale, the padding of the last block dropped."""
-    cols = row[COLS]
-    for r in range(row[ROWS]):
-        _mxfp4_row(buf, row, r, dst[r * cols:(r + 1) * cols])
-
-
 @njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
 def _mxfp4_row(buf, row, r, out):
-    """Row r of an MXFP4 matrix (plan row `row`) into out [cols] float32."""
+    """Row r of an MXFP4 matrix (plan row `row`) into out [cols] float32: blocks of 32 FP4 codes
+    (two per byte, the low nibble first) times their block's power-of-two scale, the padding of
+    the last block dropped."""
     cols, g = row[COLS], row[GROUP]
     blocks = (cols + g - 1) // g
     code_cols = blocks * g // 2
