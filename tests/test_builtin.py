@@ -76,7 +76,7 @@ def test_study_and_bench_run(tmp_path):
     s = b.summary()
     assert s["fetch-all"]["ppl"] == pytest.approx(s["all resident"]["ppl"], rel=1e-5)
     # prefetching is a decode-time pipeline: there it ran, and decoded the exact text
-    assert b.decode_prefetches_per_token["fetch-all+prefetch/router-ahead"] > 0
+    assert b.decode_counts["fetch-all+prefetch/router-ahead"]["prefetch_fetches"] > 0
     assert b.decoded["fetch-all+prefetch/router-ahead"] == b.decoded["all resident"] == b.decoded["fetch-all"]
 
 

@@ -1,5 +1,5 @@
 """Faults of the slow tier: a corrupt blob is caught by its checksum and named; a failed or short
-read in the I/O thread pool leaves the cache consistent (the expert absent, its slot free, nothing
+read (on a worker thread or through io_uring) leaves the cache consistent (the expert absent, its slot free, nothing
 in flight) and the engine computing exactly what a clean engine computes from the same state."""
 import errno
 import json
@@ -16,6 +16,7 @@ from expertcache.engine.cache import CacheConfig
 from expertcache.engine.checkpoint import ROUTING_COUNTS, open_checkpoint
 from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.engine.stores import DiskStore, RamStore, convert_to_disk
+from expertcache.engine.uring import RingReads
 from expertcache.errors import FetchError, NonFiniteOutput
 from expertcache.models import model_args
 
@@ -200,3 +201,45 @@ def test_the_calling_thread_reads_a_tokens_only_fetch(model, monkeypatch):
         logits.append(torch.cat(out))
         engine.close()
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
+needs_ring = pytest.mark.skipif(RingReads.open() is None, reason="io_uring is not available here")
+
+
+@needs_ring
+def test_io_uring_reads_equal_worker_reads(tmp_path):
+    """Reads through io_uring (the built-in model's fp16 blobs land straight in fp16 slots) give the
+    logits of reads on worker threads, and the statistics say which way they went."""
+    ids = torch.arange(40, 52)
+    logits, modes = [], []
+    for io in ("uring", "threads"):
+        engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, cache=CacheConfig(fraction=0.25, io=io),
+                                           initial="cold"))
+        logits.append(torch.cat([engine.forward(ids[:4], 0)] + [engine.forward(ids[t:t + 1], t) for t in range(4, 12)]))
+        assert engine.stats.sync_fetches > 0
+        modes.append(engine.stats.read_mode)
+        engine.close()
+    assert torch.equal(logits[0], logits[1])
+    assert modes == ["o_direct+io_uring", "o_direct"]
+
+
+@needs_ring
+def test_io_uring_read_faults_leave_the_cache_consistent(tmp_path):
+    """Through io_uring a corrupt blob fails its checksum and a truncated store file gives a short read:
+    each a FetchError naming the expert, with the expert absent and nothing left in flight."""
+    engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, cache=CacheConfig(fraction=0.25, io="uring"),
+                                       initial="cold"))
+    cache, store, E = engine.cache, engine.store, engine.args.num_experts
+    with open(store.path, "r+b") as f:
+        f.seek(store.offset(3, 7) + 100)
+        f.write(os.urandom(64))
+    with pytest.raises(FetchError, match="expert 7 of layer 3 fails its CRC32C check"):
+        cache.fill(3, [6, 7, 8])
+    assert cache.slot_of[3, 7] < 0 and cache.slot_of[3, 6] >= 0 and not cache.pending
+    os.truncate(store.path, store.offset(5, E - 1) + 4096)
+    with pytest.raises(FetchError, match=f"short read of expert {E - 1} of layer 5: 4096 of"):
+        cache.fill(5, [E - 1])
+    assert cache.slot_of[5, E - 1] < 0 and not cache.pending and not cache.state.pending.any()
+    with pytest.raises(FetchError, match=r"reading expert 2 of layer 0 from the disk store failed \(\[Errno 5\]"):
+        store.check_read(0, 2, -errno.EIO, [])  # what a failed read's completion carries
+    engine.close()

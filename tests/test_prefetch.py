@@ -11,6 +11,7 @@ from expertcache.engine.checkpoint import load_default_vectors
 from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.engine.moe import PrefetchConfig
 from expertcache.engine.predictors import Estimator
+from expertcache.kernel.cache_state import PREFETCHES
 from expertcache.kernel.routing import Router
 from expertcache.lab.calibrate import calibrate, save_calibration
 from expertcache.lab.prediction import (
@@ -119,3 +120,38 @@ def test_compiled_quasi_hidden_equals_torch():
     compiled = p.logits(2, resid, None, ids, gates)
     reference = p._router_logits(2, p.quasi_hidden(2, resid, ids, gates))
     torch.testing.assert_close(compiled, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_unneeded_queued_prefetches_are_dropped_unread(tmp_path, monkeypatch):
+    """Prefetches still queued for a worker when their layer's routes are known and not among them are
+    dropped: the read never happens, the slot is free, and they stop counting as prefetches; started and
+    needed ones land. (io_uring hands every read to the kernel at once: nothing waits in a queue there.)"""
+    import os
+    import threading
+
+    import numpy as np
+    engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, cache=CacheConfig(fraction=0.25, io="threads")))
+    cache, workers = engine.cache, engine.cache.cfg.io_workers
+    layer = 2
+    absent = [e for e in range(engine.args.num_experts) if cache.slot_of[layer, e] < 0][:workers + 4]
+    gate, started, real = threading.Event(), threading.Semaphore(0), os.preadv
+
+    def held(*a):  # every worker's read waits until the queue behind them has been looked at
+        started.release()
+        gate.wait()
+        return real(*a)
+    monkeypatch.setattr(os, "preadv", held)
+    cache.prefetch(layer, np.array(absent), 0)
+    for _ in range(workers):
+        assert started.acquire(timeout=60)  # the first `workers` prefetches are being read; the last 4 are queued
+    needed = np.array([[absent[1], absent[workers + 1]]])
+    assert cache.drop_prefetches(layer, needed) == 3  # queued and not needed
+    gate.set()
+    cache.finish_all()
+    monkeypatch.setattr(os, "preadv", real)
+    landed = [cache.slot_of[layer, e] >= 0 for e in absent]
+    assert landed == [True] * workers + [False, True, False, False]
+    assert not cache.pending and not cache.state.pending.any()
+    assert cache.state.counts[PREFETCHES] == workers + 1
+    assert (cache.state.owner >= 0).sum() == cache.num_slots - 3  # the dropped prefetches' slots are free
+    engine.close()

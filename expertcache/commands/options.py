@@ -9,6 +9,7 @@ from pathlib import Path
 from ..engine.cache import SLOT_DTYPES, CacheConfig
 from ..engine.engine import Engine, EngineConfig
 from ..engine.quant import DTYPES, SCHEMES, ExpertFormat
+from ..engine.transfer import IO_BACKENDS
 
 
 def bounded(kind, lo=None, hi=None, lo_open=False, what=""):
@@ -83,6 +84,9 @@ def add_store_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None
     p.add_argument("--read-mode", default="auto", choices=["auto", "direct", "buffered"],
                    help="disk store reads: O_DIRECT, buffered with the page cache dropped, or auto (O_DIRECT where "
                         "the filesystem allows it; the mode used is in the statistics)")
+    p.add_argument("--io", default="auto", choices=IO_BACKENDS,
+                   help="how disk-store reads are issued: io_uring from the engine's thread, worker threads, or auto "
+                        "(io_uring where Linux allows it and reads land straight in float slots)")
     p.add_argument("--slot-dtype", default="auto", choices=SLOT_DTYPES,
                    help="the experts' format in the fast tier: auto (on the CPU the store's fp16/bf16, else fp32; "
                         "fp16 on CUDA), fp32, fp16, bf16, or int8/int4 (the store's quantized blobs as they are, "
@@ -131,7 +135,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk") -> Non
 
 def engine_from_args(a: argparse.Namespace) -> Engine:
     """The Engine that add_engine_arguments' options describe."""
-    cache = CacheConfig(fraction=a.cache, bytes=a.cache_bytes, quota=a.quota)
+    cache = CacheConfig(fraction=a.cache, bytes=a.cache_bytes, quota=a.quota, io=a.io)
     return Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=cache, policy=a.policy,
                                         eviction=a.eviction, initial=a.initial, store_dir=a.store_dir,
                                         max_seq=a.max_seq, memory_budget=a.memory_budget, read_mode=a.read_mode,

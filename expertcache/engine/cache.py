@@ -14,7 +14,7 @@ import torch
 
 from ..errors import BadInput, CacheTooSmall, UnknownName
 from ..kernel import decisions as kernel
-from ..kernel.cache_state import LOGGING, N_LOG, CacheState
+from ..kernel.cache_state import LOGGING, N_LOG, PREFETCHES, CacheState
 from ..kernel.policy import Scratch
 from ..kernel.routing import Router, Routing, route_logits
 from ..policies import MissPolicy
@@ -71,6 +71,7 @@ class CacheConfig:
     quota: str = "layer"  # "layer": each layer owns its slots; "global": any layer may take any slot
     eviction: str = "lru"  # the engine overrides it with EngineConfig.eviction or the policy's choice
     io_workers: int = 4
+    io: str = "auto"  # auto: io_uring for reads straight into slots where the system has it; uring; threads
     caller_reads: bool = True  # a token's only synchronous fetch of a layer is read by the waiting thread
 
 
@@ -134,9 +135,9 @@ class ExpertCache:
         if virtual:
             self.transfers = InstantTransfers()
         elif encoded:
-            self.transfers = TransferEngine(store, self.blobs, None, cfg.io_workers, encoded=True)
+            self.transfers = TransferEngine(store, self.blobs, None, cfg.io_workers, encoded=True, io=cfg.io)
         else:
-            self.transfers = TransferEngine(store, self.w13, self.w2, cfg.io_workers, self.b13, self.b2)
+            self.transfers = TransferEngine(store, self.w13, self.w2, cfg.io_workers, self.b13, self.b2, io=cfg.io)
         if not virtual:
             self._compile()
 
@@ -241,6 +242,10 @@ class ExpertCache:
             raise BadInput(f"prefetch: experts must be a list of expert ids; got an array of shape {experts.shape}")
         self._check_layer(layer)
         self._check_experts("prefetch: experts", experts)
+        return self.prefetch_routed(layer, experts, clock)
+
+    def prefetch_routed(self, layer: int, experts: np.ndarray, clock: int) -> float:
+        """`prefetch` without its checks, for ids that a router made (int64 [n], in range): the engine's call."""
         if not kernel.prefetch(self.state, layer, experts, clock):
             self._abandon(self._take_log())
             raise self.too_small(layer)
@@ -263,6 +268,7 @@ class ExpertCache:
                 if op == kernel.LOAD:
                     self.pending[a] = self.transfers.submit(b // E, b % E, a, kernel.KINDS[c], i in here)
                     continue
+                self.transfers.flush()  # the loads logged so far start together
                 if started is not None:
                     started, run = None, started
                     run()
@@ -272,6 +278,7 @@ class ExpertCache:
                     compute(a, b)
                 else:
                     stall += self.finish_all()
+            self.transfers.flush()
             if started is not None:
                 started()
         except BaseException:
@@ -357,6 +364,19 @@ class ExpertCache:
     def poll(self) -> None:
         """Retire finished transfers so that decisions see them as resident."""
         self._wait_each([s for s, t in self.pending.items() if t.done()])
+
+    def drop_prefetches(self, layer: int, needed: np.ndarray) -> int:
+        """Drop the prefetches of `layer` that no worker has started and whose expert is not in
+        `needed` (the layer's routed ids, now known): the read is never made and the slot is free
+        again. Returns how many were dropped; they no longer count as prefetches."""
+        E, dropped, needed = self.shape.num_experts, 0, set(needed.ravel().tolist())
+        for slot, t in list(self.pending.items()):
+            if t.kind == "prefetch" and t.layer == layer and t.expert not in needed and t.cancel():
+                del self.pending[slot]
+                self._unmap(slot, layer * E + t.expert)
+                dropped += 1
+        self.state.counts[PREFETCHES] -= dropped
+        return dropped
 
     def finish_all(self) -> float:
         """Wait for every transfer in flight; returns the stall in seconds."""

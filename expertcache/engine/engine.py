@@ -145,7 +145,8 @@ class Engine:
             self.cache.warm(counts)
         self.policy.reset()
         self.runner.predicted = None
-        self.stats.__init__(read_mode=self.store.read_mode)
+        ring = getattr(self.cache.transfers, "ring", None) is not None
+        self.stats.__init__(read_mode=self.store.read_mode + ("+io_uring" if ring else ""))
         self.warm = counts is not None
 
     def set_policy(self, policy: MissPolicy | str, eviction: str | None = None) -> None:

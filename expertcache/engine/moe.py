@@ -86,6 +86,7 @@ class PrefetchConfig:
     predictor: str = "quasi-hidden"  # router-ahead | quasi-hidden | estimator | hybrid
     mode: str = "prefetch"  # prefetch: the true router decides; speculative: the prediction runs
     budget: int | None = None  # prefetches per token and layer (default: top-k)
+    drop: bool = True  # drop queued prefetches that the layer's routes turn out not to need, unread
 
 
 class MoELayerRunner:
@@ -112,13 +113,16 @@ class MoELayerRunner:
 
     def _predict_next(self, layer: int, x: torch.Tensor, exec_ids: np.ndarray, gates: np.ndarray) -> None:
         a, cache = self.args, self.cache
-        ids, weights = torch.from_numpy(exec_ids), torch.from_numpy(gates)
-        if x.device.type != "cpu":
-            ids, weights = ids.to(x.device), weights.to(x.device)
-        logits = self.predictor.logits(layer, self.resid, x, ids, weights)
-        assert logits.shape == (x.shape[0], a.num_experts), \
-            f"{self.predictor.name} gave logits {tuple(logits.shape)}, expected [T, E] = {(x.shape[0], a.num_experts)}"
-        self.predicted = self.router.route(logits.float().cpu().numpy(), layer + 1)
+        logits = self.predictor.decode_logits(layer, self.resid, exec_ids[0], gates[0]) if x.shape[0] == 1 else None
+        if logits is None:
+            ids, weights = torch.from_numpy(exec_ids), torch.from_numpy(gates)
+            if x.device.type != "cpu":
+                ids, weights = ids.to(x.device), weights.to(x.device)
+            logits = self.predictor.logits(layer, self.resid, x, ids, weights)
+            assert logits.shape == (x.shape[0], a.num_experts), \
+                f"{self.predictor.name} gave logits {tuple(logits.shape)}, expected [T, E] = {(x.shape[0], a.num_experts)}"
+            logits = logits.float().cpu().numpy()
+        self.predicted = self.router.route(logits, layer + 1)
         self.stats.predictions += x.shape[0]
         if x.shape[0] != 1 and not self.decoding:  # prefetching ahead is a decode-time pipeline
             return
@@ -127,7 +131,7 @@ class MoELayerRunner:
         if wanted.shape[0] > 1:  # a decode batch: the `budget` experts most of its tokens predict (ties: best rank)
             experts, first, counts = np.unique(wanted.T.ravel(), return_index=True, return_counts=True)
             wanted = experts[np.lexsort((first, -counts))][None, :budget]
-        self.stats.stall_s += cache.prefetch(layer + 1, wanted[0], self.token_base)
+        self.stats.stall_s += cache.prefetch_routed(layer + 1, np.ascontiguousarray(wanted[0]), self.token_base)
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed MoE input) of MoE layer `layer` -> routed experts' combined output
@@ -139,6 +143,8 @@ class MoELayerRunner:
             routing = route(x, router, self.router, layer)
         self.predicted = None
         T = routing.ids.shape[0]
+        if self.prefetch.drop and self.predictor is not None and cache.pending:
+            stats.prefetch_dropped += cache.drop_prefetches(layer, routing.ids)
         out = torch.empty_like(x) if T > 1 else None  # decode computes once, after its decisions
         # a decode batch shares few experts between its tokens: where decode's compiled kernel runs (on the
         # CPU), one call per token beats grouped matmuls over a handful of tokens per expert

@@ -41,6 +41,11 @@ class Predictor:
         """resid [T, H], x [T, H], ids [T, k], weights [T, k] at `layer` -> logits for layer+1 [T, E]."""
         raise NotImplementedError
 
+    def decode_logits(self, layer: int, resid: torch.Tensor, ids: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
+        """One decode token's `logits` as an array [1, E] (ids, weights [k]) where a predictor has a
+        faster path for it; None otherwise (the caller takes `logits`)."""
+        return None
+
     def _router_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """MoE layer l+1's router weight on x [T, H] -> [T, E]: logits without the router's bias, which
         the model's Router adds when it routes them (kernel/routing.Router.route); computed as the model's
@@ -69,6 +74,7 @@ class QuasiHidden(Predictor):
             raise CheckpointError(f"default vectors of shape {tuple(default_vectors.shape)} do not fit the model; "
                                   "rerun `expertcache calibrate`")
         self.default_vectors = default_vectors.to(model.device, model.dtype)
+        self._decode: list[tuple] | None = None  # per layer, the compiled call's arrays (decode_logits)
 
     def quasi_hidden(self, layer, resid, ids, weights) -> torch.Tensor:
         """q_l = Norm_{l+1}(r_l + sum_j g_j d_{l, e_j}) [T, H]."""
@@ -82,14 +88,22 @@ class QuasiHidden(Predictor):
     def logits(self, layer, resid, x, ids, weights):
         """Router_{l+1}(q_l) [T, E]."""
         if self._compiled(resid):  # decode on the CPU: one compiled call
-            a, nxt = self.model.args, self.model.moe_layers[layer + 1]
-            out = torch.empty((1, a.num_experts), dtype=torch.float32)
-            dense_decode.quasi_hidden_logits(resid.numpy()[0], self.default_vectors[layer].numpy(), ids.numpy()[0],
-                                             weights.numpy()[0], nxt["moe_norm"].numpy(), np.float32(a.rms_norm_eps),
-                                             nxt["router"].numpy(), np.empty(a.hidden_size, np.float32),
-                                             out.numpy()[0])
-            return out
+            return torch.from_numpy(self.decode_logits(layer, resid, ids.numpy()[0], weights.numpy()[0]))
         return self._router_logits(layer, self.quasi_hidden(layer, resid, ids, weights))
+
+    def decode_logits(self, layer, resid, ids, weights):
+        """One compiled call on the CPU (fp32 residual and router), over arrays taken once."""
+        if not self._compiled(resid):
+            return None
+        if self._decode is None:
+            a, layers = self.model.args, self.model.moe_layers
+            self._decode = [(self.default_vectors[l].numpy(), layers[l + 1]["moe_norm"].numpy(),
+                             layers[l + 1]["router"].numpy()) for l in range(len(layers) - 1)]
+            self._eps, self._q = np.float32(a.rms_norm_eps), np.empty(a.hidden_size, np.float32)
+        vectors, norm, router = self._decode[layer]
+        out = np.empty((1, router.shape[0]), np.float32)
+        dense_decode.quasi_hidden_logits(resid.numpy()[0], vectors, ids, weights, norm, self._eps, router, self._q, out[0])
+        return out
 
     def _compiled(self, resid: torch.Tensor) -> bool:
         return resid.shape[0] == 1 and resid.device.type == "cpu" and resid.dtype == torch.float32 \
@@ -119,6 +133,10 @@ class Estimator(QuasiHidden):
         super().__init__(model, default_vectors)
         self.net = net.to(model.device).eval()
         self.layers = layers  # None: every layer; else only these, quasi-hidden elsewhere
+
+    def decode_logits(self, layer, resid, ids, weights):
+        """The net has no compiled path: `logits` serves decode too."""
+        return None
 
     def logits(self, layer, resid, x, ids, weights):
         """The estimator's logits for layer+1 [T, E], or quasi-hidden's on layers it does not cover."""

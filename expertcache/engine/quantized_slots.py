@@ -1,15 +1,15 @@
 """Expert compute over quantized slots: each slot holds one expert's encoded blob (int8 or int4
 codes with their group scales and minimums, quant.py's layout) as the disk store keeps it, so the
 fast tier holds 2-4x the experts of fp16 slots in the same bytes. Decode's token runs the compiled
-kernel.expert_compute.experts_token_encoded, which dequantises each weight row as it uses it;
-windows dequantise each used expert once per run (kernel.decode_blob) and compute with torch."""
+kernel.expert_compute.experts_token_int, which computes from the codes without dequantising them
+(per group, scale * (codes . x) + min * sum(x)); windows dequantise each used expert once per run (kernel.decode_blob) and compute with torch."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from ..kernel.decode_blob import NO_PART, decode_blob
-from ..kernel.expert_compute import experts_token_encoded
+from ..kernel.expert_compute import experts_token_int, int_work_floats
 from .experts import ExpertKind, experts_grouped_by
 from .quant import ExpertFormat, decode_plan
 from .stores import ExpertShape
@@ -19,20 +19,20 @@ class QuantizedSlots:
     """Decode's compiled expert call, and windows' grouped compute, over blobs uint8 [S, bytes] in `fmt`."""
 
     def __init__(self, blobs: torch.Tensor, shape: ExpertShape, fmt: ExpertFormat, kind: ExpertKind):
-        assert fmt.quantized and blobs.dtype == torch.uint8 and blobs.device.type == "cpu", (fmt, blobs.dtype)
+        assert fmt.quantized and not fmt.mx and blobs.dtype == torch.uint8 and blobs.device.type == "cpu", (fmt, blobs.dtype)
         self.blobs, self.shape, self.kind = blobs, shape, kind
         self.plan = decode_plan(shape.parts, fmt)
-        (F2, H), F = shape.w13, shape.w2[1]
+        F = shape.w2[1]
         self.limit, self.alpha = np.float32(kind.limit or 0.0), np.float32(kind.alpha)
-        self.scratch = np.empty(F2 + H + max(H, F), np.float32)
+        self.work = np.empty(int_work_floats(self.plan), np.float32)
         self.act = np.empty(F, np.float32)
         self.parts = [torch.empty(p) for p in shape.parts]  # one expert dequantised, for windows
 
     def __call__(self, x: torch.Tensor, slots: np.ndarray, gates: np.ndarray) -> torch.Tensor:
         """Decode: x [1, H] fp32, slots [k] int64, gates [k] float32 -> [1, H]."""
         out = torch.empty_like(x)
-        experts_token_encoded(x.numpy()[0], slots, gates, self.blobs.numpy(), self.plan, self.limit, self.alpha,
-                              self.scratch, self.act, out.numpy()[0])
+        experts_token_int(x.numpy()[0], slots, gates, self.blobs.numpy(), self.plan, self.limit, self.alpha, self.work,
+                          self.act, out.numpy()[0])
         return out
 
     def expert(self, slot: int) -> tuple:

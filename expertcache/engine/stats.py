@@ -24,7 +24,8 @@ class RunStats:
     substituted_calls: int = 0  # calls with at least one substitution
     substituted_mass: float = 0.0  # summed gate weight of substituted experts
     background_fetches: int = 0  # admissions started off the critical path
-    prefetch_fetches: int = 0
+    prefetch_fetches: int = 0  # prefetch reads made (dropped ones not counted)
+    prefetch_dropped: int = 0  # prefetches dropped before a worker read them: the layer's routes did not need them
     prefetch_bytes: int = 0
     predictions: int = 0  # (token, layer) next-layer predictions a prefetch predictor made
     background_bytes: int = 0

@@ -118,6 +118,16 @@ class ExpertStore(ABC):
         """Fast-tier memory the store's reads need besides the slots (per-worker staging)."""
         return 0
 
+    def direct_targets(self, dsts: list[torch.Tensor]) -> list[np.ndarray] | None:
+        """When `read_into(..., *dsts)` reads a blob straight into the bytes of dsts (one slot's
+        parts), those bytes as uint8 arrays, taken once for `read_direct`; else None."""
+        return None
+
+    def read_direct(self, layer: int, expert: int, targets: list[np.ndarray]) -> int:
+        """read_into through `direct_targets(dsts)`: the same bytes land, without re-deriving the
+        views on every read. Returns the bytes moved."""
+        raise NotImplementedError(f"the {self.name} store reads nothing straight into slots")
+
     def close(self) -> None:
         """Release the store's files and buffers; the base store holds none."""
         pass
@@ -368,12 +378,12 @@ class DiskStore(ExpertStore):
         once to the slot's dtype (round to nearest even, as torch converts: what a ram store
         emulating the format holds in that dtype). Torch ops otherwise (CUDA). Returns the blob's bytes."""
         dsts = (w13, w2, b13, b2)[:len(self.shape.parts)]
+        targets = self.direct_targets(dsts)
+        if targets is not None:
+            return self.read_direct(layer, expert, targets)
         cpu = all(d is not None and d.device.type == "cpu" and d.is_contiguous() and d.shape == p
                   for d, p in zip(dsts, self.shape.parts))  # the compiled pass checks no bounds
         same = cpu and all(d.dtype == self._raw for d in dsts)
-        if same and self._direct_parts and all(d.data_ptr() % ALIGN == 0 for d in dsts):
-            self._read(layer, expert, [d.view(-1).view(torch.uint8).numpy() for d in dsts])
-            return self.blob
         array, view = self._read(layer, expert)
         if same:
             for seg, d in zip(self._segments, dsts):
@@ -388,6 +398,21 @@ class DiskStore(ExpertStore):
                 d.copy_(s)
         else:
             decode_into(view, self.shape.parts, self.format, dsts)
+        return self.blob
+
+    def direct_targets(self, dsts):
+        """The bytes of dsts as uint8 arrays when the blob's float parts are whole pages of their
+        dtype and dsts are contiguous CPU tensors of that dtype and shape at page-aligned addresses."""
+        if not self._direct_parts or len(dsts) != len(self.shape.parts):
+            return None
+        if all(d is not None and d.device.type == "cpu" and d.is_contiguous() and d.shape == p and d.dtype == self._raw
+               and d.data_ptr() % ALIGN == 0 for d, p in zip(dsts, self.shape.parts)):
+            return [d.view(-1).view(torch.uint8).numpy() for d in dsts]
+        return None
+
+    def read_direct(self, layer, expert, targets):
+        """One O_DIRECT preadv of the blob into `targets` (direct_targets), checked."""
+        self._read(layer, expert, targets)
         return self.blob
 
     def _scratch(self) -> list[torch.Tensor]:
@@ -409,22 +434,32 @@ class DiskStore(ExpertStore):
         whole pages, the blob's size together); returns the thread's buffer as an array and a tensor."""
         buf, view, array = self._buffer()
         targets = [buf] if into is None else into
-        index = layer * self.shape.num_experts + expert
-        offset = index * self.blob
+        offset = self.offset(layer, expert)
         try:
             n = os.preadv(self.fd, targets, offset)
             if self.read_mode == "buffered-dontneed":  # the next read of this blob comes from the device again
                 os.posix_fadvise(self.fd, offset, self.blob, os.POSIX_FADV_DONTNEED)
         except OSError as e:
-            raise FetchError(f"reading expert {expert} of layer {layer} from the disk store failed ({e}); "
-                             "check the disk or rerun `expertcache convert`") from None
+            n = -e.errno
+        self.check_read(layer, expert, n, targets)
+        return array, view
+
+    def offset(self, layer: int, expert: int) -> int:
+        """Where the blob of (layer, expert) starts in the store file."""
+        return (layer * self.shape.num_experts + expert) * self.blob
+
+    def check_read(self, layer: int, expert: int, n: int, targets: list) -> None:
+        """FetchError unless a read of the blob of (layer, expert) into `targets` returned the whole
+        blob (n: bytes read, or -errno) with the checksum that `convert` recorded."""
+        if n < 0:
+            raise FetchError(f"reading expert {expert} of layer {layer} from the disk store failed "
+                             f"([Errno {-n}] {os.strerror(-n)}); check the disk or rerun `expertcache convert`")
         if n != self.blob:
             raise FetchError(f"short read of expert {expert} of layer {layer}: {n} of {self.blob} bytes; "
                              "the store file is truncated, rerun `expertcache convert`")
-        if self.verify and self._crc(targets) != self.checksums[index]:
+        if self.verify and self._crc(targets) != self.checksums[layer * self.shape.num_experts + expert]:
             raise FetchError(f"expert {expert} of layer {layer} fails its CRC32C check in {self.path}: "
                              "the store file is corrupt; rerun `expertcache convert`")
-        return array, view
 
     @staticmethod
     def _crc(buffers: list) -> int:

@@ -26,7 +26,7 @@ E8M0 = np.array([2.0 ** (e - 127) for e in range(255)] + [np.inf], np.float32)
 
 
 @njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
-def _halves_to_floats(src, out_f, out_u, n):
+def halves_to_floats(src, out_f, out_u, n):
     """out[:n] = the fp16 values whose bits are src[:n] (uint16), exactly, in two passes that
     vectorise: every element as a subnormal (man * 2^-24, exact in fp32), then the bits of the
     normal values (exponent rebiased by 127 - 15), infinities and nans over them."""
@@ -71,7 +71,7 @@ def _decode_part(buf, row, dst):
         for i in range(n):
             out_u[i] = np.uint32(src16[i]) << np.uint32(16)
     elif kind == RAW_F16:
-        _halves_to_floats(buf[start:start + 2 * n].view(np.uint16), dst, out_u, n)
+        halves_to_floats(buf[start:start + 2 * n].view(np.uint16), dst, out_u, n)
     else:  # quantized: row by row, as a kernel computing from a quantized slot reads them
         cols = row[COLS]
         for r in range(row[ROWS]):
@@ -119,8 +119,8 @@ def _int_row(buf, row, r, out):
 @njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
 def decode_row(buf, row, r, out):
     """Row r of one part of a blob (plan row `row`; a bias is one row) into out [cols] float32, the
-    same values decode_blob writes there: how a kernel computes straight from a quantized slot, one
-    row at a time."""
+    same values decode_blob writes there (which decodes quantized parts row by row through it, and
+    the quantized-slot kernel a slot's biases)."""
     kind, cols = row[ENCODING], row[COLS]
     if kind == RAW_F32:
         src = buf[row[VALUES] + 4 * r * cols:row[VALUES] + 4 * (r + 1) * cols].view(np.float32)
@@ -132,7 +132,7 @@ def decode_row(buf, row, r, out):
         for c in range(cols):
             out_u[c] = np.uint32(src16[c]) << np.uint32(16)
     elif kind == RAW_F16:
-        _halves_to_floats(buf[row[VALUES] + 2 * r * cols:row[VALUES] + 2 * (r + 1) * cols].view(np.uint16), out,
+        halves_to_floats(buf[row[VALUES] + 2 * r * cols:row[VALUES] + 2 * (r + 1) * cols].view(np.uint16), out,
                           out.view(np.uint32), cols)
     elif kind == MXFP4:
         _mxfp4_row(buf, row, r, out)

@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit
 
 from .compiled import widen
-from .decode_blob import COLS, decode_row
+from .decode_blob import COLS, ENCODING, GROUP, INT4, MINS, ROWS, SCALES, VALUES, decode_row, halves_to_floats
 
 # reassoc/contract let LLVM vectorise the dot products; inf and nan keep their meaning
 FAST = {"reassoc", "contract"}
@@ -58,44 +58,126 @@ def experts_token(x, slots, gates, w13, w2, b13, b2, limit, alpha, act, out):
             out[h] += y
 
 
+@njit(cache=True, _nrt=False, nogil=True, inline="always")
+def _groups(row):
+    """Groups per row of an int8/int4 part (plan row `row`)."""
+    return (row[COLS] + row[GROUP] - 1) // row[GROUP]
+
+
+def int_work_floats(plan) -> int:
+    """The float32 scratch experts_token_int needs for `plan`: biases, both vectors in lanes with
+    their group sums, and both matrices' scales and minimums as floats."""
+    (g0, g1), (H, F) = plan[:2, GROUP], plan[1, ROWS:COLS + 1]
+    n0, n1 = plan[0, ROWS] * ((H + g0 - 1) // g0), H * ((F + g1 - 1) // g1)
+    return int(2 * F + H + 2 * (H + g0) + 2 * (F + g1) + 2 * n0 + 2 * n1)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
+def _lanes(v, n, g, four, lanes, sums):
+    """v [n] laid out for _int_dot: lanes = v padded with zeros to whole groups (int4: the
+    even-indexed elements, then the odd ones, to meet a byte's low and high codes); sums[gi] =
+    the sum of group gi."""
+    m = (n + g - 1) // g * g
+    if four:
+        h = m // 2
+        for j in range(h):
+            lanes[j] = v[2 * j] if 2 * j < n else np.float32(0.0)
+            lanes[h + j] = v[2 * j + 1] if 2 * j + 1 < n else np.float32(0.0)
+    else:
+        for c in range(m):
+            lanes[c] = v[c] if c < n else np.float32(0.0)
+    for gi in range(m // g):
+        s = np.float32(0.0)
+        for c in range(gi * g, min(gi * g + g, n)):
+            s += v[c]
+        sums[gi] = s
+
+
+@njit(cache=True, _nrt=False, nogil=True, inline="always")
+def _scales_as_floats(blob, row, scales, mins):
+    """An int8/int4 part's fp16 scales (and minimums, when asymmetric) as float32, every row's."""
+    n = row[ROWS] * _groups(row)
+    halves_to_floats(blob[row[SCALES]:row[SCALES] + 2 * n].view(np.uint16), scales, scales.view(np.uint32), n)
+    if row[MINS] >= 0:
+        halves_to_floats(blob[row[MINS]:row[MINS] + 2 * n].view(np.uint16), mins, mins.view(np.uint32), n)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
+def _int_dot(blob, row, r, lanes, sums, scales, mins):
+    """Row r of an int8/int4 part (plan row `row`) times a vector given as _lanes: per group,
+    scale * (codes . v) + min * sum(v), or scale * (codes . v - zero * sum(v)) when symmetric. The
+    codes are never dequantised: one conversion and one multiply-add per weight."""
+    g, groups = row[GROUP], _groups(row)
+    four = row[ENCODING] == INT4
+    code_cols = groups * g // 2 if four else groups * g
+    codes = row[VALUES] + r * code_cols
+    codes = blob[codes:codes + code_cols]
+    scales, mins = scales[r * groups:(r + 1) * groups], mins[r * groups:(r + 1) * groups]
+    asym = row[MINS] >= 0
+    zero = np.float32(7.0 if four else 127.0)
+    y = np.float32(0.0)
+    # slices per group keep every index provably in range, which lets LLVM vectorise the loops
+    if four:
+        b, h = g // 2, groups * g // 2
+        for gi in range(groups):
+            cg, lo, hi = codes[gi * b:(gi + 1) * b], lanes[gi * b:(gi + 1) * b], lanes[h + gi * b:h + (gi + 1) * b]
+            d = np.float32(0.0)
+            for j in range(cg.shape[0]):
+                d += np.float32(cg[j] & np.uint8(0xF)) * lo[j] + np.float32(cg[j] >> np.uint8(4)) * hi[j]
+            y += scales[gi] * d + mins[gi] * sums[gi] if asym else scales[gi] * (d - zero * sums[gi])
+    else:
+        for gi in range(groups):
+            cg, v = codes[gi * g:(gi + 1) * g], lanes[gi * g:(gi + 1) * g]
+            d = np.float32(0.0)
+            for j in range(cg.shape[0]):
+                d += np.float32(cg[j]) * v[j]
+            y += scales[gi] * d + mins[gi] * sums[gi] if asym else scales[gi] * (d - zero * sums[gi])
+    return y
+
+
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def experts_token_encoded(x, slots, gates, blobs, plan, limit, alpha, scratch, act, out):
-    """experts_token over quantized slots: blobs uint8 [S, bytes], each slot one expert's encoded blob
-    as the disk store keeps it, read through plan int64 [parts, PLAN_COLUMNS] (quant.decode_plan):
-    every weight row is dequantised into scratch (float32 [2F + H + max(H, F)]) with the values that
-    decode_blob writes into an fp32 slot, then used at once, so the result is experts_token's over
-    the dequantised slots, up to the order of its sums. act [F] scratch -> out [H]."""
+def experts_token_int(x, slots, gates, blobs, plan, limit, alpha, work, act, out):
+    """experts_token over int8/int4 slots: blobs uint8 [S, bytes], each slot one expert's encoded blob
+    as the disk store keeps it, read through plan int64 [parts, PLAN_COLUMNS] (quant.decode_plan),
+    computing from the codes: each product is a sum over groups of scale
+    * (codes . v) + min * sum(v), so no weight is dequantised. Equal to experts_token over the
+    dequantised slots up to the order of its sums. work float32 [int_work_floats(plan)], act [F]
+    scratch -> out [H]."""
     H = x.shape[0]
     F = plan[1, COLS]
     biased = plan.shape[0] > 2
-    b13 = scratch[:2 * F]
-    b2 = scratch[2 * F:2 * F + H]
-    row = scratch[2 * F + H:]
+    four = plan[0, ENCODING] == INT4
+    g0, g1 = plan[0, GROUP], plan[1, GROUP]
+    n0, n1 = plan[0, ROWS] * _groups(plan[0]), H * _groups(plan[1])
+    b13, work = work[:2 * F], work[2 * F:]
+    b2, work = work[:H], work[H:]
+    x_lanes, work = work[:H + g0], work[H + g0:]
+    x_sums, work = work[:H + g0], work[H + g0:]
+    a_lanes, work = work[:F + g1], work[F + g1:]
+    a_sums, work = work[:F + g1], work[F + g1:]
+    sc0, work = work[:n0], work[n0:]
+    mn0, work = work[:n0], work[n0:]
+    sc1, mn1 = work[:n1], work[n1:2 * n1]
+    _lanes(x, H, g0, four, x_lanes, x_sums)
     for h in range(H):
         out[h] = 0.0
     for j in range(slots.shape[0]):
         blob, gate = blobs[slots[j]], gates[j]
+        _scales_as_floats(blob, plan[0], sc0, mn0)
+        _scales_as_floats(blob, plan[1], sc1, mn1)
         if biased:
             decode_row(blob, plan[2], 0, b13)
             decode_row(blob, plan[3], 0, b2)
         for f in range(F):
-            decode_row(blob, plan[0], f, row)
-            g = np.float32(0.0)
-            for h in range(H):
-                g += row[h] * x[h]
-            decode_row(blob, plan[0], F + f, row)
-            u = np.float32(0.0)
-            for h in range(H):
-                u += row[h] * x[h]
+            g = _int_dot(blob, plan[0], f, x_lanes, x_sums, sc0, mn0)
+            u = _int_dot(blob, plan[0], F + f, x_lanes, x_sums, sc0, mn0)
             if biased:
                 g += b13[f]
                 u += b13[F + f]
             act[f] = gate * gated(g, u, limit, alpha)
+        _lanes(act, F, g1, four, a_lanes, a_sums)
         for h in range(H):
-            decode_row(blob, plan[1], h, row)
-            y = np.float32(0.0)
-            for f in range(F):
-                y += row[f] * act[f]
+            y = _int_dot(blob, plan[1], h, a_lanes, a_sums, sc1, mn1)
             if biased:
                 y += gate * b2[h]
             out[h] += y

@@ -10,7 +10,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,12 +29,20 @@ FLOOR = "all resident"
 
 
 def parse_variant(v: str) -> tuple[str, PrefetchConfig | None]:
-    """'policy' or 'policy+mode/predictor', e.g. 'fetch-all+prefetch/quasi-hidden'."""
+    """'policy' or 'policy+mode/predictor[:budget=N,drop=0|1]', e.g. 'fetch-all+prefetch/quasi-hidden'
+    or 'fetch-all+prefetch/quasi-hidden:budget=4' (the next layer's N best predicted experts)."""
     policy, _, pre = v.partition("+")
     if not pre:
         return policy, None
+    pre, _, options = pre.partition(":")
     mode, _, predictor = pre.partition("/")
-    return policy, PrefetchConfig(predictor or "quasi-hidden", mode)
+    config = PrefetchConfig(predictor or "quasi-hidden", mode)
+    for item in filter(None, options.split(",")):
+        key, _, value = item.partition("=")
+        if key not in ("budget", "drop") or not value.isdigit() or (key == "budget" and int(value) < 1):
+            raise BadInput(f"prefetch option {item!r} in {v!r}: use budget=N (N >= 1 experts a layer) or drop=0|1")
+        config = replace(config, **{key: int(value) if key == "budget" else value != "0"})
+    return policy, config
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,7 @@ class BenchConfig:
     store_dir: Path | None = None
     store_format: ExpertFormat | None = None  # the experts' format in the slow tier; None: the checkpoint's
     read_mode: str = "auto"  # disk store reads: auto, direct or buffered
+    io: str = "auto"  # how disk-store reads are issued: auto, uring or threads (CacheConfig.io)
     slot_dtype: str = "auto"  # the fast tier's expert format (EngineConfig.slot_dtype)
     device: str = "cpu"
     cache_fraction: float = 0.25
@@ -69,7 +78,8 @@ class BenchResult:
     fetched_kib_per_token: dict = field(default_factory=dict)  # teacher-forced, every transfer and precision
     stall_ms_per_token: dict = field(default_factory=dict)
     decoded: dict = field(default_factory=dict)  # variant -> the greedy tokens it decoded
-    decode_prefetches_per_token: dict = field(default_factory=dict)  # variant -> prefetches issued in decode
+    decode_counts: dict = field(default_factory=dict)  # variant -> free-running decode's synchronous fetches,
+    # prefetch reads and dropped prefetches per decode forward
 
     def summary(self) -> dict:
         """Per variant: median ms/token, speedups against fetch-all, ratios to the floor, perplexity increase
@@ -90,7 +100,7 @@ class BenchResult:
         """The configuration, summary and raw timings as JSON-ready values."""
         return {"config": self.config, "summary": self.summary(), "decode_ms": self.decode_ms,
                 "stream_ms": self.stream_ms, "forced_ms": self.forced_ms, "decoded": self.decoded,
-                "decode_prefetches_per_token": self.decode_prefetches_per_token}
+                "decode_counts": self.decode_counts}
 
 
 def _decode_stream(engine: Engine, prompt: list[int], stream: list[int]) -> float:
@@ -114,10 +124,12 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], stream: list[in
     it = generate(engine, prompt, cfg.decode_tokens)
     decoded = [next(it)]  # the prompt's forward is not decode time
     s = engine.stats
+    counted = ("sync_fetches", "prefetch_fetches", "prefetch_dropped")
+    before = [getattr(s, name) for name in counted]
     tok0, t0 = s.tokens, time.perf_counter()
     decoded += list(it)
     decode = 1000 * (time.perf_counter() - t0) / (s.tokens - tok0)  # the decode forwards that ran, one token each
-    decode_prefetches = s.prefetch_fetches / len(decoded)
+    decode_counts = {name: (getattr(s, name) - b) / (s.tokens - tok0) for name, b in zip(counted, before)}
     f0, st0, tok0, b0 = s.sync_fetches, s.stall_s, s.tokens, s.fetched_bytes_per_token * s.tokens
     nll, t0 = 0.0, time.perf_counter()
     for logits, targets in teacher_forced(lambda x: engine.forward(x, 0), forced, cfg.context):
@@ -127,18 +139,18 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], stream: list[in
     counters = {"fetches": (s.sync_fetches - f0) / (s.tokens - tok0),
                 "kib": (s.fetched_bytes_per_token * s.tokens - b0) / 1024 / (s.tokens - tok0),
                 "stall": 1000 * (s.stall_s - st0) / (s.tokens - tok0),
-                "decoded": decoded, "decode_prefetches": decode_prefetches}
+                "decoded": decoded, "decode_counts": decode_counts}
     return decode, stream_ms, forced_ms, nll / n, counters
 
 
 def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:
     """Time every variant of `cfg.policies` and the all-resident floor on the same prompt and evaluation tokens,
     repetitions interleaved round-robin after one warm-up round."""
-    cache = CacheConfig(fraction=cfg.cache_fraction, bytes=cfg.cache_bytes)
+    cache = CacheConfig(fraction=cfg.cache_fraction, bytes=cfg.cache_bytes, io=cfg.io)
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
                                         store_format=cfg.store_format, read_mode=cfg.read_mode,
                                         slot_dtype=cfg.slot_dtype))
-    floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0),
+    floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0, io=cfg.io),
                                        store_dir=cfg.store_dir, store_format=cfg.store_format, read_mode=cfg.read_mode,
                                        slot_dtype=cfg.slot_dtype))
     need = cfg.prompt_tokens + cfg.forced_tokens + 1
@@ -174,7 +186,7 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
                 res.fetched_kib_per_token[v] = c["kib"]
                 res.stall_ms_per_token[v] = c["stall"]
                 res.decoded[v] = c["decoded"]
-                res.decode_prefetches_per_token[v] = c["decode_prefetches"]
+                res.decode_counts[v] = c["decode_counts"]
     engine.close()
     floor.close()
     return res
