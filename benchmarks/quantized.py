@@ -7,9 +7,9 @@ greedy agreement with fp16, and decode / teacher-forced ms/token on the disk sto
 
 --slots: the fast tier's slot formats at equal bytes (a 25% cache of fp16 slots): fp32, fp16, int8 and
 int4 slots (the store fp16 for the float slots, int8 / int4 g32 for the quantized ones), fetch-all,
-and each format's all-resident floor.
+and each format's all-resident floor; --slot-policies adds policies timed on the int4 slots.
 
-    python benchmarks/quantized.py --slots [--repeats 3] [--json out.json]
+    python benchmarks/quantized.py --slots [--repeats 3] [--slot-policies threshold:tau=0.05] [--json out.json]
 """
 from __future__ import annotations
 
@@ -161,19 +161,26 @@ def slot_kernel_us(calls: int = 3000) -> dict:
     return {name: 1e6 * statistics.median(t) for name, t in times.items()}
 
 
-def slot_formats(repeats: int, forced: int, decode: int) -> dict:
+def slot_formats(repeats: int, forced: int, decode: int, policies: tuple[str, ...] = ()) -> dict:
     """Per slot dtype at the bytes of a 25% cache of fp16 slots: experts per layer, hit rate, fetch-all's
-    decode and teacher-forced ms/token and perplexity, and the all-resident floor's ms/token."""
+    decode and teacher-forced ms/token and perplexity, and the all-resident floor's ms/token; `policies`
+    (besides fetch-all) timed on the int4 slots too, in the same bench run, as "int4 POLICY" rows."""
     fp16 = Engine(None, EngineConfig(store="ram", slot_dtype="fp16"))
     size = fp16.cache.bytes
     routed = fp16.args.top_k * fp16.args.num_moe_layers
     out = {"cache_bytes": size, "kernel_us": slot_kernel_us()}
     print(f"kernel us per token and layer {out['kernel_us']}", file=sys.stderr, flush=True)
     for slot, fmt in SLOT_VARIANTS.items():
+        extra = policies if slot == "int4" else ()
         b = run_bench(None, BenchConfig(store="disk", store_format=fmt, slot_dtype=slot, cache_bytes=size,
-                                        policies=("fetch-all",), decode_tokens=decode, forced_tokens=forced,
+                                        policies=("fetch-all", *extra), decode_tokens=decode, forced_tokens=forced,
                                         repeats=repeats))
         s = b.summary()
+        for policy in extra:
+            out[f"int4 {policy}"] = {"ppl": s[policy]["ppl"], "decode_ms": s[policy]["decode_ms"],
+                                     "forced_ms": s[policy]["forced_ms"],
+                                     "fetches_per_token": s[policy]["fetches_per_token"]}
+            print(f"int4 {policy} {out[f'int4 {policy}']}", file=sys.stderr, flush=True)
         out[slot] = {"experts_per_layer": b.config["slots_per_layer"],
                      "hit_rate": 1 - s["fetch-all"]["fetches_per_token"] / routed, "ppl": s["fetch-all"]["ppl"],
                      "decode_ms": s["fetch-all"]["decode_ms"], "forced_ms": s["fetch-all"]["forced_ms"],
@@ -192,9 +199,10 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--lowbit-only", action="store_true", help="only the lowbit policies' quality and bytes")
     p.add_argument("--slots", action="store_true", help="only the slot formats at equal fast-tier bytes")
+    p.add_argument("--slot-policies", nargs="*", default=[], help="--slots: policies timed on int4 slots too")
     a = p.parse_args()
     if a.slots:
-        res = slot_formats(a.repeats, 1024, 32)
+        res = slot_formats(a.repeats, 1024, 32, tuple(a.slot_policies))
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)

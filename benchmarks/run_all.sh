@@ -25,6 +25,7 @@ print(json.dumps(speculative_quality(None, StudyConfig()), indent=1))"
   ;;&
 timed|all)
   run io_probe python benchmarks/io_probe.py
+  run io_fork_join python benchmarks/io_probe.py --fork-join --batches 300
   run store_integrity python benchmarks/store_integrity.py --json "$out/store_integrity.json"
   run decode_profile python benchmarks/decode_profile.py
   run families python benchmarks/families.py
@@ -39,7 +40,11 @@ timed|all)
   run bench_prefetch expertcache bench --json "$out/bench_prefetch.json" --forced-tokens 512 --policies fetch-all \
       fetch-all+prefetch/router-ahead fetch-all+prefetch/quasi-hidden fetch-all+prefetch/estimator \
       fetch-all+prefetch/hybrid fetch-all+speculative/quasi-hidden fetch-all+speculative/hybrid \
-      quality-first quality-first+prefetch/hybrid
+      quality-first quality-first+prefetch/hybrid fetch-all+prefetch/quasi-hidden:budget=4 \
+      quality-first+prefetch/quasi-hidden:budget=4
+  run bench_threads expertcache bench --io threads --json "$out/bench_threads.json" --policies fetch-all \
+      threshold:tau=0.15 quality-first fetch-all+prefetch/quasi-hidden
+  run slot_formats python benchmarks/quantized.py --slots --repeats 5 --json "$out/slot_formats.json"
   run make_checkpoint python benchmarks/make_checkpoint.py --out build/qwen3-30b-shape --layers 4
   run calibrate_big expertcache calibrate --model build/qwen3-30b-shape --max-tokens 1024
   run bench_big expertcache bench --model build/qwen3-30b-shape --cache 0.25 --decode-tokens 16 --forced-tokens 64 \

@@ -71,7 +71,7 @@ class CacheConfig:
     quota: str = "layer"  # "layer": each layer owns its slots; "global": any layer may take any slot
     eviction: str = "lru"  # the engine overrides it with EngineConfig.eviction or the policy's choice
     io_workers: int = 4
-    io: str = "auto"  # auto: io_uring for reads straight into slots where the system has it; uring; threads
+    io: str = "auto"  # auto: io_uring for O_DIRECT reads where the system has it; uring (or an error); threads
     caller_reads: bool = True  # a token's only synchronous fetch of a layer is read by the waiting thread
 
 

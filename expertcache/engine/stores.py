@@ -426,8 +426,12 @@ class DiskStore(ExpertStore):
         """Read and check the blob of (layer, expert), then copy its encoded bytes (unpadded) into dst
         uint8 [encoded_bytes]: a quantized slot keeps them as they are. Returns the blob's bytes."""
         array, _ = self._read(layer, expert)
-        dst.numpy()[:] = array[:self.encoded_bytes]
+        self.copy_encoded(array, dst)
         return self.blob
+
+    def copy_encoded(self, blob: np.ndarray, dst: torch.Tensor) -> None:
+        """A checked blob's encoded bytes (unpadded) into a quantized slot dst uint8 [encoded_bytes]."""
+        dst.numpy()[:] = blob[:self.encoded_bytes]
 
     def _read(self, layer: int, expert: int, into: list | None = None) -> tuple[np.ndarray, torch.Tensor]:
         """One blob read with O_DIRECT into this thread's buffer, or into the buffers `into` (page-aligned,
@@ -440,7 +444,7 @@ class DiskStore(ExpertStore):
             if self.read_mode == "buffered-dontneed":  # the next read of this blob comes from the device again
                 os.posix_fadvise(self.fd, offset, self.blob, os.POSIX_FADV_DONTNEED)
         except OSError as e:
-            n = -e.errno
+            n = -(e.errno or errno.EIO)
         self.check_read(layer, expert, n, targets)
         return array, view
 

@@ -2,9 +2,11 @@
 
 Fetches, background admissions and prefetches all go through `submit`, which returns
 a `Transfer`; `wait` blocks until its slot holds the expert and reports the stall.
-On CPU, reads that land straight in their slot go through io_uring where the system has it
-(engine/uring.py: queued and reaped by the engine's own thread); other reads run on worker
-threads (O_DIRECT reads release the GIL). On CUDA the copies are issued on a separate stream
+On CPU, O_DIRECT reads go through io_uring where the system has it (engine/uring.py: queued
+and reaped by the engine's own thread): straight into float slots of the store's dtype, or into
+a page-aligned staging buffer whose encoded bytes a quantized slot takes; other reads
+(conversions, low-precision copies, buffered modes) run on worker threads (O_DIRECT reads
+release the GIL). On CUDA the copies are issued on a separate stream
 and completion is a recorded event.
 
 The workers are a minimal pool rather than concurrent.futures: a read's hand-off, start,
@@ -13,11 +15,13 @@ only for the few statements around its read and the decoding thread is not kept 
 """
 from __future__ import annotations
 
+import mmap
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..errors import BadInput, FetchError
@@ -72,8 +76,10 @@ class TransferEngine:
         direct = None if encoded or self.cuda else [store.direct_targets([x[s] for x in self.slot_tensors])
                                                      for s in range(w13.shape[0])]
         self.direct = direct if direct and all(t is not None for t in direct) else None
-        self.ring, self.reads = self._ring(io), {}  # io_uring for the direct reads; ticket -> its transfer
-        self.iovecs = [RingReads.iovec(t) for t in self.direct] if self.ring is not None else None
+        # io_uring for the direct reads, and for quantized slots' blobs through page-aligned staging buffers
+        self.ring, self.reads = self._ring(io), {}  # ticket -> (its transfer, its staging buffer or None)
+        self.iovecs = [RingReads.iovec(t) for t in self.direct] if self.ring is not None and self.direct else None
+        self.staging: list[tuple[np.ndarray, object]] = []  # free (buffer, iovec) pairs, made as reads need them
         self.tickets = 0
         self.stream = torch.cuda.Stream(device=w13.device) if self.cuda else None
         self.queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
@@ -84,11 +90,12 @@ class TransferEngine:
     def _ring(self, io: str) -> RingReads | None:
         if io not in IO_BACKENDS:
             raise BadInput(f"unknown I/O backend {io!r}; choose one of {', '.join(IO_BACKENDS)}")
-        usable = self.direct is not None and getattr(self.store, "read_mode", "") == "o_direct"
+        usable = (self.direct is not None or (self.encoded and not self.cuda)) and \
+            getattr(self.store, "read_mode", "") == "o_direct"
         ring = RingReads.open() if usable and io != "threads" else None
         if io == "uring" and ring is None:
             raise BadInput("--io uring needs Linux with io_uring, the liburing package, an O_DIRECT disk store and "
-                           "float slots of the store's dtype; use --io auto or --io threads")
+                           "float slots of the store's dtype or quantized slots; use --io auto or --io threads")
         return ring
 
     def _copy(self, t: Transfer) -> int:
@@ -120,9 +127,12 @@ class TransferEngine:
             self._copy(t)  # a host memcpy, or already asynchronous on the copy stream
         elif self.ring is not None and kind != "lowbit":
             self.tickets += 1
-            t.ring, self.reads[self.tickets] = self, t
-            self.ring.read(self.store.fd, self.iovecs[slot], self.store.offset(layer, expert), self.tickets,
-                           background=kind == "prefetch")
+            stage = None
+            if self.iovecs is None:  # a quantized slot: the blob lands in a staging buffer, its bytes copied on reaping
+                stage = self.staging.pop() if self.staging else self._staging_buffer()
+            t.ring, self.reads[self.tickets] = self, (t, stage)
+            self.ring.read(self.store.fd, self.iovecs[slot] if stage is None else stage[1],
+                           self.store.offset(layer, expert), self.tickets, background=kind == "prefetch")
         elif here:
             start = time.perf_counter()
             self._run(t)
@@ -132,6 +142,10 @@ class TransferEngine:
             t.landed.acquire()
             self.queue.put(t)
         return t
+
+    def _staging_buffer(self) -> tuple[np.ndarray, object]:
+        buf = np.frombuffer(mmap.mmap(-1, self.store.blob), np.uint8)  # page-aligned, as O_DIRECT needs
+        return buf, RingReads.iovec([buf])
 
     def _run(self, t: Transfer) -> None:
         try:
@@ -155,12 +169,16 @@ class TransferEngine:
     def reap(self, block: bool) -> None:
         """Take the io_uring reads that have completed (with `block`, at least one), checking each."""
         for ticket, n in self.ring.completions(block):
-            t = self.reads.pop(ticket)
+            t, stage = self.reads.pop(ticket)
             t.ring = None
             try:
-                self.store.check_read(t.layer, t.expert, n, self.direct[t.slot])
+                self.store.check_read(t.layer, t.expert, n, self.direct[t.slot] if stage is None else [stage[0]])
+                if stage is not None:
+                    self.store.copy_encoded(stage[0], self.w13[t.slot])
             except FetchError as e:
                 t.error = e
+            if stage is not None:
+                self.staging.append(stage)
 
     def wait(self, t: Transfer) -> float:
         """Block until t's slot holds its expert; returns seconds stalled. Raises the read's error."""
