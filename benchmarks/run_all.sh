@@ -44,7 +44,8 @@ timed|all)
       quality-first+prefetch/quasi-hidden:budget=4
   run bench_threads expertcache bench --io threads --json "$out/bench_threads.json" --policies fetch-all \
       threshold:tau=0.15 quality-first fetch-all+prefetch/quasi-hidden
-  run slot_formats python benchmarks/quantized.py --slots --repeats 5 --json "$out/slot_formats.json"
+  run slot_formats python benchmarks/quantized.py --slots --repeats 5 --slot-policies threshold:tau=0.05 \
+      threshold:tau=0.1 --json "$out/slot_formats.json"
   run make_checkpoint python benchmarks/make_checkpoint.py --out build/qwen3-30b-shape --layers 4
   run calibrate_big expertcache calibrate --model build/qwen3-30b-shape --max-tokens 1024
   run bench_big expertcache bench --model build/qwen3-30b-shape --cache 0.25 --decode-tokens 16 --forced-tokens 64 \
