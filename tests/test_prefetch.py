@@ -155,3 +155,14 @@ def test_unneeded_queued_prefetches_are_dropped_unread(tmp_path, monkeypatch):
     assert cache.state.counts[PREFETCHES] == workers + 1
     assert (cache.state.owner >= 0).sum() == cache.num_slots - 3  # the dropped prefetches' slots are free
     engine.close()
+
+
+def test_router_ahead_decode_path_equals_torch():
+    """Decode's compiled router-ahead prediction gives the logits of its PyTorch product."""
+    from expertcache.engine.predictors import RouterAhead, make_predictor
+    engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
+    p = make_predictor("router-ahead", engine.model, engine.path)
+    assert isinstance(p, RouterAhead)
+    x = torch.randn(1, engine.args.hidden_size, generator=torch.Generator().manual_seed(0))
+    fast = p.decode_logits(2, None, x, None, None)
+    torch.testing.assert_close(torch.from_numpy(fast), p.logits(2, None, x, None, None), atol=1e-5, rtol=1e-5)

@@ -113,7 +113,7 @@ class MoELayerRunner:
 
     def _predict_next(self, layer: int, x: torch.Tensor, exec_ids: np.ndarray, gates: np.ndarray) -> None:
         a, cache = self.args, self.cache
-        logits = self.predictor.decode_logits(layer, self.resid, exec_ids[0], gates[0]) if x.shape[0] == 1 else None
+        logits = self.predictor.decode_logits(layer, self.resid, x, exec_ids[0], gates[0]) if x.shape[0] == 1 else None
         if logits is None:
             ids, weights = torch.from_numpy(exec_ids), torch.from_numpy(gates)
             if x.device.type != "cpu":

@@ -41,9 +41,10 @@ class Predictor:
         """resid [T, H], x [T, H], ids [T, k], weights [T, k] at `layer` -> logits for layer+1 [T, E]."""
         raise NotImplementedError
 
-    def decode_logits(self, layer: int, resid: torch.Tensor, ids: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
-        """One decode token's `logits` as an array [1, E] (ids, weights [k]) where a predictor has a
-        faster path for it; None otherwise (the caller takes `logits`)."""
+    def decode_logits(self, layer: int, resid: torch.Tensor, x: torch.Tensor, ids: np.ndarray,
+                      weights: np.ndarray) -> np.ndarray | None:
+        """One decode token's `logits` as an array [1, E] (resid, x [1, H]; ids, weights [k]) where a
+        predictor has a faster path for it; None otherwise (the caller takes `logits`)."""
         return None
 
     def _router_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +61,15 @@ class RouterAhead(Predictor):
     def logits(self, layer, resid, x, ids, weights):
         """x [T, H] -> Router_{l+1}(x) [T, E]."""
         return self._router_logits(layer, x)
+
+    def decode_logits(self, layer, resid, x, ids, weights):
+        """One compiled product on the CPU (fp32 x and router), as the engine's own routing of a decode token."""
+        router = self.model.moe_layers[layer + 1]["router"]
+        if x.device.type != "cpu" or x.dtype != torch.float32 or router.dtype != torch.float32:
+            return None
+        out = np.empty((1, router.shape[0]), np.float32)
+        dense_decode.gemv(router.numpy(), x.numpy()[0], dense_decode.EMPTY, out[0])
+        return out
 
 
 class QuasiHidden(Predictor):
@@ -88,10 +98,10 @@ class QuasiHidden(Predictor):
     def logits(self, layer, resid, x, ids, weights):
         """Router_{l+1}(q_l) [T, E]."""
         if self._compiled(resid):  # decode on the CPU: one compiled call
-            return torch.from_numpy(self.decode_logits(layer, resid, ids.numpy()[0], weights.numpy()[0]))
+            return torch.from_numpy(self.decode_logits(layer, resid, x, ids.numpy()[0], weights.numpy()[0]))
         return self._router_logits(layer, self.quasi_hidden(layer, resid, ids, weights))
 
-    def decode_logits(self, layer, resid, ids, weights):
+    def decode_logits(self, layer, resid, x, ids, weights):
         """One compiled call on the CPU (fp32 residual and router), over arrays taken once."""
         if not self._compiled(resid):
             return None
@@ -134,7 +144,7 @@ class Estimator(QuasiHidden):
         self.net = net.to(model.device).eval()
         self.layers = layers  # None: every layer; else only these, quasi-hidden elsewhere
 
-    def decode_logits(self, layer, resid, ids, weights):
+    def decode_logits(self, layer, resid, x, ids, weights):
         """The net has no compiled path: `logits` serves decode too."""
         return None
 
