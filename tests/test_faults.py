@@ -243,3 +243,12 @@ def test_io_uring_read_faults_leave_the_cache_consistent(tmp_path):
     with pytest.raises(FetchError, match=r"reading expert 2 of layer 0 from the disk store failed \(\[Errno 5\]"):
         store.check_read(0, 2, -errno.EIO, [])  # what a failed read's completion carries
     engine.close()
+
+
+def test_io_backend_errors_name_the_fix():
+    """--io uring where reads cannot take it, or an unknown backend, is refused in one line naming the choices."""
+    from expertcache.errors import BadInput
+    with pytest.raises(BadInput, match="--io uring needs .*; use --io auto or --io threads"):
+        Engine(None, EngineConfig(store="ram", cache=CacheConfig(io="uring")))
+    with pytest.raises(BadInput, match="unknown I/O backend 'fast'; choose one of auto, uring, threads"):
+        Engine(None, EngineConfig(store="ram", cache=CacheConfig(io="fast")))
