@@ -1,7 +1,8 @@
 """Expert reads through io_uring (Linux): the engine's own thread queues each O_DIRECT read and
 reaps its completion, so no worker thread is woken for a read and none contends with the
 decoding thread for the GIL. On this project's 2-core VM a fork-join of 4 expert-sized reads
-took 266 us through the ring against 416 us through a 4-thread pool (benchmarks/io_probe.py).
+took 264 us through the ring against 386 us through a 4-thread pool (benchmarks/io_probe.py
+--fork-join).
 
 `RingReads.open` returns None where io_uring is not available (another OS, no liburing, a kernel
 or sandbox that refuses the ring); the transfer engine then keeps its worker threads.
