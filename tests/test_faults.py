@@ -207,16 +207,18 @@ needs_ring = pytest.mark.skipif(RingReads.open() is None, reason="io_uring is no
 
 
 @needs_ring
-def test_io_uring_reads_equal_worker_reads(tmp_path):
-    """Reads through io_uring (the built-in model's fp16 blobs land straight in fp16 slots) give the
-    logits of reads on worker threads, and the statistics say which way they went."""
+@pytest.mark.parametrize("policy", ["fetch-all", "lowbit:tau=0.15"])
+def test_io_uring_reads_equal_worker_reads(tmp_path, policy):
+    """Reads through io_uring (the built-in model's fp16 blobs land straight in fp16 slots; its int4
+    small copies through a staging buffer, decoded when reaped) give the logits of reads on worker
+    threads, and the statistics say which way they went."""
     ids = torch.arange(40, 52)
     logits, modes = [], []
     for io in ("uring", "threads"):
         engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, cache=CacheConfig(fraction=0.25, io=io),
-                                           initial="cold"))
+                                           initial="cold", policy=policy))
         logits.append(torch.cat([engine.forward(ids[:4], 0)] + [engine.forward(ids[t:t + 1], t) for t in range(4, 12)]))
-        assert engine.stats.sync_fetches > 0
+        assert engine.stats.sync_fetches > 0 and (engine.stats.lowbit_fetches > 0) == (policy != "fetch-all")
         modes.append(engine.stats.read_mode)
         engine.close()
     assert torch.equal(logits[0], logits[1])

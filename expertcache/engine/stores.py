@@ -381,10 +381,16 @@ class DiskStore(ExpertStore):
         targets = self.direct_targets(dsts)
         if targets is not None:
             return self.read_direct(layer, expert, targets)
+        array, _ = self._read(layer, expert)
+        self.land(array, dsts)
+        return self.blob
+
+    def land(self, array: np.ndarray, dsts) -> None:
+        """A read and checked blob (uint8 [blob]: a thread's buffer, or a staging buffer) into the slot
+        tensors dsts, as read_into describes."""
         cpu = all(d is not None and d.device.type == "cpu" and d.is_contiguous() and d.shape == p
                   for d, p in zip(dsts, self.shape.parts))  # the compiled pass checks no bounds
         same = cpu and all(d.dtype == self._raw for d in dsts)
-        array, view = self._read(layer, expert)
         if same:
             for seg, d in zip(self._segments, dsts):
                 d.view(-1).view(torch.uint8).numpy()[:] = array[seg.offset:seg.offset + seg.nbytes]
@@ -397,8 +403,7 @@ class DiskStore(ExpertStore):
             for d, s in zip(dsts, scratch):
                 d.copy_(s)
         else:
-            decode_into(view, self.shape.parts, self.format, dsts)
-        return self.blob
+            decode_into(torch.from_numpy(array), self.shape.parts, self.format, dsts)
 
     def direct_targets(self, dsts):
         """The bytes of dsts as uint8 arrays when the blob's float parts are whole pages of their

@@ -76,10 +76,11 @@ class TransferEngine:
         direct = None if encoded or self.cuda else [store.direct_targets([x[s] for x in self.slot_tensors])
                                                      for s in range(w13.shape[0])]
         self.direct = direct if direct and all(t is not None for t in direct) else None
-        # io_uring for the direct reads, and for quantized slots' blobs through page-aligned staging buffers
-        self.ring, self.reads = self._ring(io), {}  # ticket -> (its transfer, its staging buffer or None)
+        # io_uring for the direct reads, and through page-aligned staging buffers for quantized slots' blobs
+        # and for low-precision copies (decoded into the slot when reaped)
+        self.ring, self.reads = self._ring(io), {}  # ticket -> (transfer, its store, its staging buffer or None)
         self.iovecs = [RingReads.iovec(t) for t in self.direct] if self.ring is not None and self.direct else None
-        self.staging: list[tuple[np.ndarray, object]] = []  # free (buffer, iovec) pairs, made as reads need them
+        self.staging: dict[int, list[tuple[np.ndarray, object]]] = {}  # blob bytes -> free (buffer, iovec) pairs
         self.tickets = 0
         self.stream = torch.cuda.Stream(device=w13.device) if self.cuda else None
         self.queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
@@ -125,14 +126,16 @@ class TransferEngine:
             raise RuntimeError("a low-precision fetch without a store of small copies (ExpertCache.attach_small)")
         if (self.small if kind == "lowbit" else self.store).inline:
             self._copy(t)  # a host memcpy, or already asynchronous on the copy stream
-        elif self.ring is not None and kind != "lowbit":
+        elif self.ring is not None and (kind != "lowbit" or getattr(self.small, "read_mode", "") == "o_direct"):
+            store = self.small if kind == "lowbit" else self.store
             self.tickets += 1
             stage = None
-            if self.iovecs is None:  # a quantized slot: the blob lands in a staging buffer, its bytes copied on reaping
-                stage = self.staging.pop() if self.staging else self._staging_buffer()
-            t.ring, self.reads[self.tickets] = self, (t, stage)
-            self.ring.read(self.store.fd, self.iovecs[slot] if stage is None else stage[1],
-                           self.store.offset(layer, expert), self.tickets, background=kind == "prefetch")
+            if store is self.small or self.iovecs is None:  # lands in a staging buffer, taken from it when reaped
+                free = self.staging.setdefault(store.blob, [])
+                stage = free.pop() if free else self._staging_buffer(store.blob)
+            t.ring, self.reads[self.tickets] = self, (t, store, stage)
+            self.ring.read(store.fd, self.iovecs[slot] if stage is None else stage[1], store.offset(layer, expert),
+                           self.tickets, background=kind == "prefetch")
         elif here:
             start = time.perf_counter()
             self._run(t)
@@ -143,8 +146,9 @@ class TransferEngine:
             self.queue.put(t)
         return t
 
-    def _staging_buffer(self) -> tuple[np.ndarray, object]:
-        buf = np.frombuffer(mmap.mmap(-1, self.store.blob), np.uint8)  # page-aligned, as O_DIRECT needs
+    @staticmethod
+    def _staging_buffer(nbytes: int) -> tuple[np.ndarray, object]:
+        buf = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)  # page-aligned, as O_DIRECT needs
         return buf, RingReads.iovec([buf])
 
     def _run(self, t: Transfer) -> None:
@@ -169,16 +173,18 @@ class TransferEngine:
     def reap(self, block: bool) -> None:
         """Take the io_uring reads that have completed (with `block`, at least one), checking each."""
         for ticket, n in self.ring.completions(block):
-            t, stage = self.reads.pop(ticket)
+            t, store, stage = self.reads.pop(ticket)
             t.ring = None
             try:
-                self.store.check_read(t.layer, t.expert, n, self.direct[t.slot] if stage is None else [stage[0]])
-                if stage is not None:
-                    self.store.copy_encoded(stage[0], self.w13[t.slot])
+                store.check_read(t.layer, t.expert, n, self.direct[t.slot] if stage is None else [stage[0]])
+                if stage is not None and self.encoded:
+                    store.copy_encoded(stage[0], self.w13[t.slot])
+                elif stage is not None:  # a low-precision copy, decoded into the float slot
+                    store.land(stage[0], [x[t.slot] for x in self.slot_tensors])
             except FetchError as e:
                 t.error = e
             if stage is not None:
-                self.staging.append(stage)
+                self.staging[store.blob].append(stage)
 
     def wait(self, t: Transfer) -> float:
         """Block until t's slot holds its expert; returns seconds stalled. Raises the read's error."""
