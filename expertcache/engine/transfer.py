@@ -4,9 +4,9 @@ Fetches, background admissions and prefetches all go through `submit`, which ret
 a `Transfer`; `wait` blocks until its slot holds the expert and reports the stall.
 On CPU, O_DIRECT reads go through io_uring where the system has it (engine/uring.py: queued
 and reaped by the engine's own thread): straight into float slots of the store's dtype, or into
-a page-aligned staging buffer whose encoded bytes a quantized slot takes; other reads
-(conversions, low-precision copies, buffered modes) run on worker threads (O_DIRECT reads
-release the GIL). On CUDA the copies are issued on a separate stream
+a page-aligned staging buffer whose encoded bytes a quantized slot takes, or that a low-precision
+copy is decoded from when reaped; other reads (a dtype conversion, buffered modes) run on worker
+threads (O_DIRECT reads release the GIL). On CUDA the copies are issued on a separate stream
 and completion is a recorded event.
 
 The workers are a minimal pool rather than concurrent.futures: a read's hand-off, start,
