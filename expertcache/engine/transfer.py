@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import BadInput, FetchError
+from ..errors import BadInput
 from .stores import ExpertStore
 from .uring import RingReads
 
@@ -64,7 +64,8 @@ class Transfer:
 class TransferEngine:
     """Copies experts from a store into the cache's slot tensors (w13, w2 and optional biases,
     first dimension the slot; or with `encoded`, w13 the blobs [S, bytes] of quantized slots that
-    take the store's encoded bytes as they are): on worker threads on CPU, on a copy stream on CUDA."""
+    take the store's encoded bytes as they are): through io_uring or on worker threads on CPU, on a copy
+    stream on CUDA."""
     def __init__(self, store: ExpertStore, w13: torch.Tensor, w2: torch.Tensor | None, workers: int = 4,
                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, encoded: bool = False,
                  io: str = "auto"):
@@ -117,10 +118,10 @@ class TransferEngine:
 
     def submit(self, layer: int, expert: int, slot: int, kind: str, here: bool = False) -> Transfer:
         """Start copying `expert` of `layer` into `slot` (kind: fetch, admit or prefetch); an inline store
-        copies at once; a read straight into the slot goes to io_uring where the engine has one (the
-        kernel starts it at the next `flush`). Otherwise `here`: the caller is about to wait for this copy and has nothing else to do,
-        so it reads in its own thread instead of handing the read to a worker (a read error is kept
-        for `wait` to raise, as a worker's would be)."""
+        copies at once; an O_DIRECT read goes to io_uring where the engine has one (the kernel starts it
+        at the next `flush`). Otherwise `here`: the caller is about to wait for this copy and has nothing
+        else to do, so it reads in its own thread instead of handing the read to a worker (a read error
+        is kept for `wait` to raise, as a worker's would be)."""
         t = Transfer(layer, expert, slot, kind)
         if kind == "lowbit" and self.small is None:
             raise RuntimeError("a low-precision fetch without a store of small copies (ExpertCache.attach_small)")
@@ -181,7 +182,7 @@ class TransferEngine:
                     store.copy_encoded(stage[0], self.w13[t.slot])
                 elif stage is not None:  # a low-precision copy, decoded into the float slot
                     store.land(stage[0], [x[t.slot] for x in self.slot_tensors])
-            except FetchError as e:
+            except Exception as e:  # noqa: BLE001 -- raised by `wait`; the other completions are still taken
                 t.error = e
             if stage is not None:
                 self.staging[store.blob].append(stage)
