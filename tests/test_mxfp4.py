@@ -108,7 +108,7 @@ def test_mxfp4_checkpoint_converts_as_is(tmp_path, capsys):
         p = f"model.layers.{layer}.mlp.experts."
         gate_up = state[p + "gate_up_proj_blocks"], state[p + "gate_up_proj_scales"]  # rows g0 u0 g1 u1 ...
         for e in range(args.num_experts):
-            _, view = disk._read(layer, e)
+            view = torch.from_numpy(disk._read(layer, e))
             stored = {(s.part, s.role): view[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in segs}
             blocks, scales = (torch.cat([t[e, 0::2], t[e, 1::2]]) for t in gate_up)
             assert torch.equal(stored[0, "codes"], blocks.flatten(1)) and torch.equal(stored[0, "scales"], scales)

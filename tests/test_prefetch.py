@@ -130,7 +130,8 @@ def test_unneeded_queued_prefetches_are_dropped_unread(tmp_path, monkeypatch):
     import threading
 
     import numpy as np
-    engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, cache=CacheConfig(fraction=0.25, io="threads")))
+    engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path,
+                                       cache=CacheConfig(fraction=0.25, io="threads")))
     cache, workers = engine.cache, engine.cache.cfg.io_workers
     layer = 2
     absent = [e for e in range(engine.args.num_experts) if cache.slot_of[layer, e] < 0][:workers + 4]

@@ -86,7 +86,7 @@ def add_store_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None
                         "the filesystem allows it; the mode used is in the statistics)")
     p.add_argument("--io", default="auto", choices=IO_BACKENDS,
                    help="how disk-store reads are issued: io_uring from the engine's thread, worker threads, or auto "
-                        "(io_uring where Linux allows it and reads land straight in float slots)")
+                        "(io_uring for O_DIRECT reads where Linux allows it)")
     p.add_argument("--slot-dtype", default="auto", choices=SLOT_DTYPES,
                    help="the experts' format in the fast tier: auto (on the CPU the store's fp16/bf16, else fp32; "
                         "fp16 on CUDA), fp32, fp16, bf16, or int8/int4 (the store's quantized blobs as they are, "

@@ -119,8 +119,9 @@ class MoELayerRunner:
             if x.device.type != "cpu":
                 ids, weights = ids.to(x.device), weights.to(x.device)
             logits = self.predictor.logits(layer, self.resid, x, ids, weights)
-            assert logits.shape == (x.shape[0], a.num_experts), \
-                f"{self.predictor.name} gave logits {tuple(logits.shape)}, expected [T, E] = {(x.shape[0], a.num_experts)}"
+            want = (x.shape[0], a.num_experts)
+            assert logits.shape == want, \
+                f"{self.predictor.name} gave logits {tuple(logits.shape)}, expected [T, E] = {want}"
             logits = logits.float().cpu().numpy()
         self.predicted = self.router.route(logits, layer + 1)
         self.stats.predictions += x.shape[0]
@@ -143,7 +144,7 @@ class MoELayerRunner:
             routing = route(x, router, self.router, layer)
         self.predicted = None
         T = routing.ids.shape[0]
-        if self.prefetch.drop and self.predictor is not None and cache.pending:
+        if self.prefetch.drop and self.predictor is not None and cache.pending and cache.transfers.queues_prefetches():
             stats.prefetch_dropped += cache.drop_prefetches(layer, routing.ids)
         out = torch.empty_like(x) if T > 1 else None  # decode computes once, after its decisions
         # a decode batch shares few experts between its tokens: where decode's compiled kernel runs (on the

@@ -112,7 +112,8 @@ class QuasiHidden(Predictor):
             self._eps, self._q = np.float32(a.rms_norm_eps), np.empty(a.hidden_size, np.float32)
         vectors, norm, router = self._decode[layer]
         out = np.empty((1, router.shape[0]), np.float32)
-        dense_decode.quasi_hidden_logits(resid.numpy()[0], vectors, ids, weights, norm, self._eps, router, self._q, out[0])
+        dense_decode.quasi_hidden_logits(resid.numpy()[0], vectors, ids, weights, norm, self._eps, router, self._q,
+                                         out[0])
         return out
 
     def _compiled(self, resid: torch.Tensor) -> bool:

@@ -2,7 +2,8 @@
 codes with their group scales and minimums, quant.py's layout) as the disk store keeps it, so the
 fast tier holds 2-4x the experts of fp16 slots in the same bytes. Decode's token runs the compiled
 kernel.expert_compute.experts_token_int, which computes from the codes without dequantising them
-(per group, scale * (codes . x) + min * sum(x)); windows dequantise each used expert once per run (kernel.decode_blob) and compute with torch."""
+(per group, scale * (codes . x) + min * sum(x)); windows dequantise each used expert once per run
+(kernel.decode_blob) and compute with torch."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +20,8 @@ class QuantizedSlots:
     """Decode's compiled expert call, and windows' grouped compute, over blobs uint8 [S, bytes] in `fmt`."""
 
     def __init__(self, blobs: torch.Tensor, shape: ExpertShape, fmt: ExpertFormat, kind: ExpertKind):
-        assert fmt.quantized and not fmt.mx and blobs.dtype == torch.uint8 and blobs.device.type == "cpu", (fmt, blobs.dtype)
+        assert fmt.quantized and not fmt.mx and blobs.dtype == torch.uint8 and blobs.device.type == "cpu", \
+            (fmt, blobs.dtype)
         self.blobs, self.shape, self.kind = blobs, shape, kind
         self.plan = decode_plan(shape.parts, fmt)
         F = shape.w2[1]

@@ -358,11 +358,11 @@ class DiskStore(ExpertStore):
         """Bytes of one blob, padded to the 4 KiB alignment: what every read moves."""
         return self.blob
 
-    def _buffer(self) -> tuple[mmap.mmap, torch.Tensor, np.ndarray]:
+    def _buffer(self) -> tuple[mmap.mmap, np.ndarray]:
         # O_DIRECT needs an aligned buffer: an anonymous mmap is page-aligned. One per thread.
         if not hasattr(self._local, "buf"):
             buf = mmap.mmap(-1, self.blob)
-            self._local.buf = (buf, torch.frombuffer(buf, dtype=torch.uint8), np.frombuffer(buf, dtype=np.uint8))
+            self._local.buf = (buf, np.frombuffer(buf, dtype=np.uint8))
         return self._local.buf
 
     def buffer_bytes(self, workers):
@@ -381,15 +381,18 @@ class DiskStore(ExpertStore):
         targets = self.direct_targets(dsts)
         if targets is not None:
             return self.read_direct(layer, expert, targets)
-        array, _ = self._read(layer, expert)
-        self.land(array, dsts)
+        self.land(self._read(layer, expert), dsts)
         return self.blob
+
+    def _cpu_slots(self, dsts) -> bool:
+        """Whether dsts are contiguous CPU tensors of the parts' shapes (the compiled pass checks no bounds)."""
+        return all(d is not None and d.device.type == "cpu" and d.is_contiguous() and d.shape == p
+                   for d, p in zip(dsts, self.shape.parts))
 
     def land(self, array: np.ndarray, dsts) -> None:
         """A read and checked blob (uint8 [blob]: a thread's buffer, or a staging buffer) into the slot
         tensors dsts, as read_into describes."""
-        cpu = all(d is not None and d.device.type == "cpu" and d.is_contiguous() and d.shape == p
-                  for d, p in zip(dsts, self.shape.parts))  # the compiled pass checks no bounds
+        cpu = self._cpu_slots(dsts)
         same = cpu and all(d.dtype == self._raw for d in dsts)
         if same:
             for seg, d in zip(self._segments, dsts):
@@ -410,8 +413,7 @@ class DiskStore(ExpertStore):
         dtype and dsts are contiguous CPU tensors of that dtype and shape at page-aligned addresses."""
         if not self._direct_parts or len(dsts) != len(self.shape.parts):
             return None
-        if all(d is not None and d.device.type == "cpu" and d.is_contiguous() and d.shape == p and d.dtype == self._raw
-               and d.data_ptr() % ALIGN == 0 for d, p in zip(dsts, self.shape.parts)):
+        if self._cpu_slots(dsts) and all(d.dtype == self._raw and d.data_ptr() % ALIGN == 0 for d in dsts):
             return [d.view(-1).view(torch.uint8).numpy() for d in dsts]
         return None
 
@@ -430,18 +432,17 @@ class DiskStore(ExpertStore):
     def read_encoded(self, layer, expert, dst):
         """Read and check the blob of (layer, expert), then copy its encoded bytes (unpadded) into dst
         uint8 [encoded_bytes]: a quantized slot keeps them as they are. Returns the blob's bytes."""
-        array, _ = self._read(layer, expert)
-        self.copy_encoded(array, dst)
+        self.copy_encoded(self._read(layer, expert), dst)
         return self.blob
 
     def copy_encoded(self, blob: np.ndarray, dst: torch.Tensor) -> None:
         """A checked blob's encoded bytes (unpadded) into a quantized slot dst uint8 [encoded_bytes]."""
         dst.numpy()[:] = blob[:self.encoded_bytes]
 
-    def _read(self, layer: int, expert: int, into: list | None = None) -> tuple[np.ndarray, torch.Tensor]:
+    def _read(self, layer: int, expert: int, into: list | None = None) -> np.ndarray | None:
         """One blob read with O_DIRECT into this thread's buffer, or into the buffers `into` (page-aligned,
-        whole pages, the blob's size together); returns the thread's buffer as an array and a tensor."""
-        buf, view, array = self._buffer()
+        whole pages, the blob's size together); returns the thread's buffer as an array (None with `into`)."""
+        buf, array = self._buffer() if into is None else (None, None)
         targets = [buf] if into is None else into
         offset = self.offset(layer, expert)
         try:
@@ -451,7 +452,7 @@ class DiskStore(ExpertStore):
         except OSError as e:
             n = -(e.errno or errno.EIO)
         self.check_read(layer, expert, n, targets)
-        return array, view
+        return array
 
     def offset(self, layer: int, expert: int) -> int:
         """Where the blob of (layer, expert) starts in the store file."""

@@ -147,6 +147,11 @@ class TransferEngine:
             self.queue.put(t)
         return t
 
+    def queues_prefetches(self) -> bool:
+        """Whether prefetch reads wait in the workers' queue, where `Transfer.cancel` can still stop them
+        (through io_uring every read is handed to the kernel at once)."""
+        return self.ring is None
+
     @staticmethod
     def _staging_buffer(nbytes: int) -> tuple[np.ndarray, object]:
         buf = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)  # page-aligned, as O_DIRECT needs
@@ -233,6 +238,10 @@ class InstantTransfers:
     def flush(self) -> None:
         """Nothing is queued."""
         pass
+
+    def queues_prefetches(self) -> bool:
+        """Nothing waits to be read."""
+        return False
 
     def close(self) -> None:
         """Nothing to release."""

@@ -72,7 +72,7 @@ def _decode_part(buf, row, dst):
             out_u[i] = np.uint32(src16[i]) << np.uint32(16)
     elif kind == RAW_F16:
         halves_to_floats(buf[start:start + 2 * n].view(np.uint16), dst, out_u, n)
-    else:  # quantized: row by row, as a kernel computing from a quantized slot reads them
+    else:  # quantized: row by row (decode_row)
         cols = row[COLS]
         for r in range(row[ROWS]):
             decode_row(buf, row, r, dst[r * cols:(r + 1) * cols])
