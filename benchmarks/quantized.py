@@ -104,7 +104,8 @@ def packed_kernels(rows: int, cols: int, repeats: int = 200) -> dict:
 
 
 LOWBIT_POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "substitute-all", "lowbit:tau=0.15",
-                   "lowbit:tau=0.15,lo=0.03", "lowbit:tau=0.5,lo=0.05", "lowbit:tau=1")
+                   "lowbit:tau=0.15,lo=0.03", "lowbit:tau=0.5,lo=0.05", "lowbit:tau=1", "lowbit:tau=0.15,upgrade=1",
+                   "lowbit:tau=1,upgrade=1")
 
 
 def lowbit_quality(tokens: int, context: int, cache: float = 0.25) -> dict:

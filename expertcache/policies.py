@@ -33,6 +33,7 @@ from .kernel.policy import (
     THRESHOLD,
     TOP_J,
     TOP_M,
+    UPGRADE,
     WINDOW,
     Scratch,
     decide,
@@ -79,7 +80,8 @@ def checked_number(policy: str, key: str, value, low: float, high: float = math.
     return int(x) if whole else x
 
 
-EXAMPLES = {"tau": "0.15", "lo": "0.1", "hi": "0.3", "beta": "0.5", "window": "16", "j": "2", "m": "16"}
+EXAMPLES = {"tau": "0.15", "lo": "0.1", "hi": "0.3", "beta": "0.5", "window": "16", "j": "2", "m": "16",
+            "upgrade": "1"}
 
 
 class MissPolicy:
@@ -262,23 +264,26 @@ class LowBit(TauRule):
     """Three actions by gate weight: fetch a miss in full precision if it is the first choice or
     its weight is >= tau (per layer, if given so); fetch its low-precision copy (int4, from a
     second store) if its weight is >= lo; substitute it below lo (lo=0, the default: never
-    substitute). A slot holding a small copy serves later hits as it is, until evicted."""
+    substitute). A slot holding a small copy serves later hits as it is, until evicted; with
+    upgrade=1, a hit on it that the rule would fetch in full also reads the full copy into the
+    slot in the background, for the tokens after it."""
     name, rule = "lowbit", LOWBIT
     fetches_small = True
-    parameters = ("tau", "lo", *SubstitutingPolicy.parameters)
+    parameters = ("tau", "lo", "upgrade", *SubstitutingPolicy.parameters)
 
-    def __init__(self, tau: float | str = 0.15, lo: float = 0.0, **kw):
+    def __init__(self, tau: float | str = 0.15, lo: float = 0.0, upgrade: float = 0, **kw):
         super().__init__(tau, **kw)
         self.lo = checked_number(self.name, "lo", lo, 0, self.tau)
+        self.upgrade = bool(checked_number(self.name, "upgrade", upgrade, 0, 1, whole=True))
 
     def params(self):
-        """The tau rule's vector plus lo."""
+        """The tau rule's vector plus lo and upgrade."""
         p = super().params()
-        p[LO] = self.lo
+        p[LO], p[UPGRADE] = self.lo, self.upgrade
         return p
 
     def __repr__(self):
-        return f"lowbit(tau={self.tau_text},lo={self.lo:g})"
+        return f"lowbit(tau={self.tau_text},lo={self.lo:g}{',upgrade=1' if self.upgrade else ''})"
 
 
 class CacheConditional(MissPolicy):

@@ -26,7 +26,7 @@ policies = ["fetch-all", "threshold:tau=0.3", "first-choice:beta=0.2", "substitu
             "substitute-all:sub=window,window=6", "band:lo=0.1,hi=0.3", "conditional:j=1,m=24",
             "quality-first", "llama.cpp", "moe-infinity", "conditional:j=4,m=4", "conditional:j=0,m=5",
             "substitute-all:sub=window,window=5", "threshold:tau=0,sub=window,window=24", "band:lo=0,hi=1,sub=drop",
-            "threshold:tau=1,beta=0"]
+            "threshold:tau=1,beta=0", "lowbit:tau=0.3,lo=0.1,upgrade=1", "lowbit:tau=1,upgrade=1"]
 for policy in policies:
     for quota in ("layer", "global"):
         for window in (None, 1):

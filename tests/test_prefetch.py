@@ -11,6 +11,7 @@ from expertcache.engine.checkpoint import load_default_vectors
 from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.engine.moe import PrefetchConfig
 from expertcache.engine.predictors import Estimator
+from expertcache.errors import BadInput
 from expertcache.kernel.cache_state import PREFETCHES
 from expertcache.kernel.routing import Router
 from expertcache.lab.calibrate import calibrate, save_calibration
@@ -54,6 +55,16 @@ def test_prefetch_only_is_exact(calibrated, predictor, store):
                                        prefetch=PrefetchConfig(predictor, "prefetch")))
     torch.testing.assert_close(decode(engine, ids), ref, atol=1e-4, rtol=0)
     assert engine.stats.prefetch_fetches > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("budget", [0, 3])
+def test_prefetch_budget_beyond_the_ranked_experts_is_refused(calibrated, budget):
+    """The predictor ranks the next layer's top-k (2 here): a larger budget is refused, not cut silently."""
+    engine = Engine(calibrated[0], EngineConfig(cache=CacheConfig(fraction=0.5)))
+    with pytest.raises(BadInput, match=f"prefetch budget {budget}: .* budget=1..2"):
+        engine.set_prefetch(PrefetchConfig(budget=budget))
+    engine.set_prefetch(PrefetchConfig(budget=2))
     engine.close()
 
 

@@ -205,6 +205,49 @@ def test_replay_counts_lowbit_bytes_as_the_engine_does(traced, policy):
     assert sim.sync_fetch_bytes + sim.lowbit_bytes < full.sync_fetch_bytes
 
 
+def test_upgrades_decide_alike_in_windows_decode_and_the_replay(traced):
+    """lowbit with upgrade=1 (exact `ram` stores): a hit on a small copy that the rule would fetch
+    in full reads the full copy into its slot after the token's expert work. A window and
+    token-by-token decoding give the same counts and logits (the window's earlier tokens ran
+    with the small copy), the replay counts what the engine does, and every slot no longer
+    marked low holds its expert's full copy."""
+    path, ids, trace, _ = traced
+    policy, cfg = "lowbit:tau=0.3,upgrade=1", CacheConfig(fraction=0.5)
+    fields = ("hits", "misses", "sync_fetches", "lowbit_fetches", "upgrades", "background_fetches", "moe_calls")
+    x = torch.tensor(ids)
+    runs = []
+    for window in (64, 1):
+        engine = Engine(path, EngineConfig(cache=cfg, initial="cold", policy=policy))
+        logits = torch.cat([engine.forward(x[p:p + window], p % 64) for p in range(0, 128, window)])
+        runs.append((logits, engine.stats))
+        engine.close()
+    (lw, w), (ld, d) = runs
+    assert w.upgrades > 0 and w.background_fetches == w.upgrades and w.lowbit_fetches > 0
+    assert [getattr(w, f) for f in fields] == [getattr(d, f) for f in fields]
+    torch.testing.assert_close(lw, ld, atol=1e-4, rtol=0)
+
+    engine = Engine(path, EngineConfig(cache=cfg, initial="cold", policy=policy))
+    for start in range(0, len(ids), 64):
+        engine.forward(x[start:start + 64], 0)
+    sim = replay(trace, policy, cfg).stats
+    e = engine.stats
+    assert [getattr(sim, f) for f in (*fields, "segments", "expert_runs")] == \
+        [getattr(e, f) for f in (*fields, "segments", "expert_runs")]
+    assert sim.background_bytes == sim.upgrades * sim.sync_fetch_bytes // sim.sync_fetches
+    cache, E = engine.cache, engine.store.shape.num_experts
+    w13, w2 = torch.empty_like(cache.w13[0]), torch.empty_like(cache.w2[0])
+    full = low = 0
+    for s, owner in enumerate(cache.state.owner.tolist()):
+        if owner < 0:
+            continue
+        engine.store.read_into(owner // E, owner % E, w13, w2)
+        same = torch.equal(cache.w13[s], w13) and torch.equal(cache.w2[s], w2)
+        assert same != cache.state.low[s], (s, owner)
+        full, low = full + same, low + (not same)
+    assert full and low
+    engine.close()
+
+
 def test_profiles_are_versioned(tmp_path, capsys):
     """A version-1 profile (before the version field) loads with its newer terms unmeasured; a
     later version, or a field this version does not know, is refused in one line."""

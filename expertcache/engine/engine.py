@@ -179,6 +179,9 @@ class Engine:
         """Attach a predictor (or detach with None); starts a new run."""
         if prefetch is not None and prefetch.mode not in ("prefetch", "speculative"):
             raise UnknownName(f"unknown prefetch mode {prefetch.mode!r}; choose prefetch or speculative")
+        if prefetch is not None and prefetch.budget is not None and not 1 <= prefetch.budget <= self.args.top_k:
+            raise BadInput(f"prefetch budget {prefetch.budget}: a predictor ranks the model's top-{self.args.top_k} "
+                           f"experts of the next layer; give budget=1..{self.args.top_k}")
         self.runner.predictor = make_predictor(prefetch.predictor, self.model, self.path) if prefetch else None
         self.runner.prefetch = prefetch or PrefetchConfig()
         self.model.prefetch = self.runner.observe_residual if prefetch else None

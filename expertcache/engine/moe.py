@@ -161,8 +161,18 @@ class MoELayerRunner:
                                    gates if x.device.type == "cpu" else gates.to(x.device), cache.w13, cache.w2,
                                    cache.b13, cache.b2, self.kind)
 
+        def decode_out(slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
+            if self.compiled is not None and x.dtype == torch.float32:
+                return self.compiled(x, slots_h[0], gates_h[0])
+            return experts_out(0, 1, slots_h, gates_h)
+
         def compute(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
-            if end > begin:  # a decode token owes no work before its own decisions: nothing to flush
+            nonlocal out
+            if end == begin:
+                return
+            if T == 1:  # decode computes after its decisions, unless an upgrade overwrites a slot it uses
+                out = decode_out(slots_h, gates_h)
+            else:
                 out[begin:end] = experts_out(begin, end, slots_h, gates_h)
 
         ahead = self.predictor is not None and layer + 1 < a.num_moe_layers
@@ -174,10 +184,5 @@ class MoELayerRunner:
                             predict if ahead and T == 1 else None)
         if ahead and T > 1:
             predict(plan.experts, plan.gates)
-        if T == 1 and self.compiled is not None and x.dtype == torch.float32:
-            out = self.compiled(x, plan.slots[0], plan.gates[0])  # decode: nothing was computed early
-        elif T == 1:
-            out = experts_out(0, 1, plan.slots, plan.gates)
-        else:
-            compute(plan.owed_from, T, plan.slots, plan.gates)
+        compute(plan.owed_from, T, plan.slots, plan.gates)
         return out if self.router.scale == 1.0 else out * self.router.scale

@@ -23,7 +23,7 @@ class RunStats:
     substitutions: int = 0  # routed experts replaced or dropped
     substituted_calls: int = 0  # calls with at least one substitution
     substituted_mass: float = 0.0  # summed gate weight of substituted experts
-    background_fetches: int = 0  # admissions started off the critical path
+    background_fetches: int = 0  # admissions and upgrades started off the critical path
     prefetch_fetches: int = 0  # prefetch reads made (dropped ones not counted)
     prefetch_dropped: int = 0  # prefetches dropped before a worker read them: the layer's routes did not need them
     prefetch_bytes: int = 0
@@ -31,6 +31,7 @@ class RunStats:
     background_bytes: int = 0
     segments: int = 0  # expert-compute batches: a fetch that reuses a slot with owed work splits a window
     expert_runs: int = 0  # (batch, expert) pairs: one expert applied to one batch of tokens
+    upgrades: int = 0  # slots holding a small copy given the full one in the background (also background_fetches)
     stall_s: float = 0.0  # time blocked waiting on transfers
     wall_s: float = 0.0  # time in model forward calls
     peak_memory_bytes: int = 0

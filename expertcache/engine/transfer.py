@@ -38,7 +38,7 @@ class Transfer:
     layer: int
     expert: int
     slot: int
-    kind: str  # "fetch" | "admit" | "prefetch" | "lowbit" | "fill"
+    kind: str  # "fetch" | "admit" | "prefetch" | "lowbit" | "upgrade" | "fill" (decisions.KINDS)
     landed: "threading.Lock | None" = None  # held while a worker's read is queued or running
     ring: "TransferEngine | None" = None  # the engine whose io_uring holds this read until it is reaped
     claim: threading.Lock = field(default_factory=threading.Lock)  # taken by the worker that starts it, or by cancel
@@ -117,7 +117,7 @@ class TransferEngine:
         return n
 
     def submit(self, layer: int, expert: int, slot: int, kind: str, here: bool = False) -> Transfer:
-        """Start copying `expert` of `layer` into `slot` (kind: fetch, admit or prefetch); an inline store
+        """Start copying `expert` of `layer` into `slot` (a `Transfer.kind`); an inline store
         copies at once; an O_DIRECT read goes to io_uring where the engine has one (the kernel starts it
         at the next `flush`). Otherwise `here`: the caller is about to wait for this copy and has nothing
         else to do, so it reads in its own thread instead of handing the read to a worker (a read error

@@ -37,23 +37,26 @@ from .cache_state import (
     SUBSTITUTED_CALLS,
     SUBSTITUTIONS,
     SYNC_FETCHES,
+    UPGRADES,
 )
 from .compiled import compiled
 from .eviction import DEMAND, add_demand, advance, enter_score, insert, touch, victim
-from .policy import CONDITIONAL, KIND, decide, resident
+from .policy import CONDITIONAL, KIND, decide, resident, wants_upgrade
 
 # Logged actions, rows of (op, a, b, c)
 LOAD, WAIT, FLUSH, FINISH_ALL = 1, 2, 3, 4  # LOAD: slot, layer * E + expert, kind; WAIT: slot; FLUSH: begin, end
-KINDS = ("fetch", "admit", "prefetch", "fill", "lowbit")  # lowbit: a synchronous fetch of the small copy
-FETCH, ADMIT, PREFETCH, FILL, LOWBIT = range(len(KINDS))
+# lowbit: a synchronous fetch of the small copy; upgrade: the full copy read in the background into
+# the slot that holds the small one
+KINDS = ("fetch", "admit", "prefetch", "fill", "lowbit", "upgrade")
+FETCH, ADMIT, PREFETCH, FILL, LOWBIT, UPGRADE = range(len(KINDS))
 
 
 def log_capacity(tokens: int, top_k: int, num_experts: int) -> int:
     """Room for the actions of a layer call of `tokens` tokens (per token at most k fetches
-    and k admissions, each with a flush and a finish-all, k waits, and k waits for the
-    previous token's admissions) and of a fill or a prefetch (at most every expert of a
-    layer, each with a flush and a finish-all)."""
-    return max(tokens * 8 * top_k, 3 * num_experts) + 1
+    and k admissions, each with a flush and a finish-all, k waits, k waits for the previous
+    token's admissions, and k upgrades after one flush) and of a fill or a prefetch (at most
+    every expert of a layer, each with a flush and a finish-all)."""
+    return max(tokens * (9 * top_k + 1), 3 * num_experts) + 1
 
 
 @compiled
@@ -151,6 +154,24 @@ def land_flying(st):
 
 
 @compiled
+def _upgrades(st, p, layer, t, ids, w):
+    """After token t's decisions: each slot it uses that holds a small copy at a weight the
+    policy fetches in full gets the full copy, read into the same slot once the token's expert
+    work is done (a flush), in the background like an admission (resident from the next token)."""
+    for j in range(len(ids)):
+        s = st.slot_of[layer, ids[j]]
+        if s >= 0 and st.low[s] and not st.pending[s] and wants_upgrade(p, layer, j, w[j]):
+            _flush(st, t + 1)
+            st.low[s] = False
+            st.pending[s] = True
+            st.flying[st.misc[N_FLYING]] = s
+            st.misc[N_FLYING] += 1
+            _log(st, LOAD, s, st.owner[s], UPGRADE)
+            st.counts[UPGRADES] += 1
+            st.counts[BACKGROUND] += 1  # its bytes and cost are an admission's
+
+
+@compiled
 def _count_demand(st, layer, ids, clock):
     """After the token's loads (an expert fetched now enters with the demand before it)."""
     if st.misc[EVICTION] == DEMAND:
@@ -185,6 +206,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ranked
             _owe(st, s, seg)
             slots_out[j], exec_out[j], gates_out[j] = s, ids[j], w[j]
         _count_demand(st, layer, ids, clock)
+        _upgrades(st, p, layer, t, ids, w)
         return True
     n_exec, n_fetch, n_admit, substituted, mass = decide(p, account, st, sc, layer, row, table, logits, ranked, w)
     cnt[MISSES] += k - hits
@@ -225,6 +247,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ranked
     for c in range(n_exec, k):  # fewer executed than routed: zero-weight padding
         slots_out[c], exec_out[c], gates_out[c] = slots_out[0], exec_out[0], 0.0
     _count_demand(st, layer, ids, clock)
+    _upgrades(st, p, layer, t, ids, w)
     return True
 
 
@@ -253,7 +276,7 @@ def decide_layer(st, p, account, sc, layer, rows, scores, logits, ids, w, token_
         if not decide_token(st, p, account, sc, layer, t, token_base + t, rows[t], None, logits, ids[t], w[t],
                             slots[t], experts[t], gates[t]):
             return -1 - t
-    st.counts[SEGMENTS] += 1  # the caller computes the rest
+    st.counts[SEGMENTS] += st.misc[SEGMENT_START] < ids.shape[0]  # the caller computes the rest, if any
     return st.misc[SEGMENT_START]
 
 

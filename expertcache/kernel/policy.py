@@ -14,9 +14,10 @@ from .routing import rank_key, top_m, value
 
 # The parameter vector read by `decide`; NORM: the family renormalises its top-k gate weights.
 # A vector longer than N_PARAMS carries one tau per MoE layer after them (p[N_PARAMS + layer]),
-# which replaces p[TAU] at that layer.
-KIND, RULE, SUB, WINDOW, BETA, TAU, LO, HI, TOP_J, TOP_M, NORM = range(11)
-N_PARAMS = 11
+# which replaces p[TAU] at that layer. UPGRADE: a hit on a slot holding a small copy at a weight the
+# rule fetches in full reads the full copy into it in the background.
+KIND, RULE, SUB, WINDOW, BETA, TAU, LO, HI, TOP_J, TOP_M, NORM, UPGRADE = range(12)
+N_PARAMS = 12
 FETCH_ALL, SUBSTITUTING, CONDITIONAL = 0, 1, 2  # KIND
 NEVER, THRESHOLD, FIRST_CHOICE, BAND, LOWBIT = 0, 1, 2, 3, 4  # RULE: which misses a substituting policy fetches
 SUBSTITUTES = ("best", "drop", "window")  # SUB, by index
@@ -75,6 +76,13 @@ def _should_fetch(p, layer, rank, w):
     if rule == BAND:
         return not (p[LO] <= w < p[HI])
     return False
+
+
+@compiled
+def wants_upgrade(p, layer, rank, w):
+    """Whether a routed expert served by its low-precision copy should get its full copy: the
+    policy upgrades, and would fetch it in full were it a miss."""
+    return p[UPGRADE] != 0 and _should_fetch(p, layer, rank, w)
 
 
 @compiled

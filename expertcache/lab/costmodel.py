@@ -7,6 +7,7 @@ time/token = dense + (expert runs/token) * expert_run
                when not measured)
              + (admissions and prefetches/token) * bytes / bandwidth, unless they overlap compute
              + (admissions/token) * admission + (prefetches/token) * prefetch
+               (a lowbit policy's upgrades of small copies are admissions: full copies read in the background)
              + (predictions/token) * prediction + (calls with a substitution/token) * decision
 A call's synchronous fetches are issued together and waited for once: the latency is paid per
 waiting call, the transfer per fetch. An expert run is one expert applied to one batch of

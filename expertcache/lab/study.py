@@ -26,7 +26,8 @@ MAIN = ["substitute-all", *(f"threshold:tau={t:g}" for t in TAUS), "first-choice
 NO_ADMISSION = "quality-first:beta=0"
 HEAVY = "band:lo=0.25"  # substitute only misses with gate weight >= 0.25 (first choices included)
 LIGHT = [f"band:lo=0,hi={h:g}" for h in (0.06, 0.09, 0.12, 0.16)]  # only light misses
-LOWBIT = ["lowbit:tau=0.15", "lowbit:tau=0.15,lo=0.05"]  # light misses as int4 copies; the lightest substituted
+# light misses as int4 copies; the lightest substituted; heavy hits on a small copy upgraded
+LOWBIT = ["lowbit:tau=0.15", "lowbit:tau=0.15,lo=0.05", "lowbit:tau=0.15,upgrade=1"]
 
 
 @dataclass(frozen=True)

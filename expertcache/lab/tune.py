@@ -53,9 +53,11 @@ PER_LAYER_TAUS = (0.05, 0.07, 0.1, 0.15)
 TILTS = (-1.0, 1.0)
 PER_LAYER_BETAS = (0.0, 0.5)
 # The low-precision miss option: a light miss fetches its int4 copy (lo=0: never substitutes), or
-# three ways, substituting below lo. No admission: lo=0 substitutes nothing to account.
+# three ways, substituting below lo; and with upgrade=1, a heavy hit on a small copy reads the full
+# one in the background. No admission: lo=0 substitutes nothing to account.
 LOWBIT_RULES = (*(f"lowbit:tau={t:g}" for t in (0.07, 0.1, 0.15, 0.3)),
-                *(f"lowbit:tau={t:g},lo={lo:g}" for t, lo in ((0.15, 0.05), (0.3, 0.05), (0.3, 0.1))))
+                *(f"lowbit:tau={t:g},lo={lo:g}" for t, lo in ((0.15, 0.05), (0.3, 0.05), (0.3, 0.1))),
+                *(f"lowbit:tau={t:g},upgrade=1" for t in (0.15, 0.3)), "lowbit:tau=0.3,lo=0.05,upgrade=1")
 PRESETS = ("quality-first", "speed-first", "threshold:tau=0.15", "first-choice")  # validated beside the winner
 # The quick profile measured when none is given: enough runs to separate dense, wait, fetch, low-precision
 # fetch, admission and substitution costs (tune's candidates make no predictions).
