@@ -38,7 +38,7 @@ VALIDATION = ((0.375, "fetch-all"), (0.625, "fetch-all"), (0.1875, "threshold:ta
               (0.375, "threshold:tau=0.05,beta=0.5"), (0.5, "first-choice"), (0.375, "speed-first"),
               (0.25, "band:lo=0,hi=0.1"), (0.25, "conditional:j=2,m=16"),
               (0.25, "fetch-all+prefetch/quasi-hidden"), (0.5, "quality-first+prefetch/router-ahead"),
-              (0.375, "lowbit:tau=0.1"), (0.25, "lowbit:tau=0.3,lo=0.05"))
+              (0.375, "lowbit:tau=0.1"), (0.25, "lowbit:tau=0.3,lo=0.05"), (0.25, "lowbit:tau=0.15,upgrade=1"))
 HELD_OUT_DOMAIN = 2  # the evaluation text's third domain (scripture); calibration reads the first (drama)
 TOKENS = {"decode": 32 + 256, "forced": 1025}  # decode: prompt + timed tokens
 CONTEXT = 256  # teacher-forced windows, as the benchmark
