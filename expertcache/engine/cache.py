@@ -30,7 +30,8 @@ def slot_format(name: str, device: torch.device, stored: ExpertFormat, store: st
     """The fast tier's format of one expert from --slot-dtype `name` and the slow tier's format
     `stored`. auto: on the CPU the store's dtype when it is fp16 or bf16 (the compiled kernel widens
     them exactly), else fp32; on CUDA fp16. int8/int4 keep the store's encoded blobs as they are
-    (its group size and scheme), so the store must hold that dtype, on the disk, for the CPU kernel."""
+    (its group size and scheme), so the store must hold that dtype (on the disk, or emulated in
+    RAM), for the CPU kernel."""
     if name not in SLOT_DTYPES:
         raise UnknownName(f"unknown slot dtype {name!r}; choose one of {', '.join(SLOT_DTYPES)}")
     if name == "auto":
@@ -45,8 +46,9 @@ def slot_format(name: str, device: torch.device, stored: ExpertFormat, store: st
     if stored.dtype != fmt.dtype:
         raise BadInput(f"--slot-dtype {name} keeps the slow tier's {name} blobs as they are, but it holds "
                        f"{stored.tag}; add --store-dtype {name}")
-    if store != "disk":
-        raise BadInput(f"--slot-dtype {name} copies the disk store's encoded blobs; use --store disk")
+    if store not in ("disk", "ram"):
+        raise BadInput(f"--slot-dtype {name} copies encoded blobs, which the {store} store does not hold; "
+                       "use --store disk or --store ram")
     return stored
 
 

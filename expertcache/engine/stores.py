@@ -106,7 +106,7 @@ class ExpertStore(ABC):
 
     def read_encoded(self, layer: int, expert: int, dst: torch.Tensor) -> int:
         """Copy expert (layer, expert)'s encoded blob as it is stored, unpadded, into dst (uint8):
-        the fill of a quantized slot. Only the disk store keeps encoded blobs."""
+        the fill of a quantized slot. The disk store and a ram store of an int8/int4 format keep them."""
         raise BadInput(f"the {self.name} store holds no encoded blobs for quantized slots; use --store disk")
 
     @property
@@ -148,6 +148,8 @@ class RamStore(ExpertStore):
             dtype = layers[0].w13.dtype if fmt is None else FLOAT_DTYPES.get(fmt.dtype, torch.float32)
         super().__init__(ExpertShape.of(args), dtype)
         self.format = fmt
+        self._ckpt, self._args = ckpt, args  # for the encoded blobs, made on first use
+        self._blobs: torch.Tensor | None = None
 
         def stack(part):  # [L, E, ...] in the compute dtype, each expert as the format stores it
             if fmt is None:
@@ -177,6 +179,21 @@ class RamStore(ExpertStore):
         b2 [H]); returns the bytes a fetch counts (`expert_bytes`)."""
         for dst, src in zip((w13, w2, b13, b2), self._sources(layer, expert)):
             dst.copy_(src)
+        return self.expert_bytes
+
+    def read_encoded(self, layer, expert, dst):
+        """Copy the int8/int4 blob of (layer, expert) into a quantized slot dst uint8 [encoded bytes]:
+        the bytes the disk store of this format holds, encoded from the checkpoint on first use."""
+        if self.format is None or not self.format.quantized or self.format.mx:
+            return super().read_encoded(layer, expert, dst)
+        if self._blobs is None:
+            n = encoded_bytes(self.shape.parts, self.format)
+            self._blobs = torch.stack([
+                torch.stack([torch.frombuffer(bytearray(encode([p[e] for p in x if p is not None],
+                                                               self.shape.parts, self.format, n)), dtype=torch.uint8)
+                             for e in range(self.shape.num_experts)])
+                for x in all_layer_experts(self._ckpt, self._args)])  # [L, E, n]
+        dst.copy_(self._blobs[layer, expert])
         return self.expert_bytes
 
 
