@@ -248,6 +248,25 @@ def test_upgrades_decide_alike_in_windows_decode_and_the_replay(traced):
     engine.close()
 
 
+def test_calibrate_hw_measures_the_store_and_slots_it_is_given(tmp_path, capsys):
+    """calibrate-hw times the engine with the store format, read mode, I/O path and slot dtype it is
+    given: int8 slots of an int8 store read buffered through worker threads (lowbit runs left out,
+    as int8 slots cannot take low-precision copies)."""
+    from expertcache import cli
+    from expertcache.engine.quant import ExpertFormat
+    from expertcache.lab.costmodel import CALIBRATION, HardwareProfile
+    out = tmp_path / "profile.json"
+    assert cli.main(["calibrate-hw", "--store-dir", str(tmp_path / "int8"), "--store-dtype", "int8", "--slot-dtype",
+                     "int8", "--read-mode", "buffered", "--io", "threads", "--repeats", "1", "--out", str(out)]) == 0
+    prof = HardwareProfile.load(out)
+    runs = [r["policy"] for r in prof.calibration]
+    assert len(runs) == len(CALIBRATION) - 2 and not any("lowbit" in r for r in runs)
+    fmt = ExpertFormat.parse("int8")
+    from expertcache.engine.stores import ALIGN
+    assert prof.expert_bytes == -(-encoded_bytes(((128, 160), (160, 64)), fmt) // ALIGN) * ALIGN
+    assert "one buffered-dontneed read alone" in prof.source, prof.source
+
+
 def test_profiles_are_versioned(tmp_path, capsys):
     """A version-1 profile (before the version field) loads with its newer terms unmeasured; a
     later version, or a field this version does not know, is refused in one line."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .options import add_model_argument, add_store_arguments, positive_int
+from .options import add_model_argument, add_store_arguments, format_from_args, positive_int
 
 HELP = "measure fetch, expert and dense times on this machine into a cost-model profile"
 
@@ -23,10 +23,13 @@ def add_arguments(p):
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
-    from ..lab.costmodel import CALIBRATION, measure_profile
-    with tqdm(total=len(CALIBRATION) * (a.repeats + 1), unit="run", desc="calibrate-hw", file=sys.stderr) as bar:
+    from ..lab.costmodel import CALIBRATION, measure_profile, runs_for_slots
+    runs = len(runs_for_slots(CALIBRATION, a.slot_dtype))
+    with tqdm(total=runs * (a.repeats + 1), unit="run", desc="calibrate-hw", file=sys.stderr) as bar:
+        options = {"read_mode": a.read_mode, "io": a.io, "slot_dtype": a.slot_dtype,
+                   "store_format": format_from_args(a, a.store_dtype)}
         prof = measure_profile(a.model, a.store, a.mode, a.repeats, device=a.device, store_dir=a.store_dir,
-                               progress=lambda label: (bar.set_postfix_str(label), bar.update()))
+                               progress=lambda label: (bar.set_postfix_str(label), bar.update()), options=options)
     prof.save(a.out)
     for k, v in asdict(prof).items():
         if k != "calibration":

@@ -212,12 +212,13 @@ class TimedRun:
 def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", repeats: int = 5,
               store: str = "disk", device: str = "cpu", store_dir: Path | None = None, prompt: int = 32,
               context: int = 256, progress: Callable[[str], None] | None = None,
-              run_ids: list[list[int]] | None = None) -> list[TimedRun]:
+              run_ids: list[list[int]] | None = None, options: dict | None = None) -> list[TimedRun]:
     """Time each (cache fraction, variant) of `runs` on the engine over the same tokens (or over
     `run_ids[i]` for run i), repetitions interleaved round-robin after a warm-up (so drift hits all
     alike). decode: `prompt` tokens in one forward, then every later token alone (one token per
     forward), timed; forced: the tokens teacher-forced in windows of `context`. `progress(label)`
-    after each run."""
+    after each run. `options`: more EngineConfig fields for every run (read_mode, store_format,
+    slot_dtype, ...), and `io` for its CacheConfig."""
     import time
 
     import torch
@@ -230,11 +231,14 @@ def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", re
     if mode not in ("decode", "forced"):
         from ..errors import UnknownName
         raise UnknownName(f"unknown mode {mode!r}; choose decode or forced")
+    options = dict(options or {})
+    io = options.pop("io", "auto")
     engines = []
     for fraction, variant in runs:
         policy, prefetch = parse_variant(variant)
-        engines.append(Engine(model, EngineConfig(device=device, store=store, cache=CacheConfig(fraction=fraction),
-                                                  policy=policy, prefetch=prefetch, store_dir=store_dir)))
+        engines.append(Engine(model, EngineConfig(device=device, store=store,
+                                                  cache=CacheConfig(fraction=fraction, io=io), policy=policy,
+                                                  prefetch=prefetch, store_dir=store_dir, **options)))
 
     def run(eng: Engine, ids: list[int]) -> tuple[float, RunStats]:
         eng.reset()
@@ -288,7 +292,7 @@ def fit_profile(timed: list[TimedRun], store, layers: int, top_k: int, mode: str
                         for r, e, c in zip(timed, fitted, counts))
     # The slow tier's transfer per fetch is fitted as a time: bandwidth = bytes / that time.
     transfer = cost.get("sync_fetches", 0.0)
-    read = f"; one O_DIRECT read alone: {1e6 * read_s:.0f} us" if read_s is not None else ""
+    read = f"; one {store.read_mode} read alone: {1e6 * read_s:.0f} us" if read_s is not None else ""
     costs = {FIELD[t]: cost.get(t, 0.0) for t in FIELD}
     if "lowbit_fetches" not in cost:  # never measured: the bytes over the bandwidth
         costs["lowbit_fetch_s"] = None
@@ -315,15 +319,26 @@ def calibration_ids(model: Path | None, mode: str, tokens: int | None = None, te
     return ids
 
 
+def runs_for_slots(runs, slot_dtype: str) -> list:
+    """The (cache fraction, variant) runs that slots of `slot_dtype` can take: quantized slots take no
+    low-precision copies, so runs of lowbit policies are left out."""
+    from ..policies import make_policy
+    from .bench import parse_variant
+    if slot_dtype not in ("int8", "int4"):
+        return list(runs)
+    return [r for r in runs if not make_policy(parse_variant(r[1])[0]).fetches_small]
+
+
 def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode", repeats: int = 5,
                     reads: int = 200, device: str = "cpu", store_dir: Path | None = None,
                     runs=CALIBRATION, ids: list[int] | None = None,
-                    progress: Callable[[str], None] | None = None) -> HardwareProfile:
+                    progress: Callable[[str], None] | None = None, options: dict | None = None) -> HardwareProfile:
     """Measure a profile on this machine with the engine itself. `mode`: decode (one token per
     forward) or forced (windows of 256 tokens). Every run of `runs` (cache fraction, variant) is
-    timed `repeats` times over `ids` (default: calibration_ids) by `time_runs`, and a
-    non-negative least-squares fit of the relative error gives the cost of each term. The raw
-    O_DIRECT read time is reported in `source`."""
+    timed `repeats` times over `ids` (default: calibration_ids) by `time_runs`, with the store and
+    slot `options` it takes (runs of low-precision copies are left out for quantized slots, which
+    cannot take them), and a non-negative least-squares fit of the relative error gives the cost of
+    each term. The raw read time, in the store's format and read mode, is reported in `source`."""
     import statistics
     import time
 
@@ -333,12 +348,16 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
     from ..engine.stores import open_store
     from ..models import model_args
 
-    ids = ids if ids is not None else calibration_ids(model, mode)
-    timed = time_runs(model, runs, ids, mode, repeats, store, device, store_dir, progress=progress)
     from ..engine.engine import BUILTIN_MODEL
+
+    options = options or {}
+    runs = runs_for_slots(runs, options.get("slot_dtype", "auto"))
+    ids = ids if ids is not None else calibration_ids(model, mode)
+    timed = time_runs(model, runs, ids, mode, repeats, store, device, store_dir, progress=progress, options=options)
     ckpt = open_checkpoint(Path(model or BUILTIN_MODEL))
     a = model_args(ckpt.config)
-    st = open_store(store, ckpt, a, store_dir, torch.float32)
+    st = open_store(store, ckpt, a, store_dir, torch.float32, options.get("store_format"),
+                    options.get("read_mode", "auto"))
     rng = np.random.default_rng(0)
     w13, w2 = torch.empty(st.shape.w13), torch.empty(st.shape.w2)
     read_s = []
