@@ -110,8 +110,8 @@ def run(a) -> int:
     if a.ray_address and a.jobs != "ray":
         raise BadInput("--ray-address applies with --jobs ray; add --jobs ray or leave --ray-address out")
     rows = run_tasks(tasks, a.jobs, a.ray_address)
-    print("| policy | cache | hit rate | fetches/token | admissions/token | slots subst. | mass/call | est. ms/token "
-          "| events/s |")
+    print("| policy | cache | hit rate | fetches/token | admissions + upgrades/token | slots subst. | mass/call "
+          "| est. ms/token | events/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| `{r['policy']}` | {r['cache']:g} | {r['hit_rate']:.1%} | {r['fetches_per_token']:.2f} | "

@@ -25,7 +25,7 @@ def write_report(res: StudyResult, out: Path) -> list[Path]:
              f"(fraction {res.config['cache_fraction']}), warm start, `ram` store (exact). Perplexity increase is over "
              f"fetch-every-miss on the same windows, with a paired bootstrap 95% CI over windows.", "",
              ("| policy | ppl | increase [95% CI] | calls subst. | slots subst. | mass/call | hit rate | fetches/token "
-              "| admissions/token |"),
+              "| admissions + upgrades/token |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for spec, r in res.runs.items():
         lines.append(f"| `{spec}` | {r['ppl']:.2f} | {_ci(r)} | {r['calls_substituted_pct']:.1f}% | "
