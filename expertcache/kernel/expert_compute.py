@@ -103,36 +103,48 @@ def _scales_as_floats(blob, row, scales, mins):
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
-def _int_dot(blob, row, r, lanes, sums, scales, mins):
-    """Row r of an int8/int4 part (plan row `row`) times a vector given as _lanes: per group,
-    scale * (codes . v) + min * sum(v), or scale * (codes . v - zero * sum(v)) when symmetric. The
-    codes are never dequantised: one conversion and one multiply-add per weight."""
+def _int_dot_pair(blob, row, r1, r2, lanes, sums, scales, mins):
+    """Rows r1 and r2 of an int8/int4 part (plan row `row`) times a vector given as _lanes: per
+    group, scale * (codes . v) + min * sum(v), or scale * (codes . v - zero * sum(v)) when
+    symmetric. The codes are never dequantised: one conversion and one multiply-add per weight.
+    Two rows at a time share each load of the vector (a gate row with its up row, or two down rows):
+    ~25% faster than one at a time here."""
     g, groups = row[GROUP], _groups(row)
     four = row[ENCODING] == INT4
     code_cols = groups * g // 2 if four else groups * g
-    codes = row[VALUES] + r * code_cols
-    codes = blob[codes:codes + code_cols]
-    scales, mins = scales[r * groups:(r + 1) * groups], mins[r * groups:(r + 1) * groups]
+    at1, at2 = row[VALUES] + r1 * code_cols, row[VALUES] + r2 * code_cols
+    c1, c2 = blob[at1:at1 + code_cols], blob[at2:at2 + code_cols]
+    s1, m1 = scales[r1 * groups:(r1 + 1) * groups], mins[r1 * groups:(r1 + 1) * groups]
+    s2, m2 = scales[r2 * groups:(r2 + 1) * groups], mins[r2 * groups:(r2 + 1) * groups]
     asym = row[MINS] >= 0
     zero = np.float32(7.0 if four else 127.0)
-    y = np.float32(0.0)
+    y1 = np.float32(0.0)
+    y2 = np.float32(0.0)
     # slices per group keep every index provably in range, which lets LLVM vectorise the loops
-    if four:
-        b, h = g // 2, groups * g // 2
-        for gi in range(groups):
-            cg, lo, hi = codes[gi * b:(gi + 1) * b], lanes[gi * b:(gi + 1) * b], lanes[h + gi * b:h + (gi + 1) * b]
-            d = np.float32(0.0)
-            for j in range(cg.shape[0]):
-                d += np.float32(cg[j] & np.uint8(0xF)) * lo[j] + np.float32(cg[j] >> np.uint8(4)) * hi[j]
-            y += scales[gi] * d + mins[gi] * sums[gi] if asym else scales[gi] * (d - zero * sums[gi])
-    else:
-        for gi in range(groups):
-            cg, v = codes[gi * g:(gi + 1) * g], lanes[gi * g:(gi + 1) * g]
-            d = np.float32(0.0)
-            for j in range(cg.shape[0]):
-                d += np.float32(cg[j]) * v[j]
-            y += scales[gi] * d + mins[gi] * sums[gi] if asym else scales[gi] * (d - zero * sums[gi])
-    return y
+    n = g // 2 if four else g
+    h = groups * g // 2
+    for gi in range(groups):
+        a1, a2 = c1[gi * n:(gi + 1) * n], c2[gi * n:(gi + 1) * n]
+        d1 = np.float32(0.0)
+        d2 = np.float32(0.0)
+        if four:  # a byte's low code meets the even lanes, its high code the odd ones
+            lo, hi = lanes[gi * n:(gi + 1) * n], lanes[h + gi * n:h + (gi + 1) * n]
+            for j in range(a1.shape[0]):
+                v, w = lo[j], hi[j]
+                d1 += np.float32(a1[j] & np.uint8(0xF)) * v + np.float32(a1[j] >> np.uint8(4)) * w
+                d2 += np.float32(a2[j] & np.uint8(0xF)) * v + np.float32(a2[j] >> np.uint8(4)) * w
+        else:
+            v = lanes[gi * n:(gi + 1) * n]
+            for j in range(a1.shape[0]):
+                d1 += np.float32(a1[j]) * v[j]
+                d2 += np.float32(a2[j]) * v[j]
+        if asym:
+            y1 += s1[gi] * d1 + m1[gi] * sums[gi]
+            y2 += s2[gi] * d2 + m2[gi] * sums[gi]
+        else:
+            y1 += s1[gi] * (d1 - zero * sums[gi])
+            y2 += s2[gi] * (d2 - zero * sums[gi])
+    return y1, y2
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
@@ -169,15 +181,18 @@ def experts_token_int(x, slots, gates, blobs, plan, limit, alpha, work, act, out
             decode_row(blob, plan[2], 0, b13)
             decode_row(blob, plan[3], 0, b2)
         for f in range(F):
-            g = _int_dot(blob, plan[0], f, x_lanes, x_sums, sc0, mn0)
-            u = _int_dot(blob, plan[0], F + f, x_lanes, x_sums, sc0, mn0)
+            g, u = _int_dot_pair(blob, plan[0], f, F + f, x_lanes, x_sums, sc0, mn0)
             if biased:
                 g += b13[f]
                 u += b13[F + f]
             act[f] = gate * gated(g, u, limit, alpha)
         _lanes(act, F, g1, four, a_lanes, a_sums)
-        for h in range(H):
-            y = _int_dot(blob, plan[1], h, a_lanes, a_sums, sc1, mn1)
+        for h in range(0, H, 2):
+            h2 = min(h + 1, H - 1)  # an odd last row pairs with itself
+            y, z = _int_dot_pair(blob, plan[1], h, h2, a_lanes, a_sums, sc1, mn1)
             if biased:
                 y += gate * b2[h]
+                z += gate * b2[h2]
             out[h] += y
+            if h2 > h:
+                out[h2] += z
