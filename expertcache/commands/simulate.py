@@ -69,7 +69,7 @@ def task(trace_path: str, policy: str, fraction: float, eviction: str | None, in
     sweep can go to a process pool here or to any cluster scheduler as independent jobs."""
     trace, routes, counts = _load(trace_path, initial)
     r = replay(trace, policy, CacheConfig(fraction=fraction), eviction, counts, routes=routes, window=window)
-    est = load_profile(profile).ms_per_token(r.stats) if profile else float("nan")
+    est = load_profile(profile).ms_per_token(r.stats) if profile else None  # no profile, no estimate
     return {"policy": policy, "cache": fraction, "events_per_second": r.events_per_second,
             "routing_seconds": routes.seconds, "estimated_ms_per_token": est, **r.stats.to_dict()}
 
@@ -116,7 +116,8 @@ def run(a) -> int:
     for r in rows:
         print(f"| `{r['policy']}` | {r['cache']:g} | {r['hit_rate']:.1%} | {r['fetches_per_token']:.2f} | "
               f"{r['background_fetches'] / r['tokens']:.3f} | {100 * r['substitutions'] / r['routed']:.1f}% | "
-              f"{r['substituted_mass_per_call']:.4f} | {r['estimated_ms_per_token']:.2f} | "
+              f"{r['substituted_mass_per_call']:.4f} | "
+              f"{'-' if r['estimated_ms_per_token'] is None else format(r['estimated_ms_per_token'], '.2f')} | "
               f"{r['events_per_second'] / 1e6:.2f}M |")
     write_json(a.json, {"trace": str(a.trace), "header": trace.header, "runs": rows})
     if a.plot:
@@ -127,7 +128,7 @@ def run(a) -> int:
 def plot_frontier(rows: list[dict], path: Path) -> None:
     """Estimated time per token (fetches per token without a profile) against substituted
     mass, the perplexity proxy; one point per (policy, cache size)."""
-    timed = all(r["estimated_ms_per_token"] == r["estimated_ms_per_token"] for r in rows)
+    timed = all(r["estimated_ms_per_token"] is not None for r in rows)
     y = "estimated_ms_per_token" if timed else "fetches_per_token"
     scatter({f"{r['policy']} @{r['cache']:g}": (r["substituted_mass_per_call"], r[y]) for r in rows},
             "substituted gate mass per MoE call", "estimated ms/token" if timed else "synchronous fetches/token",

@@ -94,6 +94,7 @@ class RunStats:
                 f"{self.fetches_per_token:.2f} fetches/token ({self.sync_fetch_bytes / 2**20:.1f} MiB), "
                 + (f"{self.lowbit_fetches / max(self.tokens, 1):.2f} low-precision fetches/token "
                    f"({self.lowbit_bytes / 2**20:.1f} MiB), " if self.lowbit_fetches else "") +
+                (f"{self.upgrades / max(self.tokens, 1):.2f} upgrades/token, " if self.upgrades else "") +
                 f"stall {self.stall_s:.2f} s, {self.substitutions} substitutions "
                 f"(mass {self.mass_per_call:.4f}/call), peak memory {self.peak_memory_bytes / 2**20:.0f} MiB"
                 + (f", reads: {self.read_mode}" if self.read_mode else ""))
