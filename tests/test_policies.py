@@ -294,6 +294,7 @@ def test_lowbit_upgrades_a_small_copy_that_a_hit_would_fetch_in_full(spec, upgra
     s3, s6 = cache.slot_of[0, 3], cache.slot_of[0, 6]
     cache.state.low[[s3, s6]] = True
     owed_from, log, counts = _decide_one(cache, spec, PROBS)
+    assert counts["lowbit_uses"] == 2  # 3 and 6 ran from their small copies this token, upgraded or not
     if upgraded:
         assert log == [(decisions.FLUSH, 0), ("upgrade", s3)] and owed_from == 1
         assert counts["upgrades"] == counts["background_fetches"] == 1 and counts["sync_fetches"] == 0

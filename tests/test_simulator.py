@@ -213,7 +213,8 @@ def test_upgrades_decide_alike_in_windows_decode_and_the_replay(traced):
     marked low holds its expert's full copy."""
     path, ids, trace, _ = traced
     policy, cfg = "lowbit:tau=0.3,upgrade=1", CacheConfig(fraction=0.5)
-    fields = ("hits", "misses", "sync_fetches", "lowbit_fetches", "upgrades", "background_fetches", "moe_calls")
+    fields = ("hits", "misses", "sync_fetches", "lowbit_fetches", "upgrades", "background_fetches", "moe_calls",
+              "lowbit_uses")
     x = torch.tensor(ids)
     runs = []
     for window in (64, 1):
@@ -222,7 +223,7 @@ def test_upgrades_decide_alike_in_windows_decode_and_the_replay(traced):
         runs.append((logits, engine.stats))
         engine.close()
     (lw, w), (ld, d) = runs
-    assert w.upgrades > 0 and w.background_fetches == w.upgrades and w.lowbit_fetches > 0
+    assert w.upgrades > 0 and w.background_fetches == w.upgrades and w.lowbit_uses > w.lowbit_fetches > 0
     assert [getattr(w, f) for f in fields] == [getattr(d, f) for f in fields]
     torch.testing.assert_close(lw, ld, atol=1e-4, rtol=0)
 

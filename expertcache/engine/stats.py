@@ -32,6 +32,7 @@ class RunStats:
     segments: int = 0  # expert-compute batches: a fetch that reuses a slot with owed work splits a window
     expert_runs: int = 0  # (batch, expert) pairs: one expert applied to one batch of tokens
     upgrades: int = 0  # slots holding a small copy given the full one in the background (also background_fetches)
+    lowbit_uses: int = 0  # experts a token ran from a low-precision copy: fetched for it, or a hit on one
     stall_s: float = 0.0  # time blocked waiting on transfers
     wall_s: float = 0.0  # time in model forward calls
     peak_memory_bytes: int = 0

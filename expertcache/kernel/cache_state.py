@@ -11,9 +11,9 @@ from .eviction import eviction_code
 # Counters, in RunStats' names.
 COUNTERS = ("moe_calls", "routed", "hits", "misses", "sync_fetches", "fetch_waits", "substitutions",
             "substituted_calls", "background_fetches", "prefetch_fetches", "segments", "expert_runs", "lowbit_fetches",
-            "upgrades")
+            "upgrades", "lowbit_uses")
 MOE_CALLS, ROUTED, HITS, MISSES, SYNC_FETCHES, FETCH_WAITS, SUBSTITUTIONS, SUBSTITUTED_CALLS, BACKGROUND, \
-    PREFETCHES, SEGMENTS, EXPERT_RUNS, LOWBIT_FETCHES, UPGRADES = range(len(COUNTERS))
+    PREFETCHES, SEGMENTS, EXPERT_RUNS, LOWBIT_FETCHES, UPGRADES, LOWBIT_USES = range(len(COUNTERS))
 # misc[]: scalars of the state
 EVICTION, SEGMENT, SEGMENT_START, N_PROTECTED, N_LOG, LOGGING, GLOBAL_QUOTA, N_FLYING = range(8)
 

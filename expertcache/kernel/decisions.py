@@ -24,6 +24,7 @@ from .cache_state import (
     HITS,
     LOGGING,
     LOWBIT_FETCHES,
+    LOWBIT_USES,
     MISSES,
     MOE_CALLS,
     N_FLYING,
@@ -204,6 +205,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ranked
             touch(ev, st.score, st.last_use, s, clock)
             _protect(st, s)
             _owe(st, s, seg)
+            cnt[LOWBIT_USES] += st.low[s]
             slots_out[j], exec_out[j], gates_out[j] = s, ids[j], w[j]
         _count_demand(st, layer, ids, clock)
         _upgrades(st, p, layer, t, ids, w)
@@ -243,6 +245,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ranked
             st.pending[s] = False
         touch(ev, st.score, st.last_use, s, clock)
         _owe(st, s, seg)
+        cnt[LOWBIT_USES] += st.low[s]
         slots_out[c], exec_out[c], gates_out[c] = s, sc.exec_e[c], sc.exec_w[c]
     for c in range(n_exec, k):  # fewer executed than routed: zero-weight padding
         slots_out[c], exec_out[c], gates_out[c] = slots_out[0], exec_out[0], 0.0

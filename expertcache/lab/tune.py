@@ -149,7 +149,7 @@ def replay_candidates(trace, specs: list[str], cache: CacheConfig, counts, profi
                      "fetches_per_token": s.fetches_per_token, "hit_rate": s.hit_rate,
                      "admissions_per_token": s.background_fetches / s.tokens,
                      "lowbit_per_token": s.lowbit_fetches / s.tokens,
-                     "inexact_per_call": (s.substitutions + s.lowbit_fetches) / s.moe_calls})
+                     "inexact_per_call": (s.substitutions + s.lowbit_uses) / s.moe_calls})
         if progress:
             progress(spec)
     return rows
