@@ -36,13 +36,22 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torc
     return x.float() @ weight.float().t() if router.sigmoid else (x @ weight.t()).float()
 
 
+def decode_router_logits(x: torch.Tensor, weight: torch.Tensor) -> np.ndarray | None:
+    """One decode token's router logits [1, E] as one compiled product, no torch op, where x [1, H]
+    and the router's weight [E, H] are fp32 on the CPU; None otherwise."""
+    if x.shape[0] != 1 or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32:
+        return None
+    logits = np.empty((1, weight.shape[0]), np.float32)
+    gemv(weight.numpy(), x.numpy()[0], EMPTY, logits[0])
+    return logits
+
+
 def route(x: torch.Tensor, weight: torch.Tensor, router: Router, layer: int) -> Routing:
     """x [T, H], the router's weight [E, H] at MoE layer `layer` -> its Routing, on the host."""
-    if x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32:
-        logits = np.empty((1, weight.shape[0]), np.float32)  # decode: one compiled product, no torch op
-        gemv(weight.numpy(), x.numpy()[0], EMPTY, logits[0])
-        return router.route(logits, layer)
-    return router.route(router_logits(x, weight, router).cpu().numpy(), layer)
+    logits = decode_router_logits(x, weight)
+    if logits is None:
+        logits = router_logits(x, weight, router).cpu().numpy()
+    return router.route(logits, layer)
 
 
 @dataclass

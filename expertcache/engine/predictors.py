@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import CheckpointError, UnknownName
 from ..kernel import dense_decode
-from .moe import router_logits
+from .moe import decode_router_logits, router_logits
 from .transformer import Transformer
 
 ESTIMATOR_FILE = "estimator.safetensors"
@@ -64,12 +64,7 @@ class RouterAhead(Predictor):
 
     def decode_logits(self, layer, resid, x, ids, weights):
         """One compiled product on the CPU (fp32 x and router), as the engine's own routing of a decode token."""
-        router = self.model.moe_layers[layer + 1]["router"]
-        if x.device.type != "cpu" or x.dtype != torch.float32 or router.dtype != torch.float32:
-            return None
-        out = np.empty((1, router.shape[0]), np.float32)
-        dense_decode.gemv(router.numpy(), x.numpy()[0], dense_decode.EMPTY, out[0])
-        return out
+        return decode_router_logits(x, self.model.moe_layers[layer + 1]["router"])
 
 
 class QuasiHidden(Predictor):

@@ -123,12 +123,12 @@ class TransferEngine:
         else to do, so it reads in its own thread instead of handing the read to a worker (a read error
         is kept for `wait` to raise, as a worker's would be)."""
         t = Transfer(layer, expert, slot, kind)
-        if kind == "lowbit" and self.small is None:
+        store = self.small if kind == "lowbit" else self.store
+        if store is None:
             raise RuntimeError("a low-precision fetch without a store of small copies (ExpertCache.attach_small)")
-        if (self.small if kind == "lowbit" else self.store).inline:
+        if store.inline:
             self._copy(t)  # a host memcpy, or already asynchronous on the copy stream
-        elif self.ring is not None and (kind != "lowbit" or getattr(self.small, "read_mode", "") == "o_direct"):
-            store = self.small if kind == "lowbit" else self.store
+        elif self.ring is not None and (store is self.store or getattr(store, "read_mode", "") == "o_direct"):
             self.tickets += 1
             stage = None
             if store is self.small or self.iovecs is None:  # lands in a staging buffer, taken from it when reaped

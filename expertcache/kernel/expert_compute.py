@@ -75,13 +75,13 @@ def int_work_floats(plan) -> int:
     """The float32 scratch experts_token_int needs for `plan`: biases, both vectors in lanes with
     their group sums, and both matrices' scales and minimums as floats."""
     (g0, g1), (H, F) = plan[:2, GROUP], plan[1, ROWS:COLS + 1]
-    n0, n1 = plan[0, ROWS] * ((H + g0 - 1) // g0), H * ((F + g1 - 1) // g1)
+    n0, n1 = plan[0, ROWS] * _groups(plan[0]), H * _groups(plan[1])
     return int(2 * F + H + 2 * (H + g0) + 2 * (F + g1) + 2 * n0 + 2 * n1)
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
 def _lanes(v, n, g, four, lanes, sums):
-    """v [n] laid out for _int_dot: lanes = v padded with zeros to whole groups (int4: the
+    """v [n] laid out for _int_dot_pair: lanes = v padded with zeros to whole groups (int4: the
     even-indexed elements, then the odd ones, to meet a byte's low and high codes); sums[gi] =
     the sum of group gi."""
     m = (n + g - 1) // g * g
