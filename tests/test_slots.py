@@ -87,14 +87,16 @@ def random_blobs(fmt: ExpertFormat, parts, S: int, g: torch.Generator) -> torch.
 @pytest.mark.parametrize("dtype,scheme", [("int8", "asym"), ("int4", "asym"), ("int4", "sym"), ("int8", "sym")])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("H", [40, 41])
-def test_quantized_kernel_equals_dequantise_then_compute(dtype, scheme, bias, H):
+@pytest.mark.parametrize("group", [16, 32])
+def test_quantized_kernel_equals_dequantise_then_compute(dtype, scheme, bias, H, group):
     """The compiled kernel over encoded slots computes what the fp32 kernel computes over the same
     slots dequantised (decode_blob), to fp32 rounding; windows dequantise per expert run the same way.
-    H=41: an odd number of down rows (the kernel takes rows in pairs)."""
+    H=41: an odd number of down rows (the kernel takes rows in pairs). Groups of 32 take the kernel's
+    loops of constant length, other sizes its general ones."""
     g = torch.Generator().manual_seed(2)
-    S, F, k = 5, 24, 3  # 40 or 41 inputs, groups of 16: a padded last group
+    S, F, k = 5, 24, 3  # 40 or 41 inputs: a padded last group
     shape = ExpertShape(1, S, (2 * F, H), (H, F), bias)
-    fmt = ExpertFormat.parse(dtype, 16, scheme)
+    fmt = ExpertFormat.parse(dtype, group, scheme)
     kind = ExpertKind(bias, 7.0 if bias else None)
     blobs = random_blobs(fmt, shape.parts, S, g)
     quantized = QuantizedSlots(blobs, shape, fmt, kind)

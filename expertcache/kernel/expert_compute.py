@@ -127,21 +127,34 @@ def _int_dot_pair(blob, row, r1, r2, lanes, sums, scales, mins):
     zero = np.float32(7.0 if four else 127.0)
     y1 = np.float32(0.0)
     y2 = np.float32(0.0)
-    # slices per group keep every index provably in range, which lets LLVM vectorise the loops
+    # slices per group keep every index provably in range, which lets LLVM vectorise the loops; the
+    # default group of 32 codes gets loops of a constant trip count, one vector each (int4 75 -> 67 us)
     n = g // 2 if four else g
     h = groups * g // 2
     for gi in range(groups):
-        a1, a2 = c1[gi * n:(gi + 1) * n], c2[gi * n:(gi + 1) * n]
         d1 = np.float32(0.0)
         d2 = np.float32(0.0)
-        if four:  # a byte's low code meets the even lanes, its high code the odd ones
+        if four and n == 16:  # as below, with the trip count known
+            a1, a2 = c1[gi * 16:(gi + 1) * 16], c2[gi * 16:(gi + 1) * 16]
+            lo, hi = lanes[gi * 16:(gi + 1) * 16], lanes[h + gi * 16:h + (gi + 1) * 16]
+            for j in range(16):
+                v, w = lo[j], hi[j]
+                d1 += np.float32(a1[j] & np.uint8(0xF)) * v + np.float32(a1[j] >> np.uint8(4)) * w
+                d2 += np.float32(a2[j] & np.uint8(0xF)) * v + np.float32(a2[j] >> np.uint8(4)) * w
+        elif four:  # a byte's low code meets the even lanes, its high code the odd ones
+            a1, a2 = c1[gi * n:(gi + 1) * n], c2[gi * n:(gi + 1) * n]
             lo, hi = lanes[gi * n:(gi + 1) * n], lanes[h + gi * n:h + (gi + 1) * n]
             for j in range(a1.shape[0]):
                 v, w = lo[j], hi[j]
                 d1 += np.float32(a1[j] & np.uint8(0xF)) * v + np.float32(a1[j] >> np.uint8(4)) * w
                 d2 += np.float32(a2[j] & np.uint8(0xF)) * v + np.float32(a2[j] >> np.uint8(4)) * w
+        elif n == 32:
+            a1, a2, v = c1[gi * 32:(gi + 1) * 32], c2[gi * 32:(gi + 1) * 32], lanes[gi * 32:(gi + 1) * 32]
+            for j in range(32):
+                d1 += np.float32(a1[j]) * v[j]
+                d2 += np.float32(a2[j]) * v[j]
         else:
-            v = lanes[gi * n:(gi + 1) * n]
+            a1, a2, v = c1[gi * n:(gi + 1) * n], c2[gi * n:(gi + 1) * n], lanes[gi * n:(gi + 1) * n]
             for j in range(a1.shape[0]):
                 d1 += np.float32(a1[j]) * v[j]
                 d2 += np.float32(a2[j]) * v[j]
