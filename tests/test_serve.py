@@ -104,6 +104,63 @@ def test_stop_strings_and_seeded_sampling(client):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+def test_logprobs_are_the_models_own(client, reference):
+    """Each token's logprob, and its alternatives', are the model's log-softmax at that position, whole and
+    streamed, in chat's and completions' layouts."""
+    import torch
+    engine = reference.engine
+    ids = engine.encode("ROMEO.\n")
+    tokens = list(generate(engine, ids, 4))
+    engine.reset()
+    with torch.no_grad():
+        want = torch.log_softmax(engine.forward(torch.tensor(ids + tokens[:-1]), 0)[len(ids) - 1:], -1)
+    got = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=4, temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    assert lp.tokens == [engine.decode([t]) for t in tokens] and lp.text_offset[0] == 0
+    for j, t in enumerate(tokens):
+        assert lp.token_logprobs[j] == pytest.approx(float(want[j, t]), abs=1e-4)
+        top = torch.topk(want[j], 3)
+        assert list(lp.top_logprobs[j]) == [engine.decode([i]) for i in top.indices.tolist()]
+        assert list(lp.top_logprobs[j].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+    streamed = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=4, temperature=0, logprobs=3,
+                                         stream=True)
+    assert [x for c in streamed for x in c.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs,
+                                                                                                abs=1e-4)
+    messages = [{"role": "user", "content": "Who goes there?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2).choices[0]
+    content = chat.logprobs.content
+    assert "".join(c.token for c in content) == chat.message.content and len(content) == 6
+    for c in content:  # greedy: the chosen token is the most likely one
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob
+        assert c.top_logprobs[1].logprob <= c.logprob < 0 and bytes(c.bytes).decode() == c.token
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert [x.logprob for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content] \
+        == pytest.approx([c.logprob for c in content], abs=1e-4)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("fields, param", [({"frequency_penalty": 0.5}, "frequency_penalty"),
+                                           ({"presence_penalty": 1}, "presence_penalty"),
+                                           ({"logit_bias": {"5": 10}}, "logit_bias"),
+                                           ({"response_format": {"type": "json_object"}}, "response_format"),
+                                           ({"tool_choice": "required"}, "tool_choice"),
+                                           ({"top_logprobs": 2}, "top_logprobs"),
+                                           ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                                           ({"stream_options": {"include_usage": True}}, "stream_options")])
+def test_fields_not_implemented_are_refused_not_ignored(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                       extra_body=fields)
+    assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=MODEL, prompt="a", max_tokens=2, echo=True)
+
+
 def test_concurrent_requests_each_get_their_own_answer(client, reference):
     prompts = ["ROMEO.\n", "JULIET.\nO", "HAMLET.\nTo be", "KING.\nWhat"]
     want = [reference(reference.engine.encode(p), 16 + 4 * i) for i, p in enumerate(prompts)]

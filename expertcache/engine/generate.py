@@ -62,6 +62,17 @@ class StepOutput:
     token: int
     text: str  # new text to show (may be '' while a character or a stop string is incomplete)
     finish_reason: str | None  # None, "stop" (EOS or a stop string) or "length"
+    logprob: float | None = None  # with SamplingParams.logprobs: the token's log-probability under the model
+    top: tuple[tuple[int, float], ...] = ()  # and the most likely tokens with theirs (SamplingParams.logprobs of them)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The log-probability of `token` under the model's distribution (the softmax of its logits [V], before
+    temperature, penalties and truncation shape the sampling), and the `n` most likely tokens with theirs."""
+    logp = torch.log_softmax(logits.float(), -1)
+    top = torch.topk(logp, n) if n else None
+    alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return float(logp[token]), alternatives
 
 
 class TextGeneration:
@@ -136,7 +147,9 @@ class TextGeneration:
             self.finish_reason = "stop"
         elif self.finish_reason is not None:
             text += self.stops.flush()
-        return StepOutput(token, text, self.finish_reason)
+        if self.params.logprobs is None or token in self.eos:  # an end token is not part of the output
+            return StepOutput(token, text, self.finish_reason)
+        return StepOutput(token, text, self.finish_reason, *token_logprobs(logits, token, self.params.logprobs))
 
     def __iter__(self) -> Iterator[StepOutput]:
         while self.finish_reason is None:

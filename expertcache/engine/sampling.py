@@ -9,6 +9,9 @@ import torch
 from ..errors import BadInput
 
 
+MAX_LOGPROBS = 20  # alternatives a token, as OpenAI's top_logprobs allows
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request chooses its tokens and when it ends. temperature 0 is greedy."""
@@ -21,6 +24,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop: tuple[str, ...] = ()  # stop strings: the output ends before the first occurrence
     ignore_eos: bool = False
+    logprobs: int | None = None  # report each token's log-probability and this many most likely alternatives
 
     def __post_init__(self):
         checks = [
@@ -31,6 +35,8 @@ class SamplingParams:
             (self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 disables it)"),
             (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"must be in [0, {MAX_LOGPROBS}] alternatives a token"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..engine.chat import ChatTemplate, ChatTemplateError, encode_chat
-from ..engine.sampling import SamplingError, SamplingParams
+from ..engine.generate import StepOutput
+from ..engine.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from ..errors import CheckpointError
 from .metrics import ServerMetrics
 from .scheduler import Request, Scheduler
@@ -37,7 +38,8 @@ class APIError(Exception):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by both endpoints; top_k, min_p, repetition_penalty are extensions (as in vLLM)."""
+    """Fields shared by both endpoints; top_k, min_p, repetition_penalty are extensions (as in vLLM). Fields
+    that would change the output and are not implemented are refused (`refuse_unsupported`), not ignored."""
     model_config = ConfigDict(extra="allow")
     model: str
     max_tokens: int | None = None
@@ -51,12 +53,23 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
+    stream_options: dict | None = None  # {"include_usage": true}: a last chunk carries the usage
     ignore_eos: bool = False
+    logprobs: bool | int | None = None  # chat: true or false; completions: alternatives a token (0-20)
+    top_logprobs: int | None = None  # chat, with logprobs true: alternatives a token (0-20)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    tool_choice: str | dict | None = None
 
 
 class CompletionBody(SamplingFields):
     """A /v1/completions request: the sampling fields and a prompt (text, a one-text list or token ids)."""
     prompt: str | list[str] | list[int]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -69,6 +82,45 @@ class ChatMessage(BaseModel):
 class ChatBody(SamplingFields):
     """A /v1/chat/completions request: the sampling fields and the conversation so far."""
     messages: list[ChatMessage]
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    """APIError for a field this server does not implement and that would change the answer; fields that do not
+    (user, tools the model may leave uncalled, ...) are accepted and ignored."""
+    unsupported = [
+        (body.presence_penalty != 0, "presence_penalty", "use repetition_penalty (> 1 discourages tokens seen)"),
+        (body.frequency_penalty != 0, "frequency_penalty", "use repetition_penalty (> 1 discourages tokens seen)"),
+        (bool(body.logit_bias), "logit_bias", "leave it out"),
+        ((body.response_format or {}).get("type", "text") != "text", "response_format",
+         "this server generates free text; leave it out or use {\"type\": \"text\"}"),
+        (body.tool_choice not in (None, "none", "auto"), "tool_choice", "this server does not call tools"),
+        (getattr(body, "echo", False), "echo", "send echo: false"),
+        (getattr(body, "best_of", None) not in (None, 1), "best_of", "use best_of=1"),
+        (bool(getattr(body, "suffix", None)), "suffix", "leave it out"),
+    ]
+    for refused, name, fix in unsupported:
+        if refused:
+            raise APIError(400, f"{name} is not supported; {fix}", name)
+
+
+def logprobs_count(body: SamplingFields, chat: bool) -> int | None:
+    """Alternatives to report a token (SamplingParams.logprobs), or None when the body asks for no logprobs:
+    chat asks with logprobs: true and top_logprobs: N, completions with logprobs: N."""
+    if chat:
+        if body.logprobs is not None and not isinstance(body.logprobs, bool):
+            raise APIError(400, "logprobs is true or false in chat completions; top_logprobs: N asks for "
+                           "alternatives", "logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        n, param = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
+    else:
+        if isinstance(body.logprobs, bool):
+            raise APIError(400, "logprobs is a number of alternatives a token in completions (e.g. logprobs: 1)",
+                           "logprobs")
+        n, param = body.logprobs, "logprobs"
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise APIError(400, f"{param}={n} must be in [0, {MAX_LOGPROBS}]", param)
+    return n
 
 
 def message_text(message: ChatMessage) -> dict:
@@ -92,14 +144,18 @@ class Server:
             self.template = None
         self.created = int(time.time())
 
-    def params(self, body: SamplingFields, prompt_len: int, default_max: int | None) -> SamplingParams:
-        """The SamplingParams of a request body; APIError for an unknown model, n != 1, or a prompt
-        plus max_tokens beyond the context. default_max caps max_tokens when the body gives none."""
+    def params(self, body: SamplingFields, prompt_len: int, default_max: int | None, chat: bool) -> SamplingParams:
+        """The SamplingParams of a request body; APIError for an unknown model, n != 1, a field not implemented,
+        or a prompt plus max_tokens beyond the context. default_max caps max_tokens when the body gives none."""
         if body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
         if body.n != 1:
             raise APIError(400, f"n={body.n} is not supported; use n=1", "n")
+        refuse_unsupported(body)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options needs stream: true", "stream_options")
+        logprobs = logprobs_count(body, chat)
         room = self.engine.model.max_seq - prompt_len
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens, the context is {self.engine.model.max_seq}; "
@@ -114,7 +170,7 @@ class Server:
         try:
             return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                   min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
-                                  max_tokens=max_tokens, stop=stop, ignore_eos=body.ignore_eos)
+                                  max_tokens=max_tokens, stop=stop, ignore_eos=body.ignore_eos, logprobs=logprobs)
         except SamplingError as e:
             raise APIError(400, str(e), e.param) from None
 
@@ -144,16 +200,17 @@ class Server:
             raise APIError(400, str(e), "messages") from None
 
     async def run(self, http: HTTPRequest, prompt: list[int], params: SamplingParams, chat: bool,
-                  stream: bool) -> Response:
-        """Submit one request to the scheduler; returns an SSE stream of chunks, or the whole response
-        once generation ends."""
+                  stream: bool, include_usage: bool = False) -> Response:
+        """Submit one request to the scheduler; returns an SSE stream of chunks (with `include_usage`, a last one
+        carries the usage), or the whole response once generation ends."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request = Request(prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
         self.scheduler.submit(request)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if stream:
-            return StreamingResponse(self._stream(request, queue, rid, chat), media_type="text/event-stream")
+            return StreamingResponse(self._stream(request, queue, rid, chat, include_usage),
+                                     media_type="text/event-stream")
         return await self._whole(http, request, queue, rid, chat)
 
     def _envelope(self, rid: str, chat: bool, stream: bool) -> dict:
@@ -169,32 +226,58 @@ class Server:
         n = request.completion_tokens
         return {"prompt_tokens": len(request.prompt), "completion_tokens": n, "total_tokens": len(request.prompt) + n}
 
-    async def _stream(self, request: Request, queue: asyncio.Queue, rid: str, chat: bool):
+    def _token(self, token: int) -> str:
+        return self.engine.decode([token])
+
+    def _logprobs(self, items: list[StepOutput], chat: bool, offset: int = 0) -> dict:
+        """The logprobs of `items` (tokens that carry them) as OpenAI writes them: chat's content list, or
+        completions' parallel lists with each token's offset in the text from `offset`."""
+        if chat:
+            entry = lambda t, lp: {"token": (s := self._token(t)), "logprob": lp, "bytes": list(s.encode())}  # noqa: E731
+            return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]}
+                                for i in items], "refusal": None}
+        tokens = [self._token(i.token) for i in items]
+        offsets = [offset + sum(map(len, tokens[:j])) for j in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],
+                "top_logprobs": [{self._token(t): lp for t, lp in i.top} for i in items], "text_offset": offsets}
+
+    async def _stream(self, request: Request, queue: asyncio.Queue, rid: str, chat: bool, include_usage: bool):
+        logprobs = request.params.logprobs is not None
+        usage = {"usage": None} if include_usage else {}
         try:
             if chat:
                 first = {**self._envelope(rid, chat, True),
                          "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "finish_reason": None}]}
+                                      "finish_reason": None, **({"logprobs": None} if logprobs else {})}], **usage}
                 yield f"data: {json.dumps(first)}\n\n"
+            held, sent = [], 0  # tokens whose logprobs wait for a chunk (their text may come later); text sent
             while (item := await queue.get()) is not None:
                 if isinstance(item, Exception):
                     yield f"data: {json.dumps(self._error(item).body())}\n\n"
                     return
+                if item.logprob is not None:
+                    held.append(item)
                 if not item.text and item.finish_reason is None:
                     continue
                 choice: dict[str, Any] = {"index": 0, "finish_reason": item.finish_reason}
                 if chat:
                     choice["delta"] = {"content": item.text} if item.text else {}
+                    if logprobs:
+                        choice["logprobs"] = self._logprobs(held, chat)
                 else:
-                    choice.update(text=item.text, logprobs=None)
-                yield f"data: {json.dumps({**self._envelope(rid, chat, True), 'choices': [choice]})}\n\n"
+                    choice.update(text=item.text, logprobs=self._logprobs(held, chat, sent) if logprobs else None)
+                held, sent = [], sent + len(item.text)
+                yield f"data: {json.dumps({**self._envelope(rid, chat, True), 'choices': [choice], **usage})}\n\n"
+            if include_usage:
+                last = {**self._envelope(rid, chat, True), "choices": [], "usage": self._usage(request)}
+                yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # a client that went away ends its generation at the worker's next step
             request.cancel()
 
     async def _whole(self, http: HTTPRequest, request: Request, queue: asyncio.Queue, rid: str,
                      chat: bool) -> Response:
-        parts, finish = [], None
+        parts, finish, scored = [], None, []
         try:
             while True:
                 try:
@@ -211,14 +294,17 @@ class Server:
                     return JSONResponse(err.body(), status_code=err.status)
                 parts.append(item.text)
                 finish = item.finish_reason or finish
+                if item.logprob is not None:
+                    scored.append(item)
         finally:
             request.cancel()
         text = "".join(parts)
+        logprobs = self._logprobs(scored, chat) if request.params.logprobs is not None else None
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                      "logprobs": None}
+                      "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         return JSONResponse({**self._envelope(rid, chat, False), "choices": [choice],
                              "usage": self._usage(request)})
 
@@ -255,14 +341,16 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
         prompt = server.completion_prompt(body)
-        params = server.params(body, len(prompt), default_max=16)
-        return await server.run(http, prompt, params, chat=False, stream=body.stream)
+        params = server.params(body, len(prompt), default_max=16, chat=False)
+        return await server.run(http, prompt, params, chat=False, stream=body.stream,
+                                include_usage=bool((body.stream_options or {}).get("include_usage")))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
         prompt = server.chat_prompt(body)
-        params = server.params(body, len(prompt), default_max=None)
-        return await server.run(http, prompt, params, chat=True, stream=body.stream)
+        params = server.params(body, len(prompt), default_max=None, chat=True)
+        return await server.run(http, prompt, params, chat=True, stream=body.stream,
+                                include_usage=bool((body.stream_options or {}).get("include_usage")))
 
     @app.get("/v1/models")
     async def models():
