@@ -81,6 +81,24 @@ def test_tune_bad_input_is_one_line(argv, words, capsys):
     assert err.count("\n") == 1 and words in err
 
 
+@pytest.mark.parametrize("verb", [["tune", "--budget", "1%"], ["trace", "--out", "t.ectrace"], ["study"],
+                                  ["calibrate"]])
+def test_a_blank_text_is_one_line(verb, tmp_path, capsys):
+    blank = tmp_path / "blank.txt"
+    blank.write_text(" \n\n", encoding="utf-8")
+    assert cli.main([*verb, "--text", str(blank)]) == 2
+    err = capsys.readouterr().err.split("\r")[-1]  # after any progress bar's last redraw
+    assert err.count("\n") == 1 and "holds no text" in err
+
+
+def test_tune_refuses_a_short_text_before_measuring(tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text(EVAL_TEXT.read_text(encoding="utf-8")[:2000], encoding="utf-8")
+    assert cli.main(["tune", "--budget", "1%", "--text", str(short)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fewer than two windows" in err and "quick profile" not in err
+
+
 @pytest.fixture(scope="module")
 def user_text(tmp_path_factory):
     """A user's own text: two topics (verse, then scripture), changing at a known character."""

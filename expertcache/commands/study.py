@@ -6,8 +6,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..engine.perplexity import EVAL_TEXT
 from ..lab.report import write_report
 from ..lab.study import StudyConfig, run_study
+from ..lab.texts import text_segments
 from .options import add_json_argument, add_model_argument, add_text_arguments, fraction, positive_int, write_json
 
 HELP = "emulate every miss policy on a text (exact, ram store) and write the report"
@@ -32,16 +34,15 @@ def run(a) -> int:
                       text=str(a.text) if a.text else None, domains=a.domains or ())
     if a.policies:
         cfg = StudyConfig(**{**cfg.__dict__, "policies": tuple(dict.fromkeys(["fetch-all", *a.policies]))})
-    bar = tqdm(unit="tok", file=sys.stderr)
+    text_segments(a.text or EVAL_TEXT, a.domains or None)  # a bad text fails here, before the progress bar
     last = [None]
-
-    def progress(label, n):
-        if label != last[0]:
-            bar.set_description(label)
-            last[0] = label
-        bar.update(n)
-    res = run_study(a.model, cfg, progress)
-    bar.close()
+    with tqdm(unit="tok", file=sys.stderr) as bar:
+        def progress(label, n):
+            if label != last[0]:
+                bar.set_description(label)
+                last[0] = label
+            bar.update(n)
+        res = run_study(a.model, cfg, progress)
     files = write_report(res, a.out)
     write_json(a.json, res.to_dict())
     print((a.out / "README.md").read_text())

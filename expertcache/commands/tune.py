@@ -55,9 +55,13 @@ def run(a) -> int:
     from ..engine.cache import CacheConfig
     from ..lab.costmodel import calibration_ids, load_profile, measure_profile
     from ..lab.texts import read_text
-    from ..lab.tune import QUICK_RUNS, TuneConfig, tune
+    from ..lab.tune import QUICK_RUNS, TuneConfig, tune, tune_ids
 
     calib_text, eval_text = read_text(a.calib_text), read_text(a.text)
+    cfg = TuneConfig(budget_pct=a.budget, cache=CacheConfig(fraction=a.cache, bytes=a.cache_bytes),
+                     calib_tokens=a.calib_tokens, tokens=a.tokens, context=a.context, mode=a.mode,
+                     finalists=a.finalists, per_layer=a.per_layer, lowbit=a.lowbit)
+    tune_ids(a.model, calib_text, eval_text, cfg)  # texts too short fail here, before any measuring
     if a.profile:
         profile, how = load_profile(a.profile), f"profile {a.profile}"
     else:
@@ -66,9 +70,6 @@ def run(a) -> int:
                                       ids=calibration_ids(a.model, a.mode, text=calib_text),
                                       progress=lambda label: bar.update())
         how = f"a quick {a.mode} profile measured now on the disk store (pass --profile for a full calibrate-hw one)"
-    cfg = TuneConfig(budget_pct=a.budget, cache=CacheConfig(fraction=a.cache, bytes=a.cache_bytes),
-                     calib_tokens=a.calib_tokens, tokens=a.tokens, context=a.context, mode=a.mode,
-                     finalists=a.finalists, per_layer=a.per_layer, lowbit=a.lowbit)
     bar = tqdm(unit="step", file=sys.stderr)
 
     def progress(label, n):

@@ -19,13 +19,16 @@ class Segment:
 
 
 def read_text(path: Path) -> str:
-    """The text of a UTF-8 file; BadInput naming the file when it is missing or not UTF-8."""
+    """The text of a UTF-8 file; BadInput naming the file when it is missing, not UTF-8 or blank."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise BadInput(f"{path}: no such text file; give a UTF-8 text file") from None
     except UnicodeDecodeError as e:
         raise BadInput(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
+    if not text.strip():
+        raise BadInput(f"{path} holds no text; give a UTF-8 text file with the text to run")
+    return text
 
 
 def text_segments(path: Path, offsets: tuple[int, ...] | None = None) -> tuple[str, list[Segment]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import BadInput, CheckpointError
 
 MAGIC = b"ECTRACE\0"
 FORMAT_VERSION = 2  # 2: the router (kind, groups, scaling, selection bias) in the header
@@ -78,6 +78,8 @@ def record_trace(model_path: Path, ids: list[int], out: Path, context: int = 512
     """Record the exact model's router logits over `ids` in windows of `context` into `out`, as `dtype`; returns it
     read back."""
     from .prediction import record_states
+    if not ids:
+        raise BadInput("no tokens to trace: the text is empty; give a longer text")
     model, states = record_states(model_path, ids, context, progress)
     a = model.args
     logits = np.stack([l.numpy() for l in states.logits], axis=1).astype(dtype)  # [N, L, E], MoE layers

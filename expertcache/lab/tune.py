@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..engine.cache import CacheConfig
-from ..engine.engine import Engine, EngineConfig
+from ..engine.engine import BUILTIN_MODEL, Engine, EngineConfig
 from ..engine.perplexity import perplexity
 from ..errors import BadInput
 from ..policies import make_policy
@@ -193,18 +193,27 @@ def default_candidates(trace, cfg: TuneConfig) -> list[str]:
     return specs
 
 
+def tune_ids(model: Path | None, calib_text: str, eval_text: str, cfg: TuneConfig) -> tuple[list[int], list[int]]:
+    """The calibration and held-out tokens the search uses; BadInput when either text is shorter than two
+    windows (checked before anything is measured)."""
+    from .calibrate import encode_text
+    path = model or BUILTIN_MODEL
+    calib = encode_text(path, calib_text, cfg.calib_tokens + 1)
+    held = encode_text(path, eval_text, cfg.tokens + 1)
+    for name, ids, want in (("calibration", calib, cfg.calib_tokens), ("held-out", held, cfg.tokens)):
+        if len(ids) < 2 * cfg.context + 1:
+            raise BadInput(f"the {name} text gives {max(len(ids) - 1, 0)} tokens to predict, fewer than two windows "
+                           f"of {cfg.context}; give a longer text or a smaller --context (asked for {want})")
+    return calib, held
+
+
 def tune(model: Path | None, calib_text: str, eval_text: str, profile: HardwareProfile, cfg: TuneConfig,
          progress: Callable[[str, int], None] | None = None) -> TuneResult:
     """Search the policy space for the fastest policy within `cfg.budget_pct` (see the module's steps)."""
+    calib, held = tune_ids(model, calib_text, eval_text, cfg)
     engine = Engine(model, EngineConfig(store="ram", cache=cfg.cache, initial="auto"))
     note = (lambda label, n=0: progress(label, n)) if progress else None
     try:
-        calib = engine.encode(calib_text)[:cfg.calib_tokens + 1]
-        held = engine.encode(eval_text)[:cfg.tokens + 1]
-        for name, ids, want in (("calibration", calib, cfg.calib_tokens), ("held-out", held, cfg.tokens)):
-            if len(ids) < 2 * cfg.context + 1:
-                raise BadInput(f"the {name} text gives {len(ids) - 1} tokens, fewer than two windows of "
-                               f"{cfg.context}; give a longer text or a smaller --context (asked for {want})")
         if note:
             note("trace")
         with tempfile.TemporaryDirectory() as d:
