@@ -117,7 +117,7 @@ def _decode_stream(engine: Engine, prompt: list[int], stream: list[int]) -> floa
 def _timed(engine: Engine, prompt: list[int], forced: list[int], stream: list[int],
            cfg: BenchConfig) -> tuple[float, float, float, float, dict]:
     """One repetition: free-running greedy decode after the prompt, decode of `stream` token by
-    token, then teacher-force `forced` in windows; returns (decode ms/token, stream ms/token,
+    token, then teacher-force `forced` in windows from a fresh start; returns (decode ms/token, stream ms/token,
     forced ms/token, forced NLL, counters)."""
     stream_ms = _decode_stream(engine, prompt, stream)
     engine.reset()
@@ -130,6 +130,7 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], stream: list[in
     decoded += list(it)
     decode = 1000 * (time.perf_counter() - t0) / (s.tokens - tok0)  # the decode forwards that ran, one token each
     decode_counts = {name: (getattr(s, name) - b) / (s.tokens - tok0) for name, b in zip(counted, before)}
+    engine.reset()  # every variant's windows start from the same cache, whatever its decode left there
     f0, st0, tok0, b0 = s.sync_fetches, s.stall_s, s.tokens, s.fetched_bytes_per_token * s.tokens
     nll, t0 = 0.0, time.perf_counter()
     for logits, targets in teacher_forced(lambda x: engine.forward(x, 0), forced, cfg.context):
