@@ -178,3 +178,23 @@ def test_router_ahead_decode_path_equals_torch():
     x = torch.randn(1, engine.args.hidden_size, generator=torch.Generator().manual_seed(0))
     fast = p.decode_logits(2, None, x, None, None)
     torch.testing.assert_close(torch.from_numpy(fast), p.logits(2, None, x, None, None), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["quasi-hidden", "estimator", "hybrid"])
+def test_compiled_prediction_equals_torch(name):
+    """Decode's compiled prediction (quasi-hidden's state, and the estimator net on it) gives the logits of the
+    PyTorch path, on every layer."""
+    from expertcache.engine.predictors import QuasiHidden, make_predictor
+    engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
+    p = make_predictor(name, engine.model, engine.path)
+    g = torch.Generator().manual_seed(1)
+    a = engine.args
+    for layer in range(a.num_moe_layers - 1):
+        resid = torch.randn(1, a.hidden_size, generator=g)
+        ids = torch.randperm(a.num_experts, generator=g)[:a.top_k][None]
+        w = torch.softmax(torch.randn(1, a.top_k, generator=g), -1)
+        fast = p.decode_logits(layer, resid, resid, ids.numpy()[0], w.numpy()[0])
+        want = p._router_logits(layer, QuasiHidden.quasi_hidden(p, layer, resid, ids, w)) if name == "quasi-hidden" \
+            else p.logits(layer, resid, resid, ids, w)
+        torch.testing.assert_close(torch.from_numpy(fast), want, atol=1e-5, rtol=1e-5)
+    engine.close()

@@ -100,16 +100,20 @@ class QuasiHidden(Predictor):
         """One compiled call on the CPU (fp32 residual and router), over arrays taken once."""
         if not self._compiled(resid):
             return None
+        vectors, norm, router = self._arrays()[layer]
+        out = np.empty((1, router.shape[0]), np.float32)
+        dense_decode.quasi_hidden_logits(resid.numpy()[0], vectors, ids, weights, norm, self._eps, router, self._q,
+                                         out[0])
+        return out
+
+    def _arrays(self) -> list[tuple]:
+        """Per layer, the default vectors, layer l+1's MoE norm and router as arrays, for the compiled calls."""
         if self._decode is None:
             a, layers = self.model.args, self.model.moe_layers
             self._decode = [(self.default_vectors[l].numpy(), layers[l + 1]["moe_norm"].numpy(),
                              layers[l + 1]["router"].numpy()) for l in range(len(layers) - 1)]
             self._eps, self._q = np.float32(a.rms_norm_eps), np.empty(a.hidden_size, np.float32)
-        vectors, norm, router = self._decode[layer]
-        out = np.empty((1, router.shape[0]), np.float32)
-        dense_decode.quasi_hidden_logits(resid.numpy()[0], vectors, ids, weights, norm, self._eps, router, self._q,
-                                         out[0])
-        return out
+        return self._decode
 
     def _compiled(self, resid: torch.Tensor) -> bool:
         return resid.shape[0] == 1 and resid.device.type == "cpu" and resid.dtype == torch.float32 \
@@ -139,10 +143,27 @@ class Estimator(QuasiHidden):
         super().__init__(model, default_vectors)
         self.net = net.to(model.device).eval()
         self.layers = layers  # None: every layer; else only these, quasi-hidden elsewhere
+        self._net: list[np.ndarray] | None = None  # the net's weights as arrays, for decode_logits
 
     def decode_logits(self, layer, resid, x, ids, weights):
-        """The net has no compiled path: `logits` serves decode too."""
-        return None
+        """One compiled call on the CPU (fp32 residual, router and net) for the net's layers, quasi-hidden's
+        elsewhere: a decode token's prediction then costs ~10 us instead of the net's PyTorch calls."""
+        if self.layers is not None and layer not in self.layers:
+            return super().decode_logits(layer, resid, x, ids, weights)
+        if not self._compiled(resid) or self.net.fc1.weight.dtype != torch.float32:
+            return None
+        if self._net is None:
+            n = self.net
+            self._net = [t.detach().numpy() for t in (n.layer_embed.weight, n.fc1.weight, n.fc1.bias, n.fc2.weight,
+                                                      n.fc2.bias)]
+            self._qe = np.empty(n.fc1.in_features, np.float32)
+            self._hidden = np.empty(n.fc1.out_features, np.float32)
+        vectors, norm, _ = self._arrays()[layer]
+        embed, w1, b1, w2, b2 = self._net
+        out = np.empty((1, w2.shape[0]), np.float32)
+        dense_decode.estimator_logits(resid.numpy()[0], vectors, ids, weights, norm, self._eps, embed[layer], w1, b1,
+                                      w2, b2, self._qe, self._hidden, out[0])
+        return out
 
     def logits(self, layer, resid, x, ids, weights):
         """The estimator's logits for layer+1 [T, E], or quasi-hidden's on layers it does not cover."""

@@ -126,15 +126,37 @@ def scratch_size(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
     return 2 * hidden + (2 * heads + 2 * kv_heads) * head_dim
 
 
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
+def _quasi_hidden(resid, vectors, ids, gates, norm, eps, q):
+    """One token's quasi-hidden state q [:H] = rms_norm(resid [H] + sum_j gates[j] vectors[ids[j]], norm)."""
+    H = resid.shape[0]
+    for h in range(H):
+        q[h] = resid[h]
+    for j in range(ids.shape[0]):
+        g = gates[j]
+        for h in range(H):
+            q[h] += g * vectors[ids[j], h]
+    rms_norm(q[:H], norm, eps, q[:H])
+
+
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
 def quasi_hidden_logits(resid, vectors, ids, gates, norm, eps, router, q, out):
     """Next-layer router logits out [E] of one token's quasi-hidden state q [H] = rms_norm(resid [H] +
     sum_j gates[j] vectors[ids[j]], norm): vectors [E, H] the layer's default vectors, router [E, H]."""
-    for h in range(resid.shape[0]):
-        q[h] = resid[h]
-    for j in range(ids.shape[0]):
-        g = gates[j]
-        for h in range(resid.shape[0]):
-            q[h] += g * vectors[ids[j], h]
-    rms_norm(q, norm, eps, q)
+    _quasi_hidden(resid, vectors, ids, gates, norm, eps, q)
     gemv(router, q, EMPTY, out)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def estimator_logits(resid, vectors, ids, gates, norm, eps, embed, w1, b1, w2, b2, q, hidden, out):
+    """The estimator net's next-layer logits out [E] for one token: w2 silu(w1 [q, embed] + b1) + b2, with q
+    the quasi-hidden state (quasi_hidden_logits), embed [D] the layer's embedding, w1 [W, H + D], w2 [E, W];
+    q [H + D] and hidden [W] scratch."""
+    H = resid.shape[0]
+    _quasi_hidden(resid, vectors, ids, gates, norm, eps, q)
+    for d in range(embed.shape[0]):
+        q[H + d] = embed[d]
+    gemv(w1, q, b1, hidden)
+    for i in range(hidden.shape[0]):
+        hidden[i] = hidden[i] / (np.float32(1.0) + np.exp(-hidden[i]))
+    gemv(w2, hidden, b2, out)
