@@ -1,0 +1,140 @@
+"""How much prefetching can save on this machine: on-demand loading against a real predictor and
+against an oracle that knows every next layer's experts, in greedy decode on the disk store.
+
+    python benchmarks/prefetch_bound.py [--model DIR] [--cache 0.25] [--policy fetch-all]
+                                        [--predictor quasi-hidden] [--budgets 8 4] [--tokens 64]
+                                        [--repeats 5] [--json FILE]
+
+The oracle replays the routes of an identical on-demand run: the policy must decode the same
+tokens whatever the cache holds (fetch-all does), which the script checks. Its prediction costs
+nothing but the lookup, so it bounds what any predictor can gain here: perfect recall and
+precision, with the real cost of issuing, reading and waiting. The predictor runs at each of
+`budgets` (prefetches per layer among its top-k; default top-k), the oracle at the first. Variants run round robin,
+`repeats` times after one warm-up round; medians. Counts are the decode tokens' own (the prompt's
+forward excluded).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class Recorder:
+    """Wraps the MoE runner's `route` and keeps each decode token's routed ids, layer by layer."""
+
+    def __init__(self):
+        from expertcache.engine import moe
+        self.moe, self.route, self.on = moe, moe.route, False
+        self.tokens: list[list[np.ndarray]] = []
+        moe.route = self._route
+
+    def _route(self, x, weight, router, layer):
+        r = self.route(x, weight, router, layer)
+        if self.on and r.ids.shape[0] == 1:
+            if layer == 0:
+                self.tokens.append([])
+            self.tokens[-1].append(r.ids[0].copy())
+        return r
+
+
+def oracle_predictor(model, routes: list[list[np.ndarray]]):
+    """A predictor whose logits rank each decode token's true next-layer experts first, in their
+    routed order (`routes` from an identical run)."""
+    from expertcache.engine.predictors import Predictor
+
+    class Oracle(Predictor):
+        name = "oracle"
+
+        def __init__(self):
+            super().__init__(model)
+            self.token = -1
+
+        def decode_logits(self, layer, resid, x, ids, weights):
+            if layer == 0:
+                self.token += 1
+            true = routes[self.token][layer + 1]
+            out = np.full((1, model.args.num_experts), -30.0, np.float32)
+            out[0, true] = np.linspace(10.0, 9.0, len(true), dtype=np.float32)
+            return out
+
+        def logits(self, layer, resid, x, ids, weights):  # the prompt's forward: no prefetch is made from it
+            return torch.zeros(x.shape[0], model.args.num_experts)
+    return Oracle()
+
+
+def decode(engine, prompt: list[int], tokens: int) -> tuple[list[int], dict]:
+    """Greedy decode after the prompt's forward: (tokens, per-token figures of the decode alone)."""
+    from expertcache.engine.generate import generate
+    engine.reset()
+    it = generate(engine, prompt, tokens)
+    out = [next(it)]
+    s = engine.stats
+    before = (s.tokens, s.sync_fetches, s.prefetch_fetches, s.stall_s)
+    start = time.perf_counter()
+    out += list(it)
+    wall = time.perf_counter() - start
+    n = s.tokens - before[0]
+    return out, {"ms_per_token": 1e3 * wall / n, "sync_fetches": (s.sync_fetches - before[1]) / n,
+                 "prefetches": (s.prefetch_fetches - before[2]) / n, "stall_ms": 1e3 * (s.stall_s - before[3]) / n}
+
+
+def main() -> None:
+    from expertcache.engine.cache import CacheConfig
+    from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
+    from expertcache.engine.moe import PrefetchConfig
+    from expertcache.engine.perplexity import EVAL_TEXT
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=BUILTIN_MODEL)
+    p.add_argument("--cache", type=float, default=0.25)
+    p.add_argument("--policy", default="fetch-all", help="one that decodes the same tokens whatever the cache holds")
+    p.add_argument("--predictor", default="quasi-hidden")
+    p.add_argument("--budgets", type=int, nargs="+", default=[None], help="prefetches per layer (default: top-k)")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    recorder = Recorder()
+    engine = Engine(a.model, EngineConfig(store="disk", cache=CacheConfig(fraction=a.cache), policy=a.policy))
+    prompt = engine.encode(EVAL_TEXT.read_text()[:4000])[:a.prompt_tokens]
+    recorder.on = True
+    reference, _ = decode(engine, prompt, a.tokens)
+    recorder.on = False
+    routes = recorder.tokens
+    budget = lambda b: "" if b is None else f", budget {b}"  # noqa: E731
+    variants = {"on demand": None} | {f"prefetch, {a.predictor}{budget(b)}": PrefetchConfig(a.predictor, budget=b)
+                                      for b in a.budgets}
+    variants[f"prefetch, oracle{budget(a.budgets[0])}"] = PrefetchConfig(a.predictor, budget=a.budgets[0])
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    for round_ in range(a.repeats + 1):  # round 0 warms up
+        for name, cfg in variants.items():
+            engine.set_prefetch(cfg)
+            if name.startswith("prefetch, oracle"):
+                engine.runner.predictor = oracle_predictor(engine.model, routes)
+            out, figures = decode(engine, prompt, a.tokens)
+            if out != reference:
+                raise SystemExit(f"{name} decoded other tokens than the reference run: use a policy that "
+                                 "fetches every miss (fetch-all)")
+            if round_:
+                runs[name].append(figures)
+    rows = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    base = rows["on demand"]["ms_per_token"]
+    print(f"disk store, cache {a.cache}, {a.policy}, {a.tokens} decode tokens, medians of {a.repeats}\n")
+    print("| variant | ms/token | vs on demand | synchronous fetches/token | prefetches/token | stall ms/token |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['ms_per_token']:.2f} | {base / r['ms_per_token']:.2f}x | {r['sync_fetches']:.1f} | "
+              f"{r['prefetches']:.1f} | {r['stall_ms']:.2f} |")
+    if a.json:
+        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "medians": rows,
+                                      "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
