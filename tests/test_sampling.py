@@ -81,6 +81,35 @@ def test_generation_stops_at_eos_and_reads_prompt_from_stdin(monkeypatch, capsys
     assert "top_p" in capsys.readouterr().err
 
 
+def test_prompt_scoring_and_logprobs_of_every_output_token():
+    """prompt_logprobs scores the prompt's tokens by the prefill's logits (max_tokens 0 samples nothing); logprobs
+    scores every sampled token, an end token included (its text is not output)."""
+    from expertcache.engine.engine import Engine, EngineConfig
+    from expertcache.engine.generate import TextGeneration
+    engine = Engine(None, EngineConfig(store="ram", max_seq=64))
+    prompt = engine.encode("ROMEO.\nWhat light")
+    with torch.no_grad():
+        want = torch.log_softmax(engine.forward(torch.tensor(prompt), 0), -1)
+    engine.reset()
+    out = TextGeneration(engine, prompt, SamplingParams(max_tokens=0, prompt_logprobs=2)).step()
+    assert out.token is None and out.finish_reason == "length" and out.text == ""
+    assert [s.token for s in out.prompt] == prompt and out.prompt[0].logprob is None
+    assert [s.logprob for s in out.prompt[1:]] == pytest.approx([float(want[j - 1, t]) for j, t in enumerate(prompt)
+                                                                 if j], abs=1e-5)
+    assert [s.top[0][0] for s in out.prompt[1:]] == want[:-1].argmax(-1).tolist()
+    gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=4, logprobs=1))
+    first = gen.step()
+    assert first.token == int(want[-1].argmax()) and first.logprob == pytest.approx(float(want[-1].max()), abs=1e-5)
+    assert first.prompt is None and first.top == ((first.token, first.logprob),)
+    ending = TextGeneration(engine, prompt, SamplingParams(max_tokens=4, logprobs=0))
+    ending.eos = frozenset({first.token})  # the greedy first token plays EOS
+    last = ending.step()
+    assert last.finish_reason == "stop" and last.text == "" and last.logprob == pytest.approx(first.logprob)
+    with pytest.raises(SamplingError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    engine.close()
+
+
 def test_chat_verb_answers_each_stdin_line(monkeypatch, capsys):
     import io
 

@@ -157,8 +157,38 @@ def test_fields_not_implemented_are_refused_not_ignored(client, fields, param):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
                                        extra_body=fields)
     assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL, prompt="a", max_tokens=2, best_of=3)
+
+
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client, reference):
+    """echo with logprobs: the prompt's tokens scored by the model (the first one by nothing), alone (max_tokens
+    0) or before the completion; several prompts in one request are one choice each, in order."""
+    import torch
+    engine = reference.engine
+    texts = ["ROMEO.\nWhat light", "JULIET.\nO Romeo"]
+    ids = [engine.encode(t) for t in texts]
+    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    assert [c.index for c in got.choices] == [0, 1] and got.usage.completion_tokens == 0
+    for prompt, text, choice in zip(ids, texts, got.choices):
+        engine.reset()
+        with torch.no_grad():
+            want = torch.log_softmax(engine.forward(torch.tensor(prompt), 0), -1)
+        lp = choice.logprobs
+        assert choice.text == text and lp.tokens == [engine.decode([t]) for t in prompt]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx([float(want[j - 1, t]) for j, t in enumerate(prompt) if j],
+                                                      abs=1e-4)
+        assert [max(top, key=top.get) for top in lp.top_logprobs[1:]] == \
+            [engine.decode([int(want[j].argmax())]) for j in range(len(prompt) - 1)]
+    one = client.completions.create(model=MODEL, prompt=texts[0], max_tokens=3, echo=True, logprobs=0,
+                                    temperature=0).choices[0]
+    alone = client.completions.create(model=MODEL, prompt=texts[0], max_tokens=3, temperature=0).choices[0].text
+    assert one.text == texts[0] + alone and len(one.logprobs.tokens) == len(ids[0]) + 3
     with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model=MODEL, prompt="a", max_tokens=2, echo=True)
+        client.completions.create(model=MODEL, prompt="a", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="one prompt"):
+        client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2, stream=True)
 
 
 def test_concurrent_requests_each_get_their_own_answer(client, reference):

@@ -43,14 +43,15 @@ def check_length(engine: Engine, prompt_len: int, max_tokens: int) -> None:
                          f"{engine.model.max_seq}; shorten them or raise --max-seq")
 
 
-def prefill(engine: Engine, prompt: list[int], policy: MissPolicy | None = None) -> torch.Tensor:
-    """One forward over the prompt -> logits of its last position [V]. With `policy`, the
-    prompt's misses are decided by it instead of the engine's policy (prefill protection)."""
+def prefill(engine: Engine, prompt: list[int], policy: MissPolicy | None = None, every: bool = False) -> torch.Tensor:
+    """One forward over the prompt -> logits of its last position [V] (with `every`, of every position [T, V]).
+    With `policy`, the prompt's misses are decided by it instead of the engine's policy (prefill protection)."""
     decode_policy = engine.runner.policy
     if policy is not None:
         engine.runner.policy = policy
     try:
-        return engine.forward(torch.tensor(prompt), 0)[-1]
+        logits = engine.forward(torch.tensor(prompt), 0)
+        return logits if every else logits[-1]
     finally:
         engine.runner.policy = decode_policy
 
@@ -59,11 +60,13 @@ def prefill(engine: Engine, prompt: list[int], policy: MissPolicy | None = None)
 class StepOutput:
     """What one step produced: the token, the text it adds, and why generation ended (None while
     it goes on)."""
-    token: int
+    token: int | None  # None: a step that sampled nothing (max_tokens 0, scoring the prompt)
     text: str  # new text to show (may be '' while a character or a stop string is incomplete)
     finish_reason: str | None  # None, "stop" (EOS or a stop string) or "length"
     logprob: float | None = None  # with SamplingParams.logprobs: the token's log-probability under the model
     top: tuple[tuple[int, float], ...] = ()  # and the most likely tokens with theirs (SamplingParams.logprobs of them)
+    prompt: tuple | None = None  # the first step's, with SamplingParams.prompt_logprobs: the prompt's tokens as
+    # StepOutputs (no text) with their log-probabilities (None for the first token, which nothing predicts)
 
 
 def token_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
@@ -73,6 +76,13 @@ def token_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, tup
     top = torch.topk(logp, n) if n else None
     alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
     return float(logp[token]), alternatives
+
+
+def prompt_scores(logits: torch.Tensor, prompt: list[int], n: int) -> tuple[StepOutput, ...]:
+    """The prompt's tokens scored by the prefill's logits [T, V]: token j by position j - 1's distribution."""
+    first = StepOutput(prompt[0], "", None)
+    return (first, *(StepOutput(t, "", None, *token_logprobs(logits[j - 1], t, n)) for j, t in enumerate(prompt)
+                     if j))
 
 
 class TextGeneration:
@@ -92,6 +102,7 @@ class TextGeneration:
         self.stops = StopStrings(params.stop)
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
+        self.scored: tuple[StepOutput, ...] | None = None  # the prompt's tokens with their logprobs, once prefilled
         self.seen = None
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(engine.args.vocab_size, dtype=torch.bool)
@@ -107,7 +118,12 @@ class TextGeneration:
         if self.kv is not None:
             self.engine.model.k_cache, self.engine.model.v_cache = self.kv
         if not self.tokens:
-            return prefill(self.engine, self.prompt, self.prefill_policy)
+            n = self.params.prompt_logprobs
+            if n is None:
+                return prefill(self.engine, self.prompt, self.prefill_policy)
+            logits = prefill(self.engine, self.prompt, self.prefill_policy, every=True)
+            self.scored = prompt_scores(logits, self.prompt, n)
+            return logits[-1]
         return self.engine.forward(torch.tensor(self.tokens[-1:]), self.position)[-1]
 
     @property
@@ -124,7 +140,16 @@ class TextGeneration:
         """Run the model for one new token and sample it."""
         if self.finish_reason is not None:
             raise RuntimeError("step() after the generation finished")
-        return self.advance(self._logits())
+        first = not self.tokens
+        if self.params.max_tokens == 0:  # scoring the prompt only: no token is sampled
+            self._logits()
+            self.finish_reason = "length"
+            out = StepOutput(None, "", "length")
+        else:
+            out = self.advance(self._logits())
+        if first and self.scored is not None:
+            out.prompt = self.scored
+        return out
 
     def advance(self, logits: torch.Tensor) -> StepOutput:
         """Sample the next token from this sequence's logits [V] and apply EOS, max_tokens and stop strings."""
@@ -147,7 +172,7 @@ class TextGeneration:
             self.finish_reason = "stop"
         elif self.finish_reason is not None:
             text += self.stops.flush()
-        if self.params.logprobs is None or token in self.eos:  # an end token is not part of the output
+        if self.params.logprobs is None:  # an end token is scored too (as OpenAI's and vLLM's logprobs list it)
             return StepOutput(token, text, self.finish_reason)
         return StepOutput(token, text, self.finish_reason, *token_logprobs(logits, token, self.params.logprobs))
 

@@ -25,6 +25,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: the output ends before the first occurrence
     ignore_eos: bool = False
     logprobs: int | None = None  # report each token's log-probability and this many most likely alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (scoring); then max_tokens may be 0
 
     def __post_init__(self):
         checks = [
@@ -33,9 +34,12 @@ class SamplingParams:
             (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 disables it)"),
-            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.max_tokens >= (0 if self.prompt_logprobs is not None else 1), "max_tokens",
+             "must be >= 1 (0 only when scoring the prompt)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"must be in [0, {MAX_LOGPROBS}] alternatives a token"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
              f"must be in [0, {MAX_LOGPROBS}] alternatives a token"),
         ]
         for ok, name, rule in checks:

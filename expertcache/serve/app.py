@@ -65,8 +65,10 @@ class SamplingFields(BaseModel):
 
 
 class CompletionBody(SamplingFields):
-    """A /v1/completions request: the sampling fields and a prompt (text, a one-text list or token ids)."""
-    prompt: str | list[str] | list[int]
+    """A /v1/completions request: the sampling fields and a prompt (text or token ids), or a list of them (one
+    choice each). echo puts the prompt before the completion, and with logprobs scores the prompt's tokens
+    (then max_tokens may be 0), as evaluation harnesses ask."""
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -94,7 +96,6 @@ def refuse_unsupported(body: SamplingFields) -> None:
         ((body.response_format or {}).get("type", "text") != "text", "response_format",
          "this server generates free text; leave it out or use {\"type\": \"text\"}"),
         (body.tool_choice not in (None, "none", "auto"), "tool_choice", "this server does not call tools"),
-        (getattr(body, "echo", False), "echo", "send echo: false"),
         (getattr(body, "best_of", None) not in (None, 1), "best_of", "use best_of=1"),
         (bool(getattr(body, "suffix", None)), "suffix", "leave it out"),
     ]
@@ -162,6 +163,10 @@ class Server:
                            "shorten the prompt", "prompt", "context_length_exceeded")
         asked = [m for m in (body.max_completion_tokens, body.max_tokens) if m is not None]
         max_tokens = asked[0] if asked else min(default_max or room, room)
+        echo = getattr(body, "echo", False)
+        if max_tokens == 0 and not echo:
+            raise APIError(400, "max_tokens=0 generates nothing; send echo: true to score the prompt, or max_tokens "
+                           ">= 1", "max_tokens")
         if max_tokens > room:
             raise APIError(400, f"max_tokens={max_tokens} with a {prompt_len}-token prompt exceeds the context of "
                            f"{self.engine.model.max_seq} tokens; ask for at most {room}", "max_tokens",
@@ -170,23 +175,30 @@ class Server:
         try:
             return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                   min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
-                                  max_tokens=max_tokens, stop=stop, ignore_eos=body.ignore_eos, logprobs=logprobs)
+                                  max_tokens=max_tokens, stop=stop, ignore_eos=body.ignore_eos, logprobs=logprobs,
+                                  prompt_logprobs=(logprobs or 0) if echo else None)
         except SamplingError as e:
             raise APIError(400, str(e), e.param) from None
 
-    def completion_prompt(self, body: CompletionBody) -> list[int]:
-        """The prompt's token ids: the text encoded, or the ids as sent (checked against the vocabulary)."""
+    def completion_prompts(self, body: CompletionBody) -> list[tuple[list[int], str]]:
+        """Each prompt's token ids and text: a text encoded, or ids as sent (checked against the vocabulary) and
+        decoded. A list of texts or of id lists is several prompts, one choice each."""
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "one prompt per request is supported; send a string", "prompt")
-            prompt = prompt[0]
-        ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise APIError(400, "the prompt is empty; send at least one token", "prompt")
-        if any(not 0 <= t < self.engine.args.vocab_size for t in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {self.engine.args.vocab_size})", "prompt")
-        return ids
+        many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+        prompts = []
+        for p in (prompt if many else [prompt]):
+            ids = self.engine.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise APIError(400, "the prompt is empty; send at least one token", "prompt")
+            if any(not 0 <= t < self.engine.args.vocab_size for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {self.engine.args.vocab_size})", "prompt")
+            prompts.append((ids, p if isinstance(p, str) else self.engine.decode(ids)))
+        if body.stream and len(prompts) > 1:
+            raise APIError(400, f"a streamed request takes one prompt, got {len(prompts)}; send them one by one "
+                           "or without stream", "prompt")
+        if body.stream and body.echo:
+            raise APIError(400, "echo is answered whole; send it without stream", "echo")
+        return prompts
 
     def chat_prompt(self, body: ChatBody) -> list[int]:
         """The conversation's token ids through the chat template; APIError when the model has none."""
@@ -199,19 +211,43 @@ class Server:
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
 
-    async def run(self, http: HTTPRequest, prompt: list[int], params: SamplingParams, chat: bool,
-                  stream: bool, include_usage: bool = False) -> Response:
-        """Submit one request to the scheduler; returns an SSE stream of chunks (with `include_usage`, a last one
-        carries the usage), or the whole response once generation ends."""
+    async def run(self, http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, chat: bool,
+                  stream: bool, include_usage: bool = False, echo: list[str] | None = None) -> Response:
+        """Submit one scheduler request per prompt; returns an SSE stream of chunks (one prompt; with
+        `include_usage`, a last chunk carries the usage), or the whole response, one choice per prompt, once
+        every generation has ended. `echo`: the prompts' texts, to put before their completions."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        request = Request(prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
-        self.scheduler.submit(request)
+        submitted = []
+        for prompt in prompts:
+            queue: asyncio.Queue = asyncio.Queue()
+            request = Request(prompt, params, lambda item, q=queue: loop.call_soon_threadsafe(q.put_nowait, item))
+            self.scheduler.submit(request)
+            submitted.append((request, queue))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if stream:
-            return StreamingResponse(self._stream(request, queue, rid, chat, include_usage),
+            return StreamingResponse(self._stream(*submitted[0], rid, chat, include_usage),
                                      media_type="text/event-stream")
-        return await self._whole(http, request, queue, rid, chat)
+        try:
+            outcomes = await asyncio.gather(*(self._collect(http, *s) for s in submitted))
+        finally:
+            for request, _ in submitted:
+                request.cancel()
+        failed = [o for o in outcomes if isinstance(o, Response)]
+        if failed:
+            return failed[0]
+        choices = []
+        for i, (text, finish, scored, prompt_scored) in enumerate(outcomes):
+            if echo:
+                text, scored = echo[i] + text, [*(prompt_scored or ()), *scored]
+            logprobs = self._logprobs(scored, chat) if params.logprobs is not None else None
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "finish_reason": finish, "logprobs": logprobs})
+            else:
+                choices.append({"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs})
+        usage = [self._usage(r) for r, _ in submitted]
+        return JSONResponse({**self._envelope(rid, chat, False), "choices": choices,
+                             "usage": {k: sum(u[k] for u in usage) for k in usage[0]}})
 
     def _envelope(self, rid: str, chat: bool, stream: bool) -> dict:
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
@@ -238,8 +274,9 @@ class Server:
                                 for i in items], "refusal": None}
         tokens = [self._token(i.token) for i in items]
         offsets = [offset + sum(map(len, tokens[:j])) for j in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],
-                "top_logprobs": [{self._token(t): lp for t, lp in i.top} for i in items], "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],  # None: a prompt's first token
+                "top_logprobs": [None if i.logprob is None else {self._token(t): lp for t, lp in i.top} for i in items],
+                "text_offset": offsets}
 
     async def _stream(self, request: Request, queue: asyncio.Queue, rid: str, chat: bool, include_usage: bool):
         logprobs = request.params.logprobs is not None
@@ -275,38 +312,27 @@ class Server:
         finally:  # a client that went away ends its generation at the worker's next step
             request.cancel()
 
-    async def _whole(self, http: HTTPRequest, request: Request, queue: asyncio.Queue, rid: str,
-                     chat: bool) -> Response:
-        parts, finish, scored = [], None, []
-        try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        request.cancel()
-                        return Response(status_code=499)
-                    continue
-                if item is None:
-                    break
-                if isinstance(item, Exception):
-                    err = self._error(item)
-                    return JSONResponse(err.body(), status_code=err.status)
-                parts.append(item.text)
-                finish = item.finish_reason or finish
-                if item.logprob is not None:
-                    scored.append(item)
-        finally:
-            request.cancel()
-        text = "".join(parts)
-        logprobs = self._logprobs(scored, chat) if request.params.logprobs is not None else None
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                      "logprobs": logprobs}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
-        return JSONResponse({**self._envelope(rid, chat, False), "choices": [choice],
-                             "usage": self._usage(request)})
+    async def _collect(self, http: HTTPRequest, request: Request, queue: asyncio.Queue) -> tuple | Response:
+        """One request's whole output: (text, finish reason, its tokens with logprobs, the prompt's scored tokens
+        or None), or the Response that ends the call (an error, or 499 when the client went away)."""
+        parts, finish, scored, prompt_scored = [], None, [], None
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            if item is None:
+                return "".join(parts), finish, scored, prompt_scored
+            if isinstance(item, Exception):
+                err = self._error(item)
+                return JSONResponse(err.body(), status_code=err.status)
+            parts.append(item.text)
+            finish = item.finish_reason or finish
+            prompt_scored = item.prompt if item.prompt is not None else prompt_scored
+            if item.logprob is not None:
+                scored.append(item)
 
 
 def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
@@ -340,16 +366,17 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
-        prompt = server.completion_prompt(body)
-        params = server.params(body, len(prompt), default_max=16, chat=False)
-        return await server.run(http, prompt, params, chat=False, stream=body.stream,
-                                include_usage=bool((body.stream_options or {}).get("include_usage")))
+        prompts = server.completion_prompts(body)
+        params = server.params(body, max(len(ids) for ids, _ in prompts), default_max=16, chat=False)
+        return await server.run(http, [ids for ids, _ in prompts], params, chat=False, stream=body.stream,
+                                include_usage=bool((body.stream_options or {}).get("include_usage")),
+                                echo=[text for _, text in prompts] if body.echo else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
         prompt = server.chat_prompt(body)
         params = server.params(body, len(prompt), default_max=None, chat=True)
-        return await server.run(http, prompt, params, chat=True, stream=body.stream,
+        return await server.run(http, [prompt], params, chat=True, stream=body.stream,
                                 include_usage=bool((body.stream_options or {}).get("include_usage")))
 
     @app.get("/v1/models")

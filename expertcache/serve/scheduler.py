@@ -139,7 +139,7 @@ class Scheduler:
         self._deliver(request, out)
 
     def _deliver(self, request: Request, out: StepOutput) -> None:
-        self.generated_tokens += 1
+        self.generated_tokens += out.token is not None  # a step that only scored the prompt sampled none
         if request.first_token is None:
             request.first_token = time.perf_counter()
         if out.finish_reason is not None:
