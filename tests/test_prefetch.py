@@ -58,6 +58,27 @@ def test_prefetch_only_is_exact(calibrated, predictor, store):
     engine.close()
 
 
+@pytest.mark.parametrize("policy", ["threshold:tau=0.3", "first-choice", "substitute-all", "fetch-all"])
+def test_fetched_prefetches_only_what_the_policy_would_fetch(calibrated, policy):
+    """fetched=1: each token's prefetches are its predicted experts that the policy fetches when they miss (first
+    choice, or weight >= tau), never one it would substitute; fetch-all prefetches every prediction."""
+    from expertcache.engine.cache import ExpertCache
+    path, _ = calibrated
+    engine = Engine(path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25), policy=policy,
+                                       prefetch=PrefetchConfig("quasi-hidden", fetched=True)))
+    asked, real = [], ExpertCache.prefetch_routed
+    engine.cache.prefetch_routed = lambda layer, experts, clock: (
+        asked.append((engine.runner.predicted, list(experts))), real(engine.cache, layer, experts, clock))[1]
+    decode(engine, torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(7)))
+    assert len(asked) == 18 * (engine.args.num_moe_layers - 1)  # decode tokens x predicted layers
+    tau = {"threshold:tau=0.3": 0.3, "first-choice": 2.0, "substitute-all": None, "fetch-all": 0.0}[policy]
+    for predicted, experts in asked:
+        ids, w = predicted.ids[0].tolist(), predicted.weights[0]
+        want = [] if tau is None else [e for j, e in enumerate(ids) if j == 0 or w[j] >= tau]
+        assert experts == want
+    engine.close()
+
+
 @pytest.mark.parametrize("budget", [0, 3])
 def test_prefetch_budget_beyond_the_ranked_experts_is_refused(calibrated, budget):
     """The predictor ranks the next layer's top-k (2 here): a larger budget is refused, not cut silently."""

@@ -16,6 +16,7 @@ import torch
 
 from ..kernel.cache_state import N_LOG
 from ..kernel.dense_decode import EMPTY, gemv
+from ..kernel.policy import would_fetch
 from ..kernel.routing import Router, Routing
 from ..models.args import ModelArgs
 from ..policies import MissPolicy
@@ -96,6 +97,7 @@ class PrefetchConfig:
     mode: str = "prefetch"  # prefetch: the true router decides; speculative: the prediction runs
     budget: int | None = None  # prefetches per token and layer (default: top-k)
     drop: bool = True  # drop queued prefetches that the layer's routes turn out not to need, unread
+    fetched: bool = False  # only the predicted experts the policy would fetch were they misses (by rank and weight)
 
 
 class MoELayerRunner:
@@ -138,10 +140,17 @@ class MoELayerRunner:
             return
         budget = self.prefetch.budget or a.top_k
         wanted = self.predicted.ids[:, :budget]
+        keep = np.ones(wanted.shape, np.bool_)
+        if self.prefetch.fetched:  # what the policy would substitute is not worth a read
+            p = self.policy.params()
+            for t in range(wanted.shape[0]):
+                would_fetch(p, layer + 1, self.predicted.weights[t, :budget], keep[t])
         if wanted.shape[0] > 1:  # a decode batch: the `budget` experts most of its tokens predict (ties: best rank)
-            experts, first, counts = np.unique(wanted.T.ravel(), return_index=True, return_counts=True)
-            wanted = experts[np.lexsort((first, -counts))][None, :budget]
-        self.stats.stall_s += cache.prefetch_routed(layer + 1, np.ascontiguousarray(wanted[0]), self.token_base)
+            experts, first, counts = np.unique(wanted.T[keep.T], return_index=True, return_counts=True)
+            chosen = experts[np.lexsort((first, -counts))][:budget]
+        else:
+            chosen = wanted[0][keep[0]]
+        self.stats.stall_s += cache.prefetch_routed(layer + 1, np.ascontiguousarray(chosen), self.token_base)
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed MoE input) of MoE layer `layer` -> routed experts' combined output

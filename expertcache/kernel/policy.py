@@ -86,6 +86,15 @@ def wants_upgrade(p, layer, rank, w):
 
 
 @compiled
+def would_fetch(p, layer, weights, out):
+    """out[j]: whether the policy fetches in full the expert ranked j, with gate weight weights[j], at `layer`
+    when it misses (fetch-all and the cache-conditional policy may fetch any): a prefetch that only reads these
+    reads nothing the policy would substitute."""
+    for j in range(weights.shape[0]):
+        out[j] = p[KIND] != SUBSTITUTING or _should_fetch(p, layer, j, weights[j])
+
+
+@compiled
 def _account(p, account, layer, e, w, admit, n_admit):
     """Add w to e's substituted mass; admit e once it reaches beta."""
     if p[BETA] <= 0:

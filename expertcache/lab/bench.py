@@ -29,8 +29,9 @@ FLOOR = "all resident"
 
 
 def parse_variant(v: str) -> tuple[str, PrefetchConfig | None]:
-    """'policy' or 'policy+mode/predictor[:budget=N,drop=0|1]', e.g. 'fetch-all+prefetch/quasi-hidden'
-    or 'fetch-all+prefetch/quasi-hidden:budget=4' (the next layer's N best predicted experts)."""
+    """'policy' or 'policy+mode/predictor[:budget=N,drop=0|1,fetched=0|1]', e.g. 'fetch-all+prefetch/quasi-hidden'
+    or 'fetch-all+prefetch/quasi-hidden:budget=4' (the next layer's N best predicted experts);
+    fetched=1 prefetches only those the policy would fetch were they misses."""
     policy, _, pre = v.partition("+")
     if not pre:
         return policy, None
@@ -39,8 +40,9 @@ def parse_variant(v: str) -> tuple[str, PrefetchConfig | None]:
     config = PrefetchConfig(predictor or "quasi-hidden", mode)
     for item in filter(None, options.split(",")):
         key, _, value = item.partition("=")
-        if key not in ("budget", "drop") or not value.isdigit() or (key == "budget" and int(value) < 1):
-            raise BadInput(f"prefetch option {item!r} in {v!r}: use budget=N (N >= 1 experts a layer) or drop=0|1")
+        if key not in ("budget", "drop", "fetched") or not value.isdigit() or (key == "budget" and int(value) < 1):
+            raise BadInput(f"prefetch option {item!r} in {v!r}: use budget=N (N >= 1 experts a layer), drop=0|1 "
+                           "or fetched=0|1")
         config = replace(config, **{key: int(value) if key == "budget" else value != "0"})
     return policy, config
 
