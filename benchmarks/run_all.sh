@@ -42,6 +42,9 @@ timed|all)
       fetch-all+prefetch/hybrid fetch-all+speculative/quasi-hidden fetch-all+speculative/hybrid \
       quality-first quality-first+prefetch/hybrid fetch-all+prefetch/quasi-hidden:budget=4 \
       quality-first+prefetch/quasi-hidden:budget=4
+  run prefetch_bound python benchmarks/prefetch_bound.py --budgets 8 4 --json "$out/prefetch_bound.json"
+  run prefetch_bound_estimator python benchmarks/prefetch_bound.py --predictor estimator --budgets 8 6 4 \
+      --json "$out/prefetch_bound_estimator.json"
   run bench_threads expertcache bench --io threads --json "$out/bench_threads.json" --policies fetch-all \
       threshold:tau=0.15 quality-first fetch-all+prefetch/quasi-hidden
   run slot_formats python benchmarks/quantized.py --slots --repeats 5 --slot-policies threshold:tau=0.05 \

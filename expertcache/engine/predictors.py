@@ -147,7 +147,7 @@ class Estimator(QuasiHidden):
 
     def decode_logits(self, layer, resid, x, ids, weights):
         """One compiled call on the CPU (fp32 residual, router and net) for the net's layers, quasi-hidden's
-        elsewhere: a decode token's prediction then costs ~10 us instead of the net's PyTorch calls."""
+        elsewhere: a decode token's prediction then costs ~20 us instead of the net's PyTorch calls."""
         if self.layers is not None and layer not in self.layers:
             return super().decode_logits(layer, resid, x, ids, weights)
         if not self._compiled(resid) or self.net.fc1.weight.dtype != torch.float32:
