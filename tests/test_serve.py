@@ -187,8 +187,27 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client, reference):
     assert one.text == texts[0] + alone and len(one.logprobs.tokens) == len(ids[0]) + 3
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model=MODEL, prompt="a", max_tokens=0)
-    with pytest.raises(openai.BadRequestError, match="one prompt"):
+    with pytest.raises(openai.BadRequestError, match="one choice"):
         client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2, stream=True)
+
+
+def test_n_choices_sample_with_successive_seeds(client):
+    """n > 1: choice i samples as a request of its own with seed + i would; the prompt counts once in the usage."""
+    kw = dict(model=MODEL, prompt="JULIET.\n", max_tokens=8, temperature=1.0)
+    got = client.completions.create(n=3, seed=11, **kw)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [client.completions.create(seed=11 + i, **kw).choices[0].text
+                                             for i in range(3)]
+    assert len({c.text for c in got.choices}) > 1
+    one = client.completions.create(seed=11, **kw).usage
+    assert got.usage.prompt_tokens == one.prompt_tokens and got.usage.completion_tokens == 24
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hail"}], n=2,
+                                          max_tokens=4, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    with pytest.raises(openai.BadRequestError, match="n=17"):
+        client.completions.create(n=17, **kw)
+    with pytest.raises(openai.BadRequestError, match="one choice"):
+        client.completions.create(n=2, stream=True, **kw)
 
 
 def test_concurrent_requests_each_get_their_own_answer(client, reference):

@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI
@@ -23,6 +24,9 @@ from ..engine.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from ..errors import CheckpointError
 from .metrics import ServerMetrics
 from .scheduler import Request, Scheduler
+
+
+MAX_CHOICES = 16  # n: choices a prompt
 
 
 class APIError(Exception):
@@ -146,13 +150,14 @@ class Server:
         self.created = int(time.time())
 
     def params(self, body: SamplingFields, prompt_len: int, default_max: int | None, chat: bool) -> SamplingParams:
-        """The SamplingParams of a request body; APIError for an unknown model, n != 1, a field not implemented,
-        or a prompt plus max_tokens beyond the context. default_max caps max_tokens when the body gives none."""
+        """The SamplingParams of a request body; APIError for an unknown model, n out of range, a field not
+        implemented, or a prompt plus max_tokens beyond the context. default_max caps max_tokens when the body
+        gives none."""
         if body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
-        if body.n != 1:
-            raise APIError(400, f"n={body.n} is not supported; use n=1", "n")
+        if not 1 <= body.n <= MAX_CHOICES:
+            raise APIError(400, f"n={body.n} must be in [1, {MAX_CHOICES}]", "n")
         refuse_unsupported(body)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream: true", "stream_options")
@@ -193,9 +198,6 @@ class Server:
             if any(not 0 <= t < self.engine.args.vocab_size for t in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {self.engine.args.vocab_size})", "prompt")
             prompts.append((ids, p if isinstance(p, str) else self.engine.decode(ids)))
-        if body.stream and len(prompts) > 1:
-            raise APIError(400, f"a streamed request takes one prompt, got {len(prompts)}; send them one by one "
-                           "or without stream", "prompt")
         if body.stream and body.echo:
             raise APIError(400, "echo is answered whole; send it without stream", "echo")
         return prompts
@@ -212,17 +214,23 @@ class Server:
             raise APIError(400, str(e), "messages") from None
 
     async def run(self, http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, chat: bool,
-                  stream: bool, include_usage: bool = False, echo: list[str] | None = None) -> Response:
-        """Submit one scheduler request per prompt; returns an SSE stream of chunks (one prompt; with
-        `include_usage`, a last chunk carries the usage), or the whole response, one choice per prompt, once
-        every generation has ended. `echo`: the prompts' texts, to put before their completions."""
+                  stream: bool, n: int = 1, include_usage: bool = False, echo: list[str] | None = None) -> Response:
+        """Submit one scheduler request per choice (n per prompt, the i-th with seed + i when the body gives a
+        seed); returns an SSE stream of chunks (one choice; with `include_usage`, a last chunk carries the usage),
+        or the whole response once every generation has ended, choice prompt * n + i. `echo`: the prompts'
+        texts, to put before their completions."""
+        if stream and len(prompts) * n > 1:
+            raise APIError(400, f"a streamed request answers one choice; got {len(prompts)} prompt(s) with n={n}: "
+                           "send them without stream, or one at a time", "n" if n > 1 else "prompt")
         loop = asyncio.get_running_loop()
         submitted = []
         for prompt in prompts:
-            queue: asyncio.Queue = asyncio.Queue()
-            request = Request(prompt, params, lambda item, q=queue: loop.call_soon_threadsafe(q.put_nowait, item))
-            self.scheduler.submit(request)
-            submitted.append((request, queue))
+            for i in range(n):
+                queue: asyncio.Queue = asyncio.Queue()
+                seeded = params if params.seed is None or not i else replace(params, seed=params.seed + i)
+                request = Request(prompt, seeded, lambda item, q=queue: loop.call_soon_threadsafe(q.put_nowait, item))
+                self.scheduler.submit(request)
+                submitted.append((request, queue))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if stream:
             return StreamingResponse(self._stream(*submitted[0], rid, chat, include_usage),
@@ -238,16 +246,18 @@ class Server:
         choices = []
         for i, (text, finish, scored, prompt_scored) in enumerate(outcomes):
             if echo:
-                text, scored = echo[i] + text, [*(prompt_scored or ()), *scored]
+                text, scored = echo[i // n] + text, [*(prompt_scored or ()), *scored]
             logprobs = self._logprobs(scored, chat) if params.logprobs is not None else None
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
                                 "finish_reason": finish, "logprobs": logprobs})
             else:
                 choices.append({"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs})
-        usage = [self._usage(r) for r, _ in submitted]
+        completion = sum(r.completion_tokens for r, _ in submitted)
+        prompt_tokens = sum(len(p) for p in prompts)  # a prompt counts once, whatever n
         return JSONResponse({**self._envelope(rid, chat, False), "choices": choices,
-                             "usage": {k: sum(u[k] for u in usage) for k in usage[0]}})
+                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                       "total_tokens": prompt_tokens + completion}})
 
     def _envelope(self, rid: str, chat: bool, stream: bool) -> dict:
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
@@ -368,7 +378,7 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
     async def completions(body: CompletionBody, http: HTTPRequest):
         prompts = server.completion_prompts(body)
         params = server.params(body, max(len(ids) for ids, _ in prompts), default_max=16, chat=False)
-        return await server.run(http, [ids for ids, _ in prompts], params, chat=False, stream=body.stream,
+        return await server.run(http, [ids for ids, _ in prompts], params, chat=False, stream=body.stream, n=body.n,
                                 include_usage=bool((body.stream_options or {}).get("include_usage")),
                                 echo=[text for _, text in prompts] if body.echo else None)
 
@@ -376,7 +386,7 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
     async def chat_completions(body: ChatBody, http: HTTPRequest):
         prompt = server.chat_prompt(body)
         params = server.params(body, len(prompt), default_max=None, chat=True)
-        return await server.run(http, [prompt], params, chat=True, stream=body.stream,
+        return await server.run(http, [prompt], params, chat=True, stream=body.stream, n=body.n,
                                 include_usage=bool((body.stream_options or {}).get("include_usage")))
 
     @app.get("/v1/models")
