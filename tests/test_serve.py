@@ -144,6 +144,16 @@ def test_logprobs_are_the_models_own(client, reference):
     assert plain.choices[0].logprobs is None
 
 
+def test_logprob_bytes_are_the_tokens_own(reference):
+    """A byte-level token that holds part of a character shows U+FFFD as text, but its bytes are exact: the
+    tokens' bytes put together are the text's UTF-8."""
+    server = create_app(Scheduler(reference.engine), MODEL).state.server
+    text = "café naïve 日本語 — ok"
+    ids = reference.engine.encode(text)
+    assert "\ufffd" in "".join(server._token(t) for t in ids)  # some tokens split a character
+    assert b"".join(bytes(server._bytes(t, server._token(t))) for t in ids) == text.encode()
+
+
 @pytest.mark.parametrize("fields, param", [({"frequency_penalty": 0.5}, "frequency_penalty"),
                                            ({"presence_penalty": 1}, "presence_penalty"),
                                            ({"logit_bias": {"5": 10}}, "logit_bias"),

@@ -128,6 +128,14 @@ def logprobs_count(body: SamplingFields, chat: bool) -> int | None:
     return n
 
 
+def byte_level_alphabet() -> dict[str, int]:
+    """The character a byte-level BPE vocabulary (GPT-2's, Qwen's) writes for each byte, inverted: printable
+    bytes stand for themselves, the others for code points from 256 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    shifted = iter(range(256, 512))
+    return {chr(b if b in printable else next(shifted)): b for b in range(256)}
+
+
 def message_text(message: ChatMessage) -> dict:
     """A message as the template sees it; content parts of type text are joined."""
     content = message.content
@@ -147,6 +155,9 @@ class Server:
             self.template: ChatTemplate | None = ChatTemplate.of(self.engine)
         except CheckpointError:
             self.template = None
+        tokenizer = self.engine.tokenizer
+        byte_level = tokenizer is not None and type(tokenizer.decoder).__name__ == "ByteLevel"
+        self.byte_of = byte_level_alphabet() if byte_level else None  # a token's exact bytes, for logprobs
         self.created = int(time.time())
 
     def params(self, body: SamplingFields, prompt_len: int, default_max: int | None, chat: bool) -> SamplingParams:
@@ -275,11 +286,19 @@ class Server:
     def _token(self, token: int) -> str:
         return self.engine.decode([token])
 
+    def _bytes(self, token: int, text: str) -> list[int]:
+        """A token's bytes: exact for a byte-level vocabulary, where a token may hold part of a character that
+        its text shows as U+FFFD; else its text's UTF-8."""
+        piece = self.engine.tokenizer.id_to_token(token) if self.byte_of is not None else None
+        if piece is not None and all(c in self.byte_of for c in piece):
+            return [self.byte_of[c] for c in piece]
+        return list(text.encode())
+
     def _logprobs(self, items: list[StepOutput], chat: bool, offset: int = 0) -> dict:
         """The logprobs of `items` (tokens that carry them) as OpenAI writes them: chat's content list, or
         completions' parallel lists with each token's offset in the text from `offset`."""
         if chat:
-            entry = lambda t, lp: {"token": (s := self._token(t)), "logprob": lp, "bytes": list(s.encode())}  # noqa: E731
+            entry = lambda t, lp: {"token": (s := self._token(t)), "logprob": lp, "bytes": self._bytes(t, s)}  # noqa: E731
             return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]}
                                 for i in items], "refusal": None}
         tokens = [self._token(i.token) for i in items]
