@@ -3,6 +3,7 @@ work end to end on a tiny model calibrated in the test; on a sigmoid router (Dee
 estimator learns the family's own scores, not a softmax's."""
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,22 +62,60 @@ def test_prefetch_only_is_exact(calibrated, predictor, store):
 @pytest.mark.parametrize("policy", ["threshold:tau=0.3", "first-choice", "substitute-all", "fetch-all"])
 def test_fetched_prefetches_only_what_the_policy_would_fetch(calibrated, policy):
     """fetched=1: each token's prefetches are its predicted experts that the policy fetches when they miss (first
-    choice, or weight >= tau), never one it would substitute; fetch-all prefetches every prediction."""
-    from expertcache.engine.cache import ExpertCache
+    choice, or weight >= tau), every such one not mapped, and never one it would substitute; fetch-all prefetches
+    every prediction."""
+    from expertcache.kernel.decisions import KINDS, LOAD
     path, _ = calibrated
     engine = Engine(path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25), policy=policy,
                                        prefetch=PrefetchConfig("quasi-hidden", fetched=True)))
-    asked, real = [], ExpertCache.prefetch_routed
-    engine.cache.prefetch_routed = lambda layer, experts, clock: (
-        asked.append((engine.runner.predicted, list(experts))), real(engine.cache, layer, experts, clock))[1]
+    cache, E = engine.cache, engine.args.num_experts
+    asked, loads, predict, take = [], [], engine.runner._predict_next, cache._take_log
+
+    def taken():
+        rows = take()
+        loads.extend(b % E for op, _, b, c in rows if op == LOAD and KINDS[c] == "prefetch")
+        return rows
+
+    def spy(layer, x, ids, gates):
+        before = cache.slot_of[layer + 1].copy()
+        loads.clear()
+        predict(layer, x, ids, gates)
+        asked.append((engine.runner.predicted, before, list(loads)))
+    cache._take_log, engine.runner._predict_next = taken, spy
     decode(engine, torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(7)))
-    assert len(asked) == 18 * (engine.args.num_moe_layers - 1)  # decode tokens x predicted layers
+    decoded = [a for a in asked if a[0].ids.shape[0] == 1]
+    assert len(decoded) == 18 * (engine.args.num_moe_layers - 1)  # decode tokens x predicted layers
     tau = {"threshold:tau=0.3": 0.3, "first-choice": 2.0, "substitute-all": None, "fetch-all": 0.0}[policy]
-    for predicted, experts in asked:
+    for predicted, before, started in decoded:
         ids, w = predicted.ids[0].tolist(), predicted.weights[0]
-        want = [] if tau is None else [e for j, e in enumerate(ids) if j == 0 or w[j] >= tau]
-        assert experts == want
+        fetched = [] if tau is None else [e for j, e in enumerate(ids) if j == 0 or w[j] >= tau]
+        # with two slots a layer, a prefetch may evict a predicted expert, which is then prefetched too
+        assert set(started) <= set(fetched) and {e for e in fetched if before[e] < 0} <= set(started)
+    assert (engine.stats.prefetch_fetches > 0) == (tau is not None)
     engine.close()
+
+
+def test_compiled_prefetch_equals_the_general_path(calibrated):
+    """A decode token's prediction routed and prefetched in one compiled call (softmax routers without bias) starts
+    the transfers the general path (Router.route, then the prefetch kernel) starts: same logits, counts and slots."""
+    from dataclasses import replace
+    path, _ = calibrated
+    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(8))
+    runs = []
+    for general in (False, True):
+        engine = Engine(path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25), policy="threshold:tau=0.3",
+                                           prefetch=PrefetchConfig("quasi-hidden", fetched=True)))
+        if general:  # a zero bias routes the same, through the general path
+            r = engine.runner.router
+            engine.runner.router = replace(r, bias=np.zeros((engine.args.num_moe_layers, engine.args.num_experts),
+                                                            np.float32))
+        runs.append((decode(engine, ids), engine.stats.prefetch_fetches, engine.stats.sync_fetches,
+                     engine.cache.slot_of.copy()))
+        engine.close()
+    (fast, *fast_counts), (slow, *slow_counts) = runs
+    torch.testing.assert_close(fast, slow, atol=0, rtol=0)
+    assert fast_counts[0] == slow_counts[0] > 0 and fast_counts[1] == slow_counts[1]
+    assert (fast_counts[2] == slow_counts[2]).all()
 
 
 @pytest.mark.parametrize("budget", [0, 3])

@@ -125,6 +125,15 @@ class MoELayerRunner:
     def _predict_next(self, layer: int, x: torch.Tensor, exec_ids: np.ndarray, gates: np.ndarray) -> None:
         a, cache = self.args, self.cache
         logits = self.predictor.decode_logits(layer, self.resid, x, exec_ids[0], gates[0]) if x.shape[0] == 1 else None
+        if logits is not None and not self.router.sigmoid and self.router.bias is None:
+            # a decode token: routing, the policy's filter and the prefetch in one compiled call
+            ids, w, stall = cache.prefetch_predicted(self.policy.params(), layer + 1, logits[0], self.router.norm_topk,
+                                                     self.prefetch.budget or a.top_k, self.prefetch.fetched,
+                                                     self.token_base)
+            self.predicted = Routing(logits, logits, w[None], ids[None])
+            self.stats.predictions += 1
+            self.stats.stall_s += stall
+            return
         if logits is None:
             ids, weights = torch.from_numpy(exec_ids), torch.from_numpy(gates)
             if x.device.type != "cpu":
@@ -140,17 +149,20 @@ class MoELayerRunner:
             return
         budget = self.prefetch.budget or a.top_k
         wanted = self.predicted.ids[:, :budget]
-        keep = np.ones(wanted.shape, np.bool_)
+        keep = None
         if self.prefetch.fetched:  # what the policy would substitute is not worth a read
-            p = self.policy.params()
+            keep, p = np.empty(wanted.shape, np.bool_), self.policy.params()
             for t in range(wanted.shape[0]):
                 would_fetch(p, layer + 1, self.predicted.weights[t, :budget], keep[t])
         if wanted.shape[0] > 1:  # a decode batch: the `budget` experts most of its tokens predict (ties: best rank)
-            experts, first, counts = np.unique(wanted.T[keep.T], return_index=True, return_counts=True)
+            experts, first, counts = np.unique(wanted.T.ravel() if keep is None else wanted.T[keep.T],
+                                               return_index=True, return_counts=True)
             chosen = experts[np.lexsort((first, -counts))][:budget]
         else:
-            chosen = wanted[0][keep[0]]
-        self.stats.stall_s += cache.prefetch_routed(layer + 1, np.ascontiguousarray(chosen), self.token_base)
+            chosen = wanted[0] if keep is None else wanted[0][keep[0]]
+        chosen = chosen[cache.slot_of[layer + 1, chosen] < 0]  # most predictions are resident: nothing to start
+        if chosen.size:
+            self.stats.stall_s += cache.prefetch_routed(layer + 1, chosen, self.token_base)
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed MoE input) of MoE layer `layer` -> routed experts' combined output

@@ -86,12 +86,18 @@ def wants_upgrade(p, layer, rank, w):
 
 
 @compiled
+def fetches_miss(p, layer, rank, w):
+    """Whether the policy fetches in full the expert ranked `rank`, of gate weight w, at `layer` when it misses
+    (fetch-all and the cache-conditional policy may fetch any): a prefetch that only reads these reads nothing
+    the policy would substitute."""
+    return p[KIND] != SUBSTITUTING or _should_fetch(p, layer, rank, w)
+
+
+@compiled
 def would_fetch(p, layer, weights, out):
-    """out[j]: whether the policy fetches in full the expert ranked j, with gate weight weights[j], at `layer`
-    when it misses (fetch-all and the cache-conditional policy may fetch any): a prefetch that only reads these
-    reads nothing the policy would substitute."""
+    """out[j] = fetches_miss for each rank j of gate weights [k]."""
     for j in range(weights.shape[0]):
-        out[j] = p[KIND] != SUBSTITUTING or _should_fetch(p, layer, j, weights[j])
+        out[j] = fetches_miss(p, layer, j, weights[j])
 
 
 @compiled
