@@ -303,8 +303,7 @@ def prefetch_predicted(st, p, layer, row, norm, budget, fetched, clock, ids, w, 
     router without bias), in one call: route the row (ids [k], w [k] <- its top-k in rank order and their
     gate weights, as route_row), then start transfers of the first `budget` that are not mapped and, with
     `fetched`, that the policy p would fetch were they misses. Returns the transfers started, or -1 when
-    the cache has no slot to give. vals, comp, block_max: route_row's working arrays; chosen [k] bool.
-    (Scratch's fields are passed one by one: each array of a tuple argument costs its unboxing per call.)"""
+    the cache has no slot to give. vals, comp, block_max: route_row's working arrays; chosen [k] bool."""
     route_row(row, None, norm, ids, vals, w, comp, block_max)
     st.misc[N_LOG] = 0
     for j in range(budget):  # chosen before any load: one may evict another predicted expert, not refetched now
