@@ -9,7 +9,7 @@ from expertcache.engine.cache import CacheConfig
 from expertcache.engine.perplexity import EVAL_TEXT
 from expertcache.lab.calibrate import CALIB_TEXT
 from expertcache.lab.costmodel import DATASHEET
-from expertcache.lab.tune import BETAS, EVICTIONS, RULES, TuneConfig, search_space, tune
+from expertcache.lab.tune import BETAS, EVICTIONS, RULES, TuneConfig, search_space, tune, tune_ids
 from expertcache.policies import make_policy
 
 SMALL = ("fetch-all", "threshold:tau=0.05,eviction=demand", "threshold:tau=0.15,beta=0.5,eviction=freq",
@@ -34,8 +34,8 @@ def test_eviction_in_a_spec_must_be_known():
 def result():
     cfg = TuneConfig(budget_pct=3.0, cache=CacheConfig(fraction=0.25), calib_tokens=1024, tokens=1024, context=256,
                      candidates=SMALL, presets=("quality-first",), finalists=8, bootstrap=500)
-    return tune(None, CALIB_TEXT.read_text(encoding="utf-8"), EVAL_TEXT.read_text(encoding="utf-8"),
-                DATASHEET["rtx3090-qwen3-next"], cfg)
+    ids = tune_ids(None, CALIB_TEXT.read_text(encoding="utf-8"), EVAL_TEXT.read_text(encoding="utf-8"), cfg)
+    return tune(None, ids, DATASHEET["rtx3090-qwen3-next"], cfg)
 
 
 def test_finalists_are_the_frontier_and_the_winner_the_fastest_within_budget(result):

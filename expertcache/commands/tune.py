@@ -61,7 +61,7 @@ def run(a) -> int:
     cfg = TuneConfig(budget_pct=a.budget, cache=CacheConfig(fraction=a.cache, bytes=a.cache_bytes),
                      calib_tokens=a.calib_tokens, tokens=a.tokens, context=a.context, mode=a.mode,
                      finalists=a.finalists, per_layer=a.per_layer, lowbit=a.lowbit)
-    tune_ids(a.model, calib_text, eval_text, cfg)  # texts too short fail here, before any measuring
+    ids = tune_ids(a.model, calib_text, eval_text, cfg)  # texts too short fail here, before any measuring
     if a.profile:
         profile, how = load_profile(a.profile), f"profile {a.profile}"
     else:
@@ -75,7 +75,7 @@ def run(a) -> int:
     def progress(label, n):
         bar.set_description(label.split(":")[0] if label != "replay" else "replay")
         bar.update(n)
-    res = tune(a.model, calib_text, eval_text, profile, cfg, progress)
+    res = tune(a.model, ids, profile, cfg, progress)
     bar.close()
     print(f"time estimates: {how}; replay in {a.mode} order on {res.config['calib_tokens_used']} tokens of "
           f"{a.calib_text.name}; {len(res.candidates)} candidates, {len(res.finalists) - 1} finalists scored "

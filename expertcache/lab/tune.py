@@ -207,10 +207,11 @@ def tune_ids(model: Path | None, calib_text: str, eval_text: str, cfg: TuneConfi
     return calib, held
 
 
-def tune(model: Path | None, calib_text: str, eval_text: str, profile: HardwareProfile, cfg: TuneConfig,
+def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: HardwareProfile, cfg: TuneConfig,
          progress: Callable[[str, int], None] | None = None) -> TuneResult:
-    """Search the policy space for the fastest policy within `cfg.budget_pct` (see the module's steps)."""
-    calib, held = tune_ids(model, calib_text, eval_text, cfg)
+    """Search the policy space for the fastest policy within `cfg.budget_pct` (see the module's steps); ids: the
+    calibration and held-out tokens, as `tune_ids` gives them."""
+    calib, held = ids
     engine = Engine(model, EngineConfig(store="ram", cache=cfg.cache, initial="auto"))
     note = (lambda label, n=0: progress(label, n)) if progress else None
     try:
