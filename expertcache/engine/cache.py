@@ -160,7 +160,7 @@ class ExpertCache:
         sc = self.scratch
         kernel.prefetch_predicted(self._new_state(), MissPolicy().params(), 0, np.zeros(E, np.float32), True, 0, False, 0,
                                   np.empty(k, np.int64), np.empty(k, np.float32), sc.order_v, sc.comp, sc.block_max,
-                                  sc.keep)
+                                  sc.fetch)
         for logits in (True, False):
             kernel.decide_layer(self._new_state(), MissPolicy().params(), np.zeros((L, E)), self.scratch, 0,
                                 np.zeros((1, E), np.float32), np.zeros((1, E), np.float32), logits, ids,
@@ -265,7 +265,7 @@ class ExpertCache:
         ids, w = np.empty(self.top_k, np.int64), np.empty(self.top_k, np.float32)
         sc = self.scratch
         started = kernel.prefetch_predicted(self.state, policy, layer, row, norm, budget, fetched, clock, ids, w,
-                                            sc.order_v, sc.comp, sc.block_max, sc.keep)
+                                            sc.order_v, sc.comp, sc.block_max, sc.fetch)
         if started < 0:
             self._abandon(self._take_log())
             raise self.too_small(layer)

@@ -301,21 +301,16 @@ def prefetch(st, layer, ids, clock):
 def prefetch_predicted(st, p, layer, row, norm, budget, fetched, clock, ids, w, vals, comp, block_max, chosen):
     """A decode token's prefetch straight from its predicted router logits row [E] for `layer` (a softmax
     router without bias), in one call: route the row (ids [k], w [k] <- its top-k in rank order and their
-    gate weights, as route_row), then start transfers of the first `budget` that are not mapped and, with
-    `fetched`, that the policy p would fetch were they misses. Returns the transfers started, or -1 when
-    the cache has no slot to give. vals, comp, block_max: route_row's working arrays; chosen [k] bool."""
+    gate weights, as route_row), then `prefetch` the first `budget` that are not mapped and, with `fetched`,
+    that the policy p would fetch were they misses. Returns the transfers started, or -1 when the cache has
+    no slot to give. vals, comp, block_max: route_row's working arrays; chosen [k] int64 scratch."""
     route_row(row, None, norm, ids, vals, w, comp, block_max)
-    st.misc[N_LOG] = 0
-    for j in range(budget):  # chosen before any load: one may evict another predicted expert, not refetched now
-        chosen[j] = st.slot_of[layer, ids[j]] < 0 and not (fetched and not fetches_miss(p, layer, j, w[j]))
     n = 0
-    for j in range(budget):
-        if chosen[j]:
-            if load(st, layer, ids[j], PREFETCH, 0, clock) < 0:
-                return -1
-            st.counts[PREFETCHES] += 1
+    for j in range(budget):  # chosen before any load: one may evict another predicted expert, not refetched now
+        if st.slot_of[layer, ids[j]] < 0 and not (fetched and not fetches_miss(p, layer, j, w[j])):
+            chosen[n] = ids[j]
             n += 1
-    return n
+    return n if prefetch(st, layer, chosen[:n], clock) else -1
 
 
 @compiled
