@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 import uuid
+from itertools import accumulate
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -264,11 +265,9 @@ class Server:
                                 "finish_reason": finish, "logprobs": logprobs})
             else:
                 choices.append({"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs})
-        completion = sum(r.completion_tokens for r, _ in submitted)
-        prompt_tokens = sum(len(p) for p in prompts)  # a prompt counts once, whatever n
-        return JSONResponse({**self._envelope(rid, chat, False), "choices": choices,
-                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                                       "total_tokens": prompt_tokens + completion}})
+        usage = self._usage(sum(len(p) for p in prompts),  # a prompt counts once, whatever n
+                            sum(r.completion_tokens for r, _ in submitted))
+        return JSONResponse({**self._envelope(rid, chat, False), "choices": choices, "usage": usage})
 
     def _envelope(self, rid: str, chat: bool, stream: bool) -> dict:
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
@@ -279,9 +278,9 @@ class Server:
         return APIError(500, f"generation failed: {e}", None, type(e).__name__, "server_error")
 
     @staticmethod
-    def _usage(request: Request) -> dict:
-        n = request.completion_tokens
-        return {"prompt_tokens": len(request.prompt), "completion_tokens": n, "total_tokens": len(request.prompt) + n}
+    def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
 
     def _token(self, token: int) -> str:
         return self.engine.decode([token])
@@ -302,7 +301,7 @@ class Server:
             return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]}
                                 for i in items], "refusal": None}
         tokens = [self._token(i.token) for i in items]
-        offsets = [offset + sum(map(len, tokens[:j])) for j in range(len(tokens))]
+        offsets = list(accumulate(map(len, tokens), initial=offset))[:-1]  # each token's start in the text
         return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],  # None: a prompt's first token
                 "top_logprobs": [None if i.logprob is None else {self._token(t): lp for t, lp in i.top} for i in items],
                 "text_offset": offsets}
@@ -335,7 +334,8 @@ class Server:
                 held, sent = [], sent + len(item.text)
                 yield f"data: {json.dumps({**self._envelope(rid, chat, True), 'choices': [choice], **usage})}\n\n"
             if include_usage:
-                last = {**self._envelope(rid, chat, True), "choices": [], "usage": self._usage(request)}
+                last = {**self._envelope(rid, chat, True), "choices": [],
+                        "usage": self._usage(len(request.prompt), request.completion_tokens)}
                 yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # a client that went away ends its generation at the worker's next step
