@@ -128,7 +128,7 @@ def _int_dot_pair(blob, row, r1, r2, lanes, sums, scales, mins):
     y1 = np.float32(0.0)
     y2 = np.float32(0.0)
     # slices per group keep every index provably in range, which lets LLVM vectorise the loops; the
-    # default group of 32 codes gets loops of a constant trip count, one vector each (int4 75 -> 67 us)
+    # default group of 32 codes gets loops of a constant trip count, one vector each (int4 75 -> 63 us)
     n = g // 2 if four else g
     h = groups * g // 2
     for gi in range(groups):
