@@ -15,6 +15,7 @@ from expertcache import cli
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.checkpoint import ROUTING_COUNTS, open_checkpoint
 from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.engine.quant import ExpertFormat
 from expertcache.engine.stores import DiskStore, RamStore, convert_to_disk
 from expertcache.engine.uring import RingReads
 from expertcache.errors import FetchError, NonFiniteOutput
@@ -223,6 +224,26 @@ def test_io_uring_reads_equal_worker_reads(tmp_path, policy):
         engine.close()
     assert torch.equal(logits[0], logits[1])
     assert modes == ["o_direct+io_uring", "o_direct"]
+
+
+@needs_ring
+def test_io_uring_staging_buffers_are_bounded(tmp_path):
+    """int4 slots take their blobs through staging buffers: a window whose misses outnumber them waits for
+    buffers to come free, so there are never more than io_workers + 1 (what the memory budget counts), and
+    the logits are those of reads on worker threads."""
+    ids = torch.arange(40, 104)
+    logits = []
+    for io in ("uring", "threads"):
+        engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, initial="cold", slot_dtype="int4",
+                                           store_format=ExpertFormat.parse("int4"),
+                                           cache=CacheConfig(fraction=0.25, io=io, io_workers=2)))
+        logits.append(engine.forward(ids, 0))
+        assert engine.stats.sync_fetches > 6 * 3  # more than three misses a layer
+        if io == "uring":
+            assert engine.cache.transfers.staged == {engine.store.expert_bytes: 3}
+            assert engine.budget()["buffer_bytes"] == 3 * engine.store.expert_bytes
+        engine.close()
+    assert torch.equal(logits[0], logits[1])
 
 
 @needs_ring

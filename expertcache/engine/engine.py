@@ -26,7 +26,7 @@ from .moe import MoELayerRunner, PrefetchConfig
 from .predictors import make_predictor
 from .quant import FLOAT_DTYPES, SMALL_FORMAT, ExpertFormat
 from .stats import RunStats
-from .stores import open_store
+from .stores import ExpertStore, open_store
 from .transformer import Transformer
 from .weights import dense_weights
 
@@ -90,6 +90,8 @@ class Engine:
         vocab_16bit = self.device.type == "cpu"  # the compiled decode path reads them as they are stored
         self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype, vocab_16bit), None, self.device,
                                  config.max_seq)
+        self.small_store: ExpertStore | None = None
+        self._open_small(self.policy)  # before the budget, which counts its read buffers
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
         if config.memory_budget is not None:
             cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget, cache_cfg, dtype))
@@ -111,7 +113,7 @@ class Engine:
         weights, the KV cache at max_seq (it grows to that at most), the transfer buffers and the
         workspace first."""
         fixed = {"dense weights": self.model.dense_bytes, "KV cache": self.model.kv_bytes(self.config.max_seq),
-                 "transfer buffers": self.store.buffer_bytes(cache_cfg.io_workers),
+                 "transfer buffers": self.buffer_bytes(),
                  "workspace": self.workspace_bytes(dtype)}
         left = budget - sum(fixed.values())
         one = slot_bytes(self.store.shape, self.slot_format) * self.store.shape.num_layers * self.args.top_k
@@ -158,16 +160,27 @@ class Engine:
         self.cache.cfg = replace(self.cache.cfg, eviction=eviction or self.config.eviction or self.policy.eviction)
         self.reset()
 
-    def _attach_small(self, policy: MissPolicy) -> None:
+    def _open_small(self, policy: MissPolicy) -> None:
         """Open the slow tier's low-precision copies (a second store, converted once) the first
         time a policy fetches them."""
-        if policy.fetches_small and self.cache.small is None:
-            if self.cache.blobs is not None:
+        if policy.fetches_small and self.small_store is None:
+            if self.slot_format.quantized:
                 raise BadInput(f"policy {policy.name!r} fetches int4 copies into float slots; slots kept as "
                                f"{self.slot_format.dtype} cannot take them: use --slot-dtype auto or another policy")
-            dtype = self.cache.w13.dtype
-            self.cache.attach_small(open_store(self.config.store, self.checkpoint, self.args, None, dtype,
-                                               self.config.small_format, self.config.read_mode, self.config.verify))
+            self.small_store = open_store(self.config.store, self.checkpoint, self.args, None,
+                                          FLOAT_DTYPES[self.slot_format.dtype], self.config.small_format,
+                                          self.config.read_mode, self.config.verify)
+
+    def _attach_small(self, policy: MissPolicy) -> None:
+        """Give the cache the low-precision copies when `policy` fetches them."""
+        self._open_small(policy)
+        if self.small_store is not None and self.cache.small is None:
+            self.cache.attach_small(self.small_store)
+
+    def buffer_bytes(self) -> int:
+        """Fast-tier memory the reads need besides the slots: the stores' staging buffers."""
+        workers = self.config.cache.io_workers
+        return sum(s.buffer_bytes(workers) for s in (self.store, self.small_store) if s is not None)
 
     def _fit(self, policy: MissPolicy) -> MissPolicy:
         """`policy` checked against the model's router and depth, with its gate normalisation."""
@@ -246,7 +259,7 @@ class Engine:
         return {"memory_budget": self.config.memory_budget, "dense_bytes": self.model.dense_bytes,
                 "cache_bytes": self.cache.bytes, "kv_bytes": kv,
                 "kv_bytes_max": self.model.kv_bytes(self.model.max_seq),
-                "buffer_bytes": self.store.buffer_bytes(self.cache.cfg.io_workers),
+                "buffer_bytes": self.buffer_bytes(),
                 "workspace_bytes": self.workspace_bytes(self.cache.w13.dtype if self.cache.w13 is not None
                                                         else torch.float32),
                 "slots_per_layer": self.cache.per_layer, "slot_dtype": self.slot_format.tag,

@@ -82,6 +82,9 @@ class TransferEngine:
         self.ring, self.reads = self._ring(io), {}  # ticket -> (transfer, its store, its staging buffer or None)
         self.iovecs = [RingReads.iovec(t) for t in self.direct] if self.ring is not None and self.direct else None
         self.staging: dict[int, list[tuple[np.ndarray, object]]] = {}  # blob bytes -> free (buffer, iovec) pairs
+        self.staged: dict[int, int] = {}  # blob bytes -> staging buffers made, at most `workers + 1` each: the
+        # bound `ExpertStore.buffer_bytes` reports (a window's misses would otherwise grow the pool to a layer's slots)
+        self.staging_cap = workers + 1
         self.tickets = 0
         self.stream = torch.cuda.Stream(device=w13.device) if self.cuda else None
         self.queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
@@ -132,8 +135,7 @@ class TransferEngine:
             self.tickets += 1
             stage = None
             if store is self.small or self.iovecs is None:  # lands in a staging buffer, taken from it when reaped
-                free = self.staging.setdefault(store.blob, [])
-                stage = free.pop() if free else self._staging_buffer(store.blob)
+                stage = self._stage(store.blob)
             t.ring, self.reads[self.tickets] = self, (t, store, stage)
             self.ring.read(store.fd, self.iovecs[slot] if stage is None else stage[1], store.offset(layer, expert),
                            self.tickets, background=kind == "prefetch")
@@ -152,8 +154,15 @@ class TransferEngine:
         (through io_uring every read is handed to the kernel at once)."""
         return self.ring is None
 
-    @staticmethod
-    def _staging_buffer(nbytes: int) -> tuple[np.ndarray, object]:
+    def _stage(self, nbytes: int) -> tuple[np.ndarray, object]:
+        """A free staging buffer of `nbytes` (and its iovec): a new one while fewer than `staging_cap` exist,
+        else the next to come free as the reads in flight complete."""
+        free = self.staging.setdefault(nbytes, [])
+        while not free and self.staged.get(nbytes, 0) >= self.staging_cap:
+            self.reap(block=True)
+        if free:
+            return free.pop()
+        self.staged[nbytes] = self.staged.get(nbytes, 0) + 1
         buf = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)  # page-aligned, as O_DIRECT needs
         return buf, RingReads.iovec([buf])
 
