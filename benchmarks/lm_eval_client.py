@@ -3,7 +3,7 @@
 log-probabilities the engine's own forward pass gives, and generate_until must answer.
 
     pip install "lm-eval[api]"   # not a dependency of expertcache
-    python benchmarks/lm_eval_client.py [--port 8791] [--store ram]
+    python benchmarks/lm_eval_client.py [--port 8791] [--store ram] [--json out.json]
 
 What the harness would run from the command line (its tasks download their datasets):
     lm_eval --model local-completions --model_args model=expertcache-builtin,base_url=http://127.0.0.1:8000/v1/completions,tokenizer_backend=huggingface,tokenizer=expertcache/data/model --tasks ...
@@ -11,10 +11,12 @@ What the harness would run from the command line (its tasks download their datas
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import torch
 
@@ -42,6 +44,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=8791)
     p.add_argument("--store", default="ram")
+    p.add_argument("--json", type=Path, help="write every pair's scores and the generated answer here")
     a = p.parse_args()
     try:
         from lm_eval.api.instance import Instance
@@ -67,16 +70,20 @@ def main() -> None:
         pairs = [*PAIRS, ("ROMEO.\n", greedy_text)]  # one the harness must find greedy
         got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
         print("| continuation | harness logprob | engine logprob | greedy (harness / engine) |\n|---|---:|---:|---|")
-        worst = 0.0
+        worst, rows = 0.0, []
         for (context, continuation), (lp, greedy) in zip(pairs, got):
             want, want_greedy = engine_loglikelihood(engine, context, continuation)
             worst = max(worst, abs(lp - want))
+            rows.append({"context": context, "continuation": continuation, "harness_logprob": lp,
+                         "engine_logprob": want, "harness_greedy": bool(greedy), "engine_greedy": want_greedy})
             print(f"| `{continuation}` | {lp:.4f} | {want:.4f} | {greedy} / {want_greedy} |")
             if abs(lp - want) > 1e-3 or greedy != want_greedy:
                 raise SystemExit(f"the harness scored {continuation!r} {lp:.4f}, the engine {want:.4f}")
         text = lm.generate_until([Instance("generate_until", {}, ("ROMEO.\n", {"until": ["\n\n"], "max_gen_toks": 24}),
                                            0)])[0]
         print(f"\nlargest difference {worst:.1e}; generate_until answered {text!r}")
+        if a.json:
+            a.json.write_text(json.dumps({"pairs": rows, "largest_difference": worst, "generate_until": text}, indent=1))
     finally:
         server.terminate()
         server.wait()
