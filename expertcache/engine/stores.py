@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -143,22 +144,37 @@ class RamStore(ExpertStore):
     inline = True
 
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32, fmt: ExpertFormat | None = None):
-        layers = list(all_layer_experts(ckpt, args))
         if dtype is None:
-            dtype = layers[0].w13.dtype if fmt is None else FLOAT_DTYPES.get(fmt.dtype, torch.float32)
+            dtype = layer_experts(ckpt, args, 0).w13.dtype if fmt is None else FLOAT_DTYPES.get(fmt.dtype, torch.float32)
         super().__init__(ExpertShape.of(args), dtype)
         self.format = fmt
-        self._ckpt, self._args = ckpt, args  # for the encoded blobs, made on first use
+        self._ckpt, self._args = ckpt, args  # for the float parts and the encoded blobs, each made on first use
         self._blobs: torch.Tensor | None = None
 
-        def stack(part):  # [L, E, ...] in the compute dtype, each expert as the format stores it
+    @functools.cached_property
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """(w13 [L, E, 2F, H], w2 [L, E, H, F], and with biases b13 [L, E, 2F], b2 [L, E, H]) in the
+        compute dtype, each expert as the format stores it. Made on first use: quantized slots never
+        need them (they copy the encoded blobs), and for a large model they are the largest thing held."""
+        layers, fmt = list(all_layer_experts(self._ckpt, self._args)), self.format
+
+        def stack(part):
             if fmt is None:
-                return torch.stack([part(x).to(dtype) for x in layers])
-            return torch.stack([torch.stack([roundtrip(w, fmt) for w in part(x)]).to(dtype) for x in layers])
-        self.w13 = stack(lambda x: x.w13)  # [L, E, 2F, H]
-        self.w2 = stack(lambda x: x.w2)  # [L, E, H, F]
-        self.b13 = stack(lambda x: x.b13) if self.shape.bias else None  # [L, E, 2F]
-        self.b2 = stack(lambda x: x.b2) if self.shape.bias else None  # [L, E, H]
+                return self._hold(torch.stack([part(x).to(self.dtype) for x in layers]))
+            return self._hold(torch.stack([torch.stack([roundtrip(w, fmt) for w in part(x)]).to(self.dtype)
+                                           for x in layers]))
+        out = (stack(lambda x: x.w13), stack(lambda x: x.w2))
+        return out + (stack(lambda x: x.b13), stack(lambda x: x.b2)) if self.shape.bias else out
+
+    @staticmethod
+    def _hold(t: torch.Tensor) -> torch.Tensor:
+        """How the store keeps a stacked part (PinnedStore: page-locked)."""
+        return t
+
+    w13 = property(lambda self: self.parts[0])
+    w2 = property(lambda self: self.parts[1])
+    b13 = property(lambda self: self.parts[2] if self.shape.bias else None)
+    b2 = property(lambda self: self.parts[3] if self.shape.bias else None)
 
     @property
     def expert_bytes(self) -> int:
@@ -171,8 +187,7 @@ class RamStore(ExpertStore):
         return self.format or ExpertFormat.of_dtype(self.dtype)
 
     def _sources(self, layer: int, expert: int) -> list[torch.Tensor]:
-        out = [self.w13[layer, expert], self.w2[layer, expert]]
-        return out + [self.b13[layer, expert], self.b2[layer, expert]] if self.shape.bias else out
+        return [p[layer, expert] for p in self.parts]
 
     def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
         """Copy expert (layer, expert) from host memory into w13 [2F, H], w2 [H, F] (and b13 [2F],
@@ -206,9 +221,11 @@ class PinnedStore(RamStore):
         if not torch.cuda.is_available():
             raise UnknownName("store 'pinned' needs a CUDA device; use --store ram or --store disk on this machine")
         super().__init__(ckpt, args, dtype)
-        self.w13, self.w2 = self.w13.pin_memory(), self.w2.pin_memory()
-        if self.shape.bias:
-            self.b13, self.b2 = self.b13.pin_memory(), self.b2.pin_memory()
+        self.parts  # noqa: B018 -- page-locked at load, not at the first fetch
+
+    @staticmethod
+    def _hold(t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory()
 
     def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
         """Issue non_blocking copies of expert (layer, expert) from page-locked memory into the
