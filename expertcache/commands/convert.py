@@ -26,7 +26,7 @@ def run(a) -> int:
     ckpt = open_checkpoint(a.model or BUILTIN_MODEL)
     args = model_args(ckpt.config)
     fmt = format_from_args(a, a.dtype)
-    out = convert_to_disk(ckpt, args, a.out or format_store_dir(ckpt, fmt), fmt=fmt)
+    out = convert_to_disk(ckpt, args, a.out or format_store_dir(ckpt, fmt), fmt=fmt, progress=True)
     size = (out / "experts.bin").stat().st_size
     per = size // (args.num_moe_layers * args.num_experts)
     print(f"wrote {args.num_moe_layers} x {args.num_experts} experts ({fmt.tag if fmt else 'checkpoint dtype'}, "

@@ -257,18 +257,21 @@ def format_store_dir(ckpt: Checkpoint, fmt: ExpertFormat | None) -> Path:
 
 
 def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: torch.dtype | None = None,
-                    fmt: ExpertFormat | None = None) -> Path:
+                    fmt: ExpertFormat | None = None, progress: bool | None = None) -> Path:
     """Write experts.bin (aligned blobs in (layer, expert) order) and experts.json (shapes, the
     format and a CRC32C per encoded blob); returns out_dir. The experts are stored in `fmt`, else
     as `dtype`, else in the checkpoint's dtype; a checkpoint already in `fmt` (GPT-OSS's MXFP4) is
-    written as it is, not requantised."""
+    written as it is, not requantised. `progress`: a bar of layers on stderr (None: where stderr is a
+    terminal, as a model's first run converts it)."""
+    from tqdm import tqdm
     shape = ExpertShape.of(args)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
     tmp = out_dir / "experts.bin.partial"
     checksums = []
     fmt = fmt or (ExpertFormat.of_dtype(dtype) if dtype is not None else None)
-    with open(tmp, "wb") as f:
+    with open(tmp, "wb") as f, tqdm(total=args.num_moe_layers, unit="layer", desc=f"convert to {out_dir.name}",
+                                    file=sys.stderr, disable=None if progress is None else not progress) as bar:
         for layer in range(args.num_moe_layers):
             # w13, w2 (and b13, b2): the blob's order; as stored when the checkpoint is in `fmt` already
             parts = stored_layer_parts(ckpt, args, layer, fmt and fmt.dtype)
@@ -282,6 +285,7 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
                 data = encode(expert, shape.parts, fmt, blob)
                 checksums.append(crc32c.crc32c(data))  # of the stored bytes: the same check for every format
                 f.write(data)
+            bar.update()
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out_dir / "experts.bin")
