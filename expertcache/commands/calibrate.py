@@ -1,14 +1,12 @@
 """expertcache calibrate: routing counts and default vectors on calibration text."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-from tqdm import tqdm
 
 from ..engine.engine import BUILTIN_MODEL
 from ..lab.calibrate import CALIB_TEXT, calibrate, encode_text, save_calibration
 from ..lab.texts import read_text
+from ..progress import progress_bar
 from .options import add_model_argument, positive_int
 
 HELP = "compute routing counts (warm cache) and per-expert default vectors on calibration text"
@@ -25,7 +23,7 @@ def run(a) -> int:
     """Run the verb; returns the exit code."""
     path = a.model or BUILTIN_MODEL
     ids = encode_text(path, read_text(a.text), a.max_tokens)
-    with tqdm(total=len(ids), unit="tok", desc="calibrate", file=sys.stderr) as bar:
+    with progress_bar(total=len(ids), unit="tok", desc="calibrate") as bar:
         c = calibrate(path, ids, progress=bar.update)
     save_calibration(c, path, a.text.name)
     print(f"{c.tokens} tokens; {c.never_routed} of {c.counts.numel()} experts never routed (zero default vector); "

@@ -1,12 +1,10 @@
 """expertcache calibrate-hw: measure this machine's hardware profile for the cost model."""
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from tqdm import tqdm
-
+from ..progress import progress_bar
 from .options import add_model_argument, add_store_arguments, format_from_args, positive_int
 
 HELP = "measure fetch, expert and dense times on this machine into a cost-model profile"
@@ -25,7 +23,7 @@ def run(a) -> int:
     """Run the verb; returns the exit code."""
     from ..lab.costmodel import CALIBRATION, measure_profile, runs_for_slots
     runs = len(runs_for_slots(CALIBRATION, a.slot_dtype))
-    with tqdm(total=runs * (a.repeats + 1), unit="run", desc="calibrate-hw", file=sys.stderr) as bar:
+    with progress_bar(total=runs * (a.repeats + 1), unit="run", desc="calibrate-hw") as bar:
         options = {"read_mode": a.read_mode, "io": a.io, "slot_dtype": a.slot_dtype,
                    "store_format": format_from_args(a, a.store_dtype)}
         prof = measure_profile(a.model, a.store, a.mode, a.repeats, device=a.device, store_dir=a.store_dir,

@@ -4,9 +4,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
 from ..engine.perplexity import EVAL_TEXT, perplexity
+from ..progress import progress_bar
 from .options import add_engine_arguments, add_json_argument, engine_from_args, positive_int, write_json
 
 HELP = "teacher-forced perplexity over a text file (default: the built-in evaluation text)"
@@ -30,7 +29,7 @@ def run(a) -> int:
         return 2
     engine = engine_from_args(a)
     ids = engine.encode(text)[: a.max_tokens and a.max_tokens + 1]
-    with tqdm(total=len(ids) - 1, unit="tok", desc="ppl", file=sys.stderr) as bar:
+    with progress_bar(total=len(ids) - 1, unit="tok", desc="ppl") as bar:
         r = perplexity(engine, ids, a.context, progress=bar.update)
     print(f"perplexity {r.ppl:.3f} ± {r.stderr:.3f} over {r.tokens} tokens "
           f"({a.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, {engine.policy})")

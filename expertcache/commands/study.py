@@ -4,12 +4,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
 from ..engine.perplexity import EVAL_TEXT
 from ..lab.report import write_report
 from ..lab.study import StudyConfig, run_study
 from ..lab.texts import text_segments
+from ..progress import progress_bar
 from .options import add_json_argument, add_model_argument, add_text_arguments, fraction, positive_int, write_json
 
 HELP = "emulate every miss policy on a text (exact, ram store) and write the report"
@@ -36,7 +35,7 @@ def run(a) -> int:
         cfg = StudyConfig(**{**cfg.__dict__, "policies": tuple(dict.fromkeys(["fetch-all", *a.policies]))})
     text_segments(a.text or EVAL_TEXT, a.domains or None)  # a bad text fails here, before the progress bar
     last = [None]
-    with tqdm(unit="tok", file=sys.stderr) as bar:
+    with progress_bar(unit="tok") as bar:
         def progress(label, n):
             if label != last[0]:
                 bar.set_description(label)

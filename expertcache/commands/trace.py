@@ -1,16 +1,14 @@
 """expertcache trace: record router logits of a text for the simulator."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-from tqdm import tqdm
 
 from ..engine.engine import BUILTIN_MODEL
 from ..engine.perplexity import EVAL_TEXT
 from ..lab.calibrate import encode_text
 from ..lab.texts import domain_texts
 from ..lab.trace import record_trace
+from ..progress import progress_bar
 from .options import add_model_argument, add_text_arguments, positive_int
 
 HELP = "record every token's router logits at every MoE layer into a trace file"
@@ -35,7 +33,7 @@ def run(a) -> int:
         docs.append([len(ids), len(ids) + len(part), domain])
         ids += part
     ids = ids[:a.max_tokens]
-    with tqdm(total=len(ids), unit="tok", desc="trace", file=sys.stderr) as bar:
+    with progress_bar(total=len(ids), unit="tok", desc="trace") as bar:
         t = record_trace(path, ids, a.out, a.context, a.dtype, docs, bar.update)
     print(f"wrote {t.num_tokens} tokens x {t.header['num_layers']} layers x {t.header['num_experts']} experts "
           f"({a.dtype}) to {a.out}")

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-from tqdm import tqdm
 
 from ..engine.perplexity import EVAL_TEXT
 from ..lab.calibrate import CALIB_TEXT
+from ..progress import progress_bar
 from .options import add_json_argument, add_model_argument, fraction, positive_int, write_json
 
 HELP = "search miss policies for the fastest one within a perplexity budget, validated on held-out text"
@@ -65,18 +63,16 @@ def run(a) -> int:
     if a.profile:
         profile, how = load_profile(a.profile), f"profile {a.profile}"
     else:
-        with tqdm(total=2 * len(QUICK_RUNS), unit="run", desc="quick profile", file=sys.stderr) as bar:
+        with progress_bar(total=2 * len(QUICK_RUNS), unit="run", desc="quick profile") as bar:
             profile = measure_profile(a.model, "disk", a.mode, repeats=1, runs=QUICK_RUNS, reads=20,
                                       ids=calibration_ids(a.model, a.mode, text=calib_text),
                                       progress=lambda label: bar.update())
         how = f"a quick {a.mode} profile measured now on the disk store (pass --profile for a full calibrate-hw one)"
-    bar = tqdm(unit="step", file=sys.stderr)
-
-    def progress(label, n):
-        bar.set_description(label.split(":")[0] if label != "replay" else "replay")
-        bar.update(n)
-    res = tune(a.model, ids, profile, cfg, progress)
-    bar.close()
+    with progress_bar(unit="step") as bar:
+        def progress(label, n):
+            bar.set_description(label.split(":")[0] if label != "replay" else "replay")
+            bar.update(n)
+        res = tune(a.model, ids, profile, cfg, progress)
     print(f"time estimates: {how}; replay in {a.mode} order on {res.config['calib_tokens_used']} tokens of "
           f"{a.calib_text.name}; {len(res.candidates)} candidates, {len(res.finalists) - 1} finalists scored "
           f"exactly; held-out: {res.config['tokens_used']} tokens of {a.text.name}\n")

@@ -8,7 +8,6 @@ import torch
 
 from ..errors import BadInput
 
-
 MAX_LOGPROBS = 20  # alternatives a token, as OpenAI's top_logprobs allows
 
 

@@ -38,6 +38,7 @@ from ..errors import (
 )
 from ..kernel.decode_blob import NO_PART, decode_blob
 from ..models.args import ModelArgs
+from ..progress import progress_bar
 from .checkpoint import Checkpoint
 from .quant import (
     FLOAT_DTYPES,
@@ -263,15 +264,14 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     as `dtype`, else in the checkpoint's dtype; a checkpoint already in `fmt` (GPT-OSS's MXFP4) is
     written as it is, not requantised. `progress`: a bar of layers on stderr (None: where stderr is a
     terminal, as a model's first run converts it)."""
-    from tqdm import tqdm
     shape = ExpertShape.of(args)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
     tmp = out_dir / "experts.bin.partial"
     checksums = []
     fmt = fmt or (ExpertFormat.of_dtype(dtype) if dtype is not None else None)
-    with open(tmp, "wb") as f, tqdm(total=args.num_moe_layers, unit="layer", desc=f"convert to {out_dir.name}",
-                                    file=sys.stderr, disable=None if progress is None else not progress) as bar:
+    with progress_bar(progress, total=args.num_moe_layers, unit="layer", desc=f"convert to {out_dir.name}") as bar, \
+            open(tmp, "wb") as f:
         for layer in range(args.num_moe_layers):
             # w13, w2 (and b13, b2): the blob's order; as stored when the checkpoint is in `fmt` already
             parts = stored_layer_parts(ckpt, args, layer, fmt and fmt.dtype)

@@ -345,10 +345,9 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
     import torch
 
     from ..engine.checkpoint import open_checkpoint
+    from ..engine.engine import BUILTIN_MODEL
     from ..engine.stores import open_store
     from ..models import model_args
-
-    from ..engine.engine import BUILTIN_MODEL
 
     options = options or {}
     runs = runs_for_slots(runs, options.get("slot_dtype", "auto"))

@@ -8,9 +8,9 @@ import asyncio
 import json
 import time
 import uuid
-from itertools import accumulate
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from itertools import accumulate
 from typing import Any
 
 from fastapi import FastAPI
@@ -25,7 +25,6 @@ from ..engine.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from ..errors import CheckpointError
 from .metrics import ServerMetrics
 from .scheduler import Request, Scheduler
-
 
 MAX_CHOICES = 16  # n: choices a prompt
 
