@@ -5,12 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from expertcache.engine.cache import CacheConfig
+from expertcache.engine.cache import CacheConfig, slot_bytes
+from expertcache.engine.checkpoint import open_checkpoint
 from expertcache.engine.engine import Engine, EngineConfig
-from expertcache.engine.quant import SMALL_FORMAT, encoded_bytes
+from expertcache.engine.quant import SMALL_FORMAT, ExpertFormat, encoded_bytes
+from expertcache.engine.stores import ExpertShape
 from expertcache.errors import CheckpointError
 from expertcache.lab.simulator import replay
 from expertcache.lab.trace import MAGIC, read_trace, record_trace
+from expertcache.models import model_args
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +36,27 @@ def test_replay_counts_equal_the_engine(traced, eviction):
     fields = ("hits", "misses", "sync_fetches", "moe_calls", "segments", "expert_runs")
     assert [getattr(s, f) for f in fields] == [getattr(e, f) for f in fields]
     assert e.sync_fetches > 0 and e.segments > 2 * 5  # windows were split by evictions
+
+
+@pytest.mark.parametrize("slots", ["fp32", "fp16", "int4"])
+def test_a_cache_in_bytes_holds_the_engines_slots_in_the_replay(traced, slots):
+    """A cache given in bytes holds as many slots in the replay as in the engine, for the engine's slot
+    format: twice the fp32 slots for fp16, more again for int4 (whose fetches move int4 blobs)."""
+    path, ids, trace, _ = traced
+    fmt = ExpertFormat.parse(slots)
+    a = model_args(open_checkpoint(path).config)
+    cache = CacheConfig(bytes=slot_bytes(ExpertShape.of(a), ExpertFormat.parse("fp32")) * a.num_moe_layers * a.top_k)
+    engine = Engine(path, EngineConfig(cache=cache, initial="cold", slot_dtype=slots,
+                                       store_format=fmt if fmt.quantized else None))
+    x = torch.tensor(ids)
+    for start in range(0, len(ids), 64):
+        engine.forward(x[start:start + 64], 0)
+    sim = replay(trace, "fetch-all", cache, fetch_dtype_bytes={"fp32": 4}.get(slots, 2),
+                 slot_format=engine.slot_format).stats
+    fields = ("hits", "misses", "sync_fetches", "moe_calls", "segments", "expert_runs", "sync_fetch_bytes")
+    assert [getattr(sim, f) for f in fields] == [getattr(engine.stats, f) for f in fields]
+    assert (engine.cache.per_layer == a.top_k) == (slots == "fp32")  # the others hold more in the same bytes
+    engine.close()
 
 
 def test_decode_order_replay(traced):

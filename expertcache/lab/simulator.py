@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from ..engine.cache import CacheConfig, ExpertCache
 from ..engine.quant import SMALL_FORMAT, ExpertFormat, encoded_bytes
@@ -115,11 +114,14 @@ def route_trace(trace: Trace, ranks: int = 32) -> Routes:
 
 def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), eviction: str | None = None,
            counts: np.ndarray | None = None, fetch_dtype_bytes: int = 2, routes: Routes | None = None,
-           window: int | None = None, small_format: ExpertFormat = SMALL_FORMAT) -> Replay:
+           window: int | None = None, small_format: ExpertFormat = SMALL_FORMAT,
+           slot_format: ExpertFormat | None = None) -> Replay:
     """Replay `policy` over the trace in windows of `window` tokens (default: the trace's
     context, as `ppl` runs; 1: decode order); `counts` [L, E] gives a warm start; `routes`
     (route_trace) saves routing the trace again. A fetch moves the expert at `fetch_dtype_bytes`
-    per parameter, one of a low-precision copy its bytes in `small_format` (unaligned)."""
+    per parameter, one of a low-precision copy its bytes in `small_format` (unaligned).
+    `slot_format`: the fast tier's, which sizes a cache given in bytes as the engine does (default:
+    float slots of `fetch_dtype_bytes`); quantized slots fetch their encoded blobs."""
     h = trace.header
     L, E, k = check_trace(trace)
     N = np.shape(trace.logits)[0]
@@ -140,7 +142,9 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
                            f"{E} experts, top-k {k}); pass route_trace(trace) of this trace")
     cfg = CacheConfig(fraction=cache.fraction, bytes=cache.bytes, quota=cache.quota,
                       eviction=eviction or pol.eviction)
-    vc = ExpertCache(cfg, None, k, None, torch.float32, shape=shape, fetch_bytes=numel * fetch_dtype_bytes,
+    slots = slot_format or ExpertFormat.parse("fp16" if fetch_dtype_bytes == 2 else "fp32")
+    fetch_bytes = encoded_bytes(shape.parts, slots) if slots.quantized else numel * fetch_dtype_bytes
+    vc = ExpertCache(cfg, None, k, None, slots, shape=shape, fetch_bytes=fetch_bytes,
                      lowbit_bytes=encoded_bytes(shape.parts, small_format))
     if counts is not None:
         vc.warm(counts)
