@@ -164,6 +164,7 @@ def test_lowbit_candidates_have_their_own_frontier():
             {"spec": "lowbit:tau=0.3", "estimated_ms": 6, "mass_per_call": 0, "inexact_per_call": 4},
             {"spec": "lowbit:tau=0.1", "estimated_ms": 8, "mass_per_call": 0, "inexact_per_call": 1},
             {"spec": "lowbit:tau=0.15", "estimated_ms": 9, "mass_per_call": 0, "inexact_per_call": 2}]
+    rows = [{**r, "slots": "auto", "label": r["spec"]} for r in rows]
     # lowbit's zero substituted mass would hide fetch-all; apart, its frontier is by inexact experts
     assert pick_finalists(rows, 8) == ["first-choice", "fetch-all"]
     assert pick_finalists(rows, 8, 4) == ["first-choice", "fetch-all", "lowbit:tau=0.3", "lowbit:tau=0.1"]
@@ -181,3 +182,21 @@ def test_default_candidates_add_per_layer_taus_and_lowbit(tmp_path):
     assert len(default_candidates(trace, TuneConfig(per_layer=False, lowbit=False))) == len(search_space())
     per_layer = [s for s in specs if "/" in s]
     assert len(per_layer) == 48 and all(len(make_policy(s).taus) == len(h) for s in per_layer)
+
+
+def test_quantized_slots_are_searched_at_equal_bytes_against_the_exact_model():
+    """With --slot-dtypes int4 and a cache in bytes, int4 slots are candidates of their own: more of them in
+    the same bytes (a higher hit rate), their own frontier of finalists, and their perplexity increase taken
+    over the exact model's (fetch-every-miss on float slots), so their quantization error counts."""
+    specs = ("fetch-all", "threshold:tau=0.15,eviction=lru")
+    cfg = TuneConfig(budget_pct=3.0, cache=CacheConfig(bytes=11796480), calib_tokens=600, tokens=600, context=256,
+                     candidates=specs, presets=(), finalists=2, slot_finalists=2, bootstrap=200,
+                     slot_dtypes=("auto", "int4"))
+    ids = tune_ids(None, CALIB_TEXT.read_text(encoding="utf-8"), EVAL_TEXT.read_text(encoding="utf-8"), cfg)
+    res = tune(None, ids, DATASHEET["rtx3090-qwen3-next"], cfg)
+    rows = {r["label"]: r for r in res.candidates}
+    assert set(rows) == {*specs, *(f"{s} @int4" for s in specs)}
+    assert rows["fetch-all @int4"]["hit_rate"] > rows["fetch-all"]["hit_rate"] + 0.2  # 102 slots a layer, not 32
+    assert "fetch-all @int4" in res.finalists and res.finalists["fetch-all"]["pct"] == 0
+    assert res.finalists["fetch-all @int4"]["pct"] != 0  # int4's own error, against the exact model
+    assert res.winner in res.finalists and res.winner in res.validation

@@ -29,9 +29,14 @@ def add_arguments(p):
     p.add_argument("--budget", type=budget, default=1.0, help="allowed perplexity increase, e.g. 1%% (default 1%%)")
     p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
     p.add_argument("--cache-bytes", type=positive_int, default=None, help="cache size in bytes (overrides --cache)")
-    p.add_argument("--profile", default=None,
-                   help="cost model: a calibrate-hw file, rtx3090-qwen3-next or a6000-qwen3-30b (default: a quick "
-                        "profile measured now with the disk store, 6 runs x 1 repetition)")
+    p.add_argument("--profile", nargs="+", default=None,
+                   help="cost model: a calibrate-hw file, rtx3090-qwen3-next or a6000-qwen3-30b, one per slot format "
+                        "in the order auto, then --slot-dtypes (default: a quick profile of each measured now with "
+                        "the disk store, 8 runs x 1 repetition)")
+    p.add_argument("--slot-dtypes", nargs="+", default=[], choices=["int8", "int4"],
+                   help="also search fast tiers of these quantized slots (their `convert --dtype` store emulated); "
+                        "with --cache-bytes they hold more experts in the same bytes, and their quantization error "
+                        "counts against the budget")
     p.add_argument("--mode", default="decode", choices=["decode", "forced"],
                    help="what the time estimate is for: decode (default) or teacher-forced windows")
     p.add_argument("--text", type=Path, default=EVAL_TEXT, help="held-out text the winner is validated on")
@@ -51,23 +56,37 @@ def add_arguments(p):
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     from ..engine.cache import CacheConfig
-    from ..lab.costmodel import calibration_ids, load_profile, measure_profile
+    from ..engine.quant import ExpertFormat
+    from ..errors import BadInput
+    from ..lab.costmodel import calibration_ids, load_profile, measure_profile, runs_for_slots
     from ..lab.texts import read_text
     from ..lab.tune import QUICK_RUNS, TuneConfig, tune, tune_ids
 
     calib_text, eval_text = read_text(a.calib_text), read_text(a.text)
     cfg = TuneConfig(budget_pct=a.budget, cache=CacheConfig(fraction=a.cache, bytes=a.cache_bytes),
                      calib_tokens=a.calib_tokens, tokens=a.tokens, context=a.context, mode=a.mode,
-                     finalists=a.finalists, per_layer=a.per_layer, lowbit=a.lowbit)
+                     finalists=a.finalists, per_layer=a.per_layer, lowbit=a.lowbit,
+                     slot_dtypes=("auto", *dict.fromkeys(a.slot_dtypes)))
+    slots = cfg.slot_dtypes
+    if a.profile and len(a.profile) != len(slots):
+        raise BadInput(f"{len(a.profile)} --profile files for {len(slots)} slot formats ({', '.join(slots)}); "
+                       "give one per format, in that order")
     ids = tune_ids(a.model, calib_text, eval_text, cfg)  # texts too short fail here, before any measuring
     if a.profile:
-        profile, how = load_profile(a.profile), f"profile {a.profile}"
+        profile = {s: load_profile(f) for s, f in zip(slots, a.profile)}
+        how = f"profile {', '.join(a.profile)}"
     else:
-        with progress_bar(total=2 * len(QUICK_RUNS), unit="run", desc="quick profile") as bar:
-            profile = measure_profile(a.model, "disk", a.mode, repeats=1, runs=QUICK_RUNS, reads=20,
-                                      ids=calibration_ids(a.model, a.mode, text=calib_text),
-                                      progress=lambda label: bar.update())
-        how = f"a quick {a.mode} profile measured now on the disk store (pass --profile for a full calibrate-hw one)"
+        runs = {s: runs_for_slots(QUICK_RUNS, s) for s in slots}
+        profile = {}
+        with progress_bar(total=sum(2 * len(r) for r in runs.values()), unit="run", desc="quick profile") as bar:
+            for s in slots:
+                fmt = ExpertFormat.parse(s) if s != "auto" else None
+                profile[s] = measure_profile(a.model, "disk", a.mode, repeats=1, runs=runs[s], reads=20,
+                                             ids=calibration_ids(a.model, a.mode, text=calib_text),
+                                             progress=lambda label: bar.update(),
+                                             options={"slot_dtype": s, "store_format": fmt})
+        how = (f"a quick {a.mode} profile per slot format measured now on the disk store (pass --profile for full "
+               "calibrate-hw ones)")
     with progress_bar(unit="step") as bar:
         def progress(label, n):
             bar.set_description(label.split(":")[0] if label != "replay" else "replay")
@@ -77,7 +96,7 @@ def run(a) -> int:
           f"{a.calib_text.name}; {len(res.candidates)} candidates, {len(res.finalists) - 1} finalists scored "
           f"exactly; held-out: {res.config['tokens_used']} tokens of {a.text.name}\n")
     print("| finalist | est. ms/token | est. speed-up | calibration ppl increase | 95% CI |\n|---|---:|---:|---:|---|")
-    est = {r["spec"]: r["estimated_ms"] for r in res.candidates}
+    est = {r["label"]: r["estimated_ms"] for r in res.candidates}
     for spec, f in sorted(res.finalists.items(), key=lambda kv: est[kv[0]]):
         mark = " **winner**" if spec == res.winner else ""
         print(f"| `{spec}`{mark} | {est[spec]:.2f} | {res.baseline_ms / est[spec]:.2f}x | {f['pct']:+.2f}% | "
@@ -94,7 +113,10 @@ def run(a) -> int:
               "(raise --budget or the cache size)")
     else:
         v = res.validation[res.winner]
-        print(f"\npolicy: {res.winner}\nestimated speed-up over fetch-every-miss: {v['estimated_speedup']:.2f}x "
+        spec, _, slots = res.winner.partition(" @")
+        if slots:
+            print(f"\nslots: {slots} (run with --slot-dtype {slots} --store-dtype {slots})", end="")
+        print(f"\npolicy: {spec}\nestimated speed-up over fetch-every-miss: {v['estimated_speedup']:.2f}x "
               f"({v['estimated_ms']:.2f} vs {res.baseline_ms:.2f} ms/token)\nvalidated perplexity increase: "
               f"{v['pct']:+.2f}% (95% CI {v['ci'][0]:+.2f} to {v['ci'][1]:+.2f}) on held-out text")
     write_json(a.json, res.to_dict())
@@ -107,7 +129,7 @@ def plot_search(res, path: Path) -> Path:
     """Perplexity increase on calibration text (with its CI) against estimated ms/token, one point per
     finalist, the Pareto frontier drawn and the winner marked."""
     from ..lab.plots import scatter
-    est = {r["spec"]: r["estimated_ms"] for r in res.candidates}
+    est = {r["label"]: r["estimated_ms"] for r in res.candidates}
     points = {s: (est[s], f["pct"]) for s, f in res.finalists.items()}
     errors = {s: (f["pct"] - f["ci"][0], f["ci"][1] - f["pct"]) for s, f in res.finalists.items()}
     short = {s: s.replace("threshold:", "").replace("eviction=", "").replace("beta=", "b=") for s in points}

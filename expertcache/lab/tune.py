@@ -58,6 +58,7 @@ PER_LAYER_BETAS = (0.0, 0.5)
 LOWBIT_RULES = (*(f"lowbit:tau={t:g}" for t in (0.07, 0.1, 0.15, 0.3)),
                 *(f"lowbit:tau={t:g},lo={lo:g}" for t, lo in ((0.15, 0.05), (0.3, 0.05), (0.3, 0.1))),
                 *(f"lowbit:tau={t:g},upgrade=1" for t in (0.15, 0.3)), "lowbit:tau=0.3,lo=0.05,upgrade=1")
+QUANTIZED_SLOTS = ("int8", "int4")  # slot formats that keep encoded blobs (no low-precision copies)
 PRESETS = ("quality-first", "speed-first", "threshold:tau=0.15", "first-choice")  # validated beside the winner
 # The quick profile measured when none is given: enough runs to separate dense, wait, fetch, low-precision
 # fetch, admission and substitution costs (tune's candidates make no predictions).
@@ -120,6 +121,10 @@ class TuneConfig:
     presets: tuple[str, ...] = PRESETS
     bootstrap: int = 2000
     seed: int = 0
+    # fast-tier formats searched besides auto's (the exact reference): quantized slots hold more experts
+    # in the bytes of a `--cache-bytes` cache; their own quantization error counts against the budget
+    slot_dtypes: tuple[str, ...] = ("auto",)
+    slot_finalists: int = 4  # most frontier points of each quantized slot format scored exactly
 
 
 @dataclass
@@ -138,14 +143,25 @@ class TuneResult:
         return self.__dict__.copy()
 
 
+def label(spec: str, slots: str = "auto") -> str:
+    """How a candidate is named in the results: its spec, and the slot format unless it is auto's."""
+    return spec if slots == "auto" else f"{spec} @{slots}"
+
+
 def replay_candidates(trace, specs: list[str], cache: CacheConfig, counts, profile: HardwareProfile,
-                      window: int | None, progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Each spec replayed on `trace` with its estimated ms/token and substituted mass."""
+                      window: int | None, progress: Callable[[str], None] | None = None,
+                      engine: Engine | None = None) -> list[dict]:
+    """Each spec replayed on `trace` with its estimated ms/token and substituted mass; `engine`: the
+    slots (format, and so their number in a cache of bytes) and fetch bytes the replay takes from it."""
     routes = route_trace(trace)
+    slots = engine.config.slot_dtype if engine is not None else "auto"
+    sized = {} if engine is None else {"slot_format": engine.slot_format,
+                                       "fetch_dtype_bytes": engine.store.dtype.itemsize}
     rows = []
     for spec in specs:
-        s = replay(trace, spec, cache, None, counts, routes=routes, window=window).stats
-        rows.append({"spec": spec, "estimated_ms": profile.ms_per_token(s), "mass_per_call": s.mass_per_call,
+        s = replay(trace, spec, cache, None, counts, routes=routes, window=window, **sized).stats
+        rows.append({"spec": spec, "slots": slots, "label": label(spec, slots),
+                     "estimated_ms": profile.ms_per_token(s), "mass_per_call": s.mass_per_call,
                      "fetches_per_token": s.fetches_per_token, "hit_rate": s.hit_rate,
                      "admissions_per_token": s.background_fetches / s.tokens,
                      "lowbit_per_token": s.lowbit_fetches / s.tokens,
@@ -155,42 +171,59 @@ def replay_candidates(trace, specs: list[str], cache: CacheConfig, counts, profi
     return rows
 
 
-def pick_finalists(rows: list[dict], n: int, n_lowbit: int = 0) -> list[str]:
-    """The Pareto frontier of (estimated ms, mass per call), thinned evenly to at most `n` specs;
+def pick_finalists(rows: list[dict], n: int, n_lowbit: int = 0, n_slots: int = 0) -> list[str]:
+    """The labels of the Pareto frontier of (estimated ms, mass per call), thinned evenly to at most `n`;
     lowbit specs apart (their error is in low-precision runs, not substituted mass): the frontier
-    of (estimated ms, inexact experts per call), at most `n_lowbit` of it."""
+    of (estimated ms, inexact experts per call), at most `n_lowbit` of it; each quantized slot
+    format apart too (its error is in every expert), at most `n_slots` of its frontier."""
     def front(key: str, group: list[dict], most: int) -> list[str]:
-        f = pareto_front({r["spec"]: (r["estimated_ms"], r[key]) for r in group}) if group else []
+        f = pareto_front({r["label"]: (r["estimated_ms"], r[key]) for r in group}) if group and most else []
         if len(f) > most:
             f = [f[i] for i in np.unique(np.linspace(0, len(f) - 1, most).round().astype(int))]
         return f
-    lowbit = [r for r in rows if make_policy(r["spec"]).fetches_small]
-    rest = [r for r in rows if not make_policy(r["spec"]).fetches_small]
-    return front("mass_per_call", rest, n) + (front("inexact_per_call", lowbit, n_lowbit) if n_lowbit else [])
+    plain = [r for r in rows if r.get("slots", "auto") == "auto"]
+    lowbit = [r for r in plain if make_policy(r["spec"]).fetches_small]
+    rest = [r for r in plain if not make_policy(r["spec"]).fetches_small]
+    out = front("mass_per_call", rest, n) + front("inexact_per_call", lowbit, n_lowbit)
+    for slots in dict.fromkeys(r["slots"] for r in rows if r.get("slots", "auto") != "auto"):
+        out += front("mass_per_call", [r for r in rows if r["slots"] == slots], n_slots)
+    return out
 
 
-def score(engine: Engine, specs, ids: list[int], context: int, cfg: TuneConfig,
+def score(engines: dict[str, Engine], labels, ids: list[int], context: int, cfg: TuneConfig,
           progress: Callable[[str, int], None] | None = None) -> dict:
-    """Exact perplexity of each spec over `ids` with the increase over fetch-every-miss (paired bootstrap CI)."""
+    """Exact perplexity of each labelled candidate over `ids` (on the engine of its slot format) with the
+    increase over fetch-every-miss on auto's slots, the exact model (paired bootstrap CI)."""
     results = {}
-    for spec in dict.fromkeys([BASELINE, *specs]):
+    for name in dict.fromkeys([BASELINE, *labels]):
+        spec, _, slots = name.partition(" @")
+        engine = engines[slots or "auto"]
         engine.set_policy(spec)
-        results[spec] = perplexity(engine, ids, context,
-                                   progress=(lambda n, s=spec: progress(s, n)) if progress else None)
+        results[name] = perplexity(engine, ids, context,
+                                   progress=(lambda n, s=name: progress(s, n)) if progress else None)
     base = results[BASELINE]
-    return {spec: {"ppl": r.ppl, **paired_increase(base.window_nll, r.window_nll, cfg.bootstrap, cfg.seed)}
-            for spec, r in results.items()}
+    return {name: {"ppl": r.ppl, **paired_increase(base.window_nll, r.window_nll, cfg.bootstrap, cfg.seed)}
+            for name, r in results.items()}
 
 
-def default_candidates(trace, cfg: TuneConfig) -> list[str]:
+def default_candidates(trace, cfg: TuneConfig, slots: str = "auto") -> list[str]:
     """search_space(), with per-layer taus scaled by the trace's router entropy and the lowbit
-    rules where `cfg` asks for them."""
+    rules where `cfg` asks for them (float slots only: quantized ones cannot take small copies)."""
     specs = search_space()
     if cfg.per_layer and trace.header["num_layers"] > 1:
         specs += per_layer_specs(layer_entropy(trace))
-    if cfg.lowbit:
+    if cfg.lowbit and slots not in QUANTIZED_SLOTS:
         specs += search_space(LOWBIT_RULES, (0.0,))
     return specs
+
+
+def slot_engine(model: Path | None, cfg: TuneConfig, slots: str) -> Engine:
+    """The exact `ram` engine of one slot format: quantized slots hold the encoded blobs of a store
+    emulating their format (`convert --dtype` of the same name)."""
+    from ..engine.quant import ExpertFormat
+    fmt = ExpertFormat.parse(slots) if slots in QUANTIZED_SLOTS else None
+    return Engine(model, EngineConfig(store="ram", cache=cfg.cache, initial="auto", slot_dtype=slots,
+                                      store_format=fmt))
 
 
 def tune_ids(model: Path | None, calib_text: str, eval_text: str, cfg: TuneConfig) -> tuple[list[int], list[int]]:
@@ -207,33 +240,48 @@ def tune_ids(model: Path | None, calib_text: str, eval_text: str, cfg: TuneConfi
     return calib, held
 
 
-def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: HardwareProfile, cfg: TuneConfig,
-         progress: Callable[[str, int], None] | None = None) -> TuneResult:
+def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: HardwareProfile | dict[str, HardwareProfile],
+         cfg: TuneConfig, progress: Callable[[str, int], None] | None = None) -> TuneResult:
     """Search the policy space for the fastest policy within `cfg.budget_pct` (see the module's steps); ids: the
-    calibration and held-out tokens, as `tune_ids` gives them."""
+    calibration and held-out tokens, as `tune_ids` gives them; `profile`: the cost model, or one per slot format
+    of `cfg.slot_dtypes`."""
     calib, held = ids
-    engine = Engine(model, EngineConfig(store="ram", cache=cfg.cache, initial="auto"))
+    searched = list(dict.fromkeys(("auto", *cfg.slot_dtypes)))  # auto's slots: the exact reference, always
+    profiles = profile if isinstance(profile, dict) else {s: profile for s in searched}
+    missing = [s for s in searched if s not in profiles]
+    if missing:
+        raise BadInput(f"no cost profile for slots {', '.join(missing)}; give one profile per slot format")
+    engines: dict[str, Engine] = {}
     note = (lambda label, n=0: progress(label, n)) if progress else None
     try:
+        for slots in searched:
+            engines[slots] = slot_engine(model, cfg, slots)
         if note:
             note("trace")
+        rows = []
         with tempfile.TemporaryDirectory() as d:
-            trace = record_trace(engine.path, calib, Path(d) / "calib.ectrace", cfg.context, "float32")
+            trace = record_trace(engines["auto"].path, calib, Path(d) / "calib.ectrace", cfg.context, "float32")
             window = 1 if cfg.mode == "decode" else None
-            specs = list(dict.fromkeys([BASELINE, *(cfg.candidates or default_candidates(trace, cfg)), *cfg.presets]))
-            rows = replay_candidates(trace, specs, cfg.cache, engine.routing_counts, profile, window,
-                                     (lambda s: note("replay", 1)) if note else None)
-        est = {r["spec"]: r["estimated_ms"] for r in rows}
-        finalists = pick_finalists(rows, cfg.finalists, cfg.lowbit_finalists)
-        scored = score(engine, finalists, calib, cfg.context, cfg, progress)
+            for slots in searched:
+                specs = list(dict.fromkeys([BASELINE, *(cfg.candidates or default_candidates(trace, cfg, slots)),
+                                            *(cfg.presets if slots == "auto" else ())]))
+                if slots in QUANTIZED_SLOTS:
+                    specs = [s for s in specs if not make_policy(s).fetches_small]
+                rows += replay_candidates(trace, specs, cfg.cache, engines["auto"].routing_counts, profiles[slots],
+                                          window, (lambda s: note("replay", 1)) if note else None, engines[slots])
+        est = {r["label"]: r["estimated_ms"] for r in rows}
+        finalists = pick_finalists(rows, cfg.finalists, cfg.lowbit_finalists, cfg.slot_finalists)
+        scored = score(engines, finalists, calib, cfg.context, cfg, progress)
         within = [s for s in finalists if scored[s]["pct"] <= cfg.budget_pct]
         winner = min(within, key=lambda s: est[s]) if within else None
-        checked = score(engine, [s for s in [winner, *cfg.presets] if s], held, cfg.context, cfg, progress)
+        checked = score(engines, [s for s in [winner, *cfg.presets] if s], held, cfg.context, cfg, progress)
     finally:
-        engine.close()
+        for engine in engines.values():
+            engine.close()
     base_ms = est[BASELINE]
     validation = {s: {**v, "estimated_ms": est.get(s), "estimated_speedup": base_ms / est[s] if s in est else None,
                       "within_budget": v["pct"] <= cfg.budget_pct} for s, v in checked.items()}
-    config = {**cfg.__dict__, "cache": cfg.cache.__dict__, "candidates": specs,
+    config = {**cfg.__dict__, "cache": cfg.cache.__dict__, "candidates": [r["label"] for r in rows],
               "calib_tokens_used": len(calib) - 1, "tokens_used": len(held) - 1}
-    return TuneResult(config, profile.__dict__, rows, scored, winner, validation, base_ms)
+    profile_out = {s: profiles[s].__dict__ for s in searched} if len(searched) > 1 else profiles["auto"].__dict__
+    return TuneResult(config, profile_out, rows, scored, winner, validation, base_ms)
