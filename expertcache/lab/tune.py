@@ -214,7 +214,22 @@ def default_candidates(trace, cfg: TuneConfig, slots: str = "auto") -> list[str]
         specs += per_layer_specs(layer_entropy(trace))
     if cfg.lowbit and slots not in QUANTIZED_SLOTS:
         specs += search_space(LOWBIT_RULES, (0.0,))
-    return specs
+    return fitting(specs, trace)
+
+
+def fitting(specs: list[str], trace) -> list[str]:
+    """The specs a model of the trace's shape can take: conditional routing's window m within its experts,
+    and no rule whose parameters its top-k rules out (j > top-k)."""
+    h = trace.header
+    k, E = h["top_k"], h["num_experts"]
+    out = []
+    for spec in dict.fromkeys(s.replace("m=16", f"m={min(16, E)}") for s in specs):
+        try:
+            make_policy(spec).fit(k, E, bool(h["norm_topk_prob"]))
+        except BadInput:
+            continue
+        out.append(spec)
+    return out
 
 
 def slot_engine(model: Path | None, cfg: TuneConfig, slots: str) -> Engine:
