@@ -44,7 +44,7 @@ class RingReads:
 
     def read(self, fd: int, iovec, offset: int, ticket: int, background: bool = False) -> None:
         """Queue a read of len(iovec) bytes at `offset` of `fd` into iovec's buffers; `background`: one
-        the caller will not wait for soon (a prefetch)."""
+        the caller will not wait for soon (a prefetch, an admission or an upgrade)."""
         if self.queued == self.entries:
             self.submit()
         sqe = liburing.io_uring_get_sqe(self.ring)
