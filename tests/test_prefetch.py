@@ -95,6 +95,35 @@ def test_fetched_prefetches_only_what_the_policy_would_fetch(calibrated, policy)
     engine.close()
 
 
+@pytest.mark.parametrize("policy", ["fetch-all", "threshold:tau=0.3"])
+def test_exposed_prefetches_are_those_of_calls_without_a_wait(calibrated, policy):
+    """A prefetch read counts as exposed when the call that issues it has no fetch of its own to wait for
+    (nothing hides its cost): per call, the prefetches it started, split by whether its fetch waits grew."""
+    from expertcache.kernel.cache_state import FETCH_WAITS
+    path, _ = calibrated
+    engine = Engine(path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25), policy=policy,
+                                       prefetch=PrefetchConfig("quasi-hidden")))
+    runner, counts, split = engine.runner, engine.cache.state.counts, {True: 0, False: 0}
+    call, predict = runner.__call__, runner._predict_next
+    total = lambda i, name: int(counts[i]) + getattr(engine.stats, name)  # noqa: E731
+
+    def calls(layer, x, router):
+        runner.waits_before = total(FETCH_WAITS, "fetch_waits")
+        return call(layer, x, router)
+
+    def spy(layer, x, ids, gates):
+        before = total(PREFETCHES, "prefetch_fetches")
+        predict(layer, x, ids, gates)
+        split[total(FETCH_WAITS, "fetch_waits") > runner.waits_before] += total(PREFETCHES, "prefetch_fetches") - before
+    runner.__call__, runner._predict_next = calls, spy
+    engine.model.moe = calls
+    decode(engine, torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(7)))
+    s = engine.stats
+    assert s.prefetch_fetches == split[True] + split[False] and s.exposed_prefetches == split[False]
+    assert 0 < s.exposed_prefetches < s.prefetch_fetches  # some calls wait, some do not
+    engine.close()
+
+
 def test_compiled_prefetch_equals_the_general_path(calibrated):
     """A decode token's prediction routed and prefetched in one compiled call (softmax routers without bias) starts
     the transfers the general path (Router.route, then the prefetch kernel) starts: same logits, counts and slots."""

@@ -304,13 +304,16 @@ def test_profiles_are_versioned(tmp_path, capsys):
     from expertcache.lab.costmodel import DATASHEET, PROFILE_VERSION, HardwareProfile
     p = DATASHEET["rtx3090-qwen3-next"]
     old = {k: v for k, v in asdict(p).items() if k not in ("version", "lowbit_fetch_s", "prefetch_s", "prediction_s",
-                                                          "unfitted")}
+                                                          "unfitted", "exposed_prefetch_s")}
     (tmp_path / "v1.json").write_text(json.dumps(old))
     v1 = HardwareProfile.load(tmp_path / "v1.json")
     s = RunStats(tokens=10, moe_calls=480, sync_fetches=100, fetch_waits=50, lowbit_fetches=30, lowbit_bytes=30 * 10**6)
     assert v1.version == 1 and v1.ms_per_token(s) == pytest.approx(p.ms_per_token(s))
-    p.save(tmp_path / "v2.json")
-    assert HardwareProfile.load(tmp_path / "v2.json") == p and p.version == PROFILE_VERSION
+    p.save(tmp_path / "current.json")
+    assert HardwareProfile.load(tmp_path / "current.json") == p and p.version == PROFILE_VERSION
+    (tmp_path / "v2.json").write_text(json.dumps({**{k: v for k, v in asdict(p).items() if k != "exposed_prefetch_s"},
+                                                  "version": 2}))
+    assert HardwareProfile.load(tmp_path / "v2.json").exposed_prefetch_s == 0  # unmeasured
     for name, data, words in (("v9", {**asdict(p), "version": 9}, "version 9"),
                               ("odd", {**asdict(p), "speed": 1}, "unknown fields \\['speed'\\]"),
                               ("junk", "not json", "not a readable hardware profile")):
@@ -340,9 +343,9 @@ def test_fit_profile_recovers_each_term_and_folds_constant_ones_into_dense():
     rng = np.random.default_rng(3)
     layers, k, tokens = 6, 8, 100
     cost = {"fetch_waits": 4e-4, "sync_fetches": 2e-4, "lowbit_fetches": 5e-4, "background_fetches": 3e-4,
-            "prefetch_fetches": 1e-4, "predictions": 6e-5, "substituted_calls": 2e-5}
+            "prefetch_fetches": 1e-4, "exposed_prefetches": 3e-5, "predictions": 6e-5, "substituted_calls": 2e-5}
     runs = []
-    for i in range(12):
+    for i in range(14):
         s = RunStats(tokens=tokens, moe_calls=tokens * layers, expert_runs=tokens * layers * k,
                      **{t: int(rng.integers(0, 3 * tokens)) for t in cost})
         seconds = 2e-3 + sum(c * getattr(s, t) / tokens for t, c in cost.items())
@@ -350,8 +353,8 @@ def test_fit_profile_recovers_each_term_and_folds_constant_ones_into_dense():
     p = fit_profile(runs, SimpleNamespace(expert_bytes=10**6), layers, k, "decode", "test")
     assert p.unfitted == ("expert_runs",) and p.dense_s == pytest.approx(2e-3, rel=1e-6)
     fitted = {"fetch_waits": p.fetch_latency_s, "sync_fetches": p.transfer_s, "lowbit_fetches": p.lowbit_fetch_s,
-              "background_fetches": p.admission_s, "prefetch_fetches": p.prefetch_s, "predictions": p.prediction_s,
-              "substituted_calls": p.decision_s}
+              "background_fetches": p.admission_s, "prefetch_fetches": p.prefetch_s,
+              "exposed_prefetches": p.exposed_prefetch_s, "predictions": p.prediction_s, "substituted_calls": p.decision_s}
     assert fitted == pytest.approx(cost, rel=1e-6)
     for r in runs:
         assert p.ms_per_token(r.stats) == pytest.approx(1000 * r.seconds, rel=1e-6)

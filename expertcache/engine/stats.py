@@ -25,6 +25,7 @@ class RunStats:
     substituted_mass: float = 0.0  # summed gate weight of substituted experts
     background_fetches: int = 0  # admissions and upgrades started off the critical path
     prefetch_fetches: int = 0  # prefetch reads made (dropped ones not counted)
+    exposed_prefetches: int = 0  # of those, issued by a call with no fetch of its own to wait for (nothing hides them)
     prefetch_dropped: int = 0  # prefetches dropped before a worker read them: the layer's routes did not need them
     prefetch_bytes: int = 0
     predictions: int = 0  # (token, layer) next-layer predictions a prefetch predictor made

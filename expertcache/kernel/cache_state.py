@@ -11,11 +11,11 @@ from .eviction import eviction_code
 # Counters, in RunStats' names.
 COUNTERS = ("moe_calls", "routed", "hits", "misses", "sync_fetches", "fetch_waits", "substitutions",
             "substituted_calls", "background_fetches", "prefetch_fetches", "segments", "expert_runs", "lowbit_fetches",
-            "upgrades", "lowbit_uses")
+            "upgrades", "lowbit_uses", "exposed_prefetches")
 MOE_CALLS, ROUTED, HITS, MISSES, SYNC_FETCHES, FETCH_WAITS, SUBSTITUTIONS, SUBSTITUTED_CALLS, BACKGROUND, \
-    PREFETCHES, SEGMENTS, EXPERT_RUNS, LOWBIT_FETCHES, UPGRADES, LOWBIT_USES = range(len(COUNTERS))
-# misc[]: scalars of the state
-EVICTION, SEGMENT, SEGMENT_START, N_PROTECTED, N_LOG, LOGGING, GLOBAL_QUOTA, N_FLYING = range(8)
+    PREFETCHES, SEGMENTS, EXPERT_RUNS, LOWBIT_FETCHES, UPGRADES, LOWBIT_USES, EXPOSED_PREFETCHES = range(len(COUNTERS))
+# misc[]: scalars of the state (CALL_WAITS: the current call waits for fetches of its own)
+EVICTION, SEGMENT, SEGMENT_START, N_PROTECTED, N_LOG, LOGGING, GLOBAL_QUOTA, N_FLYING, CALL_WAITS = range(9)
 
 
 class CacheState(NamedTuple):
@@ -52,7 +52,7 @@ class CacheState(NamedTuple):
         lo = np.zeros(L, np.int64) if quota == "global" else np.arange(L, dtype=np.int64) * per_layer
         hi = np.full(L, S, np.int64) if quota == "global" else lo + per_layer
         group = np.zeros(L, np.int64) if quota == "global" else np.arange(L, dtype=np.int64)
-        misc = np.zeros(8, np.int64)
+        misc = np.zeros(9, np.int64)
         misc[EVICTION] = eviction_code(eviction)
         misc[GLOBAL_QUOTA] = quota == "global"
         return cls(np.full((L, E), -1, np.int64), np.full(S, -1, np.int64), np.zeros(S, bool), np.zeros(S, bool),

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from .cache_state import (
     BACKGROUND,
+    CALL_WAITS,
     EVICTION,
     EXPERT_RUNS,
+    EXPOSED_PREFETCHES,
     FETCH_WAITS,
     HITS,
     LOGGING,
@@ -231,12 +233,12 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ranked
             _protect(st, s)
             cnt[LOWBIT_FETCHES if sc.low[f] else SYNC_FETCHES] += 1
     # the call waits once for its fetches, read in parallel
-    cnt[FETCH_WAITS] += cnt[SYNC_FETCHES] + cnt[LOWBIT_FETCHES] > fetched
-    for a in range(n_admit):
-        e = sc.admit[a]
-        if st.slot_of[layer, e] < 0:
-            if load(st, layer, e, ADMIT, t, clock) < 0:
-                return False
+    waits = cnt[SYNC_FETCHES] + cnt[LOWBIT_FETCHES] > fetched
+    cnt[FETCH_WAITS] += waits
+    st.misc[CALL_WAITS] |= waits
+    for a in range(n_admit):  # optional: where every slot is needed by this token (a cache of top-k
+        e = sc.admit[a]        # slots), the admission is skipped and the expert's account starts again
+        if st.slot_of[layer, e] < 0 and load(st, layer, e, ADMIT, t, clock) >= 0:
             cnt[BACKGROUND] += 1
     seg = st.misc[SEGMENT]  # a load may have flushed
     for c in range(n_exec):
@@ -262,6 +264,7 @@ def begin_call(st):
     st.misc[SEGMENT_START] = 0
     st.misc[N_LOG] = 0
     st.misc[N_FLYING] = 0
+    st.misc[CALL_WAITS] = 0
 
 
 @compiled
@@ -294,6 +297,7 @@ def prefetch(st, layer, ids, clock):
             if load(st, layer, e, PREFETCH, 0, clock) < 0:
                 return False
             st.counts[PREFETCHES] += 1
+            st.counts[EXPOSED_PREFETCHES] += st.misc[CALL_WAITS] == 0  # no wait of the call's own hides its cost
     return True
 
 

@@ -7,13 +7,16 @@ time/token = dense + (expert runs/token) * expert_run
                when not measured)
              + (admissions and prefetches/token) * bytes / bandwidth, unless they overlap compute
              + (admissions/token) * admission + (prefetches/token) * prefetch
+             + (exposed prefetches/token) * exposed_prefetch
                (a lowbit policy's upgrades of small copies are admissions: full copies read in the background)
              + (predictions/token) * prediction + (calls with a substitution/token) * decision
 A call's synchronous fetches are issued together and waited for once: the latency is paid per
 waiting call, the transfer per fetch. An expert run is one expert applied to one batch of
 tokens (its weights read once): k per token and layer in decode, fewer per token when a
 window's tokens share experts. A prediction is a prefetch predictor's forecast of the next
-layer's experts for one token (its own compute). Counts per token are counts per MoE call times
+layer's experts for one token (its own compute). An exposed prefetch is one issued by a call that
+has no fetch of its own to wait for: its submission and landing are not hidden behind a wait (on
+this project's 2-core machine one costs ~2x a prefetch that is). Counts per token are counts per MoE call times
 the profile's layers, so a datasheet profile applies a trace's per-layer rates to the profiled
 model's depth. Every count is one the engine (RunStats) and the replay both keep (the replay
 makes no predictions). Profiles are measured on this machine by `expertcache calibrate-hw`
@@ -30,7 +33,8 @@ import numpy as np
 
 from ..engine.stats import RunStats
 
-PROFILE_VERSION = 2  # 1: no lowbit_fetch_s, prefetch_s, prediction_s, unfitted (they load as unmeasured)
+PROFILE_VERSION = 3  # 1: no lowbit_fetch_s, prefetch_s, prediction_s, unfitted; 2: no exposed_prefetch_s
+# (older versions load with those terms unmeasured)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class HardwareProfile:
     lowbit_fetch_s: float | None = None  # one low-precision fetch (read and decode); None: its bytes / bandwidth
     prefetch_s: float = 0.0  # what a prefetch costs the critical path even when it overlaps
     prediction_s: float = 0.0  # one token's next-layer prediction (the predictor's compute)
+    exposed_prefetch_s: float = 0.0  # a prefetch's cost beyond prefetch_s when no wait of its call hides it
     unfitted: tuple = ()  # terms the calibration runs did not vary (folded into dense or left at 0)
     version: int = PROFILE_VERSION
 
@@ -79,6 +84,7 @@ class HardwareProfile:
                 per_token(s.background_fetches + s.prefetch_fetches) * self.transfer_s,
                 "admissions": per_token(s.background_fetches) * self.admission_s,
                 "prefetches": per_token(s.prefetch_fetches) * self.prefetch_s,
+                "exposed prefetches": per_token(s.exposed_prefetches) * self.exposed_prefetch_s,
                 "predictions": per_token(s.predictions) * self.prediction_s,
                 "decisions": per_token(s.substituted_calls) * self.decision_s}
 
@@ -92,8 +98,8 @@ class HardwareProfile:
 
     @classmethod
     def load(cls, path: Path) -> "HardwareProfile":
-        """Read a profile written by `save`, this version or version 1 (written before the
-        version field: its newer terms load as unmeasured); BadInput for anything else."""
+        """Read a profile written by `save`, this version or an older one (version 1 was written before
+        the version field; an older version's newer terms load as unmeasured); BadInput for anything else."""
         from ..errors import BadInput
         try:
             data = json.loads(Path(path).read_text())
@@ -107,8 +113,8 @@ class HardwareProfile:
         known = {f.name for f in fields(cls)}
         missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
         unknown = sorted(set(data) - known)
-        problem = (f"of version {version} (this expertcache reads 1 and {PROFILE_VERSION})"
-                   if version not in (1, PROFILE_VERSION) else f"with unknown fields {unknown}" if unknown
+        problem = (f"of version {version} (this expertcache reads 1 to {PROFILE_VERSION})"
+                   if version not in range(1, PROFILE_VERSION + 1) else f"with unknown fields {unknown}" if unknown
                    else f"without {', '.join(missing)}" if missing else "")
         if problem:
             raise BadInput(f"{path}: hardware profile {problem}; measure it again with `expertcache calibrate-hw "
@@ -149,18 +155,22 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 # Calibration runs: (cache fraction, variant). Together they vary every term independently: cache
 # size moves fetches and waits with no substitution; substituting rules at two sizes move
 # substituting calls against fetches; admission betas and rules move admissions apart from
-# substitution; lowbit moves low-precision fetches; two predictors move predictions and prefetches.
+# substitution; lowbit moves low-precision fetches; two predictors move predictions and prefetches, and
+# three prefetch runs from mostly waiting calls (fetch-all at 1/8) to mostly not (the 0.15 rule) move the
+# exposed prefetches apart from the rest.
 CALIBRATION = ((1.0, "fetch-all"), (0.125, "fetch-all"), (0.25, "fetch-all"), (0.5, "fetch-all"),
                (0.75, "fetch-all"), (0.25, "threshold:tau=0.15"), (0.5, "threshold:tau=0.15"),
                (0.25, "first-choice"), (0.25, "first-choice:beta=0.3"), (0.5, "threshold:tau=0.1,beta=1"),
                (0.25, "substitute-all"), (0.25, "lowbit:tau=0.15"), (0.125, "lowbit:tau=0.3"),
-               (0.5, "fetch-all+prefetch/router-ahead"), (0.25, "threshold:tau=0.15+prefetch/quasi-hidden"))
+               (0.5, "fetch-all+prefetch/router-ahead"), (0.25, "threshold:tau=0.15+prefetch/quasi-hidden"),
+               (0.125, "fetch-all+prefetch/quasi-hidden"))
 # RunStats counters, one cost each; "dense" (1 per token) first
 TERMS = ("dense", "expert_runs", "fetch_waits", "sync_fetches", "lowbit_fetches", "background_fetches",
-         "prefetch_fetches", "predictions", "substituted_calls")
+         "prefetch_fetches", "exposed_prefetches", "predictions", "substituted_calls")
 # the profile field each term's fitted cost goes to (sync_fetches: a time, turned into a bandwidth)
 FIELD = {"dense": "dense_s", "expert_runs": "expert_run_s", "fetch_waits": "fetch_latency_s",
          "lowbit_fetches": "lowbit_fetch_s", "background_fetches": "admission_s", "prefetch_fetches": "prefetch_s",
+         "exposed_prefetches": "exposed_prefetch_s",
          "predictions": "prediction_s", "substituted_calls": "decision_s"}
 
 
@@ -329,6 +339,13 @@ def runs_for_slots(runs, slot_dtype: str) -> list:
     return [r for r in runs if not make_policy(parse_variant(r[1])[0]).fetches_small]
 
 
+def runs_within(runs, top_k: int, num_experts: int) -> list:
+    """The (cache fraction, variant) runs with each fraction raised to the least that holds top-k experts a
+    layer (a model of few experts cannot take the 1/8 cache of one with 128), repeats dropped."""
+    least = top_k / num_experts
+    return list(dict.fromkeys((max(f, least), v) for f, v in runs))
+
+
 def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode", repeats: int = 5,
                     reads: int = 200, device: str = "cpu", store_dir: Path | None = None,
                     runs=CALIBRATION, ids: list[int] | None = None,
@@ -350,19 +367,19 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
     from ..models import model_args
 
     options = options or {}
-    runs = runs_for_slots(runs, options.get("slot_dtype", "auto"))
-    ids = ids if ids is not None else calibration_ids(model, mode)
-    timed = time_runs(model, runs, ids, mode, repeats, store, device, store_dir, progress=progress, options=options)
     ckpt = open_checkpoint(Path(model or BUILTIN_MODEL))
     a = model_args(ckpt.config)
+    runs = runs_within(runs_for_slots(runs, options.get("slot_dtype", "auto")), a.top_k, a.num_experts)
+    ids = ids if ids is not None else calibration_ids(model, mode)
+    timed = time_runs(model, runs, ids, mode, repeats, store, device, store_dir, progress=progress, options=options)
     st = open_store(store, ckpt, a, store_dir, torch.float32, options.get("store_format"),
                     options.get("read_mode", "auto"))
     rng = np.random.default_rng(0)
-    w13, w2 = torch.empty(st.shape.w13), torch.empty(st.shape.w2)
+    slot = [torch.empty(part) for part in st.shape.parts]  # w13, w2 and the biases of families with them
     read_s = []
     for _ in range(reads):
         start = time.perf_counter()
-        st.read_into(int(rng.integers(a.num_moe_layers)), int(rng.integers(a.num_experts)), w13, w2)
+        st.read_into(int(rng.integers(a.num_moe_layers)), int(rng.integers(a.num_experts)), *slot)
         read_s.append(time.perf_counter() - start)
     if hasattr(st, "close"):
         st.close()
