@@ -54,6 +54,12 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     shutil.copytree(store, old)
     meta = json.loads((old / "experts.json").read_text())
     (old / "experts.json").write_text(json.dumps({**meta, "format_version": 1}))
+    zero_k = tmp / "zero_k"
+    shutil.copytree(BUILTIN_MODEL, zero_k)
+    (zero_k / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 0}))
+    bad_tokenizer = tmp / "bad_tokenizer"
+    shutil.copytree(BUILTIN_MODEL, bad_tokenizer)
+    (bad_tokenizer / "tokenizer.json").write_text("not a tokenizer")
     png = tmp / "plot.png"
     png.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
     ppl = ["ppl", "--store", "ram", "--max-tokens", "64"]
@@ -106,6 +112,16 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("generate --temperature -1", ["generate", "--store", "ram", "--temperature", "-1", "hi"]),
         ("generate --top-p 2", ["generate", "--store", "ram", "--top-p", "2", "hi"]),
         ("convert --out under a file", ["convert", "--out", str(png / "store")]),
+        ("convert --group-size 1", ["convert", "--dtype", "int4", "--group-size", "1"]),
+        ("config with top-k 0", [*ppl, "--model", str(zero_k)]),
+        ("tokenizer.json not a tokenizer", [*ppl, "--model", str(bad_tokenizer)]),
+        ("generate --device tpu", ["generate", "--store", "ram", "--device", "tpu", "hi"]),
+        ("generate a prompt that is not UTF-8", ["generate", "--store", "ram", "caf\udce9"]),
+        ("generate two prompts", ["generate", "--store", "ram", "-p", "a", "b"]),
+        ("generate --temperature inf", ["generate", "--store", "ram", "--temperature", "inf", "hi"]),
+        ("serve --port 70000", ["serve", "--port", "70000"]),
+        ("ppl --json into a missing folder", [*ppl, "--json", str(tmp / "nope" / "out.json")]),
+        ("simulate --policies with none", ["simulate", str(png), "--policies"]),
         ("an unknown verb", ["nope"]),
     ]
 

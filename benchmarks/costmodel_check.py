@@ -110,8 +110,9 @@ def table(mode: str, res: dict) -> None:
     lowbit = "bytes/bandwidth" if p["lowbit_fetch_s"] is None else f"{1e6 * p['lowbit_fetch_s']:.0f} us"
     print(f"profile: dense {1e3 * p['dense_s']:.3f} ms/token, expert run {1e6 * p['expert_run_s']:.1f} us, fetch wait "
           f"{1e6 * p['fetch_latency_s']:.0f} us, per fetch {1e6 * p['expert_bytes'] / p['fetch_bandwidth']:.0f} us, "
-          f"lowbit fetch {lowbit}, admission {1e6 * p['admission_s']:.0f} us, prefetch {1e6 * p['prefetch_s']:.0f} us, "
-          f"prediction {1e6 * p['prediction_s']:.0f} us, substituting call {1e6 * p['decision_s']:.1f} us; "
+          f"lowbit fetch {lowbit}, admission {1e6 * p['admission_s']:.0f} us, prefetch {1e6 * p['prefetch_s']:.0f} us "
+          f"(+{1e6 * p['exposed_prefetch_s']:.0f} us exposed), prediction {1e6 * p['prediction_s']:.0f} us, "
+          f"substituting call {1e6 * p['decision_s']:.1f} us; "
           f"unfitted: {', '.join(p['unfitted']) or 'none'}; {p['source']}\n")
     print("| cache | variant | measured ms/token | est. (engine counts) | measured/est. | est. (replay) "
           "| measured/est. |")

@@ -110,3 +110,57 @@ def test_os_errors_are_one_line(capsys, ckpt, tmp_path, monkeypatch):
     (store / "experts.bin.partial").symlink_to("/dev/full")  # every write: no space left on device
     code, err = run_cli(capsys, "convert", "--model", str(ckpt), "--out", str(store))
     assert code == 2 and err.count("\n") == 0 and "No space left on device" in err and "free disk space" in err, err
+
+
+@pytest.mark.parametrize("key,value,words", [("num_experts_per_tok", 0, "whole number >= 1"),
+                                             ("num_experts_per_tok", "two", "whole number >= 1"),
+                                             ("num_experts_per_tok", 100, "experts of only"),
+                                             ("num_hidden_layers", 0, "whole number >= 1")])
+def test_impossible_config_values_are_one_line(capsys, ckpt, key, value, words):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg[key] = value
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    expect_cli_error(capsys, ckpt, words)
+
+
+def test_unreadable_side_files_are_one_line(capsys, ckpt):
+    """A garbage tokenizer, a routing-counts file without its table, one expert of another shape."""
+    from safetensors.torch import load_file, save_file
+    (ckpt / "tokenizer.json").write_text("not a tokenizer")
+    expect_cli_error(capsys, ckpt, "not a readable tokenizer")
+    (ckpt / "tokenizer.json").unlink()
+    (ckpt / "routing_counts.json").write_text(json.dumps({"rows": []}))
+    expect_cli_error(capsys, ckpt, "not a routing-counts file")
+    (ckpt / "routing_counts.json").unlink()
+    sd = load_file(ckpt / "model.safetensors")
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    sd[name] = sd[name][:-1].clone()
+    save_file(sd, ckpt / "model.safetensors")
+    expect_cli_error(capsys, ckpt, f"tensor {name} has shape")
+
+
+def test_bad_cli_values_are_one_line(capsys, ckpt, tmp_path):
+    """An unknown device, a prompt that is not UTF-8, two prompts, a port out of range, an infinite
+    temperature, an output folder that does not exist: one line each, before any work."""
+    for argv, words in ((["generate", "--model", str(ckpt), "--device", "tpu", "hi"], "unknown device 'tpu'"),
+                        (["generate", "--store", "ram", "caf\udce9"], "not valid UTF-8"),  # needs a tokenizer
+                        (["generate", "--model", str(ckpt), "-p", "a", "b"], "two prompts"),
+                        (["generate", "--model", str(ckpt), "--temperature", "inf", "hi"], "temperature=inf"),
+                        (["serve", "--model", str(ckpt), "--port", "70000"], "not a port"),
+                        (["ppl", "--model", str(ckpt), "--json", str(tmp_path / "no" / "x.json")], "does not exist"),
+                        (["convert", "--model", str(ckpt), "--dtype", "int4", "--group-size", "1"], "even whole")):
+        try:
+            code, err = run_cli(capsys, *argv)
+        except SystemExit as e:  # argparse's own check of the value
+            code, err = e.code, capsys.readouterr().err.strip().splitlines()[-1]
+        assert code == 2 and err.count("\n") == 0 and words in err, (argv, err)
+
+
+def test_truncated_trace_is_one_line(capsys, tmp_path):
+    from expertcache.engine.engine import BUILTIN_MODEL
+    from expertcache.lab.trace import record_trace
+    path = tmp_path / "t.ectrace"
+    record_trace(BUILTIN_MODEL, list(range(1, 40)), path, 32, "float32")
+    path.write_bytes(path.read_bytes()[:-100])
+    code, err = run_cli(capsys, "simulate", str(path))
+    assert code == 2 and err.count("\n") == 0 and "truncated" in err, err

@@ -254,6 +254,31 @@ def test_bad_requests_get_openai_errors(client, server):
         client.completions.create(model=MODEL, prompt="word " * 600, max_tokens=4)
     assert json.loads(get(f"{server.url}/health")) == {"status": "ok"}
     assert client.models.list().data[0].id == MODEL
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
+
+
+@pytest.mark.parametrize("fields,words", [({"seed": 2**70}, "seed"), ({"max_tokens": True}, "max_tokens"),
+                                          ({"n": "2"}, "n"), ({"temperature": float("inf")}, "temperature"),
+                                          ({"messages": [{"role": "wizard", "content": "a"}]}, "role"),
+                                          ({"messages": [{"role": "user"}]}, "needs content")])
+def test_malformed_fields_are_refused_with_400(server, fields, words):
+    """Values a lax parser would coerce or pass on (a bool as a count, a string as n, an infinite temperature, a
+    seed beyond 64 bits, an unknown role, a user message without content) get a 400 naming the field."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "max_tokens": 2, **fields}
+    req = urllib.request.Request(f"{server.base_url}/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    error = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and words in error["message"], error
+
+
+def test_unknown_paths_get_openai_errors(server):
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{server.base_url}/nothing-here")
+    assert e.value.code == 404 and json.loads(e.value.read())["error"]["message"] == "Not Found"
 
 
 def test_disconnect_stops_generation_and_metrics(server):

@@ -354,7 +354,26 @@ def test_fit_profile_recovers_each_term_and_folds_constant_ones_into_dense():
     assert p.unfitted == ("expert_runs",) and p.dense_s == pytest.approx(2e-3, rel=1e-6)
     fitted = {"fetch_waits": p.fetch_latency_s, "sync_fetches": p.transfer_s, "lowbit_fetches": p.lowbit_fetch_s,
               "background_fetches": p.admission_s, "prefetch_fetches": p.prefetch_s,
-              "exposed_prefetches": p.exposed_prefetch_s, "predictions": p.prediction_s, "substituted_calls": p.decision_s}
+              "exposed_prefetches": p.exposed_prefetch_s, "predictions": p.prediction_s,
+              "substituted_calls": p.decision_s}
     assert fitted == pytest.approx(cost, rel=1e-6)
     for r in runs:
         assert p.ms_per_token(r.stats) == pytest.approx(1000 * r.seconds, rel=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["quality-first", "first-choice:beta=0.3"])
+def test_admission_with_top_k_slots_is_skipped_not_fatal(traced, policy):
+    """A cache of exactly top-k slots a layer: in a window every slot can be needed by the token that would admit
+    an expert, and the admission is then skipped (it is optional) in the engine and the replay alike."""
+    path, ids, trace, _ = traced
+    a = model_args(open_checkpoint(path).config)
+    cache = CacheConfig(fraction=a.top_k / a.num_experts)
+    engine = Engine(path, EngineConfig(cache=cache, initial="cold", policy=policy))
+    assert engine.cache.per_layer == a.top_k
+    x = torch.tensor(ids)
+    for start in range(0, len(ids), 64):
+        engine.forward(x[start:start + 64], 0)
+    sim = replay(trace, policy, cache).stats
+    fields = ("hits", "misses", "sync_fetches", "substitutions", "background_fetches", "moe_calls")
+    assert [getattr(sim, f) for f in fields] == [getattr(engine.stats, f) for f in fields]
+    engine.close()

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 
 from ..progress import progress_bar
-from .options import add_model_argument, add_store_arguments, format_from_args, positive_int
+from .options import add_model_argument, add_store_arguments, format_from_args, output_path, positive_int
 
 HELP = "measure fetch, expert and dense times on this machine into a cost-model profile"
 
@@ -16,7 +15,7 @@ def add_arguments(p):
     add_store_arguments(p)
     p.add_argument("--mode", default="decode", choices=["decode", "forced"])
     p.add_argument("--repeats", type=positive_int, default=5, help="timed repetitions of each run (median)")
-    p.add_argument("--out", type=Path, required=True, help="profile JSON to write")
+    p.add_argument("--out", type=output_path, required=True, help="profile JSON to write")
 
 
 def run(a) -> int:

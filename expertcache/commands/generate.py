@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from ..engine.generate import TextGeneration
 from ..engine.sampling import SamplingParams
-from .options import add_engine_arguments, engine_from_args, write_json
+from ..errors import BadInput
+from .options import add_engine_arguments, engine_from_args, output_path, write_json
 
 HELP = "generate text from a prompt, streamed, with cache statistics"
 DEFAULT_PROMPT = "ROMEO.\n"
@@ -39,11 +39,14 @@ def add_arguments(p):
     p.add_argument("-p", "--prompt", dest="prompt_option", default=None,
                    help="prompt text; '-' reads it from stdin (also read when stdin is not a terminal)")
     add_sampling_arguments(p)
-    p.add_argument("--json", type=Path, default=None, help="write statistics as JSON")
+    p.add_argument("--json", type=output_path, default=None, help="write statistics as JSON")
 
 
 def prompt_text(a) -> str:
-    """-p wins over the positional prompt; '-' or a piped stdin without a prompt reads stdin."""
+    """The prompt, given by -p or as the argument; '-' or a piped stdin without a prompt reads stdin."""
+    if a.prompt_option is not None and a.prompt is not None:
+        raise BadInput(f"two prompts given (-p {a.prompt_option!r} and {a.prompt!r}); give one, quoting it if it "
+                       "has spaces")
     text = a.prompt_option if a.prompt_option is not None else a.prompt
     if text == "-" or (text is None and not sys.stdin.isatty()):
         text = sys.stdin.read()

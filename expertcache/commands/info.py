@@ -65,9 +65,10 @@ def parameter_counts(config: dict) -> tuple[int, int]:
     return total, experts
 
 
-def size_config(config: dict) -> dict:
+def size_config(config: dict, budget_mib: float | None = None) -> dict:
     """Bytes of a checkpoint from its config: per expert in each format, dense weights (bf16),
-    KV cache per token (fp16), and how many experts per layer fit next to them in 8/16/24 GB."""
+    KV cache per token (fp16), how many experts per layer fit next to them in 8/16/24 GB, and in
+    `budget_mib` MiB for experts alone when given."""
     a = model_args(config)
     layers = getattr(a, "num_moe_layers", a.num_layers)
     total, expert_params = parameter_counts(config)
@@ -85,6 +86,10 @@ def size_config(config: dict) -> dict:
         slots = max(0, left // out["expert_bytes"]["fp16"]) // layers
         out["fits"][gb] = {"experts_per_layer": int(min(slots, a.num_experts)),
                            "fraction": min(slots, a.num_experts) / a.num_experts, "enough": slots >= a.top_k}
+    if budget_mib is not None:
+        slots = min(int(budget_mib * 2**20 // out["expert_bytes"]["fp16"] // layers), a.num_experts)
+        out["budget"] = {"mib": budget_mib, "experts_per_layer": slots, "fraction": slots / a.num_experts,
+                         "enough": slots >= a.top_k}
     return out
 
 
@@ -98,6 +103,11 @@ def _print_config(path: Path, s: dict) -> None:
         verdict = f"{f['experts_per_layer']} experts per layer ({f['fraction']:.0%})" if f["enough"] else \
             f"not enough for top-{s['top_k']}"
         print(f"  {gb} GB fast tier (fp16 experts, {CONTEXT}-token KV cache): {verdict}")
+    if "budget" in s:
+        b = s["budget"]
+        verdict = f"{b['experts_per_layer']} experts per layer ({b['fraction']:.0%})" if b["enough"] else \
+            f"not enough for top-{s['top_k']}"
+        print(f"  {b['mib']:g} MiB for fp16 experts: {verdict}")
 
 
 def run(a) -> int:
@@ -107,7 +117,7 @@ def run(a) -> int:
             config = json.loads(a.config.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{a.config} is not valid JSON ({e}); give a model's config.json") from None
-        s = size_config(config)
+        s = size_config(config, a.budget)
         _print_config(a.config, s)
         write_json(a.json, s)
         return 0
@@ -125,15 +135,18 @@ def run(a) -> int:
             "expert_bytes": expert, "slot": per_weight, "all_experts_bytes": total,
             "checkpoint_bytes": ckpt.weight_bytes}
     print(f"{m.family} at {ckpt.path}")
-    print(f"  {m.num_layers} layers, {m.num_experts} experts per layer, top-{m.top_k}, hidden {m.hidden_size}, "
+    dense = m.num_layers - m.num_moe_layers
+    print(f"  {m.num_layers} layers ({m.num_moe_layers} MoE" + (f", {dense} dense)" if dense else ")") +
+          f", {m.num_experts} experts per MoE layer, top-{m.top_k}, hidden {m.hidden_size}, "
           f"expert width {m.expert_dim}")
     print(f"  one expert: {m.expert_params:,} weights = {expert / 2**10:.1f} KiB in {per_weight}; "
           f"all experts: {total / 2**20:.1f} MiB")
     if a.budget is not None:
-        per_layer = int(a.budget * 2**20 // expert // m.num_moe_layers)
+        per_layer = min(int(a.budget * 2**20 // expert // m.num_moe_layers), m.num_experts)  # a layer has no more
         info["budget_slots_per_layer"] = per_layer
         fits = "enough" if per_layer >= m.top_k else f"too few (top-k is {m.top_k})"
-        print(f"  {a.budget:g} MiB holds {per_layer} experts per layer "
-              f"({min(per_layer, m.num_experts) / m.num_experts:.0%}): {fits}")
+        every = " (every expert)" if per_layer == m.num_experts else ""
+        print(f"  {a.budget:g} MiB holds {per_layer} experts per MoE layer{every} "
+              f"({per_layer / m.num_experts:.0%}): {fits}")
     write_json(a.json, info)
     return 0

@@ -3,13 +3,13 @@ parsed so that a bad one ends in a line naming the flag."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from ..engine.cache import SLOT_DTYPES, CacheConfig
 from ..engine.engine import Engine, EngineConfig
 from ..engine.quant import DTYPES, SCHEMES, ExpertFormat
 from ..engine.transfer import IO_BACKENDS
+from ..jsonout import dump_json
 
 
 def bounded(kind, lo=None, hi=None, lo_open=False, what=""):
@@ -71,9 +71,19 @@ def add_text_arguments(p: argparse.ArgumentParser, default: Path | None = None) 
                         "file beside the text, else one domain)")
 
 
+def output_path(text: str) -> Path:
+    """A file the verb will write: its folder must exist, checked before any work (argparse type)."""
+    path = Path(text)
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: folder {path.parent} does not exist; create it or give another path")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
+    return path
+
+
 def add_json_argument(p: argparse.ArgumentParser) -> None:
     """Where to write every number as JSON (--json)."""
-    p.add_argument("--json", type=Path, default=None, help="write every number as JSON")
+    p.add_argument("--json", type=output_path, default=None, help="write every number as JSON")
 
 
 def add_store_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None:
@@ -95,10 +105,21 @@ def add_store_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None
                                              "dtype, fp16 for the built-in model, the exact reference)")
 
 
+def group_size(text: str) -> int:
+    """A quantization group: an even whole number >= 2 (two 4-bit codes share a byte) (argparse type)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 2 or n % 2:
+        raise argparse.ArgumentTypeError(f"group size {text!r} must be an even whole number >= 2; e.g. --group-size 64")
+    return n
+
+
 def add_format_arguments(p: argparse.ArgumentParser, flag: str, what: str) -> None:
     """An expert format: the dtype flag, --group-size and --scheme (integer dtypes)."""
     p.add_argument(flag, default=None, choices=DTYPES, help=what)
-    p.add_argument("--group-size", type=positive_int, default=32,
+    p.add_argument("--group-size", type=group_size, default=32,
                    help="int8/int4: inputs sharing one scale (default: %(default)s)")
     p.add_argument("--scheme", default="asym", choices=SCHEMES,
                    help="int8/int4: asym (scale and minimum per group, the default) or sym (scale only)")
@@ -126,8 +147,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk") -> Non
     add_cache_arguments(p)
     p.add_argument("--policy", default="fetch-all",
                    help="miss policy: fetch-all, substitute-all, threshold:tau=0.15, first-choice, "
-                        "quality-first, speed-first; options sub=best|drop|window, window=M, beta=B")
-    p.add_argument("--eviction", default=None, help="lru, lfu, freq or halving (default: the policy's choice)")
+                        "quality-first, speed-first, lowbit:tau=0.15; options sub=best|drop|window, window=M, beta=B; "
+                        "with +prefetch/PREDICTOR (or +speculative/PREDICTOR) a next-layer predictor, "
+                        "e.g. fetch-all+prefetch/quasi-hidden")
+    p.add_argument("--eviction", default=None,
+                   help="lru, lfu, freq, halving or demand (default: the policy's choice)")
     p.add_argument("--initial", default="auto", choices=["warm", "cold", "auto"],
                    help="initial residency: warm, cold or auto (warm when routing counts exist)")
     p.add_argument("--max-seq", type=positive_int, default=2048, help="longest sequence the KV cache holds")
@@ -135,14 +159,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk") -> Non
 
 def engine_from_args(a: argparse.Namespace) -> Engine:
     """The Engine that add_engine_arguments' options describe."""
+    from ..lab.bench import parse_variant
     cache = CacheConfig(fraction=a.cache, bytes=a.cache_bytes, quota=a.quota, io=a.io)
-    return Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=cache, policy=a.policy,
+    policy, prefetch = parse_variant(a.policy)  # POLICY+prefetch/PREDICTOR[:budget=N,...] attaches a predictor
+    return Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=cache, policy=policy, prefetch=prefetch,
                                         eviction=a.eviction, initial=a.initial, store_dir=a.store_dir,
                                         max_seq=a.max_seq, memory_budget=a.memory_budget, read_mode=a.read_mode,
                                         store_format=format_from_args(a, a.store_dtype), slot_dtype=a.slot_dtype))
 
 
 def write_json(path: Path | None, data: dict) -> None:
-    """Write `data` to `path` as JSON when a path was given."""
+    """Write `data` to `path` as strict JSON when a path was given."""
     if path is not None:
-        path.write_text(json.dumps(data, indent=1, default=str))
+        dump_json(path, data)

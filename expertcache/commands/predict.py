@@ -11,7 +11,7 @@ from ..engine.predictors import PREDICTORS
 from ..lab.calibrate import CALIB_TEXT, encode_text
 from ..lab.plots import lines
 from ..lab.prediction import fit_estimator, recall_table
-from .options import add_json_argument, add_model_argument, fraction, positive_int, write_json
+from .options import add_json_argument, add_model_argument, fraction, output_path, positive_int, write_json
 
 HELP = "train the estimator (--train) or report each predictor's recall@k per layer"
 
@@ -27,7 +27,7 @@ def add_arguments(p):
     p.add_argument("--hybrid-below", type=fraction, default=0.85,
                    help="hybrid: estimator where quasi-hidden recall is below")
     p.add_argument("--predictors", nargs="*", default=list(PREDICTORS))
-    p.add_argument("--plot", type=Path, default=None, help="per-layer recall PNG")
+    p.add_argument("--plot", type=output_path, default=None, help="per-layer recall PNG")
     add_json_argument(p)
 
 

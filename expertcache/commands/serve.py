@@ -1,6 +1,7 @@
 """expertcache serve: an OpenAI-compatible HTTP server over one engine and one expert cache."""
 from __future__ import annotations
 
+import argparse
 import socket
 import sys
 
@@ -11,12 +12,31 @@ from .options import add_engine_arguments, engine_from_args
 HELP = "serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"
 
 
+def port(text: str) -> int:
+    """A TCP port number, 0 (any free one) to 65535 (argparse type)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port; give a number from 0 to 65535, e.g. --port 8000")
+    return n
+
+
+def model_name(text: str) -> str:
+    """A non-empty model id (argparse type)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the served model name is empty; give one, e.g. --served-model-name my-model")
+    return text
+
+
 def add_arguments(p):
     """The verb's options."""
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    p.add_argument("--port", type=port, default=8000)
+    p.add_argument("--served-model-name", type=model_name, default=None,
+                   help="the model id clients send (default: folder name)")
     p.add_argument("--schedule", default="batch",
                    help="batch: the decode steps of active requests run as one batched forward; interleave: they "
                         "take turns, one forward each; serial: one request at a time")

@@ -12,7 +12,7 @@ from ..lab.costmodel import load_profile
 from ..lab.plots import scatter
 from ..lab.simulator import replay, route_trace
 from ..lab.trace import read_trace
-from .options import add_json_argument, fraction, positive_int, write_json
+from .options import add_json_argument, fraction, output_path, positive_int, write_json
 
 HELP = "replay miss policies on a router-logit trace: hits, fetches, substitutions per cache size"
 
@@ -20,7 +20,7 @@ HELP = "replay miss policies on a router-logit trace: hits, fetches, substitutio
 def add_arguments(p):
     """The verb's options."""
     p.add_argument("trace", type=Path)
-    p.add_argument("--policies", nargs="*", default=["fetch-all", "threshold:tau=0.15", "first-choice",
+    p.add_argument("--policies", nargs="+", default=["fetch-all", "threshold:tau=0.15", "first-choice",
                                                     "quality-first", "speed-first", "substitute-all"])
     p.add_argument("--cache", type=fraction, nargs="+", default=[0.25], help="cache fractions to sweep")
     p.add_argument("--eviction", default=None, help="lru, lfu, freq or halving (default: each policy's choice)")
@@ -34,7 +34,7 @@ def add_arguments(p):
                    help="replay the sweep in this many local processes, or 'ray' for a Ray cluster")
     p.add_argument("--ray-address", default=None,
                    help="with --jobs ray: the cluster to join, e.g. ray://head:10001 or auto (default: a local Ray)")
-    p.add_argument("--plot", type=Path, default=None, help="time vs substituted-mass frontier PNG")
+    p.add_argument("--plot", type=output_path, default=None, help="time vs substituted-mass frontier PNG")
     add_json_argument(p)
 
 

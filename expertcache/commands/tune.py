@@ -7,7 +7,7 @@ from pathlib import Path
 from ..engine.perplexity import EVAL_TEXT
 from ..lab.calibrate import CALIB_TEXT
 from ..progress import progress_bar
-from .options import add_json_argument, add_model_argument, fraction, positive_int, write_json
+from .options import add_json_argument, add_model_argument, fraction, output_path, positive_int, write_json
 
 HELP = "search miss policies for the fastest one within a perplexity budget, validated on held-out text"
 
@@ -49,7 +49,7 @@ def add_arguments(p):
                    help="leave out thresholds with one tau per layer (scaled by each layer's router entropy)")
     p.add_argument("--no-lowbit", dest="lowbit", action="store_false",
                    help="leave out the low-precision miss option (lowbit: int4 copies converted by the engine)")
-    p.add_argument("--plot", type=Path, default=None, help="frontier PNG: ppl increase vs estimated ms/token")
+    p.add_argument("--plot", type=output_path, default=None, help="frontier PNG: ppl increase vs estimated ms/token")
     add_json_argument(p)
 
 

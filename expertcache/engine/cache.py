@@ -158,9 +158,9 @@ class ExpertCache:
         Router(k, True, "sigmoid").route(np.zeros((1, E), np.float32), 0)
         ids = np.arange(k, dtype=np.int64)[None]
         sc = self.scratch
-        kernel.prefetch_predicted(self._new_state(), MissPolicy().params(), 0, np.zeros(E, np.float32), True, 0, False, 0,
-                                  np.empty(k, np.int64), np.empty(k, np.float32), sc.order_v, sc.comp, sc.block_max,
-                                  sc.fetch)
+        kernel.prefetch_predicted(self._new_state(), MissPolicy().params(), 0, np.zeros(E, np.float32), True, 0,
+                                  False, 0, np.empty(k, np.int64), np.empty(k, np.float32), sc.order_v, sc.comp,
+                                  sc.block_max, sc.fetch)
         for logits in (True, False):
             kernel.decide_layer(self._new_state(), MissPolicy().params(), np.zeros((L, E)), self.scratch, 0,
                                 np.zeros((1, E), np.float32), np.zeros((1, E), np.float32), logits, ids,

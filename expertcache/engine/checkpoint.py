@@ -133,7 +133,11 @@ def load_routing_counts(model_path: Path, shape: tuple[int, int] | None = None) 
     p = Path(model_path) / ROUTING_COUNTS
     if not p.exists():
         return None
-    counts = np.array(json.loads(p.read_text())["counts"], dtype=np.int64)
+    try:
+        counts = np.array(json.loads(p.read_text())["counts"], dtype=np.int64)
+    except (KeyError, TypeError, ValueError) as e:  # no "counts", or not a table of whole numbers
+        raise CheckpointError(f"{p}: not a routing-counts file ({type(e).__name__}: {e}); rerun `expertcache "
+                              "calibrate` or delete the file") from None
     if shape is not None and counts.shape != shape:
         raise CheckpointError(f"{p}: counts of shape {counts.shape} do not fit the model; "
                               "rerun `expertcache calibrate` or delete the file")

@@ -70,7 +70,10 @@ class Engine:
                  policy: MissPolicy | None = None):
         self.path = Path(model_path) if model_path else BUILTIN_MODEL
         self.config = config
-        self.device = torch.device(config.device)
+        try:
+            self.device = torch.device(config.device)
+        except RuntimeError:
+            raise UnknownName(f"unknown device {config.device!r}; use cpu or cuda") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UnknownName("device 'cuda' asked for but torch sees no CUDA device; use --device cpu")
         dtype = torch.float32 if self.device.type == "cpu" else torch.float16
@@ -105,7 +108,11 @@ class Engine:
         self.tokenizer = None
         if ckpt.tokenizer_file is not None:
             from tokenizers import Tokenizer
-            self.tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_file))
+            try:
+                self.tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_file))
+            except Exception as e:  # noqa: BLE001 -- the tokenizers binding raises a bare Exception
+                raise CheckpointError(f"{ckpt.tokenizer_file}: not a readable tokenizer ({e}); re-export the "
+                                      "model's tokenizer.json") from None
         self.reset()
 
     def _expert_budget(self, budget: int, cache_cfg: CacheConfig, dtype: torch.dtype) -> int:
@@ -167,7 +174,9 @@ class Engine:
             if self.slot_format.quantized:
                 raise BadInput(f"policy {policy.name!r} fetches int4 copies into float slots; slots kept as "
                                f"{self.slot_format.dtype} cannot take them: use --slot-dtype auto or another policy")
-            self.small_store = open_store(self.config.store, self.checkpoint, self.args, None,
+            main = self.config.store_dir  # a store of the user's: the small copies go beside it
+            beside = None if main is None else Path(main).with_name(f"{Path(main).name}-{self.config.small_format.tag}")
+            self.small_store = open_store(self.config.store, self.checkpoint, self.args, beside,
                                           FLOAT_DTYPES[self.slot_format.dtype], self.config.small_format,
                                           self.config.read_mode, self.config.verify)
 
@@ -246,6 +255,10 @@ class Engine:
         """The token ids of `text` by the checkpoint's tokenizer; CheckpointError when it has none."""
         if self.tokenizer is None:
             raise CheckpointError(f"{self.path}: no tokenizer.json; text input needs the model's tokenizer")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that were not UTF-8 reach Python as lone surrogates
+            raise BadInput("the text is not valid UTF-8; give UTF-8 text (e.g. convert it with iconv)") from None
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids: list[int]) -> str:

@@ -75,9 +75,9 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
         before = now
         nll = F.cross_entropy(logits, targets, reduction="none")
         nll_parts.append(nll)
-        window_nll.append(nll.mean().item())
+        window_nll.append(float(nll.double().mean()))
     token_nll = torch.cat(nll_parts).numpy()
-    mean = float(token_nll.mean())
-    se = float(token_nll.std(ddof=1) / math.sqrt(len(token_nll))) if len(token_nll) > 1 else 0.0
+    mean = float(token_nll.mean(dtype=np.float64))  # a float32 mean resolves perplexity to ~1e-6 only
+    se = float(token_nll.std(ddof=1, dtype=np.float64) / math.sqrt(len(token_nll))) if len(token_nll) > 1 else 0.0
     return PerplexityResult(math.exp(mean), mean, math.exp(mean) * se, len(token_nll), window_nll,
                             window_stats, token_nll, engine.stats.to_dict())

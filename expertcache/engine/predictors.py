@@ -192,7 +192,7 @@ def load_estimator(path: Path) -> tuple[EstimatorNet, list[int]]:
     from safetensors import safe_open
     f = Path(path) / ESTIMATOR_FILE
     if not f.exists():
-        raise CheckpointError(f"{f} is missing; run `expertcache train-estimator --model {path}`")
+        raise CheckpointError(f"{f} is missing; run `expertcache predict --train --model {path}`")
     with safe_open(str(f), "pt") as h:
         meta = h.metadata()
     net = EstimatorNet(int(meta["hidden"]), int(meta["experts"]), int(meta["layers"]), int(meta["width"]),

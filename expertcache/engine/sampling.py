@@ -2,6 +2,7 @@
 whose work per token is bounded, so streaming costs time linear in the output length."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +29,13 @@ class SamplingParams:
 
     def __post_init__(self):
         checks = [
-            (self.temperature >= 0, "temperature", "must be >= 0 (0 is greedy)"),
+            (0 <= self.temperature < math.inf, "temperature", "must be a finite number >= 0 (0 is greedy)"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 disables it)"),
+            (0 < self.repetition_penalty < math.inf, "repetition_penalty",
+             "must be a finite number > 0 (1 disables it)"),
+            (self.seed is None or -2**63 <= self.seed < 2**64, "seed", "must be a whole number in [-2**63, 2**64)"),
             (self.max_tokens >= (0 if self.prompt_logprobs is not None else 1), "max_tokens",
              "must be >= 1 (0 only when scoring the prompt)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),

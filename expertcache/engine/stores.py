@@ -146,7 +146,8 @@ class RamStore(ExpertStore):
 
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32, fmt: ExpertFormat | None = None):
         if dtype is None:
-            dtype = layer_experts(ckpt, args, 0).w13.dtype if fmt is None else FLOAT_DTYPES.get(fmt.dtype, torch.float32)
+            dtype = (layer_experts(ckpt, args, 0).w13.dtype if fmt is None
+                     else FLOAT_DTYPES.get(fmt.dtype, torch.float32))
         super().__init__(ExpertShape.of(args), dtype)
         self.format = fmt
         self._ckpt, self._args = ckpt, args  # for the float parts and the encoded blobs, each made on first use
@@ -534,6 +535,7 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
     the checkpoint's dtype). A disk store missing from `store_dir` is converted first; the default
     folder (`format_store_dir`, under ~/.cache) is also reconverted when it was written in an older
     format version; a store there in another format is refused."""
+    store_dir = Path(store_dir) if store_dir is not None else None  # a str from the Python API, too
     if name == "ram":
         return RamStore(ckpt, args, dtype, fmt)
     if name == "pinned":

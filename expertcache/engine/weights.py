@@ -80,6 +80,11 @@ def _standard_layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int, names
         w13, w2 = t[fused + "gate_up_proj"], t[fused + "down_proj"]
     else:
         t = ckpt.tensors(names["w1"] + names["w3"] + names["w2"])
+        for group in (names["w1"], names["w3"], names["w2"]):  # one expert of another shape cannot be stacked
+            odd = [n for n in group if t[n].shape != t[group[0]].shape]
+            if odd:
+                raise CheckpointError(f"tensor {odd[0]} has shape {tuple(t[odd[0]].shape)}, unlike "
+                                      f"{group[0]}'s {tuple(t[group[0]].shape)}; the checkpoint is corrupt or mixed")
         w13 = torch.stack([torch.cat([t[a], t[b]]) for a, b in zip(names["w1"], names["w3"])])
         w2 = torch.stack([t[n] for n in names["w2"]])
     return LayerExperts(w13, w2)

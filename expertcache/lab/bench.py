@@ -164,6 +164,10 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     res = BenchResult(cfg.__dict__ | {"policies": list(cfg.policies), "slots_per_layer": engine.cache.per_layer,
                                        "experts": engine.args.num_experts, "warm": engine.warm})
     variants = [FLOOR, *cfg.policies]
+    for v in cfg.policies:  # a bad spec, predictor or budget fails here, before any variant is timed
+        policy, prefetch = parse_variant(v)
+        engine.set_policy(policy)
+        engine.set_prefetch(prefetch)
     engine.set_policy("fetch-all")
     engine.set_prefetch(None)
     stream = list(generate(engine, prompt, cfg.decode_tokens))  # the text every variant decodes in the stream timing

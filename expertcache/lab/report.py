@@ -1,9 +1,10 @@
 """Write a study's markdown report and plots (matplotlib PNG)."""
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 
+from ..jsonout import dump_json
 from .plots import scatter
 from .study import BASELINE, StudyResult
 
@@ -12,13 +13,20 @@ def _ci(r: dict) -> str:
     return f"{r['pct']:+.2f}% [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]"
 
 
+def _r(x) -> str:
+    """A correlation, or "undefined" where it is not (one policy, or no variance)."""
+    return f"{x:.3f}" if x is not None and math.isfinite(x) else "undefined"
+
+
 def write_report(res: StudyResult, out: Path) -> list[Path]:
     """Write the study's README.md (tables and findings), study.json and plots into `out`; returns the
     files written."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "study.json").write_text(json.dumps(res.to_dict(), indent=1))
+    dump_json(out / "study.json", res.to_dict())
     plots = _plots(res, out)
     s, a = res.sequences, res.analyses
+    numbered = iter(range(1, 10))
+    section = lambda title: f"## {next(numbered)}. {title}"  # noqa: E731 -- numbered as they appear
     lines = [f"# Emulation study: {Path(res.model).name}", "",
              f"{s['tokens']} teacher-forced tokens of the evaluation text ({', '.join(s['domains'])}), "
              f"windows of {res.config['context']}, cache {s['slots_per_layer']}/{s['experts']} experts per layer "
@@ -34,21 +42,21 @@ def write_report(res: StudyResult, out: Path) -> list[Path]:
     if "where_loss_comes_from" in a:
         w = a["where_loss_comes_from"]
         sa, th = w["substitute-all"], w["threshold:tau=0.15"]
-        lines += ["", "## 1. Where the loss comes from", "",
+        lines += ["", section("Where the loss comes from"), "",
                   f"Substitute-every-miss substituted in {sa['calls_substituted_pct']:.1f}% of calls "
                   f"({sa['slots_substituted_pct']:.1f}% of slots, mass {sa['mass_per_call']:.4f}/call): {_ci(sa)}. "
                   f"The 0.15 rule substituted in {th['calls_substituted_pct']:.1f}% of calls "
                   f"({th['slots_substituted_pct']:.1f}% of slots, mass {th['mass_per_call']:.4f}/call): {_ci(th)}."]
     m = a.get("mass_hypothesis", {})
-    lines += ["", "## 2. Mass hypothesis", "",
+    lines += ["", section("Mass hypothesis"), "",
               f"Pearson r between substituted mass per call and perplexity increase across the policies that "
               f"always fetch the first choice ({', '.join(f'`{p}`' for p in m.get('policies', []))}): "
-              f"**{m.get('r_across_policies', float('nan')):.3f}**. Across windows for the 0.15 rule: "
-              f"r = {m.get('r_across_windows_threshold_0.15', float('nan')):.3f}.",
+              f"**{_r(m.get('r_across_policies'))}**. Across windows for the 0.15 rule: "
+              f"r = {_r(m.get('r_across_windows_threshold_0.15'))}.",
               "", "![increase vs mass](mass_vs_increase.png)"]
     if "equal_mass" in a:
         e = a["equal_mass"]
-        lines += ["", "## 3. Equal mass, different composition", "",
+        lines += ["", section("Equal mass, different composition"), "",
                   f"Few heavy (`{e['heavy']['policy']}`: {e['heavy']['slots_substituted_pct']:.1f}% of slots, mass "
                   f"{e['heavy']['mass_per_call']:.4f}/call): {_ci(e['heavy'])}. Many light (`{e['light']['policy']}`: "
                   f"{e['light']['slots_substituted_pct']:.1f}% of slots, mass {e['light']['mass_per_call']:.4f}/call): "
@@ -56,13 +64,13 @@ def write_report(res: StudyResult, out: Path) -> list[Path]:
         lines += [f"| `{p}` | {r['mass_per_call']:.4f} | {_ci(r)} |" for p, r in e["light_sweep"].items()]
     if "background_admission" in a:
         b = a["background_admission"]
-        lines += ["", "## 4. Background admission", "",
+        lines += ["", section("Background admission"), "",
                   f"quality-first against the same without admission (beta 0): overall {_ci(b['overall'])}; "
                   f"in the first two windows after each topic change {_ci(b['after_topic_change'])} "
                   f"({b['admissions_per_token']:.3f} admissions per token). Negative is better."]
     g = res.generation
     if g:
-        lines += ["", "## 5. Generation test", "",
+        lines += ["", section("Generation test"), "",
                   f"Greedy continuations ({res.config['new_tokens']} tokens) of {s['prompts']} prompts from every "
                   "domain, against fetch-every-miss.", "",
                   "| policy | identical tokens | mean first divergence | r(mass, disagreement) |",
@@ -71,7 +79,7 @@ def write_report(res: StudyResult, out: Path) -> list[Path]:
             if spec in ("samples", "prompt0"):
                 continue
             lines.append(f"| `{spec}` | {r['identical_token_share']:.1%} | {r['mean_first_divergence']:.1f} | "
-                         f"{r['r_mass_vs_disagreement']:.3f} |")
+                         f"{_r(r['r_mass_vs_disagreement'])} |")
     lines += ["", "![pareto](pareto.png)", "", "![bytes fetched](bytes.png)", ""]
     (out / "README.md").write_text("\n".join(lines))
     return [out / "README.md", out / "study.json", *plots]

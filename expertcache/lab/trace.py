@@ -67,9 +67,17 @@ def read_trace(path: Path) -> Trace:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such trace; record one with `expertcache trace`") from None
     offset = len(MAGIC) + 8 + hlen
-    n = header["tokens"]
-    tokens = np.memmap(path, dtype="<i4", mode="r", offset=offset, shape=(n,))
-    logits = np.memmap(path, dtype=header["dtype"], mode="r", offset=offset + 4 * n, shape=tuple(header["shape"]))
+    try:
+        n = header["tokens"]
+        want = offset + 4 * n + int(np.prod(header["shape"])) * np.dtype(header["dtype"]).itemsize
+        if Path(path).stat().st_size < want:
+            raise CheckpointError(f"{path} is truncated ({Path(path).stat().st_size} of {want} bytes); record it "
+                                  "again with `expertcache trace`")
+        tokens = np.memmap(path, dtype="<i4", mode="r", offset=offset, shape=(n,))
+        logits = np.memmap(path, dtype=header["dtype"], mode="r", offset=offset + 4 * n, shape=tuple(header["shape"]))
+    except (KeyError, TypeError, ValueError) as e:  # a header without its fields, or of another shape
+        raise CheckpointError(f"{path}: unreadable trace header ({e}); record it again with `expertcache trace`") \
+            from None
     return Trace(header, tokens, logits)
 
 

@@ -23,7 +23,24 @@ def model_args(config: dict) -> ModelArgs:
     """ModelArgs of a config.json; raises CheckpointError naming a missing key."""
     family = family_of(config)
     try:
-        return family.args_from_config(config)
+        a = family.args_from_config(config)
     except KeyError as e:
         raise CheckpointError(f"config.json lacks {e.args[0]!r} required by {config['model_type']}; "
                               "restore the config from the model's release") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # a value of the wrong type, or 0 where it divides
+        raise CheckpointError(f"config.json has a value {config['model_type']} cannot take ({e}); restore the "
+                              "config from the model's release") from None
+    sizes = {"vocab_size": a.vocab_size, "hidden_size": a.hidden_size, "num_hidden_layers": a.num_layers,
+             "num_attention_heads": a.num_heads, "number of experts": a.num_experts,
+             "experts per token (top-k)": a.top_k, "expert intermediate size": a.expert_dim}
+    bad = [f"{name} {v!r}" for name, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad:
+        raise CheckpointError(f"config.json gives {', '.join(bad)}; each must be a whole number >= 1: restore the "
+                              "config from the model's release")
+    if a.top_k > a.num_experts:
+        raise CheckpointError(f"config.json routes each token to {a.top_k} experts of only {a.num_experts}; "
+                              "restore the config from the model's release")
+    if a.num_moe_layers < 1:
+        raise CheckpointError("config.json describes no MoE layer (every layer dense); expertcache runs "
+                              "Mixture-of-Experts models")
+    return a

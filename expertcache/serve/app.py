@@ -17,7 +17,8 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.chat import ChatTemplate, ChatTemplateError, encode_chat
 from ..engine.generate import StepOutput
@@ -46,21 +47,21 @@ class SamplingFields(BaseModel):
     that would change the output and are not implemented are refused (`refuse_unsupported`), not ignored."""
     model_config = ConfigDict(extra="allow")
     model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: StrictInt | None = None  # strict: a bool or a string is refused, not read as a number
+    max_completion_tokens: StrictInt | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: StrictInt = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: StrictInt = 1
     stream: bool = False
     stream_options: dict | None = None  # {"include_usage": true}: a last chunk carries the usage
     ignore_eos: bool = False
-    logprobs: bool | int | None = None  # chat: true or false; completions: alternatives a token (0-20)
-    top_logprobs: int | None = None  # chat, with logprobs true: alternatives a token (0-20)
+    logprobs: StrictBool | StrictInt | None = None  # chat: true or false; completions: alternatives a token (0-20)
+    top_logprobs: StrictInt | None = None  # chat, with logprobs true: alternatives a token (0-20)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
@@ -78,11 +79,23 @@ class CompletionBody(SamplingFields):
     suffix: str | None = None
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(BaseModel):
-    """One message of a chat request: a role and its content (a string or text parts)."""
+    """One message of a chat request: a role and its content (a string or text parts; only an assistant's
+    may be absent, as when it called tools)."""
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict] | None = None
+
+    @model_validator(mode="after")
+    def _known_role_with_content(self) -> ChatMessage:
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is not one of {', '.join(ROLES)}")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class ChatBody(SamplingFields):
@@ -407,10 +420,23 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
         return await server.run(http, [prompt], params, chat=True, stream=body.stream, n=body.n,
                                 include_usage=bool((body.stream_options or {}).get("include_usage")))
 
+    card = lambda: {"id": model_name, "object": "model", "created": server.created,  # noqa: E731
+                    "owned_by": "expertcache"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
-                                            "owned_by": "expertcache"}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}", "model",
+                           "model_not_found")
+        return card()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, e: StarletteHTTPException):  # an unknown path or method, an unreadable body
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
     @app.get("/health")
     async def health():

@@ -1,0 +1,31 @@
+"""Strict JSON for what the verbs write: numpy values as Python ones, and an undefined figure (NaN,
+such as a correlation over a single policy, or an infinity) as null, since strict parsers refuse NaN."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+
+def json_ready(x):
+    """`x` with numpy scalars and arrays as Python values, and NaN or infinite floats as None."""
+    if isinstance(x, dict):
+        return {str(k): json_ready(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_ready(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return json_ready(x.tolist())
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return str(x)
+
+
+def dump_json(path: Path, data) -> None:
+    """Write `data` to `path` as strict JSON."""
+    Path(path).write_text(json.dumps(json_ready(data), indent=1, allow_nan=False))
