@@ -22,6 +22,8 @@ print(json.dumps(speculative_quality(None, StudyConfig()), indent=1))"
   run checkpoint_sizes python benchmarks/checkpoint_sizes.py --out build/configs
   run quantized python benchmarks/quantized.py --json "$out/quantized.json"
   run tune expertcache tune --cache 0.25 --budget 1% --json "$out/tune.json" --plot "$out/tune.png"
+  run tune_int4 expertcache tune --cache-bytes 11796480 --slot-dtypes int4 --budget 1% --json "$out/tune_int4.json" \
+      --plot "$out/tune_int4.png"
   ;;&
 timed|all)
   run io_probe python benchmarks/io_probe.py
@@ -48,7 +50,7 @@ timed|all)
   run bench_threads expertcache bench --io threads --json "$out/bench_threads.json" --policies fetch-all \
       threshold:tau=0.15 quality-first fetch-all+prefetch/quasi-hidden
   run slot_formats python benchmarks/quantized.py --slots --repeats 5 --slot-policies threshold:tau=0.05 \
-      threshold:tau=0.1 --json "$out/slot_formats.json"
+      threshold:tau=0.1 threshold:tau=0.1,eviction=demand --json "$out/slot_formats.json"
   run make_checkpoint python benchmarks/make_checkpoint.py --out build/qwen3-30b-shape --layers 4
   run calibrate_big expertcache calibrate --model build/qwen3-30b-shape --max-tokens 1024
   run bench_big expertcache bench --model build/qwen3-30b-shape --cache 0.25 --decode-tokens 16 --forced-tokens 64 \

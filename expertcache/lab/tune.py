@@ -7,6 +7,8 @@ machine.
 3. Take the Pareto frontier of (estimated ms/token, substituted gate mass per call) and score
    its points exactly: teacher-forced perplexity on the calibration text with the exact `ram`
    store and a warm cache, against fetch-every-miss on the same tokens.
+   With quantized fast tiers in the search (`slot_dtypes`), each format is replayed on its own slots
+   and priced by its own profile, and scored on a `ram` engine emulating it, against the exact model.
 4. The winner is the fastest finalist whose perplexity increase is within the budget.
 5. Validate it, with the presets for comparison, on held-out text: paired bootstrap CI of the
    increase over windows.
