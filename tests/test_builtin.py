@@ -41,7 +41,7 @@ def test_generate_and_ppl_verbs(capsys, tmp_path):
     p = json.loads((tmp_path / "p.json").read_text())
     assert p["tokens"] == 300 and p["ppl"] > 1 and len(p["window_nll"]) == 3
     assert cli.main(["info", "--budget", "16"]) == 0
-    assert "experts per layer" in capsys.readouterr().out
+    assert "experts per MoE layer" in capsys.readouterr().out
 
 
 def test_study_and_bench_run(tmp_path):
