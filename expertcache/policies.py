@@ -91,6 +91,7 @@ class MissPolicy:
     eviction = "lru"  # the eviction order this policy prefers unless one is given
     parameters: tuple[str, ...] = ()  # the keys its spec takes
     fetches_small = False  # some misses fetch the expert's low-precision copy (a second store)
+    spec = ""  # the spec make_policy read, every option in it (what statistics lines name the policy by)
 
     def __init__(self):
         self.account: np.ndarray | None = None  # [L, E] substituted mass towards admission
@@ -383,4 +384,5 @@ def make_policy(spec: str) -> MissPolicy:
         policy.eviction, policy.name = eviction, name
     if chosen_eviction is not None:
         policy.eviction = chosen_eviction
+    policy.spec = spec.strip()
     return policy
