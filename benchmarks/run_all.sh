@@ -50,7 +50,8 @@ timed|all)
   run bench_threads expertcache bench --io threads --json "$out/bench_threads.json" --policies fetch-all \
       threshold:tau=0.15 quality-first fetch-all+prefetch/quasi-hidden
   run slot_formats python benchmarks/quantized.py --slots --repeats 5 --slot-policies threshold:tau=0.05 \
-      threshold:tau=0.1 threshold:tau=0.1,eviction=demand --json "$out/slot_formats.json"
+      threshold:tau=0.1 threshold:tau=0.1,eviction=demand threshold:tau=0.15,beta=0.5,eviction=freq \
+      --json "$out/slot_formats.json"
   run make_checkpoint python benchmarks/make_checkpoint.py --out build/qwen3-30b-shape --layers 4
   run calibrate_big expertcache calibrate --model build/qwen3-30b-shape --max-tokens 1024
   run bench_big expertcache bench --model build/qwen3-30b-shape --cache 0.25 --decode-tokens 16 --forced-tokens 64 \
@@ -58,6 +59,10 @@ timed|all)
       threshold:tau=0.07,eviction=demand fetch-all+prefetch/quasi-hidden quality-first+prefetch/quasi-hidden
   run calibrate_hw expertcache calibrate-hw --store disk --mode forced --out "$out/cpu-disk-forced.json"
   run calibrate_hw_decode expertcache calibrate-hw --store disk --mode decode --out "$out/cpu-disk-decode.json"
+  run calibrate_hw_decode_int4 expertcache calibrate-hw --store disk --mode decode --slot-dtype int4 --store-dtype int4 \
+      --out "$out/cpu-disk-decode-int4.json"
+  run tune_int4_profiles expertcache tune --cache-bytes 11796480 --slot-dtypes int4 --profile "$out/cpu-disk-decode.json" \
+      "$out/cpu-disk-decode-int4.json" --json "$out/tune_int4_profiles.json"
   run costmodel_check python benchmarks/costmodel_check.py --repeats 3 --json "$out/costmodel_check.json"
   run simulate expertcache simulate build/eval16k.ectrace --cache 0.125 0.25 0.5 --jobs 2 \
       --profile "$out/cpu-disk-forced.json" --plot "$out/frontier.png" --json "$out/simulate.json" \

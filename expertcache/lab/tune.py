@@ -126,7 +126,7 @@ class TuneConfig:
     # fast-tier formats searched besides auto's (the exact reference): quantized slots hold more experts
     # in the bytes of a `--cache-bytes` cache; their own quantization error counts against the budget
     slot_dtypes: tuple[str, ...] = ("auto",)
-    slot_finalists: int = 4  # most frontier points of each quantized slot format scored exactly
+    slot_finalists: int = 8  # most frontier points of each quantized slot format scored exactly
 
 
 @dataclass
