@@ -16,7 +16,8 @@ tokens (its weights read once): k per token and layer in decode, fewer per token
 window's tokens share experts. A prediction is a prefetch predictor's forecast of the next
 layer's experts for one token (its own compute). An exposed prefetch is one issued by a call that
 has no fetch of its own to wait for: its submission and landing are not hidden behind a wait (on
-this project's 2-core machine one costs ~2x a prefetch that is). Counts per token are counts per MoE call times
+the 2-core machine of benchmarks/RESULTS.md an exposed one costs 43 us, a hidden one nothing
+measurable). Counts per token are counts per MoE call times
 the profile's layers, so a datasheet profile applies a trace's per-layer rates to the profiled
 model's depth. Every count is one the engine (RunStats) and the replay both keep (the replay
 makes no predictions). Profiles are measured on this machine by `expertcache calibrate-hw`
