@@ -144,6 +144,10 @@ class MissPolicy:
     def __repr__(self) -> str:
         return self.name
 
+    def __str__(self) -> str:
+        """The spec it was made from, every option in it; its repr when made otherwise."""
+        return self.spec or repr(self)
+
 
 class SubstitutingPolicy(MissPolicy):
     """Substitutes the misses its rule declines to fetch.

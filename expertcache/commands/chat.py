@@ -44,6 +44,6 @@ def run(a) -> int:
             reply.append(out.text)
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
-    print(f"[{engine.policy.spec or engine.policy}] {engine.stats.line()}", file=sys.stderr)
+    print(f"[{engine.policy}] {engine.stats.line()}", file=sys.stderr)
     engine.close()
     return 0

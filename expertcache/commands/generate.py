@@ -66,7 +66,7 @@ def run(a) -> int:
         sys.stdout.flush()
         shown.append(out.text)
     print(f"\n[{engine.config.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, "
-          f"{engine.policy.spec or engine.policy}] finish: {gen.finish_reason}; {engine.stats.line()}", file=sys.stderr)
+          f"{engine.policy}] finish: {gen.finish_reason}; {engine.stats.line()}", file=sys.stderr)
     write_json(a.json, {"prompt": text, "text": "".join(shown), "tokens": gen.tokens,
                         "finish_reason": gen.finish_reason, "stats": engine.stats.to_dict(),
                         "budget": engine.budget()})

@@ -32,10 +32,9 @@ def run(a) -> int:
     with progress_bar(total=len(ids) - 1, unit="tok", desc="ppl") as bar:
         r = perplexity(engine, ids, a.context, progress=bar.update)
     print(f"perplexity {r.ppl:.3f} ± {r.stderr:.3f} over {r.tokens} tokens "
-          f"({a.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, "
-          f"{engine.policy.spec or engine.policy})")
+          f"({a.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, {engine.policy})")
     print(engine.stats.line())
-    write_json(a.json, {"text": str(a.text), "context": a.context, "policy": str(engine.policy),
+    write_json(a.json, {"text": str(a.text), "context": a.context, "policy": repr(engine.policy),
                         "store": a.store, "cache_fraction": a.cache, **r.to_dict(), "budget": engine.budget()})
     engine.close()
     return 0
