@@ -82,9 +82,9 @@ class TransferEngine:
         self.ring, self.reads = self._ring(io), {}  # ticket -> (transfer, its store, its staging buffer or None)
         self.iovecs = [RingReads.iovec(t) for t in self.direct] if self.ring is not None and self.direct else None
         self.staging: dict[int, list[tuple[np.ndarray, object]]] = {}  # blob bytes -> free (buffer, iovec) pairs
-        self.staged: dict[int, int] = {}  # blob bytes -> staging buffers made, at most `workers + 1` each: the
-        # bound `ExpertStore.buffer_bytes` reports (a window's misses would otherwise grow the pool to a layer's slots)
-        self.staging_cap = workers + 1
+        # blob bytes -> staging buffers made, at most as many as the store's `buffer_bytes` counts (the memory
+        # budget's bound; a window's misses would otherwise grow the pool to a layer's slots)
+        self.staged: dict[int, int] = {}
         self.tickets = 0
         self.stream = torch.cuda.Stream(device=w13.device) if self.cuda else None
         self.queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
@@ -135,7 +135,7 @@ class TransferEngine:
             self.tickets += 1
             stage = None
             if store is self.small or self.iovecs is None:  # lands in a staging buffer, taken from it when reaped
-                stage = self._stage(store.blob)
+                stage = self._stage(store)
             t.ring, self.reads[self.tickets] = self, (t, store, stage)
             self.ring.read(store.fd, self.iovecs[slot] if stage is None else stage[1], store.offset(layer, expert),
                            self.tickets, background=kind in ("prefetch", "admit", "upgrade"))
@@ -154,11 +154,12 @@ class TransferEngine:
         (through io_uring every read is handed to the kernel at once)."""
         return self.ring is None
 
-    def _stage(self, nbytes: int) -> tuple[np.ndarray, object]:
-        """A free staging buffer of `nbytes` (and its iovec): a new one while fewer than `staging_cap` exist,
-        else the next to come free as the reads in flight complete."""
+    def _stage(self, store: ExpertStore) -> tuple[np.ndarray, object]:
+        """A free staging buffer for a blob of `store` (and its iovec): a new one while fewer exist than the
+        store's `buffer_bytes` counts, else the next to come free as the reads in flight complete."""
+        nbytes = store.blob
         free = self.staging.setdefault(nbytes, [])
-        while not free and self.staged.get(nbytes, 0) >= self.staging_cap:
+        while not free and self.staged.get(nbytes, 0) >= store.buffer_bytes(len(self.workers)) // nbytes:
             self.reap(block=True)
         if free:
             return free.pop()
