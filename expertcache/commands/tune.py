@@ -56,11 +56,10 @@ def add_arguments(p):
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     from ..engine.cache import CacheConfig
-    from ..engine.quant import ExpertFormat
     from ..errors import BadInput
     from ..lab.costmodel import calibration_ids, load_profile, measure_profile, runs_for_slots
     from ..lab.texts import read_text
-    from ..lab.tune import QUICK_RUNS, TuneConfig, tune, tune_ids
+    from ..lab.tune import QUICK_RUNS, TuneConfig, slot_store_format, tune, tune_ids, unlabel
 
     calib_text, eval_text = read_text(a.calib_text), read_text(a.text)
     cfg = TuneConfig(budget_pct=a.budget, cache=CacheConfig(fraction=a.cache, bytes=a.cache_bytes),
@@ -80,11 +79,10 @@ def run(a) -> int:
         profile = {}
         with progress_bar(total=sum(2 * len(r) for r in runs.values()), unit="run", desc="quick profile") as bar:
             for s in slots:
-                fmt = ExpertFormat.parse(s) if s != "auto" else None
                 profile[s] = measure_profile(a.model, "disk", a.mode, repeats=1, runs=runs[s], reads=20,
                                              ids=calibration_ids(a.model, a.mode, text=calib_text),
                                              progress=lambda label: bar.update(),
-                                             options={"slot_dtype": s, "store_format": fmt})
+                                             options={"slot_dtype": s, "store_format": slot_store_format(s)})
         how = (f"a quick {a.mode} profile per slot format measured now on the disk store (pass --profile for full "
                "calibrate-hw ones)")
     with progress_bar(unit="step") as bar:
@@ -113,8 +111,8 @@ def run(a) -> int:
               "(raise --budget or the cache size)")
     else:
         v = res.validation[res.winner]
-        spec, _, slots = res.winner.partition(" @")
-        if slots:
+        spec, slots = unlabel(res.winner)
+        if slots != "auto":
             print(f"\nslots: {slots} (run with --slot-dtype {slots} --store-dtype {slots})", end="")
         print(f"\npolicy: {spec}\nestimated speed-up over fetch-every-miss: {v['estimated_speedup']:.2f}x "
               f"({v['estimated_ms']:.2f} vs {res.baseline_ms:.2f} ms/token)\nvalidated perplexity increase: "

@@ -150,6 +150,19 @@ def label(spec: str, slots: str = "auto") -> str:
     return spec if slots == "auto" else f"{spec} @{slots}"
 
 
+def unlabel(name: str) -> tuple[str, str]:
+    """(spec, slot format) of a candidate's `label`."""
+    spec, _, slots = name.partition(" @")
+    return spec, slots or "auto"
+
+
+def slot_store_format(slots: str):
+    """The slow-tier format a slot format needs: quantized slots keep the blobs of a store of their own
+    format (`convert --dtype` of the same name); None for float slots (the checkpoint's)."""
+    from ..engine.quant import ExpertFormat
+    return ExpertFormat.parse(slots) if slots in QUANTIZED_SLOTS else None
+
+
 def replay_candidates(trace, specs: list[str], cache: CacheConfig, counts, profile: HardwareProfile,
                       window: int | None, progress: Callable[[str], None] | None = None,
                       engine: Engine | None = None) -> list[dict]:
@@ -198,8 +211,8 @@ def score(engines: dict[str, Engine], labels, ids: list[int], context: int, cfg:
     increase over fetch-every-miss on auto's slots, the exact model (paired bootstrap CI)."""
     results = {}
     for name in dict.fromkeys([BASELINE, *labels]):
-        spec, _, slots = name.partition(" @")
-        engine = engines[slots or "auto"]
+        spec, slots = unlabel(name)
+        engine = engines[slots]
         engine.set_policy(spec)
         results[name] = perplexity(engine, ids, context,
                                    progress=(lambda n, s=name: progress(s, n)) if progress else None)
@@ -235,12 +248,9 @@ def fitting(specs: list[str], trace) -> list[str]:
 
 
 def slot_engine(model: Path | None, cfg: TuneConfig, slots: str) -> Engine:
-    """The exact `ram` engine of one slot format: quantized slots hold the encoded blobs of a store
-    emulating their format (`convert --dtype` of the same name)."""
-    from ..engine.quant import ExpertFormat
-    fmt = ExpertFormat.parse(slots) if slots in QUANTIZED_SLOTS else None
+    """The exact `ram` engine of one slot format, emulating the store it reads (`slot_store_format`)."""
     return Engine(model, EngineConfig(store="ram", cache=cfg.cache, initial="auto", slot_dtype=slots,
-                                      store_format=fmt))
+                                      store_format=slot_store_format(slots)))
 
 
 def tune_ids(model: Path | None, calib_text: str, eval_text: str, cfg: TuneConfig) -> tuple[list[int], list[int]]:
