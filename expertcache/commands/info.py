@@ -99,15 +99,13 @@ def _print_config(path: Path, s: dict) -> None:
     print("  one expert: " + ", ".join(f"{f} {b / 2**20:.2f} MiB" for f, b in s["expert_bytes"].items()))
     print(f"  dense weights (bf16): {s['dense_bytes'] / 2**30:.2f} GiB; KV cache: "
           f"{s['kv_bytes_per_token'] / 2**10:.0f} KiB per token (fp16)")
+    def verdict(f: dict) -> str:
+        return f"{f['experts_per_layer']} experts per layer ({f['fraction']:.0%})" if f["enough"] else \
+            f"not enough for top-{s['top_k']}"
     for gb, f in s["fits"].items():
-        verdict = f"{f['experts_per_layer']} experts per layer ({f['fraction']:.0%})" if f["enough"] else \
-            f"not enough for top-{s['top_k']}"
-        print(f"  {gb} GB fast tier (fp16 experts, {CONTEXT}-token KV cache): {verdict}")
+        print(f"  {gb} GB fast tier (fp16 experts, {CONTEXT}-token KV cache): {verdict(f)}")
     if "budget" in s:
-        b = s["budget"]
-        verdict = f"{b['experts_per_layer']} experts per layer ({b['fraction']:.0%})" if b["enough"] else \
-            f"not enough for top-{s['top_k']}"
-        print(f"  {b['mib']:g} MiB for fp16 experts: {verdict}")
+        print(f"  {s['budget']['mib']:g} MiB for fp16 experts: {verdict(s['budget'])}")
 
 
 def run(a) -> int:
