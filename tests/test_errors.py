@@ -133,7 +133,7 @@ def test_unreadable_side_files_are_one_line(capsys, ckpt):
     expect_cli_error(capsys, ckpt, "not a routing-counts file")
     (ckpt / "routing_counts.json").unlink()
     sd = load_file(ckpt / "model.safetensors")
-    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    name = "model.layers.1.mlp.experts.0.up_proj.weight"  # the first of its group: named, not its neighbour
     sd[name] = sd[name][:-1].clone()
     save_file(sd, ckpt / "model.safetensors")
     expect_cli_error(capsys, ckpt, f"tensor {name} has shape")

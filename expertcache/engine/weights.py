@@ -80,11 +80,12 @@ def _standard_layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int, names
         w13, w2 = t[fused + "gate_up_proj"], t[fused + "down_proj"]
     else:
         t = ckpt.tensors(names["w1"] + names["w3"] + names["w2"])
-        for group in (names["w1"], names["w3"], names["w2"]):  # one expert of another shape cannot be stacked
-            odd = [n for n in group if t[n].shape != t[group[0]].shape]
+        F, H = args.expert_dim, args.hidden_size
+        for group, want in ((names["w1"], (F, H)), (names["w3"], (F, H)), (names["w2"], (H, F))):
+            odd = [n for n in group if tuple(t[n].shape) != want]  # one expert of another shape cannot be stacked
             if odd:
-                raise CheckpointError(f"tensor {odd[0]} has shape {tuple(t[odd[0]].shape)}, unlike "
-                                      f"{group[0]}'s {tuple(t[group[0]].shape)}; the checkpoint is corrupt or mixed")
+                raise CheckpointError(f"tensor {odd[0]} has shape {tuple(t[odd[0]].shape)}, where config.json "
+                                      f"implies {want}; the checkpoint is corrupt, mixed or of another config")
         w13 = torch.stack([torch.cat([t[a], t[b]]) for a, b in zip(names["w1"], names["w3"])])
         w2 = torch.stack([t[n] for n in names["w2"]])
     return LayerExperts(w13, w2)
