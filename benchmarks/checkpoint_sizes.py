@@ -42,6 +42,17 @@ CONFIGS = {
                     "topk_group": 1, "routed_scaling_factor": 1.0, "partial_rotary_factor": 0.5,
                     "vocab_size": 151552, "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": False,
                     "tie_word_embeddings": False},
+    "DeepSeek-V2-Lite": {"model_type": "deepseek_v2", "hidden_size": 2048, "num_hidden_layers": 27,
+                         "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None,
+                         "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                         "moe_intermediate_size": 1408, "intermediate_size": 10944, "n_routed_experts": 64,
+                         "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+                         "topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                         "norm_topk_prob": False, "vocab_size": 102400, "rope_theta": 10000,
+                         "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                                          "mscale": 0.707, "mscale_all_dim": 0.707,
+                                          "original_max_position_embeddings": 4096},
+                         "max_position_embeddings": 163840, "tie_word_embeddings": False},
 }
 
 

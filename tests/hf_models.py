@@ -11,6 +11,7 @@ COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_
 
 def hf_config(family: str, **over):
     from transformers import (
+        DeepseekV2Config,
         DeepseekV3Config,
         Glm4MoeConfig,
         GptOssConfig,
@@ -50,6 +51,10 @@ def hf_config(family: str, **over):
     elif family == "deepseek_v3":
         c = DeepseekV3Config(**{**COMMON, **grouped, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=16,
                              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, head_dim=4)
+    elif family == "deepseek_v2":  # V2-Lite's shape in small: q projected directly, greedy softmax top-k, scaled
+        c = DeepseekV2Config(**{**COMMON, **grouped, "num_key_value_heads": 4, "n_group": 1, "topk_group": 1},
+                             topk_method="greedy", q_lora_rank=None, kv_lora_rank=16,  # norm_topk_prob True: HF ignores it
+                             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
     elif family == "deepseek_v3_yarn":  # released checkpoints' YaRN in small: a ramp inside the 8 rotary channels,
         # mscale != mscale_all_dim so that both the rotary tables and the softmax scale change
         c = DeepseekV3Config(**{**COMMON, **grouped, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=16,
@@ -94,7 +99,8 @@ def save_tiny(family: str, path: Path, seed: int = 0, **over):
 
 
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "deepseek_v3_yarn")
-FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "qwen3_next", "glm4_moe", "deepseek_v3"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "qwen3_next", "glm4_moe", "deepseek_v3",
+            "deepseek_v2"]
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -275,6 +275,30 @@ def test_short_study(tokenized):
     assert res.generation["fetch-all"]["identical_token_share"] == 1.0
 
 
+
+def test_deepseek_v2_runs_every_model_verb_and_replays_as_the_engine(tmp_path, capsys):
+    """DeepSeek-V2-Lite's layout (a dense first layer, q projected without a low rank, greedy softmax top-k,
+    scaled routed output; parity with HF is in test_parity): the text verbs run, and the replay of its trace
+    counts what the engine does. Group-limited routing is refused in one line."""
+    vocab = json.loads((BUILTIN_MODEL / "config.json").read_text())["vocab_size"]
+    save_tiny("deepseek_v2", tmp_path / "m", vocab_size=vocab)
+    shutil.copy(BUILTIN_MODEL / "tokenizer.json", tmp_path / "m" / "tokenizer.json")
+    m = str(tmp_path / "m")
+    assert cli.main(["generate", "--model", m, "-n", "6", "--cache", "0.25", "--store", "disk", "ROMEO."]) == 0
+    assert cli.main(["ppl", "--model", m, "--max-tokens", "200", "--context", "64", "--cache", "0.5",
+                     "--policy", "quality-first", "--json", str(tmp_path / "p.json")]) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["ppl"] > 1
+    replayed, engine, trace = replay_and_engine_counts(tmp_path / "m", tmp_path)
+    assert trace.header["router"] == "softmax" and trace.header["routed_scaling_factor"] == 2.5
+    assert replayed == engine and engine[1] > 0
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(
+        {**config, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}))
+    capsys.readouterr()
+    assert cli.main(["info", "--model", m]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "group_limited_greedy" in err, err
+
 @pytest.fixture(scope="module")
 def deepseek_yarn(tmp_path_factory):
     """A tiny DeepSeek-V3 with YaRN RoPE: (checkpoint folder, HF reference model)."""

@@ -30,3 +30,20 @@ def test_a_hub_id_that_cannot_be_downloaded_is_one_line(capsys, monkeypatch):
     assert cli.main(["info", "--model", "no-such-org/no-such-moe"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no Hub download" in err and "--model a local folder" in err
+
+
+def test_kv_bytes_per_token_are_the_engines_cache(tiny):
+    """The KV cache per token that `info` budgets is what the engine allocates per position: keys and values
+    per head for GQA, a latent and one rotary key for latent attention (DeepSeek-V2/V3)."""
+    import torch
+
+    from expertcache.commands.info import size_config
+    from expertcache.engine.engine import Engine, EngineConfig
+    for family in ("qwen3_moe", "deepseek_v2", "deepseek_v3"):
+        path, _ = tiny[family]
+        config = json.loads((path / "config.json").read_text())
+        engine = Engine(path, EngineConfig(max_seq=16))
+        m = engine.model
+        fp16_per_position = m.kv_bytes(16) // 16 * 2 // torch.finfo(m.dtype).bits * 8  # info counts fp16
+        engine.close()
+        assert size_config(config)["kv_bytes_per_token"] == fp16_per_position, family

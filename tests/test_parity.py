@@ -61,10 +61,10 @@ def test_forward_matches_hf(tiny, family, store, fraction, quota, eviction):
     engine.close()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2"])
 def test_conditional_keeping_the_top_k_is_exact(tiny, family):
     """conditional:j=k runs the router's top-k with the family's own gate weights: renormalised
-    (qwen3_moe here) or the router's probabilities (qwen2_moe, olmoe: norm_topk_prob=False)."""
+    (qwen3_moe here) or the router's probabilities (qwen2_moe, olmoe: norm_topk_prob=False; deepseek_v2, scaled)."""
     path, hf = tiny[family]
     ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

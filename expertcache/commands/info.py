@@ -76,7 +76,10 @@ def size_config(config: dict, budget_mib: float | None = None) -> dict:
     dense = total - expert_params
     attn = [i for i in range(a.num_layers) if getattr(a, "layer_type", lambda i: "full_attention")(i)
             != "linear_attention"]
-    kv_per_token = 2 * len(attn) * a.num_kv_heads * a.head_dim * 2
+    if a.attention == "mla":  # a latent and one rotary key per position, not keys and values per head
+        kv_per_token = len(attn) * (a.kv_lora_rank + a.qk_rope_head_dim) * 2
+    else:
+        kv_per_token = 2 * len(attn) * a.num_kv_heads * a.head_dim * 2
     out = {"family": a.family, "moe_layers": layers, "experts": a.num_experts, "top_k": a.top_k,
            "params": total, "expert_params": per_expert, "dense_params": dense, "dense_bytes": 2 * dense,
            "kv_bytes_per_token": kv_per_token,

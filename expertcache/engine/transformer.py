@@ -44,7 +44,7 @@ class Transformer:
         for i in range(a.num_layers):
             p = f"layers.{i}."
             L = {k[len(p):]: v for k, v in w.items() if k.startswith(p)}
-            if "wq" in L:  # linear-attention and latent-attention layers have no q, k, v
+            if "wk" in L:  # linear-attention and latent-attention layers have no k, v (latent: wq without a q rank)
                 L["wqkv"] = torch.cat([L.pop("wq"), L.pop("wk"), L.pop("wv")])  # one matmul for q, k, v
             if a.attention_bias and "bq" in L:
                 L["bqkv"] = torch.cat([L.pop("bq"), L.pop("bk"), L.pop("bv")])
