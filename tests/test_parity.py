@@ -115,3 +115,20 @@ def test_disk_and_ram_give_the_same_perplexity(tiny):
     ram, disk = results
     assert ram.ppl == pytest.approx(disk.ppl, rel=1e-6)
     assert ram.stats["sync_fetches"] == disk.stats["sync_fetches"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_checkpoint_matches_hf(tiny, family, tmp_path):
+    """A checkpoint saved in bf16, as releases are: the engine (disk store, bf16 slots) equals HF's model
+    loaded from the same files in fp32, so no weight is rounded on the way (e.g. a norm's 1 + w)."""
+    from transformers import AutoModelForCausalLM
+    import copy
+    copy.deepcopy(tiny[family][1]).to(torch.bfloat16).save_pretrained(tmp_path)  # the shared reference stays fp32
+    ref_model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = ref_model(ids[None]).logits[0]
+    engine = Engine(tmp_path, EngineConfig(store="disk", cache=CacheConfig(fraction=0.5), initial="cold",
+                                           store_dir=tmp_path / "store"))
+    torch.testing.assert_close(engine.forward(ids, 0), ref, **TOL)
+    engine.close()

@@ -63,4 +63,4 @@ def adapt_dense(w: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Ten
             out[name] = 1.0 + t.float()
         elif name.endswith(".lin_conv"):
             out[name] = t.squeeze(1)
-    return {k: v.to(w["embed"].dtype) for k, v in out.items()}
+    return {k: v.to(w[k].dtype) for k, v in out.items()}  # 1 + w in the compute dtype: a 16-bit embedding's is not
