@@ -118,3 +118,36 @@ def test_chat_verb_answers_each_stdin_line(monkeypatch, capsys):
     assert cli.main(["chat", "--store", "ram", "-n", "6"]) == 0
     replies = capsys.readouterr().out.split("\n")
     assert len([r for r in replies if r.strip()]) >= 2
+
+
+def test_side_files_where_releases_put_them(tmp_path, capsys):
+    """generation_config.json's end-of-turn ids stop generation; a chat template in chat_template.jinja (what
+    transformers 5 saves) is found; an unreadable tokenizer_config.json is one line naming the file."""
+    import json
+
+    from expertcache import cli
+    from expertcache.engine.chat import ChatTemplate
+    from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
+    from expertcache.engine.generate import TextGeneration, eos_token_ids
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / name).symlink_to(BUILTIN_MODEL / name)
+    tok_config = json.loads((BUILTIN_MODEL / "tokenizer_config.json").read_text())
+    template = tok_config.pop("chat_template")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    (tmp_path / "chat_template.jinja").write_text(template)
+    engine = Engine(tmp_path, EngineConfig(store="ram", max_seq=64))
+    messages = [{"role": "user", "content": "Who goes there?"}]
+    assert ChatTemplate.of(engine).render(messages) == ChatTemplate(template).render(messages)
+    prompt = engine.encode("ROMEO.\n")
+    first = TextGeneration(engine, prompt, SamplingParams(max_tokens=4)).step().token
+    assert first not in eos_token_ids(engine)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, first]}))
+    gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=4))
+    assert gen.eos == eos_token_ids(engine) == {0, first}
+    assert gen.step().finish_reason == "stop" and gen.tokens == []
+    engine.close()
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>",')
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", str(tmp_path), "--store", "ram", "-n", "2", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "tokenizer_config.json is not valid JSON" in err, err

@@ -1,4 +1,4 @@
-"""Chat templates: the checkpoint's tokenizer_config.json `chat_template`, rendered with
+"""Chat templates: the checkpoint's chat_template.jinja or tokenizer_config.json `chat_template`, rendered with
 jinja2 the way HF transformers renders it (sandboxed, trim_blocks, lstrip_blocks, the
 `raise_exception` helper, bos/eos tokens from the tokenizer config)."""
 from __future__ import annotations
@@ -36,19 +36,28 @@ class ChatTemplate:
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
-            raise CheckpointError(f"chat_template does not parse ({e}); fix tokenizer_config.json") from None
+            raise CheckpointError(f"the chat template does not parse ({e}); fix it in chat_template.jinja or "
+                                  "tokenizer_config.json") from None
         self.bos_token, self.eos_token = bos_token, eos_token
 
     @classmethod
     def of(cls, engine: Engine) -> ChatTemplate:
-        """The engine's checkpoint template; CheckpointError when it has none."""
+        """The engine's checkpoint template, where HF looks for it: chat_template.jinja (what transformers 5
+        saves), else tokenizer_config.json's or chat_template.json's chat_template; CheckpointError when
+        there is none."""
         cfg = tokenizer_config(engine)
-        source = cfg.get("chat_template")
+        jinja = engine.checkpoint.path / "chat_template.jinja"
+        try:
+            source = jinja.read_text() if jinja.exists() else \
+                cfg.get("chat_template") or engine.checkpoint.side_json("chat_template.json").get("chat_template")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{jinja} is not UTF-8 text; restore it from the model's release") from None
         if isinstance(source, list):  # named templates: HF picks "default"
-            source = next((t["template"] for t in source if t.get("name") == "default"), None)
-        if not source:
-            raise CheckpointError(f"{engine.path}: tokenizer_config.json has no chat_template; "
-                                  "add one or use plain completions")
+            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
+                          None)
+        if not source or not isinstance(source, str):
+            raise CheckpointError(f"{engine.path}: no chat template (chat_template.jinja, or chat_template in "
+                                  "tokenizer_config.json); add one or use plain completions")
         return cls(source, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

@@ -55,6 +55,21 @@ class Checkpoint:
                 raise CheckpointError(f"{file}: corrupt safetensors file ({e}); re-download or re-export it") from None
         return out
 
+    def side_json(self, name: str) -> dict:
+        """A JSON file beside the weights (tokenizer_config.json, generation_config.json), or {} when there is none."""
+        p = self.path / name
+        if not p.exists():
+            return {}
+        try:
+            out = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{p} is not valid JSON ({e}); restore it from the model's release or delete it") \
+                from None
+        if not isinstance(out, dict):
+            raise CheckpointError(f"{p} holds a JSON {type(out).__name__}, not an object; restore it from the "
+                                  "model's release or delete it")
+        return out
+
     @property
     def tokenizer_file(self) -> Path | None:
         """tokenizer.json beside the weights, or None if there is none."""

@@ -4,7 +4,6 @@ interleave the steps of several requests over one engine and one expert cache, o
 as one batched forward (`batch_logits`)."""
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,10 +16,12 @@ from .sampling import IncrementalDetokenizer, Sampler, SamplingParams, StopStrin
 
 
 def eos_token_ids(engine: Engine) -> frozenset[int]:
-    """The checkpoint's end-of-sequence ids: config.json's eos_token_id (an id or a list) and
-    tokenizer_config.json's eos_token."""
-    ids = engine.checkpoint.config.get("eos_token_id")
-    found = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    """The checkpoint's end-of-sequence ids: the eos_token_id (an id or a list) of config.json and of
+    generation_config.json (where releases list their end-of-turn ids), and tokenizer_config.json's eos_token."""
+    found = set()
+    for config in (engine.checkpoint.config, engine.checkpoint.side_json("generation_config.json")):
+        ids = config.get("eos_token_id")
+        found.update(i for i in (ids if isinstance(ids, list) else [ids]) if isinstance(i, int))
     token = tokenizer_config(engine).get("eos_token")
     token = token.get("content") if isinstance(token, dict) else token
     if token and engine.tokenizer is not None and engine.tokenizer.token_to_id(token) is not None:
@@ -30,8 +31,7 @@ def eos_token_ids(engine: Engine) -> frozenset[int]:
 
 def tokenizer_config(engine: Engine) -> dict:
     """The checkpoint's tokenizer_config.json, or {} when it has none."""
-    path = engine.path / "tokenizer_config.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return engine.checkpoint.side_json("tokenizer_config.json")
 
 
 def check_length(engine: Engine, prompt_len: int, max_tokens: int) -> None:
