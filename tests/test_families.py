@@ -376,3 +376,52 @@ def test_qwen3_next_512_experts_top_10_through_the_disk_store(tmp_path):
     out = [engine.forward(ids[:8], 0)] + [engine.forward(ids[p:p + 1], p) for p in range(8, len(ids))]
     torch.testing.assert_close(torch.cat(out), ref, atol=1e-4, rtol=0)
     engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_block_fp8_checkpoint_is_read_dequantised(family, tmp_path, capsys):
+    """An fp8 release's layout (float8_e4m3fn projections, a weight_scale_inv per block of weight_block_size,
+    blocks that do not divide the matrices): the engine equals HF's model from the dequantised weights, from the
+    ram and the disk store; another quantization is refused in one line."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    save_tiny(family, tmp_path / "float")
+    block = (16, 12)  # 32 columns: two whole blocks and a partial one
+    sd, fp8, meant = load_file(tmp_path / "float" / "model.safetensors"), {}, {}
+    for name, w in sd.items():
+        fp8[name] = meant[name] = w
+        if name.endswith("proj.weight") and w.dim() == 2:
+            rows, cols = w.shape
+            grid = w.new_zeros(-(-rows // block[0]), -(-cols // block[1]))
+            for i in range(grid.shape[0]):
+                for j in range(grid.shape[1]):
+                    b = w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+                    grid[i, j] = b.abs().max().clamp_min(1e-12) / 448.0
+            full = grid.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+            codes = (w / full).to(torch.float8_e4m3fn)
+            fp8[name], fp8[name[:-len("weight")] + "weight_scale_inv"] = codes, grid
+            meant[name] = codes.float() * full  # what the fp8 checkpoint means
+    save_file(meant, tmp_path / "float" / "model.safetensors", metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.float32).eval()
+    (tmp_path / "fp8").mkdir()
+    save_file(fp8, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    config["dtype"] = "float32"
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    for store in ("ram", "disk"):
+        engine = Engine(tmp_path / "fp8", EngineConfig(store=store, cache=CacheConfig(fraction=0.5), initial="cold",
+                                                       store_dir=tmp_path / "store"))
+        torch.testing.assert_close(engine.forward(ids, 0), ref, atol=1e-4, rtol=0)
+        assert engine.stats.sync_fetches > 0
+        engine.close()
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert cli.main(["info", "--model", str(tmp_path / "fp8")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "'gptq' cannot be read" in err, err

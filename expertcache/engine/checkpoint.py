@@ -1,5 +1,10 @@
 """Read an HF checkpoint folder: config.json, safetensors (single or sharded), tokenizer.json,
-and the files `calibrate` writes beside the weights (routing counts, default vectors)."""
+and the files `calibrate` writes beside the weights (routing counts, default vectors).
+
+Block-wise fp8 checkpoints (`quantization_config.quant_method: fp8`, as DeepSeek-V3, Kimi K2 and the
+Qwen3 *-FP8 releases ship) are read dequantised, as HF transformers loads them without an fp8 GPU:
+each float8 weight times its `weight_scale_inv`, one scale per `weight_block_size` block, in the
+config's dtype (bf16 for the releases)."""
 from __future__ import annotations
 
 import json
@@ -17,27 +22,55 @@ DEFAULT_VECTORS = "default_vectors.safetensors"
 ROUTING_COUNTS = "routing_counts.json"  # per layer, how often each expert is routed on calibration text
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
 @dataclass
 class Checkpoint:
     """An opened HF checkpoint folder: its config.json and where each tensor is stored."""
     path: Path
     config: dict
     files: dict[str, Path]  # tensor name -> safetensors file
+    fp8_block: tuple[int, int] | None = None  # an fp8 checkpoint's weight_block_size ((0, 0): a scale per tensor)
 
     def names(self) -> list[str]:
         """Every tensor name in the checkpoint."""
         return list(self.files)
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Load one tensor by its checkpoint name."""
+        """Load one tensor by its checkpoint name (an fp8 weight dequantised)."""
         try:
             with safe_open(str(self.files[name]), "pt") as f:
-                return f.get_tensor(name)
+                t = f.get_tensor(name)
         except KeyError:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing; re-export the checkpoint") from None
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{self.files[name]}: cannot read tensor {name!r} ({e}); "
                                   "re-download or re-export the checkpoint") from None
+        return self._dequantized(name, t)
+
+    def _dequantized(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A float8 weight times its weight_scale_inv blocks, in the config's dtype; other tensors as they are."""
+        if t.dtype not in FP8_DTYPES:
+            return t
+        if self.fp8_block is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is float8 but config.json has no fp8 "
+                                  "quantization_config; restore the config from the model's release")
+        scale = self.tensor(name + "_scale_inv").float()
+        rows, cols = t.shape[-2:] if t.dim() >= 2 else (1, t.shape[-1] if t.dim() else 1)
+        bn, bk = self.fp8_block
+        if scale.numel() == 1:  # one scale for the tensor
+            scale = scale.reshape(())
+        elif bn and t.dim() >= 2 and scale.shape[:-2] == t.shape[:-2] and \
+                scale.shape[-2:] == (-(-rows // bn), -(-cols // bk)):
+            scale = scale.repeat_interleave(bn, -2)[..., :rows, :].repeat_interleave(bk, -1)[..., :cols]
+        else:
+            raise CheckpointError(f"{self.path}: {name}_scale_inv has shape {tuple(scale.shape)}, which does not "
+                                  f"cover {name} {tuple(t.shape)} in blocks of {list(self.fp8_block)}; "
+                                  "re-download the checkpoint")
+        dtype = self.config.get("dtype") or self.config.get("torch_dtype")
+        return (t.float() * scale).to(CONFIG_DTYPES.get(dtype, torch.bfloat16))
 
     def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Load several tensors, opening each shard once."""
@@ -53,7 +86,7 @@ class Checkpoint:
                     out.update({n: f.get_tensor(n) for n in ns})
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: corrupt safetensors file ({e}); re-download or re-export it") from None
-        return out
+        return {n: self._dequantized(n, t) for n, t in out.items()}
 
     def side_json(self, name: str) -> dict:
         """A JSON file beside the weights (tokenizer_config.json, generation_config.json), or {} when there is none."""
@@ -119,6 +152,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{path}: config.json is missing; copy it from the model's release") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}/config.json is not valid JSON ({e}); restore it from the release") from None
+    fp8_block = quantization(path, config)
     index = path / "model.safetensors.index.json"
     files: dict[str, Path] = {}
     if index.exists():
@@ -140,7 +174,29 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                     files.update({k: shard for k in f.keys()})
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{shard}: corrupt safetensors file ({e}); re-download or re-export it") from None
-    return Checkpoint(path, config, files)
+    return Checkpoint(path, config, files, fp8_block)
+
+
+def quantization(path: Path, config: dict) -> tuple[int, int] | None:
+    """An fp8 checkpoint's weight_block_size ((0, 0) for a scale per tensor); None for float weights.
+    GPT-OSS's MXFP4 experts are its family's to read (models/gpt_oss.py); other quantizations are refused."""
+    q = config.get("quantization_config")
+    if q is None:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method == "mxfp4" and config.get("model_type") == "gpt_oss":
+        return None
+    if method != "fp8":
+        raise CheckpointError(f"{path}: weights quantized with {method!r} cannot be read; expertcache reads float "
+                              "(bf16, fp16, fp32), block-wise fp8 and GPT-OSS's MXFP4 checkpoints: use the model's "
+                              "unquantized release (then --store-dtype int8/int4 quantizes its experts)")
+    block = q.get("weight_block_size")
+    if block is None:
+        return (0, 0)
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise CheckpointError(f"{path}: quantization_config.weight_block_size {block!r} is not two positive whole "
+                              "numbers; restore config.json from the model's release")
+    return tuple(block)
 
 
 def load_routing_counts(model_path: Path, shape: tuple[int, int] | None = None) -> np.ndarray | None:
