@@ -164,3 +164,18 @@ def test_truncated_trace_is_one_line(capsys, tmp_path):
     path.write_bytes(path.read_bytes()[:-100])
     code, err = run_cli(capsys, "simulate", str(path))
     assert code == 2 and err.count("\n") == 0 and "truncated" in err, err
+
+
+def test_an_index_that_misplaces_a_tensor_is_one_line(capsys, ckpt):
+    """A sharded checkpoint whose index names a shard that does not hold the tensor: the message says so."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(ckpt / "model.safetensors")
+    names = sorted(sd)
+    save_file({n: sd[n] for n in names[::2]}, ckpt / "model-00001-of-00002.safetensors")
+    save_file({n: sd[n] for n in names[1::2]}, ckpt / "model-00002-of-00002.safetensors")
+    (ckpt / "model.safetensors").unlink()
+    weight_map = {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}
+    other = 2 - names.index("model.embed_tokens.weight") % 2  # the shard that does not hold it
+    weight_map["model.embed_tokens.weight"] = f"model-0000{other}-of-00002.safetensors"
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    expect_cli_error(capsys, ckpt, "has no tensor 'model.embed_tokens.weight', where the index puts it")

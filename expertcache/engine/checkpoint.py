@@ -83,6 +83,10 @@ class Checkpoint:
         for file, ns in by_file.items():
             try:
                 with safe_open(str(file), "pt") as f:
+                    held = set(f.keys())
+                    if missing := [n for n in ns if n not in held]:
+                        raise CheckpointError(f"{file} has no tensor {missing[0]!r}, where the index puts it; "
+                                              "re-download the checkpoint and its model.safetensors.index.json")
                     out.update({n: f.get_tensor(n) for n in ns})
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: corrupt safetensors file ({e}); re-download or re-export it") from None
