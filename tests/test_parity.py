@@ -132,3 +132,32 @@ def test_bf16_checkpoint_matches_hf(tiny, family, tmp_path):
                                            store_dir=tmp_path / "store"))
     torch.testing.assert_close(engine.forward(ids, 0), ref, **TOL)
     engine.close()
+
+
+@pytest.mark.parametrize("family,over", [
+    ("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),
+    ("qwen2_moe", dict(num_hidden_layers=4, layer_types=["full_attention"] * 4, decoder_sparse_step=2)),
+    ("qwen3_next", dict(mlp_only_layers=[0]))])
+def test_dense_layers_of_the_qwen_families_match_hf(family, over, tmp_path):
+    """Qwen configs that make some layers dense (mlp_only_layers, decoder_sparse_step): those layers run HF's
+    MLP, the others index the cache as MoE layers 0..; logits and KV-cache decode equal HF's under
+    fetch-every-miss, with the next MoE layer prefetched across a dense one."""
+    from hf_models import save_tiny
+
+    from expertcache.engine.moe import PrefetchConfig
+    from expertcache.models import model_args
+    hf = save_tiny(family, tmp_path, **over)
+    a = model_args(__import__("json").loads((tmp_path / "config.json").read_text()))
+    assert a.dense_layers and a.num_moe_layers == sum(hasattr(layer.mlp, "experts") for layer in hf.model.layers)
+    ids = torch.randint(0, 96, (14,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    engine = Engine(tmp_path, EngineConfig(store="disk", cache=CacheConfig(fraction=0.25), initial="cold",
+                                           store_dir=tmp_path / "store"))
+    torch.testing.assert_close(engine.forward(ids, 0), ref, **TOL)
+    engine.reset()
+    engine.set_prefetch(PrefetchConfig("router-ahead"))
+    out = [engine.forward(ids[:8], 0)] + [engine.forward(ids[p:p + 1], p) for p in range(8, len(ids))]
+    torch.testing.assert_close(torch.cat(out), ref, **TOL)
+    assert engine.stats.misses > 0 and engine.stats.predictions > 0
+    engine.close()

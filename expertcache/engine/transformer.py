@@ -1,5 +1,5 @@
 """The decoder: embeddings, attention with a static KV cache, and MoE layers whose experts
-come from the expert cache (the first `first_dense_layers` layers run a dense SwiGLU MLP).
+come from the expert cache (dense layers, `ModelArgs.is_dense`, run a SwiGLU MLP).
 One sequence at a time (generation, or a teacher-forced window), or a batch of sequences decoding
 one token each against their own keys and values (`forward_batch`)."""
 from __future__ import annotations
@@ -32,7 +32,7 @@ KV_START = 256  # positions the KV cache holds before it first grows
 class Transformer:
     """The decoder over dense weights in our names; `moe(layer, x, router)` supplies each MoE layer's
     routed output, `prefetch(layer, h)` (if set) sees the residual after each attention; `layer`
-    counts MoE layers (decoder layer - first_dense_layers)."""
+    counts MoE layers (the decoder layers of `ModelArgs.moe_layers`, in order)."""
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], moe: MoEFn,
                  device: torch.device, max_seq: int = 2048):
         self.args, self.moe, self.device, self.max_seq = args, moe, device, max_seq
@@ -52,7 +52,8 @@ class Transformer:
                 if mlp + "_w1" in L:
                     L[mlp + "_w13"] = torch.cat([L.pop(mlp + "_w1"), L.pop(mlp + "_w3")])
             self.layers.append(L)
-        self.moe_layers = self.layers[a.first_dense_layers:]  # indexed as the cache and the kernel do
+        self.moe_layers = [self.layers[i] for i in a.moe_layers]  # indexed as the cache and the kernel do
+        self.moe_index = {i: j for j, i in enumerate(a.moe_layers)}  # decoder layer -> MoE layer
         self.router = router_of(a, weights)
         dtype = self.dtype = self.norm.dtype  # compute dtype; embed and lm_head may be stored in 16 bits
         # multi-head latent attention caches a latent per position (preallocated at max_seq), not keys and values
@@ -250,11 +251,12 @@ class Transformer:
         """The residual stream h [T, H] after layer i's dense MLP or MoE block (routed and shared experts) on its
         normed input x [T, H]."""
         a = self.args
-        if i < a.first_dense_layers:
+        if a.is_dense(i):
             return h + self._mlp(L, x, "dense")
+        j = self.moe_index[i]
         if self.prefetch is not None:
-            self.prefetch(i - a.first_dense_layers, h)
-        y = self.moe(i - a.first_dense_layers, x, L["router"])
+            self.prefetch(j, h)
+        y = self.moe(j, x, L["router"])
         if a.shared_expert_dim:
             y = y + self._shared_expert(L, x)
         return h + y

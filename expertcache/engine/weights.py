@@ -40,7 +40,7 @@ def dense_weights(ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32,
 
 
 def _check_shapes(w: dict[str, torch.Tensor], a: ModelArgs) -> None:
-    first = a.first_dense_layers
+    first = a.moe_layers[0]
     attn = next((i for i in range(a.num_layers) if a.layer_type(i) != "linear_attention"), None)
     expect = {"embed": (a.vocab_size, a.hidden_size), f"layers.{first}.router": (a.num_experts, a.hidden_size)}
     if a.router_bias:

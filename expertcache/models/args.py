@@ -64,23 +64,29 @@ class ModelArgs:
     expert_bias: bool = False  # b13 [2F] and b2 [H] per expert
     swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU: gate <= limit, |up| <= limit, (up + 1) * glu
     swiglu_alpha: float = 1.702
-    # Dense layers: the first `first_dense_layers` decoder layers run a SwiGLU MLP of `dense_dim`
+    # Dense layers run a SwiGLU MLP of `dense_dim` instead of experts: the first `first_dense_layers` decoder
+    # layers (DeepSeek, GLM), and those in `dense_layers` (Qwen's mlp_only_layers and decoder_sparse_step)
     first_dense_layers: int = 0
+    dense_layers: tuple[int, ...] = ()
     dense_dim: int = 0
 
     def layer_type(self, i: int) -> str:
         """Layer i's attention kind: full_attention, sliding_attention or linear_attention."""
         return self.layer_types[i] if self.layer_types else "full_attention"
 
+    def is_dense(self, i: int) -> bool:
+        """Whether decoder layer i runs a dense MLP instead of experts."""
+        return i < self.first_dense_layers or i in self.dense_layers
+
     @property
-    def moe_layers(self) -> range:
+    def moe_layers(self) -> tuple[int, ...]:
         """Decoder layers with routed experts; the cache, kernel and routing counts index these 0.. in order."""
-        return range(self.first_dense_layers, self.num_layers)
+        return tuple(i for i in range(self.num_layers) if not self.is_dense(i))
 
     @property
     def num_moe_layers(self) -> int:
         """How many decoder layers route to experts."""
-        return self.num_layers - self.first_dense_layers
+        return len(self.moe_layers)
 
     @property
     def expert_params(self) -> int:

@@ -5,12 +5,21 @@ from ..errors import UnsupportedArchitecture
 from .args import ModelArgs
 
 
-def dense_layers_unsupported(c: dict) -> None:
-    """Raise UnsupportedArchitecture if the config has dense (non-MoE) layers."""
-    if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
-        raise UnsupportedArchitecture(
-            f"{c.get('model_type')}: dense (non-MoE) layers via mlp_only_layers/decoder_sparse_step are not "
-            "supported; use a checkpoint whose every layer is MoE")
+def qwen_dense_fields(c: dict) -> dict:
+    """ModelArgs fields of the Qwen families' dense layers: those in mlp_only_layers, and all but every
+    decoder_sparse_step-th (HF's rule), each a SwiGLU MLP of intermediate_size."""
+    step, only = c.get("decoder_sparse_step") or 1, c.get("mlp_only_layers") or []
+    if type(step) is not int or step < 1 or not all(type(i) is int for i in only):
+        raise UnsupportedArchitecture(f"{c.get('model_type')}: decoder_sparse_step {step!r} or mlp_only_layers "
+                                      f"{only!r} is not whole layer numbers; restore the config from the release")
+    dense = tuple(i for i in range(c["num_hidden_layers"]) if i in only or (i + 1) % step)
+    return dict(dense_layers=dense, dense_dim=c["intermediate_size"] if dense else 0)
+
+
+def dense_mlp_names(i: int) -> dict:
+    """Layer i's dense SwiGLU MLP, as HF's Qwen, DeepSeek and GLM families name it."""
+    p = f"model.layers.{i}.mlp."
+    return {"dense_w1": p + "gate_proj.weight", "dense_w3": p + "up_proj.weight", "dense_w2": p + "down_proj.weight"}
 
 
 def attention_names(i: int, a: ModelArgs) -> dict:
@@ -35,9 +44,11 @@ def expert_names(prefix: str, a: ModelArgs, w1: str, w3: str, w2: str) -> dict:
 
 
 def per_expert_names(i: int, a: ModelArgs, moe: str, gate: str, w1: str, w3: str, w2: str) -> dict:
-    """Our name -> checkpoint name for layer i; experts as lists indexed by expert id."""
+    """Our name -> checkpoint name for layer i; experts as lists indexed by expert id (a dense layer: its MLP)."""
     p = f"model.layers.{i}."
     names = attention_names(i, a)
+    if a.is_dense(i):
+        return {**names, **dense_mlp_names(i)}
     names["router"] = p + f"{moe}.{gate}.weight"
     names["experts"] = expert_names(p + f"{moe}.experts.", a, w1, w3, w2)
     return names
@@ -47,9 +58,8 @@ def deepseek_mlp_names(i: int, a: ModelArgs) -> dict:
     """Layer i's MLP tensors as DeepSeek-V3 and GLM-4.5 name them: a dense SwiGLU MLP in the first
     first_dense_layers layers; elsewhere a router with its selection bias, shared experts and routed experts."""
     p = f"model.layers.{i}.mlp."
-    if i < a.first_dense_layers:
-        return {"dense_w1": p + "gate_proj.weight", "dense_w3": p + "up_proj.weight",
-                "dense_w2": p + "down_proj.weight"}
+    if a.is_dense(i):
+        return dense_mlp_names(i)
     names = {"router": p + "gate.weight", "experts": expert_names(p + "experts.", a, "gate_proj", "up_proj",
                                                                    "down_proj")}
     if a.router_bias:

@@ -1,13 +1,12 @@
 """Qwen2-MoE: q/k/v biases, a shared expert behind a sigmoid gate, softmax router."""
 from .args import ModelArgs, head_dim, num_experts, rope_theta
-from .naming import dense_layers_unsupported, per_expert_names
+from .naming import per_expert_names, qwen_dense_fields
 
 ARCHITECTURE = "Qwen2MoeForCausalLM"
 
 
 def args_from_config(c: dict) -> ModelArgs:
     """ModelArgs from a Qwen2-MoE config.json."""
-    dense_layers_unsupported(c)
     return ModelArgs(
         family="qwen2_moe", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
@@ -16,14 +15,14 @@ def args_from_config(c: dict) -> ModelArgs:
         norm_topk_prob=bool(c.get("norm_topk_prob", False)), rope_theta=rope_theta(c, 10000.0),
         rms_norm_eps=c.get("rms_norm_eps", 1e-6), tie_word_embeddings=c.get("tie_word_embeddings", False),
         attention_bias=c.get("qkv_bias", True), shared_expert_dim=c.get("shared_expert_intermediate_size", 0),
-        max_position_embeddings=c.get("max_position_embeddings", 4096))
+        max_position_embeddings=c.get("max_position_embeddings", 4096), **qwen_dense_fields(c))
 
 
 def layer_names(i: int, a: ModelArgs) -> dict:
     """Our name -> checkpoint name for layer i's tensors; experts as lists indexed by expert id."""
     names = per_expert_names(i, a, moe="mlp", gate="gate", w1="gate_proj", w3="up_proj", w2="down_proj")
     p = f"model.layers.{i}.mlp."
-    if a.shared_expert_dim:
+    if a.shared_expert_dim and not a.is_dense(i):
         names.update(shared_w1=p + "shared_expert.gate_proj.weight", shared_w3=p + "shared_expert.up_proj.weight",
                      shared_w2=p + "shared_expert.down_proj.weight", shared_gate=p + "shared_expert_gate.weight")
     return names

@@ -1,13 +1,12 @@
 """Qwen3-MoE: per-head q/k RMSNorm, no biases, softmax router, top-k renormalised if norm_topk_prob."""
 from .args import ModelArgs, head_dim, num_experts, rope_theta
-from .naming import dense_layers_unsupported, per_expert_names
+from .naming import per_expert_names, qwen_dense_fields
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 
 
 def args_from_config(c: dict) -> ModelArgs:
     """ModelArgs from a Qwen3-MoE config.json."""
-    dense_layers_unsupported(c)
     return ModelArgs(
         family="qwen3_moe", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
@@ -16,7 +15,7 @@ def args_from_config(c: dict) -> ModelArgs:
         norm_topk_prob=bool(c.get("norm_topk_prob", False)), rope_theta=rope_theta(c, 10000.0),
         rms_norm_eps=c.get("rms_norm_eps", 1e-6), tie_word_embeddings=c.get("tie_word_embeddings", False),
         attention_bias=c.get("attention_bias", False), qk_norm="head",
-        max_position_embeddings=c.get("max_position_embeddings", 4096))
+        max_position_embeddings=c.get("max_position_embeddings", 4096), **qwen_dense_fields(c))
 
 
 def layer_names(i: int, a: ModelArgs) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .args import ModelArgs, head_dim, num_experts, partial_rotary_factor, rope_scaling, rope_theta
-from .naming import dense_layers_unsupported, per_expert_names
+from .naming import per_expert_names, qwen_dense_fields
 
 ARCHITECTURE = "Qwen3NextForCausalLM"
 
@@ -17,7 +17,6 @@ OFFSET_NORMS = ("attn_norm", "moe_norm", "q_norm", "k_norm")  # Qwen3NextRMSNorm
 
 def args_from_config(c: dict) -> ModelArgs:
     """ModelArgs from a Qwen3-Next config.json."""
-    dense_layers_unsupported(c)
     layers = c["num_hidden_layers"]
     interval = c.get("full_attention_interval", 4)
     types = c.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
@@ -34,7 +33,7 @@ def args_from_config(c: dict) -> ModelArgs:
         attention_gate=True, partial_rotary_factor=partial_rotary_factor(c), rope_scaling=rope_scaling(c),
         linear_num_key_heads=c["linear_num_key_heads"], linear_num_value_heads=c["linear_num_value_heads"],
         linear_key_head_dim=c["linear_key_head_dim"], linear_value_head_dim=c["linear_value_head_dim"],
-        linear_conv_kernel=c.get("linear_conv_kernel_dim", 4))
+        linear_conv_kernel=c.get("linear_conv_kernel_dim", 4), **qwen_dense_fields(c))
 
 
 def layer_names(i: int, a: ModelArgs) -> dict:
@@ -49,7 +48,7 @@ def layer_names(i: int, a: ModelArgs) -> dict:
                      lin_conv=la + "conv1d.weight", lin_dt_bias=la + "dt_bias", lin_A_log=la + "A_log",
                      lin_norm=la + "norm.weight", lin_out=la + "out_proj.weight")
     m = p + "mlp."
-    if a.shared_expert_dim:
+    if a.shared_expert_dim and not a.is_dense(i):
         names.update(shared_w1=m + "shared_expert.gate_proj.weight", shared_w3=m + "shared_expert.up_proj.weight",
                      shared_w2=m + "shared_expert.down_proj.weight", shared_gate=m + "shared_expert_gate.weight")
     return names
