@@ -83,7 +83,16 @@ def test_unknown_names(capsys, ckpt):
 
 def test_missing_text_file(capsys, ckpt, tmp_path):
     code, err = run_cli(capsys, "ppl", "--model", str(ckpt), "--text", str(tmp_path / "none.txt"))
+    assert code == 2 and "no such text file" in err
+    code, err = run_cli(capsys, "ppl", "--model", str(ckpt), "--text", str(tmp_path))
     assert code == 2 and "cannot read text" in err
+
+
+def test_a_text_is_scored_as_it_is(tmp_path):
+    """\r\n line ends stay in the text that ppl scores (as a tokenizer or a server sees them)."""
+    from expertcache.lab.texts import read_text
+    (tmp_path / "crlf.txt").write_bytes(b"ROMEO.\r\nWhat light\r\n")
+    assert read_text(tmp_path / "crlf.txt") == "ROMEO.\r\nWhat light\r\n"
 
 
 def test_bad_input_is_typed_and_programming_errors_are_not_bad_input(capsys, ckpt, monkeypatch):

@@ -151,3 +151,30 @@ def test_side_files_where_releases_put_them(tmp_path, capsys):
     assert cli.main(["generate", "--model", str(tmp_path), "--store", "ram", "-n", "2", "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "tokenizer_config.json is not valid JSON" in err, err
+
+
+def test_tiny_temperatures_and_vllm_top_k_sample(monkeypatch, capsys):
+    """A temperature too small to divide by (1e-45) samples the most likely token instead of overflowing to NaN;
+    top_k -1 (vLLM's 'no limit') is top_k 0. The CLI refuses an empty prompt and a chat line that is not UTF-8
+    in one line each, and reads a Windows line end as a plain one."""
+    import io
+
+    from expertcache import cli
+    logits = torch.tensor([1.0, 3.0, 2.0, 3.0 - 1e-6])
+    for t in (1e-45, 1e-38):
+        assert Sampler(SamplingParams(temperature=t, seed=0))(logits, torch.tensor([], dtype=torch.long)) == 1
+    assert SamplingParams(top_k=-1).top_k == -1
+    with pytest.raises(SamplingError, match="top_k"):
+        SamplingParams(top_k=-2)
+    assert cli.main(["generate", "--store", "ram", "-p", ""]) == 2
+    assert "the prompt is empty" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO("caf\udcff\n"))  # stdin's surrogateescape of a stray byte
+    assert cli.main(["chat", "--store", "ram", "-n", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not valid UTF-8" in err, err
+    replies = {}
+    for end in ("\n", "\r\n"):
+        monkeypatch.setattr("sys.stdin", io.StringIO(f"Who goes there?{end}"))
+        assert cli.main(["chat", "--store", "ram", "-n", "6"]) == 0
+        replies[end] = capsys.readouterr().out
+    assert replies["\n"] == replies["\r\n"]

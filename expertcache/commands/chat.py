@@ -35,7 +35,7 @@ def run(a) -> int:
             break
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line.rstrip("\n")})
+        messages.append({"role": "user", "content": line.rstrip("\r\n")})  # a Windows line ends in \r\n
         gen = TextGeneration(engine, encode_chat(engine, template, messages), params)
         reply = []
         for out in gen:

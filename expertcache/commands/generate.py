@@ -43,14 +43,16 @@ def add_arguments(p):
 
 
 def prompt_text(a) -> str:
-    """The prompt, given by -p or as the argument; '-' or a piped stdin without a prompt reads stdin."""
+    """The prompt, given by -p or as the argument; '-' or a piped stdin without a prompt reads stdin. Without
+    any (no prompt, nothing piped) it is the default prompt; an empty prompt asked for is an error."""
     if a.prompt_option is not None and a.prompt is not None:
         raise BadInput(f"two prompts given (-p {a.prompt_option!r} and {a.prompt!r}); give one, quoting it if it "
                        "has spaces")
-    text = a.prompt_option if a.prompt_option is not None else a.prompt
-    if text == "-" or (text is None and not sys.stdin.isatty()):
-        text = sys.stdin.read()
-    return DEFAULT_PROMPT if not text else text
+    given = a.prompt_option if a.prompt_option is not None else a.prompt
+    text = sys.stdin.read() if given == "-" or (given is None and not sys.stdin.isatty()) else given
+    if not text and given is not None:  # asked for explicitly, so the default prompt would be a silent substitute
+        raise BadInput("the prompt is empty; give some text (or no prompt at all for the default one)")
+    return text or DEFAULT_PROMPT
 
 
 def run(a) -> int:

@@ -1,10 +1,10 @@
 """expertcache ppl: teacher-forced perplexity of a text under the engine's cache and policy."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from ..engine.perplexity import EVAL_TEXT, perplexity
+from ..lab.texts import read_text
 from ..progress import progress_bar
 from .options import add_engine_arguments, add_json_argument, engine_from_args, positive_int, write_json
 
@@ -22,11 +22,7 @@ def add_arguments(p):
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
-    try:
-        text = a.text.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        print(f"expertcache: error: cannot read text {a.text} ({e}); pass --text a UTF-8 file", file=sys.stderr)
-        return 2
+    text = read_text(a.text)
     engine = engine_from_args(a)
     ids = engine.encode(text)[: a.max_tokens and a.max_tokens + 1]
     with progress_bar(total=len(ids) - 1, unit="tok", desc="ppl") as bar:

@@ -71,6 +71,8 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template failed on these messages ({e})") from None
 
 
-def encode_chat(engine: Engine, template: ChatTemplate, messages: list[dict]) -> list[int]:
-    """Messages -> prompt ids (the template writes any special tokens itself, as in HF)."""
-    return engine.tokenizer.encode(template.render(messages), add_special_tokens=False).ids
+def encode_chat(engine: Engine, template: ChatTemplate, messages: list[dict],
+                add_generation_prompt: bool = True) -> list[int]:
+    """Messages -> prompt ids (the template writes any special tokens itself, as in HF); BadInput for text that
+    is not UTF-8."""
+    return engine.encode(template.render(messages, add_generation_prompt), special=False)

@@ -251,15 +251,16 @@ class Engine:
             raise NonFiniteOutput(f"the model produced non-finite logits {where(t)}: corrupt weights; "
                                   "check the checkpoint, or rerun `expertcache convert` for a disk store")
 
-    def encode(self, text: str) -> list[int]:
-        """The token ids of `text` by the checkpoint's tokenizer; CheckpointError when it has none."""
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """The token ids of `text` by the checkpoint's tokenizer (with `special`, the tokens its post-processor
+        adds, such as a BOS); CheckpointError when it has none, BadInput for text that is not UTF-8."""
         if self.tokenizer is None:
             raise CheckpointError(f"{self.path}: no tokenizer.json; text input needs the model's tokenizer")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:  # bytes that were not UTF-8 reach Python as lone surrogates
             raise BadInput("the text is not valid UTF-8; give UTF-8 text (e.g. convert it with iconv)") from None
-        return self.tokenizer.encode(text).ids
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`, or the ids joined by spaces when the checkpoint has no tokenizer."""

@@ -17,7 +17,7 @@ class SamplingParams:
     """How one request chooses its tokens and when it ends. temperature 0 is greedy."""
     temperature: float = 0.0
     top_p: float = 1.0  # nucleus: smallest set of tokens whose probability reaches top_p
-    top_k: int = 0  # 0: no limit
+    top_k: int = 0  # 0 (or -1, as vLLM writes it): no limit
     min_p: float = 0.0  # drop tokens below min_p * the most likely token's probability
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt or output (CTRL rule)
     seed: int | None = None  # None: a fresh random seed per request
@@ -31,7 +31,7 @@ class SamplingParams:
         checks = [
             (0 <= self.temperature < math.inf, "temperature", "must be a finite number >= 0 (0 is greedy)"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
+            (self.top_k >= -1, "top_k", "must be >= 0 (0 or -1 disables it)"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (0 < self.repetition_penalty < math.inf, "repetition_penalty",
              "must be a finite number > 0 (1 disables it)"),
@@ -81,8 +81,8 @@ class Sampler:
             logits[seen] = torch.where(prev > 0, prev / p.repetition_penalty, prev * p.repetition_penalty)
         if p.greedy:
             return int(logits.argmax())
-        logits = logits / p.temperature
-        if p.top_k and p.top_k < logits.numel():
+        logits = (logits - logits.max()) / p.temperature  # shifted first: a tiny temperature gives -inf, not inf - inf
+        if 0 < p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, -1)

@@ -19,11 +19,14 @@ class Segment:
 
 
 def read_text(path: Path) -> str:
-    """The text of a UTF-8 file; BadInput naming the file when it is missing, not UTF-8 or blank."""
+    """The text of a UTF-8 file as it is (line ends included: \r\n stays, as a tokenizer or a server sees it);
+    BadInput naming the file when it is missing, unreadable, not UTF-8 or blank."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise BadInput(f"{path}: no such text file; give a UTF-8 text file") from None
+    except OSError as e:  # a folder, no permission
+        raise BadInput(f"cannot read text {path} ({e.strerror}); give a UTF-8 text file") from None
     except UnicodeDecodeError as e:
         raise BadInput(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
     if not text.strip():
