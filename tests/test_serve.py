@@ -171,6 +171,69 @@ def test_fields_not_implemented_are_refused_not_ignored(client, fields, param):
         client.completions.create(model=MODEL, prompt="a", max_tokens=2, best_of=3)
 
 
+@pytest.mark.parametrize("fields", [{"function_call": {"name": "f"}}, {"modalities": ["text", "audio"]},
+                                    {"guided_json": {"type": "object"}}, {"min_tokens": 4}, {"grammar": "root ::= x"},
+                                    {"include_stop_str_in_output": True}, {"typical_p": 0.5}])
+def test_other_apis_fields_that_change_the_answer_are_refused(client, fields):
+    """Fields of OpenAI's legacy API, vLLM's and llama.cpp's that this server does not implement: a 400, not an
+    answer that ignores them; their neutral values pass."""
+    name = next(iter(fields))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                       extra_body=fields)
+    assert e.value.body["param"] == name
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                   extra_body={"min_tokens": 0, "modalities": ["text"], "function_call": "auto"})
+
+
+def test_nulls_stop_ids_and_the_generation_prompt(client, reference):
+    """null is a field's default, as OpenAI's schema has it; stop_token_ids end the output as EOS does;
+    add_generation_prompt false renders the conversation without the assistant's opening."""
+    messages = [{"role": "user", "content": "Who goes there?"}]
+    nulls = {k: None for k in ("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty",
+                               "top_k", "seed", "stop", "logprobs")}
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    with_nulls = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                extra_body={**nulls, "temperature": 0})
+    assert with_nulls.choices[0].message.content == plain.choices[0].message.content
+    engine = reference.engine
+    ids = engine.encode(plain.choices[0].message.content, special=False)
+    stopped = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                             extra_body={"stop_token_ids": [ids[1]]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    template = ChatTemplate.of(engine)
+    turn = messages + [{"role": "assistant", "content": "Nay"}]
+    want = reference(engine.encode(template.render(turn, add_generation_prompt=False), special=False), 6)
+    got = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=6, temperature=0,
+                                         extra_body={"add_generation_prompt": False})
+    assert got.choices[0].message.content == want
+
+
+def test_bodies_that_once_failed_inside_the_server_get_400s(server, client):
+    """A text part that is not a string, a lone surrogate escape, a prompt too long to tokenize, a body that is
+    not a JSON object: 400s naming the problem. A seed at the top of its range with n=2 wraps for choice 1."""
+    def post(body: dict | bytes, path: str = "/chat/completions", content_type: str = "application/json"):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(server.base_url + path, data=data, headers={"content-type": content_type})
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+    chat = {"model": MODEL, "max_tokens": 2}
+    code, out = post({**chat, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]})
+    assert code == 400 and "must be a string" in out["error"]["message"]
+    code, out = post(b'{"model": "%s", "max_tokens": 2, "prompt": "hi \\ud800"}' % MODEL.encode(), "/completions")
+    assert code == 400 and "lone surrogate" in out["error"]["message"], out
+    start = time.monotonic()
+    code, out = post({**chat, "prompt": "word " * 2_000_000}, "/completions")
+    assert code == 400 and "characters" in out["error"]["message"] and time.monotonic() - start < 5
+    code, out = post(b"model=x", "/completions", "application/x-www-form-urlencoded")
+    assert code == 400 and "Content-Type: application/json" in out["error"]["message"]
+    got = client.completions.create(model=MODEL, prompt="a", max_tokens=2, n=2, seed=2**64 - 1)
+    assert len(got.choices) == 2
+
+
 def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client, reference):
     """echo with logprobs: the prompt's tokens scored by the model (the first one by nothing), alone (max_tokens
     0) or before the completion; several prompts in one request are one choice each, in order."""
@@ -291,6 +354,20 @@ def test_disconnect_stops_generation_and_metrics(server):
     deadline = time.monotonic() + 30
     while metric(server, 'expertcache_requests_total{outcome="cancelled"}') <= before:
         assert time.monotonic() < deadline, "the generation did not stop after the client left"
+        time.sleep(0.1)
+    # a whole (not streamed) request's client that leaves while its tokens flow
+    before = metric(server, 'expertcache_requests_total{outcome="cancelled"}')
+    body = json.dumps({**body, "stream": False, "max_tokens": 480, "ignore_eos": True}).encode()
+    with socket.create_connection((server.host, server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while metric(server, "expertcache_active_requests") < 1:  # under way, then the client leaves
+            assert time.monotonic() < deadline, "the request did not start"
+            time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while metric(server, 'expertcache_requests_total{outcome="cancelled"}') <= before:
+        assert time.monotonic() < deadline, "a whole request's generation did not stop after its client left"
         time.sleep(0.1)
     for name in ["expertcache_cache_hit_rate", "expertcache_tokens_per_second", "expertcache_fetches_per_token",
                  "expertcache_request_latency_seconds_count", "expertcache_queue_length",

@@ -97,7 +97,7 @@ class TextGeneration:
         self.engine, self.prompt, self.params = engine, prompt, params
         self.prefill_policy = prefill_policy
         self.sampler = Sampler(params)
-        self.eos = frozenset() if params.ignore_eos else eos_token_ids(engine)
+        self.eos = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids(engine))
         self.detok = IncrementalDetokenizer(engine.tokenizer, prompt) if engine.tokenizer is not None else None
         self.stops = StopStrings(params.stop)
         self.tokens: list[int] = []

@@ -23,6 +23,7 @@ class SamplingParams:
     seed: int | None = None  # None: a fresh random seed per request
     max_tokens: int = 16
     stop: tuple[str, ...] = ()  # stop strings: the output ends before the first occurrence
+    stop_token_ids: tuple[int, ...] = ()  # ids that end the output as EOS does (also with ignore_eos)
     ignore_eos: bool = False
     logprobs: int | None = None  # report each token's log-probability and this many most likely alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (scoring); then max_tokens may be 0

@@ -20,14 +20,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.chat import ChatTemplate, ChatTemplateError, encode_chat
+from ..engine.chat import ChatTemplate, ChatTemplateError
 from ..engine.generate import StepOutput
 from ..engine.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
-from ..errors import CheckpointError
+from ..errors import BadInput, CheckpointError
 from .metrics import ServerMetrics
 from .scheduler import Request, Scheduler
 
 MAX_CHOICES = 16  # n: choices a prompt
+DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
 
 
 class APIError(Exception):
@@ -43,9 +44,17 @@ class APIError(Exception):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by both endpoints; top_k, min_p, repetition_penalty are extensions (as in vLLM). Fields
-    that would change the output and are not implemented are refused (`refuse_unsupported`), not ignored."""
+    """Fields shared by both endpoints; top_k, min_p, repetition_penalty, stop_token_ids are extensions (as in
+    vLLM). Fields that would change the output and are not implemented are refused (`refuse_unsupported`), not
+    ignored. A null means the field's default, as in OpenAI's schema."""
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
     model: str
     max_tokens: StrictInt | None = None  # strict: a bool or a string is refused, not read as a number
     max_completion_tokens: StrictInt | None = None
@@ -67,6 +76,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict | None = None
     response_format: dict | None = None
     tool_choice: str | dict | None = None
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's: ids that end the output as EOS does
 
 
 class CompletionBody(SamplingFields):
@@ -99,13 +109,29 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(SamplingFields):
-    """A /v1/chat/completions request: the sampling fields and the conversation so far."""
+    """A /v1/chat/completions request: the sampling fields and the conversation so far; add_generation_prompt
+    (vLLM's, default true) false renders the conversation without the assistant turn's opening."""
     messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+
+
+# Extra fields of OpenAI's, vLLM's and llama.cpp's APIs that would change the answer, with the value that would
+# not: sent with another, they are refused rather than ignored.
+UNIMPLEMENTED = {"function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "min_tokens": (0,),
+                 "include_stop_str_in_output": (False,), "continue_final_message": (False,), "bad_words": ([],),
+                 "allowed_token_ids": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+                 "guided_grammar": (), "structured_outputs": (), "grammar": ("",), "json_schema": (),
+                 "typical_p": (1, 1.0), "mirostat": (0,), "repeat_penalty": (1, 1.0), "tfs_z": (1, 1.0),
+                 "prompt_logprobs": (), "truncate_prompt_tokens": (), "length_penalty": (1, 1.0),
+                 "use_beam_search": (False,)}
 
 
 def refuse_unsupported(body: SamplingFields) -> None:
     """APIError for a field this server does not implement and that would change the answer; fields that do not
     (user, tools the model may leave uncalled, ...) are accepted and ignored."""
+    for name, value in (body.model_extra or {}).items():
+        if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name]:
+            raise APIError(400, f"{name} is not supported by this server; leave it out", name)
     unsupported = [
         (body.presence_penalty != 0, "presence_penalty", "use repetition_penalty (> 1 discourages tokens seen)"),
         (body.frequency_penalty != 0, "frequency_penalty", "use repetition_penalty (> 1 discourages tokens seen)"),
@@ -155,6 +181,8 @@ def message_text(message: ChatMessage) -> dict:
     if isinstance(content, list):
         if any(part.get("type") != "text" for part in content):
             raise APIError(400, "only text content parts are supported", "messages")
+        if any(not isinstance(part.get("text", ""), str) for part in content):
+            raise APIError(400, "a text content part's text must be a string", "messages")
         content = "".join(part.get("text", "") for part in content)
     return {"role": message.role, "content": content or ""}
 
@@ -171,6 +199,10 @@ class Server:
         tokenizer = self.engine.tokenizer
         byte_level = tokenizer is not None and type(tokenizer.decoder).__name__ == "ByteLevel"
         self.byte_of = byte_level_alphabet() if byte_level else None  # a token's exact bytes, for logprobs
+        # no token spells more characters than its vocabulary entry has UTF-8 bytes (a normaliser may drop some):
+        # a prompt beyond max_seq times that many characters cannot fit, and is refused before tokenizing it
+        vocab = tokenizer.get_vocab(with_added_tokens=True) if tokenizer is not None else {}
+        self.max_token_chars = 4 * max((len(t.encode()) for t in vocab), default=1)
         self.created = int(time.time())
 
     def params(self, body: SamplingFields, prompt_len: int, default_max: int | None, chat: bool) -> SamplingParams:
@@ -187,12 +219,12 @@ class Server:
             raise APIError(400, "stream_options needs stream: true", "stream_options")
         logprobs = logprobs_count(body, chat)
         room = self.engine.model.max_seq - prompt_len
-        if room < 1:
+        asked = [m for m in (body.max_completion_tokens, body.max_tokens) if m is not None]
+        echo = getattr(body, "echo", False)
+        if room < (0 if echo and asked[:1] == [0] else 1):  # scoring a prompt needs no position after it
             raise APIError(400, f"the prompt has {prompt_len} tokens, the context is {self.engine.model.max_seq}; "
                            "shorten the prompt", "prompt", "context_length_exceeded")
-        asked = [m for m in (body.max_completion_tokens, body.max_tokens) if m is not None]
         max_tokens = asked[0] if asked else min(default_max or room, room)
-        echo = getattr(body, "echo", False)
         if max_tokens == 0 and not echo:
             raise APIError(400, "max_tokens=0 generates nothing; send echo: true to score the prompt, or max_tokens "
                            ">= 1", "max_tokens")
@@ -204,7 +236,8 @@ class Server:
         try:
             return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                   min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
-                                  max_tokens=max_tokens, stop=stop, ignore_eos=body.ignore_eos, logprobs=logprobs,
+                                  max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
+                                  ignore_eos=body.ignore_eos, logprobs=logprobs,
                                   prompt_logprobs=(logprobs or 0) if echo else None)
         except SamplingError as e:
             raise APIError(400, str(e), e.param) from None
@@ -216,7 +249,7 @@ class Server:
         many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
         prompts = []
         for p in (prompt if many else [prompt]):
-            ids = self.engine.encode(p) if isinstance(p, str) else list(p)
+            ids = self.encode(p, "prompt") if isinstance(p, str) else list(p)
             if not ids:
                 raise APIError(400, "the prompt is empty; send at least one token", "prompt")
             if any(not 0 <= t < self.engine.args.vocab_size for t in ids):
@@ -233,9 +266,24 @@ class Server:
         if not body.messages:
             raise APIError(400, "messages is empty; send at least one message", "messages")
         try:
-            return encode_chat(self.engine, self.template, [message_text(m) for m in body.messages])
+            text = self.template.render([message_text(m) for m in body.messages], body.add_generation_prompt)
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
+        return self.encode(text, "messages", special=False)
+
+    def encode(self, text: str, param: str, special: bool = True) -> list[int]:
+        """A prompt's token ids; APIError for text that is not Unicode (a lone surrogate escape) or so long that
+        it cannot fit the context whatever its tokens, found before tokenizing it."""
+        if len(text) > self.engine.model.max_seq * self.max_token_chars:
+            raise APIError(400, f"the prompt has {len(text)} characters, more than {self.engine.model.max_seq} "
+                           f"tokens can hold; shorten it", param, "context_length_exceeded")
+        try:
+            return self.engine.encode(text, special)
+        except CheckpointError:
+            raise APIError(400, "this model has no tokenizer; send the prompt as token ids", param) from None
+        except BadInput:
+            raise APIError(400, f"the {param} is not Unicode text (it holds a lone surrogate escape such as "
+                           "\\ud800); send valid UTF-8", param) from None
 
     async def run(self, http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, chat: bool,
                   stream: bool, n: int = 1, include_usage: bool = False, echo: list[str] | None = None) -> Response:
@@ -248,13 +296,21 @@ class Server:
                            "send them without stream, or one at a time", "n" if n > 1 else "prompt")
         loop = asyncio.get_running_loop()
         submitted = []
-        for prompt in prompts:
-            for i in range(n):
-                queue: asyncio.Queue = asyncio.Queue()
-                seeded = params if params.seed is None or not i else replace(params, seed=params.seed + i)
-                request = Request(prompt, seeded, lambda item, q=queue: loop.call_soon_threadsafe(q.put_nowait, item))
-                self.scheduler.submit(request)
-                submitted.append((request, queue))
+        try:
+            for prompt in prompts:
+                for i in range(n):
+                    queue: asyncio.Queue = asyncio.Queue()
+                    seed = None if params.seed is None else params.seed + i
+                    seeded = params if not i or seed is None else \
+                        replace(params, seed=seed if seed < 2**64 else seed - 2**64)  # wrapped, as torch takes seeds
+                    request = Request(prompt, seeded,
+                                      lambda item, q=queue: loop.call_soon_threadsafe(q.put_nowait, item))
+                    self.scheduler.submit(request)
+                    submitted.append((request, queue))
+        except BaseException:  # what was already submitted would run for nobody
+            for request, _ in submitted:
+                request.cancel()
+            raise
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if stream:
             return StreamingResponse(self._stream(*submitted[0], rid, chat, include_usage),
@@ -357,12 +413,18 @@ class Server:
         """One request's whole output: (text, finish reason, its tokens with logprobs, the prompt's scored tokens
         or None), or the Response that ends the call (an error, or 499 when the client went away)."""
         parts, finish, scored, prompt_scored = [], None, [], None
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         while True:
             try:
-                item = await asyncio.wait_for(queue.get(), timeout=0.5)
+                item = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
             except asyncio.TimeoutError:
+                item = ...
+            if loop.time() - checked >= DISCONNECT_CHECK_S:  # also while tokens arrive: a whole answer takes long
+                checked = loop.time()
                 if await http.is_disconnected():
                     return Response(status_code=499)
+            if item is ...:
                 continue
             if item is None:
                 return "".join(parts), finish, scored, prompt_scored
@@ -401,13 +463,16 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             message, param = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
+        elif not loc:  # not an object: a JSON list, or a body sent without Content-Type: application/json
+            message, param = ("the body must be a JSON object, sent with Content-Type: application/json "
+                              f"({first.get('msg', 'invalid')})"), None
         else:
             message, param = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}", (loc[0] if loc else None)
         return JSONResponse(APIError(400, message, param).body(), status_code=400)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
-        prompts = server.completion_prompts(body)
+        prompts = await asyncio.to_thread(server.completion_prompts, body)  # a long prompt would stall the loop
         params = server.params(body, max(len(ids) for ids, _ in prompts), default_max=16, chat=False)
         return await server.run(http, [ids for ids, _ in prompts], params, chat=False, stream=body.stream, n=body.n,
                                 include_usage=bool((body.stream_options or {}).get("include_usage")),
@@ -415,7 +480,7 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
-        prompt = server.chat_prompt(body)
+        prompt = await asyncio.to_thread(server.chat_prompt, body)
         params = server.params(body, len(prompt), default_max=None, chat=True)
         return await server.run(http, [prompt], params, chat=True, stream=body.stream, n=body.n,
                                 include_usage=bool((body.stream_options or {}).get("include_usage")))
