@@ -12,7 +12,7 @@ def tokenizer():
     return Tokenizer.from_file(str(BUILTIN_MODEL / "tokenizer.json"))
 
 
-@pytest.mark.parametrize("field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
+@pytest.mark.parametrize("field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
                                          ("min_p", 2.0), ("repetition_penalty", 0.0), ("max_tokens", 0),
                                          ("stop", ("",))])
 def test_bad_sampling_values_name_the_field(field, value):

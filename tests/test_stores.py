@@ -305,3 +305,39 @@ def test_lowbit_small_copies_use_the_read_mode_and_checks(tiny, tmp_path):
     assert small.verify and engine.store.verify
     engine.forward(torch.arange(8), 0)
     assert engine.stats.lowbit_fetches > 0
+
+
+
+def _open_store_after(barrier, home: str) -> None:
+    """A process that opens the built-in model's default disk store once `barrier` lets every process go."""
+    os.environ["EXPERTCACHE_HOME"] = home
+    from expertcache.engine.engine import BUILTIN_MODEL
+    from expertcache.engine.stores import open_store
+    ckpt = open_checkpoint(BUILTIN_MODEL)
+    barrier.wait()
+    open_store("disk", ckpt, model_args(ckpt.config)).close()
+
+
+def test_two_processes_converting_one_store_at_once(tmp_path, monkeypatch):
+    """Two runs that start together on a fresh machine (a server and a generate) convert the default store
+    once between them: the second waits for the first's conversion, and both find a whole, checked store."""
+    import multiprocessing as mp
+
+    from expertcache.engine.engine import BUILTIN_MODEL
+    from expertcache.engine.stores import DiskStore, format_store_dir
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_open_store_after, args=(barrier, str(tmp_path))) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    monkeypatch.setenv("EXPERTCACHE_HOME", str(tmp_path))
+    ckpt = open_checkpoint(BUILTIN_MODEL)
+    args = model_args(ckpt.config)
+    store = DiskStore(format_store_dir(ckpt, None), args)
+    for layer in range(args.num_moe_layers):  # each read checks its blob's checksum
+        for e in range(args.num_experts):
+            store.read_into(layer, e, torch.empty(store.shape.w13), torch.empty(store.shape.w2))
+    store.close()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL
-from ..engine.stores import convert_to_disk, format_store_dir
+from ..engine.stores import conversion_lock, convert_to_disk, format_store_dir
 from ..models import model_args
 from .options import add_format_arguments, add_model_argument, format_from_args
 
@@ -26,7 +26,9 @@ def run(a) -> int:
     ckpt = open_checkpoint(a.model or BUILTIN_MODEL)
     args = model_args(ckpt.config)
     fmt = format_from_args(a, a.dtype)
-    out = convert_to_disk(ckpt, args, a.out or format_store_dir(ckpt, fmt), fmt=fmt, progress=True)
+    out = a.out or format_store_dir(ckpt, fmt)
+    with conversion_lock(out):  # not while a run converts the same folder
+        convert_to_disk(ckpt, args, out, fmt=fmt, progress=True)
     size = (out / "experts.bin").stat().st_size
     per = size // (args.num_moe_layers * args.num_experts)
     print(f"wrote {args.num_moe_layers} x {args.num_experts} experts ({fmt.tag if fmt else 'checkpoint dtype'}, "

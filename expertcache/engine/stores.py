@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,6 +257,16 @@ def format_store_dir(ckpt: Checkpoint, fmt: ExpertFormat | None) -> Path:
     unless it is None (the checkpoint's own dtype)."""
     base = default_store_dir(ckpt)
     return base if fmt is None else base.with_name(f"{base.name}-{fmt.tag}")
+
+
+@contextmanager
+def conversion_lock(store_dir: Path):
+    """Held while a store folder is converted: two processes that start on a fresh machine at once (a server and
+    a generate) would otherwise write the same file together, and the second find it renamed away."""
+    store_dir.mkdir(parents=True, exist_ok=True)
+    with open(store_dir / ".convert.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: torch.dtype | None = None,
@@ -546,10 +557,13 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
     if name == "disk":
         if store_dir is None:
             store_dir = format_store_dir(ckpt, fmt)
-            if store_format(store_dir) != DISK_FORMAT_VERSION:
-                convert_to_disk(ckpt, args, store_dir, fmt=fmt)
-        elif not (store_dir / "experts.json").exists():
-            convert_to_disk(ckpt, args, store_dir, fmt=fmt)
+            stale = lambda: store_format(store_dir) != DISK_FORMAT_VERSION  # noqa: E731
+        else:
+            stale = lambda: not (store_dir / "experts.json").exists()  # noqa: E731
+        if stale():
+            with conversion_lock(store_dir):
+                if stale():  # another process may have converted it while this one waited
+                    convert_to_disk(ckpt, args, store_dir, fmt=fmt)
         store = DiskStore(store_dir, args, read_mode, verify)
         if fmt is not None and store.format != fmt:
             store.close()
