@@ -118,6 +118,11 @@ def test_chat_verb_answers_each_stdin_line(monkeypatch, capsys):
     assert cli.main(["chat", "--store", "ram", "-n", "6"]) == 0
     replies = capsys.readouterr().out.split("\n")
     assert len([r for r in replies if r.strip()]) >= 2
+    # a conversation that outgrows --max-seq goes on without its oldest exchanges
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who goes there?\nStand and unfold yourself.\nLong live the king!\n"))
+    assert cli.main(["chat", "--store", "ram", "-n", "30", "--ignore-eos", "--max-seq", "80",
+                     "--system", "A play."]) == 0
+    assert "exchange(s) left the context" in capsys.readouterr().err
 
 
 def test_side_files_where_releases_put_them(tmp_path, capsys):

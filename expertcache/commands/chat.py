@@ -19,6 +19,22 @@ def add_arguments(p):
     add_sampling_arguments(p, max_tokens=128)
 
 
+def fitting_prompt(engine, template: ChatTemplate, messages: list[dict], max_tokens: int) -> list[int]:
+    """The conversation's prompt ids; when it and a reply of max_tokens outgrow --max-seq, the oldest exchanges
+    (after a system message) are dropped from `messages` until it fits, and stderr says so. A last message too
+    long alone stays, for TextGeneration to refuse."""
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    prompt, dropped = encode_chat(engine, template, messages), 0
+    while len(prompt) + max_tokens > engine.model.max_seq and len(messages) - first > 1:
+        del messages[first:first + 2]  # a user message and its reply
+        dropped += 1
+        prompt = encode_chat(engine, template, messages)
+    if dropped:
+        print(f"[the oldest {dropped} exchange(s) left the context to fit --max-seq {engine.model.max_seq}]",
+              file=sys.stderr)
+    return prompt
+
+
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     params = sampling_from_args(a)
@@ -36,7 +52,7 @@ def run(a) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\r\n")})  # a Windows line ends in \r\n
-        gen = TextGeneration(engine, encode_chat(engine, template, messages), params)
+        gen = TextGeneration(engine, fitting_prompt(engine, template, messages, params.max_tokens), params)
         reply = []
         for out in gen:
             sys.stdout.write(out.text)
