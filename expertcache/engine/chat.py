@@ -48,7 +48,7 @@ class ChatTemplate:
         cfg = tokenizer_config(engine)
         jinja = engine.checkpoint.path / "chat_template.jinja"
         try:
-            source = jinja.read_text() if jinja.exists() else \
+            source = jinja.read_text(encoding="utf-8") if jinja.exists() else \
                 cfg.get("chat_template") or engine.checkpoint.side_json("chat_template.json").get("chat_template")
         except UnicodeDecodeError:
             raise CheckpointError(f"{jinja} is not UTF-8 text; restore it from the model's release") from None
