@@ -53,8 +53,8 @@ def hf_config(family: str, **over):
                              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, head_dim=4)
     elif family == "deepseek_v2":  # V2-Lite's shape in small: q projected directly, greedy softmax top-k, scaled
         c = DeepseekV2Config(**{**COMMON, **grouped, "num_key_value_heads": 4, "n_group": 1, "topk_group": 1},
-                             topk_method="greedy", q_lora_rank=None, kv_lora_rank=16,  # norm_topk_prob True: HF ignores it
-                             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+                             topk_method="greedy", q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                             qk_rope_head_dim=4, v_head_dim=8)  # grouped's norm_topk_prob True: HF ignores it
     elif family == "deepseek_v3_yarn":  # released checkpoints' YaRN in small: a ramp inside the 8 rotary channels,
         # mscale != mscale_all_dim so that both the rotary tables and the softmax scale change
         c = DeepseekV3Config(**{**COMMON, **grouped, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=16,

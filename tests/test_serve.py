@@ -418,3 +418,20 @@ def test_models_with_more_than_kv_state_serve_one_request_at_a_time(tiny, family
     scheduler = Scheduler(engine)
     assert scheduler.interleaves is interleaves and (scheduler.max_active > 1) is interleaves
     engine.close()
+
+
+def test_text_offsets_stay_in_the_text_past_split_characters(client):
+    """A token may end inside a UTF-8 character (its text is U+FFFD); the tokens after it still start where
+    text_offset says, echoed or streamed."""
+    prompt = "café naïve 日本語 😀 end"
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=0, temperature=0)
+    text, lp = whole.choices[0].text, whole.choices[0].logprobs
+    assert "\ufffd" in lp.tokens  # the test needs a split character
+    placed = [text[o:o + len(t)] == t for t, o in zip(lp.tokens, lp.text_offset) if t != "\ufffd"]
+    assert all(placed) and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, logprobs=0, temperature=0,
+                                            stream=True))
+    text = "".join(c.choices[0].text for c in chunks)
+    pairs = [(t, o) for c in chunks if c.choices[0].logprobs for t, o in zip(c.choices[0].logprobs.tokens,
+                                                                              c.choices[0].logprobs.text_offset)]
+    assert pairs and all(text[o:o + len(t)] == t for t, o in pairs if t != "\ufffd")

@@ -10,7 +10,6 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from itertools import accumulate
 from typing import Any
 
 from fastapi import FastAPI
@@ -22,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.chat import ChatTemplate, ChatTemplateError
 from ..engine.generate import StepOutput
-from ..engine.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
+from ..engine.sampling import MAX_LOGPROBS, IncrementalDetokenizer, SamplingError, SamplingParams
 from ..errors import BadInput, CheckpointError
 from .metrics import ServerMetrics
 from .scheduler import Request, Scheduler
@@ -187,6 +186,24 @@ def message_text(message: ChatMessage) -> dict:
     return {"role": message.role, "content": content or ""}
 
 
+class _Offsets:
+    """Each token's start in the text that tokens decode to, one call after another: incrementally, so that a
+    token ending inside a UTF-8 character (its own text U+FFFD) starts where that character does, and the
+    offsets stay positions in the text."""
+
+    def __init__(self, tokenizer, context: list[int], start: int):
+        self.detok = IncrementalDetokenizer(tokenizer, context) if tokenizer is not None else None
+        self.at = start
+
+    def of(self, tokens: list[int]) -> list[int]:
+        """The offsets of the next `tokens`."""
+        out = []
+        for t in tokens:
+            out.append(self.at)
+            self.at += len(self.detok.push(t)) if self.detok is not None else len(str(t)) + 1  # ids joined by spaces
+        return out
+
+
 class Server:
     """Turns HTTP bodies into scheduler requests and their outputs into OpenAI responses."""
 
@@ -327,7 +344,10 @@ class Server:
         for i, (text, finish, scored, prompt_scored) in enumerate(outcomes):
             if echo:
                 text, scored = echo[i // n] + text, [*(prompt_scored or ()), *scored]
-            logprobs = self._logprobs(scored, chat) if params.logprobs is not None else None
+            logprobs = None
+            if params.logprobs is not None:
+                where = None if chat else self.offsets([] if echo else prompts[i // n], 0).of([s.token for s in scored])
+                logprobs = self._logprobs(scored, chat, where)
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
                                 "finish_reason": finish, "logprobs": logprobs})
@@ -336,6 +356,10 @@ class Server:
         usage = self._usage(sum(len(p) for p in prompts),  # a prompt counts once, whatever n
                             sum(r.completion_tokens for r, _ in submitted))
         return JSONResponse({**self._envelope(rid, chat, False), "choices": choices, "usage": usage})
+
+    def offsets(self, context: list[int], start: int) -> _Offsets:
+        """Where tokens decoded after `context` start in a text, from `start` (completions' text_offset)."""
+        return _Offsets(self.engine.tokenizer, context, start)
 
     def _envelope(self, rid: str, chat: bool, stream: bool) -> dict:
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
@@ -361,15 +385,16 @@ class Server:
             return [self.byte_of[c] for c in piece]
         return list(text.encode())
 
-    def _logprobs(self, items: list[StepOutput], chat: bool, offset: int = 0) -> dict:
+    def _logprobs(self, items: list[StepOutput], chat: bool, offsets: list[int] | None = None) -> dict:
         """The logprobs of `items` (tokens that carry them) as OpenAI writes them: chat's content list, or
-        completions' parallel lists with each token's offset in the text from `offset`."""
+        completions' parallel lists with each token's offset in the text (`offsets`, from `_Offsets`)."""
         if chat:
             entry = lambda t, lp: {"token": (s := self._token(t)), "logprob": lp, "bytes": self._bytes(t, s)}  # noqa: E731
             return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]}
                                 for i in items], "refusal": None}
         tokens = [self._token(i.token) for i in items]
-        offsets = list(accumulate(map(len, tokens), initial=offset))[:-1]  # each token's start in the text
+        if offsets is None:
+            offsets = self.offsets([], 0).of([i.token for i in items])
         return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],  # None: a prompt's first token
                 "top_logprobs": [None if i.logprob is None else {self._token(t): lp for t, lp in i.top} for i in items],
                 "text_offset": offsets}
@@ -383,7 +408,8 @@ class Server:
                          "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                       "finish_reason": None, **({"logprobs": None} if logprobs else {})}], **usage}
                 yield f"data: {json.dumps(first)}\n\n"
-            held, sent = [], 0  # tokens whose logprobs wait for a chunk (their text may come later); text sent
+            held = []  # tokens whose logprobs wait for a chunk (their text may come later)
+            offsets = self.offsets(request.prompt, 0)
             while (item := await queue.get()) is not None:
                 if isinstance(item, Exception):
                     yield f"data: {json.dumps(self._error(item).body())}\n\n"
@@ -398,8 +424,9 @@ class Server:
                     if logprobs:
                         choice["logprobs"] = self._logprobs(held, chat)
                 else:
-                    choice.update(text=item.text, logprobs=self._logprobs(held, chat, sent) if logprobs else None)
-                held, sent = [], sent + len(item.text)
+                    where = offsets.of([h.token for h in held]) if logprobs else None
+                    choice.update(text=item.text, logprobs=self._logprobs(held, chat, where) if logprobs else None)
+                held = []
                 yield f"data: {json.dumps({**self._envelope(rid, chat, True), 'choices': [choice], **usage})}\n\n"
             if include_usage:
                 last = {**self._envelope(rid, chat, True), "choices": [],
