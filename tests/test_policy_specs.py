@@ -216,3 +216,22 @@ def test_fuzzed_per_layer_taus_give_an_error_or_a_finite_perplexity(tiny):
         assert math.isfinite(r.ppl) and r.ppl > 1, spec
         outcomes["ran"] += 1
     assert min(outcomes.values()) > 10, outcomes
+
+
+@pytest.mark.parametrize("variant", ["fetch-all+prefetch/quasi-hidden:drop=2", "fetch-all+prefetch/estimator:fetched=7",
+                                     "fetch-all+prefetch/quasi-hidden:budget=0", "fetch-all+prefetch/quasi-hidden:x=1"])
+def test_prefetch_options_take_only_their_values(variant):
+    """drop and fetched are 0 or 1, budget a count >= 1: any other value is refused, not read as 1."""
+    from expertcache.errors import BadInput
+    from expertcache.lab.bench import parse_variant
+    with pytest.raises(BadInput, match="prefetch option"):
+        parse_variant(variant)
+    assert parse_variant("fetch-all+prefetch/quasi-hidden:drop=0,fetched=1,budget=4")[1].budget == 4
+
+
+def test_a_report_folder_that_is_a_file_is_refused_before_any_work(tmp_path, capsys):
+    from expertcache import cli
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["study", "--out", str(tmp_path / "afile")])
+    assert e.value.code == 2 and "is a file; give a folder" in capsys.readouterr().err

@@ -1,13 +1,12 @@
 """expertcache convert: write a checkpoint's experts into the disk store's aligned layout."""
 from __future__ import annotations
 
-from pathlib import Path
 
 from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL
 from ..engine.stores import conversion_lock, convert_to_disk, format_store_dir
 from ..models import model_args
-from .options import add_format_arguments, add_model_argument, format_from_args
+from .options import add_format_arguments, add_model_argument, format_from_args, output_dir
 
 HELP = "convert a checkpoint's experts into a disk store (one aligned blob per expert), as is or quantized"
 
@@ -15,7 +14,8 @@ HELP = "convert a checkpoint's experts into a disk store (one aligned blob per e
 def add_arguments(p):
     """The verb's options."""
     add_model_argument(p)
-    p.add_argument("--out", type=Path, default=None, help="store folder (default: ~/.cache/expertcache/stores/...)")
+    p.add_argument("--out", type=output_dir, default=None,
+                   help="store folder (default: ~/.cache/expertcache/stores/...)")
     add_format_arguments(p, "--dtype", "stored format: fp16, bf16, fp32, int8/int4 with group-wise scales along "
                                        "the input dimension, or mxfp4 (an MXFP4 checkpoint's experts kept as they "
                                        "are) (default: the checkpoint's dtype)")

@@ -81,6 +81,15 @@ def output_path(text: str) -> Path:
     return path
 
 
+def output_dir(text: str) -> Path:
+    """A folder the verb will write into (made if missing): not an existing file, checked before any work
+    (argparse type)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; give a folder")
+    return path
+
+
 def add_json_argument(p: argparse.ArgumentParser) -> None:
     """Where to write every number as JSON (--json)."""
     p.add_argument("--json", type=output_path, default=None, help="write every number as JSON")

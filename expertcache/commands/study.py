@@ -9,7 +9,15 @@ from ..lab.report import write_report
 from ..lab.study import StudyConfig, run_study
 from ..lab.texts import text_segments
 from ..progress import progress_bar
-from .options import add_json_argument, add_model_argument, add_text_arguments, fraction, positive_int, write_json
+from .options import (
+    add_json_argument,
+    add_model_argument,
+    add_text_arguments,
+    fraction,
+    output_dir,
+    positive_int,
+    write_json,
+)
 
 HELP = "emulate every miss policy on a text (exact, ram store) and write the report"
 
@@ -23,7 +31,7 @@ def add_arguments(p):
     p.add_argument("--context", type=positive_int, default=StudyConfig.context, help="window length in tokens")
     p.add_argument("--policies", nargs="*", default=None, help="policy specs (default: the full set)")
     add_text_arguments(p)
-    p.add_argument("--out", type=Path, default=Path("study"), help="report folder")
+    p.add_argument("--out", type=output_dir, default=Path("study"), help="report folder")
     add_json_argument(p)
 
 

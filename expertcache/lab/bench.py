@@ -40,7 +40,8 @@ def parse_variant(v: str) -> tuple[str, PrefetchConfig | None]:
     config = PrefetchConfig(predictor or "quasi-hidden", mode)
     for item in filter(None, options.split(",")):
         key, _, value = item.partition("=")
-        if key not in ("budget", "drop", "fetched") or not value.isdigit() or (key == "budget" and int(value) < 1):
+        if key not in ("budget", "drop", "fetched") or not value.isdigit() or \
+                (int(value) < 1 if key == "budget" else value not in ("0", "1")):
             raise BadInput(f"prefetch option {item!r} in {v!r}: use budget=N (N >= 1 experts a layer), drop=0|1 "
                            "or fetched=0|1")
         config = replace(config, **{key: int(value) if key == "budget" else value != "0"})
@@ -150,12 +151,14 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     """Time every variant of `cfg.policies` and the all-resident floor on the same prompt and evaluation tokens,
     repetitions interleaved round-robin after one warm-up round."""
     cache = CacheConfig(fraction=cfg.cache_fraction, bytes=cfg.cache_bytes, io=cfg.io)
+    # the sequence the decode runs: its prompt, its tokens and the one forward more that generate runs
+    max_seq = max(EngineConfig.max_seq, cfg.prompt_tokens + cfg.decode_tokens + 1, cfg.context)
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
                                         store_format=cfg.store_format, read_mode=cfg.read_mode,
-                                        slot_dtype=cfg.slot_dtype))
+                                        slot_dtype=cfg.slot_dtype, max_seq=max_seq))
     floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0, io=cfg.io),
                                        store_dir=cfg.store_dir, store_format=cfg.store_format, read_mode=cfg.read_mode,
-                                       slot_dtype=cfg.slot_dtype))
+                                       slot_dtype=cfg.slot_dtype, max_seq=max_seq))
     need = cfg.prompt_tokens + cfg.forced_tokens + 1
     ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
     if len(ids) < need:
@@ -217,6 +220,6 @@ def markdown(res: BenchResult) -> str:
         cells = [f"{r[f'{n}_ms']:.2f} | {r[f'{n}_speedup_vs_fetch_all']:.2f}x | {r[f'{n}_vs_floor']:.2f}x"
                  for n in ("decode", "stream", "forced")]
         lines.append(f"| `{k}` | {' | '.join(cells)} | "
-                     f"{r['ppl_increase_pct']:+.2f}% | {r['fetches_per_token']:.2f} | "
+                     f"{round(r['ppl_increase_pct'], 2) + 0.0:+.2f}% | {r['fetches_per_token']:.2f} | "
                      f"{r['fetched_kib_per_token']:.1f} | {r['stall_ms_per_token']:.2f} |")
     return "\n".join(lines)
