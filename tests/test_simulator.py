@@ -316,7 +316,11 @@ def test_profiles_are_versioned(tmp_path, capsys):
     assert HardwareProfile.load(tmp_path / "v2.json").exposed_prefetch_s == 0  # unmeasured
     for name, data, words in (("v9", {**asdict(p), "version": 9}, "version 9"),
                               ("odd", {**asdict(p), "speed": 1}, "unknown fields \\['speed'\\]"),
-                              ("junk", "not json", "not a readable hardware profile")):
+                              ("junk", "not json", "not a readable hardware profile"),
+                              ("negative", {**asdict(p), "fetch_latency_s": -1}, "fetch_latency_s=-1"),
+                              ("nan", {**asdict(p), "dense_s": float("nan")}, "dense_s=nan"),
+                              ("nobandwidth", {**asdict(p), "fetch_bandwidth": 0}, "fetch_bandwidth=0"),
+                              ("nolayers", {**asdict(p), "layers": 0}, "layers=0")):
         (tmp_path / f"{name}.json").write_text(json.dumps(data) if name != "junk" else data)
         with pytest.raises(BadInput, match=words):
             HardwareProfile.load(tmp_path / f"{name}.json")

@@ -26,6 +26,7 @@ makes no predictions). Profiles are measured on this machine by `expertcache cal
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
@@ -121,6 +122,17 @@ class HardwareProfile:
             raise BadInput(f"{path}: hardware profile {problem}; measure it again with `expertcache calibrate-hw "
                            "--out FILE`")
         data["calibration"], data["unfitted"] = tuple(data.get("calibration", ())), tuple(data.get("unfitted", ()))
+        for name in ("fetch_latency_s", "fetch_bandwidth", "expert_run_s", "dense_s", "admission_s", "decision_s",
+                     "lowbit_fetch_s", "prefetch_s", "prediction_s", "exposed_prefetch_s", "expert_bytes", "layers",
+                     "top_k"):
+            v, positive = data.get(name, 0.0), name in ("fetch_bandwidth", "expert_bytes", "layers", "top_k")
+            if v is None and name == "lowbit_fetch_s":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf if positive
+                                                                                else 0 <= v < math.inf):
+                raise BadInput(f"{path}: hardware profile has {name}={v!r}, which must be a finite number "
+                               f"{'> 0' if positive else '>= 0'}; measure it again with `expertcache calibrate-hw "
+                               "--out FILE`")
         return cls(**data)
 
 
