@@ -6,9 +6,11 @@ import pytest
 
 from expertcache import cli
 from expertcache.engine.cache import CacheConfig
+from expertcache.engine.checkpoint import open_checkpoint
 from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.engine.perplexity import perplexity
 from expertcache.errors import BadInput, CacheTooSmall, CheckpointError, UnknownName, UnsupportedArchitecture
+from expertcache.models import model_args
 
 
 def run_cli(capsys, *argv):
@@ -152,6 +154,11 @@ def test_bad_cli_values_are_one_line(capsys, ckpt, tmp_path):
     """An unknown device, a prompt that is not UTF-8, two prompts, a port out of range, an infinite
     temperature, an output folder that does not exist: one line each, before any work."""
     for argv, words in ((["generate", "--model", str(ckpt), "--device", "tpu", "hi"], "unknown device 'tpu'"),
+                        (["generate", "--model", str(ckpt), "--device", "mps", "hi"], "unknown device 'mps'"),
+                        (["generate", "--model", str(ckpt), "--device", "cpu:5", "hi"], "unknown device 'cpu:5'"),
+                        (["generate", "--model", str(ckpt), "--max-seq", "1000000000", "hi"], "outside the model's"),
+                        (["predict", "--model", str(ckpt), "--predictors"], "expected at least one argument"),
+                        (["tune", "--model", str(ckpt), "--cache-bytes", "lots"], "is not a size"),
                         (["generate", "--store", "ram", "caf\udce9"], "not valid UTF-8"),  # needs a tokenizer
                         (["generate", "--model", str(ckpt), "-p", "a", "b"], "two prompts"),
                         (["generate", "--model", str(ckpt), "--temperature", "inf", "hi"], "temperature=inf"),
@@ -188,3 +195,28 @@ def test_an_index_that_misplaces_a_tensor_is_one_line(capsys, ckpt):
     weight_map["model.embed_tokens.weight"] = f"model-0000{other}-of-00002.safetensors"
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     expect_cli_error(capsys, ckpt, "has no tensor 'model.embed_tokens.weight', where the index puts it")
+
+
+def test_a_failed_conversion_leaves_no_partial_file(tiny, tmp_path, monkeypatch):
+    """A conversion that fails midway (a full disk, an interrupt) removes what it wrote, so the disk is not left
+    full and the next run converts afresh."""
+    import expertcache.engine.stores as stores
+    path, _ = tiny["qwen3_moe"]
+    ckpt = open_checkpoint(path)
+    calls = []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) > 3:
+            raise OSError(28, "No space left on device")
+        return real(*a, **k)
+    real = stores.encode
+    monkeypatch.setattr(stores, "encode", failing)
+    with pytest.raises(OSError):
+        stores.convert_to_disk(ckpt, model_args(ckpt.config), tmp_path / "store")
+    assert not list((tmp_path / "store").glob("*.partial")) and not (tmp_path / "store" / "experts.json").exists()
+
+
+def test_one_scored_token_has_no_standard_error(capsys):
+    assert cli.main(["ppl", "--store", "ram", "--max-tokens", "1"]) == 0
+    assert "(one token: no standard error) over 1 tokens" in capsys.readouterr().out

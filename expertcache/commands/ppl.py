@@ -27,7 +27,8 @@ def run(a) -> int:
     ids = engine.encode(text)[: a.max_tokens and a.max_tokens + 1]
     with progress_bar(total=len(ids) - 1, unit="tok", desc="ppl") as bar:
         r = perplexity(engine, ids, a.context, progress=bar.update)
-    print(f"perplexity {r.ppl:.3f} ± {r.stderr:.3f} over {r.tokens} tokens "
+    spread = f"± {r.stderr:.3f}" if r.tokens > 1 else "(one token: no standard error)"
+    print(f"perplexity {r.ppl:.3f} {spread} over {r.tokens} tokens "
           f"({a.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, {engine.policy})")
     print(engine.stats.line())
     write_json(a.json, {"text": str(a.text), "context": a.context, "policy": repr(engine.policy),

@@ -26,7 +26,7 @@ def add_arguments(p):
     p.add_argument("--epochs", type=positive_int, default=12, help="estimator training epochs")
     p.add_argument("--hybrid-below", type=fraction, default=0.85,
                    help="hybrid: estimator where quasi-hidden recall is below")
-    p.add_argument("--predictors", nargs="*", default=list(PREDICTORS))
+    p.add_argument("--predictors", nargs="+", default=list(PREDICTORS))
     p.add_argument("--plot", type=output_path, default=None, help="per-layer recall PNG")
     add_json_argument(p)
 

@@ -7,7 +7,15 @@ from pathlib import Path
 from ..engine.perplexity import EVAL_TEXT
 from ..lab.calibrate import CALIB_TEXT
 from ..progress import progress_bar
-from .options import add_json_argument, add_model_argument, fraction, output_path, positive_int, write_json
+from .options import (
+    add_json_argument,
+    add_model_argument,
+    byte_size,
+    fraction,
+    output_path,
+    positive_int,
+    write_json,
+)
 
 HELP = "search miss policies for the fastest one within a perplexity budget, validated on held-out text"
 
@@ -28,7 +36,8 @@ def add_arguments(p):
     add_model_argument(p)
     p.add_argument("--budget", type=budget, default=1.0, help="allowed perplexity increase, e.g. 1%% (default 1%%)")
     p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
-    p.add_argument("--cache-bytes", type=positive_int, default=None, help="cache size in bytes (overrides --cache)")
+    p.add_argument("--cache-bytes", type=byte_size, default=None,
+                   help="cache size in bytes, e.g. 32M (overrides --cache)")
     p.add_argument("--profile", nargs="+", default=None,
                    help="cost model: a calibrate-hw file, rtx3090-qwen3-next or a6000-qwen3-30b, one per slot format "
                         "in the order auto, then --slot-dtypes (default: a quick profile of each measured now with "
@@ -117,6 +126,9 @@ def run(a) -> int:
         print(f"\npolicy: {spec}\nestimated speed-up over fetch-every-miss: {v['estimated_speedup']:.2f}x "
               f"({v['estimated_ms']:.2f} vs {res.baseline_ms:.2f} ms/token)\nvalidated perplexity increase: "
               f"{v['pct']:+.2f}% (95% CI {v['ci'][0]:+.2f} to {v['ci'][1]:+.2f}) on held-out text")
+        if not v["within_budget"]:  # chosen on the calibration text; the held-out text is the honest check
+            print(f"warning: on held-out text the winner is outside the {a.budget:g}% budget; raise --budget, "
+                  "tune on more --calib-tokens, or prefer a finalist marked within it above")
     write_json(a.json, res.to_dict())
     if a.plot:
         plot_search(res, a.plot)

@@ -73,13 +73,20 @@ class Engine:
         try:
             self.device = torch.device(config.device)
         except RuntimeError:
-            raise UnknownName(f"unknown device {config.device!r}; use cpu or cuda") from None
+            self.device = None
+        if self.device is None or self.device.type not in ("cpu", "cuda") or \
+                (self.device.type == "cpu" and self.device.index not in (None, 0)):
+            raise UnknownName(f"unknown device {config.device!r}; use cpu, cuda or cuda:N") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UnknownName("device 'cuda' asked for but torch sees no CUDA device; use --device cpu")
         dtype = torch.float32 if self.device.type == "cpu" else torch.float16
         self.policy = policy or make_policy(config.policy)
         ckpt = open_checkpoint(self.path)
         self.args = model_args(ckpt.config)
+        limit = max(self.args.max_position_embeddings, EngineConfig.max_seq)  # RoPE tables are built to max_seq
+        if not 1 <= config.max_seq <= limit:
+            raise BadInput(f"--max-seq {config.max_seq} is outside the model's context of {limit} positions "
+                           f"(max_position_embeddings); give 1 to {limit}")
         self._fit(self.policy)
         self.routing_counts = load_routing_counts(self.path, (self.args.num_moe_layers, self.args.num_experts))
         self.checkpoint = ckpt
@@ -128,8 +135,8 @@ class Engine:
             parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in fixed.items())
             raise CacheTooSmall(f"--memory-budget {budget / 2**20:.1f} MiB leaves {max(left, 0) / 2**20:.1f} MiB for "
                                 f"experts after {parts}; top-{self.args.top_k} experts per layer need "
-                                f"{one / 2**20:.1f} MiB: raise it to at least {(budget - left + one) / 2**20:.1f} MiB "
-                                "or lower --max-seq")
+                                f"{one / 2**20:.1f} MiB: raise it to at least "
+                                f"{math.ceil((budget - left + one) / 2**20 * 10) / 10:.1f}M or lower --max-seq")
         return left
 
     def workspace_bytes(self, dtype: torch.dtype) -> int:

@@ -282,24 +282,28 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     tmp = out_dir / "experts.bin.partial"
     checksums = []
     fmt = fmt or (ExpertFormat.of_dtype(dtype) if dtype is not None else None)
-    with progress_bar(progress, total=args.num_moe_layers, unit="layer", desc=f"convert to {out_dir.name}") as bar, \
-            open(tmp, "wb") as f:
-        for layer in range(args.num_moe_layers):
-            # w13, w2 (and b13, b2): the blob's order; as stored when the checkpoint is in `fmt` already
-            parts = stored_layer_parts(ckpt, args, layer, fmt and fmt.dtype)
-            if parts is None:
-                experts = layer_experts(ckpt, args, layer)
-                fmt = fmt or ExpertFormat.of_dtype(experts.w13.dtype)
-                parts = [p for p in experts if p is not None]
-            blob = _blob_bytes(shape, fmt)
-            for e in range(args.num_experts):
-                expert = [{role: t[e] for role, t in p.items()} if isinstance(p, dict) else p[e] for p in parts]
-                data = encode(expert, shape.parts, fmt, blob)
-                checksums.append(crc32c.crc32c(data))  # of the stored bytes: the same check for every format
-                f.write(data)
-            bar.update()
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        bar_args = dict(total=args.num_moe_layers, unit="layer", desc=f"convert to {out_dir.name}")
+        with progress_bar(progress, **bar_args) as bar, open(tmp, "wb") as f:
+            for layer in range(args.num_moe_layers):
+                # w13, w2 (and b13, b2): the blob's order; as stored when the checkpoint is in `fmt` already
+                parts = stored_layer_parts(ckpt, args, layer, fmt and fmt.dtype)
+                if parts is None:
+                    experts = layer_experts(ckpt, args, layer)
+                    fmt = fmt or ExpertFormat.of_dtype(experts.w13.dtype)
+                    parts = [p for p in experts if p is not None]
+                blob = _blob_bytes(shape, fmt)
+                for e in range(args.num_experts):
+                    expert = [{role: t[e] for role, t in p.items()} if isinstance(p, dict) else p[e] for p in parts]
+                    data = encode(expert, shape.parts, fmt, blob)
+                    checksums.append(crc32c.crc32c(data))  # of the stored bytes: the same check for every format
+                    f.write(data)
+                bar.update()
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # a full disk, an interrupt: no partial file is left to fill the disk
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, out_dir / "experts.bin")
     meta = {"format_version": DISK_FORMAT_VERSION, **fmt.meta(),
             "num_layers": shape.num_layers, "num_experts": shape.num_experts, "w13": list(shape.w13),

@@ -17,12 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.cache import CacheConfig
-from ..engine.engine import Engine, EngineConfig
+from ..engine.checkpoint import open_checkpoint
+from ..engine.engine import BUILTIN_MODEL, Engine, EngineConfig
 from ..engine.generate import generate
 from ..engine.moe import PrefetchConfig
 from ..engine.perplexity import EVAL_TEXT, teacher_forced
 from ..engine.quant import ExpertFormat
 from ..errors import BadInput
+from ..models import model_args
 
 POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "substitute-all")
 FLOOR = "all resident"
@@ -152,7 +154,13 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     repetitions interleaved round-robin after one warm-up round."""
     cache = CacheConfig(fraction=cfg.cache_fraction, bytes=cfg.cache_bytes, io=cfg.io)
     # the sequence the decode runs: its prompt, its tokens and the one forward more that generate runs
-    max_seq = max(EngineConfig.max_seq, cfg.prompt_tokens + cfg.decode_tokens + 1, cfg.context)
+    need = cfg.prompt_tokens + cfg.decode_tokens + 1
+    limit = max(model_args(open_checkpoint(model or BUILTIN_MODEL).config).max_position_embeddings,
+                EngineConfig.max_seq)
+    if need > limit:
+        raise BadInput(f"--decode-tokens {cfg.decode_tokens} after the {cfg.prompt_tokens}-token prompt exceeds the "
+                       f"model's context of {limit} positions; give at most {limit - cfg.prompt_tokens - 1}")
+    max_seq = max(EngineConfig.max_seq, need, cfg.context)
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
                                         store_format=cfg.store_format, read_mode=cfg.read_mode,
                                         slot_dtype=cfg.slot_dtype, max_seq=max_seq))
