@@ -235,3 +235,12 @@ def test_a_report_folder_that_is_a_file_is_refused_before_any_work(tmp_path, cap
     with pytest.raises(SystemExit) as e:
         cli.main(["study", "--out", str(tmp_path / "afile")])
     assert e.value.code == 2 and "is a file; give a folder" in capsys.readouterr().err
+
+
+def test_study_checks_its_policy_names_before_the_baseline(capsys):
+    import time
+
+    from expertcache import cli
+    start = time.monotonic()
+    assert cli.main(["study", "--policies", "threshold:tau=0.15", "no-such-policy"]) == 2
+    assert "no-such-policy" in capsys.readouterr().err and time.monotonic() - start < 20

@@ -25,7 +25,7 @@ def add_arguments(p):
     add_model_argument(p)
     add_store_arguments(p)
     p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
-    p.add_argument("--policies", nargs="*", default=list(POLICIES))
+    p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--decode-tokens", type=_at_least_two, default=BenchConfig.decode_tokens,
                    help="greedy tokens decoded after the prompt")
     p.add_argument("--forced-tokens", type=positive_int, default=BenchConfig.forced_tokens,

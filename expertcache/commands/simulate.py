@@ -23,7 +23,7 @@ def add_arguments(p):
     p.add_argument("--policies", nargs="+", default=["fetch-all", "threshold:tau=0.15", "first-choice",
                                                     "quality-first", "speed-first", "substitute-all"])
     p.add_argument("--cache", type=fraction, nargs="+", default=[0.25], help="cache fractions to sweep")
-    p.add_argument("--eviction", default=None, help="lru, lfu, freq or halving (default: each policy's choice)")
+    p.add_argument("--eviction", default=None, help="lru, lfu, freq, halving or demand (default: each policy's choice)")
     p.add_argument("--initial", default="auto", choices=["warm", "cold", "auto"],
                    help="warm (the model's routing counts), cold or auto")
     p.add_argument("--profile", default=None, help="cost model: a calibrate-hw file, rtx3090-qwen3-next or "

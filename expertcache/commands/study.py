@@ -8,6 +8,7 @@ from ..engine.perplexity import EVAL_TEXT
 from ..lab.report import write_report
 from ..lab.study import StudyConfig, run_study
 from ..lab.texts import text_segments
+from ..policies import make_policy
 from ..progress import progress_bar
 from .options import (
     add_json_argument,
@@ -29,7 +30,7 @@ def add_arguments(p):
     p.add_argument("--tokens-per-domain", type=positive_int, default=StudyConfig.tokens_per_domain,
                    help="evaluation tokens taken from each domain of the text")
     p.add_argument("--context", type=positive_int, default=StudyConfig.context, help="window length in tokens")
-    p.add_argument("--policies", nargs="*", default=None, help="policy specs (default: the full set)")
+    p.add_argument("--policies", nargs="+", default=None, help="policy specs (default: the full set)")
     add_text_arguments(p)
     p.add_argument("--out", type=output_dir, default=Path("study"), help="report folder")
     add_json_argument(p)
@@ -40,6 +41,8 @@ def run(a) -> int:
     cfg = StudyConfig(cache_fraction=a.cache, tokens_per_domain=a.tokens_per_domain, context=a.context,
                       text=str(a.text) if a.text else None, domains=a.domains or ())
     if a.policies:
+        for spec in a.policies:  # a bad name fails here, before the baseline runs
+            make_policy(spec)
         cfg = StudyConfig(**{**cfg.__dict__, "policies": tuple(dict.fromkeys(["fetch-all", *a.policies]))})
     text_segments(a.text or EVAL_TEXT, a.domains or None)  # a bad text fails here, before the progress bar
     last = [None]
