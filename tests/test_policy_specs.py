@@ -237,10 +237,8 @@ def test_a_report_folder_that_is_a_file_is_refused_before_any_work(tmp_path, cap
     assert e.value.code == 2 and "is a file; give a folder" in capsys.readouterr().err
 
 
-def test_study_checks_its_policy_names_before_the_baseline(capsys):
-    import time
-
+def test_study_checks_its_policy_names_before_the_baseline(capsys, monkeypatch):
     from expertcache import cli
-    start = time.monotonic()
+    monkeypatch.setattr("expertcache.commands.study.run_study", lambda *a, **k: pytest.fail("the study ran"))
     assert cli.main(["study", "--policies", "threshold:tau=0.15", "no-such-policy"]) == 2
-    assert "no-such-policy" in capsys.readouterr().err and time.monotonic() - start < 20
+    assert "no-such-policy" in capsys.readouterr().err
