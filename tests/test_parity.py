@@ -1,5 +1,8 @@
 """Every family against HF transformers on tiny random checkpoints: a forward pass and
 decode steps with the KV cache, with all experts resident and with fetch-every-miss."""
+import copy
+import json
+
 import pytest
 import torch
 from hf_models import FAMILIES
@@ -122,16 +125,24 @@ def test_bf16_checkpoint_matches_hf(tiny, family, tmp_path):
     """A checkpoint saved in bf16, as releases are: the engine (disk store, bf16 slots) equals HF's model
     loaded from the same files in fp32, so no weight is rounded on the way (e.g. a norm's 1 + w)."""
     from transformers import AutoModelForCausalLM
-    import copy
     copy.deepcopy(tiny[family][1]).to(torch.bfloat16).save_pretrained(tmp_path)  # the shared reference stays fp32
     ref_model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = ref_model(ids[None]).logits[0]
-    engine = Engine(tmp_path, EngineConfig(store="disk", cache=CacheConfig(fraction=0.5), initial="cold",
-                                           store_dir=tmp_path / "store"))
-    torch.testing.assert_close(engine.forward(ids, 0), ref, **TOL)
+    engine = disk_engine(tmp_path, 0.5)
+    torch.testing.assert_close(engine.forward(ids, 0), hf_logits(ref_model, ids), **TOL)
     engine.close()
+
+
+def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """An HF model's logits [T, V] for one sequence of ids [T]."""
+    with torch.no_grad():
+        return model(ids[None]).logits[0]
+
+
+def disk_engine(path, fraction: float) -> Engine:
+    """An engine over the checkpoint at `path` with a disk store beside it and a cold cache of `fraction`."""
+    return Engine(path, EngineConfig(store="disk", cache=CacheConfig(fraction=fraction), initial="cold",
+                                     store_dir=path / "store"))
 
 
 @pytest.mark.parametrize("family,over", [
@@ -147,13 +158,10 @@ def test_dense_layers_of_the_qwen_families_match_hf(family, over, tmp_path):
     from expertcache.engine.moe import PrefetchConfig
     from expertcache.models import model_args
     hf = save_tiny(family, tmp_path, **over)
-    a = model_args(__import__("json").loads((tmp_path / "config.json").read_text()))
+    a = model_args(json.loads((tmp_path / "config.json").read_text()))
     assert a.dense_layers and a.num_moe_layers == sum(hasattr(layer.mlp, "experts") for layer in hf.model.layers)
     ids = torch.randint(0, 96, (14,), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0]
-    engine = Engine(tmp_path, EngineConfig(store="disk", cache=CacheConfig(fraction=0.25), initial="cold",
-                                           store_dir=tmp_path / "store"))
+    ref, engine = hf_logits(hf, ids), disk_engine(tmp_path, 0.25)
     torch.testing.assert_close(engine.forward(ids, 0), ref, **TOL)
     engine.reset()
     engine.set_prefetch(PrefetchConfig("router-ahead"))
