@@ -275,7 +275,6 @@ def test_short_study(tokenized):
     assert res.generation["fetch-all"]["identical_token_share"] == 1.0
 
 
-
 def test_deepseek_v2_runs_every_model_verb_and_replays_as_the_engine(tmp_path, capsys):
     """DeepSeek-V2-Lite's layout (a dense first layer, q projected without a low rank, greedy softmax top-k,
     scaled routed output; parity with HF is in test_parity): the text verbs run, and the replay of its trace
@@ -298,6 +297,7 @@ def test_deepseek_v2_runs_every_model_verb_and_replays_as_the_engine(tmp_path, c
     assert cli.main(["info", "--model", m]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "group_limited_greedy" in err, err
+
 
 @pytest.fixture(scope="module")
 def deepseek_yarn(tmp_path_factory):

@@ -307,7 +307,6 @@ def test_lowbit_small_copies_use_the_read_mode_and_checks(tiny, tmp_path):
     assert engine.stats.lowbit_fetches > 0
 
 
-
 def _open_store_after(barrier, home: str) -> None:
     """A process that opens the built-in model's default disk store once `barrier` lets every process go."""
     os.environ["EXPERTCACHE_HOME"] = home
