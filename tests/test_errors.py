@@ -158,6 +158,8 @@ def test_bad_cli_values_are_one_line(capsys, ckpt, tmp_path):
                         (["generate", "--model", str(ckpt), "--device", "cpu:5", "hi"], "unknown device 'cpu:5'"),
                         (["generate", "--model", str(ckpt), "--max-seq", "1000000000", "hi"], "outside the model's"),
                         (["predict", "--model", str(ckpt), "--predictors"], "expected at least one argument"),
+                        (["ppl", "--model", str(ckpt), "--store", "ram", "--read-mode", "direct"],
+                         "--read-mode direct is how the disk store reads"),
                         (["tune", "--model", str(ckpt), "--cache-bytes", "lots"], "is not a size"),
                         (["generate", "--store", "ram", "caf\udce9"], "not valid UTF-8"),  # needs a tokenizer
                         (["generate", "--model", str(ckpt), "-p", "a", "b"], "two prompts"),

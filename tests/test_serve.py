@@ -232,6 +232,8 @@ def test_bodies_that_once_failed_inside_the_server_get_400s(server, client):
     assert code == 400 and "Content-Type: application/json" in out["error"]["message"]
     got = client.completions.create(model=MODEL, prompt="a", max_tokens=2, n=2, seed=2**64 - 1)
     assert len(got.choices) == 2
+    code, out = post({"model": MODEL, "max_tokens": 1, "n": 16, "prompt": ["a"] * 200}, "/completions")
+    assert code == 400 and "generations in one request" in out["error"]["message"]
 
 
 def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client, reference):

@@ -81,6 +81,9 @@ class Engine:
             raise UnknownName("device 'cuda' asked for but torch sees no CUDA device; use --device cpu")
         dtype = torch.float32 if self.device.type == "cpu" else torch.float16
         self.policy = policy or make_policy(config.policy)
+        if config.read_mode != "auto" and config.store != "disk":
+            raise BadInput(f"--read-mode {config.read_mode} is how the disk store reads; the {config.store} store "
+                           "reads none: drop it, or use --store disk")
         ckpt = open_checkpoint(self.path)
         self.args = model_args(ckpt.config)
         limit = max(self.args.max_position_embeddings, EngineConfig.max_seq)  # RoPE tables are built to max_seq

@@ -27,6 +27,7 @@ from .metrics import ServerMetrics
 from .scheduler import Request, Scheduler
 
 MAX_CHOICES = 16  # n: choices a prompt
+MAX_GENERATIONS = 2048  # prompts x n in one request: more would hold the server for a single client
 DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
 
 
@@ -264,6 +265,9 @@ class Server:
         decoded. A list of texts or of id lists is several prompts, one choice each."""
         prompt = body.prompt
         many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+        if many and len(prompt) * max(body.n, 1) > MAX_GENERATIONS:
+            raise APIError(400, f"{len(prompt)} prompts x n={body.n} ask for more than {MAX_GENERATIONS} generations in "
+                           "one request; send them in several", "prompt")
         prompts = []
         for p in (prompt if many else [prompt]):
             ids = self.encode(p, "prompt") if isinstance(p, str) else list(p)
