@@ -266,8 +266,8 @@ class Server:
         prompt = body.prompt
         many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
         if many and len(prompt) * max(body.n, 1) > MAX_GENERATIONS:
-            raise APIError(400, f"{len(prompt)} prompts x n={body.n} ask for more than {MAX_GENERATIONS} generations in "
-                           "one request; send them in several", "prompt")
+            raise APIError(400, f"{len(prompt)} prompts x n={body.n} ask for more than {MAX_GENERATIONS} "
+                           "generations in one request; send them in several", "prompt")
         prompts = []
         for p in (prompt if many else [prompt]):
             ids = self.encode(p, "prompt") if isinstance(p, str) else list(p)
