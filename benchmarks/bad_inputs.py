@@ -60,6 +60,17 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     bad_tokenizer = tmp / "bad_tokenizer"
     shutil.copytree(BUILTIN_MODEL, bad_tokenizer)
     (bad_tokenizer / "tokenizer.json").write_text("not a tokenizer")
+    gptq = tmp / "gptq"
+    shutil.copytree(BUILTIN_MODEL, gptq)
+    config = json.loads((gptq / "config.json").read_text())
+    (gptq / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    bad_tok_config = tmp / "bad_tok_config"
+    shutil.copytree(BUILTIN_MODEL, bad_tok_config)
+    (bad_tok_config / "tokenizer_config.json").write_text('{"eos_token": ')
+    from expertcache.lab.costmodel import DATASHEET
+    bad_profile = tmp / "negative_profile.json"
+    DATASHEET["a6000-qwen3-30b"].save(bad_profile)
+    bad_profile.write_text(json.dumps({**json.loads(bad_profile.read_text()), "fetch_latency_s": -1}))
     png = tmp / "plot.png"
     png.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
     ppl = ["ppl", "--store", "ram", "--max-tokens", "64"]
@@ -122,6 +133,15 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("serve --port 70000", ["serve", "--port", "70000"]),
         ("ppl --json into a missing folder", [*ppl, "--json", str(tmp / "nope" / "out.json")]),
         ("simulate --policies with none", ["simulate", str(png), "--policies"]),
+        ("generate --device mps", ["generate", "--store", "ram", "--device", "mps", "hi"]),
+        ("generate --max-seq 1000000000", ["generate", "--store", "ram", "--max-seq", "1000000000", "hi"]),
+        ("generate an empty prompt", ["generate", "--store", "ram", "-p", ""]),
+        ("--read-mode direct with the ram store", [*ppl, "--read-mode", "direct"]),
+        ("study --out a file", ["study", "--out", str(png)]),
+        ("bench prefetch drop=2", ["bench", "--policies", "fetch-all+prefetch/quasi-hidden:drop=2"]),
+        ("tune --profile with a negative term", ["tune", "--profile", str(bad_profile)]),
+        ("config quantized with GPTQ", [*ppl, "--model", str(gptq)]),
+        ("tokenizer_config.json not JSON", ["generate", "--model", str(bad_tok_config), "--store", "ram", "hi"]),
         ("an unknown verb", ["nope"]),
     ]
 
