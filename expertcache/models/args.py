@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -78,7 +79,7 @@ class ModelArgs:
         """Whether decoder layer i runs a dense MLP instead of experts."""
         return i < self.first_dense_layers or i in self.dense_layers
 
-    @property
+    @cached_property  # read per layer call (the prefetch's lookahead): worked out once
     def moe_layers(self) -> tuple[int, ...]:
         """Decoder layers with routed experts; the cache, kernel and routing counts index these 0.. in order."""
         return tuple(i for i in range(self.num_layers) if not self.is_dense(i))
