@@ -19,6 +19,7 @@ from ..errors import (
     UnknownName,
 )
 from ..models import model_args
+from ..models.args import ModelArgs
 from ..policies import MissPolicy, make_policy
 from .cache import CacheConfig, ExpertCache, slot_bytes, slot_format
 from .checkpoint import ROUTING_COUNTS, load_routing_counts, open_checkpoint
@@ -63,6 +64,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+def max_seq_limit(args: ModelArgs) -> int:
+    """The longest sequence an engine takes: the model's context (max_position_embeddings), or the default
+    max_seq if that is longer (small test models). RoPE tables are built to max_seq at load."""
+    return max(args.max_position_embeddings, EngineConfig.max_seq)
+
+
 class Engine:
     """A checkpoint run with its experts in a slow tier and an expert cache in the fast tier, under one
     miss policy; `forward(ids [T], pos) -> logits [T, V]`."""
@@ -86,7 +93,7 @@ class Engine:
                            "reads none: drop it, or use --store disk")
         ckpt = open_checkpoint(self.path)
         self.args = model_args(ckpt.config)
-        limit = max(self.args.max_position_embeddings, EngineConfig.max_seq)  # RoPE tables are built to max_seq
+        limit = max_seq_limit(self.args)
         if not 1 <= config.max_seq <= limit:
             raise BadInput(f"--max-seq {config.max_seq} is outside the model's context of {limit} positions "
                            f"(max_position_embeddings); give 1 to {limit}")

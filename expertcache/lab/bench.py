@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..engine.cache import CacheConfig
 from ..engine.checkpoint import open_checkpoint
-from ..engine.engine import BUILTIN_MODEL, Engine, EngineConfig
+from ..engine.engine import BUILTIN_MODEL, Engine, EngineConfig, max_seq_limit
 from ..engine.generate import generate
 from ..engine.moe import PrefetchConfig
 from ..engine.perplexity import EVAL_TEXT, teacher_forced
@@ -155,8 +155,7 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     cache = CacheConfig(fraction=cfg.cache_fraction, bytes=cfg.cache_bytes, io=cfg.io)
     # the sequence the decode runs: its prompt, its tokens and the one forward more that generate runs
     need = cfg.prompt_tokens + cfg.decode_tokens + 1
-    limit = max(model_args(open_checkpoint(model or BUILTIN_MODEL).config).max_position_embeddings,
-                EngineConfig.max_seq)
+    limit = max_seq_limit(model_args(open_checkpoint(model or BUILTIN_MODEL).config))
     if need > limit:
         raise BadInput(f"--decode-tokens {cfg.decode_tokens} after the {cfg.prompt_tokens}-token prompt exceeds the "
                        f"model's context of {limit} positions; give at most {limit - cfg.prompt_tokens - 1}")
