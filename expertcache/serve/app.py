@@ -192,9 +192,9 @@ class _Offsets:
     token ending inside a UTF-8 character (its own text U+FFFD) starts where that character does, and the
     offsets stay positions in the text."""
 
-    def __init__(self, tokenizer, context: list[int], start: int):
+    def __init__(self, tokenizer, context: list[int]):
         self.detok = IncrementalDetokenizer(tokenizer, context) if tokenizer is not None else None
-        self.at = start
+        self.at = 0
 
     def of(self, tokens: list[int]) -> list[int]:
         """The offsets of the next `tokens`."""
@@ -350,7 +350,7 @@ class Server:
                 text, scored = echo[i // n] + text, [*(prompt_scored or ()), *scored]
             logprobs = None
             if params.logprobs is not None:
-                where = None if chat else self.offsets([] if echo else prompts[i // n], 0).of([s.token for s in scored])
+                where = None if chat else self.offsets([] if echo else prompts[i // n]).of([s.token for s in scored])
                 logprobs = self._logprobs(scored, chat, where)
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
@@ -361,9 +361,9 @@ class Server:
                             sum(r.completion_tokens for r, _ in submitted))
         return JSONResponse({**self._envelope(rid, chat, False), "choices": choices, "usage": usage})
 
-    def offsets(self, context: list[int], start: int) -> _Offsets:
-        """Where tokens decoded after `context` start in a text, from `start` (completions' text_offset)."""
-        return _Offsets(self.engine.tokenizer, context, start)
+    def offsets(self, context: list[int]) -> _Offsets:
+        """Where tokens decoded after `context` start in their text (completions' text_offset)."""
+        return _Offsets(self.engine.tokenizer, context)
 
     def _envelope(self, rid: str, chat: bool, stream: bool) -> dict:
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
@@ -391,14 +391,12 @@ class Server:
 
     def _logprobs(self, items: list[StepOutput], chat: bool, offsets: list[int] | None = None) -> dict:
         """The logprobs of `items` (tokens that carry them) as OpenAI writes them: chat's content list, or
-        completions' parallel lists with each token's offset in the text (`offsets`, from `_Offsets`)."""
+        completions' parallel lists with each token's offset in the text (`offsets`, which completions give)."""
         if chat:
             entry = lambda t, lp: {"token": (s := self._token(t)), "logprob": lp, "bytes": self._bytes(t, s)}  # noqa: E731
             return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]}
                                 for i in items], "refusal": None}
         tokens = [self._token(i.token) for i in items]
-        if offsets is None:
-            offsets = self.offsets([], 0).of([i.token for i in items])
         return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],  # None: a prompt's first token
                 "top_logprobs": [None if i.logprob is None else {self._token(t): lp for t, lp in i.top} for i in items],
                 "text_offset": offsets}
@@ -413,7 +411,7 @@ class Server:
                                       "finish_reason": None, **({"logprobs": None} if logprobs else {})}], **usage}
                 yield f"data: {json.dumps(first)}\n\n"
             held = []  # tokens whose logprobs wait for a chunk (their text may come later)
-            offsets = self.offsets(request.prompt, 0)
+            offsets = self.offsets(request.prompt)
             while (item := await queue.get()) is not None:
                 if isinstance(item, Exception):
                     yield f"data: {json.dumps(self._error(item).body())}\n\n"
