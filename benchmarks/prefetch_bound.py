@@ -55,7 +55,7 @@ def oracle_predictor(model, routes: list[list[np.ndarray]]):
             super().__init__(model)
             self.token = -1
 
-        def decode_logits(self, layer, resid, x, ids, weights):
+        def decode_logits(self, layer, resid, x, ids, weights, prev=None):
             if layer == 0:
                 self.token += 1
             true = routes[self.token][layer + 1]
@@ -63,7 +63,7 @@ def oracle_predictor(model, routes: list[list[np.ndarray]]):
             out[0, true] = np.linspace(10.0, 9.0, len(true), dtype=np.float32)
             return out
 
-        def logits(self, layer, resid, x, ids, weights):  # the prompt's forward: no prefetch is made from it
+        def logits(self, layer, resid, x, ids, weights, prev=None):  # the prompt's forward: no prefetch is made from it
             return torch.zeros(x.shape[0], model.args.num_experts)
     return Oracle()
 

@@ -287,3 +287,119 @@ def test_compiled_prediction_equals_torch(name):
             else p.logits(layer, resid, resid, ids, w)
         torch.testing.assert_close(torch.from_numpy(fast), want, atol=1e-5, rtol=1e-5)
     engine.close()
+
+
+def test_compiled_estimator_with_the_previous_tokens_experts_equals_torch():
+    """The compiled estimator adds the previous token's experts as the PyTorch net does, and they change the
+    prediction; with none given it predicts as with weights 0."""
+    from expertcache.engine.predictors import make_predictor
+    engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
+    p, a = make_predictor("estimator", engine.model, engine.path), engine.args
+    g = torch.Generator().manual_seed(2)
+    resid = torch.randn(1, a.hidden_size, generator=g)
+    ids = torch.randperm(a.num_experts, generator=g)[:a.top_k][None]
+    w = torch.softmax(torch.randn(1, a.top_k, generator=g), -1)
+    prev = (torch.randperm(a.num_experts, generator=g)[:a.top_k][None], torch.softmax(torch.randn(1, a.top_k), -1))
+    fast = p.decode_logits(1, resid, resid, ids.numpy()[0], w.numpy()[0], (prev[0].numpy()[0], prev[1].numpy()[0]))
+    torch.testing.assert_close(torch.from_numpy(fast), p.logits(1, resid, resid, ids, w, prev), atol=1e-5, rtol=1e-5)
+    without = p.decode_logits(1, resid, resid, ids.numpy()[0], w.numpy()[0])
+    torch.testing.assert_close(torch.from_numpy(without), p.logits(1, resid, resid, ids, w, (prev[0], 0 * prev[1])),
+                               atol=1e-5, rtol=1e-5)
+    assert np.abs(fast - without).max() > 0.1
+    engine.close()
+
+
+def test_a_decode_token_predicts_with_its_own_sequences_previous_token(calibrated, monkeypatch):
+    """The estimator is given, at layer l, the experts that the same sequence's previous token ran at layer
+    l+1: after a prompt, its last token's; never those of another sequence swapped in (interleaved requests),
+    of a decode batch, or of a token that does not continue where the sequence stopped."""
+    from expertcache.engine.generate import TextGeneration, batch_logits
+    from expertcache.engine.sampling import SamplingParams
+    path, _ = calibrated
+    engine = Engine(path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.5),
+                                       prefetch=PrefetchConfig("estimator", "prefetch")))
+    seen, routes = [], []
+    predictor, runner = engine.runner.predictor, engine.runner
+    real_predict, real_logits, real_call = predictor.decode_logits, predictor.logits, type(runner).__call__
+    batched = []
+
+    def spy(layer, resid, x, ids, weights, prev=None):
+        seen.append((layer, None if prev is None else tuple(a.copy() for a in prev)))
+        return real_predict(layer, resid, x, ids, weights, prev)
+
+    def spy_logits(layer, resid, x, ids, weights, prev=None):
+        batched.append(prev)
+        return real_logits(layer, resid, x, ids, weights, prev)
+
+    def recording(self, layer, x, router):
+        out = real_call(self, layer, x, router)
+        routes.append((layer, self.previous[layer][0].copy()))
+        return out
+    monkeypatch.setattr(predictor, "decode_logits", spy)
+    monkeypatch.setattr(predictor, "logits", spy_logits)
+    monkeypatch.setattr(type(runner), "__call__", recording)
+    ids = torch.randint(0, 96, (8,), generator=torch.Generator().manual_seed(7))
+    engine.forward(ids[:6], 0)
+    last = {layer: r for layer, r in routes}  # the prompt's last token's experts, per layer
+    engine.forward(ids[6:7], 6)
+    assert [l for l, _ in seen] == [0] and seen[0][1] is not None
+    np.testing.assert_array_equal(seen[0][1][0], last[1])
+    seen.clear()
+    engine.forward(ids[7:8], 9)  # not where the sequence stopped
+    assert seen == [(0, None)]
+    seen.clear()
+    gens = [TextGeneration(engine, ids[:4].tolist(), SamplingParams(max_tokens=3), own_kv=True) for _ in range(2)]
+    for g in gens:
+        g.step()  # each prefills in its own keys and values
+    seen.clear()
+    gens[0].step()  # the second sequence ran last: the first's decode token does not follow it
+    assert seen == [(0, None)]
+    seen.clear()
+    batched.clear()
+    batch_logits(engine, gens)
+    assert seen == [] and batched == [None]  # a decode batch: several sequences, no one previous token
+    engine.close()
+
+
+def test_an_estimator_of_the_older_format_is_refused_in_one_line(calibrated, tmp_path):
+    """An estimator.safetensors saved before the per-transition nets names the command that retrains it."""
+    from safetensors.torch import save_file
+
+    from expertcache.engine.predictors import ESTIMATOR_FILE
+    from expertcache.errors import CheckpointError
+    path = tmp_path / "model"
+    shutil.copytree(calibrated[0], path)
+    save_file({"fc1.weight": torch.zeros(4, 4)}, str(path / ESTIMATOR_FILE), metadata={"hidden": "4"})
+    with pytest.raises(CheckpointError, match=r"older expertcache.*predict --train") as e:
+        Engine(path, EngineConfig(store="ram", prefetch=PrefetchConfig("estimator", "prefetch")))
+    assert "\n" not in str(e.value)
+
+
+def test_recorded_states_give_each_token_its_previous_tokens_experts(calibrated):
+    """LayerStates.previous: the token before in the same window, and weight 0 at a window's start."""
+    model, s = record_states(calibrated[0], list(range(1, 40)), context=16)
+    ids, weights = s.previous(1)
+    assert s.starts.nonzero().flatten().tolist() == [0, 16, 32]
+    assert (weights[s.starts] == 0).all() and (weights[~s.starts].sum(-1) > 0).all()
+    torch.testing.assert_close(ids[1:16], s.ids[1][:15])
+    torch.testing.assert_close(weights[17:32], s.weights[1][16:31])
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "deepseek_v2"])
+def test_the_estimator_trains_and_predicts_exactly_on_other_families(tiny, tmp_path, family):
+    """Trained on a router with a logit bias (GPT-OSS), with linear attention and a shared expert (Qwen3-Next) or
+    with latent attention (DeepSeek-V2), the estimator predicts through decode and leaves its logits equal to
+    HF's."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny[family][0], path)
+    ids = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    save_calibration(calibrate(path, ids, context=128), path, "random ids")
+    fit_estimator(path, ids, epochs=3)
+    ids = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = tiny[family][1](ids[None]).logits[0]
+    engine = Engine(path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25),
+                                       prefetch=PrefetchConfig("estimator", "prefetch")))
+    torch.testing.assert_close(decode(engine, ids), ref, atol=1e-4, rtol=0)
+    assert engine.stats.predictions >= len(ids) - 6  # one a decode token at least (a prompt's: one a token)
+    engine.close()

@@ -23,7 +23,7 @@ def add_arguments(p):
     p.add_argument("--text", type=Path, default=None,
                    help="default: calibration text to train, evaluation text to measure")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="use only the first N tokens")
-    p.add_argument("--epochs", type=positive_int, default=12, help="estimator training epochs")
+    p.add_argument("--epochs", type=positive_int, default=30, help="estimator training epochs (per layer transition)")
     p.add_argument("--hybrid-below", type=fraction, default=0.85,
                    help="hybrid: estimator where quasi-hidden recall is below")
     p.add_argument("--predictors", nargs="+", default=list(PREDICTORS))

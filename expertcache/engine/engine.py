@@ -170,7 +170,7 @@ class Engine:
         if counts is not None:
             self.cache.warm(counts)
         self.policy.reset()
-        self.runner.predicted = None
+        self.runner.predicted, self.runner.sequence = None, None
         ring = getattr(self.cache.transfers, "ring", None) is not None
         self.stats.__init__(read_mode=self.store.read_mode + ("+io_uring" if ring else ""))
         self.warm = counts is not None
@@ -230,7 +230,9 @@ class Engine:
     def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
         """ids [T] -> logits [T, V] (fp32), counting tokens and wall time. Raises NonFiniteOutput
         rather than return a NaN or infinite logit."""
+        self.runner.start_forward(id(self.model.k_cache), pos, ids.shape[0])  # a swapped-in sequence has other keys
         logits = self._timed(lambda: self.model.forward(ids.to(self.device), pos), ids.shape[0])
+        self.runner.end_forward(id(self.model.k_cache), pos + ids.shape[0])  # the keys as they may have grown
         self._check_finite(logits, lambda t: f"at position {pos + t}")
         return logits
 
@@ -239,6 +241,7 @@ class Engine:
         """Decode B sequences one token each (Transformer.forward_batch): ids [B] at `positions`, keys and
         values in kv[b] -> logits [B, V] (fp32); the B tokens count as B decode tokens."""
         self.runner.decoding = True
+        self.runner.start_forward(None, 0, ids.shape[0])
         try:
             logits = self._timed(lambda: self.model.forward_batch(ids.to(self.device), positions, kv), ids.shape[0])
         finally:

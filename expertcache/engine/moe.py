@@ -113,6 +113,11 @@ class MoELayerRunner:
         self.prefetch = PrefetchConfig()
         self.resid: torch.Tensor | None = None  # residual after the current layer's attention
         self.predicted: Routing | None = None  # predicted for the next layer
+        # per MoE layer, the routed ids and weights of the last token of the sequence last run, which a predictor
+        # takes for the next token's `prev`; `follows`: the current forward is one token continuing that sequence
+        self.previous: list[tuple[np.ndarray, np.ndarray] | None] = [None] * args.num_moe_layers
+        self.follows = False
+        self.sequence: tuple[int, int] | None = None  # (sequence, next position) the routes in `previous` lead to
         self.compiled = CompiledSlots(cache.w13, cache.w2, cache.b13, cache.b2, self.kind) \
             if CompiledSlots.applies(cache.w13) else None  # decode's expert call on the CPU
         if cache.blobs is not None:  # quantized slots: their own compiled call, and windows' per-expert dequantising
@@ -122,9 +127,22 @@ class MoELayerRunner:
         """The transformer's hook after each layer's attention."""
         self.resid = h
 
+    def start_forward(self, sequence: int | None, pos: int, tokens: int) -> None:
+        """A forward of `tokens` tokens of `sequence` (an id of its keys and values; None: several sequences, a
+        decode batch) from position `pos`: a single token that continues the sequence last run takes that
+        sequence's last routes as `prev`."""
+        self.follows = tokens == 1 and sequence is not None and self.sequence == (sequence, pos)
+        self.sequence = None
+
+    def end_forward(self, sequence: int | None, pos: int) -> None:
+        """The forward started by `start_forward` has run; its sequence's next token is at `pos`."""
+        self.sequence = None if sequence is None else (sequence, pos)
+
     def _predict_next(self, layer: int, x: torch.Tensor, exec_ids: np.ndarray, gates: np.ndarray) -> None:
         a, cache = self.args, self.cache
-        logits = self.predictor.decode_logits(layer, self.resid, x, exec_ids[0], gates[0]) if x.shape[0] == 1 else None
+        prev = self.previous[layer + 1] if self.follows else None
+        logits = self.predictor.decode_logits(layer, self.resid, x, exec_ids[0], gates[0], prev) \
+            if x.shape[0] == 1 else None
         if logits is not None and not self.router.sigmoid and self.router.bias is None:
             # a decode token: routing, the policy's filter and the prefetch in one compiled call
             ids, w, stall = cache.prefetch_predicted(self.policy.params(), layer + 1, logits[0], self.router.norm_topk,
@@ -138,7 +156,9 @@ class MoELayerRunner:
             ids, weights = torch.from_numpy(exec_ids), torch.from_numpy(gates)
             if x.device.type != "cpu":
                 ids, weights = ids.to(x.device), weights.to(x.device)
-            logits = self.predictor.logits(layer, self.resid, x, ids, weights)
+            if prev is not None:
+                prev = tuple(torch.from_numpy(p[None]).to(x.device) for p in prev)
+            logits = self.predictor.logits(layer, self.resid, x, ids, weights, prev)
             want = (x.shape[0], a.num_experts)
             assert logits.shape == want, \
                 f"{self.predictor.name} gave logits {tuple(logits.shape)}, expected [T, E] = {want}"
@@ -174,6 +194,8 @@ class MoELayerRunner:
             routing = route(x, router, self.router, layer)
         self.predicted = None
         T = routing.ids.shape[0]
+        if self.predictor is not None:  # the next token's `prev` (start_forward decides whether it applies)
+            self.previous[layer] = (routing.ids[-1].copy(), routing.weights[-1].astype(np.float32))
         if self.prefetch.drop and self.predictor is not None and cache.pending and cache.transfers.queues_prefetches():
             stats.prefetch_dropped += cache.drop_prefetches(layer, routing.ids)
         out = torch.empty_like(x) if T > 1 else None  # decode computes once, after its decisions

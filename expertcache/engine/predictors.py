@@ -4,11 +4,14 @@ A predictor maps, for the tokens of one MoE call at layer l, the residual stream
 layer l's attention r_l [T, H], layer l's normed MoE input x_l [T, H] and the experts
 executed at layer l (ids [T, k], weights [T, k]) to router logits for layer l+1 [T, E].
 It is available before layer l's experts run, so their transfers overlap that compute.
+Where the engine knows them, it also passes `prev`: the experts the same sequence's previous
+token ran at layer l+1 (ids, weights [T, k]; weight 0 where a token has none).
 
 - router-ahead: Router_{l+1}(x_l), the naive baseline;
 - quasi-hidden: Router_{l+1}(Norm_{l+1}(r_l + d_l)), d_l the gate-weighted default vectors;
-- estimator: a small feed-forward net with a layer embedding on the quasi-hidden state,
-  distilled by KL to the true next-layer router;
+- estimator: one small feed-forward net per layer transition on the quasi-hidden state and the
+  previous token's experts at l+1 (consecutive tokens share experts), distilled by KL to the
+  true next-layer router;
 - hybrid: the estimator on the layers where quasi-hidden recall is weak, quasi-hidden elsewhere.
 """
 from __future__ import annotations
@@ -37,14 +40,16 @@ class Predictor:
         self.model = model
 
     def logits(self, layer: int, resid: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
-               weights: torch.Tensor) -> torch.Tensor:
-        """resid [T, H], x [T, H], ids [T, k], weights [T, k] at `layer` -> logits for layer+1 [T, E]."""
+               weights: torch.Tensor, prev: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """resid [T, H], x [T, H], ids [T, k], weights [T, k] at `layer` (and `prev`, the previous tokens'
+        ids and weights [T, k] at layer+1, or None) -> logits for layer+1 [T, E]."""
         raise NotImplementedError
 
     def decode_logits(self, layer: int, resid: torch.Tensor, x: torch.Tensor, ids: np.ndarray,
-                      weights: np.ndarray) -> np.ndarray | None:
-        """One decode token's `logits` as an array [1, E] (resid, x [1, H]; ids, weights [k]) where a
-        predictor has a faster path for it; None otherwise (the caller takes `logits`)."""
+                      weights: np.ndarray, prev: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray | None:
+        """One decode token's `logits` as an array [1, E] (resid, x [1, H]; ids, weights [k]; prev: ids and
+        weights [k] or None) where a predictor has a faster path for it; None otherwise (the caller takes
+        `logits`)."""
         return None
 
     def _router_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -58,11 +63,11 @@ class RouterAhead(Predictor):
     """Router_{l+1}(x_l): the next layer's router on this layer's normed MoE input."""
     name = "router-ahead"
 
-    def logits(self, layer, resid, x, ids, weights):
+    def logits(self, layer, resid, x, ids, weights, prev=None):
         """x [T, H] -> Router_{l+1}(x) [T, E]."""
         return self._router_logits(layer, x)
 
-    def decode_logits(self, layer, resid, x, ids, weights):
+    def decode_logits(self, layer, resid, x, ids, weights, prev=None):
         """One compiled product on the CPU (fp32 x and router), as the engine's own routing of a decode token."""
         return decode_router_logits(x, self.model.moe_layers[layer + 1]["router"])
 
@@ -90,13 +95,13 @@ class QuasiHidden(Predictor):
         a = self.model.args
         return F.rms_norm(resid + d, (a.hidden_size,), self.model.moe_layers[layer + 1]["moe_norm"], a.rms_norm_eps)
 
-    def logits(self, layer, resid, x, ids, weights):
+    def logits(self, layer, resid, x, ids, weights, prev=None):
         """Router_{l+1}(q_l) [T, E]."""
         if self._compiled(resid):  # decode on the CPU: one compiled call
             return torch.from_numpy(self.decode_logits(layer, resid, x, ids.numpy()[0], weights.numpy()[0]))
         return self._router_logits(layer, self.quasi_hidden(layer, resid, ids, weights))
 
-    def decode_logits(self, layer, resid, x, ids, weights):
+    def decode_logits(self, layer, resid, x, ids, weights, prev=None):
         """One compiled call on the CPU (fp32 residual and router), over arrays taken once."""
         if not self._compiled(resid):
             return None
@@ -120,18 +125,42 @@ class QuasiHidden(Predictor):
             and self.model.moe_layers[0]["router"].dtype == torch.float32
 
 
-class EstimatorNet(nn.Module):
-    """q_l [T, H] and layer l -> layer l+1's router logits [T, E]."""
+class Transition(nn.Module):
+    """The estimator of one layer transition l -> l+1: fc2 silu(fc1 q + sum_j w_j prev[e_j]), with q the
+    quasi-hidden state [T, H] and (e_j, w_j) the experts the previous token ran at layer l+1 [T, k]."""
 
-    def __init__(self, hidden: int, experts: int, layers: int, width: int = 512, embed: int = 32):
+    def __init__(self, hidden: int, experts: int, width: int):
         super().__init__()
-        self.layer_embed = nn.Embedding(layers, embed)
-        self.fc1 = nn.Linear(hidden + embed, width)
+        self.fc1 = nn.Linear(hidden, width)
+        self.prev = nn.EmbeddingBag(experts, width, mode="sum")  # a row per expert, summed with its weight
+        # initialised as a linear layer over the experts' weights would be, not N(0, 1): noise that training must undo
+        nn.init.uniform_(self.prev.weight, -experts ** -0.5, experts ** -0.5)
         self.fc2 = nn.Linear(width, experts)
 
-    def forward(self, q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
-        """q [T, H], layer [T] (long) -> logits [T, E]."""
-        return self.fc2(F.silu(self.fc1(torch.cat([q, self.layer_embed(layer)], dim=-1))))
+    def forward(self, q: torch.Tensor, prev_ids: torch.Tensor, prev_weights: torch.Tensor) -> torch.Tensor:
+        """q [T, H], prev ids (long) and weights [T, k] (0 where unknown) -> logits [T, E]."""
+        h = self.fc1(q) + self.prev(prev_ids, per_sample_weights=prev_weights.to(q.dtype))
+        return self.fc2(F.silu(h))
+
+
+class EstimatorNet(nn.Module):
+    """One `Transition` per layer transition: each layer's routing is its own function, and a net per
+    transition predicts it better than one shared net of the same decode cost (84.0% against 80.7% recall@8 on
+    the built-in model)."""
+
+    def __init__(self, hidden: int, experts: int, transitions: int, width: int = 512):
+        super().__init__()
+        self.transitions = nn.ModuleList(Transition(hidden, experts, width) for _ in range(transitions))
+
+    def forward(self, layer: int, q: torch.Tensor, prev_ids: torch.Tensor, prev_weights: torch.Tensor
+                ) -> torch.Tensor:
+        """Transition layer -> layer+1 on q [T, H] and the previous tokens' experts at layer+1 [T, k]."""
+        return self.transitions[layer](q, prev_ids, prev_weights)
+
+
+def no_previous(tokens: int, k: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prev` for tokens whose previous token's experts are unknown: ids 0 with weight 0."""
+    return torch.zeros(tokens, k, dtype=torch.long, device=device), torch.zeros(tokens, k, device=device)
 
 
 class Estimator(QuasiHidden):
@@ -143,45 +172,50 @@ class Estimator(QuasiHidden):
         super().__init__(model, default_vectors)
         self.net = net.to(model.device).eval()
         self.layers = layers  # None: every layer; else only these, quasi-hidden elsewhere
-        self._net: list[np.ndarray] | None = None  # the net's weights as arrays, for decode_logits
+        self._net: list[tuple[np.ndarray, ...]] | None = None  # per transition, the net's arrays (decode_logits)
+        self._none = (np.zeros(0, np.int64), np.zeros(0, np.float32))  # an unknown previous token
 
-    def decode_logits(self, layer, resid, x, ids, weights):
+    def decode_logits(self, layer, resid, x, ids, weights, prev=None):
         """One compiled call on the CPU (fp32 residual, router and net) for the net's layers, quasi-hidden's
-        elsewhere: a decode token's prediction then costs ~20 us instead of the net's PyTorch calls."""
+        elsewhere: a decode token's prediction then costs one pass over the transition's weights instead of the
+        net's PyTorch calls."""
         if self.layers is not None and layer not in self.layers:
             return super().decode_logits(layer, resid, x, ids, weights)
-        if not self._compiled(resid) or self.net.fc1.weight.dtype != torch.float32:
+        if not self._compiled(resid) or self.net.transitions[0].fc1.weight.dtype != torch.float32:
             return None
         if self._net is None:
-            n = self.net
-            self._net = [t.detach().numpy() for t in (n.layer_embed.weight, n.fc1.weight, n.fc1.bias, n.fc2.weight,
-                                                      n.fc2.bias)]
-            self._qe = np.empty(n.fc1.in_features, np.float32)
-            self._hidden = np.empty(n.fc1.out_features, np.float32)
+            self._net = [tuple(t.detach().numpy() for t in (n.fc1.weight, n.fc1.bias, n.prev.weight, n.fc2.weight,
+                                                            n.fc2.bias)) for n in self.net.transitions]
+            self._hidden = np.empty(self._net[0][0].shape[0], np.float32)
         vectors, norm, _ = self._arrays()[layer]
-        embed, w1, b1, w2, b2 = self._net
+        w1, b1, rows, w2, b2 = self._net[layer]
+        prev_ids, prev_weights = self._none if prev is None else prev
         out = np.empty((1, w2.shape[0]), np.float32)
-        dense_decode.estimator_logits(resid.numpy()[0], vectors, ids, weights, norm, self._eps, embed[layer], w1, b1,
-                                      w2, b2, self._qe, self._hidden, out[0])
+        dense_decode.estimator_logits(resid.numpy()[0], vectors, ids, weights, norm, self._eps, w1, b1, rows,
+                                      prev_ids, prev_weights, w2, b2, self._q, self._hidden, out[0])
         return out
 
-    def logits(self, layer, resid, x, ids, weights):
+    def logits(self, layer, resid, x, ids, weights, prev=None):
         """The estimator's logits for layer+1 [T, E], or quasi-hidden's on layers it does not cover."""
         q = self.quasi_hidden(layer, resid, ids, weights)
         if self.layers is not None and layer not in self.layers:
             return self._router_logits(layer, q)
+        prev_ids, prev_weights = no_previous(*ids.shape, q.device) if prev is None else prev
         with torch.no_grad():
-            return self.net(q.float(), torch.full((q.shape[0],), layer, device=q.device)).to(q.dtype)
+            return self.net(layer, q.float(), prev_ids.long(), prev_weights.float()).to(q.dtype)
+
+
+ESTIMATOR_VERSION = "2"  # 1: one net for every transition, without the previous token's experts
 
 
 def save_estimator(net: EstimatorNet, path: Path, hybrid_layers: list[int], recall: dict) -> None:
     """Write the net to estimator.safetensors in `path`, with its shape, hybrid layers and calibration recall
     as metadata."""
     import json
-    meta = {"hidden": str(net.fc1.in_features - net.layer_embed.embedding_dim), "experts": str(net.fc2.out_features),
-            "layers": str(net.layer_embed.num_embeddings), "width": str(net.fc1.out_features),
-            "embed": str(net.layer_embed.embedding_dim), "hybrid_layers": json.dumps(hybrid_layers),
-            "calibration_recall": json.dumps(recall)}
+    t = net.transitions[0]
+    meta = {"version": ESTIMATOR_VERSION, "hidden": str(t.fc1.in_features), "experts": str(t.fc2.out_features),
+            "transitions": str(len(net.transitions)), "width": str(t.fc1.out_features),
+            "hybrid_layers": json.dumps(hybrid_layers), "calibration_recall": json.dumps(recall)}
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path / ESTIMATOR_FILE), metadata=meta)
 
 
@@ -191,12 +225,15 @@ def load_estimator(path: Path) -> tuple[EstimatorNet, list[int]]:
 
     from safetensors import safe_open
     f = Path(path) / ESTIMATOR_FILE
+    retrain = f"run `expertcache predict --train --model {path}`"
     if not f.exists():
-        raise CheckpointError(f"{f} is missing; run `expertcache predict --train --model {path}`")
+        raise CheckpointError(f"{f} is missing; {retrain}")
     with safe_open(str(f), "pt") as h:
-        meta = h.metadata()
-    net = EstimatorNet(int(meta["hidden"]), int(meta["experts"]), int(meta["layers"]), int(meta["width"]),
-                       int(meta["embed"]))
+        meta = h.metadata() or {}
+    if meta.get("version") != ESTIMATOR_VERSION:
+        raise CheckpointError(f"{f} was trained by an older expertcache (one net for every layer); {retrain} "
+                              "again")
+    net = EstimatorNet(int(meta["hidden"]), int(meta["experts"]), int(meta["transitions"]), int(meta["width"]))
     net.load_state_dict(load_file(str(f)))
     return net, json.loads(meta["hybrid_layers"])
 

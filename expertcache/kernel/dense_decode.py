@@ -148,15 +148,18 @@ def quasi_hidden_logits(resid, vectors, ids, gates, norm, eps, router, q, out):
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def estimator_logits(resid, vectors, ids, gates, norm, eps, embed, w1, b1, w2, b2, q, hidden, out):
-    """The estimator net's next-layer logits out [E] for one token: w2 silu(w1 [q, embed] + b1) + b2, with q
-    the quasi-hidden state (quasi_hidden_logits), embed [D] the layer's embedding, w1 [W, H + D], w2 [E, W];
-    q [H + D] and hidden [W] scratch."""
-    H = resid.shape[0]
+def estimator_logits(resid, vectors, ids, gates, norm, eps, w1, b1, rows, prev_ids, prev_gates, w2, b2, q, hidden,
+                     out):
+    """One estimator transition's next-layer logits out [E] for one token: w2 silu(w1 q + b1 + sum_j prev_gates[j]
+    rows[prev_ids[j]]) + b2, with q the quasi-hidden state [H] (quasi_hidden_logits), w1 [W, H], rows [E, W] (a
+    row per expert the previous token ran at the next layer; none given: unknown), w2 [E, W]; q, hidden [W]
+    scratch."""
     _quasi_hidden(resid, vectors, ids, gates, norm, eps, q)
-    for d in range(embed.shape[0]):
-        q[H + d] = embed[d]
     gemv(w1, q, b1, hidden)
+    for j in range(prev_ids.shape[0]):
+        g = prev_gates[j]
+        for i in range(hidden.shape[0]):
+            hidden[i] += g * rows[prev_ids[j], i]
     for i in range(hidden.shape[0]):
         hidden[i] = hidden[i] / (np.float32(1.0) + np.exp(-hidden[i]))
     gemv(w2, hidden, b2, out)

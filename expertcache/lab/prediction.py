@@ -2,7 +2,8 @@
 
 `record_states` runs the exact model over a text and keeps, per layer l, the residual after
 attention r_l, the normed MoE input x_l, the routed experts (ids, weights) and the router
-logits. Transition l -> l+1 pairs the first four at l with the logits at l+1.
+logits. Transition l -> l+1 pairs the first four at l, and the previous token's experts at
+l+1, with the logits at l+1.
 """
 from __future__ import annotations
 
@@ -32,12 +33,20 @@ from .calibrate import RecordingMoE, run_exact
 @dataclass
 class LayerStates:
     """Per layer l, every recorded token's residual r_l and MoE input x_l [N, H], routed ids and weights
-    [N, k] and router logits [N, E]."""
+    [N, k] and router logits [N, E]; `starts` [N]: the tokens that begin a window (no previous token)."""
     resid: list[torch.Tensor]  # per layer [N, H]
     x: list[torch.Tensor]
     ids: list[torch.Tensor]  # [N, k]
     weights: list[torch.Tensor]
     logits: list[torch.Tensor]  # [N, E]
+    starts: torch.Tensor  # [N] bool
+
+    def previous(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's previous token's routed ids and weights at `layer` [N, k] (weight 0 at a window's start),
+        as a decoding engine knows them."""
+        ids, weights = self.ids[layer].roll(1, 0), self.weights[layer].roll(1, 0).clone()
+        weights[self.starts] = 0
+        return ids, weights
 
 
 class _Recorder(RecordingMoE):
@@ -45,6 +54,7 @@ class _Recorder(RecordingMoE):
         super().__init__(store, router, kind)
         self.resid_now = None
         self.rows = [dict(resid=[], x=[], ids=[], weights=[], logits=[]) for _ in range(n_layers)]
+        self.starts = []
 
     def hook(self, layer, h):
         self.resid_now = h
@@ -54,6 +64,8 @@ class _Recorder(RecordingMoE):
         routing = self.router.route(logits.cpu().numpy(), layer)
         w, ids = torch.from_numpy(routing.weights), torch.from_numpy(routing.ids)
         r = self.rows[layer]
+        if layer == 0:  # a window's forward starts
+            self.starts.append(torch.arange(len(x)) == 0)
         for key, val in (("resid", self.resid_now), ("x", x), ("ids", ids), ("weights", w), ("logits", logits)):
             r[key].append(val.clone())
         return super().__call__(layer, x, router)
@@ -66,7 +78,7 @@ def record_states(model_path: Path, ids: list[int], context: int = 512,
                            lambda store, a, router: _Recorder(store, router, a.num_moe_layers, ExpertKind.of(a)),
                            context, progress)
     cat = lambda key: [torch.cat(r[key]) for r in rec.rows]  # noqa: E731
-    return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"))
+    return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"), torch.cat(rec.starts))
 
 
 @torch.no_grad()
@@ -76,9 +88,11 @@ def recall_per_layer(p: Predictor, s: LayerStates, top_k: int, batch: int = 8192
     router = p.model.router
     for layer in range(len(s.x) - 1):
         hit, n = 0, 0
+        prev_ids, prev_weights = s.previous(layer + 1)
         for i in range(0, len(s.x[layer]), batch):
             sl = slice(i, i + batch)
-            pred = p.logits(layer, s.resid[layer][sl], s.x[layer][sl], s.ids[layer][sl], s.weights[layer][sl])
+            pred = p.logits(layer, s.resid[layer][sl], s.x[layer][sl], s.ids[layer][sl], s.weights[layer][sl],
+                            (prev_ids[sl], prev_weights[sl]))
             true_ids = s.ids[layer + 1][sl][:, :top_k]  # routed by the family's router when recorded
             assert pred.shape == s.logits[layer + 1][sl].shape, \
                 f"{p.name} gave logits {tuple(pred.shape)}, expected {tuple(s.logits[layer + 1][sl].shape)}"
@@ -107,43 +121,48 @@ def routing_loss(router: Router, pred: torch.Tensor, true: torch.Tensor, bias: t
     return F.kl_div(F.log_softmax(pred, -1), F.log_softmax(true, -1), log_target=True, reduction="batchmean")
 
 
-def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.Tensor, epochs: int = 4,
-                    lr: float = 2e-3, batch: int = 1024, seed: int = 0,
+def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.Tensor, epochs: int = 30,
+                    lr: float = 2e-3, batch: int = 1024, seed: int = 0, unknown_previous: float = 0.1,
                     progress: Callable[[str], None] | None = None) -> EstimatorNet:
-    """Distil q_l -> Router_{l+1} logits by `routing_loss` under the model's router over every transition."""
+    """Distil (q_l, the previous token's experts at l+1) -> Router_{l+1} logits by `routing_loss` under the model's
+    router, one net per transition. A share `unknown_previous` of each batch is shown without the previous
+    token's experts, as the engine predicts a sequence's first token and a decode batch's."""
     a, router = model.args, model.router
     qh = QuasiHidden(model, default_vectors)
-    with torch.no_grad():
-        q = torch.cat([qh.quasi_hidden(l, s.resid[l], s.ids[l], s.weights[l]) for l in range(a.num_moe_layers - 1)])
-        layer = torch.cat([torch.full((len(s.x[l]),), l) for l in range(a.num_moe_layers - 1)])
-        target = torch.cat([s.logits[l + 1].float() for l in range(a.num_moe_layers - 1)])
-    # a softmax router's logit bias of each sample's target layer (GPT-OSS); a sigmoid router's is not needed
-    bias = torch.from_numpy(router.bias_table(a.num_moe_layers, a.num_experts))[layer + 1] \
-        if router.logit_bias else None
-    batch = min(batch, len(q))
     torch.manual_seed(seed)
-    net = EstimatorNet(a.hidden_size, a.num_experts, a.num_moe_layers)
-    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
-    steps = epochs * (len(q) // batch)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
+    net = EstimatorNet(a.hidden_size, a.num_experts, a.num_moe_layers - 1)
     g = torch.Generator().manual_seed(seed)
-    for epoch in range(epochs):
-        perm = torch.randperm(len(q), generator=g)
-        total = 0.0
-        for i in range(0, len(q) - batch + 1, batch):
-            idx = perm[i:i + batch]
-            loss = routing_loss(router, net(q[idx], layer[idx]), target[idx], None if bias is None else bias[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            total += loss.item()
-        if progress:
-            progress(f"epoch {epoch + 1}/{epochs}: KL {total / (len(q) // batch):.4f}")
+    for l, transition in enumerate(net.transitions):
+        with torch.no_grad():
+            q = qh.quasi_hidden(l, s.resid[l], s.ids[l], s.weights[l]).float()
+            prev_ids, prev_weights = s.previous(l + 1)
+            prev_ids, prev_weights = prev_ids.long(), prev_weights.float()
+            target = s.logits[l + 1].float()
+        # a softmax router's logit bias of the target layer (GPT-OSS); a sigmoid router's is not needed
+        bias = torch.from_numpy(router.bias_table(a.num_moe_layers, a.num_experts)[l + 1]) \
+            if router.logit_bias else None
+        size = min(batch, len(q))
+        opt = torch.optim.AdamW(transition.parameters(), lr=lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * (len(q) // size))
+        for epoch in range(epochs):
+            perm = torch.randperm(len(q), generator=g)
+            total = 0.0
+            for i in range(0, len(q) - size + 1, size):
+                idx = perm[i:i + size]
+                known = torch.rand(len(idx), 1, generator=g) >= unknown_previous  # drawn again at every step
+                pred = transition(q[idx], prev_ids[idx], prev_weights[idx] * known)
+                loss = routing_loss(router, pred, target[idx], bias)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                total += loss.item()
+            if progress and ((epoch + 1) % 10 == 0 or epoch + 1 == epochs):
+                progress(f"transition {l}->{l + 1}, epoch {epoch + 1}/{epochs}: loss {total / (len(q) // size):.4f}")
     return net.eval()
 
 
-def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, epochs: int = 12,
+def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, epochs: int = 30,
                   progress: Callable[[str], None] | None = None) -> dict:
     """Train the estimator on calibration tokens, choose the hybrid's layers (quasi-hidden recall
     below `hybrid_below` there) and save it beside the model."""
