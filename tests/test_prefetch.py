@@ -1,6 +1,7 @@
 """Speculative prefetch: prefetch-only keeps the output exact; predictors and the estimator
 work end to end on a tiny model calibrated in the test; on a sigmoid router (DeepSeek-V3) the
 estimator learns the family's own scores, not a softmax's."""
+import json
 import shutil
 
 import numpy as np
@@ -403,3 +404,20 @@ def test_the_estimator_trains_and_predicts_exactly_on_other_families(tiny, tmp_p
     torch.testing.assert_close(decode(engine, ids), ref, atol=1e-4, rtol=0)
     assert engine.stats.predictions >= len(ids) - 6  # one a decode token at least (a prompt's: one a token)
     engine.close()
+
+
+def test_predict_trains_and_measures_from_the_command_line(tmp_path, capsys):
+    """`predict --train` saves an estimator that `predict` then loads and scores, each with its progress bar."""
+    from expertcache import cli
+    from expertcache.engine.engine import BUILTIN_MODEL
+    path = tmp_path / "model"
+    shutil.copytree(BUILTIN_MODEL, path)
+    (path / "estimator.safetensors").unlink()
+    common = ["--model", str(path), "--max-tokens", "600"]
+    assert cli.main(["predict", "--train", *common, "--epochs", "2"]) == 0
+    assert "train 4->5" in capsys.readouterr().err
+    out = tmp_path / "recall.json"
+    assert cli.main(["predict", *common, "--predictors", "estimator", "--json", str(out)]) == 0
+    assert "record" in capsys.readouterr().err
+    recall = json.loads(out.read_text())["estimator"]
+    assert len(recall) == 5 and all(0.1 < r <= 1 for r in recall)  # above chance (8 of 128) after 2 epochs

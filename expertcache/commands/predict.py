@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from ..engine.engine import BUILTIN_MODEL
@@ -11,6 +10,7 @@ from ..engine.predictors import PREDICTORS
 from ..lab.calibrate import CALIB_TEXT, encode_text
 from ..lab.plots import lines
 from ..lab.prediction import fit_estimator, recall_table
+from ..progress import progress_bar
 from .options import add_json_argument, add_model_argument, fraction, output_path, positive_int, write_json
 
 HELP = "train the estimator (--train) or report each predictor's recall@k per layer"
@@ -36,12 +36,14 @@ def run(a) -> int:
     path = a.model or BUILTIN_MODEL
     if a.train:
         ids = encode_text(path, (a.text or CALIB_TEXT).read_text(encoding="utf-8"), a.max_tokens)
-        r = fit_estimator(path, ids, a.hybrid_below, a.epochs, progress=lambda s: print(s, file=sys.stderr))
+        with progress_bar() as bar:
+            r = fit_estimator(path, ids, a.hybrid_below, a.epochs, progress=_stages(bar))
         print(json.dumps(r, indent=1))
         write_json(a.json, r)
         return 0
     ids = encode_text(path, (a.text or EVAL_TEXT).read_text(encoding="utf-8"), a.max_tokens)
-    table = recall_table(path, ids, a.predictors)
+    with progress_bar() as bar:
+        table = recall_table(path, ids, a.predictors, _stages(bar))
     layers = len(next(iter(table.values())))
     print("| predictor | " + " | ".join(f"{l}->{l + 1}" for l in range(layers)) + " | mean |")
     print("|---|" + "---:|" * (layers + 1))
@@ -51,3 +53,19 @@ def run(a) -> int:
         lines(table, [f"{l}->{l + 1}" for l in range(layers)], "layer transition", "recall@k", a.plot)
     write_json(a.json, table)
     return 0
+
+
+def _stages(bar):
+    """A `progress(stage, done, total)` that shows each stage's count on `bar`: recording's tokens, then
+    training's epochs (a stage whose label changes within it, e.g. the loss, keeps counting)."""
+    kind = [None]
+
+    def progress(stage: str, done: int, total: int) -> None:
+        unit = stage.split()[0]
+        if unit != kind[0]:
+            kind[0] = unit
+            bar.reset(total=total)
+            bar.unit = "tok" if unit == "record" else "epoch"
+        bar.set_description(stage, refresh=False)
+        bar.update(done)
+    return progress

@@ -123,10 +123,11 @@ def routing_loss(router: Router, pred: torch.Tensor, true: torch.Tensor, bias: t
 
 def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.Tensor, epochs: int = 30,
                     lr: float = 2e-3, batch: int = 1024, seed: int = 0, unknown_previous: float = 0.1,
-                    progress: Callable[[str], None] | None = None) -> EstimatorNet:
+                    progress: Callable[[str, int, int], None] | None = None) -> EstimatorNet:
     """Distil (q_l, the previous token's experts at l+1) -> Router_{l+1} logits by `routing_loss` under the model's
     router, one net per transition. A share `unknown_previous` of each batch is shown without the previous
-    token's experts, as the engine predicts a sequence's first token and a decode batch's."""
+    token's experts, as the engine predicts a sequence's first token and a decode batch's. `progress(stage,
+    epochs done, epochs in all)` after each epoch, the stage naming the transition and its loss."""
     a, router = model.args, model.router
     qh = QuasiHidden(model, default_vectors)
     torch.manual_seed(seed)
@@ -157,16 +158,17 @@ def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.T
                 opt.step()
                 sched.step()
                 total += loss.item()
-            if progress and ((epoch + 1) % 10 == 0 or epoch + 1 == epochs):
-                progress(f"transition {l}->{l + 1}, epoch {epoch + 1}/{epochs}: loss {total / (len(q) // size):.4f}")
+            if progress:
+                progress(f"train {l}->{l + 1}, loss {total / (len(q) // size):.4f}", 1, epochs * len(net.transitions))
     return net.eval()
 
 
 def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, epochs: int = 30,
-                  progress: Callable[[str], None] | None = None) -> dict:
+                  progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Train the estimator on calibration tokens, choose the hybrid's layers (quasi-hidden recall
-    below `hybrid_below` there) and save it beside the model."""
-    model, states = record_states(model_path, ids)
+    below `hybrid_below` there) and save it beside the model. `progress(stage, done, total)`: the tokens
+    recorded, then the epochs trained."""
+    model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))))
     dv = load_default_vectors(model_path)
     k = model.args.top_k
     qh_recall = recall_per_layer(QuasiHidden(model, dv), states, k)
@@ -179,8 +181,9 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
 
 
 def recall_table(model_path: Path, ids: list[int],
-                 predictors=("router-ahead", "quasi-hidden", "estimator", "hybrid")) -> dict:
+                 predictors=("router-ahead", "quasi-hidden", "estimator", "hybrid"),
+                 progress: Callable[[str, int, int], None] | None = None) -> dict:
     """recall@k of each named predictor per layer transition, on the states recorded over `ids`."""
-    model, states = record_states(model_path, ids)
+    model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))))
     return {name: recall_per_layer(make_predictor(name, model, Path(model_path)), states, model.args.top_k)
             for name in predictors}
