@@ -57,6 +57,9 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     zero_k = tmp / "zero_k"
     shutil.copytree(BUILTIN_MODEL, zero_k)
     (zero_k / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 0}))
+    bad_estimator = tmp / "bad_estimator"
+    shutil.copytree(BUILTIN_MODEL, bad_estimator)
+    (bad_estimator / "estimator.safetensors").write_bytes(b"\0" * 100)
     bad_tokenizer = tmp / "bad_tokenizer"
     shutil.copytree(BUILTIN_MODEL, bad_tokenizer)
     (bad_tokenizer / "tokenizer.json").write_text("not a tokenizer")
@@ -142,6 +145,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("tune --profile with a negative term", ["tune", "--profile", str(bad_profile)]),
         ("config quantized with GPTQ", [*ppl, "--model", str(gptq)]),
         ("tokenizer_config.json not JSON", ["generate", "--model", str(bad_tok_config), "--store", "ram", "hi"]),
+        ("estimator.safetensors corrupt", ["predict", "--model", str(bad_estimator), "--max-tokens", "64",
+                                           "--predictors", "estimator"]),
         ("an unknown verb", ["nope"]),
     ]
 

@@ -362,18 +362,36 @@ def test_a_decode_token_predicts_with_its_own_sequences_previous_token(calibrate
     engine.close()
 
 
-def test_an_estimator_of_the_older_format_is_refused_in_one_line(calibrated, tmp_path):
-    """An estimator.safetensors saved before the per-transition nets names the command that retrains it."""
+@pytest.mark.parametrize("case", ["older", "another model", "corrupt", "truncated", "corrupt default vectors"])
+def test_an_estimator_that_does_not_fit_is_refused_in_one_line(calibrated, tmp_path, case):
+    """An estimator.safetensors of the format before the per-transition nets, one trained for another model, or
+    one that is not a safetensors file names the command that retrains it (and corrupt default vectors, the
+    command that recomputes them); the model itself still loads without a predictor."""
     from safetensors.torch import save_file
 
-    from expertcache.engine.predictors import ESTIMATOR_FILE
+    from expertcache.engine.checkpoint import ESTIMATOR_FILE
+    from expertcache.engine.predictors import EstimatorNet, save_estimator
     from expertcache.errors import CheckpointError
     path = tmp_path / "model"
     shutil.copytree(calibrated[0], path)
-    save_file({"fc1.weight": torch.zeros(4, 4)}, str(path / ESTIMATOR_FILE), metadata={"hidden": "4"})
-    with pytest.raises(CheckpointError, match=r"older expertcache.*predict --train") as e:
+    f = path / ESTIMATOR_FILE
+    if case == "older":
+        save_file({"fc1.weight": torch.zeros(4, 4)}, str(f), metadata={"hidden": "4"})
+    elif case == "another model":
+        save_estimator(EstimatorNet(16, 8, 5, 32), path, [], {})
+    elif case == "corrupt":
+        f.write_bytes(b"\x00" * 100)
+    elif case == "truncated":
+        f.write_bytes(f.read_bytes()[:1000])
+    else:
+        (path / "default_vectors.safetensors").write_bytes(b"\x00" * 100)
+    message = {"older": r"older expertcache.*predict --train", "another model": r"another model.*predict --train",
+               "corrupt": r"unreadable.*predict --train", "truncated": r"unreadable.*predict --train",
+               "corrupt default vectors": r"default_vectors.safetensors is unreadable.*calibrate"}[case]
+    with pytest.raises(CheckpointError, match=message) as e:
         Engine(path, EngineConfig(store="ram", prefetch=PrefetchConfig("estimator", "prefetch")))
     assert "\n" not in str(e.value)
+    Engine(path, EngineConfig(store="ram")).close()
 
 
 def test_recorded_states_give_each_token_its_previous_tokens_experts(calibrated):

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from ..errors import CheckpointError
 
 DEFAULT_VECTORS = "default_vectors.safetensors"
+ESTIMATOR_FILE = "estimator.safetensors"  # the next-layer estimator (engine/predictors.py)
 ROUTING_COUNTS = "routing_counts.json"  # per layer, how often each expert is routed on calibration text
 
 
@@ -169,7 +170,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                 raise CheckpointError(f"{path}: shard {shard} named by the index is missing; download it")
             files[name] = path / shard
     else:
-        shards = sorted(path.glob("*.safetensors"))
+        # the model's weights, not the files `calibrate` and `predict --train` write beside them
+        shards = sorted(f for f in path.glob("*.safetensors") if f.name not in (DEFAULT_VECTORS, ESTIMATOR_FILE))
         if not shards:
             raise CheckpointError(f"{path}: no *.safetensors weights; convert the checkpoint to safetensors")
         for shard in shards:
@@ -224,4 +226,8 @@ def load_default_vectors(model_path: Path) -> torch.Tensor:
     p = Path(model_path) / DEFAULT_VECTORS
     if not p.exists():
         raise CheckpointError(f"{p} is missing; run `expertcache calibrate --model {model_path}`")
-    return load_file(str(p))["default_vectors"]
+    try:
+        return load_file(str(p))["default_vectors"]
+    except (SafetensorError, OSError, KeyError) as e:
+        raise CheckpointError(f"{p} is unreadable ({str(e).splitlines()[0][:200]}); run `expertcache calibrate "
+                              f"--model {model_path}` again") from None

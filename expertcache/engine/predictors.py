@@ -26,10 +26,10 @@ from torch import nn
 
 from ..errors import CheckpointError, UnknownName
 from ..kernel import dense_decode
+from .checkpoint import ESTIMATOR_FILE
 from .moe import decode_router_logits, router_logits
 from .transformer import Transformer
 
-ESTIMATOR_FILE = "estimator.safetensors"
 
 
 class Predictor:
@@ -219,23 +219,31 @@ def save_estimator(net: EstimatorNet, path: Path, hybrid_layers: list[int], reca
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path / ESTIMATOR_FILE), metadata=meta)
 
 
-def load_estimator(path: Path) -> tuple[EstimatorNet, list[int]]:
-    """The net saved in `path` and the layers the hybrid uses it on."""
+def load_estimator(path: Path, model: Transformer | None = None) -> tuple[EstimatorNet, list[int]]:
+    """The net saved in `path` and the layers the hybrid uses it on; with `model`, checked to be its shape."""
     import json
 
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     f = Path(path) / ESTIMATOR_FILE
     retrain = f"run `expertcache predict --train --model {path}`"
     if not f.exists():
         raise CheckpointError(f"{f} is missing; {retrain}")
-    with safe_open(str(f), "pt") as h:
-        meta = h.metadata() or {}
-    if meta.get("version") != ESTIMATOR_VERSION:
-        raise CheckpointError(f"{f} was trained by an older expertcache (one net for every layer); {retrain} "
-                              "again")
-    net = EstimatorNet(int(meta["hidden"]), int(meta["experts"]), int(meta["transitions"]), int(meta["width"]))
-    net.load_state_dict(load_file(str(f)))
-    return net, json.loads(meta["hybrid_layers"])
+    try:
+        with safe_open(str(f), "pt") as h:
+            meta = h.metadata() or {}
+        if meta.get("version") != ESTIMATOR_VERSION:
+            raise CheckpointError(f"{f} was trained by an older expertcache (one net for every layer); {retrain} "
+                                  "again")
+        shape = tuple(int(meta[k]) for k in ("hidden", "experts", "transitions", "width"))
+        if model is not None and shape[:3] != (model.args.hidden_size, model.args.num_experts,
+                                               model.args.num_moe_layers - 1):
+            raise CheckpointError(f"{f} was trained for another model (hidden size, experts and layer transitions "
+                                  f"{shape[:3]}); {retrain}")
+        net = EstimatorNet(*shape)
+        net.load_state_dict(load_file(str(f)))
+        return net, [int(l) for l in json.loads(meta["hybrid_layers"])]
+    except (SafetensorError, OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"{f} is unreadable ({str(e).splitlines()[0][:200]}); {retrain}") from None
 
 
 PREDICTORS = ("router-ahead", "quasi-hidden", "estimator", "hybrid")
@@ -249,7 +257,7 @@ def make_predictor(name: str, model: Transformer, model_path: Path) -> Predictor
     if name == "quasi-hidden":
         return QuasiHidden(model, load_default_vectors(model_path))
     if name in ("estimator", "hybrid"):
-        net, hybrid_layers = load_estimator(model_path)
+        net, hybrid_layers = load_estimator(model_path, model)
         p = Estimator(model, load_default_vectors(model_path), net, set(hybrid_layers) if name == "hybrid" else None)
         p.name = name
         return p
