@@ -10,6 +10,7 @@ from ..engine.predictors import PREDICTORS
 from ..lab.calibrate import CALIB_TEXT, encode_text
 from ..lab.plots import lines
 from ..lab.prediction import fit_estimator, recall_table
+from ..lab.texts import read_text
 from ..progress import progress_bar
 from .options import add_json_argument, add_model_argument, fraction, output_path, positive_int, write_json
 
@@ -35,13 +36,13 @@ def run(a) -> int:
     """Run the verb; returns the exit code."""
     path = a.model or BUILTIN_MODEL
     if a.train:
-        ids = encode_text(path, (a.text or CALIB_TEXT).read_text(encoding="utf-8"), a.max_tokens)
+        ids = encode_text(path, read_text(a.text or CALIB_TEXT), a.max_tokens)
         with progress_bar() as bar:
             r = fit_estimator(path, ids, a.hybrid_below, a.epochs, progress=_stages(bar))
         print(json.dumps(r, indent=1))
         write_json(a.json, r)
         return 0
-    ids = encode_text(path, (a.text or EVAL_TEXT).read_text(encoding="utf-8"), a.max_tokens)
+    ids = encode_text(path, read_text(a.text or EVAL_TEXT), a.max_tokens)
     with progress_bar() as bar:
         table = recall_table(path, ids, a.predictors, _stages(bar))
     layers = len(next(iter(table.values())))
