@@ -122,9 +122,8 @@ class HardwareProfile:
             raise BadInput(f"{path}: hardware profile {problem}; measure it again with `expertcache calibrate-hw "
                            "--out FILE`")
         data["calibration"], data["unfitted"] = tuple(data.get("calibration", ())), tuple(data.get("unfitted", ()))
-        for name in ("fetch_latency_s", "fetch_bandwidth", "expert_run_s", "dense_s", "admission_s", "decision_s",
-                     "lowbit_fetch_s", "prefetch_s", "prediction_s", "exposed_prefetch_s", "expert_bytes", "layers",
-                     "top_k"):
+        numeric = [f.name for f in fields(cls) if f.type in ("float", "int", "float | None") and f.name != "version"]
+        for name in numeric:  # every cost term and size (the version is checked above)
             v, positive = data.get(name, 0.0), name in ("fetch_bandwidth", "expert_bytes", "layers", "top_k")
             if v is None and name == "lowbit_fetch_s":
                 continue
