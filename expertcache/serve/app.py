@@ -496,7 +496,7 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
             message, param = ("the body must be a JSON object, sent with Content-Type: application/json "
                               f"({first.get('msg', 'invalid')})"), None
         else:
-            message, param = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}", (loc[0] if loc else None)
+            message, param = f"{'.'.join(loc)}: {first.get('msg', 'invalid')}", loc[0]
         return JSONResponse(APIError(400, message, param).body(), status_code=400)
 
     @app.post("/v1/completions")
