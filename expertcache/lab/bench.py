@@ -154,12 +154,12 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     repetitions interleaved round-robin after one warm-up round."""
     cache = CacheConfig(fraction=cfg.cache_fraction, bytes=cfg.cache_bytes, io=cfg.io)
     # the sequence the decode runs: its prompt, its tokens and the one forward more that generate runs
-    need = cfg.prompt_tokens + cfg.decode_tokens + 1
+    sequence = cfg.prompt_tokens + cfg.decode_tokens + 1
     limit = max_seq_limit(model_args(open_checkpoint(model or BUILTIN_MODEL).config))
-    if need > limit:
+    if sequence > limit:
         raise BadInput(f"--decode-tokens {cfg.decode_tokens} after the {cfg.prompt_tokens}-token prompt exceeds the "
                        f"model's context of {limit} positions; give at most {limit - cfg.prompt_tokens - 1}")
-    max_seq = max(EngineConfig.max_seq, need, cfg.context)
+    max_seq = max(EngineConfig.max_seq, sequence, cfg.context)
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
                                         store_format=cfg.store_format, read_mode=cfg.read_mode,
                                         slot_dtype=cfg.slot_dtype, max_seq=max_seq))
