@@ -99,7 +99,7 @@ class TransferEngine:
             getattr(self.store, "read_mode", "") == "o_direct"
         ring = RingReads.open() if usable and io != "threads" else None
         if io == "uring" and ring is None:
-            raise BadInput("--io uring needs Linux with io_uring, the liburing package, an O_DIRECT disk store and "
+            raise BadInput("--io uring needs Linux on x86-64 with io_uring allowed, an O_DIRECT disk store and "
                            "float slots of the store's dtype or quantized slots; use --io auto or --io threads")
         return ring
 

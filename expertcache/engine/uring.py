@@ -4,92 +4,166 @@ decoding thread for the GIL. On this project's 2-core VM a fork-join of 4 expert
 took 264 us through the ring against 386 us through a 4-thread pool (benchmarks/io_probe.py
 --fork-join).
 
-`RingReads.open` returns None where io_uring is not available (another OS, no liburing, a kernel
-or sandbox that refuses the ring); the transfer engine then keeps its worker threads.
+The ring is spoken to directly: its two system calls through libc's `syscall`, its queues as
+shared memory. No compiled binding is needed, so nothing here can carry instructions this CPU
+lacks (a prebuilt liburing wheel used AVX-512 and died of SIGILL on AVX2 machines). The
+queues' ordering relies on x86-64's: stores reach memory in program order and loads are not
+reordered with other loads, so publishing a tail after writing its entries needs no fence.
+
+`RingReads.open` returns None where io_uring is not available (another OS or CPU architecture,
+a kernel or sandbox that refuses the ring); the transfer engine then keeps its worker threads.
 """
 from __future__ import annotations
 
-try:
-    import liburing
-except ImportError:  # another platform, or the optional binding is missing
-    liburing = None
+import ctypes
+import errno
+import mmap
+import os
+import platform
+import struct
+import sys
+
+import numpy as np
+
+# <linux/io_uring.h>
+_SYS_SETUP, _SYS_ENTER = 425, 426  # the same numbers on every architecture since Linux 5.1
+_OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
+_OP_READV = 1
+_SQE_ASYNC = 1 << 4  # IOSQE_ASYNC
+_ENTER_GETEVENTS = 1
+# io_uring_params: sq_entries, cq_entries, flags, sq_thread_cpu, sq_thread_idle, features, wq_fd, resv[3];
+# then the SQ ring's offsets (head, tail, ring_mask, ring_entries, flags, dropped, array, resv1, user_addr)
+# and the CQ ring's (head, tail, ring_mask, ring_entries, overflow, cqes, flags, resv1, user_addr)
+_PARAMS = struct.Struct("<10I 8I Q 8I Q")
+# an SQE's 64 bytes: opcode, flags, ioprio, fd, off, addr, len, rw_flags, user_data, buf_index, personality,
+# splice_fd_in, addr3, pad
+_SQE = struct.Struct("<BBHiQQIIQHHiQQ")
+_CQE = struct.Struct("<QiI")  # user_data, res, flags
+
+_USABLE = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
+if _USABLE:
+    _syscall = ctypes.CDLL(None, use_errno=True).syscall
+    _syscall.restype = ctypes.c_long
+
+
+def _call(*args: int) -> int:
+    """A system call through libc; its result, or -errno."""
+    r = _syscall(*(ctypes.c_long(a) for a in args))
+    return -ctypes.get_errno() if r < 0 else r
+
+
+class Iovec:
+    """The iovec array of a read's destination buffers, kept alive with them."""
+
+    def __init__(self, buffers: list):
+        self.buffers = [np.frombuffer(b, np.uint8) for b in buffers]
+        if any(not b.flags.writeable for b in self.buffers):
+            raise ValueError("a read's destination buffer must be writable")
+        self.array = np.array([x for b in self.buffers for x in (b.ctypes.data, b.nbytes)], np.uint64)
+        self.address, self.count = self.array.ctypes.data, len(self.buffers)
+
+    def __len__(self) -> int:
+        return int(sum(b.nbytes for b in self.buffers))
 
 
 class RingReads:
     """One io_uring instance: `read` queues a vectored read tagged with a ticket, `submit` hands the
     queued reads to the kernel, `completions` returns (ticket, result) pairs: bytes read, or -errno."""
 
-    def __init__(self, ring, entries: int):
-        self.ring, self.entries = ring, entries
-        self.cqe = liburing.Cqe()
-        self.queued = 0  # reads prepared but not yet submitted
+    def __init__(self, fd: int, p: tuple):
+        self.fd = fd
+        self.entries, cq_entries = p[0], p[1]
+        sq_head, sq_tail, sq_mask, _, _, _, sq_array = p[10:17]
+        cq_head, cq_tail, cq_mask, _, _, cqes = p[19:25]
+        flags, prot = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ | mmap.PROT_WRITE
+        self.maps = [mmap.mmap(fd, size, flags, prot, offset=off) for size, off in (
+            (sq_array + 4 * self.entries, _OFF_SQ_RING), (cqes + 16 * cq_entries, _OFF_CQ_RING),
+            (64 * self.entries, _OFF_SQES))]
+        self.sq, self.cq, self.sqes = self.maps
+        sq32, cq32 = np.frombuffer(self.sq, np.uint32), np.frombuffer(self.cq, np.uint32)
+        self.u32 = (sq32, cq32)  # aligned single loads and stores of the shared indices
+        self.sq_head, self.sq_tail, self.sq_mask = sq_head // 4, sq_tail // 4, int(sq32[sq_mask // 4])
+        self.cq_head, self.cq_tail, self.cq_mask, self.cqes = cq_head // 4, cq_tail // 4, int(cq32[cq_mask // 4]), cqes
+        sq32[sq_array // 4:sq_array // 4 + self.entries] = np.arange(self.entries)  # SQE i sits in slot i
+        self.tail = int(sq32[self.sq_tail])  # the next SQE to fill; published to the kernel by `submit`
+        self.head = int(cq32[self.cq_head])  # the next completion to take
+        self.queued = 0  # reads prepared but not yet taken by the kernel
 
     @classmethod
     def open(cls, entries: int = 1024) -> RingReads | None:
         """A ring of `entries` submission slots, or None where io_uring cannot be used here."""
-        if liburing is None:
+        if not _USABLE:
             return None
-        ring = liburing.Ring()
+        params = ctypes.create_string_buffer(_PARAMS.size)
+        fd = _call(_SYS_SETUP, entries, ctypes.addressof(params))
+        if fd < 0:  # ENOSYS, EPERM (seccomp, io_uring_disabled), ENOMEM (locked-memory limit)
+            return None
         try:
-            liburing.io_uring_queue_init(entries, ring, 0)
-        except OSError:  # ENOSYS, EPERM (seccomp, io_uring_disabled), ENOMEM (locked-memory limit)
+            return cls(fd, _PARAMS.unpack(params.raw))
+        except (OSError, ValueError):  # the rings could not be mapped
+            os.close(fd)
             return None
-        return cls(ring, entries)
 
     @staticmethod
-    def iovec(buffers: list) -> object:
+    def iovec(buffers: list) -> Iovec:
         """The iovec of writable buffers (numpy arrays, whole pages at page-aligned addresses for
         O_DIRECT) that reads land in; kept by the caller for as long as reads may use it."""
-        return liburing.Iovec([memoryview(b) for b in buffers])
+        return Iovec(buffers)
 
-    def read(self, fd: int, iovec, offset: int, ticket: int, background: bool = False) -> None:
+    def read(self, fd: int, iovec: Iovec, offset: int, ticket: int, background: bool = False) -> None:
         """Queue a read of len(iovec) bytes at `offset` of `fd` into iovec's buffers; `background`: one
         the caller will not wait for soon (a prefetch, an admission or an upgrade)."""
         if self.queued == self.entries:
             self.submit()
-        sqe = liburing.io_uring_get_sqe(self.ring)
-        liburing.io_uring_prep_readv(sqe, fd, iovec, offset)
-        liburing.io_uring_sqe_set_data64(sqe, ticket)
-        if background:  # issued by the kernel's io-wq workers: an inline O_DIRECT submission costs the
-            # calling thread ~5 us of block-layer work a read (39 against 9 us for 8 reads here), taken
-            # from the compute a prefetch is meant to overlap; a read waited for at once is issued inline
-            liburing.io_uring_sqe_set_flags(sqe, liburing.IOSQE_ASYNC)
+        # issued by the kernel's io-wq workers: an inline O_DIRECT submission costs the calling thread ~5 us
+        # of block-layer work a read (39 against 9 us for 8 reads here), taken from the compute a prefetch is
+        # meant to overlap; a read waited for at once is issued inline
+        flags = _SQE_ASYNC if background else 0
+        _SQE.pack_into(self.sqes, 64 * (self.tail & self.sq_mask), _OP_READV, flags, 0, fd, offset, iovec.address,
+                       iovec.count, 0, ticket, 0, 0, 0, 0, 0)
+        self.tail = (self.tail + 1) & 0xFFFFFFFF
         self.queued += 1
+
+    def _enter(self, submit: int, wait: int) -> None:
+        """io_uring_enter: hand `submit` queued reads to the kernel and, with `wait`, sleep until one
+        completion is ready."""
+        sq32 = self.u32[0]
+        sq32[self.sq_tail] = self.tail  # the entries before it were written first (x86-64 keeps store order)
+        while True:
+            r = _call(_SYS_ENTER, self.fd, submit, wait, _ENTER_GETEVENTS if wait else 0, 0, 0)
+            if r != -errno.EINTR:
+                break
+        if r < 0 and r not in (-errno.EAGAIN, -errno.EBUSY):  # those two: retried once completions are taken
+            raise OSError(-r, f"io_uring_enter: {os.strerror(-r)}")
+        self.queued = (self.tail - int(sq32[self.sq_head])) & 0xFFFFFFFF
 
     def submit(self) -> None:
         """Start every queued read."""
         if self.queued:
-            liburing.io_uring_submit(self.ring)
-            self.queued = 0
+            self._enter(self.queued, 0)
 
     def completions(self, block: bool) -> list[tuple[int, int]]:
         """The reads that have completed, as (ticket, bytes read or -errno); with `block`, at least
         one (queued reads are submitted first so that one can complete)."""
-        self.submit()
-        if block and not liburing.io_uring_cq_ready(self.ring):
-            try:
-                liburing.io_uring_wait_cqe(self.ring, self.cqe)
-            except OSError:  # the binding raises a failed read's errno; its entry is read below
-                pass
-        out = []
-        # one entry at a time: peeking points at the queue's head, wrapped (indexing past it is not)
-        while liburing.io_uring_cq_ready(self.ring):
-            try:
-                liburing.io_uring_peek_cqe(self.ring, self.cqe)
-            except OSError:  # as above: a failed read's entry, still at the head
-                pass
-            entry = self.cqe[0]
-            ticket = entry.user_data
-            try:
-                res = entry.res
-            except OSError as e:  # the binding raises a negative result as its errno
-                res = -e.errno
+        cq32 = self.u32[1]
+        wait = block and int(cq32[self.cq_tail]) == self.head
+        if self.queued or wait:
+            self._enter(self.queued, int(wait))
+            while wait and int(cq32[self.cq_tail]) == self.head:  # woken without a completion: wait again
+                self._enter(self.queued, 1)
+        out, tail, head = [], int(cq32[self.cq_tail]), self.head
+        while head != tail:
+            ticket, res, _ = _CQE.unpack_from(self.cq, self.cqes + 16 * (head & self.cq_mask))
             out.append((ticket, res))
-            liburing.io_uring_cq_advance(self.ring, 1)
+            head = (head + 1) & 0xFFFFFFFF
+        self.head = cq32[self.cq_head] = head
         return out
 
     def close(self) -> None:
         """Release the ring; reads must have completed."""
-        if self.ring is not None:
-            liburing.io_uring_queue_exit(self.ring)
-            self.ring = None
+        if self.fd is not None:
+            self.u32 = self.sq = self.cq = self.sqes = None  # the views must go before their maps close
+            for m in self.maps:
+                m.close()
+            os.close(self.fd)
+            self.fd = None

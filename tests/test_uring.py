@@ -1,0 +1,93 @@
+"""The io_uring ring spoken to through its system calls: reads land the file's bytes in the iovec's
+buffers, errors and short reads come back as results, the queues wrap, and more reads than the
+ring holds are queued in turns."""
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+from expertcache.engine.uring import RingReads
+
+ring_here = pytest.mark.skipif(RingReads.open() is None, reason="io_uring is not available here")
+PAGE = mmap.PAGESIZE
+
+
+@pytest.fixture
+def direct_file(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 64 * PAGE, dtype=np.uint8)
+    path = tmp_path / "blobs.bin"
+    data.tofile(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    yield fd, data
+    os.close(fd)
+
+
+def pages(n: int) -> np.ndarray:
+    return np.frombuffer(mmap.mmap(-1, n * PAGE), np.uint8)  # page-aligned, as O_DIRECT needs
+
+
+def drain(ring: RingReads, n: int) -> list[tuple[int, int]]:
+    got = []
+    while len(got) < n:
+        got += ring.completions(block=True)
+    return got
+
+
+@ring_here
+def test_vectored_reads_land_the_files_bytes(direct_file):
+    fd, data = direct_file
+    ring = RingReads.open()
+    bufs = [pages(3) for _ in range(6)]
+    iovecs = [ring.iovec([b[:PAGE], b[PAGE:]]) for b in bufs]  # two parts, as a slot's w13 and w2
+    offsets = [PAGE * k for k in (0, 7, 3, 40, 61, 20)]
+    for i, (iov, off) in enumerate(zip(iovecs, offsets)):
+        ring.read(fd, iov, off, 100 + i, background=i % 2 == 1)
+    got = drain(ring, 6)
+    assert sorted(got) == [(100 + i, 3 * PAGE) for i in range(6)]
+    for b, off in zip(bufs, offsets):
+        assert np.array_equal(b, data[off:off + 3 * PAGE])
+    ring.close()
+
+
+@ring_here
+def test_errors_and_short_reads_come_back_as_results(direct_file):
+    fd, data = direct_file
+    ring = RingReads.open()
+    buf = pages(2)
+    iov = ring.iovec([buf])
+    ring.read(fd, iov, 100, 1)  # O_DIRECT at an unaligned offset
+    assert drain(ring, 1) == [(1, -22)]  # -EINVAL
+    ring.read(fd, iov, len(data) - PAGE, 2)  # the file ends after one page
+    assert drain(ring, 1) == [(2, PAGE)]
+    assert np.array_equal(buf[:PAGE], data[-PAGE:])
+    ring.read(-1, iov, 0, 3)  # a closed descriptor
+    assert drain(ring, 1) == [(3, -9)]  # -EBADF
+    ring.close()
+
+
+@ring_here
+def test_the_queues_wrap_and_a_full_ring_submits_in_turns(direct_file):
+    fd, data = direct_file
+    ring = RingReads.open(entries=4)
+    assert ring.entries == 4
+    buf = [pages(1) for _ in range(10)]
+    iovecs = [ring.iovec([b]) for b in buf]
+    for round_ in range(5):  # 50 reads through 4 slots: the indices wrap many times
+        for i in range(10):  # 10 queued before any wait: the ring submits when it is full
+            ring.read(fd, iovecs[i], PAGE * ((round_ * 10 + i) % 64), i)
+        got = drain(ring, 10)
+        assert sorted(t for t, _ in got) == list(range(10)) and all(n == PAGE for _, n in got)
+        for i in range(10):
+            off = PAGE * ((round_ * 10 + i) % 64)
+            assert np.array_equal(buf[i], data[off:off + PAGE])
+    ring.close()
+    ring.close()  # a second close does nothing
+
+
+def test_read_only_buffers_are_refused():
+    with pytest.raises(ValueError, match="writable"):
+        RingReads.iovec([np.frombuffer(bytes(PAGE), np.uint8)])
