@@ -31,6 +31,9 @@ _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _OP_READV = 1
 _SQE_ASYNC = 1 << 4  # IOSQE_ASYNC
 _ENTER_GETEVENTS = 1
+# IORING_FEAT_NODROP (5.5: no completion is lost to a full queue) and IORING_FEAT_RW_CUR_POS (5.6, with
+# IOSQE_ASYNC): an older kernel would fail every background read, so it keeps the worker threads
+_FEATURES_NEEDED = (1 << 1) | (1 << 3)
 # io_uring_params: sq_entries, cq_entries, flags, sq_thread_cpu, sq_thread_idle, features, wq_fd, resv[3];
 # then the SQ ring's offsets (head, tail, ring_mask, ring_entries, flags, dropped, array, resv1, user_addr)
 # and the CQ ring's (head, tail, ring_mask, ring_entries, overflow, cqes, flags, resv1, user_addr)
@@ -98,8 +101,12 @@ class RingReads:
         fd = _call(_SYS_SETUP, entries, ctypes.addressof(params))
         if fd < 0:  # ENOSYS, EPERM (seccomp, io_uring_disabled), ENOMEM (locked-memory limit)
             return None
+        p = _PARAMS.unpack(params.raw)
+        if p[5] & _FEATURES_NEEDED != _FEATURES_NEEDED:
+            os.close(fd)
+            return None
         try:
-            return cls(fd, _PARAMS.unpack(params.raw))
+            return cls(fd, p)
         except (OSError, ValueError):  # the rings could not be mapped
             os.close(fd)
             return None
