@@ -22,7 +22,15 @@ class Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one verb; returns its exit code (2 on bad input, with one line on stderr)."""
+    """Run one verb; returns its exit code (2 on bad input, with one line on stderr; 130 on Ctrl-C,
+    also while the verbs' modules load)."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
     parser = Parser(prog="expertcache", description="MoE inference with a policy-driven expert cache")
     sub = parser.add_subparsers(dest="verb", required=True, parser_class=Parser)
     modules = {}
@@ -37,8 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"expertcache: error: {e}", file=sys.stderr)
     except OSError as e:
         print(f"expertcache: error: {e}; {os_error_fix(e)}", file=sys.stderr)
-    except KeyboardInterrupt:
-        return 130
     return 2
 
 

@@ -111,6 +111,20 @@ def test_bad_input_is_typed_and_programming_errors_are_not_bad_input(capsys, ckp
         cli.main(["info"])
 
 
+def test_ctrl_c_ends_quietly_also_while_the_verbs_load(capsys, monkeypatch):
+    """The command line imports nothing heavy before `main` runs (an interrupt there would print torch's
+    import traceback), and an interrupt inside main, the verbs' imports included, exits 130 in silence."""
+    import subprocess
+    import sys
+    probe = "import sys, expertcache.cli; sys.exit('torch' in sys.modules or 'numpy' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe]).returncode == 0
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    assert run_cli(capsys, "info") == (130, "")
+
+
 def test_os_errors_are_one_line(capsys, ckpt, tmp_path, monkeypatch):
     home = tmp_path / "home"
     home.write_text("a file where the cache folder should be")
