@@ -65,9 +65,6 @@ class Iovec:
         self.array = np.array([x for b in self.buffers for x in (b.ctypes.data, b.nbytes)], np.uint64)
         self.address, self.count = self.array.ctypes.data, len(self.buffers)
 
-    def __len__(self) -> int:
-        return int(sum(b.nbytes for b in self.buffers))
-
 
 class RingReads:
     """One io_uring instance: `read` queues a vectored read tagged with a ticket, `submit` hands the
@@ -118,7 +115,7 @@ class RingReads:
         return Iovec(buffers)
 
     def read(self, fd: int, iovec: Iovec, offset: int, ticket: int, background: bool = False) -> None:
-        """Queue a read of len(iovec) bytes at `offset` of `fd` into iovec's buffers; `background`: one
+        """Queue a read at `offset` of `fd` filling iovec's buffers; `background`: one
         the caller will not wait for soon (a prefetch, an admission or an upgrade)."""
         if self.queued == self.entries:
             self.submit()
