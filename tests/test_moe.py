@@ -49,8 +49,12 @@ def test_compiled_kernel_reads_16_bit_slots_exactly(H):
         assert torch.equal(out, fp32)  # the same products in the same order: widening is exact
 
 
-def test_window_equals_token_by_token_under_eviction(tiny):
-    """A 64-token window through 2 slots per layer (constant eviction) equals the full model."""
+@pytest.mark.parametrize("flush_rows", [0, 1000])
+def test_window_equals_token_by_token_under_eviction(tiny, monkeypatch, flush_rows):
+    """A 64-token window through 2 slots per layer (constant eviction) equals the full model, each slot's
+    work run before it changes hands through grouped calls (0) or decode's compiled kernel (1000)."""
+    from expertcache.engine import moe
+    monkeypatch.setattr(moe, "FLUSH_ROWS", flush_rows)
     path, hf = tiny["olmoe"]
     ids = torch.randint(0, 96, (64,), generator=torch.Generator().manual_seed(3))
     engine = Engine(path, EngineConfig(cache=CacheConfig(fraction=0.25), initial="cold"))

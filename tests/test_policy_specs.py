@@ -151,7 +151,7 @@ def test_decide_and_prefetch_check_their_arrays():
         return cache.decide(pol, layer, Routing(rows, rows, np.full(weights, 0.5, np.float32), ids), 0,
                             np.zeros(out, np.int64), np.zeros(out, np.int64), np.zeros(out, np.float32))
 
-    assert decide() == 0  # the plan of every token is left to the caller
+    assert decide() is None  # the plan of every token is left to the caller
     for bad, match in [(dict(logits=(T, E + 1)), "logits must be a float32 array of shape"),
                        (dict(logits=(T + 1, E)), "logits"), (dict(dtype=np.float64), "logits"),
                        (dict(weights=(T, k + 1)), "weights"), (dict(out=(T, k + 1)), "slots"),

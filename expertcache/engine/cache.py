@@ -199,9 +199,9 @@ class ExpertCache:
 
     # -- deciding ------------------------------------------------------------------------
     def decide(self, policy, layer: int, routing: Routing, token_base: int, slots: np.ndarray, experts: np.ndarray,
-               gates: np.ndarray) -> int:
+               gates: np.ndarray) -> None:
         """Decide one layer's tokens (the compiled loop) and log the actions to carry out;
-        returns the first token whose expert work is still owed. routing: the routes (rows, and
+        the expert work that no logged flush runs is the caller's. routing: the routes (rows, and
         a sigmoid router's scores, [T, E] float32; weights [T, k] float32; ids [T, k] int64);
         slots, experts [T, k] int64 and gates [T, k] float32 receive the plan. Sizes, types and
         ids are checked here: the compiled loop checks no bounds."""
@@ -222,10 +222,10 @@ class ExpertCache:
         self._check_layer(layer)
         self._check_experts("decide: ids", ids)
         policy.check(k, E)
-        return self.decide_routed(policy, layer, routing, token_base, slots, experts, gates)
+        self.decide_routed(policy, layer, routing, token_base, slots, experts, gates)
 
     def decide_routed(self, policy, layer: int, routing: Routing, token_base: int, slots: np.ndarray,
-                      experts: np.ndarray, gates: np.ndarray) -> int:
+                      experts: np.ndarray, gates: np.ndarray) -> None:
         """`decide` without its checks, for routes that the router made (the right types and
         shapes, ids in range) and a policy already fitted to the model: the engine's per-layer call."""
         L, E, k = self.shape.num_layers, self.shape.num_experts, self.top_k
@@ -233,13 +233,11 @@ class ExpertCache:
         if len(self.state.log) < kernel.log_capacity(T, k, E):
             self.state = self.state.with_log(kernel.log_capacity(T, k, E))
         logits = routing.scores is routing.rows  # softmax: one row ranks and weighs
-        owed_from = kernel.decide_layer(self.state, policy.params(), policy.bind(L, E), self.scratch, layer,
-                                        routing.rows, routing.scores, logits, routing.ids, routing.weights,
-                                        token_base, slots, experts, gates)
-        if owed_from < 0:
+        if kernel.decide_layer(self.state, policy.params(), policy.bind(L, E), self.scratch, layer, routing.rows,
+                               routing.scores, logits, routing.ids, routing.weights, token_base, slots, experts,
+                               gates) < 0:
             self._abandon(self._take_log())  # the tokens before the failing one logged loads
             raise self.too_small(layer)
-        return owed_from
 
     def prefetch(self, layer: int, experts: np.ndarray, clock: int) -> float:
         """Start transfers of `experts` of `layer` that are not mapped yet."""
@@ -273,7 +271,8 @@ class ExpertCache:
 
     def carry_out(self, compute=None, started=None) -> float:
         """Carry out the logged actions in order: start transfers, wait for them, run the
-        expert work owed before a slot is overwritten (`compute(begin, end)`). `started()`, if
+        expert work owed before a slot is overwritten (`compute(slot, end)`: the slot's work for
+        tokens [0, end) of the call). `started()`, if
         given, runs once the transfers logged before the first wait are under way (before that
         wait), so that work it starts overlaps them. Returns the seconds stalled. If an action
         raises, the cache is left consistent before the error propagates: transfers not started
@@ -288,14 +287,15 @@ class ExpertCache:
                 if op == kernel.LOAD:
                     self.pending[a] = self.transfers.submit(b // E, b % E, a, kernel.KINDS[c], i in here)
                     continue
+                if op == kernel.FLUSH:  # one slot's few entries: not worth a submission of their own
+                    compute(a, b)
+                    continue
                 self.transfers.flush()  # the loads logged so far start together
                 if started is not None:
                     started, run = None, started
                     run()
                 if op == kernel.WAIT:
                     stall += self.wait(a)
-                elif op == kernel.FLUSH:
-                    compute(a, b)
                 else:
                     stall += self.finish_all()
             self.transfers.flush()

@@ -28,6 +28,10 @@ from .stats import RunStats
 if TYPE_CHECKING:  # predictors route with router_logits below
     from .predictors import Predictor
 
+# a window's flush of one slot runs up to this many tokens through decode's compiled kernel, one call each
+# (a few us); more go through one grouped call (~0.2 ms of set-up here)
+FLUSH_ROWS = 16
+
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torch.Tensor:
     """x [T, H], the router's weight [E, H] -> logits [T, E] float32, without the router's bias
@@ -61,33 +65,32 @@ class LayerPlan:
     slots: np.ndarray  # [T, k] cache slots to run; padded entries have gate 0
     experts: np.ndarray  # [T, k] executed expert ids
     gates: np.ndarray  # [T, k]
-    owed_from: int  # tokens [owed_from, T) still need their expert work
 
 
 def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer: int, routing: Routing,
-                 token_base: int, compute: Callable[[int, int, np.ndarray, np.ndarray], None],
+                 token_base: int, flush: Callable[[int, int, np.ndarray, np.ndarray], None],
                  started: Callable[[np.ndarray, np.ndarray], None] | None = None) -> LayerPlan:
     """Decide one layer's tokens in order (the compiled decision kernel, shared with the
     simulator) and carry out its actions: transfers, waits, and expert work that must run
-    before a slot it uses is overwritten (`compute(begin, end, slots, gates)` for tokens
-    [begin, end)). `started(experts, gates)` (the decided [T, k] arrays) runs as soon as the
-    layer's transfers are under way, before any wait: the next layer's prefetches then overlap
-    this layer's fetches as well as its compute. The work of tokens [plan.owed_from, T) is
-    left to the caller. The kernel's counters stay in the cache state until the caller absorbs
-    them into `stats` (the engine does, once per forward)."""
+    before a slot it uses is overwritten (`flush(slot, end, slots, gates)`: the slot's entries
+    among tokens [0, end)). `started(experts, gates)` (the decided [T, k] arrays) runs as soon as
+    the layer's transfers are under way, before any wait: the next layer's prefetches then
+    overlap this layer's fetches as well as its compute. The work that no flush ran is left to
+    the caller. The kernel's counters stay in the cache state until the caller absorbs them
+    into `stats` (the engine does, once per forward)."""
     T, k = routing.ids.shape
     slots_h = np.empty((T, k), dtype=np.int64)  # the kernel writes every entry
     exec_h = np.empty((T, k), dtype=np.int64)
     gates_h = np.empty((T, k), dtype=np.float32)
     if cache.pending:
         cache.poll()
-    owed_from = cache.decide_routed(policy, layer, routing, token_base, slots_h, exec_h, gates_h)
+    cache.decide_routed(policy, layer, routing, token_base, slots_h, exec_h, gates_h)
     begun = None if started is None else (lambda: started(exec_h, gates_h))
     if cache.state.misc[N_LOG]:
-        stats.stall_s += cache.carry_out(lambda begin, end: compute(begin, end, slots_h, gates_h), begun)
+        stats.stall_s += cache.carry_out(lambda slot, end: flush(slot, end, slots_h, gates_h), begun)
     elif begun is not None:
         begun()
-    return LayerPlan(slots_h, exec_h, gates_h, owed_from)
+    return LayerPlan(slots_h, exec_h, gates_h)
 
 
 @dataclass(frozen=True)
@@ -198,43 +201,88 @@ class MoELayerRunner:
             self.previous[layer] = (routing.ids[-1].copy(), routing.weights[-1].astype(np.float32))
         if self.prefetch.drop and self.predictor is not None and cache.pending and cache.transfers.queues_prefetches():
             stats.prefetch_dropped += cache.drop_prefetches(layer, routing.ids)
-        out = torch.empty_like(x) if T > 1 else None  # decode computes once, after its decisions
+        # decode computes once, after its decisions; a window adds up the parts that flushes run before
+        # slots change hands, and the rest at the end
+        out = None
+        done = np.zeros(routing.ids.shape, bool)  # windows: the entries whose work a flush ran
         # a decode batch shares few experts between its tokens: where decode's compiled kernel runs (on the
         # CPU), one call per token beats grouped matmuls over a handful of tokens per expert
         per_token = self.decoding and self.compiled is not None and x.dtype == torch.float32
 
-        def experts_out(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
+        def experts_out(xs: torch.Tensor, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
             if per_token:
-                return torch.cat([self.compiled(x[t:t + 1], slots_h[t], gates_h[t]) for t in range(begin, end)])
-            gates = torch.from_numpy(gates_h[begin:end])
+                return torch.cat([self.compiled(xs[t:t + 1], slots_h[t], gates_h[t]) for t in range(len(xs))])
+            gates = torch.from_numpy(gates_h)
             if cache.blobs is not None:
-                return self.compiled.grouped(x[begin:end], torch.from_numpy(slots_h[begin:end]), gates)
-            return experts_compute(x[begin:end], torch.from_numpy(slots_h[begin:end]),
-                                   gates if x.device.type == "cpu" else gates.to(x.device), cache.w13, cache.w2,
-                                   cache.b13, cache.b2, self.kind)
+                return self.compiled.grouped(xs, torch.from_numpy(slots_h), gates)
+            return experts_compute(xs, torch.from_numpy(slots_h), gates if xs.device.type == "cpu" else
+                                   gates.to(xs.device), cache.w13, cache.w2, cache.b13, cache.b2, self.kind)
+
+        def add(rows: np.ndarray, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
+            index = torch.from_numpy(rows).to(x.device)
+            out.index_add_(0, index, experts_out(x[index], slots_h, gates_h))
 
         def decode_out(slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
             if self.compiled is not None and x.dtype == torch.float32:
                 return self.compiled(x, slots_h[0], gates_h[0])
-            return experts_out(0, 1, slots_h, gates_h)
+            return experts_out(x, slots_h, gates_h)
 
-        def compute(begin: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
+        by_slot: dict[int, list] = {}  # windows: each slot's entries (token, index, gate) in token order, not yet run
+
+        def flush(slot: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
+            """`slot` is about to be overwritten: its entries among tokens [0, end) run now (decode: the
+            whole token, once, before an upgrade overwrites a slot it uses)."""
             nonlocal out
-            if end == begin:
+            if T == 1:
+                if out is None:
+                    out = decode_out(slots_h, gates_h)
                 return
-            if T == 1:  # decode computes after its decisions, unless an upgrade overwrites a slot it uses
-                out = decode_out(slots_h, gates_h)
+            if not by_slot:  # the first flush of the call: the plan is complete
+                out = torch.zeros_like(x)
+                for t, (row, gates) in enumerate(zip(slots_h.tolist(), gates_h.tolist())):
+                    for j, (s, g) in enumerate(zip(row, gates)):
+                        if g != 0:  # padding has gate 0
+                            by_slot.setdefault(s, []).append((t, j, g))
+            entries, n = by_slot.get(slot, []), 0
+            while n < len(entries) and entries[n][0] < end:
+                n += 1
+            if not n:
+                return
+            run, by_slot[slot] = entries[:n], entries[n:]
+            for t, j, _ in run:
+                done[t, j] = True
+            if self.compiled is not None and x.dtype == torch.float32 and n <= FLUSH_ROWS:
+                one = np.array([slot], np.int64)  # decode's compiled call per token: no grouping to set up
+                for t, _, g in run:
+                    out[t] += self.compiled(x[t:t + 1], one, np.array([g], np.float32))[0]
             else:
-                out[begin:end] = experts_out(begin, end, slots_h, gates_h)
+                rows = np.array([t for t, _, _ in run])
+                add(rows, np.full((n, 1), slot, np.int64), np.array([[g] for _, _, g in run], np.float32))
+
+        def finish(slots_h: np.ndarray, gates_h: np.ndarray) -> None:
+            """The work that no flush ran."""
+            nonlocal out
+            if T == 1:
+                if out is None:
+                    out = decode_out(slots_h, gates_h)
+            elif not done.any():  # one pass over the whole window
+                out = experts_out(x, slots_h, gates_h)
+            else:  # done entries point at a slot their token still runs, with gate 0: their slot has changed hands
+                rest = ~done & (gates_h != 0)
+                rows = np.flatnonzero(rest.any(1))
+                if rows.size:
+                    live = rest[rows]
+                    first = slots_h[rows, live.argmax(1)][:, None]
+                    add(rows, np.where(live, slots_h[rows], first), np.where(live, gates_h[rows], np.float32(0)))
 
         ahead = self.predictor is not None and layer + 1 < a.num_moe_layers
 
         def predict(experts: np.ndarray, gates: np.ndarray) -> None:  # this token's slots stay protected
             self._predict_next(layer, x, experts, gates)
         # decode: the next layer's prefetches start as soon as this layer's fetches are under way
-        plan = decide_layer(cache, self.policy, stats, layer, routing, self.token_base, compute,
+        plan = decide_layer(cache, self.policy, stats, layer, routing, self.token_base, flush,
                             predict if ahead and T == 1 else None)
         if ahead and T > 1:
             predict(plan.experts, plan.gates)
-        compute(plan.owed_from, T, plan.slots, plan.gates)
+        finish(plan.slots, plan.gates)
         return out if self.router.scale == 1.0 else out * self.router.scale

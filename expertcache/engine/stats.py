@@ -30,7 +30,7 @@ class RunStats:
     prefetch_bytes: int = 0
     predictions: int = 0  # (token, layer) next-layer predictions a prefetch predictor made
     background_bytes: int = 0
-    segments: int = 0  # expert-compute batches: a fetch that reuses a slot with owed work splits a window
+    segments: int = 0  # expert-compute passes: a slot's flush before it changes hands mid-call, and each call's last
     expert_runs: int = 0  # (batch, expert) pairs: one expert applied to one batch of tokens
     upgrades: int = 0  # slots holding a small copy given the full one in the background (also background_fetches)
     lowbit_uses: int = 0  # experts a token ran from a low-precision copy: fetched for it, or a hit on one

@@ -15,7 +15,7 @@ COUNTERS = ("moe_calls", "routed", "hits", "misses", "sync_fetches", "fetch_wait
 MOE_CALLS, ROUTED, HITS, MISSES, SYNC_FETCHES, FETCH_WAITS, SUBSTITUTIONS, SUBSTITUTED_CALLS, BACKGROUND, \
     PREFETCHES, SEGMENTS, EXPERT_RUNS, LOWBIT_FETCHES, UPGRADES, LOWBIT_USES, EXPOSED_PREFETCHES = range(len(COUNTERS))
 # misc[]: scalars of the state (CALL_WAITS: the current call waits for fetches of its own)
-EVICTION, SEGMENT, SEGMENT_START, N_PROTECTED, N_LOG, LOGGING, GLOBAL_QUOTA, N_FLYING, CALL_WAITS = range(9)
+EVICTION, CALL, N_PROTECTED, N_LOG, LOGGING, GLOBAL_QUOTA, N_FLYING, CALL_WAITS = range(8)
 
 
 class CacheState(NamedTuple):
@@ -36,8 +36,8 @@ class CacheState(NamedTuple):
     slot_lo: np.ndarray  # [L] the slots layer l may use are [slot_lo[l], slot_hi[l])
     slot_hi: np.ndarray
     group: np.ndarray  # [L] decay group of each layer (its own, or 0 with a global quota)
-    owes: np.ndarray  # [S] segment id of the slot's last use: still owes expert work if current
-    misc: np.ndarray  # int64 scalars, indexed by EVICTION, SEGMENT, ...
+    owes: np.ndarray  # [S] the call (misc[CALL]) in which the slot's expert has work not yet run; -1 once flushed
+    misc: np.ndarray  # int64 scalars, indexed by EVICTION, CALL, ...
     counts: np.ndarray  # int64 [len(COUNTERS)], drained into RunStats after each call
     mass: np.ndarray  # float64 [1]: substituted gate mass, drained likewise
     log: np.ndarray  # int64 [capacity, 4]: actions for the engine to carry out
@@ -52,7 +52,7 @@ class CacheState(NamedTuple):
         lo = np.zeros(L, np.int64) if quota == "global" else np.arange(L, dtype=np.int64) * per_layer
         hi = np.full(L, S, np.int64) if quota == "global" else lo + per_layer
         group = np.zeros(L, np.int64) if quota == "global" else np.arange(L, dtype=np.int64)
-        misc = np.zeros(9, np.int64)
+        misc = np.zeros(8, np.int64)
         misc[EVICTION] = eviction_code(eviction)
         misc[GLOBAL_QUOTA] = quota == "global"
         return cls(np.full((L, E), -1, np.int64), np.full(S, -1, np.int64), np.zeros(S, bool), np.zeros(S, bool),

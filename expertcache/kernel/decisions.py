@@ -34,8 +34,7 @@ from .cache_state import (
     N_PROTECTED,
     PREFETCHES,
     ROUTED,
-    SEGMENT,
-    SEGMENT_START,
+    CALL,
     SEGMENTS,
     SUBSTITUTED_CALLS,
     SUBSTITUTIONS,
@@ -48,7 +47,7 @@ from .policy import CONDITIONAL, KIND, decide, fetches_miss, resident, wants_upg
 from .routing import route_row
 
 # Logged actions, rows of (op, a, b, c)
-LOAD, WAIT, FLUSH, FINISH_ALL = 1, 2, 3, 4  # LOAD: slot, layer * E + expert, kind; WAIT: slot; FLUSH: begin, end
+LOAD, WAIT, FLUSH, FINISH_ALL = 1, 2, 3, 4  # LOAD: slot, layer * E + expert, kind; WAIT: slot; FLUSH: slot, end
 # lowbit: a synchronous fetch of the small copy; upgrade: the full copy read in the background into
 # the slot that holds the small one
 KINDS = ("fetch", "admit", "prefetch", "fill", "lowbit", "upgrade")
@@ -58,9 +57,9 @@ FETCH, ADMIT, PREFETCH, FILL, LOWBIT, UPGRADE = range(len(KINDS))
 def log_capacity(tokens: int, top_k: int, num_experts: int) -> int:
     """Room for the actions of a layer call of `tokens` tokens (per token at most k fetches
     and k admissions, each with a flush and a finish-all, k waits, k waits for the previous
-    token's admissions, and k upgrades after one flush) and of a fill or a prefetch (at most
+    token's admissions, and k upgrades, each after a flush) and of a fill or a prefetch (at most
     every expert of a layer, each with a flush and a finish-all)."""
-    return max(tokens * (9 * top_k + 1), 3 * num_experts) + 1
+    return max(tokens * 10 * top_k, 3 * num_experts) + 1
 
 
 @compiled
@@ -87,21 +86,31 @@ def _release(st):
 
 
 @compiled
-def _owe(st, s, seg):
-    """Slot s has work in the current batch (segment); the first time, that is one more expert
-    run: one expert applied to a batch of tokens, its weights read once."""
-    st.counts[EXPERT_RUNS] += st.owes[s] != seg
-    st.owes[s] = seg
+def _owe(st, s, call):
+    """Slot s has work in the current call (`call`) that has not run; the first time since the call
+    began or the slot was last flushed, that is one more expert run: one expert applied to a batch
+    of tokens, its weights read once."""
+    st.counts[EXPERT_RUNS] += st.owes[s] != call
+    st.owes[s] = call
 
 
 @compiled
-def _flush(st, t):
-    """Tokens [segment start, t) get their expert work before a slot they use is overwritten."""
-    if t > st.misc[SEGMENT_START]:
-        _log(st, FLUSH, st.misc[SEGMENT_START], t, 0)
-        st.counts[SEGMENTS] += 1
-    st.misc[SEGMENT_START] = t
-    st.misc[SEGMENT] += 1
+def _flush(st, s, t):
+    """Slot s is about to be overwritten: its expert's work for tokens [0, t) of the call runs first.
+    The other slots' work waits, for the end of the call or their own flush: a window's expert
+    runs are split only where a slot changes hands, not at every eviction."""
+    _log(st, FLUSH, s, t, 0)
+    st.counts[SEGMENTS] += 1
+    st.owes[s] = -1
+
+
+@compiled
+def owes_work(st, layer):
+    """Whether a slot of `layer` has work left in the current call (the caller's final pass)."""
+    for s in range(st.slot_lo[layer], st.slot_hi[layer]):
+        if st.owes[s] == st.misc[CALL]:
+            return True
+    return False
 
 
 @compiled
@@ -128,8 +137,8 @@ def load(st, layer, e, kind, t, clock):
         s = victim(ev, st.score, st.last_use, st.protected, st.pending, lo, hi)
     if s < 0:
         return -1
-    if st.owes[s] == st.misc[SEGMENT]:  # its expert still owes work to earlier tokens
-        _flush(st, t)
+    if st.owes[s] == st.misc[CALL]:  # its expert still owes work to earlier tokens
+        _flush(st, s, t)
     old = st.owner[s]
     if old >= 0:
         st.slot_of.reshape(-1)[old] = -1  # owner is the flat index layer * E + expert
@@ -165,7 +174,7 @@ def _upgrades(st, p, layer, t, ids, w):
     for j in range(len(ids)):
         s = st.slot_of[layer, ids[j]]
         if s >= 0 and st.low[s] and not st.pending[s] and wants_upgrade(p, layer, j, w[j]):
-            _flush(st, t + 1)
+            _flush(st, s, t + 1)
             st.low[s] = False
             st.pending[s] = True
             st.flying[st.misc[N_FLYING]] = s
@@ -197,7 +206,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ranked
     advance(ev, st.score, st.group_clock, st.group[layer], st.slot_lo[layer], st.slot_hi[layer], clock)
     cnt[MOE_CALLS] += 1
     cnt[ROUTED] += k
-    seg = st.misc[SEGMENT]
+    call = st.misc[CALL]
     hits = 0
     for j in range(k):
         hits += resident(st, layer, ids[j])
@@ -207,7 +216,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ranked
             s = st.slot_of[layer, ids[j]]
             touch(ev, st.score, st.last_use, s, clock)
             _protect(st, s)
-            _owe(st, s, seg)
+            _owe(st, s, call)
             cnt[LOWBIT_USES] += st.low[s]
             slots_out[j], exec_out[j], gates_out[j] = s, ids[j], w[j]
         _count_demand(st, layer, ids, clock)
@@ -240,14 +249,13 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ranked
         e = sc.admit[a]        # slots), the admission is skipped and the expert's account starts again
         if st.slot_of[layer, e] < 0 and load(st, layer, e, ADMIT, t, clock) >= 0:
             cnt[BACKGROUND] += 1
-    seg = st.misc[SEGMENT]  # a load may have flushed
     for c in range(n_exec):
         s = st.slot_of[layer, sc.exec_e[c]]
         if st.pending[s]:  # fetched now, or still arriving from a prefetch or admission
             _log(st, WAIT, s, 0, 0)
             st.pending[s] = False
         touch(ev, st.score, st.last_use, s, clock)
-        _owe(st, s, seg)
+        _owe(st, s, call)
         cnt[LOWBIT_USES] += st.low[s]
         slots_out[c], exec_out[c], gates_out[c] = s, sc.exec_e[c], sc.exec_w[c]
     for c in range(n_exec, k):  # fewer executed than routed: zero-weight padding
@@ -260,8 +268,7 @@ def decide_token(st, p, account, sc, layer, t, clock, row, table, logits, ranked
 @compiled
 def begin_call(st):
     """A new layer call: nothing owes work yet, no actions logged."""
-    st.misc[SEGMENT] += 1
-    st.misc[SEGMENT_START] = 0
+    st.misc[CALL] += 1
     st.misc[N_LOG] = 0
     st.misc[N_FLYING] = 0
     st.misc[CALL_WAITS] = 0
@@ -270,9 +277,9 @@ def begin_call(st):
 @compiled
 def decide_layer(st, p, account, sc, layer, rows, scores, logits, ids, w, token_base, slots, experts, gates):
     """The engine's call: tokens [0, T) of one layer in order. rows [T, E]: router logits when
-    `logits`, else a sigmoid router's selection rows with its gate scores [T, E]. Returns the
-    first token whose expert work is still owed (the caller computes [that, T)), or -1-t when
-    the cache is too small for token t."""
+    `logits`, else a sigmoid router's selection rows with its gate scores [T, E]. Returns 0, or
+    -1-t when the cache is too small for token t. The caller runs the expert work that no flush
+    ran."""
     begin_call(st)
     for t in range(ids.shape[0]):
         if t:
@@ -283,8 +290,8 @@ def decide_layer(st, p, account, sc, layer, rows, scores, logits, ids, w, token_
         if not decide_token(st, p, account, sc, layer, t, token_base + t, rows[t], None, logits, ids[t], w[t],
                             slots[t], experts[t], gates[t]):
             return -1 - t
-    st.counts[SEGMENTS] += st.misc[SEGMENT_START] < ids.shape[0]  # the caller computes the rest, if any
-    return st.misc[SEGMENT_START]
+    st.counts[SEGMENTS] += owes_work(st, layer)  # the caller's final pass, if it has work
+    return 0
 
 
 @compiled

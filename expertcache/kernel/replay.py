@@ -3,9 +3,9 @@ window of it layer by layer, token by token, with the engine's own `decide_token
 virtual cache."""
 from __future__ import annotations
 
-from .cache_state import SEGMENT_START, SEGMENTS
+from .cache_state import SEGMENTS
 from .compiled import compiled, prefetch
-from .decisions import begin_call, decide_token, land_flying
+from .decisions import owes_work, begin_call, decide_token, land_flying
 from .routing import biased_row, route_row, route_row_sigmoid, select_row
 
 
@@ -79,5 +79,5 @@ def replay_windows(st, p, account, sc, logits, table, ranked, weights, context, 
                 elif not decide_token(st, p, account, sc, layer, t, n, logits[n, layer], table, True,
                                       ranked[layer, n], weights[layer, n], slots, experts, gates):
                     return layer
-            st.counts[SEGMENTS] += st.misc[SEGMENT_START] < T  # the rest of the window, if an upgrade left any
+            st.counts[SEGMENTS] += owes_work(st, layer)  # the window's final pass, if a slot has work left
     return -1
