@@ -108,7 +108,8 @@ def table(mode: str, res: dict) -> None:
     print(f"\n### {mode}: calibrated on {len(CALIBRATION)} runs x {res['calibration_tokens']} tokens of the first "
           f"domain, validated on {len(VALIDATION)} other runs x {res['validation_tokens']} tokens of a later one\n")
     lowbit = "bytes/bandwidth" if p["lowbit_fetch_s"] is None else f"{1e6 * p['lowbit_fetch_s']:.0f} us"
-    print(f"profile: dense {1e3 * p['dense_s']:.3f} ms/token, expert run {1e6 * p['expert_run_s']:.1f} us, fetch wait "
+    print(f"profile: dense {1e3 * p['dense_s']:.3f} ms/token, expert run {1e6 * p['expert_run_s']:.1f} us, "
+          f"flushed entry {1e6 * p['flushed_s']:.1f} us, fetch wait "
           f"{1e6 * p['fetch_latency_s']:.0f} us, per fetch {1e6 * p['expert_bytes'] / p['fetch_bandwidth']:.0f} us, "
           f"lowbit fetch {lowbit}, admission {1e6 * p['admission_s']:.0f} us, prefetch {1e6 * p['prefetch_s']:.0f} us "
           f"(+{1e6 * p['exposed_prefetch_s']:.0f} us exposed), prediction {1e6 * p['prediction_s']:.0f} us, "

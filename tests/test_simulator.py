@@ -339,7 +339,7 @@ def test_terms_the_runs_do_not_vary_are_not_fitted():
 def test_fit_profile_recovers_each_term_and_folds_constant_ones_into_dense():
     """Synthetic runs whose times follow known costs: the fitted profile gives them back, its
     estimate of each run is its time, and expert runs (k per token and layer in every run, as
-    in decode) are folded into dense."""
+    in decode) are folded into dense; flushed entries (none, as in decode) stay unmeasured."""
     from types import SimpleNamespace
 
     from expertcache.engine.stats import RunStats
@@ -355,7 +355,7 @@ def test_fit_profile_recovers_each_term_and_folds_constant_ones_into_dense():
         seconds = 2e-3 + sum(c * getattr(s, t) / tokens for t, c in cost.items())
         runs.append(TimedRun(0.25, f"run {i}", seconds, s))
     p = fit_profile(runs, SimpleNamespace(expert_bytes=10**6), layers, k, "decode", "test")
-    assert p.unfitted == ("expert_runs",) and p.dense_s == pytest.approx(2e-3, rel=1e-6)
+    assert p.unfitted == ("expert_runs", "flushed") and p.dense_s == pytest.approx(2e-3, rel=1e-6)
     fitted = {"fetch_waits": p.fetch_latency_s, "sync_fetches": p.transfer_s, "lowbit_fetches": p.lowbit_fetch_s,
               "background_fetches": p.admission_s, "prefetch_fetches": p.prefetch_s,
               "exposed_prefetches": p.exposed_prefetch_s, "predictions": p.prediction_s,

@@ -32,6 +32,7 @@ class RunStats:
     background_bytes: int = 0
     segments: int = 0  # expert-compute passes: a slot's flush before it changes hands mid-call, and each call's last
     expert_runs: int = 0  # (batch, expert) pairs: one expert applied to one batch of tokens
+    flushed: int = 0  # (token, expert) entries of a window run early, each before its slot changed hands
     upgrades: int = 0  # slots holding a small copy given the full one in the background (also background_fetches)
     lowbit_uses: int = 0  # experts a token ran from a low-precision copy: fetched for it, or a hit on one
     stall_s: float = 0.0  # time blocked waiting on transfers

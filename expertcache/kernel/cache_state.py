@@ -10,10 +10,11 @@ from .eviction import eviction_code
 
 # Counters, in RunStats' names.
 COUNTERS = ("moe_calls", "routed", "hits", "misses", "sync_fetches", "fetch_waits", "substitutions",
-            "substituted_calls", "background_fetches", "prefetch_fetches", "segments", "expert_runs", "lowbit_fetches",
-            "upgrades", "lowbit_uses", "exposed_prefetches")
+            "substituted_calls", "background_fetches", "prefetch_fetches", "segments", "expert_runs", "flushed",
+            "lowbit_fetches", "upgrades", "lowbit_uses", "exposed_prefetches")
 MOE_CALLS, ROUTED, HITS, MISSES, SYNC_FETCHES, FETCH_WAITS, SUBSTITUTIONS, SUBSTITUTED_CALLS, BACKGROUND, \
-    PREFETCHES, SEGMENTS, EXPERT_RUNS, LOWBIT_FETCHES, UPGRADES, LOWBIT_USES, EXPOSED_PREFETCHES = range(len(COUNTERS))
+    PREFETCHES, SEGMENTS, EXPERT_RUNS, FLUSHED, LOWBIT_FETCHES, UPGRADES, LOWBIT_USES, EXPOSED_PREFETCHES = \
+    range(len(COUNTERS))
 # misc[]: scalars of the state (CALL_WAITS: the current call waits for fetches of its own)
 EVICTION, CALL, N_PROTECTED, N_LOG, LOGGING, GLOBAL_QUOTA, N_FLYING, CALL_WAITS = range(8)
 
@@ -37,6 +38,7 @@ class CacheState(NamedTuple):
     slot_hi: np.ndarray
     group: np.ndarray  # [L] decay group of each layer (its own, or 0 with a global quota)
     owes: np.ndarray  # [S] the call (misc[CALL]) in which the slot's expert has work not yet run; -1 once flushed
+    owed: np.ndarray  # [S] how many entries (token, expert) of that call the slot's work covers
     misc: np.ndarray  # int64 scalars, indexed by EVICTION, CALL, ...
     counts: np.ndarray  # int64 [len(COUNTERS)], drained into RunStats after each call
     mass: np.ndarray  # float64 [1]: substituted gate mass, drained likewise
@@ -59,8 +61,8 @@ class CacheState(NamedTuple):
                    np.zeros(S, bool),
                    np.zeros(2 * top_k + 2, np.int64), np.zeros(S, np.int64), np.full(S, -1, np.int64), np.zeros(S),
                    np.zeros((L, E)), np.zeros((L, E), np.int64), np.zeros(L, np.int64), lo, hi, group,
-                   np.full(S, -1, np.int64), misc, np.zeros(len(COUNTERS), np.int64), np.zeros(1),
-                   np.zeros((64, 4), np.int64))
+                   np.full(S, -1, np.int64), np.zeros(S, np.int64), misc, np.zeros(len(COUNTERS), np.int64),
+                   np.zeros(1), np.zeros((64, 4), np.int64))
 
     def with_log(self, capacity: int) -> CacheState:
         """This state with room for `capacity` logged actions."""

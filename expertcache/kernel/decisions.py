@@ -21,6 +21,7 @@ from .cache_state import (
     CALL_WAITS,
     EVICTION,
     EXPERT_RUNS,
+    FLUSHED,
     EXPOSED_PREFETCHES,
     FETCH_WAITS,
     HITS,
@@ -87,11 +88,13 @@ def _release(st):
 
 @compiled
 def _owe(st, s, call):
-    """Slot s has work in the current call (`call`) that has not run; the first time since the call
-    began or the slot was last flushed, that is one more expert run: one expert applied to a batch
-    of tokens, its weights read once."""
-    st.counts[EXPERT_RUNS] += st.owes[s] != call
-    st.owes[s] = call
+    """Slot s has one more entry of work in the current call (`call`) that has not run; the first
+    since the call began or the slot was last flushed starts one more expert run: one expert
+    applied to a batch of tokens, its weights read once."""
+    if st.owes[s] != call:
+        st.counts[EXPERT_RUNS] += 1
+        st.owes[s], st.owed[s] = call, 0
+    st.owed[s] += 1
 
 
 @compiled
@@ -101,6 +104,9 @@ def _flush(st, s, t):
     runs are split only where a slot changes hands, not at every eviction."""
     _log(st, FLUSH, s, t, 0)
     st.counts[SEGMENTS] += 1
+    # the engine runs a flush's few entries one token at a time: a cost per entry, not an expert run's
+    st.counts[EXPERT_RUNS] -= 1
+    st.counts[FLUSHED] += st.owed[s]
     st.owes[s] = -1
 
 

@@ -1,6 +1,6 @@
 """Hardware cost models: estimated time per token from a replay's counts.
 
-time/token = dense + (expert runs/token) * expert_run
+time/token = dense + (expert runs/token) * expert_run + (flushed entries/token) * flushed
              + (calls that wait for fetches/token) * fetch_latency
              + (synchronous fetches/token) * bytes / bandwidth
              + (low-precision fetches/token) * lowbit_fetch (their read and decode; bytes / bandwidth
@@ -13,7 +13,9 @@ time/token = dense + (expert runs/token) * expert_run
 A call's synchronous fetches are issued together and waited for once: the latency is paid per
 waiting call, the transfer per fetch. An expert run is one expert applied to one batch of
 tokens (its weights read once): k per token and layer in decode, fewer per token when a
-window's tokens share experts. A prediction is a prefetch predictor's forecast of the next
+window's tokens share experts. A flushed entry is one token of a window run through one expert
+early, because a later token's fetch is about to overwrite that expert's slot (the engine runs
+a few such tokens one at a time, so their cost is per token, not per run). A prediction is a prefetch predictor's forecast of the next
 layer's experts for one token (its own compute). An exposed prefetch is one issued by a call that
 has no fetch of its own to wait for: its submission and landing are not hidden behind a wait (on
 the 2-core machine of benchmarks/RESULTS.md an exposed one costs 43 us, a hidden one nothing
@@ -35,8 +37,8 @@ import numpy as np
 
 from ..engine.stats import RunStats
 
-PROFILE_VERSION = 3  # 1: no lowbit_fetch_s, prefetch_s, prediction_s, unfitted; 2: no exposed_prefetch_s
-# (older versions load with those terms unmeasured)
+PROFILE_VERSION = 4  # 1: no lowbit_fetch_s, prefetch_s, prediction_s, unfitted; 2: no exposed_prefetch_s;
+# 3: no flushed_s, and expert runs counted a window's every split (older versions load with those terms unmeasured)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class HardwareProfile:
     prefetch_s: float = 0.0  # what a prefetch costs the critical path even when it overlaps
     prediction_s: float = 0.0  # one token's next-layer prediction (the predictor's compute)
     exposed_prefetch_s: float = 0.0  # a prefetch's cost beyond prefetch_s when no wait of its call hides it
+    flushed_s: float = 0.0  # one entry a window runs before its slot changes hands (one token through one expert)
     unfitted: tuple = ()  # terms the calibration runs did not vary (folded into dense or left at 0)
     version: int = PROFILE_VERSION
 
@@ -79,6 +82,7 @@ class HardwareProfile:
             else per_token(s.lowbit_fetches) * self.lowbit_fetch_s
         return {"dense": self.dense_s,
                 "experts": per_token(s.expert_runs) * self.expert_run_s,
+                "flushed entries": per_token(s.flushed) * self.flushed_s,
                 "fetch waits": per_token(s.fetch_waits) * self.fetch_latency_s,
                 "fetches": per_token(s.sync_fetches) * self.transfer_s,
                 "lowbit fetches": lowbit,
@@ -136,9 +140,10 @@ class HardwareProfile:
 
 
 def _datasheet(name, pcie_gbs, mem_gbs, expert_bytes, dense_bytes, layers, top_k, source):
-    # Decode is bandwidth-bound: an expert run is reading its weights from VRAM.
+    # Decode is bandwidth-bound: an expert run is reading its weights from VRAM, as is a flushed entry's.
+    run_s = expert_bytes / (mem_gbs * 1e9)
     return HardwareProfile(name, fetch_latency_s=10e-6, fetch_bandwidth=pcie_gbs * 1e9,
-                           expert_run_s=expert_bytes / (mem_gbs * 1e9), dense_s=dense_bytes / (mem_gbs * 1e9),
+                           expert_run_s=run_s, flushed_s=run_s, dense_s=dense_bytes / (mem_gbs * 1e9),
                            overlap=True, expert_bytes=expert_bytes, layers=layers, top_k=top_k, source=source)
 
 
@@ -177,13 +182,12 @@ CALIBRATION = ((1.0, "fetch-all"), (0.125, "fetch-all"), (0.25, "fetch-all"), (0
                (0.5, "fetch-all+prefetch/router-ahead"), (0.25, "threshold:tau=0.15+prefetch/quasi-hidden"),
                (0.125, "fetch-all+prefetch/quasi-hidden"))
 # RunStats counters, one cost each; "dense" (1 per token) first
-TERMS = ("dense", "expert_runs", "fetch_waits", "sync_fetches", "lowbit_fetches", "background_fetches",
+TERMS = ("dense", "expert_runs", "flushed", "fetch_waits", "sync_fetches", "lowbit_fetches", "background_fetches",
          "prefetch_fetches", "exposed_prefetches", "predictions", "substituted_calls")
 # the profile field each term's fitted cost goes to (sync_fetches: a time, turned into a bandwidth)
-FIELD = {"dense": "dense_s", "expert_runs": "expert_run_s", "fetch_waits": "fetch_latency_s",
+FIELD = {"dense": "dense_s", "expert_runs": "expert_run_s", "flushed": "flushed_s", "fetch_waits": "fetch_latency_s",
          "lowbit_fetches": "lowbit_fetch_s", "background_fetches": "admission_s", "prefetch_fetches": "prefetch_s",
-         "exposed_prefetches": "exposed_prefetch_s",
-         "predictions": "prediction_s", "substituted_calls": "decision_s"}
+         "exposed_prefetches": "exposed_prefetch_s", "predictions": "prediction_s", "substituted_calls": "decision_s"}
 
 
 def fit_terms(counts: np.ndarray, seconds: np.ndarray, names: tuple[str, ...]) -> dict[str, float]:
