@@ -272,11 +272,11 @@ class ExpertCache:
     def carry_out(self, compute=None, started=None) -> float:
         """Carry out the logged actions in order: start transfers, wait for them, run the
         expert work owed before a slot is overwritten (`compute(slot, end)`: the slot's work for
-        tokens [0, end) of the call). `started()`, if
-        given, runs once the transfers logged before the first wait are under way (before that
-        wait), so that work it starts overlaps them. Returns the seconds stalled. If an action
-        raises, the cache is left consistent before the error propagates: transfers not started
-        or failed leave their experts absent and their slots free, and no transfer is left in flight."""
+        tokens [0, end) of the call). `started()`, if given, runs once the transfers logged before
+        the first wait are under way (before that wait), so that work it starts overlaps them.
+        Returns the seconds stalled. If an action raises, the cache is left consistent before the
+        error propagates: transfers not started or failed leave their experts absent and their
+        slots free, and no transfer is left in flight."""
         rows, stall = self._take_log(), 0.0
         E = self.shape.num_experts
         # a lone fetch is read by the waiting thread, unless `started` has work to overlap with it

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from .cache_state import (
     BACKGROUND,
+    CALL,
     CALL_WAITS,
     EVICTION,
     EXPERT_RUNS,
-    FLUSHED,
     EXPOSED_PREFETCHES,
     FETCH_WAITS,
+    FLUSHED,
     HITS,
     LOGGING,
     LOWBIT_FETCHES,
@@ -35,7 +36,6 @@ from .cache_state import (
     N_PROTECTED,
     PREFETCHES,
     ROUTED,
-    CALL,
     SEGMENTS,
     SUBSTITUTED_CALLS,
     SUBSTITUTIONS,
