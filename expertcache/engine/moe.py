@@ -204,7 +204,6 @@ class MoELayerRunner:
         # decode computes once, after its decisions; a window adds up the parts that flushes run before
         # slots change hands, and the rest at the end
         out = None
-        done = np.zeros(routing.ids.shape, bool)  # windows: the entries whose work a flush ran
         # a decode batch shares few experts between its tokens: where decode's compiled kernel runs (on the
         # CPU), one call per token beats grouped matmuls over a handful of tokens per expert
         per_token = self.decoding and self.compiled is not None and x.dtype == torch.float32
@@ -218,16 +217,18 @@ class MoELayerRunner:
             return experts_compute(xs, torch.from_numpy(slots_h), gates if xs.device.type == "cpu" else
                                    gates.to(xs.device), cache.w13, cache.w2, cache.b13, cache.b2, self.kind)
 
-        def add(rows: np.ndarray, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
-            index = torch.from_numpy(rows).to(x.device)
-            out.index_add_(0, index, experts_out(x[index], slots_h, gates_h))
+        def add(entries: list[tuple[int, int, float]]) -> None:
+            """out[t] += g * expert_s(x[t]) for each (t, s, g): a plan of width one, grouped by slot."""
+            index = torch.tensor([t for t, _, _ in entries], device=x.device)
+            out.index_add_(0, index, experts_out(x[index], np.array([[s] for _, s, _ in entries], np.int64),
+                                                 np.array([[g] for _, _, g in entries], np.float32)))
 
         def decode_out(slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
             if self.compiled is not None and x.dtype == torch.float32:
                 return self.compiled(x, slots_h[0], gates_h[0])
             return experts_out(x, slots_h, gates_h)
 
-        by_slot: dict[int, list] = {}  # windows: each slot's entries (token, index, gate) in token order, not yet run
+        by_slot: dict[int, list] = {}  # windows, from the first flush: each slot's entries (token, gate) not yet run
 
         def flush(slot: int, end: int, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
             """`slot` is about to be overwritten: its entries among tokens [0, end) run now (decode: the
@@ -240,24 +241,21 @@ class MoELayerRunner:
             if not by_slot:  # the first flush of the call: the plan is complete
                 out = torch.zeros_like(x)
                 for t, (row, gates) in enumerate(zip(slots_h.tolist(), gates_h.tolist())):
-                    for j, (s, g) in enumerate(zip(row, gates)):
+                    for s, g in zip(row, gates):
                         if g != 0:  # padding has gate 0
-                            by_slot.setdefault(s, []).append((t, j, g))
+                            by_slot.setdefault(s, []).append((t, g))
             entries, n = by_slot.get(slot, []), 0
             while n < len(entries) and entries[n][0] < end:
                 n += 1
             if not n:
                 return
             run, by_slot[slot] = entries[:n], entries[n:]
-            for t, j, _ in run:
-                done[t, j] = True
             if self.compiled is not None and x.dtype == torch.float32 and n <= FLUSH_ROWS:
                 one = np.array([slot], np.int64)  # decode's compiled call per token: no grouping to set up
-                for t, _, g in run:
+                for t, g in run:
                     out[t] += self.compiled(x[t:t + 1], one, np.array([g], np.float32))[0]
             else:
-                rows = np.array([t for t, _, _ in run])
-                add(rows, np.full((n, 1), slot, np.int64), np.array([[g] for _, _, g in run], np.float32))
+                add([(t, slot, g) for t, g in run])
 
         def finish(slots_h: np.ndarray, gates_h: np.ndarray) -> None:
             """The work that no flush ran."""
@@ -265,15 +263,12 @@ class MoELayerRunner:
             if T == 1:
                 if out is None:
                     out = decode_out(slots_h, gates_h)
-            elif not done.any():  # one pass over the whole window
+            elif not by_slot:  # no flush: one pass over the whole window
                 out = experts_out(x, slots_h, gates_h)
-            else:  # done entries point at a slot their token still runs, with gate 0: their slot has changed hands
-                rest = ~done & (gates_h != 0)
-                rows = np.flatnonzero(rest.any(1))
-                if rows.size:
-                    live = rest[rows]
-                    first = slots_h[rows, live.argmax(1)][:, None]
-                    add(rows, np.where(live, slots_h[rows], first), np.where(live, gates_h[rows], np.float32(0)))
+            else:
+                rest = [(t, s, g) for s, entries in by_slot.items() for t, g in entries]
+                if rest:
+                    add(rest)
 
         ahead = self.predictor is not None and layer + 1 < a.num_moe_layers
 
