@@ -303,6 +303,82 @@ def test_lowbit_upgrades_a_small_copy_that_a_hit_would_fetch_in_full(spec, upgra
         assert log == [] and counts["upgrades"] == 0 and cache.state.low[s3]
 
 
+class RecordedTransfers:
+    """A virtual cache's transfers that record the order of submissions, flushes and waits, and fail
+    the wait for expert `failing`."""
+
+    def __init__(self, failing=None):
+        from expertcache.engine.transfer import InstantTransfers
+        self.inner, self.events, self.failing, self.queued = InstantTransfers(), [], failing, False
+
+    def submit(self, layer, expert, slot, kind, here=False):
+        self.events.append((kind, expert))
+        self.queued = True
+        return self.inner.submit(layer, expert, slot, kind, here)
+
+    def flush(self):
+        if self.queued:  # a flush with nothing queued starts nothing
+            self.events.append("flush")
+        self.queued = False
+
+    def wait(self, t):
+        self.events.append(("wait", t.expert))
+        if t.expert == self.failing:
+            raise OSError(5, "Input/output error")
+        return 0.0
+
+
+def test_admissions_start_after_the_calls_fetches_have_landed():
+    """A token fetches 3, 1 and 6 and admits 4 (substituted with .101 >= beta): the admission's read
+    starts once the fetches have landed, so it does not share the slow tier with them."""
+    from expertcache.kernel import decisions
+    from expertcache.kernel.cache_state import N_LOG
+    from expertcache.kernel.routing import Routing, route_logits
+    cache = Resident(8, [0, 2, 5, 7])
+    cache.transfers = RecordedTransfers()
+    rows, weights, ids = route_logits(np.log(np.array([PROBS], np.float32)), 4, True)
+    out = np.empty((1, 4), np.int64), np.empty((1, 4), np.int64), np.empty((1, 4), np.float32)
+    cache.decide(make_policy("threshold:tau=0.15,beta=0.1").fit(4, 8, True), 0, Routing(rows, rows, weights, ids),
+                 0, *out)
+    logged = [(decisions.KINDS[c], b) for op, _, b, c in cache.state.log[:cache.state.misc[N_LOG]].tolist()
+              if op == decisions.LOAD]
+    assert logged == [("fetch", 3), ("fetch", 1), ("fetch", 6), ("admit", 4)]  # logged before the waits
+    cache.carry_out()
+    assert cache.transfers.events == [("fetch", 3), ("fetch", 1), ("fetch", 6), "flush", ("wait", 3), ("wait", 1),
+                                      ("wait", 6), ("admit", 4), "flush"]
+    assert cache.slot_of[0, 4] >= 0 and 4 in [t.expert for t in cache.pending.values()]
+
+
+def test_an_admission_that_the_window_waits_for_starts_with_the_fetches():
+    """In a window the next token waits for what the previous one admitted: held back, the admission's read
+    would start only after the fetches and then stall that token, so it goes to the disk with them."""
+    from expertcache.kernel.routing import Routing, route_logits
+    cache = Resident(8, [0, 2, 5, 7])
+    cache.transfers = RecordedTransfers()
+    rows, weights, ids = route_logits(np.log(np.array([PROBS, PROBS], np.float32)), 4, True)
+    out = np.empty((2, 4), np.int64), np.empty((2, 4), np.int64), np.empty((2, 4), np.float32)
+    cache.decide(make_policy("threshold:tau=0.15,beta=0.1").fit(4, 8, True), 0, Routing(rows, rows, weights, ids),
+                 0, *out)
+    cache.carry_out()
+    assert cache.transfers.events == [("fetch", 3), ("fetch", 1), ("fetch", 6), ("admit", 4), "flush", ("wait", 3),
+                                      ("wait", 1), ("wait", 6), ("wait", 4)]
+
+
+def test_a_failed_fetch_leaves_the_held_admission_unmapped():
+    from expertcache.kernel.routing import Routing, route_logits
+    cache = Resident(8, [0, 2, 5, 7])
+    cache.transfers = RecordedTransfers(failing=1)
+    rows, weights, ids = route_logits(np.log(np.array([PROBS], np.float32)), 4, True)
+    out = np.empty((1, 4), np.int64), np.empty((1, 4), np.int64), np.empty((1, 4), np.float32)
+    cache.decide(make_policy("threshold:tau=0.15,beta=0.1").fit(4, 8, True), 0, Routing(rows, rows, weights, ids),
+                 0, *out)
+    with pytest.raises(OSError):
+        cache.carry_out()
+    assert ("admit", 4) not in cache.transfers.events
+    assert cache.slot_of[0, 4] == -1 and cache.slot_of[0, 1] == -1 and not cache.state.pending.any()
+    assert not cache.pending
+
+
 @pytest.mark.parametrize("spec", ["lowbit:tau=0.1,lo=0.2", "lowbit:lo=-1", "lowbit:tau=2", "lowbit:upgrade=2",
                                   "lowbit:upgrade=0.5"])
 def test_lowbit_parameters_are_checked(spec):

@@ -274,6 +274,10 @@ class ExpertCache:
         expert work owed before a slot is overwritten (`compute(slot, end)`: the slot's work for
         tokens [0, end) of the call). `started()`, if given, runs once the transfers logged before
         the first wait are under way (before that wait), so that work it starts overlaps them.
+        An admission or upgrade that this call does not wait for (decode: nothing waits for it before
+        the next token) starts once the reads of the wait after it have landed: issued with those
+        synchronous fetches, it would share the slow tier with them and lengthen the wait. One that a
+        later token of a window waits for starts with the fetches logged beside it, as before.
         Returns the seconds stalled. If an action raises, the cache is left consistent before the
         error propagates: transfers not started or failed leave their experts absent and their
         slots free, and no transfer is left in flight."""
@@ -281,15 +285,30 @@ class ExpertCache:
         E = self.shape.num_experts
         # a lone fetch is read by the waiting thread, unless `started` has work to overlap with it
         here = self._read_here(rows) if self.cfg.caller_reads and started is None else set()
+        waited = {r[1]: i for i, r in enumerate(rows) if r[0] == kernel.WAIT}  # slot -> its last wait's row
+        last_wait = max(waited.values(), default=-1)
+        held: list[list[int]] = []  # background loads not started yet
+
+        def start_held():
+            while held:
+                a, b, c = held[0][1:]
+                self.pending[a] = self.transfers.submit(b // E, b % E, a, kernel.KINDS[c])
+                held.pop(0)
+
         i = 0
         try:
             for i, (op, a, b, c) in enumerate(rows):
                 if op == kernel.LOAD:
-                    self.pending[a] = self.transfers.submit(b // E, b % E, a, kernel.KINDS[c], i in here)
+                    if c in (kernel.ADMIT, kernel.UPGRADE) and i < last_wait and waited.get(a, -1) < i:
+                        held.append(rows[i])
+                    else:
+                        self.pending[a] = self.transfers.submit(b // E, b % E, a, kernel.KINDS[c], i in here)
                     continue
                 if op == kernel.FLUSH:  # one slot's few entries: not worth a submission of their own
                     compute(a, b)
                     continue
+                if op == kernel.FINISH_ALL:
+                    start_held()
                 self.transfers.flush()  # the loads logged so far start together
                 if started is not None:
                     started, run = None, started
@@ -298,11 +317,13 @@ class ExpertCache:
                     stall += self.wait(a)
                 else:
                     stall += self.finish_all()
+                if i + 1 == len(rows) or rows[i + 1][0] != kernel.WAIT:  # the wait's reads have landed
+                    start_held()
             self.transfers.flush()
             if started is not None:
                 started()
         except BaseException:
-            self._abandon(rows[i:])  # the failed action, and those the kernel decided after it
+            self._abandon(held + rows[i:])  # loads not started, the failed action, and those decided after it
             raise
         return stall
 
