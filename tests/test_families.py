@@ -16,6 +16,7 @@ from expertcache.engine.cache import CacheConfig
 from expertcache.engine.checkpoint import open_checkpoint
 from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
 from expertcache.engine.experts import (
+    CompiledSlots,
     ExpertKind,
     experts_grouped,
     experts_one_token,
@@ -77,6 +78,11 @@ def test_compiled_decode_experts_equal_torch(kind):
         ref = experts_one_token(x, slots, weights, w13, w2, b13, b2, kind)
         torch.testing.assert_close(experts_one_token_compiled(x, slots, weights, w13, w2, b13, b2, kind), ref,
                                    atol=1e-4, rtol=1e-5)
+    x = torch.randn(11, H, generator=g)  # a window: the same kinds through the grouped compiled call
+    slots, weights = torch.randint(0, S, (11, k), generator=g), torch.rand(11, k, generator=g)
+    window = CompiledSlots(w13, w2, b13, b2, kind).window(x, slots.numpy(), weights.numpy())
+    torch.testing.assert_close(window, experts_grouped(x, slots, weights, w13, w2, b13, b2, kind), atol=1e-4,
+                               rtol=1e-5)
 
 
 def test_disk_store_holds_expert_biases(tiny, tmp_path):

@@ -49,6 +49,38 @@ def test_compiled_kernel_reads_16_bit_slots_exactly(H):
         assert torch.equal(out, fp32)  # the same products in the same order: widening is exact
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T, k", [(9, 3), (300, 2), (7, 1)])
+def test_compiled_window_matches_reference(dtype, T, k):
+    """A window's compiled call equals the per-token reference over fp32 and 16-bit slots: odd sizes
+    (rows that do not fill a block of four), a slot taken twice by one token (as padding is), and a slot
+    with more rows than one pass holds (T=300)."""
+    from expertcache.kernel.expert_compute import PASS_ROWS
+    g = torch.Generator().manual_seed(2)
+    S, F, H = 6, 8, 17
+    w13, w2 = (torch.randn(S, *shape, generator=g).to(dtype) for shape in ((2 * F, H), (H, F)))
+    x = torch.randn(T, H, generator=g)
+    slots = torch.randint(0, S, (T, k), generator=g)
+    slots[:, 0] = 1  # in every token: more than a pass's rows when T is
+    slots[0] = 1  # in every place of the first token
+    weights = torch.rand(T, k, generator=g)
+    assert T < PASS_ROWS or torch.bincount(slots.ravel())[1] > PASS_ROWS
+    ref = reference(x, slots, weights, w13.float(), w2.float())
+    out = CompiledSlots(w13, w2, None, None, SWIGLU).window(x, slots.numpy(), weights.numpy())
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
+
+
+def test_a_prefill_computes_the_last_positions_logits_only(tiny):
+    path, _ = tiny["olmoe"]
+    engine = Engine(path, EngineConfig(cache=CacheConfig(fraction=1.0)))
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(5))
+    full = engine.forward(ids, 0)
+    engine.reset()
+    last = engine.forward(ids, 0, last=True)
+    assert last.shape == (1, full.shape[1])
+    torch.testing.assert_close(last, full[-1:], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("flush_rows", [0, 1000])
 def test_window_equals_token_by_token_under_eviction(tiny, monkeypatch, flush_rows):
     """A 64-token window through 2 slots per layer (constant eviction) equals the full model, each slot's

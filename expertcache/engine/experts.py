@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..kernel.expert_compute import experts_token
+from ..kernel.expert_compute import experts_token, experts_window, window_scratch
 
 
 @dataclass(frozen=True)
@@ -100,14 +100,16 @@ def experts_one_token_compiled(x, slots, weights, w13, w2, b13=None, b2=None, ki
 
 
 class CompiledSlots:
-    """Decode's compiled expert call (kernel.expert_compute) over one cache's CPU slot tensors (fp32,
-    fp16 or bf16), their numpy views taken once: what is left per call is the kernel itself."""
+    """The compiled expert calls (kernel.expert_compute), a decode token's and a window's, over one
+    cache's CPU slot tensors (fp32, fp16 or bf16), their numpy views taken once: what is left per call
+    is the kernel itself."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None,
                  kind: ExpertKind):
         biases = (NO_BIAS, NO_BIAS) if b13 is None else (kernel_view(b13), kernel_view(b2))
         self.weights = (kernel_view(w13), kernel_view(w2), *biases, np.float32(kind.limit or 0.0),
                         np.float32(kind.alpha), np.empty(w2.shape[2], np.float32))
+        self.scratch: tuple[np.ndarray, ...] | None = None  # windows', grown to the most assignments run so far
 
     @staticmethod
     def applies(w13: torch.Tensor | None) -> bool:
@@ -118,6 +120,17 @@ class CompiledSlots:
         """x [1, H] fp32, slots [k] int64, gates [k] float32 -> [1, H]."""
         out = torch.empty_like(x)
         experts_token(x.numpy()[0], slots, gates, *self.weights, out.numpy()[0])
+        return out
+
+    def window(self, x: torch.Tensor, slots: np.ndarray, gates: np.ndarray) -> torch.Tensor:
+        """A window's experts in one compiled call (kernel.expert_compute.experts_window): x [T, H] fp32,
+        slots [T, k] int64, gates [T, k] float32 -> [T, H]."""
+        w13, w2 = self.weights[:2]
+        if self.scratch is None or slots.size > len(self.scratch[1]):  # the kernel checks no bounds
+            self.scratch = window_scratch(slots.size, w13.shape[0], w13.shape[2], w2.shape[2])
+        out = torch.empty_like(x)
+        experts_window(x.contiguous().numpy(), np.ascontiguousarray(slots), np.ascontiguousarray(gates),
+                       *self.weights[:6], *self.scratch, out.numpy())
         return out
 
 

@@ -1,8 +1,8 @@
-"""Decode's expert compute on the CPU, compiled: one token's k experts straight from their
+"""Expert compute on the CPU, compiled: one decode token's k experts straight from their
 cache slots in one call (gate/up products, the gated activation, down products and the
-gate-weighted sum), instead of ~4 PyTorch operations per expert. Computes in fp32 from fp32
-slots or from 16-bit ones (`compiled.widen`: exact); sums may be reassociated (SIMD), so results
-differ from PyTorch's by rounding only."""
+gate-weighted sum), instead of ~4 PyTorch operations per expert; and a window's experts,
+grouped by slot. Computes in fp32 from fp32 slots or from 16-bit ones (`compiled.widen`:
+exact); sums may be reassociated (SIMD), so results differ from PyTorch's by rounding only."""
 from __future__ import annotations
 
 import numpy as np
@@ -63,6 +63,107 @@ def experts_token(x, slots, gates, w13, w2, b13, b2, limit, alpha, act, out):
             out[h] += y
             if h2 > h:
                 out[h2] += z
+
+
+ROW_BLOCK = 4  # rows of one expert's inputs that share each load of a weight row
+PASS_ROWS = 256  # rows of one expert run in one pass: the scratch stays this size whatever the window
+
+
+def window_scratch(assignments: int, S: int, H: int, F: int) -> tuple[np.ndarray, ...]:
+    """The scratch experts_window needs for up to `assignments` (token, expert) pairs over S slots of
+    [2F, H] and [H, F]: the counting sort (count [S + 1], order), one expert's widened weights, and
+    one pass's rows of its inputs, products and activations."""
+    return (np.empty(S + 1, np.int64), np.empty(assignments, np.int64), np.empty((2 * F, H), np.float32),
+            np.empty((H, F), np.float32), np.empty((PASS_ROWS, H), np.float32),
+            np.empty((PASS_ROWS, max(2 * F, H)), np.float32), np.empty((PASS_ROWS, F), np.float32))
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
+def _block_dots(a, r, w, out, n, m):
+    """out[r + i, c] = a[r + i, :m] . w[c, :m] for the ROW_BLOCK rows from r and c < n: each weight
+    load serves four rows, and the four sums vectorise along m."""
+    x0, x1, x2, x3 = a[r], a[r + 1], a[r + 2], a[r + 3]
+    for c in range(n):
+        wc = w[c]
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
+        s2 = np.float32(0.0)
+        s3 = np.float32(0.0)
+        for h in range(m):
+            v = wc[h]
+            s0 += v * x0[h]
+            s1 += v * x1[h]
+            s2 += v * x2[h]
+            s3 += v * x3[h]
+        out[r, c], out[r + 1, c], out[r + 2, c], out[r + 3, c] = s0, s1, s2, s3
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def experts_window(x, slots, gates, w13, w2, b13, b2, limit, alpha, count, order, wf13, wf2, xs, hs, acts, out):
+    """A window's experts: x [T, H], slots [T, k] (int64), gates [T, k] float32; weights and biases
+    as experts_token takes them; scratch from window_scratch -> out [T, H] = per token, the sum over
+    j of gates[t, j] * expert_{slots[t, j]}(x[t]). The assignments are sorted by slot; each used
+    slot's weights are widened to float32 once and its rows run in passes of up to PASS_ROWS, in
+    blocks of four (the last block repeats its last row): one call, where PyTorch takes ~10
+    operations per expert."""
+    T, k = slots.shape
+    S, F, H = w13.shape[0], w2.shape[2], x.shape[1]
+    biased = b13.shape[0] > 0
+    for s in range(S + 1):
+        count[s] = 0
+    for t in range(T):
+        for j in range(k):
+            count[slots[t, j] + 1] += 1
+    for s in range(S):
+        count[s + 1] += count[s]
+    for t in range(T):  # counting sort: order lists the assignments t * k + j slot by slot
+        for j in range(k):
+            order[count[slots[t, j]]] = t * k + j
+            count[slots[t, j]] += 1
+    for t in range(T):
+        for h in range(H):
+            out[t, h] = 0.0
+    start = 0
+    for s in range(S):  # count[s] is now where slot s's assignments end
+        if count[s] == start:
+            continue
+        for c in range(2 * F):
+            for h in range(H):
+                wf13[c, h] = widen(w13[s, c, h])
+        for h in range(H):
+            for f in range(F):
+                wf2[h, f] = widen(w2[s, h, f])
+        for first in range(start, count[s], PASS_ROWS):
+            n = min(PASS_ROWS, count[s] - first)
+            blocks = (n + ROW_BLOCK - 1) // ROW_BLOCK * ROW_BLOCK
+            for i in range(blocks):
+                t = order[first + min(i, n - 1)] // k
+                for h in range(H):
+                    xs[i, h] = x[t, h]
+            for i in range(0, blocks, ROW_BLOCK):
+                _block_dots(xs, i, wf13, hs, 2 * F, H)
+            for i in range(blocks):
+                a = order[first + min(i, n - 1)]
+                gate = gates[a // k, a % k]
+                for f in range(F):
+                    g, u = hs[i, f], hs[i, F + f]
+                    if biased:
+                        g += widen(b13[s, f])
+                        u += widen(b13[s, F + f])
+                    acts[i, f] = gate * gated(g, u, limit, alpha)
+            for i in range(0, blocks, ROW_BLOCK):
+                _block_dots(acts, i, wf2, hs, H, F)
+            for i in range(n):
+                a = order[first + i]
+                t = a // k
+                if biased:
+                    gate = gates[t, a % k]
+                    for h in range(H):
+                        out[t, h] += hs[i, h] + gate * widen(b2[s, h])
+                else:
+                    for h in range(H):
+                        out[t, h] += hs[i, h]
+        start = count[s]
 
 
 @njit(cache=True, _nrt=False, nogil=True, inline="always")
