@@ -8,8 +8,10 @@ token; ratios are computed within this one run.
         [--prompt-tokens 256] [--trials 5] [--json OUT]
 
 Besides decoding, each variant that can evaluates a prompt of --prompt-tokens tokens of the
-evaluation text in one call (the engine: one teacher-forced window; llama.cpp: `eval`), reported
-as prompt ms/token.
+evaluation text in one call, twice: as a prefill, which needs the last position's logits only
+(the engine: `forward(..., last=True)`; llama.cpp: `eval`), and as scoring, which needs every
+position's (the engine: one teacher-forced window; llama.cpp: `eval` with `logits_all`, as its
+perplexity tool runs). Both are reported in ms per prompt token.
 """
 from __future__ import annotations
 
@@ -65,16 +67,18 @@ def run_engine(a, store: str, fraction: float) -> dict:
     s = engine.stats  # the last decode trial's counters, before the prompt timing adds its own
     decode_counts = {"fetches_per_decode_token": (s.sync_fetches - fetches0) / a.tokens,
                      "stall_ms_per_token": 1000 * (s.stall_s - stall0) / a.tokens, "hit_rate": s.hit_rate}
-    window, prompt_times = torch.tensor(window_ids(a)), []
-    for trial in range(a.trials + 1):
-        engine.reset()
-        start = time.perf_counter()
-        engine.forward(window, 0)
-        if trial:
-            prompt_times.append((time.perf_counter() - start) / len(window))
-    return {"ms_per_token": 1000 * statistics.median(times), "trials_ms": [1000 * t for t in times],
-            "prompt_ms_per_token": 1000 * statistics.median(prompt_times), **decode_counts,
-            "peak_rss": rss_peak(), "rss_before_load": base, "greedy": out, **engine.budget()}
+    window, prompt_ms = torch.tensor(window_ids(a)), {}
+    for last in (True, False):
+        prompt_times = []
+        for trial in range(a.trials + 1):
+            engine.reset()
+            start = time.perf_counter()
+            engine.forward(window, 0, last=last)
+            if trial:
+                prompt_times.append((time.perf_counter() - start) / len(window))
+        prompt_ms["prefill_ms_per_token" if last else "scoring_ms_per_token"] = 1000 * statistics.median(prompt_times)
+    return {"ms_per_token": 1000 * statistics.median(times), "trials_ms": [1000 * t for t in times], **prompt_ms,
+            **decode_counts, "peak_rss": rss_peak(), "rss_before_load": base, "greedy": out, **engine.budget()}
 
 
 def run_hf(a) -> dict:
@@ -119,15 +123,21 @@ def run_llama(a) -> dict:
             llm.eval([tok])
         if trial:
             times.append((time.perf_counter() - start) / a.tokens)
-    window, prompt_times = window_ids(a), []
-    for trial in range(a.trials + 1):
-        llm.reset()
-        start = time.perf_counter()
-        llm.eval(window)
-        if trial:
-            prompt_times.append((time.perf_counter() - start) / len(window))
-    return {"ms_per_token": 1000 * statistics.median(times), "trials_ms": [1000 * t for t in times],
-            "prompt_ms_per_token": 1000 * statistics.median(prompt_times),
+    window, prompt_ms = window_ids(a), {}
+    for every in (False, True):  # llama.cpp computes every position's logits only when built to keep them all
+        if every:
+            del llm
+            llm = Llama(model_path=str(a.gguf[0]), n_ctx=512, n_threads=a.llama_threads[0],
+                        n_threads_batch=a.llama_threads[0], n_batch=512, logits_all=True, verbose=False)
+        prompt_times = []
+        for trial in range(a.trials + 1):
+            llm.reset()
+            start = time.perf_counter()
+            llm.eval(window)
+            if trial:
+                prompt_times.append((time.perf_counter() - start) / len(window))
+        prompt_ms["scoring_ms_per_token" if every else "prefill_ms_per_token"] = 1000 * statistics.median(prompt_times)
+    return {"ms_per_token": 1000 * statistics.median(times), "trials_ms": [1000 * t for t in times], **prompt_ms,
             "peak_rss": rss_peak(), "rss_before_load": base, "greedy": out}
 
 
@@ -201,17 +211,19 @@ def main() -> None:
     print(f"decode {a.tokens} tokens after a {len(PROMPT)}-char prompt, median of {a.trials} trials, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores\n")
     ref = results.get("engine ram 100%", {}).get("greedy", [])
-    prompt_floor = results.get("engine ram 100%", {}).get("prompt_ms_per_token")
-    print("| variant | decode ms/token | vs engine ram 100% | prompt ms/token | vs engine ram 100% | peak RSS MiB "
-          "| greedy tokens equal to the engine's |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    engine_ram = results.get("engine ram 100%", {})
+    print("| variant | decode ms/token | vs engine ram 100% | prefill ms/token (last logits) | vs engine ram 100% "
+          "| scoring ms/token (every logit) | vs engine ram 100% | peak RSS MiB | greedy tokens equal to the engine's |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         if "ms_per_token" in r:
             n = min(len(ref), len(r["greedy"]))
             same = sum(x == y for x, y in zip(ref, r["greedy"]))
-            prompt = r.get("prompt_ms_per_token")
-            prompt_cells = f"{prompt:.3f} | {prompt / prompt_floor:.2f}x" if prompt and prompt_floor else "- | -"
-            print(f"| {name} | {r['ms_per_token']:.2f} | {r['ms_per_token'] / floor:.2f}x | {prompt_cells} | "
+            cells = []
+            for key in ("prefill_ms_per_token", "scoring_ms_per_token"):
+                v, base = r.get(key), engine_ram.get(key)
+                cells.append(f"{v:.3f} | {v / base:.2f}x" if v and base else "- | -")
+            print(f"| {name} | {r['ms_per_token']:.2f} | {r['ms_per_token'] / floor:.2f}x | {' | '.join(cells)} | "
                   f"{r['peak_rss'] / 2**20:.0f} | {same}/{n} |")
     if "fetch latency" in results:
         f = results["fetch latency"]

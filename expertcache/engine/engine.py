@@ -227,13 +227,15 @@ class Engine:
         self.reset()
 
     # -- running -------------------------------------------------------------------------
-    def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
-        """ids [T] -> logits [T, V] (fp32), counting tokens and wall time. Raises NonFiniteOutput
-        rather than return a NaN or infinite logit."""
-        self.runner.start_forward(id(self.model.k_cache), pos, ids.shape[0])  # a swapped-in sequence has other keys
-        logits = self._timed(lambda: self.model.forward(ids.to(self.device), pos), ids.shape[0])
-        self.runner.end_forward(id(self.model.k_cache), pos + ids.shape[0])  # the keys as they may have grown
-        self._check_finite(logits, lambda t: f"at position {pos + t}")
+    def forward(self, ids: torch.Tensor, pos: int, last: bool = False) -> torch.Tensor:
+        """ids [T] -> logits [T, V] (fp32; with `last`, [1, V]: the last position's only, as a prefill
+        needs), counting tokens and wall time. Raises NonFiniteOutput rather than return a NaN or
+        infinite logit."""
+        T = ids.shape[0]
+        self.runner.start_forward(id(self.model.k_cache), pos, T)  # a swapped-in sequence has other keys
+        logits = self._timed(lambda: self.model.forward(ids.to(self.device), pos, last), T)
+        self.runner.end_forward(id(self.model.k_cache), pos + T)  # the keys as they may have grown
+        self._check_finite(logits, lambda t: f"at position {pos + (T - 1 if last else t)}")
         return logits
 
     def forward_batch(self, ids: torch.Tensor, positions: list[int],

@@ -50,7 +50,7 @@ def prefill(engine: Engine, prompt: list[int], policy: MissPolicy | None = None,
     if policy is not None:
         engine.runner.policy = policy
     try:
-        logits = engine.forward(torch.tensor(prompt), 0)
+        logits = engine.forward(torch.tensor(prompt), 0, last=not every)
         return logits if every else logits[-1]
     finally:
         engine.runner.policy = decode_policy

@@ -211,9 +211,10 @@ class Transformer:
         return torch.sigmoid(x @ L["shared_gate"].t()) * y if self.args.shared_expert_gate else y
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
-        """ids [T] at positions pos..pos+T-1 -> logits [T, V]; extends the KV cache (and the linear-attention
-        states, which restart at pos 0)."""
+    def forward(self, ids: torch.Tensor, pos: int, last: bool = False) -> torch.Tensor:
+        """ids [T] at positions pos..pos+T-1 -> logits [T, V] (with `last`, [1, V]: the last position's only,
+        all that a prefill samples from); extends the KV cache (and the linear-attention states, which
+        restart at pos 0)."""
         assert ids.dim() == 1, f"ids must be [T], got {tuple(ids.shape)}"
         a = self.args
         T = ids.shape[0]
@@ -230,7 +231,9 @@ class Transformer:
                 h = h + (self.linear[i](xa, pos) if i in self.linear else self._attention(i, L, xa, pos))
                 x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
             h = self._feed_forward(i, L, h, x)
-        if T == 1 and self.compiled_logits:
+        if last:
+            h = h[-1:]
+        if h.shape[0] == 1 and self.compiled_logits:
             return self._logits_token(h)
         return self._logits(h)
 
