@@ -99,6 +99,13 @@ def experts_one_token_compiled(x, slots, weights, w13, w2, b13=None, b2=None, ki
     return CompiledSlots(w13, w2, b13, b2, kind)(x.contiguous(), slots[0].numpy(), weights[0].to(torch.float32).numpy())
 
 
+def grown_scratch(scratch: tuple[np.ndarray, ...] | None, assignments: int, S: int, H: int, F: int
+                  ) -> tuple[np.ndarray, ...]:
+    """A window kernel's scratch (kernel.expert_compute.window_scratch), new when `scratch` has no room for
+    `assignments` (token, expert) pairs: the kernel checks no bounds."""
+    return scratch if scratch is not None and assignments <= len(scratch[1]) else window_scratch(assignments, S, H, F)
+
+
 class CompiledSlots:
     """The compiled expert calls (kernel.expert_compute), a decode token's and a window's, over one
     cache's CPU slot tensors (fp32, fp16 or bf16), their numpy views taken once: what is left per call
@@ -126,8 +133,7 @@ class CompiledSlots:
         """A window's experts in one compiled call (kernel.expert_compute.experts_window): x [T, H] fp32,
         slots [T, k] int64, gates [T, k] float32 -> [T, H]."""
         w13, w2 = self.weights[:2]
-        if self.scratch is None or slots.size > len(self.scratch[1]):  # the kernel checks no bounds
-            self.scratch = window_scratch(slots.size, w13.shape[0], w13.shape[2], w2.shape[2])
+        self.scratch = grown_scratch(self.scratch, slots.size, w13.shape[0], w13.shape[2], w2.shape[2])
         out = torch.empty_like(x)
         experts_window(x.contiguous().numpy(), np.ascontiguousarray(slots), np.ascontiguousarray(gates),
                        *self.weights[:6], *self.scratch, out.numpy())

@@ -207,17 +207,16 @@ class MoELayerRunner:
         # a decode batch shares few experts between its tokens: where decode's compiled kernel runs (on the
         # CPU), one call per token beats grouped matmuls over a handful of tokens per expert
         per_token = self.decoding and self.compiled is not None and x.dtype == torch.float32
-        # a window's experts on the CPU: one compiled call over slots, not ~10 PyTorch operations per expert
-        windowed = isinstance(self.compiled, CompiledSlots) and x.dtype == torch.float32
+        # a window's experts on the CPU: one compiled call over slots (float or quantized), not ~10 PyTorch
+        # operations per expert
+        windowed = self.compiled is not None and x.dtype == torch.float32
 
         def experts_out(xs: torch.Tensor, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
             if per_token:
                 return torch.cat([self.compiled(xs[t:t + 1], slots_h[t], gates_h[t]) for t in range(len(xs))])
-            gates = torch.from_numpy(gates_h)
-            if cache.blobs is not None:
-                return self.compiled.grouped(xs, torch.from_numpy(slots_h), gates)
             if windowed:
                 return self.compiled.window(xs, slots_h, gates_h)
+            gates = torch.from_numpy(gates_h)
             return experts_compute(xs, torch.from_numpy(slots_h), gates if xs.device.type == "cpu" else
                                    gates.to(xs.device), cache.w13, cache.w2, cache.b13, cache.b2, self.kind)
 

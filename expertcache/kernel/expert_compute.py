@@ -9,7 +9,19 @@ import numpy as np
 from numba import njit
 
 from .compiled import widen
-from .decode_blob import COLS, ENCODING, GROUP, INT4, MINS, ROWS, SCALES, VALUES, decode_row, halves_to_floats
+from .decode_blob import (
+    COLS,
+    ENCODING,
+    GROUP,
+    INT4,
+    MINS,
+    ROWS,
+    SCALES,
+    VALUES,
+    decode_blob,
+    decode_row,
+    halves_to_floats,
+)
 
 # reassoc/contract let LLVM vectorise the dot products; inf and nan keep their meaning
 FAST = {"reassoc", "contract"}
@@ -71,11 +83,12 @@ PASS_ROWS = 256  # rows of one expert run in one pass: the scratch stays this si
 
 def window_scratch(assignments: int, S: int, H: int, F: int) -> tuple[np.ndarray, ...]:
     """The scratch experts_window needs for up to `assignments` (token, expert) pairs over S slots of
-    [2F, H] and [H, F]: the counting sort (count [S + 1], order), one expert's widened weights, and
-    one pass's rows of its inputs, products and activations."""
+    [2F, H] and [H, F]: the counting sort (count [S + 1], order), one expert's weights and biases in
+    float32, and one pass's rows of its inputs, products and activations."""
     return (np.empty(S + 1, np.int64), np.empty(assignments, np.int64), np.empty((2 * F, H), np.float32),
-            np.empty((H, F), np.float32), np.empty((PASS_ROWS, H), np.float32),
-            np.empty((PASS_ROWS, max(2 * F, H)), np.float32), np.empty((PASS_ROWS, F), np.float32))
+            np.empty((H, F), np.float32), np.empty(2 * F, np.float32), np.empty(H, np.float32),
+            np.empty((PASS_ROWS, H), np.float32), np.empty((PASS_ROWS, max(2 * F, H)), np.float32),
+            np.empty((PASS_ROWS, F), np.float32))
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
@@ -98,17 +111,11 @@ def _block_dots(a, r, w, out, n, m):
         out[r, c], out[r + 1, c], out[r + 2, c], out[r + 3, c] = s0, s1, s2, s3
 
 
-@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def experts_window(x, slots, gates, w13, w2, b13, b2, limit, alpha, count, order, wf13, wf2, xs, hs, acts, out):
-    """A window's experts: x [T, H], slots [T, k] (int64), gates [T, k] float32; weights and biases
-    as experts_token takes them; scratch from window_scratch -> out [T, H] = per token, the sum over
-    j of gates[t, j] * expert_{slots[t, j]}(x[t]). The assignments are sorted by slot; each used
-    slot's weights are widened to float32 once and its rows run in passes of up to PASS_ROWS, in
-    blocks of four (the last block repeats its last row): one call, where PyTorch takes ~10
-    operations per expert."""
+@njit(cache=True, _nrt=False, nogil=True, inline="always")
+def _sort_by_slot(slots, S, count, order):
+    """Counting sort of the assignments t * k + j by slot: afterwards slot s's are order[count[s - 1]:count[s]]
+    (from 0 for s = 0), in token order."""
     T, k = slots.shape
-    S, F, H = w13.shape[0], w2.shape[2], x.shape[1]
-    biased = b13.shape[0] > 0
     for s in range(S + 1):
         count[s] = 0
     for t in range(T):
@@ -116,13 +123,63 @@ def experts_window(x, slots, gates, w13, w2, b13, b2, limit, alpha, count, order
             count[slots[t, j] + 1] += 1
     for s in range(S):
         count[s + 1] += count[s]
-    for t in range(T):  # counting sort: order lists the assignments t * k + j slot by slot
+    for t in range(T):
         for j in range(k):
             order[count[slots[t, j]]] = t * k + j
             count[slots[t, j]] += 1
-    for t in range(T):
-        for h in range(H):
-            out[t, h] = 0.0
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
+def _run_slot(x, gates, order, start, end, wf13, wf2, b13, b2, biased, limit, alpha, xs, hs, acts, out):
+    """out[t] += gate * expert(x[t]) for the assignments order[start:end] of one expert, whose weights are
+    wf13 [2F, H] and wf2 [H, F] (and biases b13 [2F], b2 [H]) in float32: passes of up to PASS_ROWS rows in
+    blocks of four (the last block repeats its last row)."""
+    k = gates.shape[1]
+    F, H = wf2.shape[1], x.shape[1]
+    for first in range(start, end, PASS_ROWS):
+        n = min(PASS_ROWS, end - first)
+        blocks = (n + ROW_BLOCK - 1) // ROW_BLOCK * ROW_BLOCK
+        for i in range(blocks):
+            t = order[first + min(i, n - 1)] // k
+            for h in range(H):
+                xs[i, h] = x[t, h]
+        for i in range(0, blocks, ROW_BLOCK):
+            _block_dots(xs, i, wf13, hs, 2 * F, H)
+        for i in range(blocks):
+            a = order[first + min(i, n - 1)]
+            gate = gates[a // k, a % k]
+            for f in range(F):
+                g, u = hs[i, f], hs[i, F + f]
+                if biased:
+                    g += b13[f]
+                    u += b13[F + f]
+                acts[i, f] = gate * gated(g, u, limit, alpha)
+        for i in range(0, blocks, ROW_BLOCK):
+            _block_dots(acts, i, wf2, hs, H, F)
+        for i in range(n):
+            a = order[first + i]
+            t = a // k
+            if biased:
+                gate = gates[t, a % k]
+                for h in range(H):
+                    out[t, h] += hs[i, h] + gate * b2[h]
+            else:
+                for h in range(H):
+                    out[t, h] += hs[i, h]
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def experts_window(x, slots, gates, w13, w2, b13, b2, limit, alpha, count, order, wf13, wf2, bf13, bf2, xs, hs, acts,
+                   out):
+    """A window's experts: x [T, H], slots [T, k] (int64), gates [T, k] float32; weights and biases
+    as experts_token takes them; scratch from window_scratch -> out [T, H] = per token, the sum over
+    j of gates[t, j] * expert_{slots[t, j]}(x[t]). The assignments are sorted by slot and each used
+    slot's weights widened to float32 once, then its rows run together (`_run_slot`): one call, where
+    PyTorch takes ~10 operations per expert."""
+    S, F, H = w13.shape[0], w2.shape[2], x.shape[1]
+    biased = b13.shape[0] > 0
+    _sort_by_slot(slots, S, count, order)
+    out[:] = 0.0
     start = 0
     for s in range(S):  # count[s] is now where slot s's assignments end
         if count[s] == start:
@@ -133,36 +190,31 @@ def experts_window(x, slots, gates, w13, w2, b13, b2, limit, alpha, count, order
         for h in range(H):
             for f in range(F):
                 wf2[h, f] = widen(w2[s, h, f])
-        for first in range(start, count[s], PASS_ROWS):
-            n = min(PASS_ROWS, count[s] - first)
-            blocks = (n + ROW_BLOCK - 1) // ROW_BLOCK * ROW_BLOCK
-            for i in range(blocks):
-                t = order[first + min(i, n - 1)] // k
-                for h in range(H):
-                    xs[i, h] = x[t, h]
-            for i in range(0, blocks, ROW_BLOCK):
-                _block_dots(xs, i, wf13, hs, 2 * F, H)
-            for i in range(blocks):
-                a = order[first + min(i, n - 1)]
-                gate = gates[a // k, a % k]
-                for f in range(F):
-                    g, u = hs[i, f], hs[i, F + f]
-                    if biased:
-                        g += widen(b13[s, f])
-                        u += widen(b13[s, F + f])
-                    acts[i, f] = gate * gated(g, u, limit, alpha)
-            for i in range(0, blocks, ROW_BLOCK):
-                _block_dots(acts, i, wf2, hs, H, F)
-            for i in range(n):
-                a = order[first + i]
-                t = a // k
-                if biased:
-                    gate = gates[t, a % k]
-                    for h in range(H):
-                        out[t, h] += hs[i, h] + gate * widen(b2[s, h])
-                else:
-                    for h in range(H):
-                        out[t, h] += hs[i, h]
+        if biased:
+            for c in range(2 * F):
+                bf13[c] = widen(b13[s, c])
+            for h in range(H):
+                bf2[h] = widen(b2[s, h])
+        _run_slot(x, gates, order, start, count[s], wf13, wf2, bf13, bf2, biased, limit, alpha, xs, hs, acts, out)
+        start = count[s]
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def experts_window_int(x, slots, gates, blobs, plan, limit, alpha, count, order, wf13, wf2, bf13, bf2, xs, hs, acts,
+                       out):
+    """experts_window over int8/int4 slots (blobs uint8 [S, bytes], read through `plan` as
+    experts_token_int reads them): each used slot's blob decoded once into float32 weights
+    (decode_blob: the values a fetch into fp32 slots writes), then its rows run together."""
+    S, H = blobs.shape[0], x.shape[1]
+    biased = plan.shape[0] > 2
+    _sort_by_slot(slots, S, count, order)
+    out[:] = 0.0
+    start = 0
+    for s in range(S):
+        if count[s] == start:
+            continue
+        decode_blob(blobs[s], plan, wf13.reshape(-1), wf2.reshape(-1), bf13, bf2)
+        _run_slot(x, gates, order, start, count[s], wf13, wf2, bf13, bf2, biased, limit, alpha, xs, hs, acts, out)
         start = count[s]
 
 
