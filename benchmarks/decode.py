@@ -213,7 +213,8 @@ def main() -> None:
     ref = results.get("engine ram 100%", {}).get("greedy", [])
     engine_ram = results.get("engine ram 100%", {})
     print("| variant | decode ms/token | vs engine ram 100% | prefill ms/token (last logits) | vs engine ram 100% "
-          "| scoring ms/token (every logit) | vs engine ram 100% | peak RSS MiB | greedy tokens equal to the engine's |")
+          "| scoring ms/token (every logit) | vs engine ram 100% | peak RSS MiB "
+          "| greedy tokens equal to the engine's |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         if "ms_per_token" in r:
