@@ -29,8 +29,10 @@ if TYPE_CHECKING:  # predictors route with router_logits below
     from .predictors import Predictor
 
 # a window's flush of one slot runs up to this many tokens through decode's compiled kernel, one call each
-# (~20 us here); more go through the window's compiled call (~55 us, then ~2 us a token)
-FLUSH_ROWS = 2
+# (~20 us here); more go through the window's compiled call (~55 us, then ~2 us a token). The decision
+# kernel counts every flush's entries at a per-entry cost (decisions._flush), which this path is: a lower
+# bound would need that count to follow it
+FLUSH_ROWS = 16
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torch.Tensor:
@@ -204,17 +206,16 @@ class MoELayerRunner:
         # decode computes once, after its decisions; a window adds up the parts that flushes run before
         # slots change hands, and the rest at the end
         out = None
-        # a decode batch shares few experts between its tokens: where decode's compiled kernel runs (on the
-        # CPU), one call per token beats grouped matmuls over a handful of tokens per expert
-        per_token = self.decoding and self.compiled is not None and x.dtype == torch.float32
-        # a window's experts on the CPU: one compiled call over slots (float or quantized), not ~10 PyTorch
-        # operations per expert
-        windowed = self.compiled is not None and x.dtype == torch.float32
+        # the compiled expert calls run (fp32 on the CPU): a decode token's, one per token of a decode batch
+        # (which shares few experts between its tokens), and a window's, one over all its slots (float or
+        # quantized) where PyTorch takes ~10 operations per expert
+        compiled = self.compiled is not None and x.dtype == torch.float32
+        per_token = self.decoding and compiled
 
         def experts_out(xs: torch.Tensor, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
             if per_token:
                 return torch.cat([self.compiled(xs[t:t + 1], slots_h[t], gates_h[t]) for t in range(len(xs))])
-            if windowed:
+            if compiled:
                 return self.compiled.window(xs, slots_h, gates_h)
             gates = torch.from_numpy(gates_h)
             return experts_compute(xs, torch.from_numpy(slots_h), gates if xs.device.type == "cpu" else
@@ -227,7 +228,7 @@ class MoELayerRunner:
                                                  np.array([[g] for _, _, g in entries], np.float32)))
 
         def decode_out(slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
-            if self.compiled is not None and x.dtype == torch.float32:
+            if compiled:
                 return self.compiled(x, slots_h[0], gates_h[0])
             return experts_out(x, slots_h, gates_h)
 
@@ -253,7 +254,7 @@ class MoELayerRunner:
             if not n:
                 return
             run, by_slot[slot] = entries[:n], entries[n:]
-            if self.compiled is not None and x.dtype == torch.float32 and n <= FLUSH_ROWS:
+            if compiled and n <= FLUSH_ROWS:
                 one = np.array([slot], np.int64)  # decode's compiled call per token: no grouping to set up
                 for t, g in run:
                     out[t] += self.compiled(x[t:t + 1], one, np.array([g], np.float32))[0]
