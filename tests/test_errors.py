@@ -180,7 +180,7 @@ def test_bad_cli_values_are_one_line(capsys, ckpt, tmp_path):
                         (["generate", "--model", str(ckpt), "--temperature", "inf", "hi"], "temperature=inf"),
                         (["serve", "--model", str(ckpt), "--port", "70000"], "not a port"),
                         (["ppl", "--model", str(ckpt), "--json", str(tmp_path / "no" / "x.json")], "does not exist"),
-                        (["convert", "--model", str(ckpt), "--dtype", "int4", "--group-size", "1"], "even whole")):
+                        (["convert", "--model", str(ckpt), "--dtype", "int4", "--group-size", "1"], "multiple of 8")):
         try:
             code, err = run_cli(capsys, *argv)
         except SystemExit as e:  # argparse's own check of the value

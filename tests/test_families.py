@@ -16,11 +16,10 @@ from expertcache.engine.cache import CacheConfig
 from expertcache.engine.checkpoint import open_checkpoint
 from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
 from expertcache.engine.experts import (
-    CompiledSlots,
+    CompiledExperts,
     ExpertKind,
     experts_grouped,
     experts_one_token,
-    experts_one_token_compiled,
     swiglu,
 )
 from expertcache.engine.linear_attention import delta_rule_chunked, delta_rule_recurrent, l2norm
@@ -76,11 +75,11 @@ def test_compiled_decode_experts_equal_torch(kind):
         x = torch.randn(1, H, generator=g)
         slots, weights = torch.randperm(S, generator=g)[:k].view(1, k), torch.rand(1, k, generator=g)
         ref = experts_one_token(x, slots, weights, w13, w2, b13, b2, kind)
-        torch.testing.assert_close(experts_one_token_compiled(x, slots, weights, w13, w2, b13, b2, kind), ref,
-                                   atol=1e-4, rtol=1e-5)
+        compiled = CompiledExperts.of_floats(w13, w2, b13, b2, kind)(x, slots[0].numpy(), weights[0].numpy())
+        torch.testing.assert_close(compiled, ref, atol=1e-4, rtol=1e-5)
     x = torch.randn(11, H, generator=g)  # a window: the same kinds through the grouped compiled call
     slots, weights = torch.randint(0, S, (11, k), generator=g), torch.rand(11, k, generator=g)
-    window = CompiledSlots(w13, w2, b13, b2, kind).window(x, slots.numpy(), weights.numpy())
+    window = CompiledExperts.of_floats(w13, w2, b13, b2, kind).window(x, slots.numpy(), weights.numpy())
     torch.testing.assert_close(window, experts_grouped(x, slots, weights, w13, w2, b13, b2, kind), atol=1e-4,
                                rtol=1e-5)
 

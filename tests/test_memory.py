@@ -73,3 +73,26 @@ def test_kv_cache_grows_and_stays_exact(tiny):
     assert engine.model.k_cache.shape[2] == 300
     with torch.no_grad():
         torch.testing.assert_close(torch.cat(out), hf(ids[None]).logits[0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(bool(__import__("expertcache.lab.cgroup", fromlist=["x"]).unavailable()),
+                    reason="no memory cgroup can be created here (needs root or a delegated cgroup v2 subtree)")
+def test_generate_fits_a_real_memory_cap(tmp_path):
+    """Under a cgroup capped at the process's own baseline (imports and kernels, measured in a cgroup of its own)
+    plus --memory-budget and 5%, `expertcache generate` from the disk store runs to its end without the OOM
+    killer, its peak charge (resident memory and page cache) within the cap; a budget too small is refused in
+    one line before any weight is read."""
+    from expertcache.lab.cgroup import run_capped
+    Engine(None, EngineConfig(store="disk", cache=CacheConfig(fraction=0.25))).close()  # the store, converted
+    warm = [sys.executable, "-c", "from expertcache import Engine, EngineConfig, generate; "
+                                  "list(generate(Engine(None, EngineConfig(store='disk', max_seq=16)), [1, 2], 2))"]
+    base = run_capped(warm, None, timeout=600)
+    assert base.returncode == 0, base.stderr[-2000:]
+    budget = 64 * 2**20
+    cmd = [sys.executable, "-m", "expertcache.cli", "generate", "-p", "KING HENRY.", "-n", "24", "--max-seq", "256",
+           "--memory-budget", str(budget)]
+    run = run_capped(cmd, int((base.peak_bytes + budget) * 1.05), timeout=600)
+    assert run.returncode == 0 and not run.oom_killed, run.stderr[-2000:]
+    assert run.peak_bytes <= (base.peak_bytes + budget) * 1.05
+    small = run_capped(cmd[:-1] + ["4M"], int((base.peak_bytes + budget) * 1.05), timeout=600)
+    assert small.returncode == 2 and small.stderr.strip().count("\n") == 0 and "at least" in small.stderr

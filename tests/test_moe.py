@@ -6,7 +6,7 @@ import torch
 
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.engine import Engine, EngineConfig
-from expertcache.engine.experts import SWIGLU, CompiledSlots, experts_grouped, experts_one_token
+from expertcache.engine.experts import SWIGLU, CompiledExperts, experts_grouped, experts_one_token
 
 
 def reference(x, slots, weights, w13, w2):
@@ -43,19 +43,19 @@ def test_compiled_kernel_reads_16_bit_slots_exactly(H):
     for dtype in (torch.float16, torch.bfloat16):
         w13, w2 = (torch.randn(S, *shape, generator=g).to(dtype) for shape in ((2 * F, H), (H, F)))
         ref = reference(x, torch.from_numpy(slots)[None], torch.from_numpy(gates)[None], w13.float(), w2.float())
-        out = CompiledSlots(w13, w2, None, None, SWIGLU)(x, slots, gates)
+        out = CompiledExperts.of_floats(w13, w2, None, None, SWIGLU)(x, slots, gates)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-        fp32 = CompiledSlots(w13.float(), w2.float(), None, None, SWIGLU)(x, slots, gates)
+        fp32 = CompiledExperts.of_floats(w13.float(), w2.float(), None, None, SWIGLU)(x, slots, gates)
         assert torch.equal(out, fp32)  # the same products in the same order: widening is exact
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("T, k", [(9, 3), (300, 2), (7, 1)])
+@pytest.mark.parametrize("T, k", [(9, 3), (600, 2), (7, 1)])
 def test_compiled_window_matches_reference(dtype, T, k):
     """A window's compiled call equals the per-token reference over fp32 and 16-bit slots: odd sizes
     (rows that do not fill a block of four), a slot taken twice by one token (as padding is), and a slot
-    with more rows than one pass holds (T=300)."""
-    from expertcache.kernel.expert_compute import PASS_ROWS
+    with more rows than one pass holds (T=600)."""
+    from expertcache.kernel.expert_compute import PASS
     g = torch.Generator().manual_seed(2)
     S, F, H = 6, 8, 17
     w13, w2 = (torch.randn(S, *shape, generator=g).to(dtype) for shape in ((2 * F, H), (H, F)))
@@ -64,9 +64,9 @@ def test_compiled_window_matches_reference(dtype, T, k):
     slots[:, 0] = 1  # in every token: more than a pass's rows when T is
     slots[0] = 1  # in every place of the first token
     weights = torch.rand(T, k, generator=g)
-    assert T < PASS_ROWS or torch.bincount(slots.ravel())[1] > PASS_ROWS
+    assert T < PASS or torch.bincount(slots.ravel())[1] > PASS
     ref = reference(x, slots, weights, w13.float(), w2.float())
-    out = CompiledSlots(w13, w2, None, None, SWIGLU).window(x, slots.numpy(), weights.numpy())
+    out = CompiledExperts.of_floats(w13, w2, None, None, SWIGLU).window(x, slots.numpy(), weights.numpy())
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
 
 

@@ -19,6 +19,7 @@ from expertcache.engine.quant import (
     layout,
     mxfp4_to_float,
     roundtrip,
+    unpack_mxfp4,
 )
 from expertcache.engine.stores import ALIGN, DiskStore, ExpertShape
 from expertcache.models import model_args
@@ -62,12 +63,12 @@ def test_mxfp4_bytes_per_expert():
     shape = ExpertShape(1, 1, (2 * 2880, 2880), (2880, 2880), bias=True)
     weights = 3 * 2880 * 2880
     assert encoded_bytes(shape.parts, MXFP4) == weights * 4.25 / 8 + 4 * (2 * 2880 + 2880) == 13_253_760
-    odd = [(24, 40), (40, 12)]  # 40 inputs -> 2 blocks, 12 -> 1
+    odd = [(24, 40), (40, 12)]  # 40 inputs -> 2 blocks, 12 -> 1; 24 rows -> 2 row blocks of 16, 40 -> 3
     segs = layout(odd, MXFP4)
-    assert [(s.role, s.shape) for s in segs] == [("codes", (24, 32)), ("scales", (24, 2)), ("codes", (40, 16)),
-                                                 ("scales", (40, 1))]
+    assert [(s.role, s.shape) for s in segs] == [("codes", (2, 512)), ("scales", (2, 32)), ("codes", (3, 256)),
+                                                 ("scales", (3, 16))]
     assert all(s.offset % 16 == 0 for s in segs)
-    assert encoded_bytes(odd, MXFP4) == 768 + 48 + 640 + 40
+    assert encoded_bytes(odd, MXFP4) == 1024 + 64 + 768 + 48
 
 
 def test_gpt_oss_mxfp4_disk_store_equals_its_ram_emulation(tiny, tmp_path):
@@ -92,8 +93,9 @@ def test_gpt_oss_mxfp4_disk_store_equals_its_ram_emulation(tiny, tmp_path):
 
 
 def test_mxfp4_checkpoint_converts_as_is(tmp_path, capsys):
-    """`convert --dtype mxfp4` of a checkpoint in MXFP4 writes its blocks and scales byte for byte (rows in our
-    gate-then-up order), and the engine on that store matches HF on the same codes."""
+    """`convert --dtype mxfp4` of a checkpoint in MXFP4 writes its blocks and scales as they are, repacked into
+    the kernel's row blocks (rows in our gate-then-up order), and the engine on that store matches HF on the
+    same codes."""
     from safetensors.torch import load_file
     model = tmp_path / "model"
     hf = save_gpt_oss_mxfp4(model)
@@ -111,9 +113,10 @@ def test_mxfp4_checkpoint_converts_as_is(tmp_path, capsys):
             view = torch.from_numpy(disk._read(layer, e))
             stored = {(s.part, s.role): view[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in segs}
             blocks, scales = (torch.cat([t[e, 0::2], t[e, 1::2]]) for t in gate_up)
-            assert torch.equal(stored[0, "codes"], blocks.flatten(1)) and torch.equal(stored[0, "scales"], scales)
-            assert torch.equal(stored[1, "codes"], state[p + "down_proj_blocks"][e].flatten(1))
-            assert torch.equal(stored[1, "scales"], state[p + "down_proj_scales"][e])
+            for part, (b, sc) in enumerate([(blocks, scales), (state[p + "down_proj_blocks"][e],
+                                                               state[p + "down_proj_scales"][e])]):
+                got_b, got_sc = unpack_mxfp4(stored[part, "codes"], stored[part, "scales"], b.shape[0])
+                assert torch.equal(got_b, b) and torch.equal(got_sc, sc)
     disk.close()
     ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

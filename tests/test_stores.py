@@ -144,8 +144,9 @@ def test_without_o_direct_reads_are_buffered_and_reported(tiny, tmp_path, monkey
     w13, w2 = torch.empty(ram.shape.w13), torch.empty(ram.shape.w2)
     disk.read_into(1, 3, w13, w2)
     assert torch.equal(w13, ram.w13[1, 3]) and torch.equal(w2, ram.w2[1, 3])
-    assert dropped == [(disk.fd, 0, 0, os.POSIX_FADV_RANDOM),  # no readahead of neighbouring blobs
-                       (disk.fd, (args.num_experts + 3) * disk.blob, disk.blob, os.POSIX_FADV_DONTNEED)]
+    assert [d for d in dropped if d[0] == disk.fd] == [  # the checkpoint's reads drop their pages too
+        (disk.fd, 0, 0, os.POSIX_FADV_RANDOM),  # no readahead of neighbouring blobs
+        (disk.fd, (args.num_experts + 3) * disk.blob, disk.blob, os.POSIX_FADV_DONTNEED)]
 
 
 def test_read_mode_in_the_run_stats(tiny, tmp_path, capsys):
@@ -158,7 +159,7 @@ def test_read_mode_in_the_run_stats(tiny, tmp_path, capsys):
         expected = "buffered-dontneed"
     disk = Engine(path, EngineConfig(store="disk", store_dir=store, read_mode="auto"))
     disk.forward(torch.arange(4), 0)
-    assert disk.stats.to_dict()["read_mode"] == expected and disk.stats.line().endswith(f"reads: {expected}")
+    assert disk.stats.to_dict()["read_mode"] == expected and f"reads: {expected}, kernels: " in disk.stats.line()
     buffered = Engine(path, EngineConfig(store="disk", store_dir=store, read_mode="buffered"))
     assert buffered.stats.read_mode == "buffered-dontneed"
     assert Engine(path).stats.read_mode == "ram"
@@ -167,7 +168,7 @@ def test_read_mode_in_the_run_stats(tiny, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("dtype,group,scheme", [("float16", 0, ""), ("bfloat16", 0, ""), ("int8", 16, "asym"),
-                                                ("int4", 16, "asym"), ("int4", 32, "sym"), ("int8", 12, "sym"),
+                                                ("int4", 16, "asym"), ("int4", 32, "sym"), ("int8", 24, "sym"),
                                                 ("mxfp4", 0, "")])
 def test_quantized_store_round_trip(tiny, tmp_path, dtype, group, scheme):
     """Each format's disk store serves every expert within the format's error bound of the original
@@ -210,8 +211,8 @@ def test_int4_error_is_within_a_half_step_and_not_zero():
 
 
 @pytest.mark.parametrize("dtype,group,scheme", [("fp16", 0, ""), ("bf16", 0, ""), ("fp32", 0, ""),
-                                                ("int8", 4, "asym"), ("int8", 6, "sym"), ("int4", 4, "asym"),
-                                                ("int4", 8, "sym"), ("mxfp4", 0, "")])
+                                                ("int8", 8, "asym"), ("int8", 24, "sym"), ("int4", 8, "asym"),
+                                                ("int4", 16, "sym"), ("mxfp4", 0, "")])
 def test_compiled_decoder_equals_the_torch_reference(dtype, group, scheme):
     """kernel.decode_blob writes bit for bit what quant.decode_into writes, for every format: parts
     with biases and odd input counts (padded groups), fp16 specials (signed zeros, subnormals, inf,

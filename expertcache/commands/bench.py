@@ -39,7 +39,7 @@ def run(a) -> int:
     policies = tuple(dict.fromkeys(["fetch-all", *a.policies]))
     cfg = BenchConfig(store=a.store, device=a.device, store_dir=a.store_dir, cache_fraction=a.cache, policies=policies,
                       store_format=format_from_args(a, a.store_dtype), read_mode=a.read_mode, io=a.io,
-                      slot_dtype=a.slot_dtype,
+                      slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype,
                       decode_tokens=a.decode_tokens, forced_tokens=a.forced_tokens, repeats=a.repeats)
     res = run_bench(a.model, cfg, progress=lambda s: print(s, file=sys.stderr))
     print(markdown(res))

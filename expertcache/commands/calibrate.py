@@ -4,10 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..engine.engine import BUILTIN_MODEL
-from ..lab.calibrate import CALIB_TEXT, calibrate, encode_text, save_calibration
+from ..lab.calibrate import CALIB_TEXT, calibrate, check_calibration_budget, encode_text, save_calibration
 from ..lab.texts import read_text
 from ..progress import progress_bar
-from .options import add_model_argument, positive_int
+from .options import add_model_argument, byte_size, positive_int
 
 HELP = "compute routing counts (warm cache) and per-expert default vectors on calibration text"
 
@@ -17,12 +17,18 @@ def add_arguments(p):
     add_model_argument(p)
     p.add_argument("--text", type=Path, default=CALIB_TEXT, help="calibration text, disjoint from evaluation text")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="use only the first N tokens")
+    p.add_argument("--memory-budget", type=byte_size, default=None,
+                   help="refuse (naming the minimum) a calibration that would hold more than this beyond the "
+                        "process's baseline, e.g. 600M; it holds the dense weights, the text's hidden states and one "
+                        "expert at a time")
 
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     path = a.model or BUILTIN_MODEL
     ids = encode_text(path, read_text(a.text), a.max_tokens)
+    if a.memory_budget is not None:
+        check_calibration_budget(path, len(ids), a.memory_budget)
     with progress_bar(total=len(ids), unit="tok", desc="calibrate") as bar:
         c = calibrate(path, ids, progress=bar.update)
     save_calibration(c, path, a.text.name)

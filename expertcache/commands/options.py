@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..engine.cache import SLOT_DTYPES, CacheConfig
 from ..engine.engine import Engine, EngineConfig
+from ..engine.linear import DENSE_DTYPES
 from ..engine.quant import DTYPES, SCHEMES, ExpertFormat
 from ..engine.transfer import IO_BACKENDS
 from ..jsonout import dump_json
@@ -108,20 +109,25 @@ def add_store_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None
                         "(io_uring for O_DIRECT reads where Linux allows it)")
     p.add_argument("--slot-dtype", default="auto", choices=SLOT_DTYPES,
                    help="the experts' format in the fast tier: auto (on the CPU the store's fp16/bf16, else fp32; "
-                        "fp16 on CUDA), fp32, fp16, bf16, or int8/int4 (the store's quantized blobs as they are, "
-                        "computed by a compiled kernel; needs --store disk --store-dtype of the same dtype)")
+                        "fp16 on CUDA), fp32, fp16, bf16, or int8/int4/mxfp4 (the store's quantized blobs as they "
+                        "are, computed by a compiled kernel with int8 activations; needs --store-dtype of the same "
+                        "dtype)")
+    p.add_argument("--dense-dtype", default="auto", choices=DENSE_DTYPES,
+                   help="the dense weights' format (attention, shared and dense MLPs, output): auto (the "
+                        "checkpoint's fp16/bf16 on the CPU, fp16 on CUDA: exact), fp32, fp16, bf16, or int8/int4 "
+                        "(group 32, asymmetric, computed by the CPU kernel; for models whose dense part does not fit)")
     add_format_arguments(p, "--store-dtype", "the experts' format in the slow tier (default: the checkpoint's "
                                              "dtype, fp16 for the built-in model, the exact reference)")
 
 
 def group_size(text: str) -> int:
-    """A quantization group: an even whole number >= 2 (two 4-bit codes share a byte) (argparse type)."""
+    """A quantization group: a multiple of 8 (the kernel reads 8 codes at a time) (argparse type)."""
     try:
         n = int(text)
     except ValueError:
         n = 0
-    if n < 2 or n % 2:
-        raise argparse.ArgumentTypeError(f"group size {text!r} must be an even whole number >= 2; e.g. --group-size 64")
+    if n < 8 or n % 8:
+        raise argparse.ArgumentTypeError(f"group size {text!r} must be a multiple of 8; e.g. --group-size 32 or 64")
     return n
 
 
@@ -174,7 +180,8 @@ def engine_from_args(a: argparse.Namespace) -> Engine:
     return Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=cache, policy=policy, prefetch=prefetch,
                                         eviction=a.eviction, initial=a.initial, store_dir=a.store_dir,
                                         max_seq=a.max_seq, memory_budget=a.memory_budget, read_mode=a.read_mode,
-                                        store_format=format_from_args(a, a.store_dtype), slot_dtype=a.slot_dtype))
+                                        store_format=format_from_args(a, a.store_dtype), slot_dtype=a.slot_dtype,
+                                        dense_dtype=a.dense_dtype))
 
 
 def write_json(path: Path | None, data: dict) -> None:

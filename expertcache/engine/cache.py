@@ -2,7 +2,7 @@
 that maps (layer, expert) to slots (`cache_state.CacheState`), and the transfers that fill
 them. Slots of one weight kind are one stacked tensor (w13 [S, 2F, H], w2 [S, H, F], and the
 biases b13 [S, 2F], b2 [S, H] of families that have them), so the
-expert kernel indexes them like any expert stack; in fp32, fp16 or bf16. Quantized slots (int8, int4)
+expert kernel indexes them like any expert stack; in fp32, fp16 or bf16. Quantized slots (int8, int4, MXFP4)
 hold each expert's encoded blob as the disk store keeps it instead (`blobs` uint8 [S, bytes])."""
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)  # the kernel's argument types
-SLOT_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4")
+SLOT_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4", "mxfp4")
 
 
 def slot_format(name: str, device: torch.device, stored: ExpertFormat, store: str = "disk") -> ExpertFormat:
     """The fast tier's format of one expert from --slot-dtype `name` and the slow tier's format
     `stored`. auto: on the CPU the store's dtype when it is fp16 or bf16 (the compiled kernel widens
-    them exactly), else fp32; on CUDA fp16. int8/int4 keep the store's encoded blobs as they are
+    them exactly), else fp32; on CUDA fp16. int8/int4/mxfp4 keep the store's encoded blobs as they are
     (its group size and scheme), so the store must hold that dtype (on the disk, or emulated in
     RAM), for the CPU kernel."""
     if name not in SLOT_DTYPES:

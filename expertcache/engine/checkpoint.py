@@ -8,15 +8,16 @@ config's dtype (bf16 for the releases)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..errors import CheckpointError
+from .tensor_file import TensorFile, TensorInfo
 
 DEFAULT_VECTORS = "default_vectors.safetensors"
 ESTIMATOR_FILE = "estimator.safetensors"  # the next-layer estimator (engine/predictors.py)
@@ -34,31 +35,42 @@ class Checkpoint:
     config: dict
     files: dict[str, Path]  # tensor name -> safetensors file
     fp8_block: tuple[int, int] | None = None  # an fp8 checkpoint's weight_block_size ((0, 0): a scale per tensor)
+    headers: dict[Path, dict[str, TensorInfo]] = field(default_factory=dict)  # each file's tensors, parsed once
 
     def names(self) -> list[str]:
         """Every tensor name in the checkpoint."""
         return list(self.files)
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """Load one tensor by its checkpoint name (an fp8 weight dequantised)."""
-        try:
-            with safe_open(str(self.files[name]), "pt") as f:
-                t = f.get_tensor(name)
-        except KeyError:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is missing; re-export the checkpoint") from None
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{self.files[name]}: cannot read tensor {name!r} ({e}); "
-                                  "re-download or re-export the checkpoint") from None
-        return self._dequantized(name, t)
+    def info(self, name: str) -> TensorInfo:
+        """Tensor `name`'s dtype, shape and place, from its file's header (no data read)."""
+        if name not in self.files:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing; re-export the checkpoint")
+        file = self.files[name]
+        if file not in self.headers:
+            with TensorFile(file) as f:
+                self.headers[file] = f.tensors
+        if name not in self.headers[file]:
+            raise CheckpointError(f"{file} has no tensor {name!r}, where the index puts it; re-download the "
+                                  "checkpoint and its model.safetensors.index.json")
+        return self.headers[file][name]
 
-    def _dequantized(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def tensor(self, name: str, index: int | None = None) -> torch.Tensor:
+        """Load one tensor by its checkpoint name (an fp8 weight dequantised); with `index`, only its [index] along
+        the first dimension (one expert of a fused stack)."""
+        self.info(name)
+        with TensorFile(self.files[name]) as f:
+            t = f.get(name, index)
+        return self._dequantized(name, t, index)
+
+    def _dequantized(self, name: str, t: torch.Tensor, index: int | None = None) -> torch.Tensor:
         """A float8 weight times its weight_scale_inv blocks, in the config's dtype; other tensors as they are."""
         if t.dtype not in FP8_DTYPES:
             return t
         if self.fp8_block is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} is float8 but config.json has no fp8 "
                                   "quantization_config; restore the config from the model's release")
-        scale = self.tensor(name + "_scale_inv").float()
+        scale = self.tensor(name + "_scale_inv", index if index is not None and
+                            len(self.info(name + "_scale_inv").shape) == len(self.info(name).shape) else None).float()
         rows, cols = t.shape[-2:] if t.dim() >= 2 else (1, t.shape[-1] if t.dim() else 1)
         bn, bk = self.fp8_block
         if scale.numel() == 1:  # one scale for the tensor
@@ -82,15 +94,13 @@ class Checkpoint:
             by_file.setdefault(self.files[n], []).append(n)
         out = {}
         for file, ns in by_file.items():
-            try:
-                with safe_open(str(file), "pt") as f:
-                    held = set(f.keys())
-                    if missing := [n for n in ns if n not in held]:
-                        raise CheckpointError(f"{file} has no tensor {missing[0]!r}, where the index puts it; "
-                                              "re-download the checkpoint and its model.safetensors.index.json")
-                    out.update({n: f.get_tensor(n) for n in ns})
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{file}: corrupt safetensors file ({e}); re-download or re-export it") from None
+            for n in ns:
+                self.info(n)
+            with TensorFile(file) as f:
+                try:
+                    out.update({n: f.get(n) for n in ns})
+                except OSError as e:
+                    raise CheckpointError(f"{file}: cannot be read ({e}); re-download or re-export it") from None
         return {n: self._dequantized(n, t) for n, t in out.items()}
 
     def side_json(self, name: str) -> dict:
@@ -174,12 +184,12 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         shards = sorted(f for f in path.glob("*.safetensors") if f.name not in (DEFAULT_VECTORS, ESTIMATOR_FILE))
         if not shards:
             raise CheckpointError(f"{path}: no *.safetensors weights; convert the checkpoint to safetensors")
+        headers = {}
         for shard in shards:
-            try:
-                with safe_open(str(shard), "pt") as f:
-                    files.update({k: shard for k in f.keys()})
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{shard}: corrupt safetensors file ({e}); re-download or re-export it") from None
+            with TensorFile(shard) as f:
+                headers[shard] = f.tensors
+            files.update({k: shard for k in headers[shard]})
+        return Checkpoint(path, config, files, fp8_block, headers)
     return Checkpoint(path, config, files, fp8_block)
 
 

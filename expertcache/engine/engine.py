@@ -23,13 +23,16 @@ from ..models.args import ModelArgs
 from ..policies import MissPolicy, make_policy
 from .cache import CacheConfig, ExpertCache, slot_bytes, slot_format
 from .checkpoint import ROUTING_COUNTS, load_routing_counts, open_checkpoint
+from . import threads
+from .budget import FORWARD_CHUNK, MemoryPlan, dense_bytes, kv_bytes, workspace_bytes
+from .linear import dense_format, float_dtype
 from .moe import MoELayerRunner, PrefetchConfig
 from .predictors import make_predictor
 from .quant import FLOAT_DTYPES, SMALL_FORMAT, ExpertFormat
 from .stats import RunStats
-from .stores import ExpertStore, open_store
+from .stores import ExpertShape, ExpertStore, open_store, staging_bytes
 from .transformer import Transformer
-from .weights import dense_weights
+from .weights import dense_names, dense_weights, expert_dtype
 
 BUILTIN_MODEL = Path(__file__).parents[1] / "data" / "model"
 
@@ -53,6 +56,7 @@ class EngineConfig:
     prefetch: PrefetchConfig | None = None  # predict the next layer's experts and prefetch them
     memory_budget: int | None = None  # bytes of the whole fast tier; sizes the expert cache (overrides cache size)
     slot_dtype: str = "auto"  # the fast tier's expert format: auto, fp32, fp16, bf16, int8, int4 (cache.slot_format)
+    dense_dtype: str = "auto"  # the dense weights' format: auto (the checkpoint's 16 bits), fp32, fp16, bf16, int8, int4
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -103,18 +107,26 @@ class Engine:
         # a ram store on the CPU holds the experts in the slots' float dtype (plain copies), or for auto as stored
         explicit = config.slot_dtype in ("fp32", "fp16", "bf16")
         held = ExpertFormat.parse(config.slot_dtype) if explicit else None
-        self.store = open_store(config.store, ckpt, self.args, config.store_dir,
-                                dtype if self.device.type != "cpu" else held and FLOAT_DTYPES[held.dtype],
-                                config.store_format, config.read_mode, config.verify)
-        self.slot_format = slot_format(config.slot_dtype, self.device, self.store.stored_format, config.store)
-        vocab_16bit = self.device.type == "cpu"  # the compiled decode path reads them as they are stored
-        self.model = Transformer(self.args, dense_weights(ckpt, self.args, dtype, vocab_16bit), None, self.device,
-                                 config.max_seq)
-        self.small_store: ExpertStore | None = None
-        self._open_small(self.policy)  # before the budget, which counts its read buffers
+        store_dtype = dtype if self.device.type != "cpu" else held and FLOAT_DTYPES[held.dtype]
+        self.dense_format = dense_format(config.dense_dtype, self.device)
+        embed = ckpt.info(dense_names(ckpt, self.args)["embed"]).dtype
+        held_dense = float_dtype(config.dense_dtype, self.device, embed)
+        # the fast tier's fixed parts, and a budget too small refused, before any weight is read
+        stored = config.store_format or ExpertFormat.of_dtype(store_dtype or expert_dtype(ckpt, self.args))
+        self.slot_format = slot_format(config.slot_dtype, self.device, stored, config.store)
+        self.plan = self._memory_plan(stored, dtype, held_dense)
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
         if config.memory_budget is not None:
-            cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget, cache_cfg, dtype))
+            cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget))
+        self.store = open_store(config.store, ckpt, self.args, config.store_dir, store_dtype, config.store_format,
+                                config.read_mode, config.verify)
+        self.slot_format = slot_format(config.slot_dtype, self.device, self.store.stored_format, config.store)
+        weights = dense_weights(ckpt, self.args, dtype, None if self.device.type == "cpu" else dtype)
+        self.model = Transformer(self.args, weights, None, self.device, config.max_seq, dtype, self.dense_format,
+                                 held_dense)
+        del weights
+        self.small_store: ExpertStore | None = None
+        self._open_small(self.policy)
         self.cache = ExpertCache(cache_cfg, self.store, self.args.top_k, self.device, self.slot_format)
         self._attach_small(self.policy)
         self.stats = RunStats()
@@ -132,29 +144,31 @@ class Engine:
                                       "model's tokenizer.json") from None
         self.reset()
 
-    def _expert_budget(self, budget: int, cache_cfg: CacheConfig, dtype: torch.dtype) -> int:
-        """Bytes left for expert slots when the fast tier holds `budget` bytes in all: the dense
-        weights, the KV cache at max_seq (it grows to that at most), the transfer buffers and the
-        workspace first."""
-        fixed = {"dense weights": self.model.dense_bytes, "KV cache": self.model.kv_bytes(self.config.max_seq),
-                 "transfer buffers": self.buffer_bytes(),
-                 "workspace": self.workspace_bytes(dtype)}
-        left = budget - sum(fixed.values())
-        one = slot_bytes(self.store.shape, self.slot_format) * self.store.shape.num_layers * self.args.top_k
+    def _memory_plan(self, stored: ExpertFormat, dtype: torch.dtype, held_dense: torch.dtype | None) -> MemoryPlan:
+        """The fast tier's fixed parts (engine/budget.py) for experts stored as `stored`: the dense weights as
+        held, the KV cache at max_seq, the stores' staging buffers (the small copies' too where the policy
+        fetches them) and the workspace."""
+        a, c = self.args, self.config
+        shape = ExpertShape.of(a)
+        dense, largest = dense_bytes(self.checkpoint, a, dtype, held_dense if self.device.type == "cpu" else dtype,
+                                     self.dense_format)
+        formats = [stored] + ([c.small_format] if self.policy.fetches_small else [])
+        buffers = sum(staging_bytes(c.store, shape, f, c.cache.io_workers) for f in formats)
+        return MemoryPlan(dense, kv_bytes(a, c.max_seq, dtype), buffers, workspace_bytes(a, c.max_seq, largest))
+
+    def _expert_budget(self, budget: int) -> int:
+        """Bytes left for expert slots when the fast tier holds `budget` bytes in all: the plan's parts first;
+        CacheTooSmall naming the minimum when that leaves fewer than a top-k set of slots per layer."""
+        left = budget - self.plan.total
+        shape = ExpertShape.of(self.args)
+        one = slot_bytes(shape, self.slot_format) * shape.num_layers * self.args.top_k
         if left < one:
-            parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in fixed.items())
+            parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.plan.parts().items())
             raise CacheTooSmall(f"--memory-budget {budget / 2**20:.1f} MiB leaves {max(left, 0) / 2**20:.1f} MiB for "
                                 f"experts after {parts}; top-{self.args.top_k} experts per layer need "
                                 f"{one / 2**20:.1f} MiB: raise it to at least "
                                 f"{math.ceil((budget - left + one) / 2**20 * 10) / 10:.1f}M or lower --max-seq")
         return left
-
-    def workspace_bytes(self, dtype: torch.dtype) -> int:
-        """Memory a run needs beyond weights, caches and buffers: the activations of a forward of
-        max_seq tokens (its logits [T, V] dominate) and, once at load, the dense weights in the
-        checkpoint's dtype before their conversion."""
-        a = self.args
-        return self.config.max_seq * (a.vocab_size + 8 * a.hidden_size) * 4 + self.model.dense_bytes // 2
 
     # -- residency -----------------------------------------------------------------------
     def reset(self) -> None:
@@ -172,7 +186,8 @@ class Engine:
         self.policy.reset()
         self.runner.predicted, self.runner.sequence = None, None
         ring = getattr(self.cache.transfers, "ring", None) is not None
-        self.stats.__init__(read_mode=self.store.read_mode + ("+io_uring" if ring else ""))
+        self.stats.__init__(read_mode=self.store.read_mode + ("+io_uring" if ring else ""),
+                            kernels=threads.describe() if self.device.type == "cpu" else "")
         self.warm = counts is not None
 
     def set_policy(self, policy: MissPolicy | str, eviction: str | None = None) -> None:
@@ -233,10 +248,24 @@ class Engine:
         infinite logit."""
         T = ids.shape[0]
         self.runner.start_forward(id(self.model.k_cache), pos, T)  # a swapped-in sequence has other keys
-        logits = self._timed(lambda: self.model.forward(ids.to(self.device), pos, last), T)
+        logits = self._timed(lambda: self._passes(ids.to(self.device), pos, last), T)
         self.runner.end_forward(id(self.model.k_cache), pos + T)  # the keys as they may have grown
         self._check_finite(logits, lambda t: f"at position {pos + (T - 1 if last else t)}")
         return logits
+
+    def _passes(self, ids: torch.Tensor, pos: int, last: bool) -> torch.Tensor:
+        """The model over ids [T] in passes of at most FORWARD_CHUNK tokens (the workspace the budget counts; the
+        decisions are the same, tokens being decided in order either way), their logits joined."""
+        T = ids.shape[0]
+        if T <= FORWARD_CHUNK:
+            return self.model.forward(ids, pos, last)
+        out = []
+        for t0 in range(0, T, FORWARD_CHUNK):
+            t1 = min(T, t0 + FORWARD_CHUNK)
+            logits = self.model.forward(ids[t0:t1], pos + t0, last)
+            if not last or t1 == T:
+                out.append(logits)
+        return torch.cat(out) if len(out) > 1 else out[0]
 
     def forward_batch(self, ids: torch.Tensor, positions: list[int],
                       kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -255,7 +284,11 @@ class Engine:
         start = time.perf_counter()
         self.runner.token_base = self.stats.tokens
         try:
-            logits = run().float()
+            if self.device.type == "cpu":
+                with threads.kernels_own_the_cores():
+                    logits = run().float()
+            else:
+                logits = run().float()
         finally:  # the decision kernel's counters of every layer decided, also when a fetch failed
             self.stats.absorb(self.cache.state, self.cache.fetch_bytes, self.cache.lowbit_bytes)
         if self.device.type == "cuda":
@@ -295,9 +328,8 @@ class Engine:
         return {"memory_budget": self.config.memory_budget, "dense_bytes": self.model.dense_bytes,
                 "cache_bytes": self.cache.bytes, "kv_bytes": kv,
                 "kv_bytes_max": self.model.kv_bytes(self.model.max_seq),
-                "buffer_bytes": self.buffer_bytes(),
-                "workspace_bytes": self.workspace_bytes(self.cache.w13.dtype if self.cache.w13 is not None
-                                                        else torch.float32),
+                "buffer_bytes": self.buffer_bytes(), "workspace_bytes": self.plan.workspace,
+                "planned_dense_bytes": self.plan.dense,
                 "slots_per_layer": self.cache.per_layer, "slot_dtype": self.slot_format.tag,
                 "expert_bytes_slow": self.store.expert_bytes,
                 "expert_bytes_fast": self.cache.expert_bytes}

@@ -1,7 +1,8 @@
 """Expert compute over stacked weights (w13 [S, 2F, H], w2 [S, H, F], indexed by slot or
 expert id; optional biases b13 [S, 2F], b2 [S, H]): one token's k experts as matrix-vector
-products, or a batch grouped by expert. Offload-agnostic: the cache has already rewritten
-expert ids into slot ids."""
+products, or a batch grouped by expert, in PyTorch (CUDA, training), and the compiled CPU calls
+over a cache's slots in any format (`CompiledExperts`). Offload-agnostic: the cache has already
+rewritten expert ids into slot ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +11,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..kernel.expert_compute import experts_token, experts_window, window_scratch
+from ..kernel.decode_blob import COLS, ENCODING, GROUP, PLAN_COLUMNS, RAW_BF16, RAW_F16, RAW_F32, ROWS, VALUES
+from ..kernel.expert_compute import activation_group, experts_token, experts_window, token_work, window_work
+from . import threads
 
 
 @dataclass(frozen=True)
@@ -34,10 +37,10 @@ class ExpertKind:
 
 
 SWIGLU = ExpertKind()
-NO_BIAS = np.zeros((0, 0), np.float32)
-# how the compiled kernel sees slots of each dtype: numpy has no fp16 arithmetic in numba and no bf16
-# at all, so 16-bit slots go in as their bits (kernel/compiled.widen converts them exactly)
+# how the compiled kernels see float tensors of each dtype: numpy has no fp16 arithmetic in numba and no bf16
+# at all, so 16-bit weights go in as their bits (widened exactly, kernel/compiled.widen and kernel/simd.py)
 KERNEL_VIEWS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloat16: torch.int16}
+RAW_ENCODINGS = {torch.float32: RAW_F32, torch.float16: RAW_F16, torch.bfloat16: RAW_BF16}
 
 
 def kernel_view(t: torch.Tensor) -> np.ndarray:
@@ -88,56 +91,96 @@ def experts_one_token(x, slots, weights, w13, w2, b13=None, b2=None, kind: Exper
     return out.unsqueeze(0)
 
 
-def compiled_applies(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    """Whether decode's compiled kernel can run: one fp32 token on the CPU, no autograd."""
-    return (x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == w13.dtype == torch.float32
-            and not (x.requires_grad or w13.requires_grad))
+def plan_row(encoding: int, rows: int, cols: int) -> np.ndarray:
+    """A float matrix's plan row: its encoding, values at offset 0, rows and columns."""
+    row = np.full(PLAN_COLUMNS, -1, np.int64)
+    row[ENCODING], row[VALUES], row[ROWS], row[COLS], row[GROUP] = encoding, 0, rows, cols, 0
+    return row
 
 
-def experts_one_token_compiled(x, slots, weights, w13, w2, b13=None, b2=None, kind: ExpertKind = SWIGLU):
-    """experts_one_token as one compiled call (kernel.expert_compute); x [1, H] fp32 on the CPU."""
-    return CompiledSlots(w13, w2, b13, b2, kind)(x.contiguous(), slots[0].numpy(), weights[0].to(torch.float32).numpy())
+def stacked_bytes(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor stacked by slot ([S, ...]) as uint8 [S, bytes] sharing its memory: each slot's part as
+    kernel.matvec reads it."""
+    return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
 
 
-def grown_scratch(scratch: tuple[np.ndarray, ...] | None, assignments: int, S: int, H: int, F: int
-                  ) -> tuple[np.ndarray, ...]:
-    """A window kernel's scratch (kernel.expert_compute.window_scratch), new when `scratch` has no room for
-    `assignments` (token, expert) pairs: the kernel checks no bounds."""
-    return scratch if scratch is not None and assignments <= len(scratch[1]) else window_scratch(assignments, S, H, F)
+NO_PART = np.zeros((0, 0), np.uint8)  # the bias buffers of a family without expert biases
 
 
-class CompiledSlots:
-    """The compiled expert calls (kernel.expert_compute), a decode token's and a window's, over one
-    cache's CPU slot tensors (fp32, fp16 or bf16), their numpy views taken once: what is left per call
-    is the kernel itself."""
+class CompiledExperts:
+    """The compiled expert calls (kernel.expert_compute), a decode token's and a window's, over one cache's CPU
+    slots in any format: float slot tensors (fp32, fp16, bf16) or quantized blobs (int8, int4, MXFP4) with
+    their plan. Each call splits its products over the threads when they stream enough weights
+    (engine/threads.py); the scratch grows to the largest call run so far."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None,
-                 kind: ExpertKind):
-        biases = (NO_BIAS, NO_BIAS) if b13 is None else (kernel_view(b13), kernel_view(b2))
-        self.weights = (kernel_view(w13), kernel_view(w2), *biases, np.float32(kind.limit or 0.0),
-                        np.float32(kind.alpha), np.empty(w2.shape[2], np.float32))
-        self.scratch: tuple[np.ndarray, ...] | None = None  # windows', grown to the most assignments run so far
+    def __init__(self, buf13: np.ndarray, row13: np.ndarray, buf2: np.ndarray, row2: np.ndarray,
+                 biases: tuple | None, kind: ExpertKind, expert_bytes: int):
+        self.buf13, self.row13, self.buf2, self.row2 = buf13, row13, buf2, row2
+        self.biases = biases or (NO_PART, row13, NO_PART, row13)
+        self.limit, self.alpha = np.float32(kind.limit or 0.0), np.float32(kind.alpha)
+        self.H, self.F = int(row2[ROWS]), int(row2[COLS])
+        self.groups = activation_group(row13), activation_group(row2)
+        self.expert_bytes = expert_bytes
+        self.token_work: dict[tuple[int, int], tuple] = {}  # by (k, parts)
+        self.window_work: tuple | None = None
+        self.window_shape = (0, 0, 0)  # (tokens, k, parts) the window scratch holds
+
+    @classmethod
+    def of_floats(cls, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None,
+                  kind: ExpertKind) -> "CompiledExperts":
+        """Over float slots w13 [S, 2F, H], w2 [S, H, F] (biases b13 [S, 2F], b2 [S, H]) on the CPU."""
+        biases = None if b13 is None else (stacked_bytes(b13), plan_row(RAW_ENCODINGS[b13.dtype], 1, b13.shape[1]),
+                                           stacked_bytes(b2), plan_row(RAW_ENCODINGS[b2.dtype], 1, b2.shape[1]))
+        return cls(stacked_bytes(w13), plan_row(RAW_ENCODINGS[w13.dtype], *w13.shape[1:]), stacked_bytes(w2),
+                   plan_row(RAW_ENCODINGS[w2.dtype], *w2.shape[1:]), biases, kind,
+                   (w13[0].numel() + w2[0].numel()) * w13.element_size())
+
+    @classmethod
+    def of_blobs(cls, blobs: torch.Tensor, plan: np.ndarray, kind: ExpertKind) -> "CompiledExperts":
+        """Over quantized slots: blobs uint8 [S, bytes] in the format of `plan` (quant.decode_plan)."""
+        b = blobs.numpy()
+        biases = (b, plan[2], b, plan[3]) if plan.shape[0] > 2 else None
+        return cls(b, plan[0], b, plan[1], biases, kind, blobs.shape[1])
 
     @staticmethod
     def applies(w13: torch.Tensor | None) -> bool:
-        """Whether slots of this kind can run compiled: fp32, fp16 or bf16 on the CPU, outside autograd."""
-        return w13 is not None and w13.device.type == "cpu" and w13.dtype in KERNEL_VIEWS and not w13.requires_grad
+        """Whether float slots of this kind can run compiled: fp32, fp16 or bf16 on the CPU, outside autograd."""
+        return w13 is not None and w13.device.type == "cpu" and w13.dtype in RAW_ENCODINGS and not w13.requires_grad
+
+    def _matrices(self) -> tuple:
+        return (self.buf13, self.row13, self.buf2, self.row2, *self.biases, self.limit, self.alpha)
 
     def __call__(self, x: torch.Tensor, slots: np.ndarray, gates: np.ndarray) -> torch.Tensor:
-        """x [1, H] fp32, slots [k] int64, gates [k] float32 -> [1, H]."""
+        """Decode: x [1, H] fp32, slots [k] int64, gates [k] float32 -> [1, H]."""
+        k = slots.shape[0]
+        parts = threads.parts(k * self.expert_bytes)
+        work = self.token_work.get((k, parts))
+        if work is None:
+            work = self.token_work[k, parts] = token_work(k, self.H, self.F, *self.groups, parts)
         out = torch.empty_like(x)
-        experts_token(x.numpy()[0], slots, gates, *self.weights, out.numpy()[0])
+        experts_token(x.numpy()[0], slots, gates, *self._matrices(), work, out.numpy()[0], parts)
         return out
 
     def window(self, x: torch.Tensor, slots: np.ndarray, gates: np.ndarray) -> torch.Tensor:
-        """A window's experts in one compiled call (kernel.expert_compute.experts_window): x [T, H] fp32,
-        slots [T, k] int64, gates [T, k] float32 -> [T, H]."""
-        w13, w2 = self.weights[:2]
-        self.scratch = grown_scratch(self.scratch, slots.size, w13.shape[0], w13.shape[2], w2.shape[2])
+        """A window's experts in one compiled call: x [T, H] fp32, slots [T, k] int64, gates [T, k] float32
+        (gate 0: padding) -> [T, H]."""
+        T, k = slots.shape
+        parts = threads.parts(min(T * k, self.buf13.shape[0]) * self.expert_bytes)
+        have = self.window_shape
+        if self.window_work is None or T > have[0] or k != have[1] or parts != have[2]:
+            self.window_work = window_work(max(T, have[0]), k, self.buf13.shape[0], self.H, self.F, *self.groups,
+                                           parts)
+            self.window_shape = (max(T, have[0]), k, parts)
         out = torch.empty_like(x)
         experts_window(x.contiguous().numpy(), np.ascontiguousarray(slots), np.ascontiguousarray(gates),
-                       *self.weights[:6], *self.scratch, out.numpy())
+                       *self._matrices(), self.window_work, out.numpy(), parts)
         return out
+
+    @property
+    def work_bytes(self) -> int:
+        """Bytes of the scratch held now."""
+        held = [w for works in self.token_work.values() for w in works] + list(self.window_work or ())
+        return sum(w.nbytes for w in held)
 
 
 def experts_grouped(x, slots, weights, w13, w2, b13=None, b2=None, kind: ExpertKind = SWIGLU):
@@ -169,8 +212,6 @@ def experts_grouped_by(x, slots, weights, expert, kind: ExpertKind = SWIGLU):
 
 def experts_compute(x, slots, weights, w13, w2, b13=None, b2=None, kind: ExpertKind = SWIGLU):
     """x [T, H], slots [T, k] (a host tensor: the decode path reads it without a device sync),
-    weights [T, k] -> the gate-weighted sum of each token's experts [T, H]."""
-    if compiled_applies(x, w13):
-        return experts_one_token_compiled(x, slots, weights, w13, w2, b13, b2, kind)
+    weights [T, k] -> the gate-weighted sum of each token's experts [T, H]: PyTorch's ops (CUDA, autograd)."""
     run = experts_one_token if x.shape[0] == 1 else experts_grouped
     return run(x, slots, weights, w13, w2, b13, b2, kind)

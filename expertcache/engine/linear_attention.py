@@ -89,8 +89,8 @@ class GatedDeltaNet:
         Hk, Hv, Dk, Dv = self.Hk, self.Hv, self.Dk, self.Dv
         r = Hv // Hk
         # HF's fused projections are grouped per key head: [q, k, v (r heads), z (r heads)] and [b (r), a (r)]
-        q, k, v, z = (x @ L["lin_qkvz"].t()).view(T, Hk, 2 * Dk + 2 * r * Dv).split([Dk, Dk, r * Dv, r * Dv], -1)
-        b, a = (x @ L["lin_ba"].t()).view(T, Hk, 2 * r).split([r, r], -1)
+        q, k, v, z = L["lin_qkvz"](x).view(T, Hk, 2 * Dk + 2 * r * Dv).split([Dk, Dk, r * Dv, r * Dv], -1)
+        b, a = L["lin_ba"](x).view(T, Hk, 2 * r).split([r, r], -1)
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1).t()  # [C, T]
         window = torch.cat([self.conv_state, mixed], dim=-1)  # the previous K - 1 inputs, then these
         self.conv_state = window[:, window.shape[1] - self.conv_state.shape[1]:].clone()
@@ -106,4 +106,4 @@ class GatedDeltaNet:
         o = o.transpose(0, 1).to(x.dtype)  # [T, Hv, Dv]
         o = F.rms_norm(o.float(), (Dv,), eps=self.args.rms_norm_eps).to(x.dtype) * L["lin_norm"]
         o = o * F.silu(z.reshape(T, Hv, Dv).float()).to(x.dtype)
-        return o.reshape(T, Hv * Dv) @ L["lin_out"].t()
+        return L["lin_out"](o.reshape(T, Hv * Dv))

@@ -64,21 +64,21 @@ class LatentAttention:
         T, nh = x.shape[0], a.num_heads
         nope, R, vd = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
         if a.q_lora_rank:
-            q_a = F.linear(x, L["wq_a"], L.get("bq_a"))
-            q = F.rms_norm(q_a, (a.q_lora_rank,), L["q_a_norm"], LATENT_NORM_EPS) @ L["wq_b"].t()
+            q_a = L["wq_a"](x)
+            q = L["wq_b"](F.rms_norm(q_a, (a.q_lora_rank,), L["q_a_norm"], LATENT_NORM_EPS))
         else:
-            q = x @ L["wq"].t()
+            q = L["wq"](x)
         q = q.view(T, nh, nope + R).transpose(0, 1)  # [nh, T, nope + R]
-        ckv = F.linear(x, L["wkv_a"], L.get("bkv_a"))
+        ckv = L["wkv_a"](x)
         latent, k_rope = ckv.split([a.kv_lora_rank, R], dim=-1)
         self.latent[i, pos:pos + T] = F.rms_norm(latent, (a.kv_lora_rank,), L["kv_a_norm"], LATENT_NORM_EPS)
         self.k_rope[i, pos:pos + T] = self._rope(k_rope.unsqueeze(0), pos)[0]
         q = torch.cat([q[..., :nope], self._rope(q[..., nope:], pos)], dim=-1)
         S = pos + T
-        kv = (self.latent[i, :S] @ L["wkv_b"].t()).view(S, nh, nope + vd).transpose(0, 1)  # [nh, S, nope + vd]
+        kv = L["wkv_b"](self.latent[i, :S]).view(S, nh, nope + vd).transpose(0, 1)  # [nh, S, nope + vd]
         keys = torch.cat([kv[..., :nope], self.k_rope[i, :S].expand(nh, S, R)], dim=-1)
         values = kv[..., nope:]
         mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=pos)
         o = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
                                            scale=self.scale)
-        return F.linear(o[0].transpose(0, 1).reshape(T, nh * vd), L["wo"], L.get("bo"))
+        return L["wo"](o[0].transpose(0, 1).reshape(T, nh * vd))

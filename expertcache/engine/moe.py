@@ -21,8 +21,8 @@ from ..kernel.routing import Router, Routing
 from ..models.args import ModelArgs
 from ..policies import MissPolicy
 from .cache import ExpertCache
-from .experts import CompiledSlots, ExpertKind, experts_compute
-from .quantized_slots import QuantizedSlots
+from .experts import KERNEL_VIEWS, CompiledExperts, ExpertKind, experts_compute, kernel_view
+from .quant import decode_plan
 from .stats import RunStats
 
 if TYPE_CHECKING:  # predictors route with router_logits below
@@ -40,16 +40,18 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torc
     (`router.route` adds it); a sigmoid router's computed in float32, as HF does."""
     assert x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1], \
         f"x must be [T, H] and the router's weight [E, H], got {tuple(x.shape)} and {tuple(weight.shape)}"
-    return x.float() @ weight.float().t() if router.sigmoid else (x @ weight.t()).float()
+    if router.sigmoid or x.dtype != weight.dtype:  # a 16-bit weight under fp32 activations: widened exactly
+        return x.float() @ weight.float().t()
+    return (x @ weight.t()).float()
 
 
 def decode_router_logits(x: torch.Tensor, weight: torch.Tensor) -> np.ndarray | None:
-    """One decode token's router logits [1, E] as one compiled product, no torch op, where x [1, H]
-    and the router's weight [E, H] are fp32 on the CPU; None otherwise."""
-    if x.shape[0] != 1 or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32:
+    """One decode token's router logits [1, E] as one compiled product, no torch op, where x [1, H] is
+    fp32 on the CPU and the router's weight [E, H] fp32, fp16 or bf16 there; None otherwise."""
+    if x.shape[0] != 1 or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype not in KERNEL_VIEWS:
         return None
     logits = np.empty((1, weight.shape[0]), np.float32)
-    gemv(weight.numpy(), x.numpy()[0], EMPTY, logits[0])
+    gemv(kernel_view(weight), x.numpy()[0], EMPTY, logits[0])
     return logits
 
 
@@ -123,10 +125,12 @@ class MoELayerRunner:
         self.previous: list[tuple[np.ndarray, np.ndarray] | None] = [None] * args.num_moe_layers
         self.follows = False
         self.sequence: tuple[int, int] | None = None  # (sequence, next position) the routes in `previous` lead to
-        self.compiled = CompiledSlots(cache.w13, cache.w2, cache.b13, cache.b2, self.kind) \
-            if CompiledSlots.applies(cache.w13) else None  # decode's expert call on the CPU
-        if cache.blobs is not None:  # quantized slots: their own compiled call, and windows' per-expert dequantising
-            self.compiled = QuantizedSlots(cache.blobs, cache.shape, cache.format, self.kind)
+        self.compiled = None  # the compiled expert calls over CPU slots, float or quantized
+        if CompiledExperts.applies(cache.w13):
+            self.compiled = CompiledExperts.of_floats(cache.w13, cache.w2, cache.b13, cache.b2, self.kind)
+        elif cache.blobs is not None:
+            plan = decode_plan(cache.shape.parts, cache.format)
+            self.compiled = CompiledExperts.of_blobs(cache.blobs, plan, self.kind)
 
     def observe_residual(self, layer: int, h: torch.Tensor) -> None:
         """The transformer's hook after each layer's attention."""

@@ -27,6 +27,7 @@ from torch import nn
 from ..errors import CheckpointError, UnknownName
 from ..kernel import dense_decode
 from .checkpoint import ESTIMATOR_FILE
+from .experts import KERNEL_VIEWS, kernel_view
 from .moe import decode_router_logits, router_logits
 from .transformer import Transformer
 
@@ -116,13 +117,13 @@ class QuasiHidden(Predictor):
         if self._decode is None:
             a, layers = self.model.args, self.model.moe_layers
             self._decode = [(self.default_vectors[l].numpy(), layers[l + 1]["moe_norm"].numpy(),
-                             layers[l + 1]["router"].numpy()) for l in range(len(layers) - 1)]
+                             kernel_view(layers[l + 1]["router"])) for l in range(len(layers) - 1)]
             self._eps, self._q = np.float32(a.rms_norm_eps), np.empty(a.hidden_size, np.float32)
         return self._decode
 
     def _compiled(self, resid: torch.Tensor) -> bool:
         return resid.shape[0] == 1 and resid.device.type == "cpu" and resid.dtype == torch.float32 \
-            and self.model.moe_layers[0]["router"].dtype == torch.float32
+            and self.model.moe_layers[0]["router"].dtype in KERNEL_VIEWS
 
 
 class Transition(nn.Module):

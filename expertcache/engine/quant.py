@@ -21,6 +21,14 @@ is padded with zeros to one (the padding is stored and dropped when dequantising
 A blob's layout (`layout`): for each part in the order `ExpertShape.parts`, its segments
 (codes, scales, minimums; or the raw values), each starting at a 16-byte boundary. Float
 formats keep the plain concatenation of the parts, byte for byte the original layout.
+
+Quantized matrices are stored in the layout the CPU kernel reads (kernel/simd.py), so that a read
+lands in its slot as it is: rows in blocks of 16 (the last padded with zero rows), and within a
+block each group of G columns as G/4 (int8) or G/8 (4-bit) vectors of 64 bytes, each holding 4
+consecutive columns of every one of the 16 rows (4-bit: the low nibbles 4 columns, the high nibbles
+the 4 after them); the scales and minimums of a block as 16 values a group. One vector then feeds
+one integer dot-product instruction for 16 rows at once. `pack_codes` and `unpack_codes` convert
+from and to one code per weight.
 """
 from __future__ import annotations
 
@@ -44,6 +52,7 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between consecutive FP4 magnitudes
 SCHEMES = ("asym", "sym")
 SEGMENT_ALIGN = 16
+BLOCK = 16  # rows of one packed block (kernel/simd.py's ROWS)
 
 
 @dataclass(frozen=True)
@@ -66,8 +75,9 @@ class ExpertFormat:
             return cls(MXFP4, MX_BLOCK)
         if name not in INT_BITS:
             raise BadInput(f"unknown expert dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-        if not isinstance(group_size, int) or group_size < 2 or group_size % 2:
-            raise BadInput(f"group size {group_size!r} must be an even whole number >= 2; e.g. --group-size 64")
+        if not isinstance(group_size, int) or group_size < 8 or group_size % 8:
+            raise BadInput(f"group size {group_size!r} must be a multiple of 8 (the kernel reads 8 codes at a "
+                           "time); e.g. --group-size 32 or 64")
         if scheme not in SCHEMES:
             raise BadInput(f"unknown quantization scheme {scheme!r}; choose asym or sym")
         return cls(name, group_size, scheme)
@@ -115,8 +125,8 @@ class ExpertFormat:
             return cls(dtype)
         if dtype == MXFP4 and meta.get("group_size") == MX_BLOCK and not meta.get("scheme"):
             return cls(MXFP4, MX_BLOCK)
-        if dtype in INT_BITS and isinstance(meta.get("group_size"), int) and meta["group_size"] >= 2 \
-                and meta["group_size"] % 2 == 0 and meta.get("scheme") in SCHEMES:
+        if dtype in INT_BITS and isinstance(meta.get("group_size"), int) and meta["group_size"] >= 8 \
+                and meta["group_size"] % 8 == 0 and meta.get("scheme") in SCHEMES:
             return cls(dtype, meta["group_size"], meta["scheme"])
         raise ValueError(f"dtype {dtype!r}, group size {meta.get('group_size')!r}, scheme {meta.get('scheme')!r} "
                          "is not a known expert format")
@@ -142,6 +152,52 @@ def _groups(cols: int, g: int) -> int:
     return -(-cols // g)
 
 
+def _blocks(rows: int) -> int:
+    return -(-rows // BLOCK)
+
+
+def pack_codes(q: torch.Tensor, g: int, bits: int) -> torch.Tensor:
+    """One code per weight, q [rows, groups * g] (0..2^bits - 1, uint8) -> the packed layout [blocks, bytes]
+    (see the module's docstring): rows padded with zeros to whole blocks."""
+    rows, cols = q.shape
+    blocks, n_groups = _blocks(rows), cols // g
+    q = torch.nn.functional.pad(q, (0, 0, 0, blocks * BLOCK - rows))
+    if bits == 4:  # [block, lane, group, vector, half, column] -> [block, group, vector, lane, column, half]
+        t = q.view(blocks, BLOCK, n_groups, g // 8, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        packed = t[..., 0] | (t[..., 1] << 4)
+    else:
+        packed = q.view(blocks, BLOCK, n_groups, g // 4, 4).permute(0, 2, 3, 1, 4)
+    return packed.contiguous().view(blocks, -1)
+
+
+def unpack_codes(packed: torch.Tensor, rows: int, g: int, bits: int) -> torch.Tensor:
+    """The inverse of pack_codes: [blocks, bytes] -> q [rows, groups * g] uint8."""
+    blocks = packed.shape[0]
+    n_groups = packed.shape[1] * 8 // bits // (g * BLOCK)
+    if bits == 4:
+        t = packed.view(blocks, n_groups, g // 8, BLOCK, 4)
+        t = torch.stack((t & 0xF, t >> 4), -1)  # [block, group, vector, lane, column, half]
+        q = t.permute(0, 3, 1, 2, 5, 4)
+    else:
+        q = packed.view(blocks, n_groups, g // 4, BLOCK, 4).permute(0, 3, 1, 2, 4)
+    return q.reshape(blocks * BLOCK, n_groups * g)[:rows]
+
+
+def pack_lanes(v: torch.Tensor) -> torch.Tensor:
+    """Per-row group values v [rows, groups] (scales, minimums) -> [blocks, groups * 16]: each group's 16 rows
+    together, rows padded with zeros."""
+    rows, n_groups = v.shape
+    blocks = _blocks(rows)
+    v = torch.nn.functional.pad(v, (0, 0, 0, blocks * BLOCK - rows))
+    return v.view(blocks, BLOCK, n_groups).transpose(1, 2).contiguous().view(blocks, -1)
+
+
+def unpack_lanes(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """The inverse of pack_lanes: [blocks, groups * 16] -> [rows, groups]."""
+    blocks = packed.shape[0]
+    return packed.view(blocks, -1, BLOCK).transpose(1, 2).reshape(blocks * BLOCK, -1)[:rows]
+
+
 def layout(parts: list[tuple[int, ...]], fmt: ExpertFormat) -> list[Segment]:
     """The segments of one blob, in order."""
     segs, offset = [], 0
@@ -157,10 +213,10 @@ def layout(parts: list[tuple[int, ...]], fmt: ExpertFormat) -> list[Segment]:
         elif len(shape) == 1:  # biases: fp16
             roles = [("raw", torch.float16, shape)]
         else:
-            rows, n_groups = shape[0], _groups(shape[1], fmt.group_size)
-            code_cols = n_groups * fmt.group_size * fmt.bits // 8
-            roles = [("codes", torch.uint8, (rows, code_cols)), ("scales", torch.float16, (rows, n_groups))]
-            roles += [("mins", torch.float16, (rows, n_groups))] if fmt.scheme == "asym" else []
+            blocks, n_groups = _blocks(shape[0]), _groups(shape[1], fmt.group_size)
+            code_bytes = n_groups * fmt.group_size * BLOCK * fmt.bits // 8
+            roles = [("codes", torch.uint8, (blocks, code_bytes)), ("scales", torch.float16, (blocks, n_groups * BLOCK))]
+            roles += [("mins", torch.float16, (blocks, n_groups * BLOCK))] if fmt.scheme == "asym" else []
         for role, dtype, seg_shape in roles:
             offset = -(-offset // SEGMENT_ALIGN) * SEGMENT_ALIGN
             segs.append(Segment(i, role, offset, dtype, seg_shape))
@@ -175,12 +231,14 @@ def encoded_bytes(parts: list[tuple[int, ...]], fmt: ExpertFormat) -> int:
 
 
 def mxfp4_segments(shape: tuple[int, ...]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """(role, dtype, shape) of one part in MXFP4: a matrix [rows, cols] as codes [rows, blocks * 16]
-    uint8 and scales [rows, blocks] uint8 (E8M0), cols padded to blocks of 32; a bias as fp32."""
+    """(role, dtype, shape) of one part in MXFP4: a matrix [rows, cols] as its FP4 codes packed as 4-bit
+    codes are (`pack_codes`, blocks of 32 columns as the groups) and its scales as E8M0 bytes packed as
+    `pack_lanes` packs them, cols padded to blocks of 32; a bias as fp32."""
     if len(shape) == 1:
         return [("raw", torch.float32, shape)]
-    rows, blocks = shape[0], _groups(shape[1], MX_BLOCK)
-    return [("codes", torch.uint8, (rows, blocks * MX_BLOCK // 2)), ("scales", torch.uint8, (rows, blocks))]
+    row_blocks, blocks = _blocks(shape[0]), _groups(shape[1], MX_BLOCK)
+    return [("codes", torch.uint8, (row_blocks, blocks * MX_BLOCK * BLOCK // 2)),
+            ("scales", torch.uint8, (row_blocks, blocks * BLOCK))]
 
 
 def float_to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,16 +271,28 @@ def _whole_blocks(w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(w.float(), (0, _groups(w.shape[1], MX_BLOCK) * MX_BLOCK - w.shape[1]))
 
 
+def pack_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+    """MXFP4 as checkpoints hold it, blocks [rows, blocks, 16] uint8 (two FP4 codes a byte, low nibble first)
+    and scales [rows, blocks] -> the segments of `mxfp4_segments` (the same codes and scales, repacked)."""
+    rows = blocks.shape[0]
+    codes = torch.stack((blocks & 0xF, blocks >> 4), -1).reshape(rows, -1)  # one FP4 code per weight
+    return {"codes": pack_codes(codes, MX_BLOCK, 4), "scales": pack_lanes(scales)}
+
+
+def unpack_mxfp4(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of pack_mxfp4: the segments -> (blocks [rows, blocks, 16], scales [rows, blocks])."""
+    q = unpack_codes(codes, rows, MX_BLOCK, 4)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).view(rows, -1, MX_BLOCK // 2), unpack_lanes(scales, rows)
+
+
 def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """w [rows, cols] float -> the MXFP4 segments of `mxfp4_segments`: codes and scales."""
-    blocks, scales = float_to_mxfp4(_whole_blocks(w))
-    return {"codes": blocks.reshape(w.shape[0], -1), "scales": scales}
+    return pack_mxfp4(*float_to_mxfp4(_whole_blocks(w)))
 
 
-def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, cols: int) -> torch.Tensor:
-    """MXFP4 segments codes [rows, blocks * 16], scales [rows, blocks] -> float32 [rows, cols]."""
-    rows, blocks = scales.shape
-    return mxfp4_to_float(codes.view(rows, blocks, MX_BLOCK // 2), scales)[:, :cols]
+def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """MXFP4 segments (codes, scales) of a [rows, cols] matrix -> float32 [rows, cols]."""
+    return mxfp4_to_float(*unpack_mxfp4(codes, scales, rows))[:, :cols]
 
 
 def mxfp4_error_bound(w: torch.Tensor) -> torch.Tensor:
@@ -242,8 +312,8 @@ def _divisor(scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(w: torch.Tensor, fmt: ExpertFormat) -> dict[str, torch.Tensor]:
-    """w [rows, cols] float -> codes [rows, groups * G * bits / 8] uint8, scales [rows, groups]
-    fp16 (and mins [rows, groups] fp16 when asymmetric)."""
+    """w [rows, cols] float -> the segments of `layout`: codes (pack_codes), scales and, asymmetric, mins
+    (fp16, pack_lanes)."""
     rows, cols = w.shape
     g, levels = fmt.group_size, 2 ** fmt.bits - 1
     n_groups = _groups(cols, g)
@@ -261,39 +331,40 @@ def quantize(w: torch.Tensor, fmt: ExpertFormat) -> dict[str, torch.Tensor]:
         s = _divisor(scale)
         q = (x / s).round().clamp(-half, half) + half
         out = {"scales": scale}
-    q = q.to(torch.uint8).view(rows, n_groups * g)
-    if fmt.bits == 4:
-        q = q[:, 0::2] | (q[:, 1::2] << 4)
-    out["codes"] = q.contiguous()
+    out = {role: pack_lanes(v) for role, v in out.items()}
+    out["codes"] = pack_codes(q.to(torch.uint8).view(rows, n_groups * g), g, fmt.bits)
     return out
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, fmt: ExpertFormat,
-               cols: int) -> torch.Tensor:
-    """The inverse of `quantize`: float32 [rows, cols]. Vectorised torch ops (which release the
-    GIL), so worker threads dequantise in parallel."""
-    rows = codes.shape[0]
-    if fmt.bits == 4:
-        codes = torch.stack((codes & 0xF, codes >> 4), -1).view(rows, -1)
+               rows: int, cols: int) -> torch.Tensor:
+    """The inverse of `quantize` for a [rows, cols] matrix: float32 [rows, cols]. Vectorised torch ops
+    (which release the GIL), so worker threads dequantise in parallel."""
+    scales = unpack_lanes(scales, rows)
+    mins = None if mins is None else unpack_lanes(mins, rows)
     n_groups = scales.shape[1]
-    q = codes.view(rows, n_groups, fmt.group_size).float()
+    q = unpack_codes(codes, rows, fmt.group_size, fmt.bits).reshape(rows, n_groups, fmt.group_size).float()
     if mins is None:
         q = q - (2 ** fmt.bits - 1) // 2
         w = q * scales.float()[..., None]
     else:
         w = torch.addcmul(mins.float()[..., None], q, scales.float()[..., None])
-    return w.view(rows, -1)[:, :cols]
+    return w.reshape(rows, -1)[:, :cols]
 
 
 def encode(tensors: list, parts: list[tuple[int, ...]], fmt: ExpertFormat, blob: int) -> bytes:
     """One expert's parts (w13, w2, then the biases) as a blob of `blob` bytes in `fmt`: each a float
-    tensor, or a dict of its segments by role when it is stored in `fmt` already (written as is)."""
+    tensor, or, for a part a checkpoint holds in MXFP4 already, {"codes": [rows, blocks * 16] (two FP4 codes
+    a byte), "scales": [rows, blocks]}, whose codes and scales are repacked as they are, not requantised."""
     out = torch.zeros(blob, dtype=torch.uint8)
     quantized = {}
     for seg in layout(parts, fmt):
         t = tensors[seg.part]
-        if isinstance(t, dict):  # a part already in `fmt` (a checkpoint's MXFP4): its segments as they are
-            src = t[seg.role]
+        if isinstance(t, dict):
+            if seg.part not in quantized:
+                quantized[seg.part] = pack_mxfp4(t["codes"].reshape(t["codes"].shape[0], -1, MX_BLOCK // 2),
+                                                 t["scales"])
+            src = quantized[seg.part][seg.role]
         elif seg.role == "raw":
             src = t.to(seg.dtype if fmt.quantized else FLOAT_DTYPES[fmt.dtype]).contiguous()
         else:
@@ -302,6 +373,27 @@ def encode(tensors: list, parts: list[tuple[int, ...]], fmt: ExpertFormat, blob:
             src = quantized[seg.part][seg.role]
         out[seg.offset:seg.offset + seg.nbytes] = src.flatten().view(torch.uint8)
     return out.numpy().tobytes()
+
+
+ENCODE_ROWS = 512  # rows of a large matrix quantized at a time: its fp32 temporaries stay that size
+
+
+def encode_matrix(w: torch.Tensor, fmt: ExpertFormat) -> np.ndarray:
+    """One matrix w [rows, cols] in the quantized `fmt` as the bytes of `layout([w.shape], fmt)`, quantized
+    ENCODE_ROWS rows at a time (whole blocks of 16: each chunk fills a consecutive range of every segment), so
+    that encoding the output matrix of a large vocabulary needs a chunk's fp32 copy, not the matrix's."""
+    parts = [tuple(w.shape)]
+    out = np.zeros(encoded_bytes(parts, fmt), np.uint8)
+    segs = layout(parts, fmt)
+    for r0 in range(0, w.shape[0], ENCODE_ROWS):
+        chunk = w[r0:r0 + ENCODE_ROWS].float()
+        q = quantize_mxfp4(chunk) if fmt.mx else quantize(chunk, fmt)
+        for seg in segs:
+            per_block = seg.nbytes // seg.shape[0]
+            src = q[seg.role].contiguous().view(torch.uint8).view(-1).numpy()
+            at = seg.offset + r0 // BLOCK * per_block
+            out[at:at + src.size] = src
+    return out
 
 
 def decode_into(buf: torch.Tensor, parts: list[tuple[int, ...]], fmt: ExpertFormat, dsts) -> None:
@@ -320,9 +412,9 @@ def decode_into(buf: torch.Tensor, parts: list[tuple[int, ...]], fmt: ExpertForm
         if "raw" in v:
             dst.copy_(v["raw"])
         elif fmt.mx:
-            dst.copy_(dequantize_mxfp4(v["codes"], v["scales"], shape[1]))
+            dst.copy_(dequantize_mxfp4(v["codes"], v["scales"], *shape))
         else:
-            dst.copy_(dequantize(v["codes"], v["scales"], v.get("mins"), fmt, shape[1]))
+            dst.copy_(dequantize(v["codes"], v["scales"], v.get("mins"), fmt, *shape))
 
 
 def decode_plan(parts: list[tuple[int, ...]], fmt: ExpertFormat) -> np.ndarray:
@@ -352,11 +444,11 @@ def roundtrip(w: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:
         if w.dim() == 1:
             return w
         q = quantize_mxfp4(w)
-        return dequantize_mxfp4(q["codes"], q["scales"], w.shape[1])
+        return dequantize_mxfp4(q["codes"], q["scales"], *w.shape)
     if w.dim() == 1:
         return w.half().to(w.dtype)
     q = quantize(w, fmt)
-    return dequantize(q["codes"], q["scales"], q.get("mins"), fmt, w.shape[1])
+    return dequantize(q["codes"], q["scales"], q.get("mins"), fmt, *w.shape)
 
 
 def error_bound(w: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:

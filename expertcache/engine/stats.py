@@ -39,6 +39,7 @@ class RunStats:
     wall_s: float = 0.0  # time in model forward calls
     peak_memory_bytes: int = 0
     read_mode: str = ""  # how fetches reached the slow tier: o_direct, buffered-dontneed, ram, ...
+    kernels: str = ""  # the CPU kernels' instruction set and threads (engine/threads.py), e.g. "avx512-vnni, 2 threads"
 
     def absorb(self, state, fetch_bytes: int, lowbit_bytes: int = 0) -> None:
         """Add and zero the decision kernel's counters (cache_state.CacheState); a fetch moves
@@ -100,4 +101,5 @@ class RunStats:
                 (f"{self.upgrades / max(self.tokens, 1):.2f} upgrades/token, " if self.upgrades else "") +
                 f"stall {self.stall_s:.2f} s, {self.substitutions} substitutions "
                 f"(mass {self.mass_per_call:.4f}/call), peak memory {self.peak_memory_bytes / 2**20:.0f} MiB"
-                + (f", reads: {self.read_mode}" if self.read_mode else ""))
+                + (f", reads: {self.read_mode}" if self.read_mode else "")
+                + (f", kernels: {self.kernels}" if self.kernels else ""))

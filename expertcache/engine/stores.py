@@ -51,10 +51,10 @@ from .quant import (
     layout,
     roundtrip,
 )
-from .weights import all_layer_experts, layer_experts, stored_layer_parts
+from .weights import all_layer_experts, expert_parts, layer_experts
 
 ALIGN = 4096
-DISK_FORMAT_VERSION = 2  # 2: a CRC32C per blob in experts.json
+DISK_FORMAT_VERSION = 3  # 2: a CRC32C per blob in experts.json; 3: quantized matrices in row blocks of 16 (quant.py)
 F_NOCACHE = getattr(fcntl, "F_NOCACHE", 48 if sys.platform == "darwin" else None)  # macOS: no page cache
 READ_MODES = ("auto", "direct", "buffered")  # auto: O_DIRECT where the platform and filesystem allow it
 
@@ -200,9 +200,10 @@ class RamStore(ExpertStore):
         return self.expert_bytes
 
     def read_encoded(self, layer, expert, dst):
-        """Copy the int8/int4 blob of (layer, expert) into a quantized slot dst uint8 [encoded bytes]:
-        the bytes the disk store of this format holds, encoded from the checkpoint on first use."""
-        if self.format is None or not self.format.quantized or self.format.mx:
+        """Copy the int8/int4/MXFP4 blob of (layer, expert) into a quantized slot dst uint8 [encoded bytes]:
+        the bytes the disk store of this format holds, encoded from the checkpoint on first use (MXFP4 from the
+        dequantised weights of an MXFP4 checkpoint: their values, if not always their scales)."""
+        if self.format is None or not self.format.quantized:
             return super().read_encoded(layer, expert, dst)
         if self._blobs is None:
             n = encoded_bytes(self.shape.parts, self.format)
@@ -236,6 +237,12 @@ class PinnedStore(RamStore):
         for dst, src in zip((w13, w2, b13, b2), self._sources(layer, expert)):
             dst.copy_(src, non_blocking=True)
         return self.expert_bytes
+
+
+def staging_bytes(store: str, shape: ExpertShape, fmt: ExpertFormat, workers: int) -> int:
+    """The staging buffers a store of kind `store` holding `fmt` reads through with `workers` workers (its
+    `buffer_bytes`), computed before it is opened."""
+    return (workers + 1) * _blob_bytes(shape, fmt) if store == "disk" else 0
 
 
 def _blob_bytes(shape: ExpertShape, fmt: ExpertFormat) -> int:
@@ -286,21 +293,15 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
         bar_args = dict(total=args.num_moe_layers, unit="layer", desc=f"convert to {out_dir.name}")
         with progress_bar(progress, **bar_args) as bar, open(tmp, "wb") as f:
             for layer in range(args.num_moe_layers):
-                # w13, w2 (and b13, b2): the blob's order; as stored when the checkpoint is in `fmt` already
-                parts = stored_layer_parts(ckpt, args, layer, fmt and fmt.dtype)
-                if parts is None:
-                    experts = layer_experts(ckpt, args, layer)
-                    fmt = fmt or ExpertFormat.of_dtype(experts.w13.dtype)
-                    parts = [p for p in experts if p is not None]
-                blob = _blob_bytes(shape, fmt)
-                for e in range(args.num_experts):
-                    expert = [{role: t[e] for role, t in p.items()} if isinstance(p, dict) else p[e] for p in parts]
-                    data = encode(expert, shape.parts, fmt, blob)
+                for e in range(args.num_experts):  # one expert at a time: a conversion holds one, not a layer
+                    # w13, w2 (and b13, b2): the blob's order; as stored when the checkpoint is in `fmt` already
+                    parts = expert_parts(ckpt, args, layer, e, mxfp4=fmt is not None and fmt.mx)
+                    fmt = fmt or ExpertFormat.of_dtype(parts[0].dtype)
+                    data = encode(parts, shape.parts, fmt, _blob_bytes(shape, fmt))
                     checksums.append(crc32c.crc32c(data))  # of the stored bytes: the same check for every format
                     f.write(data)
+                _written(f)
                 bar.update()
-            f.flush()
-            os.fsync(f.fileno())
     except BaseException:  # a full disk, an interrupt: no partial file is left to fill the disk
         tmp.unlink(missing_ok=True)
         raise
@@ -312,6 +313,15 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     (out_dir / "experts.json.partial").write_text(json.dumps(meta))
     os.replace(out_dir / "experts.json.partial", out_dir / "experts.json")
     return out_dir
+
+
+def _written(f) -> None:
+    """Flush what a conversion wrote so far to the disk and drop it from the page cache: the store's file would
+    otherwise stay cached, charged to the process (and its memory cgroup) as it grows."""
+    f.flush()
+    os.fsync(f.fileno())
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def store_format(store_dir: Path) -> int | None:

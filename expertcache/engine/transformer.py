@@ -14,10 +14,17 @@ from ..errors import BadInput
 from ..kernel import dense_decode
 from ..models.args import ModelArgs
 from .attention import apply_rope, attention_mask, rope_frequencies, rope_tables, sink_attention
-from .experts import kernel_view
+from ..kernel.linear import activation_work
+from . import threads
+from .linear import ActivationScratch, Linear
 from .linear_attention import GatedDeltaNet
 from .mla import LatentAttention
-from .weights import router_of
+from .quant import ExpertFormat
+from .budget import ATTENTION_CHUNK
+from .weights import MATRICES, router_of
+
+# each dense matrix's bias, in our names (a Linear holds its bias)
+MATRIX_BIASES = {"wqkv": "bqkv", "wo": "bo", "wq_a": "bq_a", "wkv_a": "bkv_a"}
 
 # (MoE layer, normed MoE input [T, H], router weight [E, H]) -> routed experts' output [T, H]; a router's bias
 # lives in the model's Router (kernel/routing.py), which the MoE function routes with
@@ -34,12 +41,22 @@ class Transformer:
     routed output, `prefetch(layer, h)` (if set) sees the residual after each attention; `layer`
     counts MoE layers (the decoder layers of `ModelArgs.moe_layers`, in order)."""
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], moe: MoEFn,
-                 device: torch.device, max_seq: int = 2048):
+                 device: torch.device, max_seq: int = 2048, dtype: torch.dtype = torch.float32,
+                 dense: ExpertFormat | None = None, held: torch.dtype | None = None):
+        """weights: dense_weights' tensors; dtype: the compute dtype (activations, norms); the dense matrices
+        held as `held` (None: as given) or quantized to `dense` (the CPU kernels' int8 / int4)."""
         self.args, self.moe, self.device, self.max_seq = args, moe, device, max_seq
         a = args
         w = {k: v.to(device) for k, v in weights.items()}
+        self.dtype = dtype
         self.embed, self.norm = w["embed"], w["norm"]
-        self.lm_head = w["embed"] if a.tie_word_embeddings else w["lm_head"]
+
+        self.scratch_activations = ActivationScratch()  # a window's int8 activations, shared by the matrices
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight, bias, dense, held if device.type == "cpu" else dtype, self.scratch_activations)
+        tied = a.tie_word_embeddings
+        self.lm_head = linear(w["embed"] if tied else w["lm_head"])
         self.layers = []
         for i in range(a.num_layers):
             p = f"layers.{i}."
@@ -51,11 +68,14 @@ class Transformer:
             for mlp in ("shared", "dense"):
                 if mlp + "_w1" in L:
                     L[mlp + "_w13"] = torch.cat([L.pop(mlp + "_w1"), L.pop(mlp + "_w3")])
+            for name in [n for n in L if n in MATRICES + ("wqkv", "shared_w13", "dense_w13") and n != "router"]:
+                L[name] = linear(L[name], L.pop(MATRIX_BIASES[name], None) if name in MATRIX_BIASES else None)
+            if "router" in L:  # a plain tensor (never quantized), which the router's compiled product widens on the CPU
+                L["router"] = L["router"].to(held or L["router"].dtype) if device.type == "cpu" else L["router"].to(dtype)
             self.layers.append(L)
         self.moe_layers = [self.layers[i] for i in a.moe_layers]  # indexed as the cache and the kernel do
         self.moe_index = {i: j for j, i in enumerate(a.moe_layers)}  # decoder layer -> MoE layer
         self.router = router_of(a, weights)
-        dtype = self.dtype = self.norm.dtype  # compute dtype; embed and lm_head may be stored in 16 bits
         # multi-head latent attention caches a latent per position (preallocated at max_seq), not keys and values
         self.latent = LatentAttention(a, max_seq, device, dtype) if a.attention == "mla" else None
         if self.latent is None:  # RoPE over the rotated part of each head (all of it unless partial)
@@ -74,13 +94,11 @@ class Transformer:
         # CPU; the attention block for GQA layers (not latent or gated attention)
         self.compiled_logits = device.type == "cpu" and dtype == torch.float32
         self.compiled = self.compiled_logits and self.latent is None and not a.attention_gate
-        if self.compiled_logits:
-            self.lm_head_np = kernel_view(self.lm_head)
         if self.compiled:
             self.token_args = {i: self._token_args(i, self.layers[i]) for i in self.kv_index}
             self.scratch = np.empty(dense_decode.scratch_size(a.hidden_size, a.num_heads, a.num_kv_heads,
                                                               a.head_dim), np.float32)
-            self.scores = np.empty(max_seq, np.float32)
+            self.scores = np.empty((a.num_heads, max_seq), np.float32)
             self.cos_np, self.sin_np = self.cos.numpy(), self.sin.numpy()
 
     def kv_bytes(self, positions: int) -> int:
@@ -108,12 +126,18 @@ class Transformer:
 
     @property
     def dense_bytes(self) -> int:
-        """Bytes of the dense (non-expert) weights, each tensor counted once."""
+        """Bytes of the dense (non-expert) weights as held, each tensor counted once (a tied output matrix held
+        as the embedding is not counted twice)."""
         seen, total = set(), 0
         for t in [self.embed, self.norm, self.lm_head] + [v for L in self.layers for v in L.values()]:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.nbytes
+            parts = ([t.weight if t.weight is not None else t.buf, t.bias] if isinstance(t, Linear) else [t])
+            for x in parts:
+                if x is None:
+                    continue
+                key = x.data_ptr() if isinstance(x, torch.Tensor) else x.ctypes.data
+                if key not in seen:
+                    seen.add(key)
+                    total += x.nbytes
         return total
 
     def _rope(self, x, pos: int):  # x [heads, T, D]; a partial rotary leaves the last D - rot channels as they are
@@ -130,7 +154,7 @@ class Transformer:
         gate [T, Hq, D] or None."""
         a = self.args
         T = x.shape[0]
-        qkv = F.linear(x, L["wqkv"], L.get("bqkv"))
+        qkv = L["wqkv"](x)
         nq, nk = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         q, k, v = qkv.split([nq * (2 if a.attention_gate else 1), nk, nk], dim=-1)
         gate = None
@@ -159,21 +183,25 @@ class Transformer:
         c = self.kv_index[i]
         k_cache[c, :, pos:pos + T] = k
         v_cache[c, :, pos:pos + T] = v.transpose(0, 1)
-        keys, values = k_cache[c, :, :pos + T], v_cache[c, :, :pos + T]
         window = a.sliding_window if a.layer_type(i) == "sliding_attention" else None
-        mask = attention_mask(T, pos, window, q.device)
-        if a.attention_sinks:
-            o = sink_attention(q, keys, values, L["sinks"], mask)
-        else:
-            o = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                               attn_mask=mask, enable_gqa=True)[0]
+        parts = []
+        for t0 in range(0, T, ATTENTION_CHUNK):  # query rows in chunks: the scores held are a chunk's, not T x S
+            t1 = min(T, t0 + ATTENTION_CHUNK)
+            keys, values = k_cache[c, :, :pos + t1], v_cache[c, :, :pos + t1]
+            mask = attention_mask(t1 - t0, pos + t0, window, q.device)
+            if a.attention_sinks:
+                parts.append(sink_attention(q[:, t0:t1], keys, values, L["sinks"], mask))
+            else:
+                parts.append(F.scaled_dot_product_attention(q[None, :, t0:t1], keys[None], values[None],
+                                                            attn_mask=mask, enable_gqa=True)[0])
+        o = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return o.transpose(0, 1).reshape(T, a.num_heads * a.head_dim)
 
     def _out(self, L: dict, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """The output projection of o [T, Hq * D], gated per channel when the model has an attention gate."""
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(o.shape))
-        return F.linear(o, L["wo"], L.get("bo"))
+        return L["wo"](o)
 
     def _token_args(self, i: int, L: dict) -> tuple:
         """Layer i's weights as attention_token takes them (empty arrays for what the family lacks)."""
@@ -182,11 +210,17 @@ class Transformer:
 
         def arr(name: str) -> np.ndarray:
             return L[name].contiguous().numpy() if name in L else empty
+
+        def bias(m: Linear) -> np.ndarray:
+            return m.bias.numpy() if m.bias is not None else empty
         mode = {None: dense_decode.NORM_NONE, "full": dense_decode.NORM_FULL, "head": dense_decode.NORM_HEAD}
         window = a.sliding_window if a.layer_type(i) == "sliding_attention" else 0
-        return (arr("attn_norm"), arr("moe_norm"), np.float32(a.rms_norm_eps), arr("wqkv"), arr("bqkv"),
+        qkv, wo = L["wqkv"], L["wo"]
+        return (arr("attn_norm"), arr("moe_norm"), np.float32(a.rms_norm_eps), qkv.buf, qkv.row, bias(qkv),
                 mode[a.qk_norm], arr("q_norm"), arr("k_norm"), np.float32(a.clip_qkv or 0.0)), \
-            (window, arr("sinks") if a.attention_sinks else empty, arr("wo"), arr("bo"), a.num_heads, a.num_kv_heads)
+            (window, arr("sinks") if a.attention_sinks else empty, wo.buf, wo.row, bias(wo), a.num_heads,
+             a.num_kv_heads), (activation_work(1, qkv.cols, qkv.row), activation_work(1, wo.cols, wo.row),
+                               threads.parts(qkv.nbytes + wo.nbytes))
 
     def _attention_token(self, i: int, h: torch.Tensor, pos: int, kv: tuple[torch.Tensor, torch.Tensor] | None = None
                          ) -> torch.Tensor:
@@ -194,21 +228,21 @@ class Transformer:
         place and the MoE input rms_norm(h) returned. kv: the keys and values to use (default: the model's)."""
         x = torch.empty_like(h)
         c = self.kv_index[i]
-        before, after = self.token_args[i]
+        before, after, (qkv_work, o_work, parts) = self.token_args[i]
         k_cache, v_cache = kv or (self.k_cache, self.v_cache)
         dense_decode.attention_token(h.numpy()[0], *before, self.cos_np[pos], self.sin_np[pos], pos,
-                                     k_cache.numpy()[c], v_cache.numpy()[c], *after, self.scratch,
-                                     self.scores, x.numpy()[0])
+                                     k_cache.numpy()[c], v_cache.numpy()[c], *after, self.scratch, qkv_work, o_work,
+                                     self.scores, x.numpy()[0], parts)
         return x
 
     def _mlp(self, L: dict, x: torch.Tensor, name: str) -> torch.Tensor:
         """A SwiGLU MLP of the layer's `name`_w13, `name`_w2 (the shared expert, or a dense layer's MLP)."""
-        g, u = (x @ L[name + "_w13"].t()).chunk(2, dim=-1)
-        return (F.silu(g) * u) @ L[name + "_w2"].t()
+        g, u = L[name + "_w13"](x).chunk(2, dim=-1)
+        return L[name + "_w2"](F.silu(g) * u)
 
     def _shared_expert(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         y = self._mlp(L, x, "shared")
-        return torch.sigmoid(x @ L["shared_gate"].t()) * y if self.args.shared_expert_gate else y
+        return torch.sigmoid(L["shared_gate"](x)) * y if self.args.shared_expert_gate else y
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int, last: bool = False) -> torch.Tensor:
@@ -222,35 +256,38 @@ class Transformer:
             raise BadInput(f"sequence of {pos + T} tokens exceeds max_seq={self.max_seq}; raise --max-seq")
         self._reserve(pos + T)
         h = self.embed[ids].to(self.dtype)  # a copy: the compiled attention block may update it in place
-        compiled = T == 1 and self.compiled
-        for i, L in enumerate(self.layers):
-            if compiled and i in self.kv_index:
-                x = self._attention_token(i, h, pos)
-            else:
-                xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
-                h = h + (self.linear[i](xa, pos) if i in self.linear else self._attention(i, L, xa, pos))
-                x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
-            h = self._feed_forward(i, L, h, x)
+        for i in range(len(self.layers)):
+            h, x = self.attention_block(i, h, pos)
+            h = self.feed_forward(i, self.layers[i], h, x)
         if last:
             h = h[-1:]
         if h.shape[0] == 1 and self.compiled_logits:
             return self._logits_token(h)
         return self._logits(h)
 
+    def attention_block(self, i: int, h: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention over h [T, H] at positions pos.. -> (the residual stream after it, the feed-forward
+        block's normed input), both [T, H]; a decode token through the compiled block (which updates h in place)."""
+        a, L = self.args, self.layers[i]
+        self._reserve(pos + h.shape[0])
+        if h.shape[0] == 1 and self.compiled and i in self.kv_index:
+            return h, self._attention_token(i, h, pos)
+        xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
+        h = h + (self.linear[i](xa, pos) if i in self.linear else self._attention(i, L, xa, pos))
+        return h, F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits [T, V] of the last residual stream h [T, H]: final norm, output matrix in the compute dtype."""
+        """Logits [T, V] of the last residual stream h [T, H]: final norm, output matrix."""
         a = self.args
-        return F.rms_norm(h, (a.hidden_size,), self.norm, a.rms_norm_eps) @ self.lm_head.to(self.dtype).t()
+        return self.lm_head(F.rms_norm(h, (a.hidden_size,), self.norm, a.rms_norm_eps))
 
     def _logits_token(self, h: torch.Tensor) -> torch.Tensor:
-        """Decode's logits [1, V] of h [1, H] (final norm, output matrix as stored) in two compiled calls."""
-        x = np.empty(h.shape[1], np.float32)
-        logits = torch.empty((1, self.lm_head.shape[0]), dtype=torch.float32)
-        dense_decode.rms_norm(h.numpy()[0], self.norm.numpy(), np.float32(self.args.rms_norm_eps), x)
-        dense_decode.gemv(self.lm_head_np, x, dense_decode.EMPTY, logits.numpy()[0])
-        return logits
+        """Decode's logits [1, V] of h [1, H] (final norm, output matrix as held) in two compiled calls."""
+        x = torch.empty_like(h)
+        dense_decode.rms_norm(h.numpy()[0], self.norm.numpy(), np.float32(self.args.rms_norm_eps), x.numpy()[0])
+        return self.lm_head(x)
 
-    def _feed_forward(self, i: int, L: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def feed_forward(self, i: int, L: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The residual stream h [T, H] after layer i's dense MLP or MoE block (routed and shared experts) on its
         normed input x [T, H]."""
         a = self.args
@@ -294,5 +331,5 @@ class Transformer:
                                for b, pos in enumerate(positions)])
                 h = h + self._out(L, o, gate)
                 x = F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
-            h = self._feed_forward(i, L, h, x)
+            h = self.feed_forward(i, L, h, x)
         return self._logits(h)

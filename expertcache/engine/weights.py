@@ -12,14 +12,21 @@ from ..models import family_of
 from ..models.args import LayerExperts, ModelArgs
 from .checkpoint import Checkpoint
 
+# the dense matrices a family may have, in our names (after Transformer joins q, k, v and gate, up): held in
+# their own dtype (or quantized) and run as engine.linear.Linear; every other dense tensor (norms, biases, a
+# linear attention's conv and decay parameters) is a vector in the compute dtype
+MATRICES = ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b", "lin_qkvz", "lin_ba", "lin_out", "shared_w1",
+            "shared_w3", "shared_w2", "shared_gate", "dense_w1", "dense_w3", "dense_w2", "router")
 VOCAB = ("embed", "lm_head")  # the largest dense tensors, read whole for every decoded token's logits
 
 
-def dense_weights(ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32,
-                  keep_16bit_vocab: bool = False) -> dict[str, torch.Tensor]:
-    """Every non-expert tensor under our names ('layers.{i}.wq', 'embed', ...), as `dtype`; with
-    `keep_16bit_vocab`, the embedding and output matrices stay fp16 or bf16 when the checkpoint
-    stores them so (exact in fp32 arithmetic, half the bytes to read per token)."""
+def is_matrix(name: str) -> bool:
+    """Whether dense tensor `name` ('layers.{i}.wq', 'embed', ...) is one of the matrices (see MATRICES)."""
+    return name in VOCAB or name.rsplit(".", 1)[-1] in MATRICES
+
+
+def dense_names(ckpt: Checkpoint, args: ModelArgs) -> dict[str, str]:
+    """Our name -> checkpoint name of every non-expert tensor."""
     family = family_of(ckpt.config)
     wanted = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
     if not args.tie_word_embeddings:
@@ -28,11 +35,40 @@ def dense_weights(ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32,
         for ours, theirs in family.layer_names(i, args).items():
             if ours != "experts":
                 wanted[f"layers.{i}.{ours}"] = theirs
+    return wanted
+
+
+def expert_dtype(ckpt: Checkpoint, args: ModelArgs) -> torch.dtype:
+    """The float dtype the checkpoint's experts read as (fp8 and MXFP4 ones dequantised), from its headers."""
+    decoder = args.moe_layers[0]
+    p = f"model.layers.{decoder}.mlp.experts."
+    if p + "gate_up_proj_blocks" in ckpt.files:  # GPT-OSS's MXFP4: decoded to fp32
+        return torch.float32
+    names = family_of(ckpt.config).layer_names(decoder, args).get("experts")
+    name = p + "gate_up_proj" if p + "gate_up_proj" in ckpt.files or names is None else names["w1"][0]
+    dtype = ckpt.info(name).dtype
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return {"float16": torch.float16, "float32": torch.float32}.get(
+            ckpt.config.get("dtype") or ckpt.config.get("torch_dtype"), torch.bfloat16)
+    return dtype
+
+
+def dense_weights(ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32,
+                  matrix_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every non-expert tensor under our names ('layers.{i}.wq', 'embed', ...): vectors (norms, biases, ...) as
+    `dtype`; the matrices (`is_matrix`) as `matrix_dtype`, or None: as the checkpoint stores them (fp16 or bf16
+    kept: exact in fp32 arithmetic, half the bytes to read per token; fp32 otherwise)."""
+    family = family_of(ckpt.config)
+    wanted = dense_names(ckpt, args)
     loaded = ckpt.tensors(list(wanted.values()))
-    def kept(ours: str, t: torch.Tensor) -> bool:
-        return keep_16bit_vocab and ours in VOCAB and t.dtype in (torch.float16, torch.bfloat16)
-    out = {ours: loaded[theirs] if kept(ours, loaded[theirs]) else loaded[theirs].to(dtype)
-           for ours, theirs in wanted.items()}
+
+    def held(ours: str, t: torch.Tensor) -> torch.Tensor:
+        if not is_matrix(ours):
+            return t.to(dtype)
+        if matrix_dtype is not None:
+            return t.to(matrix_dtype)
+        return t if t.dtype in (torch.float16, torch.bfloat16, torch.float32) else t.float()
+    out = {ours: held(ours, loaded[theirs]) for ours, theirs in wanted.items()}
     if hasattr(family, "adapt_dense"):  # a family's own conventions, e.g. RMSNorm weights stored as w - 1
         out = family.adapt_dense(out, args)
     _check_shapes(out, args)
@@ -97,14 +133,37 @@ def all_layer_experts(ckpt: Checkpoint, args: ModelArgs) -> Iterator[LayerExpert
         yield layer_experts(ckpt, args, layer)
 
 
-def stored_layer_parts(ckpt: Checkpoint, args: ModelArgs, layer: int, fmt_dtype: str | None) -> list | None:
-    """MoE layer `layer`'s expert parts (w13, w2, then biases; stacked [E, ...]) as the checkpoint already
-    stores them in the disk format `fmt_dtype` (GPT-OSS's MXFP4: quant.py's segments by role), so a conversion
-    writes them as they are; None when the checkpoint holds them otherwise."""
+def expert_parts(ckpt: Checkpoint, args: ModelArgs, layer: int, expert: int, mxfp4: bool = False) -> list:
+    """One expert of MoE layer `layer`, read alone (a conversion's memory is then one expert's, not a layer's):
+    [w13 [2F, H], w2 [H, F]] (and b13 [2F], b2 [H]) as the checkpoint's float tensors, or with `mxfp4` and a
+    checkpoint that holds them in MXFP4 its matrices as {"codes": [rows, cols / 2], "scales": [rows, blocks]}
+    (quant.encode repacks them without requantising)."""
     family = family_of(ckpt.config)
-    if fmt_dtype == "mxfp4" and hasattr(family, "layer_experts_mxfp4"):
-        return family.layer_experts_mxfp4(ckpt, args, args.moe_layers[layer])
-    return None
+    decoder = args.moe_layers[layer]
+    if hasattr(family, "expert_parts"):  # a family's own storage (it has a layer_experts too)
+        parts = family.expert_parts(ckpt, args, decoder, expert, mxfp4)
+    else:
+        names = family.layer_names(decoder, args)["experts"]
+        fused = names["w1"][0].rsplit(".experts.", 1)[0] + ".experts."
+        if fused + "gate_up_proj" in ckpt.files:
+            parts = [ckpt.tensor(fused + "gate_up_proj", expert), ckpt.tensor(fused + "down_proj", expert)]
+        else:
+            t = ckpt.tensors([names["w1"][expert], names["w3"][expert], names["w2"][expert]])
+            w1, w3, w2 = (t[names[k][expert]] for k in ("w1", "w3", "w2"))
+            F, H = args.expert_dim, args.hidden_size
+            for name, w, want in ((names["w1"][expert], w1, (F, H)), (names["w3"][expert], w3, (F, H)),
+                                  (names["w2"][expert], w2, (H, F))):
+                if tuple(w.shape) != want:
+                    raise CheckpointError(f"tensor {name} has shape {tuple(w.shape)}, where config.json implies "
+                                          f"{want}; the checkpoint is corrupt, mixed or of another config")
+            parts = [torch.cat([w1, w3]), w2]
+    F, H = args.expert_dim, args.hidden_size
+    want = [(2 * F, H), (H, F)] + ([(2 * F,), (H,)] if args.expert_bias else [])
+    got = [(p["codes"].shape[0], *w[1:]) if isinstance(p, dict) else tuple(p.shape) for p, w in zip(parts, want)]
+    if len(parts) != len(want) or got != want:
+        raise CheckpointError(f"layer {decoder} expert {expert} has parts of shapes {got}; config.json implies "
+                              f"{want}: the config does not belong to these weights")
+    return parts
 
 
 def router_of(args: ModelArgs, weights: dict[str, torch.Tensor]) -> Router:

@@ -1,6 +1,6 @@
 """One disk-store blob decoded into an expert's fp32 slot rows, compiled and without the GIL, on
 the worker thread that read it: fp16 and bf16 widened bit by bit, fp32 copied, int8/int4 codes
-dequantised group by group (engine/quant.py's layout). One call per blob, no temporaries.
+dequantised group by group (engine/quant.py's packed row-block layout). One call per blob, no temporaries.
 Exact: the same values as quant.decode_into (fp16/bf16 -> fp32 is exact; an integer weight is
 `min + q * scale` or `(q - half) * scale`, each operation rounded once in fp32, as torch does).
 
@@ -72,55 +72,77 @@ def _decode_part(buf, row, dst):
             out_u[i] = np.uint32(src16[i]) << np.uint32(16)
     elif kind == RAW_F16:
         halves_to_floats(buf[start:start + 2 * n].view(np.uint16), dst, out_u, n)
-    else:  # quantized: row by row (decode_row)
-        cols = row[COLS]
-        for r in range(row[ROWS]):
-            decode_row(buf, row, r, dst[r * cols:(r + 1) * cols])
+    else:  # quantized: the packed row blocks
+        _packed_part(buf, row, dst)
 
 
 @njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
-def _int_row(buf, row, r, out):
-    """Row r of an int8/int4 matrix (plan row `row`) into out [cols] float32."""
-    cols, g = row[COLS], row[GROUP]
-    groups = (cols + g - 1) // g
-    rows = row[ROWS]
-    scales = buf[row[SCALES]:row[SCALES] + 2 * rows * groups].view(np.uint16)
+def _packed_codes(buf, row, dst):
+    """The codes of a packed int8/int4/MXFP4 matrix (plan row `row`; engine/quant.py's row-block layout) as
+    floats into dst (float32, [rows * cols] flat): the code itself (integers), or its FP4 value."""
+    R, C, g = row[ROWS], row[COLS], row[GROUP]
+    groups = (C + g - 1) // g
+    four = row[ENCODING] != INT8
+    mx = row[ENCODING] == MXFP4
+    per = 8 if four else 4  # columns of one 64-byte vector
+    vecs = groups * g // per  # vectors of one block
+    for blk in range((R + 15) // 16):
+        for v in range(vecs):
+            at = row[VALUES] + (blk * vecs + v) * 64
+            c0 = v * per
+            for lane in range(min(16, R - blk * 16)):
+                out = dst[(blk * 16 + lane) * C:(blk * 16 + lane + 1) * C]
+                for j in range(4):
+                    b = buf[at + lane * 4 + j]
+                    if four:
+                        lo, hi = b & np.uint8(0xF), b >> np.uint8(4)
+                        if c0 + j < C:
+                            out[c0 + j] = FP4[lo] if mx else np.float32(lo)
+                        if c0 + 4 + j < C:
+                            out[c0 + 4 + j] = FP4[hi] if mx else np.float32(hi)
+                    elif c0 + j < C:
+                        out[c0 + j] = np.float32(b)
+
+
+@njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
+def _packed_part(buf, row, dst):
+    """A packed int8/int4/MXFP4 matrix (plan row `row`) into dst (float32, [rows * cols] flat): codes
+    (_packed_codes), then each group scaled in place, `min + q * scale` or `(q - half) * scale` for integers
+    (each operation rounded once in fp32, as torch does) and `value * 2^(e - 127)` for MXFP4."""
+    _packed_codes(buf, row, dst)
+    R, C, g = row[ROWS], row[COLS], row[GROUP]
+    groups = (C + g - 1) // g
+    mx = row[ENCODING] == MXFP4
     asym = row[MINS] >= 0
-    mins = buf[row[MINS]:row[MINS] + 2 * rows * groups].view(np.uint16) if asym else scales
-    four = row[ENCODING] == INT4
-    code_cols = groups * g // 2 if four else groups * g
-    half = np.float32(7.0 if four else 127.0)  # (2^bits - 1) // 2: the symmetric codes' zero
-    start = row[VALUES]
-    codes = buf[start + r * code_cols:start + (r + 1) * code_cols]
-    # the codes as floats first (each byte of int4 holds two, the low nibble first), then
-    # each group scaled in place: two unit-stride loops that vectorise
-    if four:
-        for j in range(cols >> 1):
-            b = codes[j]
-            out[2 * j] = np.float32(b & np.uint8(0xF))
-            out[2 * j + 1] = np.float32(b >> np.uint8(4))
-        if cols & 1:
-            out[cols - 1] = np.float32(codes[cols >> 1] & np.uint8(0xF))
-    else:
-        for c in range(cols):
-            out[c] = np.float32(codes[c])
-    for gi in range(groups):
-        sc = _half_at(scales, r * groups + gi)
-        c0, c1 = gi * g, min(gi * g + g, cols)
-        if asym:
-            mn = _half_at(mins, r * groups + gi)
-            for c in range(c0, c1):
-                out[c] = mn + out[c] * sc
-        else:
-            for c in range(c0, c1):
-                out[c] = (out[c] - half) * sc
+    half = np.float32(7.0 if row[ENCODING] == INT4 else 127.0)  # (2^bits - 1) // 2: the symmetric codes' zero
+    lanes = ((R + 15) // 16) * groups * 16
+    scales = buf[row[SCALES]:row[SCALES] + (lanes if mx else 2 * lanes)]
+    halves = scales.view(np.uint16) if not mx else scales[:0].view(np.uint16)
+    mins = buf[row[MINS]:row[MINS] + 2 * lanes].view(np.uint16) if asym else halves
+    for r in range(R):
+        out = dst[r * C:(r + 1) * C]
+        for gi in range(groups):
+            i = ((r // 16) * groups + gi) * 16 + r % 16  # the group's value for this row
+            c0, c1 = gi * g, min(gi * g + g, C)
+            if mx:
+                sc = E8M0[scales[i]]
+                for c in range(c0, c1):
+                    out[c] = out[c] * sc
+                continue
+            sc = _half_at(halves, i)
+            if asym:
+                mn = _half_at(mins, i)
+                for c in range(c0, c1):
+                    out[c] = mn + out[c] * sc
+            else:
+                for c in range(c0, c1):
+                    out[c] = (out[c] - half) * sc
 
 
 @njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
 def decode_row(buf, row, r, out):
-    """Row r of one part of a blob (plan row `row`; a bias is one row) into out [cols] float32, the
-    same values decode_blob writes there (which decodes quantized parts row by row through it, and
-    the quantized-slot kernel a slot's biases)."""
+    """Row r of a float part of a blob (plan row `row`; a bias is one row) into out [cols] float32, the
+    same values decode_blob writes there (the quantized-slot kernels read a slot's biases through it)."""
     kind, cols = row[ENCODING], row[COLS]
     if kind == RAW_F32:
         src = buf[row[VALUES] + 4 * r * cols:row[VALUES] + 4 * (r + 1) * cols].view(np.float32)
@@ -134,32 +156,6 @@ def decode_row(buf, row, r, out):
     elif kind == RAW_F16:
         halves_to_floats(buf[row[VALUES] + 2 * r * cols:row[VALUES] + 2 * (r + 1) * cols].view(np.uint16), out,
                           out.view(np.uint32), cols)
-    elif kind == MXFP4:
-        _mxfp4_row(buf, row, r, out)
-    else:
-        _int_row(buf, row, r, out)
-
-
-@njit(cache=True, _nrt=False, nogil=True, error_model="numpy", inline="always")
-def _mxfp4_row(buf, row, r, out):
-    """Row r of an MXFP4 matrix (plan row `row`) into out [cols] float32: blocks of 32 FP4 codes
-    (two per byte, the low nibble first) times their block's power-of-two scale, the padding of
-    the last block dropped."""
-    cols, g = row[COLS], row[GROUP]
-    blocks = (cols + g - 1) // g
-    code_cols = blocks * g // 2
-    codes = buf[row[VALUES] + r * code_cols:row[VALUES] + (r + 1) * code_cols]
-    scales = buf[row[SCALES] + r * blocks:row[SCALES] + (r + 1) * blocks]
-    for j in range(cols >> 1):  # the values first, then each block scaled in place
-        b = codes[j]
-        out[2 * j] = FP4[b & np.uint8(0xF)]
-        out[2 * j + 1] = FP4[b >> np.uint8(4)]
-    if cols & 1:
-        out[cols - 1] = FP4[codes[cols >> 1] & np.uint8(0xF)]
-    for k in range(blocks):
-        scale = E8M0[scales[k]]
-        for c in range(k * g, min(k * g + g, cols)):
-            out[c] = out[c] * scale
 
 
 @njit(cache=True, _nrt=False, nogil=True, error_model="numpy")

@@ -1,14 +1,17 @@
 """Decode's dense path on the CPU, compiled: one token's attention block (norm, q/k/v projection,
 q/k norms, RoPE, the KV-cache write, grouped-query attention with an optional sliding window and
 sinks, the output projection and the residual add) and the MoE input's norm in one call per
-layer, where PyTorch runs ~25 operations whose per-call overhead is most of a decode token.
-fp32 only; sums may be reassociated (SIMD), so results differ from PyTorch's by rounding only."""
+layer, where PyTorch runs ~25 operations whose per-call overhead is most of a decode token; its
+products read the weights in their own format (kernel.matvec) and split over threads. Activations
+in fp32; sums may be reassociated (SIMD), so results differ from PyTorch's by rounding only."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .compiled import widen
+from .decode_blob import GROUP, ROWS
+from .matvec import is_quantized, matvec_rows, quantize_activations, row_unit, split
 
 FAST = {"reassoc", "contract"}  # as in expert_compute: vectorised sums, inf and nan keep their meaning
 EMPTY = np.zeros(0, np.float32)  # an absent bias
@@ -56,24 +59,29 @@ def _rope(v, cos, sin, dim):
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def attention_token(h, attn_norm, moe_norm, eps, wqkv, bqkv, norm_mode, q_norm, k_norm, clip, cos, sin, pos,
-                    keys, values, window, sinks, wo, bo, heads, kv_heads, scratch, scores, x_out):
-    """One decode token's attention block, in place: h [H] += attention(rms_norm(h)), then x_out [H] =
-    rms_norm(h, moe_norm). wqkv [(heads + 2 kv_heads) D, H] with bias bqkv; q/k norms by norm_mode;
-    |q|, |k|, |v| clipped at clip when > 0; cos, sin [rot] the RoPE row of `pos`; keys, values
-    [kv_heads, S, D] (S > pos) receive this token's key and value at pos; a sliding window of `window`
-    positions when > 0; sinks [heads] (GPT-OSS) join each head's softmax denominator when given;
-    wo [H, heads D] with bias bo. Empty arrays stand for absent biases, norms and sinks.
-    scratch [2 H + (2 heads + 2 kv_heads) D], scores [S]: work space."""
-    H = h.shape[0]
+def _attention_input(h, attn_norm, eps, xa, row, xq, xd, xs, xqs):
+    """xa = rms_norm(h, attn_norm), and its int8 form for a quantized q/k/v matrix."""
+    rms_norm(h, attn_norm, eps, xa)
+    if is_quantized(row):
+        quantize_activations(xa, row[GROUP], xq, xd, xs, xqs)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _rows(buf, row, x, xq, xd, xs, xqs, out, first, end):
+    """Row units [first, end) of one product (matvec_rows)."""
+    unit = row_unit(row)
+    matvec_rows(buf, row, x, xq, xd, xs, xqs, out, first * unit, min(row[ROWS], end * unit))
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _qkv_ready(qkv, bqkv, norm_mode, q_norm, k_norm, eps, clip, cos, sin, pos, keys, values, heads, kv_heads):
+    """The q/k/v products of one token made ready to attend: bias, q/k norms, clipping, RoPE, and this token's
+    key and value written at `pos`."""
     D = keys.shape[2]
     nq, nk = heads * D, kv_heads * D
-    xa = scratch[:H]
-    qkv = scratch[H:H + nq + 2 * nk]
-    o = scratch[H + nq + 2 * nk:H + 2 * nq + 2 * nk]
-    y = scratch[H + 2 * nq + 2 * nk:2 * H + 2 * nq + 2 * nk]
-    rms_norm(h, attn_norm, eps, xa)
-    gemv(wqkv, xa, bqkv, qkv)
+    if bqkv.shape[0] > 0:
+        for i in range(qkv.shape[0]):
+            qkv[i] += bqkv[i]
     q, k, v = qkv[:nq], qkv[nq:nq + nk], qkv[nq + nk:]
     if norm_mode == NORM_FULL:
         rms_norm(q, q_norm, eps, q)
@@ -91,34 +99,100 @@ def attention_token(h, attn_norm, moe_norm, eps, wqkv, bqkv, norm_mode, q_norm, 
         for d in range(D):
             keys[hd, pos, d] = k[hd * D + d]
             values[hd, pos, d] = v[hd * D + d]
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _attend_heads(q, keys, values, pos, window, sinks, heads, scores, o, h0, h1):
+    """Heads [h0, h1) of one token's grouped-query attention over positions up to pos (a sliding window of
+    `window` when > 0; GPT-OSS's sinks join each head's softmax denominator when given) into o [heads D];
+    scores [heads, S] scratch."""
+    kv_heads, D = keys.shape[0], keys.shape[2]
     first = max(0, pos - window + 1) if window > 0 else 0
     scale = np.float32(1.0) / np.sqrt(np.float32(D))
     group = heads // kv_heads
-    for hd in range(heads):
+    for hd in range(h0, h1):
         kv = hd // group
-        qh = q[hd * D:(hd + 1) * D]
+        qh, sc = q[hd * D:(hd + 1) * D], scores[hd]
         top = sinks[hd] if sinks.shape[0] > 0 else -np.inf
         for j in range(first, pos + 1):
             s = np.float32(0.0)
             for d in range(D):
                 s += qh[d] * keys[kv, j, d]
-            scores[j] = s * scale
-            top = max(top, scores[j])
+            sc[j] = s * scale
+            top = max(top, sc[j])
         total = np.exp(sinks[hd] - top) if sinks.shape[0] > 0 else np.float32(0.0)
         for j in range(first, pos + 1):
-            scores[j] = np.exp(scores[j] - top)
-            total += scores[j]
+            sc[j] = np.exp(sc[j] - top)
+            total += sc[j]
         oh = o[hd * D:(hd + 1) * D]
         for d in range(D):
             oh[d] = 0.0
         for j in range(first, pos + 1):
-            p = scores[j] / total
+            p = sc[j] / total
             for d in range(D):
                 oh[d] += p * values[kv, j, d]
-    gemv(wo, o, bo, y)
-    for i in range(H):
-        h[i] += y[i]
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _attention_output(h, y, bo, moe_norm, eps, x_out):
+    """h += y (+ bo); x_out = rms_norm(h, moe_norm)."""
+    for i in range(h.shape[0]):
+        h[i] += y[i] + (bo[i] if bo.shape[0] > 0 else np.float32(0.0))
     rms_norm(h, moe_norm, eps, x_out)
+
+
+@njit(cache=True, nogil=True, fastmath=FAST, parallel=True)
+def attention_token(h, attn_norm, moe_norm, eps, qkv_buf, qkv_row, bqkv, norm_mode, q_norm, k_norm, clip, cos, sin,
+                    pos, keys, values, window, sinks, wo_buf, wo_row, bo, heads, kv_heads, scratch, qkv_work, o_work,
+                    scores, x_out, parts):
+    """One decode token's attention block, in place: h [H] += attention(rms_norm(h)), then x_out [H] =
+    rms_norm(h, moe_norm); the products split over `parts` threads by rows, the heads by head. The q/k/v
+    matrix [(heads + 2 kv_heads) D, H] (qkv_buf, qkv_row) and the output matrix [H, heads D] (wo_buf,
+    wo_row) in any kernel.matvec format, with biases bqkv, bo; q/k norms by norm_mode; |q|, |k|, |v| clipped
+    at clip when > 0; cos, sin [rot] the RoPE row of `pos`; keys, values [kv_heads, S, D] (S > pos) receive
+    this token's key and value at pos; a sliding window of `window` positions when > 0; sinks [heads]
+    (GPT-OSS) join each head's softmax denominator when given. Empty arrays stand for absent biases, norms
+    and sinks. scratch [2 H + (2 heads + 2 kv_heads) D], scores [heads, S]; qkv_work, o_work: the products'
+    activation scratch (kernel.linear.activation_work)."""
+    H = h.shape[0]
+    D = keys.shape[2]
+    nq, nk = heads * D, kv_heads * D
+    xa = scratch[:H]
+    qkv = scratch[H:H + nq + 2 * nk]
+    o = scratch[H + nq + 2 * nk:H + 2 * nq + 2 * nk]
+    y = scratch[H + 2 * nq + 2 * nk:2 * H + 2 * nq + 2 * nk]
+    xq, xd, xs, xqs = qkv_work
+    oq, od, os, oqs = o_work
+    _attention_input(h, attn_norm, eps, xa, qkv_row, xq[0], xd[0], xs[0], xqs[0])
+    n = (qkv_row[ROWS] + row_unit(qkv_row) - 1) // row_unit(qkv_row)
+    if parts == 1:
+        _rows(qkv_buf, qkv_row, xa, xq[0], xd[0], xs[0], xqs[0], qkv, 0, n)
+    else:
+        for p in prange(parts):
+            first, end = split(n, p, parts)
+            _rows(qkv_buf, qkv_row, xa, xq[0], xd[0], xs[0], xqs[0], qkv, first, end)
+    _qkv_ready(qkv, bqkv, norm_mode, q_norm, k_norm, eps, clip, cos, sin, pos, keys, values, heads, kv_heads)
+    if parts == 1:
+        _attend_heads(qkv[:nq], keys, values, pos, window, sinks, heads, scores, o, 0, heads)
+    else:
+        for p in prange(parts):
+            h0, h1 = split(heads, p, parts)
+            _attend_heads(qkv[:nq], keys, values, pos, window, sinks, heads, scores, o, h0, h1)
+    if is_quantized(wo_row):
+        _quantize(o, wo_row[GROUP], oq[0], od[0], os[0], oqs[0])
+    n = (wo_row[ROWS] + row_unit(wo_row) - 1) // row_unit(wo_row)
+    if parts == 1:
+        _rows(wo_buf, wo_row, o, oq[0], od[0], os[0], oqs[0], y, 0, n)
+    else:
+        for p in prange(parts):
+            first, end = split(n, p, parts)
+            _rows(wo_buf, wo_row, o, oq[0], od[0], os[0], oqs[0], y, first, end)
+    _attention_output(h, y, bo, moe_norm, eps, x_out)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _quantize(x, g, xq, xd, xs, xqs):
+    quantize_activations(x, g, xq, xd, xs, xqs)
 
 
 def scratch_size(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:

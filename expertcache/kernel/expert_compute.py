@@ -1,30 +1,29 @@
-"""Expert compute on the CPU, compiled: one decode token's k experts straight from their
-cache slots in one call (gate/up products, the gated activation, down products and the
-gate-weighted sum), instead of ~4 PyTorch operations per expert; and a window's experts,
-grouped by slot. Computes in fp32 from fp32 slots or from 16-bit ones (`compiled.widen`:
-exact); sums may be reassociated (SIMD), so results differ from PyTorch's by rounding only."""
+"""Expert compute on the CPU, compiled: one decode token's k experts straight from their cache slots
+(gate/up products, the gated activation, down products and the gate-weighted sum), and a window's
+experts grouped by slot, in any slot format (kernel.matvec: float slots widened in registers,
+quantized slots from their codes), split across `parts` threads.
+
+A slot's parts are matrices as matvec takes them: buf13 / buf2 [S, bytes] uint8 (a quantized slot's blob
+in both, or a float slot's w13 and w2 bytes) with plan rows row13 / row2, and the biases likewise
+(bbuf13 / bbuf2 with rows brow13 / brow2, float; buffers of shape [0, 0] where the family has none).
+
+A decode token runs in two parallel phases: every expert's gate/up rows shared among the threads, then
+the down products by output rows (each thread adds up its rows over the k experts). A window sorts its
+(token, expert) assignments by slot, gathers each slot's inputs into consecutive rows and runs the same
+two phases on passes of at most PASS assignments (their scratch stays that size whatever the window; a
+slot with more assignments than that takes several passes):
+each thread takes a range of every used slot's row blocks, one slot after another, so that a slot's
+inputs stay in cache while its rows stream by."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-from .compiled import widen
-from .decode_blob import (
-    COLS,
-    ENCODING,
-    GROUP,
-    INT4,
-    MINS,
-    ROWS,
-    SCALES,
-    VALUES,
-    decode_blob,
-    decode_row,
-    halves_to_floats,
-)
+from .decode_blob import COLS, GROUP, ROWS, decode_row
+from .matvec import is_quantized, matmul_rows, matvec_rows, quantize_activations, row_unit, split
 
-# reassoc/contract let LLVM vectorise the dot products; inf and nan keep their meaning
-FAST = {"reassoc", "contract"}
+FAST = {"reassoc", "contract"}  # reassoc/contract let LLVM vectorise the sums; inf and nan keep their meaning
+PASS = 512  # (token, expert) assignments of one pass of a window
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
@@ -37,335 +36,311 @@ def gated(g, u, limit, alpha):
     return g / (np.float32(1.0) + np.exp(-g)) * u
 
 
+def _codes(n: int, cols: int, group: int) -> tuple[np.ndarray, ...]:
+    """Scratch for n vectors of `cols` activations quantized in groups of `group` (quantize_activations):
+    codes, scales, sums, code sums; a single column where the matrix is float (group 1) and none is used."""
+    width, groups = (-(-cols // group) * group, -(-cols // group)) if group > 1 else (1, 1)
+    return (np.empty((n, width), np.int8), np.empty((n, groups), np.float32), np.empty((n, groups), np.float32),
+            np.empty((n, groups), np.int32))
+
+
+def token_work(k: int, H: int, F: int, G13: int, G2: int, parts: int) -> tuple[np.ndarray, ...]:
+    """experts_token's scratch for k experts of hidden size H and width F, activation groups G13 (the gate/up
+    matrices') and G2 (the down matrices'; 1 for float matrices: `activation_group`) and `parts` threads."""
+    xq, xd, xs, xqs = _codes(1, H, G13)
+    return (xq[0], xd[0], xs[0], xqs[0], np.empty((k, 2 * F), np.float32), np.empty((k, F), np.float32),
+            *_codes(k, F, G2), np.empty((k, H), np.float32), np.empty(2 * F, np.float32),
+            np.empty((parts, H), np.float32))
+
+
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def experts_token(x, slots, gates, w13, w2, b13, b2, limit, alpha, act, out):
-    """x [H], slots [k] (int64), gates [k] float32, w13 [S, 2F, H], w2 [S, H, F], biases b13
-    [S, 2F] and b2 [S, H] (shape [0, 0] when the family has none); weights and biases float32, or
-    uint16 / int16 holding fp16 / bf16 bits (`widen`); limit (> 0: GPT-OSS's
-    clamped SwiGLU with `alpha`; otherwise silu(gate) * up), act [F] scratch -> out [H] =
-    sum_j gates[j] * expert_{slots[j]}(x)."""
-    F = w2.shape[2]
-    H = x.shape[0]
-    biased = b13.shape[0] > 0
-    for h in range(H):
-        out[h] = 0.0
+def _gate_up_units(x, slots, buf13, row13, xq, xd, xs, xqs, h, first, end, n13):
+    """Units [first, end) of a token's gate/up products: unit u is expert u // n13's row unit u % n13."""
+    unit, rows = row_unit(row13), row13[ROWS]
+    for u in range(first, end):
+        j, blk = u // n13, u % n13
+        matvec_rows(buf13[slots[j]], row13, x, xq, xd, xs, xqs, h[j], blk * unit, min(rows, (blk + 1) * unit))
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _down_units(slots, buf2, row2, act, aq, ad, asum, aqs, y, bsum, out, first, end):
+    """Output row units [first, end) of a token's down products, summed over its k experts into out."""
+    unit, H = row_unit(row2), row2[ROWS]
+    r0, r1 = first * unit, min(H, end * unit)
+    if r0 >= r1:
+        return
     for j in range(slots.shape[0]):
-        s, gate = slots[j], gates[j]
-        for f in range(F):
-            g = np.float32(0.0)
-            u = np.float32(0.0)
-            for h in range(H):
-                g += widen(w13[s, f, h]) * x[h]
-                u += widen(w13[s, F + f, h]) * x[h]
-            if biased:
-                g += widen(b13[s, f])
-                u += widen(b13[s, F + f])
-            act[f] = gate * gated(g, u, limit, alpha)
-        for h in range(0, H, 2):  # down rows in pairs share each load of act (1.7x when slots sit in cache)
-            h2 = min(h + 1, H - 1)  # an odd last row pairs with itself
-            y = np.float32(0.0)
-            z = np.float32(0.0)
+        matvec_rows(buf2[slots[j]], row2, act[j], aq[j], ad[j], asum[j], aqs[j], y[j], r0, r1)
+    for r in range(r0, r1):
+        s = bsum[r]
+        for j in range(slots.shape[0]):
+            s += y[j, r]
+        out[r] = s
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _quantize(x, g, xq, xd, xs, xqs):
+    """quantize_activations, as a call of its own: a parallel function's body keeps only its prange loops and
+    calls (numba's parallel passes, applied to inlined loops, miscompiled some shapes)."""
+    quantize_activations(x, g, xq, xd, xs, xqs)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _token_activations(slots, gates, bbuf13, brow13, bbuf2, brow2, row2, limit, alpha, h, act, aq, ad, asum, aqs, y,
+                       b13, bsum):
+    """A token's gated activations act [k, F] times its gates (and their quantized form for quantized down
+    matrices), from its gate/up products h [k, 2F] and the gate/up biases; bsum [H] = the gate-weighted sum of
+    the down biases (y [k, H] as scratch)."""
+    k, F, H = slots.shape[0], row2[COLS], bsum.shape[0]
+    biased = bbuf13.shape[0] > 0
+    for r in range(H):
+        bsum[r] = 0.0
+    for j in range(k):
+        gate = gates[j]
+        if biased:
+            decode_row(bbuf13[slots[j]], brow13, 0, b13)
+            decode_row(bbuf2[slots[j]], brow2, 0, y[j])
+            for r in range(H):
+                bsum[r] += gate * y[j, r]
             for f in range(F):
-                a = act[f]
-                y += widen(w2[s, h, f]) * a
-                z += widen(w2[s, h2, f]) * a
-            if biased:
-                y += gate * widen(b2[s, h])
-                z += gate * widen(b2[s, h2])
-            out[h] += y
-            if h2 > h:
-                out[h2] += z
+                act[j, f] = gate * gated(h[j, f] + b13[f], h[j, F + f] + b13[F + f], limit, alpha)
+        else:
+            for f in range(F):
+                act[j, f] = gate * gated(h[j, f], h[j, F + f], limit, alpha)
+        if is_quantized(row2):
+            quantize_activations(act[j], row2[GROUP], aq[j], ad[j], asum[j], aqs[j])
 
 
-ROW_BLOCK = 4  # rows of one expert's inputs that share each load of a weight row
-PASS_ROWS = 256  # rows of one expert run in one pass: the scratch stays this size whatever the window
+@njit(cache=True, nogil=True, fastmath=FAST, parallel=True)
+def experts_token(x, slots, gates, buf13, row13, buf2, row2, bbuf13, brow13, bbuf2, brow2, limit, alpha, work, out,
+                  parts):
+    """x [H] float32, slots [k] int64, gates [k] float32, the slots' matrices (see the module) ->
+    out [H] = sum_j gates[j] * expert_{slots[j]}(x), over `parts` threads; work: token_work's scratch."""
+    xq, xd, xs, xqs, h, act, aq, ad, asum, aqs, y, b13, bias2 = work
+    k, H = slots.shape[0], x.shape[0]
+    if is_quantized(row13):
+        _quantize(x, row13[GROUP], xq, xd, xs, xqs)
+    n13 = (row13[ROWS] + row_unit(row13) - 1) // row_unit(row13)
+    if parts == 1:
+        _gate_up_units(x, slots, buf13, row13, xq, xd, xs, xqs, h, 0, k * n13, n13)
+    else:
+        for p in prange(parts):
+            first, end = split(k * n13, p, parts)
+            _gate_up_units(x, slots, buf13, row13, xq, xd, xs, xqs, h, first, end, n13)
+    bsum = bias2[0]
+    _token_activations(slots, gates, bbuf13, brow13, bbuf2, brow2, row2, limit, alpha, h, act, aq, ad, asum, aqs, y,
+                       b13, bsum)
+    n2 = (H + row_unit(row2) - 1) // row_unit(row2)
+    if parts == 1:
+        _down_units(slots, buf2, row2, act, aq, ad, asum, aqs, y, bsum, out, 0, n2)
+    else:
+        for p in prange(parts):
+            first, end = split(n2, p, parts)
+            _down_units(slots, buf2, row2, act, aq, ad, asum, aqs, y, bsum, out, first, end)
 
 
-def window_scratch(assignments: int, S: int, H: int, F: int) -> tuple[np.ndarray, ...]:
-    """The scratch experts_window needs for up to `assignments` (token, expert) pairs over S slots of
-    [2F, H] and [H, F]: the counting sort (count [S + 1], order), one expert's weights and biases in
-    float32, and one pass's rows of its inputs, products and activations."""
-    return (np.empty(S + 1, np.int64), np.empty(assignments, np.int64), np.empty((2 * F, H), np.float32),
-            np.empty((H, F), np.float32), np.empty(2 * F, np.float32), np.empty(H, np.float32),
-            np.empty((PASS_ROWS, H), np.float32), np.empty((PASS_ROWS, max(2 * F, H)), np.float32),
-            np.empty((PASS_ROWS, F), np.float32))
+def window_work(T: int, k: int, S: int, H: int, F: int, G13: int, G2: int, parts: int) -> tuple[np.ndarray, ...]:
+    """experts_window's scratch for windows of up to T tokens over S slots (as token_work's arguments)."""
+    A = min(PASS, T * k)  # one pass's assignments
+    return (np.empty(S + 1, np.int64), np.empty(T * k, np.int64), np.empty(S, np.int64), np.empty(S + 1, np.int64),
+            np.empty(S, np.int64), np.empty(A, np.int64), *_codes(T, H, G13), np.empty((1 if G13 > 1 else A, H), np.float32),
+            *_codes(A, H, G13), np.empty((A, 2 * F), np.float32), np.empty((A, F), np.float32), *_codes(A, F, G2),
+            np.empty((A, H), np.float32), np.empty((parts, max(2 * F, H)), np.float32))
 
 
-@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
-def _block_dots(a, r, w, out, n, m):
-    """out[r + i, c] = a[r + i, :m] . w[c, :m] for the ROW_BLOCK rows from r and c < n: each weight
-    load serves four rows, and the four sums vectorise along m."""
-    x0, x1, x2, x3 = a[r], a[r + 1], a[r + 2], a[r + 3]
-    for c in range(n):
-        wc = w[c]
-        s0 = np.float32(0.0)
-        s1 = np.float32(0.0)
-        s2 = np.float32(0.0)
-        s3 = np.float32(0.0)
-        for h in range(m):
-            v = wc[h]
-            s0 += v * x0[h]
-            s1 += v * x1[h]
-            s2 += v * x2[h]
-            s3 += v * x3[h]
-        out[r, c], out[r + 1, c], out[r + 2, c], out[r + 3, c] = s0, s1, s2, s3
-
-
-@njit(cache=True, _nrt=False, nogil=True, inline="always")
-def _sort_by_slot(slots, S, count, order):
-    """Counting sort of the assignments t * k + j by slot: afterwards slot s's are order[count[s - 1]:count[s]]
-    (from 0 for s = 0), in token order."""
+@njit(cache=True, _nrt=False, nogil=True)
+def _sort_by_slot(slots, gates, S, count, order):
+    """Counting sort of the assignments t * k + j with a nonzero gate by slot (padding has gate 0): afterwards
+    slot s's are order[count[s - 1]:count[s]] (from 0 for s = 0), in token order; returns how many there are."""
     T, k = slots.shape
     for s in range(S + 1):
         count[s] = 0
     for t in range(T):
         for j in range(k):
-            count[slots[t, j] + 1] += 1
+            if gates[t, j] != 0:
+                count[slots[t, j] + 1] += 1
     for s in range(S):
         count[s + 1] += count[s]
     for t in range(T):
         for j in range(k):
-            order[count[slots[t, j]]] = t * k + j
-            count[slots[t, j]] += 1
-
-
-@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
-def _run_slot(x, gates, order, start, end, wf13, wf2, b13, b2, biased, limit, alpha, xs, hs, acts, out):
-    """out[t] += gate * expert(x[t]) for the assignments order[start:end] of one expert, whose weights are
-    wf13 [2F, H] and wf2 [H, F] (and biases b13 [2F], b2 [H]) in float32: passes of up to PASS_ROWS rows in
-    blocks of four (the last block repeats its last row)."""
-    k = gates.shape[1]
-    F, H = wf2.shape[1], x.shape[1]
-    for first in range(start, end, PASS_ROWS):
-        n = min(PASS_ROWS, end - first)
-        blocks = (n + ROW_BLOCK - 1) // ROW_BLOCK * ROW_BLOCK
-        for i in range(blocks):
-            t = order[first + min(i, n - 1)] // k
-            for h in range(H):
-                xs[i, h] = x[t, h]
-        for i in range(0, blocks, ROW_BLOCK):
-            _block_dots(xs, i, wf13, hs, 2 * F, H)
-        for i in range(blocks):
-            a = order[first + min(i, n - 1)]
-            gate = gates[a // k, a % k]
-            for f in range(F):
-                g, u = hs[i, f], hs[i, F + f]
-                if biased:
-                    g += b13[f]
-                    u += b13[F + f]
-                acts[i, f] = gate * gated(g, u, limit, alpha)
-        for i in range(0, blocks, ROW_BLOCK):
-            _block_dots(acts, i, wf2, hs, H, F)
-        for i in range(n):
-            a = order[first + i]
-            t = a // k
-            if biased:
-                gate = gates[t, a % k]
-                for h in range(H):
-                    out[t, h] += hs[i, h] + gate * b2[h]
-            else:
-                for h in range(H):
-                    out[t, h] += hs[i, h]
+            if gates[t, j] != 0:
+                order[count[slots[t, j]]] = t * k + j
+                count[slots[t, j]] += 1
+    return count[S - 1] if S > 0 else 0
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def experts_window(x, slots, gates, w13, w2, b13, b2, limit, alpha, count, order, wf13, wf2, bf13, bf2, xs, hs, acts,
-                   out):
-    """A window's experts: x [T, H], slots [T, k] (int64), gates [T, k] float32; weights and biases
-    as experts_token takes them; scratch from window_scratch -> out [T, H] = per token, the sum over
-    j of gates[t, j] * expert_{slots[t, j]}(x[t]). The assignments are sorted by slot and each used
-    slot's weights widened to float32 once, then its rows run together (`_run_slot`): one call, where
-    PyTorch takes ~10 operations per expert."""
-    S, F, H = w13.shape[0], w2.shape[2], x.shape[1]
-    biased = b13.shape[0] > 0
-    _sort_by_slot(slots, S, count, order)
-    out[:] = 0.0
-    start = 0
-    for s in range(S):  # count[s] is now where slot s's assignments end
-        if count[s] == start:
-            continue
-        for c in range(2 * F):
-            for h in range(H):
-                wf13[c, h] = widen(w13[s, c, h])
-        for h in range(H):
-            for f in range(F):
-                wf2[h, f] = widen(w2[s, h, f])
+def _window_rows(used, starts, ends, u0, u1, base, buf, row, x, xq, xd, xs, xqs, out, first, end):
+    """Row units [first, end) of one phase of a pass, for each used slot u in [u0, u1) in turn: its
+    assignments' rows max(starts[u], base) - base .. ends[u] - base of x (or its quantized xq, ...) times the
+    slot's matrix into the same rows of out."""
+    unit, rows = row_unit(row), row[ROWS]
+    r0, r1 = first * unit, min(rows, end * unit)
+    if r0 >= r1:
+        return
+    for u in range(u0, u1):
+        a0, a1 = max(starts[u], base) - base, ends[u] - base
+        matmul_rows(buf[used[u]], row, x[a0:a1], xq[a0:a1], xd[a0:a1], xs[a0:a1], xqs[a0:a1], out[a0:a1], r0, r1)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _gather(x, order, k, base, q, tq, td, ts, tqs, gx, gq, gd, gs, gqs, a0, a1):
+    """Rows [a0, a1) of a pass's inputs in slot order: assignment base + a's token's x row, or its quantized form."""
+    for a in range(a0, a1):
+        t = order[base + a] // k
+        if q:
+            for c in range(tq.shape[1]):
+                gq[a, c] = tq[t, c]
+            for c in range(td.shape[1]):
+                gd[a, c], gs[a, c], gqs[a, c] = td[t, c], ts[t, c], tqs[t, c]
+        else:
+            for c in range(x.shape[1]):
+                gx[a, c] = x[t, c]
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _activations(order, k, gates, base, slot_of, bbuf13, brow13, limit, alpha, F, q2, g2, h, act, aq, ad, asum, aqs,
+                 b13, a0, a1):
+    """Rows [a0, a1) of a pass's gated activations times each assignment's gate (and their quantized form for
+    quantized down matrices); slot_of[a]: the slot of pass row a; b13 [2F] scratch."""
+    biased = bbuf13.shape[0] > 0
+    last = -1
+    for a in range(a0, a1):
+        e = order[base + a]
+        gate = gates[e // k, e % k]
         if biased:
-            for c in range(2 * F):
-                bf13[c] = widen(b13[s, c])
-            for h in range(H):
-                bf2[h] = widen(b2[s, h])
-        _run_slot(x, gates, order, start, count[s], wf13, wf2, bf13, bf2, biased, limit, alpha, xs, hs, acts, out)
-        start = count[s]
+            if slot_of[a] != last:
+                last = slot_of[a]
+                decode_row(bbuf13[last], brow13, 0, b13)
+            for f in range(F):
+                act[a, f] = gate * gated(h[a, f] + b13[f], h[a, F + f] + b13[F + f], limit, alpha)
+        else:
+            for f in range(F):
+                act[a, f] = gate * gated(h[a, f], h[a, F + f], limit, alpha)
+        if q2:
+            quantize_activations(act[a], g2, aq[a], ad[a], asum[a], aqs[a])
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def experts_window_int(x, slots, gates, blobs, plan, limit, alpha, count, order, wf13, wf2, bf13, bf2, xs, hs, acts,
-                       out):
-    """experts_window over int8/int4 slots (blobs uint8 [S, bytes], read through `plan` as
-    experts_token_int reads them): each used slot's blob decoded once into float32 weights
-    (decode_blob: the values a fetch into fp32 slots writes), then its rows run together."""
-    S, H = blobs.shape[0], x.shape[1]
-    biased = plan.shape[0] > 2
-    _sort_by_slot(slots, S, count, order)
-    out[:] = 0.0
-    start = 0
+def _scatter(order, k, gates, base, n, slot_of, bbuf2, brow2, y, out, b2, c0, c1):
+    """Columns [c0, c1) of each of a pass's n outputs added into its token's row of out (with gate * b2 of its
+    slot when the family has biases; b2 [H] scratch)."""
+    biased = bbuf2.shape[0] > 0
+    last = -1
+    for a in range(n):
+        e = order[base + a]
+        t = e // k
+        if biased:
+            if slot_of[a] != last:
+                last = slot_of[a]
+                decode_row(bbuf2[last], brow2, 0, b2)
+            gate = gates[t, e % k]
+            for c in range(c0, c1):
+                out[t, c] += y[a, c] + gate * b2[c]
+        else:
+            for c in range(c0, c1):
+                out[t, c] += y[a, c]
+
+
+@njit(cache=True, _nrt=False, nogil=True)
+def _used_slots(slots, gates, S, count, order, used, starts, out):
+    """A window's plan: its assignments sorted by slot (_sort_by_slot), used [U] the slots they use in order,
+    starts [U + 1] where each one's assignments begin (and end); out zeroed. Returns U."""
+    A = _sort_by_slot(slots, gates, S, count, order)
+    U = 0
+    begin = 0
     for s in range(S):
-        if count[s] == start:
-            continue
-        decode_blob(blobs[s], plan, wf13.reshape(-1), wf2.reshape(-1), bf13, bf2)
-        _run_slot(x, gates, order, start, count[s], wf13, wf2, bf13, bf2, biased, limit, alpha, xs, hs, acts, out)
-        start = count[s]
-
-
-@njit(cache=True, _nrt=False, nogil=True, inline="always")
-def _groups(row):
-    """Groups per row of an int8/int4 part (plan row `row`)."""
-    return (row[COLS] + row[GROUP] - 1) // row[GROUP]
-
-
-def int_work_floats(plan) -> int:
-    """The float32 scratch experts_token_int needs for `plan`: biases, both vectors in lanes with
-    their group sums, and both matrices' scales and minimums as floats."""
-    (g0, g1), (H, F) = plan[:2, GROUP], plan[1, ROWS:COLS + 1]
-    n0, n1 = plan[0, ROWS] * _groups(plan[0]), H * _groups(plan[1])
-    return int(2 * F + H + 2 * (H + g0) + 2 * (F + g1) + 2 * n0 + 2 * n1)
-
-
-@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
-def _lanes(v, n, g, four, lanes, sums):
-    """v [n] laid out for _int_dot_pair: lanes = v padded with zeros to whole groups (int4: the
-    even-indexed elements, then the odd ones, to meet a byte's low and high codes); sums[gi] =
-    the sum of group gi."""
-    m = (n + g - 1) // g * g
-    if four:
-        h = m // 2
-        for j in range(h):
-            lanes[j] = v[2 * j] if 2 * j < n else np.float32(0.0)
-            lanes[h + j] = v[2 * j + 1] if 2 * j + 1 < n else np.float32(0.0)
-    else:
-        for c in range(m):
-            lanes[c] = v[c] if c < n else np.float32(0.0)
-    for gi in range(m // g):
-        s = np.float32(0.0)
-        for c in range(gi * g, min(gi * g + g, n)):
-            s += v[c]
-        sums[gi] = s
-
-
-@njit(cache=True, _nrt=False, nogil=True, inline="always")
-def _scales_as_floats(blob, row, scales, mins):
-    """An int8/int4 part's fp16 scales (and minimums, when asymmetric) as float32, every row's."""
-    n = row[ROWS] * _groups(row)
-    halves_to_floats(blob[row[SCALES]:row[SCALES] + 2 * n].view(np.uint16), scales, scales.view(np.uint32), n)
-    if row[MINS] >= 0:
-        halves_to_floats(blob[row[MINS]:row[MINS] + 2 * n].view(np.uint16), mins, mins.view(np.uint32), n)
-
-
-@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
-def _int_dot_pair(blob, row, r1, r2, lanes, sums, scales, mins):
-    """Rows r1 and r2 of an int8/int4 part (plan row `row`) times a vector given as _lanes: per
-    group, scale * (codes . v) + min * sum(v), or scale * (codes . v - zero * sum(v)) when
-    symmetric. The codes are never dequantised: one conversion and one multiply-add per weight.
-    Two rows at a time share each load of the vector (a gate row with its up row, or two down rows):
-    ~25% faster than one at a time here."""
-    g, groups = row[GROUP], _groups(row)
-    four = row[ENCODING] == INT4
-    code_cols = groups * g // 2 if four else groups * g
-    at1, at2 = row[VALUES] + r1 * code_cols, row[VALUES] + r2 * code_cols
-    c1, c2 = blob[at1:at1 + code_cols], blob[at2:at2 + code_cols]
-    s1, m1 = scales[r1 * groups:(r1 + 1) * groups], mins[r1 * groups:(r1 + 1) * groups]
-    s2, m2 = scales[r2 * groups:(r2 + 1) * groups], mins[r2 * groups:(r2 + 1) * groups]
-    asym = row[MINS] >= 0
-    zero = np.float32(7.0 if four else 127.0)
-    y1 = np.float32(0.0)
-    y2 = np.float32(0.0)
-    # slices per group keep every index provably in range, which lets LLVM vectorise the loops; the
-    # default group of 32 codes gets loops of a constant trip count, one vector each (int4 75 -> 63 us)
-    n = g // 2 if four else g
-    h = groups * g // 2
-    for gi in range(groups):
-        d1 = np.float32(0.0)
-        d2 = np.float32(0.0)
-        if four and n == 16:  # as below, with the trip count known
-            a1, a2 = c1[gi * 16:(gi + 1) * 16], c2[gi * 16:(gi + 1) * 16]
-            lo, hi = lanes[gi * 16:(gi + 1) * 16], lanes[h + gi * 16:h + (gi + 1) * 16]
-            for j in range(16):
-                v, w = lo[j], hi[j]
-                d1 += np.float32(a1[j] & np.uint8(0xF)) * v + np.float32(a1[j] >> np.uint8(4)) * w
-                d2 += np.float32(a2[j] & np.uint8(0xF)) * v + np.float32(a2[j] >> np.uint8(4)) * w
-        elif four:  # a byte's low code meets the even lanes, its high code the odd ones
-            a1, a2 = c1[gi * n:(gi + 1) * n], c2[gi * n:(gi + 1) * n]
-            lo, hi = lanes[gi * n:(gi + 1) * n], lanes[h + gi * n:h + (gi + 1) * n]
-            for j in range(a1.shape[0]):
-                v, w = lo[j], hi[j]
-                d1 += np.float32(a1[j] & np.uint8(0xF)) * v + np.float32(a1[j] >> np.uint8(4)) * w
-                d2 += np.float32(a2[j] & np.uint8(0xF)) * v + np.float32(a2[j] >> np.uint8(4)) * w
-        elif n == 32:
-            a1, a2, v = c1[gi * 32:(gi + 1) * 32], c2[gi * 32:(gi + 1) * 32], lanes[gi * 32:(gi + 1) * 32]
-            for j in range(32):
-                d1 += np.float32(a1[j]) * v[j]
-                d2 += np.float32(a2[j]) * v[j]
-        else:
-            a1, a2, v = c1[gi * n:(gi + 1) * n], c2[gi * n:(gi + 1) * n], lanes[gi * n:(gi + 1) * n]
-            for j in range(a1.shape[0]):
-                d1 += np.float32(a1[j]) * v[j]
-                d2 += np.float32(a2[j]) * v[j]
-        if asym:
-            y1 += s1[gi] * d1 + m1[gi] * sums[gi]
-            y2 += s2[gi] * d2 + m2[gi] * sums[gi]
-        else:
-            y1 += s1[gi] * (d1 - zero * sums[gi])
-            y2 += s2[gi] * (d2 - zero * sums[gi])
-    return y1, y2
+        if count[s] > begin:
+            used[U], starts[U] = s, begin
+            U += 1
+        begin = count[s]
+    starts[U] = A
+    for t in range(out.shape[0]):
+        for c in range(out.shape[1]):
+            out[t, c] = 0.0
+    return U
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def experts_token_int(x, slots, gates, blobs, plan, limit, alpha, work, act, out):
-    """experts_token over int8/int4 slots: blobs uint8 [S, bytes], each slot one expert's encoded blob
-    as the disk store keeps it, read through plan int64 [parts, PLAN_COLUMNS] (quant.decode_plan),
-    computing from the codes: each product is a sum over groups of scale
-    * (codes . v) + min * sum(v), so no weight is dequantised. Equal to experts_token over the
-    dequantised slots up to the order of its sums. work float32 [int_work_floats(plan)], act [F]
-    scratch -> out [H]."""
-    H = x.shape[0]
-    F = plan[1, COLS]
-    biased = plan.shape[0] > 2
-    four = plan[0, ENCODING] == INT4
-    g0, g1 = plan[0, GROUP], plan[1, GROUP]
-    n0, n1 = plan[0, ROWS] * _groups(plan[0]), H * _groups(plan[1])
-    b13, work = work[:2 * F], work[2 * F:]
-    b2, work = work[:H], work[H:]
-    x_lanes, work = work[:H + g0], work[H + g0:]
-    x_sums, work = work[:H + g0], work[H + g0:]
-    a_lanes, work = work[:F + g1], work[F + g1:]
-    a_sums, work = work[:F + g1], work[F + g1:]
-    sc0, work = work[:n0], work[n0:]
-    mn0, work = work[:n0], work[n0:]
-    sc1, mn1 = work[:n1], work[n1:2 * n1]
-    _lanes(x, H, g0, four, x_lanes, x_sums)
-    for h in range(H):
-        out[h] = 0.0
-    for j in range(slots.shape[0]):
-        blob, gate = blobs[slots[j]], gates[j]
-        _scales_as_floats(blob, plan[0], sc0, mn0)
-        _scales_as_floats(blob, plan[1], sc1, mn1)
-        if biased:
-            decode_row(blob, plan[2], 0, b13)
-            decode_row(blob, plan[3], 0, b2)
-        for f in range(F):
-            g, u = _int_dot_pair(blob, plan[0], f, F + f, x_lanes, x_sums, sc0, mn0)
-            if biased:
-                g += b13[f]
-                u += b13[F + f]
-            act[f] = gate * gated(g, u, limit, alpha)
-        _lanes(act, F, g1, four, a_lanes, a_sums)
-        for h in range(0, H, 2):
-            h2 = min(h + 1, H - 1)  # an odd last row pairs with itself
-            y, z = _int_dot_pair(blob, plan[1], h, h2, a_lanes, a_sums, sc1, mn1)
-            if biased:
-                y += gate * b2[h]
-                z += gate * b2[h2]
-            out[h] += y
-            if h2 > h:
-                out[h2] += z
+def _quantize_rows(x, g, tq, td, ts, tqs, t0, t1):
+    """Rows [t0, t1) of x [T, H] quantized (quantize_activations) into the rows of tq, td, ts, tqs."""
+    for t in range(t0, t1):
+        quantize_activations(x[t], g, tq[t], td[t], ts[t], tqs[t])
+
+
+@njit(cache=True, _nrt=False, nogil=True)
+def _next_pass(used, starts, U, u0, base, cap, slot_of, ends):
+    """The pass that starts at assignment `base` (in used slot u0's range): the used slots it reaches,
+    [u0, u1), each ending at the slot's end or at base + cap, whichever comes first (a pass ends at a slot's
+    end where one lies within cap, so that a slot's rows split across passes only when it has more than cap
+    assignments); ends[u] the end of slot u's part in this pass; slot_of[a] = the slot of pass row a.
+    Returns u1."""
+    limit = base + cap
+    u1 = u0 + 1
+    while u1 < U and starts[u1 + 1] <= limit:
+        u1 += 1
+    for u in range(u0, u1):
+        ends[u] = min(starts[u + 1], limit)
+        for a in range(max(starts[u], base) - base, ends[u] - base):
+            slot_of[a] = used[u]
+    return u1
+
+
+@njit(cache=True, nogil=True, fastmath=FAST, parallel=True)
+def experts_window(x, slots, gates, buf13, row13, buf2, row2, bbuf13, brow13, bbuf2, brow2, limit, alpha, work, out,
+                   parts):
+    """A window's experts: x [T, H] float32, slots [T, k] int64, gates [T, k] float32 (gate 0: padding,
+    skipped), the slots' matrices (see the module) -> out [T, H] = per token, the sum over j of
+    gates[t, j] * expert_{slots[t, j]}(x[t]), over `parts` threads; work: window_work's scratch."""
+    (count, order, used, starts, ends, slot_of, tq, td, ts, tqs, gx, gq, gd, gs, gqs, h, act, aq, ad, asum, aqs, y,
+     scratch) = work
+    T, k = slots.shape
+    H, F = x.shape[1], row2[COLS]
+    q13, q2 = is_quantized(row13), is_quantized(row2)
+    U = _used_slots(slots, gates, buf13.shape[0], count, order, used, starts, out)
+    if q13:  # each token's input quantized once, whichever experts it runs
+        if parts == 1:
+            _quantize_rows(x, row13[GROUP], tq, td, ts, tqs, 0, T)
+        else:
+            for p in prange(parts):
+                t0, t1 = split(T, p, parts)
+                _quantize_rows(x, row13[GROUP], tq, td, ts, tqs, t0, t1)
+    n13 = (row13[ROWS] + row_unit(row13) - 1) // row_unit(row13)
+    n2 = (H + row_unit(row2) - 1) // row_unit(row2)
+    cap = h.shape[0]
+    u0, base = 0, 0
+    while u0 < U:  # passes of at most `cap` assignments (see _next_pass)
+        u1 = _next_pass(used, starts, U, u0, base, cap, slot_of, ends)
+        n = ends[u1 - 1] - base
+        if parts == 1:
+            _gather(x, order, k, base, q13, tq, td, ts, tqs, gx, gq, gd, gs, gqs, 0, n)
+            _window_rows(used, starts, ends, u0, u1, base, buf13, row13, gx, gq, gd, gs, gqs, h, 0, n13)
+            _activations(order, k, gates, base, slot_of, bbuf13, brow13, limit, alpha, F, q2, row2[GROUP], h, act, aq,
+                         ad, asum, aqs, scratch[0], 0, n)
+            _window_rows(used, starts, ends, u0, u1, base, buf2, row2, act, aq, ad, asum, aqs, y, 0, n2)
+            _scatter(order, k, gates, base, n, slot_of, bbuf2, brow2, y, out, scratch[0], 0, H)
+        else:
+            for p in prange(parts):
+                a0, a1 = split(n, p, parts)
+                _gather(x, order, k, base, q13, tq, td, ts, tqs, gx, gq, gd, gs, gqs, a0, a1)
+            for p in prange(parts):
+                f0, f1 = split(n13, p, parts)
+                _window_rows(used, starts, ends, u0, u1, base, buf13, row13, gx, gq, gd, gs, gqs, h, f0, f1)
+            for p in prange(parts):
+                a0, a1 = split(n, p, parts)
+                _activations(order, k, gates, base, slot_of, bbuf13, brow13, limit, alpha, F, q2, row2[GROUP], h, act,
+                             aq, ad, asum, aqs, scratch[p], a0, a1)
+            for p in prange(parts):
+                f0, f1 = split(n2, p, parts)
+                _window_rows(used, starts, ends, u0, u1, base, buf2, row2, act, aq, ad, asum, aqs, y, f0, f1)
+            for p in prange(parts):
+                c0, c1 = split(H, p, parts)
+                _scatter(order, k, gates, base, n, slot_of, bbuf2, brow2, y, out, scratch[p], c0, c1)
+        base += n
+        u0 = u1 if ends[u1 - 1] == starts[u1] else u1 - 1  # a slot cut by the pass's end goes on in the next
+
+
+def activation_group(row: np.ndarray) -> int:
+    """The group a quantized matrix's activations are quantized in (its own), or 1 for a float matrix: the
+    G13 / G2 that token_work and window_work take."""
+    return int(row[GROUP]) if int(row[0]) >= 3 else 1

@@ -59,6 +59,7 @@ class BenchConfig:
     read_mode: str = "auto"  # disk store reads: auto, direct or buffered
     io: str = "auto"  # how disk-store reads are issued: auto, uring or threads (CacheConfig.io)
     slot_dtype: str = "auto"  # the fast tier's expert format (EngineConfig.slot_dtype)
+    dense_dtype: str = "auto"  # the dense weights' format (EngineConfig.dense_dtype)
     device: str = "cpu"
     cache_fraction: float = 0.25
     cache_bytes: int | None = None  # overrides cache_fraction (CacheConfig.bytes)
@@ -162,10 +163,10 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     max_seq = max(EngineConfig.max_seq, sequence, cfg.context)
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
                                         store_format=cfg.store_format, read_mode=cfg.read_mode,
-                                        slot_dtype=cfg.slot_dtype, max_seq=max_seq))
+                                        slot_dtype=cfg.slot_dtype, dense_dtype=cfg.dense_dtype, max_seq=max_seq))
     floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0, io=cfg.io),
                                        store_dir=cfg.store_dir, store_format=cfg.store_format, read_mode=cfg.read_mode,
-                                       slot_dtype=cfg.slot_dtype, max_seq=max_seq))
+                                       slot_dtype=cfg.slot_dtype, dense_dtype=cfg.dense_dtype, max_seq=max_seq))
     need = cfg.prompt_tokens + cfg.forced_tokens + 1
     ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
     if len(ids) < need:

@@ -10,6 +10,7 @@ Files written beside the model:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,16 +18,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..engine.checkpoint import DEFAULT_VECTORS, ROUTING_COUNTS, open_checkpoint
+from ..engine.checkpoint import DEFAULT_VECTORS, ROUTING_COUNTS, Checkpoint, open_checkpoint
 from ..engine.experts import SWIGLU, ExpertKind, expert_groups, swiglu
 from ..engine.moe import route
-from ..engine.perplexity import teacher_forced
-from ..engine.stores import RamStore
+from ..engine.perplexity import windows
+from ..engine.threads import kernels_own_the_cores
 from ..engine.transformer import Transformer
-from ..engine.weights import dense_weights, router_of
-from ..errors import CheckpointError
+from ..engine.weights import dense_weights, expert_parts, router_of
+from ..errors import CacheTooSmall, CheckpointError
 from ..kernel.routing import Router
 from ..models import model_args
+from ..models.args import ModelArgs
 
 CALIB_TEXT = Path(__file__).parents[1] / "data" / "calib.txt"
 
@@ -45,11 +47,12 @@ class Calibration:
 
 
 class RecordingMoE:
-    """An exact MoE function over all experts in RAM that also sums each expert's output."""
+    """An exact MoE function that reads each expert its tokens route to from the checkpoint as it computes it,
+    one expert at a time (run_exact calls it once per layer with every token), and sums each expert's output."""
 
-    def __init__(self, store: RamStore, router: Router, kind: ExpertKind = SWIGLU):
-        self.store, self.router, self.top_k, self.kind = store, router, router.top_k, kind
-        L, E, H = store.w13.shape[0], store.w13.shape[1], store.w2.shape[2]
+    def __init__(self, ckpt: Checkpoint, args: ModelArgs, router: Router, kind: ExpertKind = SWIGLU):
+        self.ckpt, self.args, self.router, self.top_k, self.kind = ckpt, args, router, router.top_k, kind
+        L, E, H = args.num_moe_layers, args.num_experts, args.hidden_size
         self.sums = torch.zeros(L, E, H, dtype=torch.float64)
         self.counts = torch.zeros(L, E, dtype=torch.int64)
 
@@ -57,16 +60,14 @@ class RecordingMoE:
         routing = route(x, router, self.router, layer)
         weights, ids = torch.from_numpy(routing.weights), torch.from_numpy(routing.ids)
         out = torch.zeros_like(x)
-        w13, w2 = self.store.w13[layer], self.store.w2[layer]
-        b13, b2 = (self.store.b13[layer], self.store.b2[layer]) if self.store.shape.bias else (None, None)
         order, used, counts = expert_groups(ids)
         start = 0
         for e, c in zip(used, counts):
             pos = order[start:start + c]
             start += c
             tok = pos // self.top_k
-            y = swiglu(x[tok], w13[e], w2[e], None if b13 is None else b13[e], None if b2 is None else b2[e],
-                       self.kind)  # [n, H]: the expert's own output, before its gate
+            parts = [p.float() for p in expert_parts(self.ckpt, self.args, layer, e)]
+            y = swiglu(x[tok], *parts, *([None, None] if len(parts) == 2 else []), kind=self.kind)  # its own output
             self.sums[layer, e] += y.sum(0).double()
             self.counts[layer, e] += c
             out.index_add_(0, tok, y * weights.reshape(-1)[pos].unsqueeze(-1))
@@ -82,27 +83,76 @@ def encode_text(model_path: Path, text: str, max_tokens: int | None = None) -> l
     return Tokenizer.from_file(str(ckpt.tokenizer_file)).encode(text).ids[:max_tokens]
 
 
-def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[RamStore, object, Router], RecordingMoE],
-              context: int = 512, progress: Callable[[int], None] | None = None) -> tuple[Transformer, RecordingMoE]:
-    """Run the exact model (every expert in RAM) over `ids` in windows of `context`, with the
-    MoE function `make_moe(store, args, router)` recording what it needs; returns the model and it."""
+def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[Checkpoint, ModelArgs, Router], RecordingMoE],
+              context: int = 512, progress: Callable[[int], None] | None = None
+              ) -> tuple[Transformer, RecordingMoE, list[int]]:
+    """Run the exact model over `ids` in windows of `context` (each from position 0), layer by layer over every
+    window at once, with the MoE function `make_moe(checkpoint, args, router)` recording what it needs: each
+    layer's MoE call sees all the text's tokens, so that an expert is read from the checkpoint once per layer
+    and held alone (the run holds the dense weights, the text's hidden states and one expert, not the model).
+    Returns the model, the MoE function and the windows' lengths; `progress(tokens)` after each layer, its share
+    of the text's tokens (so that a bar over the tokens ends full)."""
     ckpt = open_checkpoint(model_path)
     args = model_args(ckpt.config)
     weights = dense_weights(ckpt, args)
-    moe = make_moe(RamStore(ckpt, args), args, router_of(args, weights))
+    moe = make_moe(ckpt, args, router_of(args, weights))
     model = Transformer(args, weights, moe, torch.device("cpu"), context)
+    del weights
     model.prefetch = getattr(moe, "hook", None)
-    for _ in teacher_forced(lambda x: model.forward(x, 0), ids, context, progress, score=False):
-        pass
+    x = torch.as_tensor(ids, dtype=torch.long)
+    spans = [(start, end - 1) for start, end in windows(len(x) + 1, context)]  # every token an input
+    with torch.inference_mode(), kernels_own_the_cores():
+        hs = [model.embed[x[a:b]].to(model.dtype) for a, b in spans]
+        lengths = [h.shape[0] for h in hs]
+        for i in range(args.num_layers):
+            xs = []
+            for w, h in enumerate(hs):  # attention per window, as a window's forward runs it
+                hs[w], xn = model.attention_block(i, h, 0)
+                xs.append(xn)
+            h = model.feed_forward(i, model.layers[i], torch.cat(hs), torch.cat(xs))  # the text's tokens together
+            hs = list(h.split(lengths))
+            if progress:
+                L, n = args.num_layers, len(ids)
+                progress((i + 1) * n // L - i * n // L)
     model.moe, model.prefetch = None, None
-    return model, moe
+    return model, moe, lengths
+
+
+def calibration_bytes(model_path: Path, tokens: int, context: int = 512) -> dict[str, int]:
+    """What a calibration of `tokens` tokens in windows of `context` holds beyond its process's baseline, by part,
+    from the checkpoint's headers: the dense weights as loaded, the text's hidden states through a layer (the
+    residual, the normed input, the MoE output and attention's projections, [tokens, H] float32 each), one
+    window's attention scores (in chunks of query rows), one expert in fp32 with its tokens' products, and the
+    per-expert sums [L, E, H] float64."""
+    from ..engine.budget import ATTENTION_CHUNK, dense_bytes
+    ckpt = open_checkpoint(model_path)
+    a = model_args(ckpt.config)
+    dense, transient = dense_bytes(ckpt, a, torch.float32, None, None)
+    H, F = a.hidden_size, a.expert_dim
+    width = max(a.num_heads * a.head_dim * 3, H)
+    return {"dense weights": dense + transient,
+            "hidden states": tokens * (6 * H + 2 * width + a.num_experts) * 4,
+            "attention": 3 * a.num_heads * min(context, ATTENTION_CHUNK) * context * 4,
+            "one expert": 2 * 3 * H * F * 4 + tokens * (2 * F + 2 * H) * 4,
+            "expert sums": a.num_moe_layers * a.num_experts * H * 8}
+
+
+def check_calibration_budget(model_path: Path, tokens: int, budget: int, context: int = 512) -> None:
+    """CacheTooSmall naming the parts and the minimum when a calibration does not fit `budget` bytes."""
+    parts = calibration_bytes(model_path, tokens, context)
+    need = sum(parts.values())
+    if need > budget:
+        listed = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in parts.items())
+        raise CacheTooSmall(f"calibrating {tokens} tokens needs {need / 2**20:.1f} MiB ({listed}), more than "
+                            f"--memory-budget {budget / 2**20:.1f} MiB: raise it to at least "
+                            f"{math.ceil(need / 2**20 * 10) / 10:.1f}M or lower --max-tokens")
 
 
 def calibrate(model_path: Path, ids: list[int], context: int = 512,
               progress: Callable[[int], None] | None = None) -> Calibration:
     """Routing counts and default vectors of the exact model over `ids`, in windows of `context`."""
-    _, moe = run_exact(model_path, ids, lambda store, a, router: RecordingMoE(store, router, ExpertKind.of(a)),
-                       context, progress)
+    _, moe, _ = run_exact(model_path, ids, lambda ckpt, a, router: RecordingMoE(ckpt, a, router, ExpertKind.of(a)),
+                          context, progress)
     vectors = (moe.sums / moe.counts.clamp(min=1).unsqueeze(-1)).float()
     return Calibration(moe.counts, vectors, len(ids))
 

@@ -50,11 +50,10 @@ class LayerStates:
 
 
 class _Recorder(RecordingMoE):
-    def __init__(self, store, router, n_layers, kind):
-        super().__init__(store, router, kind)
+    def __init__(self, ckpt, args, router, kind):
+        super().__init__(ckpt, args, router, kind)
         self.resid_now = None
-        self.rows = [dict(resid=[], x=[], ids=[], weights=[], logits=[]) for _ in range(n_layers)]
-        self.starts = []
+        self.rows = [dict(resid=[], x=[], ids=[], weights=[], logits=[]) for _ in range(args.num_moe_layers)]
 
     def hook(self, layer, h):
         self.resid_now = h
@@ -64,8 +63,6 @@ class _Recorder(RecordingMoE):
         routing = self.router.route(logits.cpu().numpy(), layer)
         w, ids = torch.from_numpy(routing.weights), torch.from_numpy(routing.ids)
         r = self.rows[layer]
-        if layer == 0:  # a window's forward starts
-            self.starts.append(torch.arange(len(x)) == 0)
         for key, val in (("resid", self.resid_now), ("x", x), ("ids", ids), ("weights", w), ("logits", logits)):
             r[key].append(val.clone())
         return super().__call__(layer, x, router)
@@ -73,12 +70,13 @@ class _Recorder(RecordingMoE):
 
 def record_states(model_path: Path, ids: list[int], context: int = 512,
                   progress: Callable[[int], None] | None = None) -> tuple[Transformer, LayerStates]:
-    """Run the exact model over `ids` in windows of `context`, recording every layer's states."""
-    model, rec = run_exact(model_path, ids,
-                           lambda store, a, router: _Recorder(store, router, a.num_moe_layers, ExpertKind.of(a)),
-                           context, progress)
+    """Run the exact model over `ids` in windows of `context`, recording every layer's states (run_exact's
+    `progress`)."""
+    model, rec, lengths = run_exact(model_path, ids, lambda ckpt, a, router: _Recorder(ckpt, a, router, ExpertKind.of(a)),
+                                    context, progress)
     cat = lambda key: [torch.cat(r[key]) for r in rec.rows]  # noqa: E731
-    return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"), torch.cat(rec.starts))
+    starts = torch.cat([torch.arange(n) == 0 for n in lengths])  # each window's first token
+    return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"), starts)
 
 
 @torch.no_grad()

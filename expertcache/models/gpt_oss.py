@@ -6,7 +6,7 @@ HF stores the experts fused and transposed, gate and up interleaved (gate_up_pro
 columns g0 u0 g1 u1 ...; down_proj [E, F, H]); released checkpoints hold them in MXFP4
 (`*_blocks`, `*_scales`). Both are translated at load time into our w13 [E, 2F, H] (gate rows,
 then up rows), w2 [E, H, F] and biases b13 [E, 2F], b2 [E, H]; converting MXFP4 experts to an mxfp4
-disk store takes their codes and scales as they are (`layer_experts_mxfp4`)."""
+disk store takes their codes and scales as they are (`expert_parts`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -81,17 +81,22 @@ def layer_experts(ckpt: Checkpoint, a: ModelArgs, layer: int) -> LayerExperts:
                         _deinterleave(biases[p + "gate_up_proj_bias"]), biases[p + "down_proj_bias"])
 
 
-def layer_experts_mxfp4(ckpt: Checkpoint, a: ModelArgs, layer: int) -> list | None:
-    """Layer `layer`'s experts as a released (MXFP4) checkpoint stores them, in our layout without
-    decoding: [w13, w2] as {"codes": [E, rows, H / 2 or F / 2], "scales": [E, rows, blocks]} (the
-    segments of engine/quant.py's MXFP4 format), then b13 [E, 2F] and b2 [E, H]; None for a float checkpoint."""
+def expert_parts(ckpt: Checkpoint, a: ModelArgs, layer: int, expert: int, mxfp4: bool) -> list:
+    """One expert of layer `layer` read alone (engine/weights.expert_parts): [w13, w2, b13, b2] in our layout,
+    the matrices as floats, or with `mxfp4` as the checkpoint's MXFP4 codes and scales where it holds them."""
     p = f"model.layers.{layer}.mlp.experts."
-    if p + "gate_up_proj_blocks" not in ckpt.files:
-        return None
-    t = ckpt.tensors([p + n for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
-                                      "down_proj_scales", "gate_up_proj_bias", "down_proj_bias")])
-    E = a.num_experts
-    w13 = {"codes": _deinterleave(t[p + "gate_up_proj_blocks"]).reshape(E, 2 * a.expert_dim, -1),
-           "scales": _deinterleave(t[p + "gate_up_proj_scales"])}
-    w2 = {"codes": t[p + "down_proj_blocks"].reshape(E, a.hidden_size, -1), "scales": t[p + "down_proj_scales"]}
-    return [w13, w2, _deinterleave(t[p + "gate_up_proj_bias"]), t[p + "down_proj_bias"]]
+
+    def one(name: str) -> torch.Tensor:
+        return ckpt.tensor(p + name, expert)[None]  # [1, ...]: the fused layout's leading expert dimension
+
+    def gate_up(t: torch.Tensor) -> torch.Tensor:
+        return _deinterleave(t)[0]
+    biases = [gate_up(one("gate_up_proj_bias")), one("down_proj_bias")[0]]
+    if p + "gate_up_proj_blocks" in ckpt.files:
+        blocks, scales = one("gate_up_proj_blocks"), one("gate_up_proj_scales")
+        down_b, down_s = one("down_proj_blocks"), one("down_proj_scales")
+        if mxfp4:
+            return [{"codes": gate_up(blocks).reshape(2 * a.expert_dim, -1), "scales": gate_up(scales)},
+                    {"codes": down_b[0].reshape(a.hidden_size, -1), "scales": down_s[0]}, *biases]
+        return [gate_up(mxfp4_to_float(blocks, scales)), mxfp4_to_float(down_b, down_s)[0], *biases]
+    return [gate_up(one("gate_up_proj").transpose(1, 2)).contiguous(), one("down_proj")[0].t().contiguous(), *biases]

@@ -1,0 +1,103 @@
+"""What the fast tier holds besides its expert slots, by part, sized from the checkpoint's headers and the
+configuration before any weight is read: the dense weights as the engine holds them, the KV cache at
+max_seq, the stores' staging buffers, and the workspace (a forward's activations, the kernels' scratch, the
+largest transient of loading). `--memory-budget` sizes the expert cache from what is left, and a budget too
+small is refused before the model loads.
+
+The budget is what a run holds beyond its baseline: the process after its imports and with its compiled
+kernels loaded (PyTorch, numba's LLVM and the kernels' machine code: ~390 MiB here, the same for every
+model), which `expertcache info --baseline` measures."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..kernel.expert_compute import PASS
+from ..models.args import ModelArgs
+from .checkpoint import Checkpoint
+from .quant import ENCODE_ROWS, ExpertFormat, encoded_bytes
+from .weights import dense_names, is_matrix
+
+ATTENTION_CHUNK = 256  # query rows a window's attention computes at a time (transformer.py), bounding its scores
+FORWARD_CHUNK = 512  # tokens of one forward pass: Engine.forward runs a longer window in passes of this many
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes of each fixed part of the fast tier."""
+    dense: int
+    kv: int
+    buffers: int
+    workspace: int
+
+    def parts(self) -> dict[str, int]:
+        """The parts by name, as the budget's error names them."""
+        return {"dense weights": self.dense, "KV cache": self.kv, "transfer buffers": self.buffers,
+                "workspace": self.workspace}
+
+    @property
+    def total(self) -> int:
+        """Every fixed part together."""
+        return self.dense + self.kv + self.buffers + self.workspace
+
+
+def dense_bytes(ckpt: Checkpoint, args: ModelArgs, compute: torch.dtype, held: torch.dtype | None,
+                quantized: ExpertFormat | None) -> tuple[int, int]:
+    """(bytes the dense weights take as the engine holds them, the largest transient of loading them), from the
+    checkpoint's headers: vectors in the compute dtype, matrices as `held` (None: as stored), or quantized to
+    `quantized` (the output matrix too; the router never), a tied output matrix counted once unless quantized
+    (its copy). A matrix read in the dtype it is held in takes no transient; a converted one (fp8 dequantised, or
+    another dtype) its fp32 copy, a quantized one a chunk's temporaries (quant.encode_matrix)."""
+    total, largest = 0, 0
+    for ours, theirs in dense_names(ckpt, args).items():
+        info = ckpt.info(theirs)
+        n = math.prod(info.shape)
+        if not is_matrix(ours):
+            size = n * compute.itemsize
+        elif quantized is not None and not ours.endswith("router") and ours != "embed":
+            size = encoded_bytes([tuple(info.shape)], quantized)
+            largest = max(largest, 4 * min(info.shape[0], ENCODE_ROWS) * info.shape[1] * 4)
+        else:
+            stored = info.dtype if info.dtype in (torch.float16, torch.bfloat16, torch.float32) else compute
+            size = n * (held or stored).itemsize
+            if (held or stored) != info.dtype:
+                largest = max(largest, 2 * n * 4)
+        total += size
+    if args.tie_word_embeddings and quantized is not None:  # the output matrix quantized beside the embedding
+        embed = ckpt.info(dense_names(ckpt, args)["embed"])
+        total += encoded_bytes([tuple(embed.shape)], quantized)
+    return total, largest
+
+
+def kv_bytes(args: ModelArgs, positions: int, dtype: torch.dtype) -> int:
+    """Bytes of the attention caches at `positions` positions: keys and values of the attention layers, or
+    multi-head latent attention's latents (preallocated whole), or a Gated DeltaNet layer's fixed state."""
+    a, size = args, dtype.itemsize
+    if a.attention == "mla":
+        return a.num_layers * positions * (a.kv_lora_rank + a.qk_rope_head_dim) * size
+    linear = [i for i in range(a.num_layers) if a.layer_type(i) == "linear_attention"]
+    kv = (a.num_layers - len(linear)) * 2 * a.num_kv_heads * a.head_dim * positions * size
+    if linear:
+        state = a.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * 4
+        conv = (2 * a.linear_num_key_heads * a.linear_key_head_dim + a.linear_num_value_heads
+                * a.linear_value_head_dim) * a.linear_conv_kernel * size
+        kv += len(linear) * (state + conv)
+    return kv
+
+
+def workspace_bytes(args: ModelArgs, max_seq: int, largest_dense: int) -> int:
+    """Memory a run needs beyond weights, caches and buffers: a scored window's logits [max_seq, V]; one forward
+    pass's activations (FORWARD_CHUNK tokens: hidden states, projections) and each attention chunk's scores; the
+    expert kernels' scratch (one pass of PASS assignments); and at load the largest dense tensor once in fp32 (a
+    conversion, or a quantized matrix's encoding)."""
+    a = args
+    chunk = min(max_seq, FORWARD_CHUNK)
+    width = max(a.num_heads * a.head_dim * 3, a.hidden_size, 2 * (a.dense_dim or 0), 2 * (a.shared_expert_dim or 0))
+    logits = max_seq * a.vocab_size * 4
+    forward = chunk * (8 * a.hidden_size + 2 * width) * 4
+    scores = 3 * a.num_heads * min(chunk, ATTENTION_CHUNK) * max_seq * 4
+    F, H = a.expert_dim, a.hidden_size
+    experts = min(PASS, chunk * a.top_k) * (3 * H + 3 * F + 2 * F) * 4 + chunk * H * 2
+    return logits + forward + scores + experts + largest_dense
