@@ -96,3 +96,45 @@ def test_generate_fits_a_real_memory_cap(tmp_path):
     assert run.peak_bytes <= (base.peak_bytes + budget) * 1.05
     small = run_capped(cmd[:-1] + ["4M"], int((base.peak_bytes + budget) * 1.05), timeout=600)
     assert small.returncode == 2 and small.stderr.strip().count("\n") == 0 and "at least" in small.stderr
+
+
+def test_bench_under_a_memory_budget_skips_the_floor():
+    """`bench --memory-budget` sizes the cache from the budget and leaves out the all-resident floor, which would
+    hold more than the budget; the table marks its ratios as absent."""
+    from expertcache.lab.bench import FLOOR, BenchConfig, markdown, run_bench
+    res = run_bench(None, BenchConfig(store="ram", policies=("fetch-all",), memory_budget=120 * 2**20,
+                                      decode_tokens=2, forced_tokens=32, context=32, repeats=1))
+    assert FLOOR not in res.summary() and 0 < res.config["slots_per_layer"] < res.config["experts"]
+    table = markdown(res)
+    assert "memory budget 120 MiB" in table and "| - |" in table
+
+
+def test_server_admits_requests_while_their_kv_fits():
+    """The scheduler reserves each request's prompt + max_tokens positions at admission and admits no more than
+    the engine's --kv-positions hold; the rest wait and then run, and the memory plan counts the whole pool."""
+    import threading
+
+    from expertcache.engine.sampling import SamplingParams
+    from expertcache.serve.scheduler import Request, Scheduler, SchedulerConfig
+    engine = Engine(None, EngineConfig(store="ram", max_seq=64, kv_positions=100))
+    one = Engine(None, EngineConfig(store="ram", max_seq=64)).plan.kv
+    assert engine.plan.kv * 64 == one * 100  # the plan counts the pool, not one sequence
+    scheduler = Scheduler(engine, SchedulerConfig(max_active=8))
+    most, done = [0], threading.Semaphore(0)
+
+    def emit(item):
+        most[0] = max(most[0], scheduler.kv_reserved)
+        assert len(scheduler.active) <= 2  # 3 requests of 40 positions: 2 fit in 100
+        if item is None:
+            done.release()
+    requests = [Request([1 + i] * 8, SamplingParams(max_tokens=32, ignore_eos=True), emit) for i in range(3)]
+    scheduler.start()
+    for r in requests:
+        scheduler.submit(r)
+    for _ in requests:
+        assert done.acquire(timeout=300)
+    scheduler.stop()
+    assert most[0] == 80 and scheduler.kv_reserved == 0
+    assert all(r.completion_tokens == 32 for r in requests)
+    with pytest.raises(Exception, match="--kv-positions 10 holds less than one --max-seq 64"):
+        Engine(None, EngineConfig(store="ram", max_seq=64, kv_positions=10))

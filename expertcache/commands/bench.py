@@ -9,6 +9,7 @@ from .options import (
     add_model_argument,
     add_store_arguments,
     bounded,
+    byte_size,
     format_from_args,
     fraction,
     positive_int,
@@ -25,6 +26,9 @@ def add_arguments(p):
     add_model_argument(p)
     add_store_arguments(p)
     p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
+    p.add_argument("--memory-budget", type=byte_size, default=None,
+                   help="bytes of the whole fast tier (dense weights, KV cache, buffers, expert slots), e.g. 2G; "
+                        "sizes the cache instead of --cache, and skips the all-resident floor, which would exceed it")
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--decode-tokens", type=_at_least_two, default=BenchConfig.decode_tokens,
                    help="greedy tokens decoded after the prompt")
@@ -40,7 +44,7 @@ def run(a) -> int:
     cfg = BenchConfig(store=a.store, device=a.device, store_dir=a.store_dir, cache_fraction=a.cache, policies=policies,
                       store_format=format_from_args(a, a.store_dtype), read_mode=a.read_mode, io=a.io,
                       slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype,
-                      decode_tokens=a.decode_tokens, forced_tokens=a.forced_tokens, repeats=a.repeats)
+                      memory_budget=a.memory_budget, decode_tokens=a.decode_tokens, forced_tokens=a.forced_tokens, repeats=a.repeats)
     res = run_bench(a.model, cfg, progress=lambda s: print(s, file=sys.stderr))
     print(markdown(res))
     write_json(a.json, res.to_dict())

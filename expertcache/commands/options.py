@@ -181,7 +181,7 @@ def engine_from_args(a: argparse.Namespace) -> Engine:
                                         eviction=a.eviction, initial=a.initial, store_dir=a.store_dir,
                                         max_seq=a.max_seq, memory_budget=a.memory_budget, read_mode=a.read_mode,
                                         store_format=format_from_args(a, a.store_dtype), slot_dtype=a.slot_dtype,
-                                        dense_dtype=a.dense_dtype))
+                                        dense_dtype=a.dense_dtype, kv_positions=getattr(a, "kv_positions", None)))
 
 
 def write_json(path: Path | None, data: dict) -> None:

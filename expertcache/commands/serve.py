@@ -7,7 +7,7 @@ import sys
 
 from ..errors import ExpertCacheError
 from ..policies import make_policy
-from .options import add_engine_arguments, engine_from_args
+from .options import add_engine_arguments, engine_from_args, positive_int
 
 HELP = "serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"
 
@@ -41,6 +41,10 @@ def add_arguments(p):
                    help="batch: the decode steps of active requests run as one batched forward; interleave: they "
                         "take turns, one forward each; serial: one request at a time")
     p.add_argument("--max-active", type=int, default=16, help="requests decoding at once under batch or interleave")
+    p.add_argument("--kv-positions", type=positive_int, default=None,
+                   help="positions of keys and values held for the active requests together, counted in "
+                        "--memory-budget; a request is admitted while its prompt + max_tokens fit, else it waits "
+                        "(default: --max-seq x --max-active, or --max-seq under serial)")
     p.add_argument("--prefill-policy", default="same",
                    help="miss policy for prompt tokens ('same': the decode policy); e.g. substitute-all keeps "
                         "a long prompt from flushing the experts decoding uses")
@@ -52,6 +56,8 @@ def build_app(a):
     from ..serve.scheduler import Scheduler, SchedulerConfig
     prefill = None if a.prefill_policy == "same" else make_policy(a.prefill_policy)
     config = SchedulerConfig(schedule=a.schedule, max_active=a.max_active, prefill_policy=prefill)
+    if a.kv_positions is None:
+        a.kv_positions = a.max_seq * (1 if a.schedule == "serial" else a.max_active)
     engine = engine_from_args(a)
     name = a.served_model_name or (a.model.resolve().name if a.model else "expertcache-builtin")
     return create_app(Scheduler(engine, config), name)

@@ -53,6 +53,9 @@ class EngineConfig:
     store_format: ExpertFormat | None = None  # the experts' format in the slow tier; None: the checkpoint's
     small_format: ExpertFormat = SMALL_FORMAT  # the low-precision copies `lowbit` policies fetch
     max_seq: int = 2048
+    # positions of keys and values the fast tier holds: a server's active requests together (serve/scheduler.py
+    # admits a request only while its prompt + max_tokens fit); None: max_seq, one sequence
+    kv_positions: int | None = None
     prefetch: PrefetchConfig | None = None  # predict the next layer's experts and prefetch them
     memory_budget: int | None = None  # bytes of the whole fast tier; sizes the expert cache (overrides cache size)
     slot_dtype: str = "auto"  # the fast tier's expert format: auto, fp32, fp16, bf16, int8, int4 (cache.slot_format)
@@ -101,6 +104,9 @@ class Engine:
         if not 1 <= config.max_seq <= limit:
             raise BadInput(f"--max-seq {config.max_seq} is outside the model's context of {limit} positions "
                            f"(max_position_embeddings); give 1 to {limit}")
+        if config.kv_positions is not None and config.kv_positions < config.max_seq:
+            raise BadInput(f"--kv-positions {config.kv_positions} holds less than one --max-seq {config.max_seq} "
+                           f"sequence; give at least {config.max_seq}")
         self._fit(self.policy)
         self.routing_counts = load_routing_counts(self.path, (self.args.num_moe_layers, self.args.num_experts))
         self.checkpoint = ckpt
@@ -154,7 +160,7 @@ class Engine:
                                      self.dense_format)
         formats = [stored] + ([c.small_format] if self.policy.fetches_small else [])
         buffers = sum(staging_bytes(c.store, shape, f, c.cache.io_workers) for f in formats)
-        return MemoryPlan(dense, kv_bytes(a, c.max_seq, dtype), buffers, workspace_bytes(a, c.max_seq, largest))
+        return MemoryPlan(dense, kv_bytes(a, c.kv_positions or c.max_seq, dtype), buffers, workspace_bytes(a, c.max_seq, largest))
 
     def _expert_budget(self, budget: int) -> int:
         """Bytes left for expert slots when the fast tier holds `budget` bytes in all: the plan's parts first;
@@ -167,7 +173,7 @@ class Engine:
             raise CacheTooSmall(f"--memory-budget {budget / 2**20:.1f} MiB leaves {max(left, 0) / 2**20:.1f} MiB for "
                                 f"experts after {parts}; top-{self.args.top_k} experts per layer need "
                                 f"{one / 2**20:.1f} MiB: raise it to at least "
-                                f"{math.ceil((budget - left + one) / 2**20 * 10) / 10:.1f}M or lower --max-seq")
+                                f"{math.ceil((budget - left + one) / 2**20 * 10) / 10:.1f}M or lower --max-seq (serve: --kv-positions)")
         return left
 
     # -- residency -----------------------------------------------------------------------

@@ -63,6 +63,7 @@ class BenchConfig:
     device: str = "cpu"
     cache_fraction: float = 0.25
     cache_bytes: int | None = None  # overrides cache_fraction (CacheConfig.bytes)
+    memory_budget: int | None = None  # the whole fast tier's bytes (EngineConfig.memory_budget); no floor then
     policies: tuple[str, ...] = POLICIES
     prompt_tokens: int = 32
     decode_tokens: int = 64
@@ -92,11 +93,12 @@ class BenchResult:
         and counters."""
         timings = {"decode": self.decode_ms, "stream": self.stream_ms, "forced": self.forced_ms}
         med = {k: {name: statistics.median(t[k]) for name, t in timings.items()} for k in self.decode_ms}
-        base, floor = med["fetch-all"], med[FLOOR]
+        base, floor = med["fetch-all"], med.get(FLOOR)  # no floor under a memory budget: it would exceed it
         rows = {}
         for k, m in med.items():
             rows[k] = {f"{name}_{what}": v for name in timings for what, v in (
-                ("ms", m[name]), ("speedup_vs_fetch_all", base[name] / m[name]), ("vs_floor", m[name] / floor[name]))}
+                ("ms", m[name]), ("speedup_vs_fetch_all", base[name] / m[name]),
+                ("vs_floor", m[name] / floor[name] if floor else math.nan))}
             rows[k] |= {"ppl": self.ppl[k], "ppl_increase_pct": 100 * (self.ppl[k] / self.ppl["fetch-all"] - 1),
                        "fetches_per_token": self.fetches_per_token[k], "stall_ms_per_token": self.stall_ms_per_token[k],
                         "fetched_kib_per_token": self.fetched_kib_per_token.get(k, 0.0)}
@@ -163,10 +165,13 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     max_seq = max(EngineConfig.max_seq, sequence, cfg.context)
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
                                         store_format=cfg.store_format, read_mode=cfg.read_mode,
-                                        slot_dtype=cfg.slot_dtype, dense_dtype=cfg.dense_dtype, max_seq=max_seq))
-    floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0, io=cfg.io),
-                                       store_dir=cfg.store_dir, store_format=cfg.store_format, read_mode=cfg.read_mode,
-                                       slot_dtype=cfg.slot_dtype, dense_dtype=cfg.dense_dtype, max_seq=max_seq))
+                                        slot_dtype=cfg.slot_dtype, dense_dtype=cfg.dense_dtype, max_seq=max_seq,
+                                        memory_budget=cfg.memory_budget))
+    # the floor holds every expert: under a memory budget it would break the budget the run is measured at
+    floor = None if cfg.memory_budget is not None else Engine(model, EngineConfig(
+        device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0, io=cfg.io), store_dir=cfg.store_dir,
+        store_format=cfg.store_format, read_mode=cfg.read_mode, slot_dtype=cfg.slot_dtype,
+        dense_dtype=cfg.dense_dtype, max_seq=max_seq))
     need = cfg.prompt_tokens + cfg.forced_tokens + 1
     ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
     if len(ids) < need:
@@ -174,7 +179,7 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     prompt, forced = ids[:cfg.prompt_tokens], ids[cfg.prompt_tokens:cfg.prompt_tokens + cfg.forced_tokens + 1]
     res = BenchResult(cfg.__dict__ | {"policies": list(cfg.policies), "slots_per_layer": engine.cache.per_layer,
                                        "experts": engine.args.num_experts, "warm": engine.warm})
-    variants = [FLOOR, *cfg.policies]
+    variants = [FLOOR] * (floor is not None) + list(cfg.policies)
     for v in cfg.policies:  # a bad spec, predictor or budget fails here, before any variant is timed
         policy, prefetch = parse_variant(v)
         engine.set_policy(policy)
@@ -206,7 +211,8 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
                 res.decoded[v] = c["decoded"]
                 res.decode_counts[v] = c["decode_counts"]
     engine.close()
-    floor.close()
+    if floor is not None:
+        floor.close()
     return res
 
 
@@ -214,7 +220,9 @@ def markdown(res: BenchResult) -> str:
     """The benchmark's summary as a Markdown table under a line describing the setup."""
     c = res.config
     setup = (f"`{c['store']}` store on {c['device']}, cache {c['slots_per_layer']}/{c['experts']} experts per layer, "
-             f"{'warm' if c['warm'] else 'cold'} start; decode {c['decode_tokens']} tokens after a "
+             f"{'warm' if c['warm'] else 'cold'} start"
+             + (f", memory budget {c['memory_budget'] / 2**20:.0f} MiB (no all-resident floor)" if c.get("memory_budget")
+                else "") + f"; decode {c['decode_tokens']} tokens after a "
              f"{c['prompt_tokens']}-token prompt (free-running, and fetch-all's greedy tokens one per forward), "
              f"teacher-force {c['forced_tokens']} tokens in windows of {c['context']}; median of {c['repeats']} "
              f"interleaved repetitions; speed-ups against fetch-all, ratios to the floor (all resident). "
@@ -225,7 +233,8 @@ def markdown(res: BenchResult) -> str:
              "teacher-forced fetches/token | teacher-forced KiB fetched/token | teacher-forced stall ms/token |",
              "|---|" + "---:|" * 13]
     for k, r in res.summary().items():
-        cells = [f"{r[f'{n}_ms']:.2f} | {r[f'{n}_speedup_vs_fetch_all']:.2f}x | {r[f'{n}_vs_floor']:.2f}x"
+        cells = [f"{r[f'{n}_ms']:.2f} | {r[f'{n}_speedup_vs_fetch_all']:.2f}x | "
+                 + ("-" if math.isnan(r[f"{n}_vs_floor"]) else f"{r[f'{n}_vs_floor']:.2f}x")
                  for n in ("decode", "stream", "forced")]
         lines.append(f"| `{k}` | {' | '.join(cells)} | "
                      f"{round(r['ppl_increase_pct'], 2) + 0.0:+.2f}% | {r['fetches_per_token']:.2f} | "

@@ -69,6 +69,10 @@ class Scheduler:
         self.interleaves = config.schedule != "serial" and m.latent is None and not m.linear
         self.batches = self.interleaves and config.schedule == "batch"
         self.max_active = config.max_active if self.interleaves else 1
+        # the keys and values of the active requests, reserved at admission (prompt + max_tokens positions each),
+        # never past what the engine's memory plan counted; a request that does not fit waits its turn
+        self.kv_capacity = engine.config.kv_positions or engine.model.max_seq
+        self.kv_reserved = 0
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.lock = threading.Condition()
@@ -90,7 +94,11 @@ class Scheduler:
             self.thread.join()
 
     def submit(self, request: Request) -> None:
-        """Queue a request for admission (FIFO); its outputs arrive through `request.emit`."""
+        """Queue a request for admission (FIFO); its outputs arrive through `request.emit`. BadInput for one
+        whose keys and values could never fit (it would wait forever)."""
+        if kv_need(request) > self.kv_capacity:
+            raise BadInput(f"a {len(request.prompt)}-token prompt with max_tokens={request.params.max_tokens} needs "
+                           f"{kv_need(request)} KV positions; the server holds {self.kv_capacity} (--kv-positions)")
         with self.lock:
             self.waiting.append(request)
             self.lock.notify()
@@ -107,13 +115,17 @@ class Scheduler:
                 self.lock.wait()
             if self.stopping:
                 return False
-            while self.waiting and len(self.active) < self.max_active:
-                self.active.append(self.waiting.popleft())
+            while self.waiting and len(self.active) < self.max_active and \
+                    self.kv_reserved + kv_need(self.waiting[0]) <= self.kv_capacity:
+                request = self.waiting.popleft()
+                self.kv_reserved += kv_need(request)
+                self.active.append(request)
         return True
 
     def _finish(self, request: Request, outcome: StepOutput | Exception | None, reason: str) -> None:
         request.finished = time.perf_counter()
         self.active.remove(request)
+        self.kv_reserved -= kv_need(request)
         if request.generation is not None:
             request.completion_tokens = len(request.generation.tokens)
         request.generation = None  # frees its KV buffers
@@ -184,6 +196,11 @@ class Scheduler:
             for request in [r for r in self.active if r.generation is None]:  # prompts one at a time
                 self._step(request)
             self._batch_step(decoding)
+
+
+def kv_need(request: Request) -> int:
+    """Positions of keys and values a request holds at most: its prompt and every token it may generate."""
+    return len(request.prompt) + request.params.max_tokens
 
 
 def repair_cache(engine: Engine) -> None:
