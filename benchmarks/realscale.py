@@ -10,9 +10,10 @@ vendor/llama.cpp, through benchmarks/to_gguf.py) and Q4_0 (llama.cpp's quantizer
 a process of its own and the formats' variants alternated round by round:
 
 - the engine with every expert resident in fast-tier slots of the format (fp16 slots from the checkpoint's
-  fp16; int8 / int4 group-32 slots from a disk store of that format) and its dense weights in the same
-  format (`--dense-dtype`);
-- llama.cpp (llama-cpp-python) on the GGUF of the same bits per weight: F16, Q8_0, Q4_0.
+  fp16; bf16, int8, int4 group-32 or mxfp4 slots from a disk store of that format) and its dense weights in
+  the same format (`--dense-dtype`; int8 beside mxfp4 experts, as llama.cpp's MXFP4_MOE keeps Q8_0);
+- llama.cpp (llama-cpp-python, `pip install llama-cpp-python`; built here from its sdist with AMX off, whose
+  native build crashed in this VM) on the GGUF of the same bits per weight: F16, BF16, Q8_0, Q4_0, MXFP4_MOE.
 
 Both decode the same evaluation text token by token (a random model's greedy output loops) and evaluate a
 prompt of --prompt-tokens tokens, computing the last position's logits (a prefill). The bandwidth floor
@@ -33,7 +34,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-FORMATS = {"fp16": ("f16", None), "int8": ("q8_0", "int8"), "int4": ("q4_0", "int4")}  # ours -> GGUF, store/slots
+# ours -> (the GGUF type of the same bits per weight, the disk store's format (None: the checkpoint's fp16), the
+# engine's dense weights); the slots are the store's format. llama.cpp's MXFP4_MOE keeps its dense tensors in Q8_0.
+FORMATS = {"fp16": ("f16", None, "auto"), "bf16": ("bf16", "bf16", "bf16"), "int8": ("q8_0", "int8", "int8"),
+           "int4": ("q4_0", "int4", "int4"), "mxfp4": ("mxfp4_moe", "mxfp4", "int8")}
+CONVERTED = ("f16", "bf16", "q8_0")  # by llama.cpp's converter; the others by its quantizer from the F16 file
+QUANTIZED = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "mxfp4_moe": "LLAMA_FTYPE_MOSTLY_MXFP4_MOE"}
 
 
 def text_ids(model: str, n: int) -> list[int]:
@@ -64,11 +70,11 @@ def run_engine(a, fmt: str) -> dict:
     from expertcache.engine.engine import Engine, EngineConfig
     from expertcache.engine.quant import ExpertFormat
     from expertcache.engine.threads import describe
-    quantized = FORMATS[fmt][1]
-    store_fmt = ExpertFormat.parse(quantized, 32) if quantized else None
+    _, stored, dense = FORMATS[fmt]
     engine = Engine(a.model, EngineConfig(store="disk", cache=CacheConfig(fraction=1.0), initial="cold",
-                                          store_format=store_fmt, slot_dtype=quantized or "auto",
-                                          dense_dtype=quantized or "auto", max_seq=a.prompt_tokens + a.tokens + 8))
+                                          store_format=ExpertFormat.parse(stored, 32) if stored else None,
+                                          slot_dtype=stored or "auto", dense_dtype=dense,
+                                          max_seq=a.prompt_tokens + a.tokens + 8))
     L, E = engine.args.num_moe_layers, engine.args.num_experts
     engine.cache.warm(np.ones((L, E)))  # every expert resident: the floor of the format
     ids = text_ids(a.model, a.prompt_tokens + a.tokens + 8)
@@ -149,11 +155,12 @@ def prepare(a) -> None:
     if not (model / "config.json").exists():
         subprocess.run([sys.executable, str(HERE / "make_checkpoint.py"), "--out", str(model), "--layers", "4"],
                        check=True)
-    for fmt, (gguf_type, _) in FORMATS.items():
+    for fmt in a.formats + ["fp16"]:  # the quantizer starts from the F16 file
+        gguf_type = FORMATS[fmt][0]
         gguf = model.with_name(f"{model.name}-{gguf_type}.gguf")
         if gguf.exists():
             continue
-        if gguf_type in ("f16", "q8_0"):
+        if gguf_type in CONVERTED:
             if a.llama_cpp is None:
                 sys.exit(f"{gguf} is missing: give --llama-cpp (the llama-cpp-python sdist's vendor/llama.cpp)")
             subprocess.run([sys.executable, str(HERE / "to_gguf.py"), str(a.llama_cpp), str(model), str(gguf),
@@ -163,10 +170,10 @@ def prepare(a) -> None:
 
             import llama_cpp
             params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, a.threads
+            params.ftype, params.nthread = getattr(llama_cpp, QUANTIZED[gguf_type]), a.threads
             f16 = model.with_name(f"{model.name}-f16.gguf")
             if llama_cpp.llama_model_quantize(str(f16).encode(), str(gguf).encode(), ctypes.byref(params)):
-                sys.exit(f"llama.cpp could not quantize {f16} to Q4_0")
+                sys.exit(f"llama.cpp could not quantize {f16} to {gguf_type.upper()}")
 
 
 VARIANTS = {"engine": run_engine, "llama.cpp": run_llama}
@@ -176,7 +183,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="build/qwen3-30b-shape")
     p.add_argument("--llama-cpp", type=Path, default=None, help="the llama-cpp-python sdist's vendor/llama.cpp")
-    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS),
+                   help="formats compared (default: all); F16 GGUF is written whatever is asked, the quantizer's source")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=256)

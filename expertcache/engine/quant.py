@@ -15,7 +15,7 @@ an fp16 scale and an fp16 minimum, x ~ min + scale * q with q in [0, 2^bits - 1]
 (x ~ scale * q, q in [-2^(bits-1) + 1, 2^(bits-1) - 1]) is an option; on the built-in model
 asymmetric int4 reconstructs the weights with ~17% less error than symmetric at the same group size
 and ~10% less at the same bits per weight (see
-benchmarks/RESULTS.md, "Quantized experts"). An input dimension that is not a multiple of G
+benchmarks/RESULTS.md, "Slot formats and quantized experts"). An input dimension that is not a multiple of G
 is padded with zeros to one (the padding is stored and dropped when dequantising).
 
 A blob's layout (`layout`): for each part in the order `ExpertShape.parts`, its segments
