@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import sys
 
-from ..lab.bench import POLICIES, BenchConfig, markdown, run_bench
+from ..choices import BENCH_POLICIES
 from .options import (
     add_json_argument,
     add_model_argument,
     add_store_arguments,
+    announce_compile,
     bounded,
     format_from_args,
     fraction,
@@ -25,17 +26,20 @@ def add_arguments(p):
     add_model_argument(p)
     add_store_arguments(p)
     p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
-    p.add_argument("--policies", nargs="+", default=list(POLICIES))
-    p.add_argument("--decode-tokens", type=_at_least_two, default=BenchConfig.decode_tokens,
+    p.add_argument("--policies", nargs="+", default=list(BENCH_POLICIES),
+                   help="policy specs to time (fetch-all always runs)")
+    p.add_argument("--decode-tokens", type=_at_least_two, default=64,
                    help="greedy tokens decoded after the prompt")
-    p.add_argument("--forced-tokens", type=positive_int, default=BenchConfig.forced_tokens,
+    p.add_argument("--forced-tokens", type=positive_int, default=1024,
                    help="tokens scored teacher-forced")
-    p.add_argument("--repeats", type=positive_int, default=BenchConfig.repeats, help="timed repetitions")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed repetitions")
     add_json_argument(p)
 
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    announce_compile()
+    from ..lab.bench import BenchConfig, markdown, run_bench
     policies = tuple(dict.fromkeys(["fetch-all", *a.policies]))
     cfg = BenchConfig(store=a.store, device=a.device, store_dir=a.store_dir, cache_fraction=a.cache, policies=policies,
                       store_format=format_from_args(a, a.store_dtype), read_mode=a.read_mode, io=a.io,

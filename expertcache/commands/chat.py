@@ -3,9 +3,11 @@ one user message per stdin line, the reply streamed; the expert cache stays warm
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-from ..engine.chat import ChatTemplate, encode_chat
-from ..engine.generate import TextGeneration
+if TYPE_CHECKING:
+    from ..engine.chat import ChatTemplate
+
 from .generate import add_sampling_arguments, sampling_from_args
 from .options import add_engine_arguments, engine_from_args
 
@@ -23,6 +25,7 @@ def fitting_prompt(engine, template: ChatTemplate, messages: list[dict], max_tok
     """The conversation's prompt ids; when it and a reply of max_tokens outgrow --max-seq, the oldest exchanges
     (after a system message) are dropped from `messages` until it fits, and stderr says so. A last message too
     long alone stays, for TextGeneration to refuse."""
+    from ..engine.chat import encode_chat
     first = 1 if messages and messages[0]["role"] == "system" else 0
     prompt, dropped = encode_chat(engine, template, messages), 0
     while len(prompt) + max_tokens > engine.model.max_seq and len(messages) - first > 1:
@@ -37,6 +40,8 @@ def fitting_prompt(engine, template: ChatTemplate, messages: list[dict], max_tok
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    from ..engine.chat import ChatTemplate
+    from ..engine.generate import TextGeneration
     params = sampling_from_args(a)
     engine = engine_from_args(a)
     template = ChatTemplate.of(engine)

@@ -6,8 +6,7 @@ import socket
 import sys
 
 from ..errors import ExpertCacheError
-from ..policies import make_policy
-from .options import add_engine_arguments, engine_from_args
+from .options import add_engine_arguments, engine_from_args, positive_int
 
 HELP = "serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"
 
@@ -34,13 +33,13 @@ def add_arguments(p):
     """The verb's options."""
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=port, default=8000)
+    p.add_argument("--port", type=port, default=8000, help="TCP port (0: any free one)")
     p.add_argument("--served-model-name", type=model_name, default=None,
                    help="the model id clients send (default: folder name)")
     p.add_argument("--schedule", default="batch",
                    help="batch: the decode steps of active requests run as one batched forward; interleave: they "
                         "take turns, one forward each; serial: one request at a time")
-    p.add_argument("--max-active", type=int, default=16, help="requests decoding at once under batch or interleave")
+    p.add_argument("--max-active", type=positive_int, default=16, help="requests decoding at once under batch or interleave")
     p.add_argument("--prefill-policy", default="same",
                    help="miss policy for prompt tokens ('same': the decode policy); e.g. substitute-all keeps "
                         "a long prompt from flushing the experts decoding uses")
@@ -48,6 +47,7 @@ def add_arguments(p):
 
 def build_app(a):
     """The engine, scheduler and ASGI app for parsed serve arguments."""
+    from ..policies import make_policy
     from ..serve.app import create_app
     from ..serve.scheduler import Scheduler, SchedulerConfig
     prefill = None if a.prefill_policy == "same" else make_policy(a.prefill_policy)

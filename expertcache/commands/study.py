@@ -4,16 +4,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..engine.perplexity import EVAL_TEXT
-from ..lab.report import write_report
-from ..lab.study import StudyConfig, run_study
-from ..lab.texts import text_segments
-from ..policies import make_policy
-from ..progress import progress_bar
+from ..choices import EVAL_TEXT
 from .options import (
     add_json_argument,
     add_model_argument,
     add_text_arguments,
+    announce_compile,
     fraction,
     output_dir,
     positive_int,
@@ -27,9 +23,9 @@ def add_arguments(p):
     """The verb's options."""
     add_model_argument(p)
     p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
-    p.add_argument("--tokens-per-domain", type=positive_int, default=StudyConfig.tokens_per_domain,
+    p.add_argument("--tokens-per-domain", type=positive_int, default=4096,
                    help="evaluation tokens taken from each domain of the text")
-    p.add_argument("--context", type=positive_int, default=StudyConfig.context, help="window length in tokens")
+    p.add_argument("--context", type=positive_int, default=512, help="window length in tokens")
     p.add_argument("--policies", nargs="+", default=None, help="policy specs (default: the full set)")
     add_text_arguments(p)
     p.add_argument("--out", type=output_dir, default=Path("study"), help="report folder")
@@ -38,6 +34,12 @@ def add_arguments(p):
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    announce_compile()
+    from ..lab.report import write_report
+    from ..lab.study import StudyConfig, run_study
+    from ..lab.texts import text_segments
+    from ..policies import make_policy
+    from ..progress import progress_bar
     cfg = StudyConfig(cache_fraction=a.cache, tokens_per_domain=a.tokens_per_domain, context=a.context,
                       text=str(a.text) if a.text else None, domains=a.domains or ())
     if a.policies:

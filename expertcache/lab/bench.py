@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..choices import BENCH_POLICIES as POLICIES
 from ..engine.cache import CacheConfig
 from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL, Engine, EngineConfig, max_seq_limit
@@ -26,7 +27,6 @@ from ..engine.quant import ExpertFormat
 from ..errors import BadInput
 from ..models import model_args
 
-POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "substitute-all")
 FLOOR = "all resident"
 
 
