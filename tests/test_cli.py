@@ -89,3 +89,13 @@ def test_perplexity_interrupted_keeps_the_windows_scored():
         seen.clear()
         perplexity(engine, ids, 32, progress=progress)
     engine.close()
+
+
+def test_study_policies_restrict_the_generation_test_too(tmp_path, capsys):
+    out = tmp_path / "study.json"
+    assert cli.main(["study", "--policies", "substitute-all", "--tokens-per-domain", "64", "--context", "64",
+                     "--out", str(tmp_path / "report"), "--json", str(out)]) == 0
+    import json
+    res = json.loads(out.read_text())
+    assert set(res["runs"]) == {"fetch-all", "substitute-all"}
+    assert set(res["generation"]) - {"samples", "prompt0"} == {"fetch-all", "substitute-all"}

@@ -45,11 +45,14 @@ def run(a) -> int:
     if a.policies:
         for spec in a.policies:  # a bad name fails here, before the baseline runs
             make_policy(spec)
-        cfg = StudyConfig(**{**cfg.__dict__, "policies": tuple(dict.fromkeys(["fetch-all", *a.policies]))})
+        chosen = tuple(dict.fromkeys(["fetch-all", *a.policies]))  # the generation test too runs only these
+        cfg = StudyConfig(**{**cfg.__dict__, "policies": chosen, "generation_policies": chosen})
     text_segments(a.text or EVAL_TEXT, a.domains or None)  # a bad text fails here, before the progress bar
     last = [None]
     with progress_bar(unit="tok") as bar:
-        def progress(label, n):
+        def progress(label, n, total=None):
+            if total is not None:  # a phase starts: perplexity of every policy, then the generation test
+                bar.reset(total=total)
             if label != last[0]:
                 bar.set_description(label)
                 last[0] = label
