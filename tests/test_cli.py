@@ -99,3 +99,12 @@ def test_study_policies_restrict_the_generation_test_too(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert set(res["runs"]) == {"fetch-all", "substitute-all"}
     assert set(res["generation"]) - {"samples", "prompt0"} == {"fetch-all", "substitute-all"}
+
+
+def test_chat_prints_a_banner_and_leaves_at_quit(monkeypatch, capsys):
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who goes there?\n/quit\nNever answered.\n"))
+    assert cli.main(["chat", "--store", "ram", "-n", "4", "--ignore-eos"]) == 0
+    out, err = capsys.readouterr()
+    assert "expertcache chat: the built-in model" in err.splitlines()[0] and "/exit, /quit" in err
+    assert len([line for line in out.splitlines() if line.strip()]) == 1  # one reply, then /quit left

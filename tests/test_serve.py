@@ -437,3 +437,18 @@ def test_text_offsets_stay_in_the_text_past_split_characters(client):
     pairs = [(t, o) for c in chunks if c.choices[0].logprobs for t, o in zip(c.choices[0].logprobs.tokens,
                                                                               c.choices[0].logprobs.text_offset)]
     assert pairs and all(text[o:o + len(t)] == t for t, o in pairs if t != "\ufffd")
+
+
+def test_the_access_log_has_a_line_per_request():
+    from expertcache.serve.access_log import AccessLog
+    engine = Engine(None, EngineConfig(store="ram", max_seq=128))
+    app, lines = create_app(Scheduler(engine), MODEL), []
+    app.add_middleware(AccessLog, log=lines.append)
+    with BackgroundServer(app) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=4, temperature=0)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    engine.close()
+    assert re.fullmatch(r"POST /v1/completions 200 prompt \d+ completion 4 tokens \d+ ms", lines[0]), lines
+    assert lines[1].startswith("POST /v1/completions 404 ")

@@ -33,19 +33,22 @@ def add_arguments(p):
     p.add_argument("--forced-tokens", type=positive_int, default=1024,
                    help="tokens scored teacher-forced")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed repetitions")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the full 14-column Markdown table (wide) instead of the headline columns")
     add_json_argument(p)
 
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     announce_compile()
-    from ..lab.bench import BenchConfig, markdown, run_bench
+    from ..lab.bench import BenchConfig, markdown, run_bench, table
     policies = tuple(dict.fromkeys(["fetch-all", *a.policies]))
     cfg = BenchConfig(store=a.store, device=a.device, store_dir=a.store_dir, cache_fraction=a.cache, policies=policies,
                       store_format=format_from_args(a, a.store_dtype), read_mode=a.read_mode, io=a.io,
                       slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype,
                       decode_tokens=a.decode_tokens, forced_tokens=a.forced_tokens, repeats=a.repeats)
     res = run_bench(a.model, cfg, progress=lambda s: print(s, file=sys.stderr))
-    print(markdown(res))
+    setup, _, full = markdown(res).split("\n", 2)
+    print(f"{setup}\n\n{full if a.markdown else table(res)}")
     write_json(a.json, res.to_dict())
     return 0

@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 from .generate import add_sampling_arguments, sampling_from_args
 from .options import add_engine_arguments, engine_from_args
 
-HELP = "chat with the model: one message per stdin line, replies streamed (uses the chat template)"
+EXIT = ("/exit", "/quit")
+HELP = "chat with the model: one message per stdin line, replies streamed (uses the chat template); /exit or /quit leaves"
 
 
 def add_arguments(p):
@@ -47,22 +48,33 @@ def run(a) -> int:
     template = ChatTemplate.of(engine)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     interactive = sys.stdin.isatty()
+    name = engine.path.name if a.model else "the built-in model"
+    print(f"expertcache chat: {name} ({engine.config.store} store, cache {engine.cache.per_layer}/"
+          f"{engine.args.num_experts} per layer, {engine.policy}); /exit, /quit, Ctrl-D or Ctrl-C at the prompt to "
+          "leave, Ctrl-C during a reply to stop it", file=sys.stderr)
     while True:
         if interactive:
             sys.stdout.write("> ")
             sys.stdout.flush()
-        line = sys.stdin.readline()
-        if not line:
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            break
+        if not line or line.strip() in EXIT:
             break
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\r\n")})  # a Windows line ends in \r\n
         gen = TextGeneration(engine, fitting_prompt(engine, template, messages, params.max_tokens), params)
         reply = []
-        for out in gen:
-            sys.stdout.write(out.text)
-            sys.stdout.flush()
-            reply.append(out.text)
+        try:
+            for out in gen:
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+                reply.append(out.text)
+        except KeyboardInterrupt:  # stops this reply; the conversation goes on with what it said so far
+            sys.stdout.write(" [stopped]")
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
     print(f"[{engine.policy}] {engine.stats.line()}", file=sys.stderr)

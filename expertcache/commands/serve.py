@@ -48,13 +48,16 @@ def add_arguments(p):
 def build_app(a):
     """The engine, scheduler and ASGI app for parsed serve arguments."""
     from ..policies import make_policy
+    from ..serve.access_log import AccessLog
     from ..serve.app import create_app
     from ..serve.scheduler import Scheduler, SchedulerConfig
     prefill = None if a.prefill_policy == "same" else make_policy(a.prefill_policy)
     config = SchedulerConfig(schedule=a.schedule, max_active=a.max_active, prefill_policy=prefill)
     engine = engine_from_args(a)
     name = a.served_model_name or (a.model.resolve().name if a.model else "expertcache-builtin")
-    return create_app(Scheduler(engine, config), name)
+    app = create_app(Scheduler(engine, config), name)
+    app.add_middleware(AccessLog, log=lambda line: print(f"expertcache: {line}", file=sys.stderr, flush=True))
+    return app
 
 
 def bind(host: str, port: int) -> socket.socket:
