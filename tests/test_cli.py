@@ -108,3 +108,23 @@ def test_chat_prints_a_banner_and_leaves_at_quit(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert "expertcache chat: the built-in model" in err.splitlines()[0] and "/exit, /quit" in err
     assert len([line for line in out.splitlines() if line.strip()]) == 1  # one reply, then /quit left
+
+
+def test_readme_tour_commands_parse_and_version_runs():
+    """Every command of the README's tour is one the CLI accepts as written (flags, values, sizes); the set-up
+    commands at the top are the ones the project documents."""
+    import re
+    import shlex
+    readme = (cli.DATA.parents[1] / "README.md").read_text()
+    assert readme.split("```bash\n")[1].startswith("pip install torch==2.13.0 -e . && expertcache generate\n")
+    tour = readme.split("## A tour", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [shlex.split(line.split("#")[0]) for line in tour.splitlines() if line.startswith("expertcache")]
+    assert len(commands) >= 8
+    parser = cli.Parser(prog="expertcache")
+    sub = parser.add_subparsers(dest="verb", parser_class=cli.Parser)
+    for verb in cli.VERBS:
+        importlib.import_module(f"expertcache.commands.{verb.replace('-', '_')}").add_arguments(sub.add_parser(verb))
+    for argv in commands:
+        if argv[1:] != ["--help"]:
+            assert parser.parse_args(argv[1:]).verb == argv[1], argv
+    assert re.search(r"expertcache generate -p \"ROMEO\.\"", tour)
