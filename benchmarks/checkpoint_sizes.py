@@ -1,6 +1,6 @@
 """Real checkpoints sized from their config alone (`expertcache info --config`): the shapes of
 released MoE models, as their published config.json files give them, and what fits in a fast
-tier of 8, 16 and 24 GB. Writes each config to --out and prints the README's table.
+tier of 8, 16 and 24 GB. Writes each config to --out and prints the table of docs/families.md.
 
     python benchmarks/checkpoint_sizes.py --out build/configs
 """

@@ -6,15 +6,36 @@ import errno
 import importlib
 import json
 import sys
+from pathlib import Path
 
+from .choices import DATA
+from .commands.options import compiled_ok
 from .errors import ExpertCacheError
 
 VERBS = ["generate", "chat", "serve", "ppl", "convert", "info", "calibrate", "predict", "study", "tune", "bench",
          "trace", "simulate", "calibrate-hw", "train"]
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with every option's default shown, unless its text already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, False, argparse.SUPPRESS) or default == [] or action.required:
+            return text
+        if isinstance(default, Path) and default.is_relative_to(DATA):  # the built-in model's or texts
+            default = Path("expertcache") / default.relative_to(DATA.parent)
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with its errors on one line (the usage stays behind --help) and exit code 2."""
+    """argparse with its errors on one line (the usage stays behind --help), exit code 2, and the defaults shown."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kw)
 
     def error(self, message: str):
         """Print one line naming the problem and exit with code 2."""
@@ -32,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> int:
     parser = Parser(prog="expertcache", description="MoE inference with a policy-driven expert cache")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="verb", required=True, parser_class=Parser)
     modules = {}
     for verb in VERBS:
@@ -40,12 +62,25 @@ def _run(argv: list[str] | None) -> int:
         modules[verb] = mod
     args = parser.parse_args(argv)
     try:
-        return modules[args.verb].run(args)
+        code = modules[args.verb].run(args)
+        if code == 0:
+            compiled_ok()
+        return code
     except (ExpertCacheError, UnicodeDecodeError, json.JSONDecodeError) as e:  # bad input or a corrupt file
         print(f"expertcache: error: {e}", file=sys.stderr)
     except OSError as e:
         print(f"expertcache: error: {e}; {os_error_fix(e)}", file=sys.stderr)
     return 2
+
+
+def version() -> str:
+    """The installed package's version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+    try:
+        return installed("expertcache")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "(not installed)"
 
 
 def os_error_fix(e: OSError) -> str:

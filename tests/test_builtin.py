@@ -78,6 +78,9 @@ def test_study_and_bench_run(tmp_path):
     # prefetching is a decode-time pipeline: there it ran, and decoded the exact text
     assert b.decode_counts["fetch-all+prefetch/router-ahead"]["prefetch_fetches"] > 0
     assert b.decoded["fetch-all+prefetch/router-ahead"] == b.decoded["all resident"] == b.decoded["fetch-all"]
+    from expertcache.lab.bench import table
+    rows = table(b).splitlines()
+    assert len(rows) == len(s) + 1 and max(map(len, rows)) <= 100  # the terminal's table fits 100 columns
 
 
 def test_trace_and_simulate_verbs(capsys, tmp_path):

@@ -2,6 +2,7 @@
 model's own, and a config that is not JSON is one clear error."""
 import json
 
+import pytest
 from hf_models import hf_config
 
 from expertcache import cli
@@ -47,3 +48,31 @@ def test_kv_bytes_per_token_are_the_engines_cache(tiny):
         fp16_per_position = m.kv_bytes(16) // 16 * 2 // torch.finfo(m.dtype).bits * 8  # info counts fp16
         engine.close()
         assert size_config(config)["kv_bytes_per_token"] == fp16_per_position, family
+
+
+def test_info_sizes_slots_of_the_dtype_asked_for_and_takes_sizes(tmp_path, capsys, tiny):
+    """`--config` with `--slot-dtype int4` budgets int4 slots, not fp16 ones; `--budget` takes sizes like every
+    other size flag (16G, 64M) and a plain number as MiB, as before."""
+    config = str(tiny["qwen2_moe"][0] / "config.json")
+    whole = tmp_path / "whole.json"
+    assert cli.main(["info", "--config", config, "--json", str(whole)]) == 0
+    s = json.loads(whole.read_text())
+    budget = 2 * s["expert_bytes"]["fp16"] * s["moe_layers"]  # two fp16 experts a layer
+    sized = {}
+    for slot in ("fp16", "int4"):
+        out = tmp_path / f"{slot}.json"
+        assert cli.main(["info", "--config", config, "--slot-dtype", slot, "--budget", f"{budget}B",
+                         "--json", str(out)]) == 0
+        sized[slot] = json.loads(out.read_text())
+        assert f"for {slot} experts" in capsys.readouterr().out
+    assert sized["int4"]["slot"] == "int4"
+    assert sized["int4"]["budget"]["experts_per_layer"] > sized["fp16"]["budget"]["experts_per_layer"]
+    assert sized["fp16"]["budget"]["experts_per_layer"] == 2
+    by_mib, by_size = tmp_path / "mib.json", tmp_path / "size.json"
+    assert cli.main(["info", "--budget", "2", "--json", str(by_mib)]) == 0
+    assert cli.main(["info", "--budget", "2M", "--json", str(by_size)]) == 0
+    assert json.loads(by_mib.read_text())["budget_slots_per_layer"] == \
+        json.loads(by_size.read_text())["budget_slots_per_layer"]
+    with pytest.raises(SystemExit) as bad:
+        cli.main(["info", "--budget", "lots"])
+    assert bad.value.code == 2 and "not a size" in capsys.readouterr().err

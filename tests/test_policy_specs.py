@@ -239,6 +239,6 @@ def test_a_report_folder_that_is_a_file_is_refused_before_any_work(tmp_path, cap
 
 def test_study_checks_its_policy_names_before_the_baseline(capsys, monkeypatch):
     from expertcache import cli
-    monkeypatch.setattr("expertcache.commands.study.run_study", lambda *a, **k: pytest.fail("the study ran"))
+    monkeypatch.setattr("expertcache.lab.study.run_study", lambda *a, **k: pytest.fail("the study ran"))
     assert cli.main(["study", "--policies", "threshold:tau=0.15", "no-such-policy"]) == 2
     assert "no-such-policy" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from expertcache.serve.background import BackgroundServer
 from expertcache.serve.scheduler import Scheduler
 
 MODEL = "expertcache-builtin"
-README = Path(__file__).parents[1] / "README.md"
+SERVER_DOC = Path(__file__).parents[1] / "docs" / "server.md"
 
 
 @pytest.fixture(scope="module")
@@ -378,13 +378,19 @@ def test_disconnect_stops_generation_and_metrics(server):
     assert metric(server, "expertcache_request_latency_seconds_count") > 0
 
 
-def test_readme_python_example_runs(server):
-    section = README.read_text().split("## Serving", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+def test_server_doc_python_example_prints_the_servers_answers(server):
+    code = re.search(r"```python\n(.*?)```", SERVER_DOC.read_text(), re.S).group(1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(code.replace("http://127.0.0.1:8000/v1", server.base_url), {})
-    assert len(out.getvalue().strip()) > 10
+    # what the example prints is the server's answers: the greedy chat reply, then the seeded streamed completion
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Who goes there?"}],
+                                           max_tokens=24, temperature=0).choices[0].message.content
+    streamed = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, temperature=0.8, top_p=0.95,
+                                         seed=1).choices[0].text
+    assert reply.strip() and streamed.strip()
+    assert out.getvalue() == f"{reply}\n{streamed}"
 
 
 def test_failed_fetch_ends_the_request_and_the_server_keeps_serving(tmp_path, reference):
@@ -437,3 +443,18 @@ def test_text_offsets_stay_in_the_text_past_split_characters(client):
     pairs = [(t, o) for c in chunks if c.choices[0].logprobs for t, o in zip(c.choices[0].logprobs.tokens,
                                                                               c.choices[0].logprobs.text_offset)]
     assert pairs and all(text[o:o + len(t)] == t for t, o in pairs if t != "\ufffd")
+
+
+def test_the_access_log_has_a_line_per_request():
+    from expertcache.serve.access_log import AccessLog
+    engine = Engine(None, EngineConfig(store="ram", max_seq=128))
+    app, lines = create_app(Scheduler(engine), MODEL), []
+    app.add_middleware(AccessLog, log=lines.append)
+    with BackgroundServer(app) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=4, temperature=0)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    engine.close()
+    assert re.fullmatch(r"POST /v1/completions 200 prompt \d+ completion 4 tokens \d+ ms", lines[0]), lines
+    assert lines[1].startswith("POST /v1/completions 404 ")

@@ -3,10 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..engine.engine import BUILTIN_MODEL
-from ..lab.calibrate import CALIB_TEXT, calibrate, check_calibration_budget, encode_text, save_calibration
-from ..lab.texts import read_text
-from ..progress import progress_bar
+from ..choices import BUILTIN_MODEL, CALIB_TEXT
 from .options import add_model_argument, byte_size, positive_int
 
 HELP = "compute routing counts (warm cache) and per-expert default vectors on calibration text"
@@ -25,6 +22,9 @@ def add_arguments(p):
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    from ..lab.calibrate import calibrate, check_calibration_budget, encode_text, save_calibration
+    from ..lab.texts import read_text
+    from ..progress import progress_bar
     path = a.model or BUILTIN_MODEL
     ids = encode_text(path, read_text(a.text), a.max_tokens)
     if a.memory_budget is not None:

@@ -3,13 +3,16 @@ one user message per stdin line, the reply streamed; the expert cache stays warm
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-from ..engine.chat import ChatTemplate, encode_chat
-from ..engine.generate import TextGeneration
+if TYPE_CHECKING:
+    from ..engine.chat import ChatTemplate
+
 from .generate import add_sampling_arguments, sampling_from_args
 from .options import add_engine_arguments, engine_from_args
 
-HELP = "chat with the model: one message per stdin line, replies streamed (uses the chat template)"
+EXIT = ("/exit", "/quit")
+HELP = "chat with the model: one message per stdin line, replies streamed (uses the chat template); /exit or /quit leaves"
 
 
 def add_arguments(p):
@@ -23,6 +26,7 @@ def fitting_prompt(engine, template: ChatTemplate, messages: list[dict], max_tok
     """The conversation's prompt ids; when it and a reply of max_tokens outgrow --max-seq, the oldest exchanges
     (after a system message) are dropped from `messages` until it fits, and stderr says so. A last message too
     long alone stays, for TextGeneration to refuse."""
+    from ..engine.chat import encode_chat
     first = 1 if messages and messages[0]["role"] == "system" else 0
     prompt, dropped = encode_chat(engine, template, messages), 0
     while len(prompt) + max_tokens > engine.model.max_seq and len(messages) - first > 1:
@@ -37,27 +41,40 @@ def fitting_prompt(engine, template: ChatTemplate, messages: list[dict], max_tok
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    from ..engine.chat import ChatTemplate
+    from ..engine.generate import TextGeneration
     params = sampling_from_args(a)
     engine = engine_from_args(a)
     template = ChatTemplate.of(engine)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     interactive = sys.stdin.isatty()
+    name = engine.path.name if a.model else "the built-in model"
+    print(f"expertcache chat: {name} ({engine.config.store} store, cache {engine.cache.per_layer}/"
+          f"{engine.args.num_experts} per layer, {engine.policy}); /exit, /quit, Ctrl-D or Ctrl-C at the prompt to "
+          "leave, Ctrl-C during a reply to stop it", file=sys.stderr)
     while True:
         if interactive:
             sys.stdout.write("> ")
             sys.stdout.flush()
-        line = sys.stdin.readline()
-        if not line:
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            break
+        if not line or line.strip() in EXIT:
             break
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\r\n")})  # a Windows line ends in \r\n
         gen = TextGeneration(engine, fitting_prompt(engine, template, messages, params.max_tokens), params)
         reply = []
-        for out in gen:
-            sys.stdout.write(out.text)
-            sys.stdout.flush()
-            reply.append(out.text)
+        try:
+            for out in gen:
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+                reply.append(out.text)
+        except KeyboardInterrupt:  # stops this reply; the conversation goes on with what it said so far
+            sys.stdout.write(" [stopped]")
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
     print(f"[{engine.policy}] {engine.stats.line()}", file=sys.stderr)

@@ -1,11 +1,7 @@
 """expertcache convert: write a checkpoint's experts into the disk store's aligned layout."""
 from __future__ import annotations
 
-
-from ..engine.checkpoint import open_checkpoint
-from ..engine.engine import BUILTIN_MODEL
-from ..engine.stores import conversion_lock, convert_to_disk, format_store_dir
-from ..models import model_args
+from ..choices import BUILTIN_MODEL
 from .options import add_format_arguments, add_model_argument, format_from_args, output_dir
 
 HELP = "convert a checkpoint's experts into a disk store (one aligned blob per expert), as is or quantized"
@@ -23,6 +19,9 @@ def add_arguments(p):
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    from ..engine.checkpoint import open_checkpoint
+    from ..engine.stores import conversion_lock, convert_to_disk, format_store_dir
+    from ..models import model_args
     ckpt = open_checkpoint(a.model or BUILTIN_MODEL)
     args = model_args(ckpt.config)
     fmt = format_from_args(a, a.dtype)

@@ -2,34 +2,55 @@
 from __future__ import annotations
 
 import sys
+import time
+from typing import TYPE_CHECKING
 
-from ..engine.generate import TextGeneration
-from ..engine.sampling import SamplingParams
 from ..errors import BadInput
+
+if TYPE_CHECKING:
+    from ..engine.sampling import SamplingParams
 from .options import add_engine_arguments, engine_from_args, output_path, write_json
 
 HELP = "generate text from a prompt, streamed, with cache statistics"
 DEFAULT_PROMPT = "ROMEO.\n"
 
 
+# the CLI flag of each SamplingParams field, for errors raised from the command line
+FLAGS = {"max_tokens": "-n/--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+         "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "seed": "--seed", "stop": "--stop"}
+
+
 def add_sampling_arguments(p, max_tokens: int = 64) -> None:
     """The sampling flags shared by generate and chat."""
-    p.add_argument("-n", "--max-new-tokens", type=int, default=max_tokens)
+    p.add_argument("-n", "--max-new-tokens", type=int, default=max_tokens, help="most tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0: no limit")
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this mass")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0: no limit")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top probability")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables it")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
 
 
 def sampling_from_args(a) -> SamplingParams:
-    """The SamplingParams that the sampling flags ask for."""
-    return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
-                          repetition_penalty=a.repetition_penalty, seed=a.seed, max_tokens=a.max_new_tokens,
-                          stop=tuple(a.stop), ignore_eos=a.ignore_eos)
+    """The SamplingParams that the sampling flags ask for; a value out of range is named by its flag."""
+    from ..engine.sampling import SamplingError, SamplingParams
+    try:
+        return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+                              repetition_penalty=a.repetition_penalty, seed=a.seed, max_tokens=a.max_new_tokens,
+                              stop=tuple(a.stop), ignore_eos=a.ignore_eos)
+    except SamplingError as e:
+        flag = FLAGS.get(e.param, e.param)
+        message = str(e).replace(f"{e.param}=", f"{flag} ", 1).replace(" (0 only when scoring the prompt)", "")
+        raise BadInput(message) from None
+
+
+def check_fits(engine, prompt_len: int, max_new_tokens: int) -> None:
+    """Refuse, naming the CLI flags, a prompt and -n that outgrow --max-seq."""
+    if prompt_len + max_new_tokens > engine.model.max_seq:
+        raise BadInput(f"the prompt ({prompt_len} tokens) + -n {max_new_tokens} exceed --max-seq "
+                       f"{engine.model.max_seq}; lower -n, shorten the prompt or raise --max-seq")
 
 
 def add_arguments(p):
@@ -57,20 +78,43 @@ def prompt_text(a) -> str:
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    from ..engine.generate import TextGeneration
     params = sampling_from_args(a)
     text = prompt_text(a)
     engine = engine_from_args(a)
-    gen = TextGeneration(engine, engine.encode(text), params)
+    prompt = engine.encode(text)
+    check_fits(engine, len(prompt), params.max_tokens)
+    gen = TextGeneration(engine, prompt, params)
     sys.stdout.write(text)
-    shown = []
+    shown, steps, start = [], 0, time.perf_counter()
     for out in gen:
+        if steps == 0:
+            first = time.perf_counter()  # the prefill, and the first token sampled from its logits
+        steps += 1
         sys.stdout.write(out.text)
         sys.stdout.flush()
         shown.append(out.text)
-    print(f"\n[{engine.config.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, "
-          f"{engine.policy}] finish: {gen.finish_reason}; {engine.stats.line()}", file=sys.stderr)
+    end = time.perf_counter()
+    if not (text + "".join(shown)).endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    timing = {"prompt_tokens": len(prompt), "prefill_s": first - start, "generated_tokens": len(gen.tokens),
+              "decode_steps": steps - 1, "decode_s": end - first}
+    print(f"[{engine.config.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, "
+          f"{engine.policy}] finish: {gen.finish_reason}\n{speed_line(timing)}\ncache: {engine.stats.line(speed=False)}",
+          file=sys.stderr)
     write_json(a.json, {"prompt": text, "text": "".join(shown), "tokens": gen.tokens,
-                        "finish_reason": gen.finish_reason, "stats": engine.stats.to_dict(),
+                        "finish_reason": gen.finish_reason, **timing, "stats": engine.stats.to_dict(),
                         "budget": engine.budget()})
     engine.close()
     return 0
+
+
+def speed_line(t: dict) -> str:
+    """Prefill and generation apart, as llama.cpp and `ollama --verbose` report them: the prompt's tokens over the
+    prefill's time (which samples the first new token), and the decode steps that produced the other tokens."""
+    def rate(n: int, s: float) -> str:
+        return f"{n / s:.1f} tok/s" if n and s > 0 else "-"
+    return (f"prefill: {t['prompt_tokens']} prompt tokens in {1e3 * t['prefill_s']:.1f} ms "
+            f"({rate(t['prompt_tokens'], t['prefill_s'])}); generation: {t['generated_tokens']} tokens, "
+            f"{t['decode_steps']} decode steps in {1e3 * t['decode_s']:.1f} ms ({rate(t['decode_steps'], t['decode_s'])})")

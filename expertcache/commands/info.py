@@ -2,22 +2,16 @@
 --config, a real checkpoint sized from its config.json alone, before anyone downloads it."""
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
-import torch
-
-from ..engine.cache import SLOT_DTYPES, slot_bytes, slot_format
-from ..engine.checkpoint import open_checkpoint
-from ..engine.engine import BUILTIN_MODEL
-from ..engine.quant import ExpertFormat
-from ..engine.stores import ExpertShape
-from ..engine.weights import layer_experts
+from ..choices import BUILTIN_MODEL, SLOT_DTYPES
 from ..errors import BadInput, CheckpointError
-from ..models import model_args
 from .options import (
     add_json_argument,
     add_model_argument,
+    byte_size,
     non_negative,
     positive_int,
     write_json,
@@ -27,9 +21,20 @@ HELP = "describe a model: layers, experts, bytes, and how many experts fit in a 
 
 # bits per weight of an expert in each slow-tier format (group-wise formats: group 32 with an
 # fp16 scale and minimum per group; MXFP4: 4-bit values with an 8-bit scale per 32)
-FORMAT_BITS = {"bf16": 16.0, "fp16": 16.0, "int8": 8.0 + 32 / 32, "int4": 4.0 + 32 / 32, "mxfp4": 4.25}
+FORMAT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "int8": 8.0 + 32 / 32, "int4": 4.0 + 32 / 32, "mxfp4": 4.25}
 BUDGETS_GB = (8, 16, 24)
 CONTEXT = 4096  # tokens of KV cache reserved when sizing what fits
+
+
+def budget_mib(text: str) -> float:
+    """An argparse type: MiB, as a plain number (e.g. 512) or a size with a unit like every other size flag
+    (e.g. 16G, 64M)."""
+    try:
+        return non_negative(text)
+    except argparse.ArgumentTypeError:
+        if text.strip()[-1:].isdigit():
+            raise
+    return byte_size(text) / 2**20
 
 
 def add_arguments(p):
@@ -37,10 +42,12 @@ def add_arguments(p):
     add_model_argument(p)
     p.add_argument("--config", type=Path, default=None,
                    help="a config.json alone: size that checkpoint (needs transformers to count dense weights)")
-    p.add_argument("--budget", type=non_negative, default=None, help="fast-tier budget in MiB for experts")
+    p.add_argument("--budget", type=budget_mib, default=None,
+                   help="fast-tier bytes for experts: a size such as 16G or 512M, or a plain number of MiB")
     p.add_argument("--slot-dtype", default="auto", choices=SLOT_DTYPES,
                    help="the experts' format in the fast tier, as the engine's option: auto (the checkpoint's fp16 "
-                        "or bf16, else fp32), fp32, fp16, bf16, int8, int4 (group 32, asym)")
+                        "or bf16, else fp32; with --config, fp16), fp32, fp16, bf16, int8, int4 (group 32, asym), "
+                        "mxfp4")
     p.add_argument("--dtype-bytes", type=positive_int, default=None,
                    help="bytes per weight in the fast tier (overrides --slot-dtype)")
     add_json_argument(p)
@@ -65,10 +72,13 @@ def parameter_counts(config: dict) -> tuple[int, int]:
     return total, experts
 
 
-def size_config(config: dict, budget_mib: float | None = None) -> dict:
+def size_config(config: dict, budget_mib: float | None = None, slot: str = "fp16") -> dict:
     """Bytes of a checkpoint from its config: per expert in each format, dense weights (bf16),
     KV cache per token (fp16), how many experts per layer fit next to them in 8/16/24 GB, and in
-    `budget_mib` MiB for experts alone when given."""
+    `budget_mib` MiB for experts alone when given, with experts in the fast tier as `slot`."""
+    if slot not in FORMAT_BITS:
+        raise BadInput(f"--slot-dtype {slot} cannot size a config alone; choose one of {', '.join(FORMAT_BITS)}")
+    from ..models import model_args
     a = model_args(config)
     layers = getattr(a, "num_moe_layers", a.num_layers)
     total, expert_params = parameter_counts(config)
@@ -83,14 +93,15 @@ def size_config(config: dict, budget_mib: float | None = None) -> dict:
     out = {"family": a.family, "moe_layers": layers, "experts": a.num_experts, "top_k": a.top_k,
            "params": total, "expert_params": per_expert, "dense_params": dense, "dense_bytes": 2 * dense,
            "kv_bytes_per_token": kv_per_token,
-           "expert_bytes": {f: int(per_expert * bits / 8) for f, bits in FORMAT_BITS.items()}, "fits": {}}
+           "expert_bytes": {f: int(per_expert * bits / 8) for f, bits in FORMAT_BITS.items()}, "slot": slot,
+           "fits": {}}
     for gb in BUDGETS_GB:
         left = gb * 2**30 - out["dense_bytes"] - CONTEXT * kv_per_token
-        slots = max(0, left // out["expert_bytes"]["fp16"]) // layers
+        slots = max(0, left // out["expert_bytes"][slot]) // layers
         out["fits"][gb] = {"experts_per_layer": int(min(slots, a.num_experts)),
                            "fraction": min(slots, a.num_experts) / a.num_experts, "enough": slots >= a.top_k}
     if budget_mib is not None:
-        slots = min(int(budget_mib * 2**20 // out["expert_bytes"]["fp16"] // layers), a.num_experts)
+        slots = min(int(budget_mib * 2**20 // out["expert_bytes"][slot] // layers), a.num_experts)
         out["budget"] = {"mib": budget_mib, "experts_per_layer": slots, "fraction": slots / a.num_experts,
                          "enough": slots >= a.top_k}
     return out
@@ -106,9 +117,9 @@ def _print_config(path: Path, s: dict) -> None:
         return f"{f['experts_per_layer']} experts per layer ({f['fraction']:.0%})" if f["enough"] else \
             f"not enough for top-{s['top_k']}"
     for gb, f in s["fits"].items():
-        print(f"  {gb} GB fast tier (fp16 experts, {CONTEXT}-token KV cache): {verdict(f)}")
+        print(f"  {gb} GB fast tier ({s['slot']} experts, {CONTEXT}-token KV cache): {verdict(f)}")
     if "budget" in s:
-        print(f"  {s['budget']['mib']:g} MiB for fp16 experts: {verdict(s['budget'])}")
+        print(f"  {s['budget']['mib']:g} MiB for {s['slot']} experts: {verdict(s['budget'])}")
 
 
 def run(a) -> int:
@@ -118,10 +129,21 @@ def run(a) -> int:
             config = json.loads(a.config.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{a.config} is not valid JSON ({e}); give a model's config.json") from None
-        s = size_config(config, a.budget)
+        slot = "fp16" if a.slot_dtype == "auto" else a.slot_dtype
+        if a.dtype_bytes is not None:
+            raise BadInput("--dtype-bytes sizes a loaded model; with --config give --slot-dtype instead")
+        s = size_config(config, a.budget, slot)
         _print_config(a.config, s)
         write_json(a.json, s)
         return 0
+    import torch
+
+    from ..engine.cache import slot_bytes, slot_format
+    from ..engine.checkpoint import open_checkpoint
+    from ..engine.quant import ExpertFormat
+    from ..engine.stores import ExpertShape
+    from ..engine.weights import layer_experts
+    from ..models import model_args
     ckpt = open_checkpoint(a.model or BUILTIN_MODEL)
     m = model_args(ckpt.config)
     if a.dtype_bytes is not None:

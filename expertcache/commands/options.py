@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..engine.cache import SLOT_DTYPES, CacheConfig
-from ..engine.engine import Engine, EngineConfig
-from ..engine.linear import DENSE_DTYPES
-from ..engine.quant import DTYPES, SCHEMES, ExpertFormat
-from ..engine.transfer import IO_BACKENDS
-from ..jsonout import dump_json
+from ..choices import DENSE_DTYPES, DTYPES, IO_BACKENDS, SCHEMES, SLOT_DTYPES
+
+if TYPE_CHECKING:  # the verbs import the engine when they run, so that --help starts without torch
+    from ..engine.engine import Engine
+    from ..engine.quant import ExpertFormat
 
 
 def bounded(kind, lo=None, hi=None, lo_open=False, what=""):
@@ -48,7 +48,8 @@ non_negative = bounded(float, 0.0, what="give a number >= 0")
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
     """The checkpoint to load (--model; default: the built-in model)."""
-    p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the built-in model)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a local HF checkpoint folder, or a Hub id such as Qwen/Qwen3-30B-A3B (downloaded once into huggingface_hub's cache) (default: the built-in model)")
 
 
 def domain_offsets(text: str) -> tuple[int, ...]:
@@ -98,9 +99,9 @@ def add_json_argument(p: argparse.ArgumentParser) -> None:
 
 def add_store_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None:
     """Where the model runs and where its experts live."""
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu or cuda")
     p.add_argument("--store", default=store, help="slow tier: ram, disk or pinned (default: %(default)s)")
-    p.add_argument("--store-dir", type=Path, default=None, help="where the disk store lives (default: ~/.cache)")
+    p.add_argument("--store-dir", type=Path, default=None, help="where the disk store lives (default: under ~/.cache/expertcache, or $EXPERTCACHE_HOME)")
     p.add_argument("--read-mode", default="auto", choices=["auto", "direct", "buffered"],
                    help="disk store reads: O_DIRECT, buffered with the page cache dropped, or auto (O_DIRECT where "
                         "the filesystem allows it; the mode used is in the statistics)")
@@ -137,11 +138,12 @@ def add_format_arguments(p: argparse.ArgumentParser, flag: str, what: str) -> No
     p.add_argument("--group-size", type=group_size, default=32,
                    help="int8/int4: inputs sharing one scale (default: %(default)s)")
     p.add_argument("--scheme", default="asym", choices=SCHEMES,
-                   help="int8/int4: asym (scale and minimum per group, the default) or sym (scale only)")
+                   help="int8/int4: asym (scale and minimum per group) or sym (scale only)")
 
 
 def format_from_args(a: argparse.Namespace, dtype: str | None) -> ExpertFormat | None:
     """The format that add_format_arguments' options describe; None for the checkpoint's dtype."""
+    from ..engine.quant import ExpertFormat
     return None if dtype is None else ExpertFormat.parse(dtype, a.group_size, a.scheme)
 
 
@@ -172,8 +174,35 @@ def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk") -> Non
     p.add_argument("--max-seq", type=positive_int, default=2048, help="longest sequence the KV cache holds")
 
 
+COMPILE_MARKS: list[Path] = []  # marks to leave once the verb that announced compiling succeeds
+
+
+def announce_compile() -> None:
+    """Say on stderr, before a first run's silent minutes, that the kernels are being compiled (once per version
+    of them); the mark that ends the notice is left when the verb succeeds."""
+    import sys
+
+    from ..kernel.compiled import cache_dir, kernels_compiled
+    mark = kernels_compiled()
+    if not mark.exists():
+        print(f"expertcache: compiling the kernels for this CPU (once, a few minutes; cached in {cache_dir().parent})",
+              file=sys.stderr, flush=True)
+        COMPILE_MARKS.append(mark)
+
+
+def compiled_ok() -> None:
+    """After a verb succeeded: leave the mark that ends announce_compile's notice."""
+    for mark in COMPILE_MARKS:
+        if mark.parent.is_dir():
+            mark.touch()
+    COMPILE_MARKS.clear()
+
+
 def engine_from_args(a: argparse.Namespace) -> Engine:
     """The Engine that add_engine_arguments' options describe."""
+    announce_compile()
+    from ..engine.cache import CacheConfig
+    from ..engine.engine import Engine, EngineConfig
     from ..lab.bench import parse_variant
     cache = CacheConfig(fraction=a.cache, bytes=a.cache_bytes, quota=a.quota, io=a.io)
     policy, prefetch = parse_variant(a.policy)  # POLICY+prefetch/PREDICTOR[:budget=N,...] attaches a predictor
@@ -187,4 +216,5 @@ def engine_from_args(a: argparse.Namespace) -> Engine:
 def write_json(path: Path | None, data: dict) -> None:
     """Write `data` to `path` as strict JSON when a path was given."""
     if path is not None:
+        from ..jsonout import dump_json
         dump_json(path, data)

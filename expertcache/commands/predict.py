@@ -4,14 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..engine.engine import BUILTIN_MODEL
-from ..engine.perplexity import EVAL_TEXT
-from ..engine.predictors import PREDICTORS
-from ..lab.calibrate import CALIB_TEXT, encode_text
-from ..lab.plots import lines
-from ..lab.prediction import fit_estimator, recall_table
-from ..lab.texts import read_text
-from ..progress import progress_bar
+from ..choices import BUILTIN_MODEL, CALIB_TEXT, EVAL_TEXT, PREDICTORS
 from .options import add_json_argument, add_model_argument, fraction, output_path, positive_int, write_json
 
 HELP = "train the estimator (--train) or report each predictor's recall@k per layer"
@@ -27,13 +20,18 @@ def add_arguments(p):
     p.add_argument("--epochs", type=positive_int, default=30, help="estimator training epochs (per layer transition)")
     p.add_argument("--hybrid-below", type=fraction, default=0.85,
                    help="hybrid: estimator where quasi-hidden recall is below")
-    p.add_argument("--predictors", nargs="+", default=list(PREDICTORS))
+    p.add_argument("--predictors", nargs="+", default=list(PREDICTORS), choices=PREDICTORS, help="predictors to score")
     p.add_argument("--plot", type=output_path, default=None, help="per-layer recall PNG")
     add_json_argument(p)
 
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    from ..lab.calibrate import encode_text
+    from ..lab.plots import lines
+    from ..lab.prediction import fit_estimator, recall_table
+    from ..lab.texts import read_text
+    from ..progress import progress_bar
     path = a.model or BUILTIN_MODEL
     if a.train:
         ids = encode_text(path, read_text(a.text or CALIB_TEXT), a.max_tokens)

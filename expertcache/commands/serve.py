@@ -6,7 +6,6 @@ import socket
 import sys
 
 from ..errors import ExpertCacheError
-from ..policies import make_policy
 from .options import add_engine_arguments, engine_from_args, positive_int
 
 HELP = "serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"
@@ -34,13 +33,13 @@ def add_arguments(p):
     """The verb's options."""
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=port, default=8000)
+    p.add_argument("--port", type=port, default=8000, help="TCP port (0: any free one)")
     p.add_argument("--served-model-name", type=model_name, default=None,
                    help="the model id clients send (default: folder name)")
     p.add_argument("--schedule", default="batch",
                    help="batch: the decode steps of active requests run as one batched forward; interleave: they "
                         "take turns, one forward each; serial: one request at a time")
-    p.add_argument("--max-active", type=int, default=16, help="requests decoding at once under batch or interleave")
+    p.add_argument("--max-active", type=positive_int, default=16, help="requests decoding at once under batch or interleave")
     p.add_argument("--kv-positions", type=positive_int, default=None,
                    help="positions of keys and values held for the active requests together, counted in "
                         "--memory-budget; a request is admitted while its prompt + max_tokens fit, else it waits "
@@ -52,6 +51,8 @@ def add_arguments(p):
 
 def build_app(a):
     """The engine, scheduler and ASGI app for parsed serve arguments."""
+    from ..policies import make_policy
+    from ..serve.access_log import AccessLog
     from ..serve.app import create_app
     from ..serve.scheduler import Scheduler, SchedulerConfig
     prefill = None if a.prefill_policy == "same" else make_policy(a.prefill_policy)
@@ -60,7 +61,9 @@ def build_app(a):
         a.kv_positions = a.max_seq * (1 if a.schedule == "serial" else a.max_active)
     engine = engine_from_args(a)
     name = a.served_model_name or (a.model.resolve().name if a.model else "expertcache-builtin")
-    return create_app(Scheduler(engine, config), name)
+    app = create_app(Scheduler(engine, config), name)
+    app.add_middleware(AccessLog, log=lambda line: print(f"expertcache: {line}", file=sys.stderr, flush=True))
+    return app
 
 
 def bind(host: str, port: int) -> socket.socket:

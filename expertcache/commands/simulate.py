@@ -5,23 +5,17 @@ import argparse
 import functools
 from pathlib import Path
 
-from ..engine.cache import CacheConfig
-from ..engine.checkpoint import ROUTING_COUNTS, load_routing_counts
+from ..choices import BENCH_POLICIES
 from ..errors import BadInput, CheckpointError
-from ..lab.costmodel import load_profile
-from ..lab.plots import scatter
-from ..lab.simulator import replay, route_trace
-from ..lab.trace import read_trace
-from .options import add_json_argument, fraction, output_path, positive_int, write_json
+from .options import add_json_argument, announce_compile, fraction, output_path, positive_int, write_json
 
 HELP = "replay miss policies on a router-logit trace: hits, fetches, substitutions per cache size"
 
 
 def add_arguments(p):
     """The verb's options."""
-    p.add_argument("trace", type=Path)
-    p.add_argument("--policies", nargs="+", default=["fetch-all", "threshold:tau=0.15", "first-choice",
-                                                    "quality-first", "speed-first", "substitute-all"])
+    p.add_argument("trace", type=Path, help="a trace file written by `expertcache trace`")
+    p.add_argument("--policies", nargs="+", default=list(BENCH_POLICIES), help="policy specs to replay")
     p.add_argument("--cache", type=fraction, nargs="+", default=[0.25], help="cache fractions to sweep")
     p.add_argument("--eviction", default=None, help="lru, lfu, freq, halving or demand (default: each policy's choice)")
     p.add_argument("--initial", default="auto", choices=["warm", "cold", "auto"],
@@ -53,6 +47,9 @@ def _load(trace_path: str, initial: str):
     """A trace, its routes and warm-start counts, once per process (a sweep's jobs share them).
     initial: warm (the counts beside the trace's model, which must be there), cold, or auto
     (warm when the counts are there)."""
+    from ..engine.checkpoint import ROUTING_COUNTS, load_routing_counts
+    from ..lab.simulator import route_trace
+    from ..lab.trace import read_trace
     trace = read_trace(Path(trace_path))
     h = trace.header
     model = Path(h["model"])
@@ -67,6 +64,9 @@ def task(trace_path: str, policy: str, fraction: float, eviction: str | None, in
          profile: str | None, window: int | None = None) -> dict:
     """One unit of a sweep: a pure function of its arguments returning one JSON-able row, so a
     sweep can go to a process pool here or to any cluster scheduler as independent jobs."""
+    from ..engine.cache import CacheConfig
+    from ..lab.costmodel import load_profile
+    from ..lab.simulator import replay
     trace, routes, counts = _load(trace_path, initial)
     r = replay(trace, policy, CacheConfig(fraction=fraction), eviction, counts, routes=routes, window=window)
     est = load_profile(profile).ms_per_token(r.stats) if profile else None  # no profile, no estimate
@@ -104,6 +104,8 @@ def run_tasks(tasks: list[tuple], jobs: int | str = 1, ray_address: str | None =
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    announce_compile()
+    from ..lab.trace import read_trace
     trace = read_trace(a.trace)
     tasks = [(str(a.trace), policy, fraction, a.eviction, a.initial, a.profile, a.window)
             for fraction in a.cache for policy in a.policies]
@@ -128,6 +130,7 @@ def run(a) -> int:
 def plot_frontier(rows: list[dict], path: Path) -> None:
     """Estimated time per token (fetches per token without a profile) against substituted
     mass, the perplexity proxy; one point per (policy, cache size)."""
+    from ..lab.plots import scatter
     timed = all(r["estimated_ms_per_token"] is not None for r in rows)
     y = "estimated_ms_per_token" if timed else "fetches_per_token"
     scatter({f"{r['policy']} @{r['cache']:g}": (r["substituted_mass_per_call"], r[y]) for r in rows},

@@ -4,16 +4,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..engine.perplexity import EVAL_TEXT
-from ..lab.report import write_report
-from ..lab.study import StudyConfig, run_study
-from ..lab.texts import text_segments
-from ..policies import make_policy
-from ..progress import progress_bar
+from ..choices import EVAL_TEXT
 from .options import (
     add_json_argument,
     add_model_argument,
     add_text_arguments,
+    announce_compile,
     fraction,
     output_dir,
     positive_int,
@@ -27,9 +23,9 @@ def add_arguments(p):
     """The verb's options."""
     add_model_argument(p)
     p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
-    p.add_argument("--tokens-per-domain", type=positive_int, default=StudyConfig.tokens_per_domain,
+    p.add_argument("--tokens-per-domain", type=positive_int, default=4096,
                    help="evaluation tokens taken from each domain of the text")
-    p.add_argument("--context", type=positive_int, default=StudyConfig.context, help="window length in tokens")
+    p.add_argument("--context", type=positive_int, default=512, help="window length in tokens")
     p.add_argument("--policies", nargs="+", default=None, help="policy specs (default: the full set)")
     add_text_arguments(p)
     p.add_argument("--out", type=output_dir, default=Path("study"), help="report folder")
@@ -38,16 +34,25 @@ def add_arguments(p):
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    announce_compile()
+    from ..lab.report import write_report
+    from ..lab.study import StudyConfig, run_study
+    from ..lab.texts import text_segments
+    from ..policies import make_policy
+    from ..progress import progress_bar
     cfg = StudyConfig(cache_fraction=a.cache, tokens_per_domain=a.tokens_per_domain, context=a.context,
                       text=str(a.text) if a.text else None, domains=a.domains or ())
     if a.policies:
         for spec in a.policies:  # a bad name fails here, before the baseline runs
             make_policy(spec)
-        cfg = StudyConfig(**{**cfg.__dict__, "policies": tuple(dict.fromkeys(["fetch-all", *a.policies]))})
+        chosen = tuple(dict.fromkeys(["fetch-all", *a.policies]))  # the generation test too runs only these
+        cfg = StudyConfig(**{**cfg.__dict__, "policies": chosen, "generation_policies": chosen})
     text_segments(a.text or EVAL_TEXT, a.domains or None)  # a bad text fails here, before the progress bar
     last = [None]
     with progress_bar(unit="tok") as bar:
-        def progress(label, n):
+        def progress(label, n, total=None):
+            if total is not None:  # a phase starts: perplexity of every policy, then the generation test
+                bar.reset(total=total)
             if label != last[0]:
                 bar.set_description(label)
                 last[0] = label

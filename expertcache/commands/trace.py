@@ -1,12 +1,7 @@
 """expertcache trace: record router logits of a text for the simulator."""
 from __future__ import annotations
 
-from ..engine.engine import BUILTIN_MODEL
-from ..engine.perplexity import EVAL_TEXT
-from ..lab.calibrate import encode_text
-from ..lab.texts import domain_texts
-from ..lab.trace import record_trace
-from ..progress import progress_bar
+from ..choices import BUILTIN_MODEL, EVAL_TEXT
 from .options import add_model_argument, add_text_arguments, output_path, positive_int
 
 HELP = "record every token's router logits at every MoE layer into a trace file"
@@ -18,12 +13,16 @@ def add_arguments(p):
     add_text_arguments(p, EVAL_TEXT)
     p.add_argument("--out", type=output_path, required=True, help="trace file to write")
     p.add_argument("--context", type=positive_int, default=512, help="window length in tokens")
-    p.add_argument("--dtype", default="float16", choices=["float16", "float32"])
+    p.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="how the logits are stored")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="record only the first N tokens")
 
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    from ..lab.calibrate import encode_text
+    from ..lab.texts import domain_texts
+    from ..lab.trace import record_trace
+    from ..progress import progress_bar
     path = a.model or BUILTIN_MODEL
     docs, ids = [], []
     for domain, text in domain_texts(a.text, a.domains):  # documents with known boundaries

@@ -4,12 +4,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..engine.perplexity import EVAL_TEXT
-from ..lab.calibrate import CALIB_TEXT
-from ..progress import progress_bar
+from ..choices import CALIB_TEXT, EVAL_TEXT
 from .options import (
     add_json_argument,
     add_model_argument,
+    announce_compile,
     byte_size,
     fraction,
     output_path,
@@ -64,11 +63,13 @@ def add_arguments(p):
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    announce_compile()
     from ..engine.cache import CacheConfig
     from ..errors import BadInput
     from ..lab.costmodel import calibration_ids, load_profile, measure_profile, runs_for_slots
     from ..lab.texts import read_text
     from ..lab.tune import QUICK_RUNS, TuneConfig, slot_store_format, tune, tune_ids, unlabel
+    from ..progress import progress_bar
 
     calib_text, eval_text = read_text(a.calib_text), read_text(a.text)
     cfg = TuneConfig(budget_pct=a.budget, cache=CacheConfig(fraction=a.cache, bytes=a.cache_bytes),

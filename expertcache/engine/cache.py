@@ -17,13 +17,13 @@ from ..kernel import decisions as kernel
 from ..kernel.cache_state import LOGGING, N_LOG, PREFETCHES, CacheState
 from ..kernel.policy import Scratch
 from ..kernel.routing import Router, Routing, route_logits
+from ..choices import SLOT_DTYPES  # noqa: F401 (re-exported)
 from ..policies import MissPolicy
 from .quant import FLOAT_DTYPES, ExpertFormat, encoded_bytes
 from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)  # the kernel's argument types
-SLOT_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4", "mxfp4")
 
 
 def slot_format(name: str, device: torch.device, stored: ExpertFormat, store: str = "disk") -> ExpertFormat:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..choices import BUILTIN_MODEL  # noqa: F401 (re-exported)
 from ..errors import (
     BadInput,
     CacheTooSmall,
@@ -33,8 +34,6 @@ from .stats import RunStats
 from .stores import ExpertShape, ExpertStore, open_store, staging_bytes
 from .transformer import Transformer
 from .weights import dense_names, dense_weights, expert_dtype
-
-BUILTIN_MODEL = Path(__file__).parents[1] / "data" / "model"
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..choices import DENSE_DTYPES  # noqa: F401 (re-exported)
 from ..errors import BadInput
 from ..kernel.linear import activation_work, linear_token, linear_window
 from . import threads
 from .experts import RAW_ENCODINGS, plan_row
 from .quant import ExpertFormat, decode_into, decode_plan, encode_matrix
-
-DENSE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4")
 
 
 def dense_format(name: str, device: torch.device) -> ExpertFormat | None:

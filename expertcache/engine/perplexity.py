@@ -5,16 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..choices import EVAL_TEXT  # noqa: F401 (re-exported)
 from ..errors import BadInput
 from .engine import Engine
-
-EVAL_TEXT = Path(__file__).parents[1] / "data" / "eval.txt"
 
 
 @dataclass
@@ -28,11 +26,13 @@ class PerplexityResult:
     window_stats: list[dict] = field(default_factory=list)  # per window: calls, substituted mass, fetches
     token_nll: np.ndarray | None = None
     stats: dict = field(default_factory=dict)
+    interrupted: bool = False  # a Ctrl-C ended the run early: the windows scored before it
 
     def to_dict(self) -> dict:
         """The result as JSON-ready values (without per-token NLLs)."""
         return {"ppl": self.ppl, "nll": self.nll, "stderr": self.stderr, "tokens": self.tokens,
-                "window_nll": self.window_nll, "window_stats": self.window_stats, "stats": self.stats}
+                "window_nll": self.window_nll, "window_stats": self.window_stats, "stats": self.stats,
+                "interrupted": self.interrupted}
 
 
 def windows(n_tokens: int, context: int) -> list[tuple[int, int]]:
@@ -59,9 +59,11 @@ def teacher_forced(forward: Callable[[torch.Tensor], torch.Tensor], ids: list[in
 
 
 def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool = True,
-               progress: Callable[[int], None] | None = None) -> PerplexityResult:
+               progress: Callable[[int], None] | None = None, partial_on_interrupt: bool = False) -> PerplexityResult:
     """Score `ids` teacher-forced in windows of `context` under the engine's cache and policy
-    (reset first unless `reset` is False: then the cache carries over from earlier runs)."""
+    (reset first unless `reset` is False: then the cache carries over from earlier runs). With
+    `partial_on_interrupt`, a Ctrl-C after the first window returns the windows scored so far
+    (`interrupted` set) instead of raising."""
     if len(ids) < 2:
         raise BadInput(f"perplexity needs at least 2 tokens of text, got {len(ids)}; give a longer text")
     if reset:
@@ -69,15 +71,22 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
     nll_parts, window_nll, window_stats = [], [], []
     counted = ("moe_calls", "substituted_mass", "substitutions", "sync_fetches")
     before = [getattr(engine.stats, c) for c in counted]
-    for logits, targets in teacher_forced(lambda x: engine.forward(x, 0), ids, context, progress):
-        now = [getattr(engine.stats, c) for c in counted]
-        window_stats.append({c: a - b for c, a, b in zip(counted, now, before)})
-        before = now
-        nll = F.cross_entropy(logits, targets, reduction="none")
-        nll_parts.append(nll)
-        window_nll.append(float(nll.double().mean()))
+    interrupted = False
+    try:
+        for logits, targets in teacher_forced(lambda x: engine.forward(x, 0), ids, context, progress):
+            nll = F.cross_entropy(logits, targets, reduction="none")
+            now = [getattr(engine.stats, c) for c in counted]
+            window_stats.append({c: a - b for c, a, b in zip(counted, now, before)})
+            before = now
+            nll_parts.append(nll)
+            window_nll.append(float(nll.double().mean()))
+    except KeyboardInterrupt:
+        if not (partial_on_interrupt and nll_parts):
+            raise
+        interrupted = True
+        del window_stats[len(nll_parts):]
     token_nll = torch.cat(nll_parts).numpy()
     mean = float(token_nll.mean(dtype=np.float64))  # a float32 mean resolves perplexity to ~1e-6 only
     se = float(token_nll.std(ddof=1, dtype=np.float64) / math.sqrt(len(token_nll))) if len(token_nll) > 1 else 0.0
     return PerplexityResult(math.exp(mean), mean, math.exp(mean) * se, len(token_nll), window_nll,
-                            window_stats, token_nll, engine.stats.to_dict())
+                            window_stats, token_nll, engine.stats.to_dict(), interrupted)

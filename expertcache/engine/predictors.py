@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..choices import PREDICTORS  # noqa: F401 (re-exported)
 from ..errors import CheckpointError, UnknownName
 from ..kernel import dense_decode
 from .checkpoint import ESTIMATOR_FILE
@@ -246,8 +247,6 @@ def load_estimator(path: Path, model: Transformer | None = None) -> tuple[Estima
     except (SafetensorError, OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"{f} is unreadable ({str(e).splitlines()[0][:200]}); {retrain}") from None
 
-
-PREDICTORS = ("router-ahead", "quasi-hidden", "estimator", "hybrid")
 
 
 def make_predictor(name: str, model: Transformer, model_path: Path) -> Predictor:

@@ -38,19 +38,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..choices import DTYPES, MXFP4, SCHEMES  # noqa: F401 (re-exported)
 from ..errors import BadInput
 from ..kernel import decode_blob as kernel
 
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 INT_BITS = {"int8": 8, "int4": 4}
-MXFP4 = "mxfp4"
 MX_BLOCK = 32  # MXFP4: weights per shared scale
-DTYPES = ("fp16", "bf16", "fp32", "int8", "int4", MXFP4)
 # The 16 values of an FP4 (E2M1) code: sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between consecutive FP4 magnitudes
-SCHEMES = ("asym", "sym")
 SEGMENT_ALIGN = 16
 BLOCK = 16  # rows of one packed block (kernel/simd.py's ROWS)
 

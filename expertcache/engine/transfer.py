@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..choices import IO_BACKENDS  # noqa: F401 (re-exported)
 from ..errors import BadInput
 from .stores import ExpertStore
 from .uring import RingReads
-
-IO_BACKENDS = ("auto", "uring", "threads")
 
 
 @dataclass(eq=False)

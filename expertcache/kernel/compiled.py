@@ -24,6 +24,12 @@ def cache_dir() -> Path:
     return Path(base) / "expertcache-numba" / DIGEST
 
 
+def kernels_compiled() -> Path:
+    """A mark left in `cache_dir` once a run of this kernel version has compiled what it uses (the command line's
+    notice of a first run's minutes of compiling is shown until it exists)."""
+    return cache_dir() / "compiled"
+
+
 class KernelCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
     """numba's cache locator for the functions of this folder only (`cache_dir`); numba's own
     locators keep serving every other function, and numba's configuration is left as it is."""

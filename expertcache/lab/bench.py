@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..choices import BENCH_POLICIES as POLICIES
 from ..engine.cache import CacheConfig
 from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL, Engine, EngineConfig, max_seq_limit
@@ -26,7 +27,6 @@ from ..engine.quant import ExpertFormat
 from ..errors import BadInput
 from ..models import model_args
 
-POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "substitute-all")
 FLOOR = "all resident"
 
 
@@ -240,3 +240,19 @@ def markdown(res: BenchResult) -> str:
                      f"{round(r['ppl_increase_pct'], 2) + 0.0:+.2f}% | {r['fetches_per_token']:.2f} | "
                      f"{r['fetched_kib_per_token']:.1f} | {r['stall_ms_per_token']:.2f} |")
     return "\n".join(lines)
+
+
+def table(res: BenchResult) -> str:
+    """The benchmark's headline figures, one policy a row, narrow enough for a 100-column terminal: decode and
+    teacher-forced ms/token with speed-ups against fetch-all, perplexity increase and fetches per token (the
+    rest of `markdown`'s columns are in the JSON)."""
+    head = ("policy", "decode ms/tok", "x f-all", "forced ms/tok", "x f-all", "ppl +%", "fetch/tok")
+    rows = [(k, f"{r['decode_ms']:.2f}", f"{r['decode_speedup_vs_fetch_all']:.2f}x", f"{r['forced_ms']:.2f}",
+             f"{r['forced_speedup_vs_fetch_all']:.2f}x", f"{round(r['ppl_increase_pct'], 2) + 0.0:+.2f}",
+             f"{r['fetches_per_token']:.2f}") for k, r in res.summary().items()]
+    width = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
+    width[0] = min(width[0], 100 - sum(w + 2 for w in width[1:]))
+    fmt = lambda row: "  ".join([row[0][:width[0]].ljust(width[0])]  # noqa: E731
+                                + [c.rjust(w) for c, w in zip(row[1:], width[1:])])
+    return "\n".join([fmt(head), *map(fmt, rows)])
+

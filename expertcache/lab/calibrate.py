@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..choices import CALIB_TEXT  # noqa: F401 (re-exported)
 from ..engine.checkpoint import DEFAULT_VECTORS, ROUTING_COUNTS, Checkpoint, open_checkpoint
 from ..engine.experts import SWIGLU, ExpertKind, expert_groups, swiglu
 from ..engine.moe import route
@@ -29,8 +30,6 @@ from ..errors import CacheTooSmall, CheckpointError
 from ..kernel.routing import Router
 from ..models import model_args
 from ..models.args import ModelArgs
-
-CALIB_TEXT = Path(__file__).parents[1] / "data" / "calib.txt"
 
 
 @dataclass

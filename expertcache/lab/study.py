@@ -136,9 +136,10 @@ def run_metrics(r: PerplexityResult, base: PerplexityResult, cfg: StudyConfig) -
                                                         for w in r.window_stats]}
 
 
-def run_study(model: Path | None, cfg: StudyConfig, progress: Callable[[str, int], None] | None = None) -> StudyResult:
+def run_study(model: Path | None, cfg: StudyConfig, progress: Callable[..., None] | None = None) -> StudyResult:
     """Run every policy of `cfg` over the same sequences on the exact `ram` store (warm cache carried over),
-    then the analyses and the generation test."""
+    then the analyses and the generation test. `progress(label, n)` counts tokens; each phase opens with
+    `progress(label, 0, total=T)`, its whole count."""
     engine = Engine(model, EngineConfig(store="ram", cache=CacheConfig(fraction=cfg.cache_fraction), initial="warm"))
     seq = study_sequences(engine, cfg)
     result = StudyResult(cfg.__dict__ | {"policies": list(cfg.policies)}, str(engine.path),
@@ -146,6 +147,8 @@ def run_study(model: Path | None, cfg: StudyConfig, progress: Callable[[str, int
                           "prompts": len(seq.prompts), "slots_per_layer": engine.cache.per_layer,
                           "experts": engine.args.num_experts})
     ppl: dict[str, PerplexityResult] = {}
+    if progress:
+        progress(cfg.policies[0], 0, total=(len(seq.ids) - 1) * len(cfg.policies))
     for spec in cfg.policies:
         engine.set_policy(spec)
         ppl[spec] = perplexity(engine, seq.ids, cfg.context, reset=False,
@@ -205,8 +208,11 @@ def analyses(runs: dict, seq: StudySequences, cfg: StudyConfig) -> dict:
 def generation_test(engine: Engine, seq: StudySequences, cfg: StudyConfig, progress=None,
                     setups: dict | None = None) -> dict:
     """Greedy continuations under each variant against fetch-every-miss's. `setups` maps a
-    label to a function that configures the engine (default: one per generation policy)."""
+    label to a function that configures the engine (default: one per generation policy). `progress` as
+    run_study's."""
     setups = setups or {spec: (lambda e, s=spec: e.set_policy(s)) for spec in cfg.generation_policies}
+    if progress:
+        progress(f"generate {next(iter(setups))}", 0, total=len(setups) * len(seq.prompts) * cfg.new_tokens)
     outs: dict[str, list] = {}
     for spec, setup in setups.items():
         setup(engine)

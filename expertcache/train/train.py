@@ -143,14 +143,6 @@ def train(work: Path, out: Path, cfg: TrainConfig, sched: Schedule) -> dict:
     return report
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The training options."""
-    p.add_argument("--work", type=Path, default=Path("build/train"), help="corpus, tokens and resume state")
-    p.add_argument("--out", type=Path, default=Path("build/model"), help="where the HF checkpoint goes")
-    p.add_argument("--tokens", type=int, default=Schedule.tokens)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-
-
 def run_from_args(a: argparse.Namespace) -> None:
     """Set the threads and train with the parsed options, printing the report as JSON."""
     if a.threads:
@@ -159,6 +151,7 @@ def run_from_args(a: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    from ..commands.train import add_arguments
     parser = argparse.ArgumentParser(prog="expertcache train", description=__doc__)
     add_arguments(parser)
     run_from_args(parser.parse_args())

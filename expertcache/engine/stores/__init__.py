@@ -1,0 +1,64 @@
+"""The slow tier: where every expert lives. One interface (base.py), three real places, a module each.
+
+- `ram`: all experts in host memory in the compute dtype; exact and without latency
+  (the store the emulation study uses).
+- `disk`: one 4 KiB-aligned blob per (layer, expert) in a file written once by `convert` (as is, or
+  in a quantized format of quant.py, dequantised on the worker thread),
+  read with O_DIRECT so every fetch moves real bytes from the device, never the page cache
+  (where O_DIRECT is refused: buffered reads that drop each blob from the page cache, a
+  reported read mode), and checked against the blob's CRC32C recorded at convert time.
+- `pinned`: all experts in page-locked host memory, copied to a CUDA device asynchronously.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...errors import CheckpointError, UnknownName
+from ...models.args import ModelArgs
+from ..checkpoint import Checkpoint
+from ..quant import ExpertFormat
+from .base import ALIGN, DISK_FORMAT_VERSION, ExpertShape, ExpertStore, blob_bytes, staging_bytes
+from .convert import conversion_lock, convert_to_disk, default_store_dir, format_store_dir, store_format
+from .disk import F_NOCACHE, READ_MODES, DiskStore, open_blob_file
+from .ram import PinnedStore, RamStore
+
+__all__ = ["ALIGN", "DISK_FORMAT_VERSION", "F_NOCACHE", "READ_MODES", "STORES", "DiskStore", "ExpertShape",
+           "ExpertStore", "PinnedStore", "RamStore", "blob_bytes", "conversion_lock", "convert_to_disk",
+           "default_store_dir", "format_store_dir", "open_blob_file", "open_store", "staging_bytes", "store_format"]
+STORES = ("ram", "disk", "pinned")
+
+
+def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | None = None,
+               dtype: torch.dtype = torch.float32, fmt: ExpertFormat | None = None, read_mode: str = "auto",
+               verify: bool = True) -> ExpertStore:
+    """The slow tier `name` of a checkpoint's experts; `fmt`: the format they are stored in (None:
+    the checkpoint's dtype). A disk store missing from `store_dir` is converted first; the default
+    folder (`format_store_dir`, under ~/.cache) is also reconverted when it was written in an older
+    format version; a store there in another format is refused."""
+    store_dir = Path(store_dir) if store_dir is not None else None  # a str from the Python API, too
+    if name == "ram":
+        return RamStore(ckpt, args, dtype, fmt)
+    if name == "pinned":
+        if fmt is not None and fmt.quantized:
+            raise UnknownName(f"store 'pinned' holds float experts; drop the {fmt.dtype} store dtype "
+                              "or use --store disk")
+        return PinnedStore(ckpt, args, dtype)
+    if name == "disk":
+        if store_dir is None:
+            store_dir = format_store_dir(ckpt, fmt)
+            stale = lambda: store_format(store_dir) != DISK_FORMAT_VERSION  # noqa: E731
+        else:
+            stale = lambda: not (store_dir / "experts.json").exists()  # noqa: E731
+        if stale():
+            with conversion_lock(store_dir):
+                if stale():  # another process may have converted it while this one waited
+                    convert_to_disk(ckpt, args, store_dir, fmt=fmt)
+        store = DiskStore(store_dir, args, read_mode, verify)
+        if fmt is not None and store.format != fmt:
+            store.close()
+            raise CheckpointError(f"{store_dir} holds experts as {store.format.tag}, not {fmt.tag}; "
+                                  f"convert to another folder (`expertcache convert --dtype {fmt.dtype} --out DIR`)")
+        return store
+    raise UnknownName(f"unknown store {name!r}; choose one of {', '.join(STORES)}")

@@ -1,0 +1,106 @@
+"""What every slow tier is: the shape of one expert, the store interface, the blob's size on disk."""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...errors import BadInput
+from ...models.args import ModelArgs
+from ..quant import ExpertFormat, encoded_bytes
+
+ALIGN = 4096
+DISK_FORMAT_VERSION = 3  # 2: a CRC32C per blob in experts.json; 3: quantized matrices in row blocks of 16 (quant.py)
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """The shapes of one model's experts: MoE layers, experts per layer, w13 [2F, H], w2 [H, F],
+    and whether each expert also holds biases."""
+    num_layers: int
+    num_experts: int
+    w13: tuple[int, int]  # (2F, H)
+    w2: tuple[int, int]  # (H, F)
+    bias: bool = False  # each expert also holds b13 [2F] and b2 [H]
+
+    @classmethod
+    def of(cls, a: ModelArgs) -> "ExpertShape":
+        """The expert shape of a model's arguments."""
+        return cls(a.num_moe_layers, a.num_experts, (2 * a.expert_dim, a.hidden_size), (a.hidden_size, a.expert_dim),
+                   a.expert_bias)
+
+    @property
+    def parts(self) -> list[tuple[int, ...]]:
+        """The shapes one expert's blob holds, in order: w13, w2, then b13 and b2 if the family has biases."""
+        return [self.w13, self.w2] + ([(self.w13[0],), (self.w2[0],)] if self.bias else [])
+
+    @property
+    def numel(self) -> int:
+        """Elements of one expert, all parts together."""
+        return sum(math.prod(p) for p in self.parts)
+
+
+class ExpertStore(ABC):
+    """Holds every (layer, expert); `read_into` copies one expert into fast-tier tensors."""
+
+    name: str
+    read_mode: str  # how fetches reach the slow tier, reported in RunStats
+    inline = False  # True: a copy costs less than a hand-off to a worker, so transfers run in place
+
+    def __init__(self, shape: ExpertShape, dtype: torch.dtype):
+        self.shape, self.dtype = shape, dtype
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes one fetch moves from the slow tier."""
+        return self.shape.numel * self.dtype.itemsize
+
+    @abstractmethod
+    def read_into(self, layer: int, expert: int, w13: torch.Tensor, w2: torch.Tensor,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> int:
+        """Copy expert (layer, expert) into w13 [2F, H] and w2 [H, F] (and b13 [2F], b2 [H] when the
+        shape has biases); returns bytes moved. Safe to call from worker threads."""
+
+    def read_encoded(self, layer: int, expert: int, dst: torch.Tensor) -> int:
+        """Copy expert (layer, expert)'s encoded blob as it is stored, unpadded, into dst (uint8):
+        the fill of a quantized slot. The disk store and a ram store of an int8/int4 format keep them."""
+        raise BadInput(f"the {self.name} store holds no encoded blobs for quantized slots; use --store disk")
+
+    @property
+    def stored_format(self) -> ExpertFormat:
+        """The format the store serves experts in."""
+        return ExpertFormat.of_dtype(self.dtype)
+
+    def buffer_bytes(self, workers: int) -> int:
+        """Fast-tier memory the store's reads need besides the slots (per-worker staging)."""
+        return 0
+
+    def direct_targets(self, dsts: list[torch.Tensor]) -> list[np.ndarray] | None:
+        """When `read_into(..., *dsts)` reads a blob straight into the bytes of dsts (one slot's
+        parts), those bytes as uint8 arrays, taken once for `read_direct`; else None."""
+        return None
+
+    def read_direct(self, layer: int, expert: int, targets: list[np.ndarray]) -> int:
+        """read_into through `direct_targets(dsts)`: the same bytes land, without re-deriving the
+        views on every read. Returns the bytes moved."""
+        raise NotImplementedError(f"the {self.name} store reads nothing straight into slots")
+
+    def close(self) -> None:
+        """Release the store's files and buffers; the base store holds none."""
+        pass
+
+
+
+
+def staging_bytes(store: str, shape: ExpertShape, fmt: ExpertFormat, workers: int) -> int:
+    """The staging buffers a store of kind `store` holding `fmt` reads through with `workers` workers (its
+    `buffer_bytes`), computed before it is opened."""
+    return (workers + 1) * blob_bytes(shape, fmt) if store == "disk" else 0
+
+
+def blob_bytes(shape: ExpertShape, fmt: ExpertFormat) -> int:
+    """Bytes of one expert's blob in a disk store: its encoded parts, padded to whole 4 KiB pages."""
+    return (encoded_bytes(shape.parts, fmt) + ALIGN - 1) // ALIGN * ALIGN

@@ -1,0 +1,102 @@
+"""Writing a disk store: a checkpoint's experts as aligned blobs with their CRC32C, into a folder under
+~/.cache keyed by the checkpoint's files, one process at a time."""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import crc32c
+import torch
+
+from ...models.args import ModelArgs
+from ...progress import progress_bar
+from ..checkpoint import Checkpoint
+from ..quant import ExpertFormat, encode
+from ..weights import expert_parts
+from .base import ALIGN, DISK_FORMAT_VERSION, ExpertShape, blob_bytes
+
+def default_store_dir(ckpt: Checkpoint) -> Path:
+    """~/.cache/expertcache/<model>-<digest of its weight files>, so a changed checkpoint reconverts."""
+    h = hashlib.sha1()
+    for f in sorted(set(ckpt.files.values())):
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    root = Path(os.environ.get("EXPERTCACHE_HOME", Path.home() / ".cache" / "expertcache"))
+    return root / "stores" / f"{ckpt.path.resolve().name}-{h.hexdigest()[:12]}"
+
+
+def format_store_dir(ckpt: Checkpoint, fmt: ExpertFormat | None) -> Path:
+    """The default folder of a store in `fmt`: `default_store_dir`, suffixed by the format's tag
+    unless it is None (the checkpoint's own dtype)."""
+    base = default_store_dir(ckpt)
+    return base if fmt is None else base.with_name(f"{base.name}-{fmt.tag}")
+
+
+@contextmanager
+def conversion_lock(store_dir: Path):
+    """Held while a store folder is converted: two processes that start on a fresh machine at once (a server and
+    a generate) would otherwise write the same file together, and the second find it renamed away."""
+    store_dir.mkdir(parents=True, exist_ok=True)
+    with open(store_dir / ".convert.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: torch.dtype | None = None,
+                    fmt: ExpertFormat | None = None, progress: bool | None = None) -> Path:
+    """Write experts.bin (aligned blobs in (layer, expert) order) and experts.json (shapes, the
+    format and a CRC32C per encoded blob); returns out_dir. The experts are stored in `fmt`, else
+    as `dtype`, else in the checkpoint's dtype; a checkpoint already in `fmt` (GPT-OSS's MXFP4) is
+    written as it is, not requantised. `progress`: a bar of layers on stderr (None: where stderr is a
+    terminal, as a model's first run converts it)."""
+    shape = ExpertShape.of(args)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
+    tmp = out_dir / "experts.bin.partial"
+    checksums = []
+    fmt = fmt or (ExpertFormat.of_dtype(dtype) if dtype is not None else None)
+    try:
+        bar_args = dict(total=args.num_moe_layers, unit="layer", desc=f"convert to {out_dir.name}")
+        with progress_bar(progress, **bar_args) as bar, open(tmp, "wb") as f:
+            for layer in range(args.num_moe_layers):
+                for e in range(args.num_experts):  # one expert at a time: a conversion holds one, not a layer
+                    # w13, w2 (and b13, b2): the blob's order; as stored when the checkpoint is in `fmt` already
+                    parts = expert_parts(ckpt, args, layer, e, mxfp4=fmt is not None and fmt.mx)
+                    fmt = fmt or ExpertFormat.of_dtype(parts[0].dtype)
+                    data = encode(parts, shape.parts, fmt, blob_bytes(shape, fmt))
+                    checksums.append(crc32c.crc32c(data))  # of the stored bytes: the same check for every format
+                    f.write(data)
+                _written(f)
+                bar.update()
+    except BaseException:  # a full disk, an interrupt: no partial file is left to fill the disk
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out_dir / "experts.bin")
+    meta = {"format_version": DISK_FORMAT_VERSION, **fmt.meta(),
+            "num_layers": shape.num_layers, "num_experts": shape.num_experts, "w13": list(shape.w13),
+            "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": blob_bytes(shape, fmt), "align": ALIGN,
+            "checksum": "crc32c", "checksums": checksums}
+    (out_dir / "experts.json.partial").write_text(json.dumps(meta))
+    os.replace(out_dir / "experts.json.partial", out_dir / "experts.json")
+    return out_dir
+
+
+def _written(f) -> None:
+    """Flush what a conversion wrote so far to the disk and drop it from the page cache: the store's file would
+    otherwise stay cached, charged to the process (and its memory cgroup) as it grows."""
+    f.flush()
+    os.fsync(f.fileno())
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def store_format(store_dir: Path) -> int | None:
+    """The format version recorded in a store's experts.json; None if there is no readable one."""
+    try:
+        return json.loads((store_dir / "experts.json").read_text()).get("format_version")
+    except (OSError, ValueError, AttributeError):
+        return None

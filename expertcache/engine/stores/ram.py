@@ -1,0 +1,116 @@
+"""`ram` and `pinned`: every expert in host memory (page-locked for `pinned`, copied to a CUDA device
+asynchronously); exact and without latency (the store the emulation study uses)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...errors import UnknownName
+from ...models.args import ModelArgs
+from ..checkpoint import Checkpoint
+from ..quant import FLOAT_DTYPES, ExpertFormat, encode, encoded_bytes, roundtrip
+from ..weights import all_layer_experts, layer_experts
+from .base import ExpertShape, ExpertStore
+
+class RamStore(ExpertStore):
+    """With a quantized `fmt`, holds the weights that format's disk store serves (quantised and
+    dequantised once at load): the emulation of a quantized slow tier. `dtype` None: the experts
+    as the checkpoint or a float `fmt` stores them (fp32 for a quantized `fmt`), so that 16-bit slots
+    take plain copies; a copy into slots of another dtype converts (rounds once to a 16-bit slot
+    dtype, as the disk store's fetch does)."""
+    name = read_mode = "ram"
+    inline = True
+
+    def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32, fmt: ExpertFormat | None = None):
+        if dtype is None:
+            dtype = (layer_experts(ckpt, args, 0).w13.dtype if fmt is None
+                     else FLOAT_DTYPES.get(fmt.dtype, torch.float32))
+        super().__init__(ExpertShape.of(args), dtype)
+        self.format = fmt
+        self._ckpt, self._args = ckpt, args  # for the float parts and the encoded blobs, each made on first use
+        self._blobs: torch.Tensor | None = None
+
+    @functools.cached_property
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """(w13 [L, E, 2F, H], w2 [L, E, H, F], and with biases b13 [L, E, 2F], b2 [L, E, H]) in the
+        compute dtype, each expert as the format stores it. Made on first use: quantized slots never
+        need them (they copy the encoded blobs), and for a large model they are the largest thing held."""
+        layers, fmt = list(all_layer_experts(self._ckpt, self._args)), self.format
+
+        def stack(part):
+            if fmt is None:
+                return self._hold(torch.stack([part(x).to(self.dtype) for x in layers]))
+            return self._hold(torch.stack([torch.stack([roundtrip(w, fmt) for w in part(x)]).to(self.dtype)
+                                           for x in layers]))
+        out = (stack(lambda x: x.w13), stack(lambda x: x.w2))
+        return out + (stack(lambda x: x.b13), stack(lambda x: x.b2)) if self.shape.bias else out
+
+    @staticmethod
+    def _hold(t: torch.Tensor) -> torch.Tensor:
+        """How the store keeps a stacked part (PinnedStore: page-locked)."""
+        return t
+
+    w13 = property(lambda self: self.parts[0])
+    w2 = property(lambda self: self.parts[1])
+    b13 = property(lambda self: self.parts[2] if self.shape.bias else None)
+    b2 = property(lambda self: self.parts[3] if self.shape.bias else None)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of a fetch: in the emulated format's encoding when there is one."""
+        return super().expert_bytes if self.format is None else encoded_bytes(self.shape.parts, self.format)
+
+    @property
+    def stored_format(self) -> ExpertFormat:
+        """The emulated format, or the dtype the experts are held in."""
+        return self.format or ExpertFormat.of_dtype(self.dtype)
+
+    def _sources(self, layer: int, expert: int) -> list[torch.Tensor]:
+        return [p[layer, expert] for p in self.parts]
+
+    def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
+        """Copy expert (layer, expert) from host memory into w13 [2F, H], w2 [H, F] (and b13 [2F],
+        b2 [H]); returns the bytes a fetch counts (`expert_bytes`)."""
+        for dst, src in zip((w13, w2, b13, b2), self._sources(layer, expert)):
+            dst.copy_(src)
+        return self.expert_bytes
+
+    def read_encoded(self, layer, expert, dst):
+        """Copy the int8/int4/MXFP4 blob of (layer, expert) into a quantized slot dst uint8 [encoded bytes]:
+        the bytes the disk store of this format holds, encoded from the checkpoint on first use (MXFP4 from the
+        dequantised weights of an MXFP4 checkpoint: their values, if not always their scales)."""
+        if self.format is None or not self.format.quantized:
+            return super().read_encoded(layer, expert, dst)
+        if self._blobs is None:
+            n = encoded_bytes(self.shape.parts, self.format)
+            self._blobs = torch.stack([
+                torch.stack([torch.frombuffer(bytearray(encode([p[e] for p in x if p is not None],
+                                                               self.shape.parts, self.format, n)), dtype=torch.uint8)
+                             for e in range(self.shape.num_experts)])
+                for x in all_layer_experts(self._ckpt, self._args)])  # [L, E, n]
+        dst.copy_(self._blobs[layer, expert])
+        return self.expert_bytes
+
+
+class PinnedStore(RamStore):
+    """Page-locked host copies; the transfer engine issues the non_blocking copies in place,
+    on its copy stream."""
+    name = read_mode = "pinned"
+
+    def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float16):
+        if not torch.cuda.is_available():
+            raise UnknownName("store 'pinned' needs a CUDA device; use --store ram or --store disk on this machine")
+        super().__init__(ckpt, args, dtype)
+        self.parts  # noqa: B018 -- page-locked at load, not at the first fetch
+
+    @staticmethod
+    def _hold(t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory()
+
+    def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
+        """Issue non_blocking copies of expert (layer, expert) from page-locked memory into the
+        slot tensors on the current stream; returns `expert_bytes`."""
+        for dst, src in zip((w13, w2, b13, b2), self._sources(layer, expert)):
+            dst.copy_(src, non_blocking=True)
+        return self.expert_bytes

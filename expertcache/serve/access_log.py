@@ -1,0 +1,37 @@
+"""One line per HTTP request, as llama-server and vLLM log them: method, path, status, prompt and completion
+tokens (from the response's usage, when it carries one), milliseconds."""
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+USAGE = re.compile(rb'"prompt_tokens":\s*(\d+),\s*"completion_tokens":\s*(\d+)')
+TAIL = 4096  # bytes of a response kept to find its usage (the last JSON object or SSE chunk)
+
+
+class AccessLog:
+    """ASGI middleware: calls `log(line)` once each request has been answered (or has failed)."""
+
+    def __init__(self, app, log: Callable[[str], None]):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status, tail = time.perf_counter(), [500], [b""]
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            elif message["type"] == "http.response.body":
+                tail[0] = (tail[0] + message.get("body", b""))[-TAIL:]
+            await send(message)
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            found = USAGE.findall(tail[0])
+            tokens = f"prompt {found[-1][0].decode()} completion {found[-1][1].decode()} tokens" if found else \
+                "tokens -"
+            self.log(f"{scope['method']} {scope['path']} {status[0]} {tokens} "
+                     f"{1e3 * (time.perf_counter() - start):.0f} ms")

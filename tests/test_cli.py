@@ -1,0 +1,130 @@
+"""The command line as a newcomer meets it: help and --version without torch, every default shown, flags named
+in errors, generate's statistics, ppl's Ctrl-C."""
+import argparse
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from expertcache import cli
+
+
+def test_help_and_version_load_neither_torch_nor_numba():
+    code = ("import sys\nfrom expertcache import cli\n"
+            "for argv in (['--help'], ['--version'], *([v, '--help'] for v in cli.VERBS)):\n"
+            "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
+            "print(sorted(m for m in ('torch', 'numba', 'numpy', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+    assert "expertcache 0" in out  # --version
+
+
+def test_every_option_says_its_default():
+    """Each option of each verb has help, and the help shows its default unless it has none (a flag, or None
+    described in words)."""
+    parser = cli.Parser(prog="expertcache")
+    sub = parser.add_subparsers(parser_class=cli.Parser)
+    for verb in cli.VERBS:
+        p = sub.add_parser(verb)
+        importlib.import_module(f"expertcache.commands.{verb.replace('-', '_')}").add_arguments(p)
+        formatter = p._get_formatter()
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, (verb, action.dest)
+            if action.default not in (None, False, []) and not action.required:
+                assert "default" in formatter._get_help_string(action), (verb, action.dest)
+
+
+def test_library_defaults_are_the_verbs_defaults():
+    """The verbs restate a few library defaults so that --help need not import the library: they must agree."""
+    from expertcache.lab.bench import BenchConfig
+    from expertcache.lab.study import StudyConfig
+    from expertcache.train.train import Schedule
+    args = {}
+    for verb in ("bench", "study", "train"):
+        p = cli.Parser(prog=verb)
+        importlib.import_module(f"expertcache.commands.{verb}").add_arguments(p)
+        args[verb] = p.parse_args([])
+    b, s = args["bench"], args["study"]
+    assert (b.decode_tokens, b.forced_tokens, b.repeats) == (BenchConfig.decode_tokens, BenchConfig.forced_tokens,
+                                                             BenchConfig.repeats)
+    assert tuple(b.policies) == BenchConfig.policies
+    assert (s.tokens_per_domain, s.context) == (StudyConfig.tokens_per_domain, StudyConfig.context)
+    assert args["train"].tokens == Schedule.tokens
+
+
+def test_sampling_errors_name_the_cli_flags(capsys):
+    assert cli.main(["generate", "--store", "ram", "-n", "0"]) == 2
+    assert "-n/--max-new-tokens 0 must be >= 1" in capsys.readouterr().err
+    assert cli.main(["generate", "--store", "ram", "--max-seq", "8", "-n", "8", "-p", "ROMEO."]) == 2
+    err = capsys.readouterr().err
+    assert "-n 8 exceed --max-seq 8" in err and "max_tokens" not in err
+
+
+def test_generate_reports_prefill_and_generation_apart(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
+    assert cli.main(["generate", "--store", "ram", "-n", "6", "-p", "ROMEO."]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("ROMEO.") and out.endswith("\n")
+    speed = next(line for line in err.splitlines() if line.startswith("prefill:"))
+    assert "prompt tokens in" in speed and "generation: 6 tokens, 5 decode steps" in speed
+    assert "ms/token" not in err  # no figure that mixes the two
+
+
+def test_perplexity_interrupted_keeps_the_windows_scored():
+    from expertcache import Engine, EngineConfig, perplexity
+    engine = Engine(None, EngineConfig(store="ram", max_seq=64))
+    ids = engine.encode(open(cli.DATA / "eval.txt").read()[:4000])[:97]
+    seen = []
+
+    def progress(n):
+        seen.append(n)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+    r = perplexity(engine, ids, 32, progress=progress, partial_on_interrupt=True)
+    assert r.interrupted and r.tokens == 64 and len(r.window_nll) == len(r.window_stats) == 2
+    with pytest.raises(KeyboardInterrupt):
+        seen.clear()
+        perplexity(engine, ids, 32, progress=progress)
+    engine.close()
+
+
+def test_study_policies_restrict_the_generation_test_too(tmp_path, capsys):
+    out = tmp_path / "study.json"
+    assert cli.main(["study", "--policies", "substitute-all", "--tokens-per-domain", "64", "--context", "64",
+                     "--out", str(tmp_path / "report"), "--json", str(out)]) == 0
+    import json
+    res = json.loads(out.read_text())
+    assert set(res["runs"]) == {"fetch-all", "substitute-all"}
+    assert set(res["generation"]) - {"samples", "prompt0"} == {"fetch-all", "substitute-all"}
+
+
+def test_chat_prints_a_banner_and_leaves_at_quit(monkeypatch, capsys):
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who goes there?\n/quit\nNever answered.\n"))
+    assert cli.main(["chat", "--store", "ram", "-n", "4", "--ignore-eos"]) == 0
+    out, err = capsys.readouterr()
+    assert "expertcache chat: the built-in model" in err.splitlines()[0] and "/exit, /quit" in err
+    assert len([line for line in out.splitlines() if line.strip()]) == 1  # one reply, then /quit left
+
+
+def test_readme_tour_commands_parse_and_version_runs():
+    """Every command of the README's tour is one the CLI accepts as written (flags, values, sizes); the set-up
+    commands at the top are the ones the project documents."""
+    import re
+    import shlex
+    readme = (cli.DATA.parents[1] / "README.md").read_text()
+    assert readme.split("```bash\n")[1].startswith("pip install torch==2.13.0 -e . && expertcache generate\n")
+    tour = readme.split("## A tour", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [shlex.split(line.split("#")[0]) for line in tour.splitlines() if line.startswith("expertcache")]
+    assert len(commands) >= 8
+    parser = cli.Parser(prog="expertcache")
+    sub = parser.add_subparsers(dest="verb", parser_class=cli.Parser)
+    for verb in cli.VERBS:
+        importlib.import_module(f"expertcache.commands.{verb.replace('-', '_')}").add_arguments(sub.add_parser(verb))
+    for argv in commands:
+        if argv[1:] != ["--help"]:
+            assert parser.parse_args(argv[1:]).verb == argv[1], argv
+    assert re.search(r"expertcache generate -p \"ROMEO\.\"", tour)
