@@ -221,7 +221,7 @@ class ExpertCache:
                                f"(T tokens, E={E} experts, top-k={k}); got {got}")
         self._check_layer(layer)
         self._check_experts("decide: ids", ids)
-        policy.check(k, E)
+        policy.fit(k, E, policy.norm_topk)
         self.decide_routed(policy, layer, routing, token_base, slots, experts, gates)
 
     def decide_routed(self, policy, layer: int, routing: Routing, token_base: int, slots: np.ndarray,
@@ -229,6 +229,10 @@ class ExpertCache:
         """`decide` without its checks, for routes that the router made (the right types and
         shapes, ids in range) and a policy already fitted to the model: the engine's per-layer call."""
         L, E, k = self.shape.num_layers, self.shape.num_experts, self.top_k
+        if policy.fitted != (k, E) or (policy.fetches_small and self.small is None):  # the kernel trusts both
+            raise BadInput(f"policy {policy.spec or policy!r} was not bound to this engine (its parameters checked "
+                           f"against top-{k} of {E} experts, its small copies attached); pass it through "
+                           "Engine.bind_policy or set_policy")
         T = routing.ids.shape[0]
         if len(self.state.log) < kernel.log_capacity(T, k, E):
             self.state = self.state.with_log(kernel.log_capacity(T, k, E))

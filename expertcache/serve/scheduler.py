@@ -62,6 +62,8 @@ class Scheduler:
             raise UnknownName(f"unknown schedule {config.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if config.max_active < 1:
             raise BadInput(f"max_active={config.max_active} must be >= 1")
+        if config.prefill_policy is not None:  # refused at start-up, not on the first prompt
+            engine.bind_policy(config.prefill_policy)
         self.engine, self.config, self.on_finish = engine, config, on_finish
         # a sequence brings only its keys and values to its step (swapped in, or batched): a model that
         # keeps other per-sequence state (MLA's latent cache, DeltaNet's recurrent state) runs one at a time
