@@ -437,3 +437,65 @@ def test_text_offsets_stay_in_the_text_past_split_characters(client):
     pairs = [(t, o) for c in chunks if c.choices[0].logprobs for t, o in zip(c.choices[0].logprobs.tokens,
                                                                               c.choices[0].logprobs.text_offset)]
     assert pairs and all(text[o:o + len(t)] == t for t, o in pairs if t != "\ufffd")
+
+
+def _submit(scheduler, prompt, max_tokens):
+    """A request whose outputs collect in `.items`; `.done` is set at its end."""
+    from expertcache.engine.sampling import SamplingParams
+    from expertcache.serve.scheduler import Request
+    items, done = [], threading.Event()
+    request = Request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                      lambda item: (items.append(item), item is None and done.set()))
+    request.items, request.done = items, done
+    scheduler.submit(request)
+    return request
+
+
+def test_a_failure_outside_any_step_ends_its_requests_and_the_worker_goes_on(tiny):
+    """An exception between steps (here the finish hook, once) ends the requests the round was running with
+    an error instead of killing the worker thread (which left every request waiting forever); later requests
+    are served, and /health says so."""
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    calls = []
+
+    def on_finish(request, outcome):
+        calls.append(outcome)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the bookkeeping")
+    scheduler = Scheduler(engine, on_finish=on_finish)
+    app = create_app(scheduler, MODEL)
+    scheduler.on_finish = on_finish  # in place of the metrics' hook
+    with BackgroundServer(app) as s:
+        short, long = _submit(scheduler, [1, 2, 3], 1), _submit(scheduler, [4, 5, 6], 30)
+        assert short.done.wait(60) and long.done.wait(60), "a request waits forever"
+        assert isinstance(long.items[-2], RuntimeError)
+        later = _submit(scheduler, [1, 2, 3], 4)
+        assert later.done.wait(60) and [i.token is not None for i in later.items[:-1]] == [True] * 4
+        assert json.loads(get(f"{s.url}/health")) == {"status": "ok"}
+    engine.close()
+
+
+def test_a_failure_the_worker_cannot_recover_from_ends_every_request_and_health_says_so(tiny, monkeypatch):
+    """When the repair after a failure fails too, every waiting and later request ends with an error (none
+    waits forever), /health answers 503 naming the failure, and on_fatal lets `serve` exit non-zero."""
+    from expertcache.serve import scheduler as scheduling
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    scheduler = Scheduler(engine)
+    fatal = threading.Event()
+    scheduler.on_fatal = lambda e: fatal.set()
+    with BackgroundServer(create_app(scheduler, MODEL)) as s:
+        monkeypatch.setattr(scheduler, "_round", lambda: (_ for _ in ()).throw(RuntimeError("broken round")))
+        monkeypatch.setattr(scheduling, "repair_cache", lambda engine: (_ for _ in ()).throw(OSError("no disk")))
+        first = _submit(scheduler, [1, 2, 3], 4)
+        assert first.done.wait(60) and fatal.wait(60)
+        assert isinstance(first.items[0], RuntimeError)
+        later = _submit(scheduler, [1, 2, 3], 4)
+        assert later.done.is_set() and "no disk" in str(later.items[0])
+        with pytest.raises(urllib.error.HTTPError) as health:
+            get(f"{s.url}/health")
+        assert health.value.code == 503 and "no disk" in json.loads(health.value.read())["status"]
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError, match="restarted") as refused:
+            client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2)
+        assert refused.value.status_code == 503
+    engine.close()

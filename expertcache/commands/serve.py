@@ -71,15 +71,26 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(a) -> int:
-    """Run the verb; returns the exit code."""
+    """Run the verb; returns the exit code: 0 after a clean shutdown, 1 when uvicorn failed or the engine's
+    worker stopped on an error it cannot recover from (so that a supervisor restarts the server)."""
     import uvicorn
     sock = bind(a.host, a.port)
     app = build_app(a)
-    print(f"expertcache: serving {app.state.server.model_name!r} on http://{a.host}:{a.port}/v1", file=sys.stderr)
+    scheduler = app.state.server.scheduler
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    scheduler.on_fatal = lambda e: setattr(server, "should_exit", True)
+    bound = sock.getsockname()[1]  # the port the system chose for --port 0
+    print(f"expertcache: serving {app.state.server.model_name!r} on http://{a.host}:{bound}/v1", file=sys.stderr)
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         sock.close()
-        app.state.server.scheduler.stop()
+        scheduler.stop()
         app.state.server.engine.close()
+    if scheduler.failure is not None:
+        print(f"expertcache: error: the engine stopped ({scheduler.state}); restart the server", file=sys.stderr)
+        return 1
+    if not server.started:  # uvicorn gave up before serving (the app's startup failed)
+        print("expertcache: error: the server did not start; see the log above", file=sys.stderr)
+        return 1
     return 0

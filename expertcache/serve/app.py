@@ -315,6 +315,9 @@ class Server:
         if stream and len(prompts) * n > 1:
             raise APIError(400, f"a streamed request answers one choice; got {len(prompts)} prompt(s) with n={n}: "
                            "send them without stream, or one at a time", "n" if n > 1 else "prompt")
+        if self.scheduler.failure is not None:
+            raise APIError(503, f"the engine has stopped ({self.scheduler.state}); the server must be restarted",
+                           code="engine_failed", kind="server_error")
         loop = asyncio.get_running_loop()
         submitted = []
         try:
@@ -476,7 +479,10 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
     async def lifespan(app):
         if not scheduler.thread.is_alive():
             scheduler.start()
-        yield
+        try:
+            yield
+        finally:  # the worker ends its round and exits with the app, not with the process
+            scheduler.stop()
 
     app = FastAPI(title="expertcache", lifespan=lifespan)
     app.state.server = server
@@ -533,9 +539,10 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
     @app.get("/health")
-    async def health():
-        alive = scheduler.thread.is_alive()
-        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+    async def health():  # 'ok', or what stopped the worker ('failed: ...', 'stopped'), with a 503
+        state = scheduler.state
+        return JSONResponse({"status": "ok" if state == "serving" else state},
+                            status_code=200 if state == "serving" else 503)
 
     @app.get("/metrics")
     async def prometheus():

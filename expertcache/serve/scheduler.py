@@ -7,7 +7,13 @@ everything else on the batch, and the MoE layer decides the batch's tokens in or
 interleave: the same rounds, but each request's decode step is its own forward (its KV cache
 swapped into the transformer for its step). serial: one request at a time, to completion.
 Under batch and interleave a short request is not stuck behind a long one. Under every schedule
-the expert cache sees tokens in order and persists across requests (it is never reset)."""
+the expert cache sees tokens in order and persists across requests (it is never reset).
+
+A failure inside a request's step ends that request. A failure outside any step (bookkeeping, a
+repair) ends the active requests with it, the cache is repaired, and the worker goes on; one the
+worker cannot recover from (the repair fails, or a BaseException) ends every waiting request and
+every later one with it, sets `failure` and calls `on_fatal`, so that the process can exit
+non-zero and a supervisor restart it."""
 from __future__ import annotations
 
 import threading
@@ -75,6 +81,8 @@ class Scheduler:
         self.active: list[Request] = []
         self.lock = threading.Condition()
         self.stopping = False
+        self.failure: BaseException | None = None  # what stopped the worker for good (`state`)
+        self.on_fatal: Callable[[BaseException], None] | None = None  # called once, from the worker thread
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.thread = threading.Thread(target=self._loop, name="expertcache-engine", daemon=True)
@@ -91,11 +99,22 @@ class Scheduler:
         if self.thread.is_alive():
             self.thread.join()
 
+    @property
+    def state(self) -> str:
+        """'serving', 'failed: REASON' (the worker stopped on an error it cannot recover from), or 'stopped'."""
+        if self.failure is not None:
+            return f"failed: {type(self.failure).__name__}: {self.failure}"
+        return "serving" if self.thread.is_alive() and not self.stopping else "stopped"
+
     def submit(self, request: Request) -> None:
-        """Queue a request for admission (FIFO); its outputs arrive through `request.emit`."""
+        """Queue a request for admission (FIFO); its outputs arrive through `request.emit` (at once, the
+        failure, when the worker has stopped on one)."""
         with self.lock:
-            self.waiting.append(request)
-            self.lock.notify()
+            if self.failure is None:
+                self.waiting.append(request)
+                self.lock.notify()
+                return
+        self._end(request, self.failure)
 
     @property
     def queue_length(self) -> int:
@@ -176,16 +195,55 @@ class Scheduler:
                 continue
             self._deliver(request, out)
 
-    def _loop(self) -> None:
-        while self._admit():
-            if not self.batches:
-                for request in list(self.active):  # one step each, in admission order
-                    self._step(request)
-                continue
-            decoding = [r for r in self.active if r.generation is not None]
-            for request in [r for r in self.active if r.generation is None]:  # prompts one at a time
+    def _round(self) -> None:
+        """One step of every active request under the schedule."""
+        if not self.batches:
+            for request in list(self.active):  # one step each, in admission order
                 self._step(request)
-            self._batch_step(decoding)
+            return
+        decoding = [r for r in self.active if r.generation is not None]
+        for request in [r for r in self.active if r.generation is None]:  # prompts one at a time
+            self._step(request)
+        self._batch_step(decoding)
+
+    def _loop(self) -> None:
+        try:
+            while self._admit():
+                try:
+                    self._round()
+                except Exception as e:  # outside any request's step: the requests it was running end with it
+                    for request in list(self.active):
+                        self._end(request, e)
+                    self.active.clear()
+                    repair_cache(self.engine)  # their steps may have left the cache half-updated
+            for request in [*self.active, *self.waiting]:  # stopped: nobody will run them
+                self._end(request, RuntimeError("the server is shutting down; send the request again"))
+        except BaseException as e:  # the repair failed, or the thread is being torn down: stop for good
+            with self.lock:
+                self.failure, ended = e, [*self.active, *self.waiting]
+                self.active.clear()
+                self.waiting.clear()
+            for request in ended:
+                self._end(request, e)
+            if self.on_fatal is not None:
+                self.on_fatal(e)
+
+    def _end(self, request: Request, error: BaseException) -> None:
+        """End a request with `error` unless it has ended already; a client that is gone is no error here."""
+        if request.finished is not None:
+            return
+        request.finished = time.perf_counter()
+        request.generation = None
+        try:
+            request.emit(error if isinstance(error, Exception) else RuntimeError(str(error) or type(error).__name__))
+            request.emit(None)
+        except Exception:  # noqa: BLE001 -- its event loop is closed: nobody waits for the answer
+            pass
+        if self.on_finish is not None:
+            try:
+                self.on_finish(request, "error")
+            except Exception:  # noqa: BLE001 -- the metrics' failure must not end the worker's recovery
+                pass
 
 
 def repair_cache(engine: Engine) -> None:
