@@ -23,6 +23,7 @@ from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)  # the kernel's argument types
+BACKGROUND_KINDS = ("prefetch", "admit", "upgrade")  # reads no token waits for when they start
 SLOT_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4", "mxfp4")
 
 
@@ -115,6 +116,7 @@ class ExpertCache:
         self.fetch_bytes = store.expert_bytes if store is not None else fetch_bytes  # moved per fetch
         self.lowbit_bytes = lowbit_bytes  # moved per fetch of a low-precision copy (`attach_small`)
         self.small: ExpertStore | None = None
+        self.failed_background = 0  # background reads that failed, repaired (`wait`); the engine counts them
         self.per_layer = slots_per_layer(cfg, shape, self.expert_bytes, top_k)
         S = self.per_layer * shape.num_layers
         self.num_slots = S
@@ -372,9 +374,11 @@ class ExpertCache:
             st.low[slot] = False
         st.pending[slot] = False
 
-    def wait(self, slot: int) -> float:
-        """Block until `slot` holds its expert; returns the stall in seconds. If the transfer
-        failed, its expert is unmapped before the error propagates."""
+    def wait(self, slot: int, needed: bool = True) -> float:
+        """Block until `slot` holds its expert; returns the stall in seconds. If the transfer failed, its
+        expert is unmapped before the error propagates. A failed background read (a prefetch, an admission,
+        an upgrade) is no request's error: counted in `failed_background`, it is read again as a fetch where
+        a token waits for it (`needed`), else the expert is left absent and the slot free."""
         t = self.pending.pop(slot, None)
         self.state.pending[slot] = False
         if t is None:
@@ -382,33 +386,42 @@ class ExpertCache:
         try:
             return self.transfers.wait(t)
         except Exception:
+            background = t.kind in BACKGROUND_KINDS
+            self.failed_background += background
+            if background and needed:
+                self.pending[slot] = self.transfers.submit(t.layer, t.expert, slot, "fetch", here=True)
+                self.transfers.flush()
+                return self.wait(slot)
             self._unmap(slot, t.layer * self.shape.num_experts + t.expert)
-            raise
+            if not background:
+                raise
+            return 0.0
 
     def _drain(self) -> None:
         """Wait for every transfer in flight, unmapping those that fail. Their errors are dropped:
         the caller is already raising one, or discarding the state."""
         for slot in list(self.pending):
             try:
-                self.wait(slot)
+                self.wait(slot, needed=False)
             except Exception:  # noqa: BLE001 -- every transfer must land before the caller's error propagates
                 pass
 
-    def _wait_each(self, slots: list[int]) -> float:
+    def _wait_each(self, slots: list[int], needed: bool = True) -> float:
         """Wait for the transfers into `slots`; returns the stall. On a failure every other
         transfer in flight lands too (failed experts unmapped) before the first error is raised."""
         stall = 0.0
         for slot in slots:
             try:
-                stall += self.wait(slot)
+                stall += self.wait(slot, needed)
             except BaseException:
                 self._drain()
                 raise
         return stall
 
     def poll(self) -> None:
-        """Retire finished transfers so that decisions see them as resident."""
-        self._wait_each([s for s, t in self.pending.items() if t.done()])
+        """Retire finished transfers so that decisions see them as resident (a failed background read
+        is repaired, not raised: the forward that polls did not ask for it)."""
+        self._wait_each([s for s, t in self.pending.items() if t.done()], needed=False)
 
     def drop_prefetches(self, layer: int, needed: np.ndarray) -> int:
         """Drop the prefetches of `layer` that no worker has started and whose expert is not in
