@@ -150,6 +150,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("serve --prefill-policy conditional:j=16,m=16 (top-8 model)",
          ["serve", "--store", "ram", "--port", "0", "--prefill-policy", "conditional:j=16,m=16"]),
         ("serve --prefill-policy nope", ["serve", "--store", "ram", "--port", "0", "--prefill-policy", "nope"]),
+        ("serve --max-waiting 0", ["serve", "--store", "ram", "--port", "0", "--max-waiting", "0"]),
         ("an unknown verb", ["nope"]),
     ]
 

@@ -7,6 +7,7 @@ import sys
 
 from ..errors import ExpertCacheError
 from ..policies import make_policy
+from ..serve.limits import ServerLimits
 from .options import add_engine_arguments, engine_from_args
 
 HELP = "serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"
@@ -30,6 +31,13 @@ def model_name(text: str) -> str:
     return text
 
 
+def positive(text: str) -> int:
+    """A whole number >= 1 (argparse type)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(text)
+
+
 def add_arguments(p):
     """The verb's options."""
     add_engine_arguments(p)
@@ -41,6 +49,14 @@ def add_arguments(p):
                    help="batch: the decode steps of active requests run as one batched forward; interleave: they "
                         "take turns, one forward each; serial: one request at a time")
     p.add_argument("--max-active", type=int, default=16, help="requests decoding at once under batch or interleave")
+    p.add_argument("--max-active-per-request", type=positive, default=None,
+                   help="slots one call's choices and prompts may hold at once (default: half of --max-active)")
+    p.add_argument("--max-waiting", type=positive, default=ServerLimits.max_waiting,
+                   help="requests waiting for a slot; more get 429 with Retry-After")
+    p.add_argument("--max-connections", type=positive, default=ServerLimits.max_connections,
+                   help="open connections; more get 503")
+    p.add_argument("--max-body-bytes", type=positive, default=ServerLimits.max_body_bytes,
+                   help="bytes of a request body; larger get 413")
     p.add_argument("--prefill-policy", default="same",
                    help="miss policy for prompt tokens ('same': the decode policy); e.g. substitute-all keeps "
                         "a long prompt from flushing the experts decoding uses")
@@ -51,10 +67,17 @@ def build_app(a):
     from ..serve.app import create_app
     from ..serve.scheduler import Scheduler, SchedulerConfig
     prefill = None if a.prefill_policy == "same" else make_policy(a.prefill_policy)
-    config = SchedulerConfig(schedule=a.schedule, max_active=a.max_active, prefill_policy=prefill)
+    config = SchedulerConfig(schedule=a.schedule, max_active=a.max_active, prefill_policy=prefill,
+                             max_per_group=a.max_active_per_request)
     engine = engine_from_args(a)
     name = a.served_model_name or (a.model.resolve().name if a.model else "expertcache-builtin")
-    return create_app(Scheduler(engine, config), name)
+    limits = ServerLimits(max_body_bytes=a.max_body_bytes, max_waiting=a.max_waiting,
+                          max_connections=a.max_connections)
+    try:
+        return create_app(Scheduler(engine, config), name, limits)
+    except BaseException:  # the engine's store, ring and threads go with the failed start
+        engine.close()
+        raise
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -77,7 +100,8 @@ def run(a) -> int:
     sock = bind(a.host, a.port)
     app = build_app(a)
     scheduler = app.state.server.scheduler
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    limits = app.state.server.limits
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", limit_concurrency=limits.max_connections))
     scheduler.on_fatal = lambda e: setattr(server, "should_exit", True)
     bound = sock.getsockname()[1]  # the port the system chose for --port 0
     print(f"expertcache: serving {app.state.server.model_name!r} on http://{a.host}:{bound}/v1", file=sys.stderr)

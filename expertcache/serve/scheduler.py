@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,6 +44,7 @@ class Request:
     finished: float | None = None
     generation: TextGeneration | None = None
     completion_tokens: int = 0  # output tokens (an EOS that ended it is not one)
+    group: object = None  # the client's call it belongs to (its n choices, its prompts): they share its slots
 
     def cancel(self) -> None:
         """Stop generating (the client went away); the worker drops it at its next step."""
@@ -57,6 +58,7 @@ class SchedulerConfig:
     schedule: str = "batch"
     max_active: int = 16
     prefill_policy: MissPolicy | None = None  # None: prompts use the engine's policy
+    max_per_group: int | None = None  # active slots one call's requests may hold; None: half of max_active
 
 
 class Scheduler:
@@ -77,6 +79,8 @@ class Scheduler:
         self.interleaves = config.schedule != "serial" and m.latent is None and not m.linear
         self.batches = self.interleaves and config.schedule == "batch"
         self.max_active = config.max_active if self.interleaves else 1
+        # one call's n choices must not take every slot while other clients wait
+        self.max_per_group = config.max_per_group or max(1, self.max_active // 2)
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.lock = threading.Condition()
@@ -128,8 +132,14 @@ class Scheduler:
                 self.lock.wait()
             if self.stopping:
                 return False
-            while self.waiting and len(self.active) < self.max_active:
-                self.active.append(self.waiting.popleft())
+            held = Counter(r.group for r in self.active if r.group is not None)
+            for request in list(self.waiting):  # in order, past a call that holds its share
+                if len(self.active) == self.max_active:
+                    break
+                if request.group is None or held[request.group] < self.max_per_group:
+                    self.waiting.remove(request)
+                    self.active.append(request)
+                    held[request.group] += 1
         return True
 
     def _finish(self, request: Request, outcome: StepOutput | Exception | None, reason: str) -> None:
