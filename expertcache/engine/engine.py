@@ -79,6 +79,15 @@ class Engine:
     miss policy; `forward(ids [T], pos) -> logits [T, V]`."""
     def __init__(self, model_path: str | Path | None = None, config: EngineConfig = EngineConfig(),
                  policy: MissPolicy | None = None):
+        try:
+            self._load(model_path, config, policy)
+        except BaseException:  # what was opened before the failing step: the stores' files, the ring, threads
+            for part in ("cache", "small_store", "store"):
+                if getattr(self, part, None) is not None:
+                    getattr(self, part).close()
+            raise
+
+    def _load(self, model_path: str | Path | None, config: EngineConfig, policy: MissPolicy | None) -> None:
         self.path = Path(model_path) if model_path else BUILTIN_MODEL
         self.config = config
         try:
