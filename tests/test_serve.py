@@ -571,3 +571,9 @@ def test_a_500_names_the_failure_without_the_servers_paths():
     from expertcache.serve.app import Server
     err = Server._error(FetchError("/home/me/.cache/expertcache/store-1/experts.bin: short read of expert 3"))
     assert err.status == 500 and err.message == "generation failed: experts.bin: short read of expert 3"
+
+
+def test_completions_refuse_chats_top_logprobs(server):
+    status, _, body = post(f"{server.base_url}/completions",
+                           json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1, "top_logprobs": 3}).encode())
+    assert status == 400 and body["error"]["param"] == "top_logprobs"

@@ -142,6 +142,9 @@ def logprobs_count(body: SamplingFields, chat: bool) -> int | None:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         n, param = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
     else:
+        if body.top_logprobs is not None:  # refused, not ignored, as every field that would change the answer
+            raise APIError(400, "top_logprobs is chat's field; completions take logprobs: N (alternatives a token)",
+                           "top_logprobs")
         if isinstance(body.logprobs, bool):
             raise APIError(400, "logprobs is a number of alternatives a token in completions (e.g. logprobs: 1)",
                            "logprobs")
