@@ -147,6 +147,10 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("tokenizer_config.json not JSON", ["generate", "--model", str(bad_tok_config), "--store", "ram", "hi"]),
         ("estimator.safetensors corrupt", ["predict", "--model", str(bad_estimator), "--max-tokens", "64",
                                            "--predictors", "estimator"]),
+        ("serve --prefill-policy conditional:j=16,m=16 (top-8 model)",
+         ["serve", "--store", "ram", "--port", "0", "--prefill-policy", "conditional:j=16,m=16"]),
+        ("serve --prefill-policy nope", ["serve", "--store", "ram", "--port", "0", "--prefill-policy", "nope"]),
+        ("serve --max-waiting 0", ["serve", "--store", "ram", "--port", "0", "--max-waiting", "0"]),
         ("an unknown verb", ["nope"]),
     ]
 

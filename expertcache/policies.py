@@ -96,6 +96,7 @@ class MissPolicy:
     def __init__(self):
         self.account: np.ndarray | None = None  # [L, E] substituted mass towards admission
         self.norm_topk = True  # the model's gate normalisation (`fit`): top-k renormalised or not
+        self.fitted: tuple[int, int] | None = None  # (top_k, experts) of the router `fit` checked it against
 
     def params(self) -> np.ndarray:
         """The parameter vector [N_PARAMS] float64 the compiled `decide` reads."""
@@ -114,6 +115,7 @@ class MissPolicy:
         returns self. The engine and the replay call it before the first decision."""
         self.check(top_k, num_experts)
         self.norm_topk = bool(norm_topk)
+        self.fitted = (top_k, num_experts)
         return self
 
     def bind(self, num_layers: int, num_experts: int) -> np.ndarray:

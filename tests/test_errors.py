@@ -236,3 +236,40 @@ def test_a_failed_conversion_leaves_no_partial_file(tiny, tmp_path, monkeypatch)
 def test_one_scored_token_has_no_standard_error(capsys):
     assert cli.main(["ppl", "--store", "ram", "--max-tokens", "1"]) == 0
     assert "(one token: no standard error) over 1 tokens" in capsys.readouterr().out
+
+
+def test_an_engine_that_fails_to_load_leaves_no_file_or_thread_open(tiny, tmp_path, monkeypatch):
+    """A step after the store is opened fails: the store's descriptor, the ring and the transfer threads
+    are released, not leaked with each failed attempt."""
+    import os
+    import threading
+
+    from expertcache.engine import engine as engine_module
+    from expertcache.engine.engine import Engine, EngineConfig
+    cfg = EngineConfig(store="disk", store_dir=tmp_path / "store", initial="cold")
+    Engine(tiny["qwen3_moe"][0], cfg).close()  # converts the store once
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+
+    def broken(*a, **k):
+        raise RuntimeError("a later step fails")
+    monkeypatch.setattr(engine_module.ExpertCache, "warm", broken)
+    monkeypatch.setattr(engine_module.Engine, "reset", broken)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="later step"):
+            Engine(tiny["qwen3_moe"][0], cfg)
+    assert len(os.listdir("/proc/self/fd")) == fds and threading.active_count() == threads
+
+
+def test_time_runs_closes_its_engines_when_a_run_fails(tiny, tmp_path):
+    import os
+    import threading
+
+    from expertcache.errors import UnknownName
+    from expertcache.lab.costmodel import time_runs
+    model = tiny["qwen3_moe"][0]
+    time_runs(model, [(0.5, "fetch-all")], list(range(1, 12)), repeats=1, store_dir=tmp_path / "s", prompt=4)
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    with pytest.raises(UnknownName):
+        time_runs(model, [(0.5, "fetch-all"), (0.5, "nope")], list(range(1, 12)), repeats=1,
+                  store_dir=tmp_path / "s", prompt=4)
+    assert len(os.listdir("/proc/self/fd")) == fds and threading.active_count() == threads

@@ -242,3 +242,46 @@ def test_study_checks_its_policy_names_before_the_baseline(capsys, monkeypatch):
     monkeypatch.setattr("expertcache.lab.study.run_study", lambda *a, **k: pytest.fail("the study ran"))
     assert cli.main(["study", "--policies", "threshold:tau=0.15", "no-such-policy"]) == 2
     assert "no-such-policy" in capsys.readouterr().err
+
+
+# -- every road by which a policy reaches the kernel: one check, Engine.bind_policy ---------
+def test_every_road_to_the_kernel_checks_the_policy(tiny):
+    """A policy that the engine's --policy check refuses is refused the same way as a prefill policy
+    (library and server), through set_policy, and when a policy made elsewhere is handed straight to
+    the runner: the kernel never sees one unchecked (conditional j=16 wrote past arrays of top-k)."""
+    from expertcache.engine.generate import TextGeneration
+    from expertcache.engine.sampling import SamplingParams
+    from expertcache.serve.scheduler import Scheduler, SchedulerConfig
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))  # top-2 of 8
+    bad = "conditional:j=4,m=4"
+    with pytest.raises(BadInput, match="j=4"):
+        engine.set_policy(bad)
+    with pytest.raises(BadInput, match="j=4"):
+        TextGeneration(engine, [1, 2, 3], SamplingParams(max_tokens=2), prefill_policy=make_policy(bad))
+    with pytest.raises(BadInput, match="j=4"):
+        Scheduler(engine, SchedulerConfig(prefill_policy=make_policy(bad)))
+    engine.runner.policy = make_policy(bad)  # a library user's shortcut past the engine
+    with pytest.raises(BadInput, match="bind_policy"):
+        engine.forward(torch.tensor([1, 2, 3]), 0)
+    engine.set_policy("fetch-all")
+    assert engine.forward(torch.tensor([1, 2, 3]), 0).isfinite().all()
+    engine.close()
+
+
+def test_a_lowbit_prefill_policy_gets_its_small_copies(tiny):
+    """A lowbit prefill policy opens and attaches the low-precision store, as --policy lowbit does."""
+    from expertcache.engine.generate import TextGeneration
+    from expertcache.engine.sampling import SamplingParams
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold", cache=CacheConfig(fraction=0.5)))
+    gen = TextGeneration(engine, list(range(1, 20)), SamplingParams(max_tokens=3), prefill_policy=make_policy(
+        "lowbit:tau=0.9"))
+    assert [out.token for out in gen] and engine.cache.small is not None
+    engine.close()
+
+
+def test_serve_refuses_a_prefill_policy_the_model_cannot_take(capsys):
+    """serve --prefill-policy conditional:j=16,m=16 on the top-8 built-in model: one line and exit 2
+    (it crashed the server with SIGSEGV on the first prompt)."""
+    code = cli.main(["serve", "--store", "ram", "--port", "0", "--prefill-policy", "conditional:j=16,m=16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "j=16" in err and err.strip().count("\n") == 0, err

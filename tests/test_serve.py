@@ -226,7 +226,7 @@ def test_bodies_that_once_failed_inside_the_server_get_400s(server, client):
     code, out = post(b'{"model": "%s", "max_tokens": 2, "prompt": "hi \\ud800"}' % MODEL.encode(), "/completions")
     assert code == 400 and "lone surrogate" in out["error"]["message"], out
     start = time.monotonic()
-    code, out = post({**chat, "prompt": "word " * 2_000_000}, "/completions")
+    code, out = post({**chat, "prompt": "word " * 300_000}, "/completions")  # within the body bound
     assert code == 400 and "characters" in out["error"]["message"] and time.monotonic() - start < 5
     code, out = post(b"model=x", "/completions", "application/x-www-form-urlencoded")
     assert code == 400 and "Content-Type: application/json" in out["error"]["message"]
@@ -458,3 +458,143 @@ def test_the_access_log_has_a_line_per_request():
     engine.close()
     assert re.fullmatch(r"POST /v1/completions 200 prompt \d+ completion 4 tokens \d+ ms", lines[0]), lines
     assert lines[1].startswith("POST /v1/completions 404 ")
+
+
+def _submit(scheduler, prompt, max_tokens):
+    """A request whose outputs collect in `.items`; `.done` is set at its end."""
+    from expertcache.engine.sampling import SamplingParams
+    from expertcache.serve.scheduler import Request
+    items, done = [], threading.Event()
+    request = Request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                      lambda item: (items.append(item), item is None and done.set()))
+    request.items, request.done = items, done
+    scheduler.submit(request)
+    return request
+
+
+def test_a_failure_outside_any_step_ends_its_requests_and_the_worker_goes_on(tiny):
+    """An exception between steps (here the finish hook, once) ends the requests the round was running with
+    an error instead of killing the worker thread (which left every request waiting forever); later requests
+    are served, and /health says so."""
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    calls = []
+
+    def on_finish(request, outcome):
+        calls.append(outcome)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the bookkeeping")
+    scheduler = Scheduler(engine, on_finish=on_finish)
+    app = create_app(scheduler, MODEL)
+    scheduler.on_finish = on_finish  # in place of the metrics' hook
+    with BackgroundServer(app) as s:
+        short, long = _submit(scheduler, [1, 2, 3], 1), _submit(scheduler, [4, 5, 6], 30)
+        assert short.done.wait(60) and long.done.wait(60), "a request waits forever"
+        assert isinstance(long.items[-2], RuntimeError)
+        later = _submit(scheduler, [1, 2, 3], 4)
+        assert later.done.wait(60) and [i.token is not None for i in later.items[:-1]] == [True] * 4
+        assert json.loads(get(f"{s.url}/health")) == {"status": "ok"}
+    engine.close()
+
+
+def test_a_failure_the_worker_cannot_recover_from_ends_every_request_and_health_says_so(tiny, monkeypatch):
+    """When the repair after a failure fails too, every waiting and later request ends with an error (none
+    waits forever), /health answers 503 naming the failure, and on_fatal lets `serve` exit non-zero."""
+    from expertcache.serve import scheduler as scheduling
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    scheduler = Scheduler(engine)
+    fatal = threading.Event()
+    scheduler.on_fatal = lambda e: fatal.set()
+    with BackgroundServer(create_app(scheduler, MODEL)) as s:
+        monkeypatch.setattr(scheduler, "_round", lambda: (_ for _ in ()).throw(RuntimeError("broken round")))
+        monkeypatch.setattr(scheduling, "repair_cache", lambda engine: (_ for _ in ()).throw(OSError("no disk")))
+        first = _submit(scheduler, [1, 2, 3], 4)
+        assert first.done.wait(60) and fatal.wait(60)
+        assert isinstance(first.items[0], RuntimeError)
+        later = _submit(scheduler, [1, 2, 3], 4)
+        assert later.done.is_set() and "no disk" in str(later.items[0])
+        with pytest.raises(urllib.error.HTTPError) as health:
+            get(f"{s.url}/health")
+        assert health.value.code == 503 and "no disk" in json.loads(health.value.read())["status"]
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError, match="restarted") as refused:
+            client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2)
+        assert refused.value.status_code == 503
+    engine.close()
+
+
+def post(url: str, body: bytes) -> tuple[int, dict, dict]:
+    """(status, headers, JSON body) of a POST."""
+    req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_bodies_past_the_servers_bounds_get_4xx_not_500(server):
+    """A body over 8 MiB: 413; nested 100 deep (json.loads recursion): 400; too many or too long stop
+    strings: 400. The server answers the next request."""
+    url = f"{server.base_url}/completions"
+    import http.client
+    conn = http.client.HTTPConnection(server.host, server.port)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(9 * 2**20))
+    conn.endheaders()  # refused by its length, before any of it is sent
+    refused = conn.getresponse()
+    assert refused.status == 413 and "--max-body-bytes" in json.loads(refused.read())["error"]["message"]
+    conn.close()
+    deep = b'{"model": "%s", "prompt": "hi", "user": %s%s}' % (MODEL.encode(), b"[" * 100, b"]" * 100)
+    status, _, body = post(url, deep)
+    assert status == 400 and "nests" in body["error"]["message"]
+    in_string = json.dumps({"model": MODEL, "prompt": "[" * 100, "max_tokens": 1}).encode()  # brackets in text
+    assert post(url, in_string)[0] == 200
+    for stop in (["x"] * 17, ["x" * 300]):
+        status, _, body = post(url, json.dumps({"model": MODEL, "prompt": "hi", "stop": stop}).encode())
+        assert status == 400 and body["error"]["param"] == "stop"
+    assert post(url, json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode())[0] == 200
+
+
+def test_a_full_queue_answers_429_with_retry_after(tiny):
+    from expertcache.serve.limits import ServerLimits
+    from expertcache.serve.scheduler import SchedulerConfig
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    scheduler = Scheduler(engine, SchedulerConfig(max_active=1))
+    with BackgroundServer(create_app(scheduler, MODEL, ServerLimits(max_waiting=1))) as s:
+        running, waiting = _submit(scheduler, [1, 2, 3], 500), _submit(scheduler, [1, 2, 3], 500)
+        status, headers, body = post(f"{s.base_url}/completions",
+                                     json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 1}).encode())
+        assert status == 429 and headers.get("retry-after") == "1" and body["error"]["code"] == "queue_full"
+        running.cancel(), waiting.cancel()
+    engine.close()
+
+
+def test_one_call_holds_at_most_its_share_of_the_active_slots(tiny):
+    """n choices of one call take half of --max-active; a later client's request is admitted beside them."""
+    from expertcache.engine.sampling import SamplingParams
+    from expertcache.serve.scheduler import Request, SchedulerConfig
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    scheduler = Scheduler(engine, SchedulerConfig(max_active=4))  # not started: admission only
+    call = object()
+    params = SamplingParams(max_tokens=2)
+    choices = [Request([1, 2], params, lambda item: None, group=call) for _ in range(4)]
+    other = Request([3, 4], params, lambda item: None, group=object())
+    for r in (*choices, other):
+        scheduler.submit(r)
+    assert scheduler._admit()
+    assert scheduler.active == [*choices[:2], other] and list(scheduler.waiting) == choices[2:]
+    engine.close()
+
+
+def test_a_500_names_the_failure_without_the_servers_paths():
+    from expertcache.errors import FetchError
+    from expertcache.serve.app import Server
+    err = Server._error(FetchError("/home/me/.cache/expertcache/store-1/experts.bin: short read of expert 3"))
+    assert err.status == 500 and err.message == "generation failed: experts.bin: short read of expert 3"
+
+
+def test_completions_refuse_chats_top_logprobs(server):
+    status, _, body = post(f"{server.base_url}/completions",
+                           json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1, "top_logprobs": 3}).encode())
+    assert status == 400 and body["error"]["param"] == "top_logprobs"

@@ -1,6 +1,7 @@
 """The io_uring ring spoken to through its system calls: reads land the file's bytes in the iovec's
 buffers, errors and short reads come back as results, the queues wrap, and more reads than the
 ring holds are queued in turns."""
+import errno
 import mmap
 import os
 
@@ -86,6 +87,39 @@ def test_the_queues_wrap_and_a_full_ring_submits_in_turns(direct_file):
             assert np.array_equal(buf[i], data[off:off + PAGE])
     ring.close()
     ring.close()  # a second close does nothing
+
+
+@ring_here
+@pytest.mark.parametrize("kernel", ["one at a time", "refuses every other call"])
+def test_a_kernel_that_takes_part_of_the_queue_loses_no_read(direct_file, monkeypatch, kernel):
+    """io_uring_enter may submit fewer reads than asked, or none (EAGAIN, EBUSY). A full queue must then
+    not overwrite an entry the kernel has not taken, and no wait may hang: every read completes with its
+    own bytes."""
+    from expertcache.engine import uring
+    fd, data = direct_file
+    real, calls = uring._call, []
+
+    def enter(*args):
+        if args[0] != uring._SYS_ENTER:
+            return real(*args)
+        calls.append(args[2])
+        if kernel == "refuses every other call" and len(calls) % 2:
+            return -errno.EAGAIN
+        return real(args[0], args[1], min(args[2], 1), *args[3:])  # the kernel takes at most one read
+    monkeypatch.setattr(uring, "_call", enter)
+    ring = RingReads.open(entries=4)
+    buf = [pages(1) for _ in range(12)]
+    iovecs = [ring.iovec([b]) for b in buf]
+    for i in range(12):  # three times the ring, queued before any wait
+        ring.read(fd, iovecs[i], PAGE * (5 * i % 64), i)
+    got = drain(ring, 12)
+    assert sorted(t for t, _ in got) == list(range(12)) and all(n == PAGE for _, n in got)
+    for i in range(12):
+        assert np.array_equal(buf[i], data[PAGE * (5 * i % 64):PAGE * (5 * i % 64) + PAGE]), i
+    assert max(calls) > 1  # the queue was handed over more than one read at a time
+    with pytest.raises(ValueError, match="forever"):
+        ring.completions(block=True)
+    ring.close()
 
 
 def test_read_only_buffers_are_refused():

@@ -6,6 +6,7 @@ import socket
 import sys
 
 from ..errors import ExpertCacheError
+from ..serve.limits import ServerLimits
 from .options import add_engine_arguments, engine_from_args, positive_int
 
 HELP = "serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"
@@ -44,6 +45,14 @@ def add_arguments(p):
                    help="positions of keys and values held for the active requests together, counted in "
                         "--memory-budget; a request is admitted while its prompt + max_tokens fit, else it waits "
                         "(default: --max-seq x --max-active, or --max-seq under serial)")
+    p.add_argument("--max-active-per-request", type=positive_int, default=None,
+                   help="slots one call's choices and prompts may hold at once (default: half of --max-active)")
+    p.add_argument("--max-waiting", type=positive_int, default=ServerLimits.max_waiting,
+                   help="requests waiting for a slot; more get 429 with Retry-After")
+    p.add_argument("--max-connections", type=positive_int, default=ServerLimits.max_connections,
+                   help="open connections; more get 503")
+    p.add_argument("--max-body-bytes", type=positive_int, default=ServerLimits.max_body_bytes,
+                   help="bytes of a request body; larger get 413")
     p.add_argument("--prefill-policy", default="same",
                    help="miss policy for prompt tokens ('same': the decode policy); e.g. substitute-all keeps "
                         "a long prompt from flushing the experts decoding uses")
@@ -56,12 +65,19 @@ def build_app(a):
     from ..serve.app import create_app
     from ..serve.scheduler import Scheduler, SchedulerConfig
     prefill = None if a.prefill_policy == "same" else make_policy(a.prefill_policy)
-    config = SchedulerConfig(schedule=a.schedule, max_active=a.max_active, prefill_policy=prefill)
+    config = SchedulerConfig(schedule=a.schedule, max_active=a.max_active, prefill_policy=prefill,
+                             max_per_group=a.max_active_per_request)
     if a.kv_positions is None:
         a.kv_positions = a.max_seq * (1 if a.schedule == "serial" else a.max_active)
     engine = engine_from_args(a)
     name = a.served_model_name or (a.model.resolve().name if a.model else "expertcache-builtin")
-    app = create_app(Scheduler(engine, config), name)
+    limits = ServerLimits(max_body_bytes=a.max_body_bytes, max_waiting=a.max_waiting,
+                          max_connections=a.max_connections)
+    try:
+        app = create_app(Scheduler(engine, config), name, limits)
+    except BaseException:  # the engine's store, ring and threads go with the failed start
+        engine.close()
+        raise
     app.add_middleware(AccessLog, log=lambda line: print(f"expertcache: {line}", file=sys.stderr, flush=True))
     return app
 
@@ -80,15 +96,27 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(a) -> int:
-    """Run the verb; returns the exit code."""
+    """Run the verb; returns the exit code: 0 after a clean shutdown, 1 when uvicorn failed or the engine's
+    worker stopped on an error it cannot recover from (so that a supervisor restarts the server)."""
     import uvicorn
     sock = bind(a.host, a.port)
     app = build_app(a)
-    print(f"expertcache: serving {app.state.server.model_name!r} on http://{a.host}:{a.port}/v1", file=sys.stderr)
+    scheduler = app.state.server.scheduler
+    limits = app.state.server.limits
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", limit_concurrency=limits.max_connections))
+    scheduler.on_fatal = lambda e: setattr(server, "should_exit", True)
+    bound = sock.getsockname()[1]  # the port the system chose for --port 0
+    print(f"expertcache: serving {app.state.server.model_name!r} on http://{a.host}:{bound}/v1", file=sys.stderr)
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         sock.close()
-        app.state.server.scheduler.stop()
+        scheduler.stop()
         app.state.server.engine.close()
+    if scheduler.failure is not None:
+        print(f"expertcache: error: the engine stopped ({scheduler.state}); restart the server", file=sys.stderr)
+        return 1
+    if not server.started:  # uvicorn gave up before serving (the app's startup failed)
+        print("expertcache: error: the server did not start; see the log above", file=sys.stderr)
+        return 1
     return 0

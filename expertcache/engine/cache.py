@@ -24,6 +24,7 @@ from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)  # the kernel's argument types
+BACKGROUND_KINDS = ("prefetch", "admit", "upgrade")  # reads no token waits for when they start
 
 
 def slot_format(name: str, device: torch.device, stored: ExpertFormat, store: str = "disk") -> ExpertFormat:
@@ -115,6 +116,7 @@ class ExpertCache:
         self.fetch_bytes = store.expert_bytes if store is not None else fetch_bytes  # moved per fetch
         self.lowbit_bytes = lowbit_bytes  # moved per fetch of a low-precision copy (`attach_small`)
         self.small: ExpertStore | None = None
+        self.failed_background = 0  # background reads that failed, repaired (`wait`); the engine counts them
         self.per_layer = slots_per_layer(cfg, shape, self.expert_bytes, top_k)
         S = self.per_layer * shape.num_layers
         self.num_slots = S
@@ -221,7 +223,7 @@ class ExpertCache:
                                f"(T tokens, E={E} experts, top-k={k}); got {got}")
         self._check_layer(layer)
         self._check_experts("decide: ids", ids)
-        policy.check(k, E)
+        policy.fit(k, E, policy.norm_topk)
         self.decide_routed(policy, layer, routing, token_base, slots, experts, gates)
 
     def decide_routed(self, policy, layer: int, routing: Routing, token_base: int, slots: np.ndarray,
@@ -229,6 +231,10 @@ class ExpertCache:
         """`decide` without its checks, for routes that the router made (the right types and
         shapes, ids in range) and a policy already fitted to the model: the engine's per-layer call."""
         L, E, k = self.shape.num_layers, self.shape.num_experts, self.top_k
+        if policy.fitted != (k, E) or (policy.fetches_small and self.small is None):  # the kernel trusts both
+            raise BadInput(f"policy {policy.spec or policy!r} was not bound to this engine (its parameters checked "
+                           f"against top-{k} of {E} experts, its small copies attached); pass it through "
+                           "Engine.bind_policy or set_policy")
         T = routing.ids.shape[0]
         if len(self.state.log) < kernel.log_capacity(T, k, E):
             self.state = self.state.with_log(kernel.log_capacity(T, k, E))
@@ -368,9 +374,11 @@ class ExpertCache:
             st.low[slot] = False
         st.pending[slot] = False
 
-    def wait(self, slot: int) -> float:
-        """Block until `slot` holds its expert; returns the stall in seconds. If the transfer
-        failed, its expert is unmapped before the error propagates."""
+    def wait(self, slot: int, needed: bool = True) -> float:
+        """Block until `slot` holds its expert; returns the stall in seconds. If the transfer failed, its
+        expert is unmapped before the error propagates. A failed background read (a prefetch, an admission,
+        an upgrade) is no request's error: counted in `failed_background`, it is read again as a fetch where
+        a token waits for it (`needed`), else the expert is left absent and the slot free."""
         t = self.pending.pop(slot, None)
         self.state.pending[slot] = False
         if t is None:
@@ -378,33 +386,42 @@ class ExpertCache:
         try:
             return self.transfers.wait(t)
         except Exception:
+            background = t.kind in BACKGROUND_KINDS
+            self.failed_background += background
+            if background and needed:
+                self.pending[slot] = self.transfers.submit(t.layer, t.expert, slot, "fetch", here=True)
+                self.transfers.flush()
+                return self.wait(slot)
             self._unmap(slot, t.layer * self.shape.num_experts + t.expert)
-            raise
+            if not background:
+                raise
+            return 0.0
 
     def _drain(self) -> None:
         """Wait for every transfer in flight, unmapping those that fail. Their errors are dropped:
         the caller is already raising one, or discarding the state."""
         for slot in list(self.pending):
             try:
-                self.wait(slot)
+                self.wait(slot, needed=False)
             except Exception:  # noqa: BLE001 -- every transfer must land before the caller's error propagates
                 pass
 
-    def _wait_each(self, slots: list[int]) -> float:
+    def _wait_each(self, slots: list[int], needed: bool = True) -> float:
         """Wait for the transfers into `slots`; returns the stall. On a failure every other
         transfer in flight lands too (failed experts unmapped) before the first error is raised."""
         stall = 0.0
         for slot in slots:
             try:
-                stall += self.wait(slot)
+                stall += self.wait(slot, needed)
             except BaseException:
                 self._drain()
                 raise
         return stall
 
     def poll(self) -> None:
-        """Retire finished transfers so that decisions see them as resident."""
-        self._wait_each([s for s, t in self.pending.items() if t.done()])
+        """Retire finished transfers so that decisions see them as resident (a failed background read
+        is repaired, not raised: the forward that polls did not ask for it)."""
+        self._wait_each([s for s, t in self.pending.items() if t.done()], needed=False)
 
     def drop_prefetches(self, layer: int, needed: np.ndarray) -> int:
         """Drop the prefetches of `layer` that no worker has started and whose expert is not in

@@ -81,6 +81,15 @@ class Engine:
     miss policy; `forward(ids [T], pos) -> logits [T, V]`."""
     def __init__(self, model_path: str | Path | None = None, config: EngineConfig = EngineConfig(),
                  policy: MissPolicy | None = None):
+        try:
+            self._load(model_path, config, policy)
+        except BaseException:  # what was opened before the failing step: the stores' files, the ring, threads
+            for part in ("cache", "small_store", "store"):
+                if getattr(self, part, None) is not None:
+                    getattr(self, part).close()
+            raise
+
+    def _load(self, model_path: str | Path | None, config: EngineConfig, policy: MissPolicy | None) -> None:
         self.path = Path(model_path) if model_path else BUILTIN_MODEL
         self.config = config
         try:
@@ -93,7 +102,7 @@ class Engine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UnknownName("device 'cuda' asked for but torch sees no CUDA device; use --device cpu")
         dtype = torch.float32 if self.device.type == "cpu" else torch.float16
-        self.policy = policy or make_policy(config.policy)
+        policy = policy or make_policy(config.policy)
         if config.read_mode != "auto" and config.store != "disk":
             raise BadInput(f"--read-mode {config.read_mode} is how the disk store reads; the {config.store} store "
                            "reads none: drop it, or use --store disk")
@@ -106,7 +115,7 @@ class Engine:
         if config.kv_positions is not None and config.kv_positions < config.max_seq:
             raise BadInput(f"--kv-positions {config.kv_positions} holds less than one --max-seq {config.max_seq} "
                            f"sequence; give at least {config.max_seq}")
-        self._fit(self.policy)
+        self.policy = self._fit(policy)  # refused before any weight is read; bound in full below
         self.routing_counts = load_routing_counts(self.path, (self.args.num_moe_layers, self.args.num_experts))
         self.checkpoint = ckpt
         # a ram store on the CPU holds the experts in the slots' float dtype (plain copies), or for auto as stored
@@ -133,7 +142,7 @@ class Engine:
         self.small_store: ExpertStore | None = None
         self._open_small(self.policy)
         self.cache = ExpertCache(cache_cfg, self.store, self.args.top_k, self.device, self.slot_format)
-        self._attach_small(self.policy)
+        self.bind_policy(self.policy)
         self.stats = RunStats()
         self.runner = MoELayerRunner(self.args, self.model.router, self.cache, self.policy, self.stats)
         self.model.moe = self.runner
@@ -198,9 +207,7 @@ class Engine:
     def set_policy(self, policy: MissPolicy | str, eviction: str | None = None) -> None:
         """Switch the miss policy (and the eviction it prefers, unless the config names one);
         starts a new run."""
-        self.policy = self._fit(make_policy(policy) if isinstance(policy, str) else policy)
-        self.runner.policy = self.policy
-        self._attach_small(self.policy)
+        self.policy = self.runner.policy = self.bind_policy(policy)
         self.cache.cfg = replace(self.cache.cfg, eviction=eviction or self.config.eviction or self.policy.eviction)
         self.reset()
 
@@ -227,6 +234,15 @@ class Engine:
         """Fast-tier memory the reads need besides the slots: the stores' staging buffers."""
         workers = self.config.cache.io_workers
         return sum(s.buffer_bytes(workers) for s in (self.store, self.small_store) if s is not None)
+
+    def bind_policy(self, policy: MissPolicy | str) -> MissPolicy:
+        """`policy` (or its spec) made ready to decide this engine's misses: its parameters checked against the
+        model's router and depth, and the low-precision copies it fetches opened and attached. The one check on
+        every road to the compiled kernel (which trusts its parameters): the engine's policy, set_policy, a
+        prefill policy; the cache refuses a policy that did not come through here (ExpertCache.decide_routed)."""
+        policy = self._fit(make_policy(policy) if isinstance(policy, str) else policy)
+        self._attach_small(policy)
+        return policy
 
     def _fit(self, policy: MissPolicy) -> MissPolicy:
         """`policy` checked against the model's router and depth, with its gate normalisation."""
@@ -296,6 +312,8 @@ class Engine:
                 logits = run().float()
         finally:  # the decision kernel's counters of every layer decided, also when a fetch failed
             self.stats.absorb(self.cache.state, self.cache.fetch_bytes, self.cache.lowbit_bytes)
+            self.stats.failed_background_reads += self.cache.failed_background
+            self.cache.failed_background = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.wall_s += time.perf_counter() - start

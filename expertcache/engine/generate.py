@@ -48,7 +48,7 @@ def prefill(engine: Engine, prompt: list[int], policy: MissPolicy | None = None,
     With `policy`, the prompt's misses are decided by it instead of the engine's policy (prefill protection)."""
     decode_policy = engine.runner.policy
     if policy is not None:
-        engine.runner.policy = policy
+        engine.runner.policy = engine.bind_policy(policy)
     try:
         logits = engine.forward(torch.tensor(prompt), 0, last=not every)
         return logits if every else logits[-1]
@@ -95,7 +95,7 @@ class TextGeneration:
                  prefill_policy: MissPolicy | None = None):
         check_length(engine, len(prompt), params.max_tokens)
         self.engine, self.prompt, self.params = engine, prompt, params
-        self.prefill_policy = prefill_policy
+        self.prefill_policy = prefill_policy and engine.bind_policy(prefill_policy)  # refused here, not mid-step
         self.sampler = Sampler(params)
         self.eos = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids(engine))
         self.detok = IncrementalDetokenizer(engine.tokenizer, prompt) if engine.tokenizer is not None else None

@@ -24,6 +24,7 @@ class RunStats:
     substituted_calls: int = 0  # calls with at least one substitution
     substituted_mass: float = 0.0  # summed gate weight of substituted experts
     background_fetches: int = 0  # admissions and upgrades started off the critical path
+    failed_background_reads: int = 0  # background reads that failed: repaired (read again, or left absent)
     prefetch_fetches: int = 0  # prefetch reads made (dropped ones not counted)
     exposed_prefetches: int = 0  # of those, issued by a call with no fetch of its own to wait for (nothing hides them)
     prefetch_dropped: int = 0  # prefetches dropped before a worker read them: the layer's routes did not need them

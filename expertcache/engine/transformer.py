@@ -250,7 +250,6 @@ class Transformer:
         all that a prefill samples from); extends the KV cache (and the linear-attention states, which
         restart at pos 0)."""
         assert ids.dim() == 1, f"ids must be [T], got {tuple(ids.shape)}"
-        a = self.args
         T = ids.shape[0]
         if pos + T > self.max_seq:
             raise BadInput(f"sequence of {pos + T} tokens exceeds max_seq={self.max_seq}; raise --max-seq")

@@ -22,6 +22,7 @@ import os
 import platform
 import struct
 import sys
+import time
 
 import numpy as np
 
@@ -88,6 +89,8 @@ class RingReads:
         self.tail = int(sq32[self.sq_tail])  # the next SQE to fill; published to the kernel by `submit`
         self.head = int(cq32[self.cq_head])  # the next completion to take
         self.queued = 0  # reads prepared but not yet taken by the kernel
+        self.inflight = 0  # reads the kernel has taken whose completions are not yet taken
+        self.ready: list[tuple[int, int]] = []  # completions taken while making room, for `completions`
 
     @classmethod
     def open(cls, entries: int = 1024) -> RingReads | None:
@@ -117,8 +120,10 @@ class RingReads:
     def read(self, fd: int, iovec: Iovec, offset: int, ticket: int, background: bool = False) -> None:
         """Queue a read at `offset` of `fd` filling iovec's buffers; `background`: one
         the caller will not wait for soon (a prefetch, an admission or an upgrade)."""
-        if self.queued == self.entries:
-            self.submit()
+        tries = 0
+        while self.queued == self.entries:  # every slot holds a read the kernel has not taken: none may be overwritten
+            self._make_room(tries)
+            tries += 1
         # issued by the kernel's io-wq workers: an inline O_DIRECT submission costs the calling thread ~5 us
         # of block-layer work a read (39 against 9 us for 8 reads here), taken from the compute a prefetch is
         # meant to overlap; a read waited for at once is issued inline
@@ -128,9 +133,33 @@ class RingReads:
         self.tail = (self.tail + 1) & 0xFFFFFFFF
         self.queued += 1
 
+    def _make_room(self, tries: int) -> None:
+        """Hand queued reads to the kernel. It may take some, or none (EAGAIN, EBUSY: its completion queue
+        is backed up, or it is short of memory): then the completions that are ready are taken (kept in
+        `ready` for `completions`), or one is waited for while reads are in flight, before the next try."""
+        self._enter(self.queued, 0)
+        if self.queued < self.entries:
+            return
+        self.ready += self._take()
+        if self.ready:
+            return
+        if self.inflight:
+            self._enter(0, 1)
+            self.ready += self._take()
+        else:
+            self._back_off(tries)
+
+    @staticmethod
+    def _back_off(tries: int) -> None:
+        """The kernel took no read and none is in flight (EAGAIN: short of memory): wait a little, for about
+        a second in all, then fail rather than wait forever."""
+        if tries >= 1000:
+            raise OSError(errno.EAGAIN, "io_uring_enter: the kernel took no read for a second; retry later")
+        time.sleep(0.001)
+
     def _enter(self, submit: int, wait: int) -> None:
         """io_uring_enter: hand `submit` queued reads to the kernel and, with `wait`, sleep until one
-        completion is ready."""
+        completion is ready (the kernel waits only when it took every read handed to it)."""
         sq32 = self.u32[0]
         sq32[self.sq_tail] = self.tail  # the entries before it were written first (x86-64 keeps store order)
         while True:
@@ -139,28 +168,48 @@ class RingReads:
                 break
         if r < 0 and r not in (-errno.EAGAIN, -errno.EBUSY):  # those two: retried once completions are taken
             raise OSError(-r, f"io_uring_enter: {os.strerror(-r)}")
-        self.queued = (self.tail - int(sq32[self.sq_head])) & 0xFFFFFFFF
+        queued = (self.tail - int(sq32[self.sq_head])) & 0xFFFFFFFF  # the kernel's head: what it took, in full
+        self.inflight += self.queued - queued
+        self.queued = queued
 
     def submit(self) -> None:
-        """Start every queued read."""
+        """Start every queued read (as many as the kernel takes now; the rest with the next call)."""
         if self.queued:
             self._enter(self.queued, 0)
 
-    def completions(self, block: bool) -> list[tuple[int, int]]:
-        """The reads that have completed, as (ticket, bytes read or -errno); with `block`, at least
-        one (queued reads are submitted first so that one can complete)."""
+    def _take(self) -> list[tuple[int, int]]:
+        """The completions in the queue, taken off it."""
         cq32 = self.u32[1]
-        wait = block and int(cq32[self.cq_tail]) == self.head
-        if self.queued or wait:
-            self._enter(self.queued, int(wait))
-            while wait and int(cq32[self.cq_tail]) == self.head:  # woken without a completion: wait again
-                self._enter(self.queued, 1)
         out, tail, head = [], int(cq32[self.cq_tail]), self.head
         while head != tail:
             ticket, res, _ = _CQE.unpack_from(self.cq, self.cqes + 16 * (head & self.cq_mask))
             out.append((ticket, res))
             head = (head + 1) & 0xFFFFFFFF
         self.head = cq32[self.cq_head] = head
+        self.inflight -= len(out)
+        return out
+
+    def completions(self, block: bool) -> list[tuple[int, int]]:
+        """The reads that have completed, as (ticket, bytes read or -errno); with `block`, at least
+        one (queued reads are submitted first so that one can complete). ValueError when blocking with
+        no read queued or in flight: nothing could ever complete."""
+        if self.queued:
+            self._enter(self.queued, 0)
+        out, self.ready = self.ready + self._take(), []
+        tries = 0
+        while block and not out:
+            if not self.queued and not self.inflight:
+                raise ValueError("completions(block=True) with no read queued or in flight would wait forever")
+            self._enter(self.queued, 1)  # submits what is left, then waits when all of it was taken
+            out = self._take()
+            if out:
+                break
+            if self.queued and self.inflight:  # the kernel took part, so it did not wait: wait now
+                self._enter(0, 1)
+                out = self._take()
+            elif not self.inflight:
+                self._back_off(tries)
+                tries += 1
         return out
 
     def close(self) -> None:

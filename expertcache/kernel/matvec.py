@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit
 
 from . import simd
-from .decode_blob import COLS, ENCODING, GROUP, INT8, MINS, MXFP4, RAW_BF16, RAW_F16, RAW_F32, ROWS, SCALES, VALUES
+from .decode_blob import COLS, ENCODING, GROUP, INT8, MINS, MXFP4, RAW_BF16, RAW_F32, ROWS, SCALES, VALUES
 
 FAST = {"reassoc", "contract"}  # as in expert_compute: vectorised sums, inf and nan keep their meaning
 BLOCK = simd.ROWS  # rows of a packed block

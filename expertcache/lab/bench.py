@@ -167,53 +167,57 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
                                         store_format=cfg.store_format, read_mode=cfg.read_mode,
                                         slot_dtype=cfg.slot_dtype, dense_dtype=cfg.dense_dtype, max_seq=max_seq,
                                         memory_budget=cfg.memory_budget))
-    # the floor holds every expert: under a memory budget it would break the budget the run is measured at
-    floor = None if cfg.memory_budget is not None else Engine(model, EngineConfig(
-        device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0, io=cfg.io), store_dir=cfg.store_dir,
-        store_format=cfg.store_format, read_mode=cfg.read_mode, slot_dtype=cfg.slot_dtype,
-        dense_dtype=cfg.dense_dtype, max_seq=max_seq))
-    need = cfg.prompt_tokens + cfg.forced_tokens + 1
-    ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
-    if len(ids) < need:
-        raise BadInput(f"the evaluation text gives {len(ids)} tokens, fewer than the {need} asked for")
-    prompt, forced = ids[:cfg.prompt_tokens], ids[cfg.prompt_tokens:cfg.prompt_tokens + cfg.forced_tokens + 1]
-    res = BenchResult(cfg.__dict__ | {"policies": list(cfg.policies), "slots_per_layer": engine.cache.per_layer,
-                                       "experts": engine.args.num_experts, "warm": engine.warm})
-    variants = [FLOOR] * (floor is not None) + list(cfg.policies)
-    for v in cfg.policies:  # a bad spec, predictor or budget fails here, before any variant is timed
-        policy, prefetch = parse_variant(v)
-        engine.set_policy(policy)
-        engine.set_prefetch(prefetch)
-    engine.set_policy("fetch-all")
-    engine.set_prefetch(None)
-    stream = list(generate(engine, prompt, cfg.decode_tokens))  # the text every variant decodes in the stream timing
-    for rep in range(cfg.repeats + 1):  # repetition 0 warms up
-        for v in variants:
-            if v == FLOOR:
-                e = floor
-            else:
-                e = engine
-                policy, prefetch = parse_variant(v)
-                e.set_policy(policy)
-                e.set_prefetch(prefetch)
-            d, st, f, nll, c = _timed(e, prompt, forced, stream, cfg)
-            if progress:
-                progress(f"rep {rep} {v}: decode {d:.2f} ms/token, fetch-all's tokens {st:.2f} ms/token, "
-                         f"teacher-forced {f:.2f} ms/token")
-            if rep:
-                res.decode_ms.setdefault(v, []).append(d)
-                res.stream_ms.setdefault(v, []).append(st)
-                res.forced_ms.setdefault(v, []).append(f)
-                res.ppl[v] = math.exp(nll)
-                res.fetches_per_token[v] = c["fetches"]
-                res.fetched_kib_per_token[v] = c["kib"]
-                res.stall_ms_per_token[v] = c["stall"]
-                res.decoded[v] = c["decoded"]
-                res.decode_counts[v] = c["decode_counts"]
-    engine.close()
-    if floor is not None:
-        floor.close()
-    return res
+    floor = None
+    try:
+        # the floor holds every expert: under a memory budget it would break the budget the run is measured at
+        if cfg.memory_budget is None:
+            floor = Engine(model, EngineConfig(
+                device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0, io=cfg.io), store_dir=cfg.store_dir,
+                store_format=cfg.store_format, read_mode=cfg.read_mode, slot_dtype=cfg.slot_dtype,
+                dense_dtype=cfg.dense_dtype, max_seq=max_seq))
+        need = cfg.prompt_tokens + cfg.forced_tokens + 1
+        ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
+        if len(ids) < need:
+            raise BadInput(f"the evaluation text gives {len(ids)} tokens, fewer than the {need} asked for")
+        prompt, forced = ids[:cfg.prompt_tokens], ids[cfg.prompt_tokens:cfg.prompt_tokens + cfg.forced_tokens + 1]
+        res = BenchResult(cfg.__dict__ | {"policies": list(cfg.policies), "slots_per_layer": engine.cache.per_layer,
+                                           "experts": engine.args.num_experts, "warm": engine.warm})
+        variants = [FLOOR] * (floor is not None) + list(cfg.policies)
+        for v in cfg.policies:  # a bad spec, predictor or budget fails here, before any variant is timed
+            policy, prefetch = parse_variant(v)
+            engine.set_policy(policy)
+            engine.set_prefetch(prefetch)
+        engine.set_policy("fetch-all")
+        engine.set_prefetch(None)
+        stream = list(generate(engine, prompt, cfg.decode_tokens))  # every variant decodes this text (stream timing)
+        for rep in range(cfg.repeats + 1):  # repetition 0 warms up
+            for v in variants:
+                if v == FLOOR:
+                    e = floor
+                else:
+                    e = engine
+                    policy, prefetch = parse_variant(v)
+                    e.set_policy(policy)
+                    e.set_prefetch(prefetch)
+                d, st, f, nll, c = _timed(e, prompt, forced, stream, cfg)
+                if progress:
+                    progress(f"rep {rep} {v}: decode {d:.2f} ms/token, fetch-all's tokens {st:.2f} ms/token, "
+                             f"teacher-forced {f:.2f} ms/token")
+                if rep:
+                    res.decode_ms.setdefault(v, []).append(d)
+                    res.stream_ms.setdefault(v, []).append(st)
+                    res.forced_ms.setdefault(v, []).append(f)
+                    res.ppl[v] = math.exp(nll)
+                    res.fetches_per_token[v] = c["fetches"]
+                    res.fetched_kib_per_token[v] = c["kib"]
+                    res.stall_ms_per_token[v] = c["stall"]
+                    res.decoded[v] = c["decoded"]
+                    res.decode_counts[v] = c["decode_counts"]
+        return res
+    finally:  # also when a variant, or the floor's engine, fails: no engine is left open
+        engine.close()
+        if floor is not None:
+            floor.close()
 
 
 def markdown(res: BenchResult) -> str:

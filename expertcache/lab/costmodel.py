@@ -245,6 +245,23 @@ def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", re
     forward), timed; forced: the tokens teacher-forced in windows of `context`. `progress(label)`
     after each run. `options`: more EngineConfig fields for every run (read_mode, store_format,
     slot_dtype, ...), and `io` for its CacheConfig."""
+    if mode not in ("decode", "forced"):
+        from ..errors import UnknownName
+        raise UnknownName(f"unknown mode {mode!r}; choose decode or forced")
+    options = dict(options or {})
+    io = options.pop("io", "auto")
+    engines = []
+    try:
+        return _time_engines(engines, model, runs, ids, mode, repeats, store, device, store_dir, prompt, context,
+                             progress, run_ids, options, io)
+    finally:  # every engine opened so far, also when one fails to open or a run fails
+        for eng in engines:
+            eng.close()
+
+
+def _time_engines(engines, model, runs, ids, mode, repeats, store, device, store_dir, prompt, context, progress,
+                  run_ids, options, io) -> list[TimedRun]:
+    """time_runs' body: the engines it opens are appended to `engines`, for the caller to close."""
     import time
 
     import torch
@@ -253,13 +270,6 @@ def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", re
     from ..engine.engine import Engine, EngineConfig
     from ..engine.perplexity import teacher_forced
     from .bench import parse_variant
-
-    if mode not in ("decode", "forced"):
-        from ..errors import UnknownName
-        raise UnknownName(f"unknown mode {mode!r}; choose decode or forced")
-    options = dict(options or {})
-    io = options.pop("io", "auto")
-    engines = []
     for fraction, variant in runs:
         policy, prefetch = parse_variant(variant)
         engines.append(Engine(model, EngineConfig(device=device, store=store,
@@ -289,8 +299,6 @@ def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", re
                 samples[i].append(sample)
             if progress:
                 progress(f"rep {rep} {runs[i][1]} @{runs[i][0]:g}")
-    for eng in engines:
-        eng.close()
     out = []
     for (fraction, variant), reps in zip(runs, samples):
         reps.sort(key=lambda r: r[0])

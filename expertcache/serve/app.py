@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -16,155 +17,19 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.chat import ChatTemplate, ChatTemplateError
 from ..engine.generate import StepOutput
-from ..engine.sampling import MAX_LOGPROBS, IncrementalDetokenizer, SamplingError, SamplingParams
+from ..engine.sampling import IncrementalDetokenizer, SamplingError, SamplingParams
 from ..errors import BadInput, CheckpointError
 from .metrics import ServerMetrics
+from .limits import BodyLimits, ServerLimits
+from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, CompletionBody, SamplingFields, checked_stop,
+                      logprobs_count, message_text, refuse_unsupported)
 from .scheduler import Request, Scheduler
 
-MAX_CHOICES = 16  # n: choices a prompt
-MAX_GENERATIONS = 2048  # prompts x n in one request: more would hold the server for a single client
 DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
-
-
-class APIError(Exception):
-    """An error answered with HTTP status `status` and an OpenAI-style body."""
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict:
-        """The OpenAI-style body {"error": {"message", "type", "param", "code"}}."""
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-class SamplingFields(BaseModel):
-    """Fields shared by both endpoints; top_k, min_p, repetition_penalty, stop_token_ids are extensions (as in
-    vLLM). Fields that would change the output and are not implemented are refused (`refuse_unsupported`), not
-    ignored. A null means the field's default, as in OpenAI's schema."""
-    model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
-        return data
-    model: str
-    max_tokens: StrictInt | None = None  # strict: a bool or a string is refused, not read as a number
-    max_completion_tokens: StrictInt | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: StrictInt = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: StrictInt | None = None
-    stop: str | list[str] | None = None
-    n: StrictInt = 1
-    stream: bool = False
-    stream_options: dict | None = None  # {"include_usage": true}: a last chunk carries the usage
-    ignore_eos: bool = False
-    logprobs: StrictBool | StrictInt | None = None  # chat: true or false; completions: alternatives a token (0-20)
-    top_logprobs: StrictInt | None = None  # chat, with logprobs true: alternatives a token (0-20)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
-    response_format: dict | None = None
-    tool_choice: str | dict | None = None
-    stop_token_ids: list[StrictInt] | None = None  # vLLM's: ids that end the output as EOS does
-
-
-class CompletionBody(SamplingFields):
-    """A /v1/completions request: the sampling fields and a prompt (text or token ids), or a list of them (one
-    choice each). echo puts the prompt before the completion, and with logprobs scores the prompt's tokens
-    (then max_tokens may be 0), as evaluation harnesses ask."""
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-
-
-class ChatMessage(BaseModel):
-    """One message of a chat request: a role and its content (a string or text parts; only an assistant's
-    may be absent, as when it called tools)."""
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict] | None = None
-
-    @model_validator(mode="after")
-    def _known_role_with_content(self) -> ChatMessage:
-        if self.role not in ROLES:
-            raise ValueError(f"role {self.role!r} is not one of {', '.join(ROLES)}")
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
-        return self
-
-
-class ChatBody(SamplingFields):
-    """A /v1/chat/completions request: the sampling fields and the conversation so far; add_generation_prompt
-    (vLLM's, default true) false renders the conversation without the assistant turn's opening."""
-    messages: list[ChatMessage]
-    add_generation_prompt: bool = True
-
-
-# Extra fields of OpenAI's, vLLM's and llama.cpp's APIs that would change the answer, with the value that would
-# not: sent with another, they are refused rather than ignored.
-UNIMPLEMENTED = {"function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "min_tokens": (0,),
-                 "include_stop_str_in_output": (False,), "continue_final_message": (False,), "bad_words": ([],),
-                 "allowed_token_ids": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
-                 "guided_grammar": (), "structured_outputs": (), "grammar": ("",), "json_schema": (),
-                 "typical_p": (1, 1.0), "mirostat": (0,), "repeat_penalty": (1, 1.0), "tfs_z": (1, 1.0),
-                 "prompt_logprobs": (), "truncate_prompt_tokens": (), "length_penalty": (1, 1.0),
-                 "use_beam_search": (False,)}
-
-
-def refuse_unsupported(body: SamplingFields) -> None:
-    """APIError for a field this server does not implement and that would change the answer; fields that do not
-    (user, tools the model may leave uncalled, ...) are accepted and ignored."""
-    for name, value in (body.model_extra or {}).items():
-        if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name]:
-            raise APIError(400, f"{name} is not supported by this server; leave it out", name)
-    unsupported = [
-        (body.presence_penalty != 0, "presence_penalty", "use repetition_penalty (> 1 discourages tokens seen)"),
-        (body.frequency_penalty != 0, "frequency_penalty", "use repetition_penalty (> 1 discourages tokens seen)"),
-        (bool(body.logit_bias), "logit_bias", "leave it out"),
-        ((body.response_format or {}).get("type", "text") != "text", "response_format",
-         "this server generates free text; leave it out or use {\"type\": \"text\"}"),
-        (body.tool_choice not in (None, "none", "auto"), "tool_choice", "this server does not call tools"),
-        (getattr(body, "best_of", None) not in (None, 1), "best_of", "use best_of=1"),
-        (bool(getattr(body, "suffix", None)), "suffix", "leave it out"),
-    ]
-    for refused, name, fix in unsupported:
-        if refused:
-            raise APIError(400, f"{name} is not supported; {fix}", name)
-
-
-def logprobs_count(body: SamplingFields, chat: bool) -> int | None:
-    """Alternatives to report a token (SamplingParams.logprobs), or None when the body asks for no logprobs:
-    chat asks with logprobs: true and top_logprobs: N, completions with logprobs: N."""
-    if chat:
-        if body.logprobs is not None and not isinstance(body.logprobs, bool):
-            raise APIError(400, "logprobs is true or false in chat completions; top_logprobs: N asks for "
-                           "alternatives", "logprobs")
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        n, param = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
-    else:
-        if isinstance(body.logprobs, bool):
-            raise APIError(400, "logprobs is a number of alternatives a token in completions (e.g. logprobs: 1)",
-                           "logprobs")
-        n, param = body.logprobs, "logprobs"
-    if n is not None and not 0 <= n <= MAX_LOGPROBS:
-        raise APIError(400, f"{param}={n} must be in [0, {MAX_LOGPROBS}]", param)
-    return n
 
 
 def byte_level_alphabet() -> dict[str, int]:
@@ -173,18 +38,6 @@ def byte_level_alphabet() -> dict[str, int]:
     printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
     shifted = iter(range(256, 512))
     return {chr(b if b in printable else next(shifted)): b for b in range(256)}
-
-
-def message_text(message: ChatMessage) -> dict:
-    """A message as the template sees it; content parts of type text are joined."""
-    content = message.content
-    if isinstance(content, list):
-        if any(part.get("type") != "text" for part in content):
-            raise APIError(400, "only text content parts are supported", "messages")
-        if any(not isinstance(part.get("text", ""), str) for part in content):
-            raise APIError(400, "a text content part's text must be a string", "messages")
-        content = "".join(part.get("text", "") for part in content)
-    return {"role": message.role, "content": content or ""}
 
 
 class _Offsets:
@@ -208,8 +61,10 @@ class _Offsets:
 class Server:
     """Turns HTTP bodies into scheduler requests and their outputs into OpenAI responses."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str, metrics: ServerMetrics):
+    def __init__(self, scheduler: Scheduler, model_name: str, metrics: ServerMetrics,
+                 limits: ServerLimits = ServerLimits()):
         self.scheduler, self.engine, self.model_name, self.metrics = scheduler, scheduler.engine, model_name, metrics
+        self.limits = limits
         try:
             self.template: ChatTemplate | None = ChatTemplate.of(self.engine)
         except CheckpointError:
@@ -250,7 +105,7 @@ class Server:
             raise APIError(400, f"max_tokens={max_tokens} with a {prompt_len}-token prompt exceeds the context of "
                            f"{self.engine.model.max_seq} tokens; ask for at most {room}", "max_tokens",
                            "context_length_exceeded")
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        stop = checked_stop(body.stop)
         try:
             return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                   min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
@@ -315,8 +170,15 @@ class Server:
         if stream and len(prompts) * n > 1:
             raise APIError(400, f"a streamed request answers one choice; got {len(prompts)} prompt(s) with n={n}: "
                            "send them without stream, or one at a time", "n" if n > 1 else "prompt")
+        if self.scheduler.failure is not None:
+            raise APIError(503, f"the engine has stopped ({self.scheduler.state}); the server must be restarted",
+                           code="engine_failed", kind="server_error")
+        if self.scheduler.queue_length + len(prompts) * n > self.limits.max_waiting:
+            raise APIError(429, f"the server has {self.scheduler.queue_length} requests waiting (at most "
+                           f"{self.limits.max_waiting}); retry shortly", None, "queue_full", "server_error",
+                           {"Retry-After": str(self.limits.retry_after_s)})
         loop = asyncio.get_running_loop()
-        submitted = []
+        submitted, group = [], object()  # the call's generations share its slots (Scheduler.max_per_group)
         try:
             for prompt in prompts:
                 for i in range(n):
@@ -325,7 +187,7 @@ class Server:
                     seeded = params if not i or seed is None else \
                         replace(params, seed=seed if seed < 2**64 else seed - 2**64)  # wrapped, as torch takes seeds
                     request = Request(prompt, seeded,
-                                      lambda item, q=queue: loop.call_soon_threadsafe(q.put_nowait, item))
+                                      lambda item, q=queue: loop.call_soon_threadsafe(q.put_nowait, item), group=group)
                     self.scheduler.submit(request)
                     submitted.append((request, queue))
         except BaseException:  # what was already submitted would run for nobody
@@ -371,7 +233,9 @@ class Server:
 
     @staticmethod
     def _error(e: Exception) -> APIError:
-        return APIError(500, f"generation failed: {e}", None, type(e).__name__, "server_error")
+        """A failed generation's 500: the failure by its type and message, files named without their folders."""
+        message = re.sub(r"(?:/[^/\s'\"]+)+/", "", str(e))
+        return APIError(500, f"generation failed: {message}", None, type(e).__name__, "server_error")
 
     @staticmethod
     def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -467,23 +331,27 @@ class Server:
                 scored.append(item)
 
 
-def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
+def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = ServerLimits()) -> FastAPI:
     """The ASGI app; its lifespan starts and stops the scheduler's worker thread."""
     metrics = ServerMetrics(scheduler)
-    server = Server(scheduler, model_name, metrics)
+    server = Server(scheduler, model_name, metrics, limits)
 
     @asynccontextmanager
     async def lifespan(app):
         if not scheduler.thread.is_alive():
             scheduler.start()
-        yield
+        try:
+            yield
+        finally:  # the worker ends its round and exits with the app, not with the process
+            scheduler.stop()
 
     app = FastAPI(title="expertcache", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(BodyLimits, limits=limits)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_, e: RequestValidationError):
@@ -533,9 +401,10 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
     @app.get("/health")
-    async def health():
-        alive = scheduler.thread.is_alive()
-        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+    async def health():  # 'ok', or what stopped the worker ('failed: ...', 'stopped'), with a 503
+        state = scheduler.state
+        return JSONResponse({"status": "ok" if state == "serving" else state},
+                            status_code=200 if state == "serving" else 503)
 
     @app.get("/metrics")
     async def prometheus():

@@ -7,12 +7,18 @@ everything else on the batch, and the MoE layer decides the batch's tokens in or
 interleave: the same rounds, but each request's decode step is its own forward (its KV cache
 swapped into the transformer for its step). serial: one request at a time, to completion.
 Under batch and interleave a short request is not stuck behind a long one. Under every schedule
-the expert cache sees tokens in order and persists across requests (it is never reset)."""
+the expert cache sees tokens in order and persists across requests (it is never reset).
+
+A failure inside a request's step ends that request. A failure outside any step (bookkeeping, a
+repair) ends the active requests with it, the cache is repaired, and the worker goes on; one the
+worker cannot recover from (the repair fails, or a BaseException) ends every waiting request and
+every later one with it, sets `failure` and calls `on_fatal`, so that the process can exit
+non-zero and a supervisor restart it."""
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +44,7 @@ class Request:
     finished: float | None = None
     generation: TextGeneration | None = None
     completion_tokens: int = 0  # output tokens (an EOS that ended it is not one)
+    group: object = None  # the client's call it belongs to (its n choices, its prompts): they share its slots
 
     def cancel(self) -> None:
         """Stop generating (the client went away); the worker drops it at its next step."""
@@ -51,6 +58,7 @@ class SchedulerConfig:
     schedule: str = "batch"
     max_active: int = 16
     prefill_policy: MissPolicy | None = None  # None: prompts use the engine's policy
+    max_per_group: int | None = None  # active slots one call's requests may hold; None: half of max_active
 
 
 class Scheduler:
@@ -62,6 +70,8 @@ class Scheduler:
             raise UnknownName(f"unknown schedule {config.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if config.max_active < 1:
             raise BadInput(f"max_active={config.max_active} must be >= 1")
+        if config.prefill_policy is not None:  # refused at start-up, not on the first prompt
+            engine.bind_policy(config.prefill_policy)
         self.engine, self.config, self.on_finish = engine, config, on_finish
         # a sequence brings only its keys and values to its step (swapped in, or batched): a model that
         # keeps other per-sequence state (MLA's latent cache, DeltaNet's recurrent state) runs one at a time
@@ -72,11 +82,14 @@ class Scheduler:
         # the keys and values of the active requests, reserved at admission (prompt + max_tokens positions each),
         # never past what the engine's memory plan counted; a request that does not fit waits its turn
         self.kv_capacity = engine.config.kv_positions or engine.model.max_seq
-        self.kv_reserved = 0
+        # one call's n choices must not take every slot while other clients wait
+        self.max_per_group = config.max_per_group or max(1, self.max_active // 2)
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.lock = threading.Condition()
         self.stopping = False
+        self.failure: BaseException | None = None  # what stopped the worker for good (`state`)
+        self.on_fatal: Callable[[BaseException], None] | None = None  # called once, from the worker thread
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.thread = threading.Thread(target=self._loop, name="expertcache-engine", daemon=True)
@@ -93,15 +106,31 @@ class Scheduler:
         if self.thread.is_alive():
             self.thread.join()
 
+    @property
+    def state(self) -> str:
+        """'serving', 'failed: REASON' (the worker stopped on an error it cannot recover from), or 'stopped'."""
+        if self.failure is not None:
+            return f"failed: {type(self.failure).__name__}: {self.failure}"
+        return "serving" if self.thread.is_alive() and not self.stopping else "stopped"
+
     def submit(self, request: Request) -> None:
-        """Queue a request for admission (FIFO); its outputs arrive through `request.emit`. BadInput for one
-        whose keys and values could never fit (it would wait forever)."""
+        """Queue a request for admission (FIFO); its outputs arrive through `request.emit` (at once, the
+        failure, when the worker has stopped on one). BadInput for one whose keys and values could never fit
+        (it would wait forever)."""
         if kv_need(request) > self.kv_capacity:
             raise BadInput(f"a {len(request.prompt)}-token prompt with max_tokens={request.params.max_tokens} needs "
                            f"{kv_need(request)} KV positions; the server holds {self.kv_capacity} (--kv-positions)")
         with self.lock:
-            self.waiting.append(request)
-            self.lock.notify()
+            if self.failure is None:
+                self.waiting.append(request)
+                self.lock.notify()
+                return
+        self._end(request, self.failure)
+
+    @property
+    def kv_reserved(self) -> int:
+        """KV positions the active requests hold at most."""
+        return sum(kv_need(r) for r in self.active)
 
     @property
     def queue_length(self) -> int:
@@ -115,17 +144,22 @@ class Scheduler:
                 self.lock.wait()
             if self.stopping:
                 return False
-            while self.waiting and len(self.active) < self.max_active and \
-                    self.kv_reserved + kv_need(self.waiting[0]) <= self.kv_capacity:
-                request = self.waiting.popleft()
-                self.kv_reserved += kv_need(request)
+            held = Counter(r.group for r in self.active if r.group is not None)
+            for request in list(self.waiting):  # in order, past a call that holds its share
+                if len(self.active) == self.max_active:
+                    break
+                if request.group is not None and held[request.group] >= self.max_per_group:
+                    continue
+                if self.kv_reserved + kv_need(request) > self.kv_capacity:
+                    break  # it waits for keys and values to be freed, and nothing after it passes it
+                self.waiting.remove(request)
                 self.active.append(request)
+                held[request.group] += 1
         return True
 
     def _finish(self, request: Request, outcome: StepOutput | Exception | None, reason: str) -> None:
         request.finished = time.perf_counter()
         self.active.remove(request)
-        self.kv_reserved -= kv_need(request)
         if request.generation is not None:
             request.completion_tokens = len(request.generation.tokens)
         request.generation = None  # frees its KV buffers
@@ -186,16 +220,55 @@ class Scheduler:
                 continue
             self._deliver(request, out)
 
-    def _loop(self) -> None:
-        while self._admit():
-            if not self.batches:
-                for request in list(self.active):  # one step each, in admission order
-                    self._step(request)
-                continue
-            decoding = [r for r in self.active if r.generation is not None]
-            for request in [r for r in self.active if r.generation is None]:  # prompts one at a time
+    def _round(self) -> None:
+        """One step of every active request under the schedule."""
+        if not self.batches:
+            for request in list(self.active):  # one step each, in admission order
                 self._step(request)
-            self._batch_step(decoding)
+            return
+        decoding = [r for r in self.active if r.generation is not None]
+        for request in [r for r in self.active if r.generation is None]:  # prompts one at a time
+            self._step(request)
+        self._batch_step(decoding)
+
+    def _loop(self) -> None:
+        try:
+            while self._admit():
+                try:
+                    self._round()
+                except Exception as e:  # outside any request's step: the requests it was running end with it
+                    for request in list(self.active):
+                        self._end(request, e)
+                    self.active.clear()
+                    repair_cache(self.engine)  # their steps may have left the cache half-updated
+            for request in [*self.active, *self.waiting]:  # stopped: nobody will run them
+                self._end(request, RuntimeError("the server is shutting down; send the request again"))
+        except BaseException as e:  # the repair failed, or the thread is being torn down: stop for good
+            with self.lock:
+                self.failure, ended = e, [*self.active, *self.waiting]
+                self.active.clear()
+                self.waiting.clear()
+            for request in ended:
+                self._end(request, e)
+            if self.on_fatal is not None:
+                self.on_fatal(e)
+
+    def _end(self, request: Request, error: BaseException) -> None:
+        """End a request with `error` unless it has ended already; a client that is gone is no error here."""
+        if request.finished is not None:
+            return
+        request.finished = time.perf_counter()
+        request.generation = None
+        try:
+            request.emit(error if isinstance(error, Exception) else RuntimeError(str(error) or type(error).__name__))
+            request.emit(None)
+        except Exception:  # noqa: BLE001 -- its event loop is closed: nobody waits for the answer
+            pass
+        if self.on_finish is not None:
+            try:
+                self.on_finish(request, "error")
+            except Exception:  # noqa: BLE001 -- the metrics' failure must not end the worker's recovery
+                pass
 
 
 def kv_need(request: Request) -> int:

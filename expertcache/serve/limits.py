@@ -1,0 +1,82 @@
+"""Bounds on what one client can send before its body reaches an endpoint: the body's size (413) and its
+JSON nesting (400), checked by an ASGI wrapper that reads the body once and hands it on. The other bounds
+(the waiting queue, a request's share of the active slots, stop strings, connections) are applied where
+their objects live: the scheduler, the schemas, uvicorn's limit_concurrency."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """The server's bounds; defaults near what llama-server and vLLM users meet (`serve`'s flags change them)."""
+    max_body_bytes: int = 8 * 2**20  # a request body; larger: 413
+    max_json_depth: int = 32  # nested arrays and objects in a body; deeper: 400 (json.loads recurses)
+    max_waiting: int = 256  # requests waiting for admission; more: 429 with Retry-After
+    max_connections: int = 512  # open connections (uvicorn's limit_concurrency); more: its 503
+    retry_after_s: int = 1  # what a 429 asks the client to wait
+
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)  # a JSON string: its brackets are no nesting
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply arrays and objects nest in a JSON text (0 for a scalar); strings are skipped."""
+    import numpy as np  # here: `serve --help` reads this module's defaults without numpy
+    b = np.frombuffer(_STRING.sub(b'""', body), np.uint8)
+    step = np.isin(b, (ord("["), ord("{"))).astype(np.int32) - np.isin(b, (ord("]"), ord("}")))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def _error(status: int, message: str, code: str) -> tuple[dict, bytes]:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    return {"type": "http.response.start", "status": status,
+            "headers": [(b"content-type", b"application/json")]}, json.dumps(body).encode()
+
+
+class BodyLimits:
+    """ASGI wrapper: a POST body over `max_body_bytes` (by its Content-Length, or as it arrives) gets a 413,
+    one nested deeper than `max_json_depth` a 400; others reach `app` unchanged."""
+
+    def __init__(self, app, limits: ServerLimits):
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        limit = self.limits.max_body_bytes
+        declared = dict(scope.get("headers", ())).get(b"content-length", b"0")
+        too_big = f"the request body is over {limit} bytes; send a smaller one (the server's --max-body-bytes)"
+        if declared.isdigit() and int(declared) > limit:
+            return await self._refuse(send, 413, too_big, "body_too_large")
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > limit:
+                return await self._refuse(send, 413, too_big, "body_too_large")
+        body = b"".join(chunks)
+        if json_depth(body) > self.limits.max_json_depth:
+            return await self._refuse(send, 400, f"the body nests arrays and objects more than "
+                                      f"{self.limits.max_json_depth} deep; flatten it", "body_too_deep")
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(send, status: int, message: str, code: str) -> None:
+        start, body = _error(status, message, code)
+        await send(start)
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,177 @@
+"""The API's request bodies and their checks: the OpenAI-style error, the completion and chat schemas, the
+fields refused rather than ignored, and the bounds that keep one request from holding the server."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validator
+
+from ..engine.sampling import MAX_LOGPROBS
+
+MAX_CHOICES = 16  # n: choices a prompt
+MAX_GENERATIONS = 2048  # prompts x n in one request: more would hold the server for a single client
+MAX_STOP = 16  # stop strings a request (OpenAI takes 4)
+MAX_STOP_CHARS = 256  # characters of one stop string
+
+
+class APIError(Exception):
+    """An error answered with HTTP status `status` and an OpenAI-style body."""
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers  # e.g. Retry-After on a 429
+
+    def body(self) -> dict:
+        """The OpenAI-style body {"error": {"message", "type", "param", "code"}}."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by both endpoints; top_k, min_p, repetition_penalty, stop_token_ids are extensions (as in
+    vLLM). Fields that would change the output and are not implemented are refused (`refuse_unsupported`), not
+    ignored. A null means the field's default, as in OpenAI's schema."""
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+    model: str
+    max_tokens: StrictInt | None = None  # strict: a bool or a string is refused, not read as a number
+    max_completion_tokens: StrictInt | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: StrictInt = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    n: StrictInt = 1
+    stream: bool = False
+    stream_options: dict | None = None  # {"include_usage": true}: a last chunk carries the usage
+    ignore_eos: bool = False
+    logprobs: StrictBool | StrictInt | None = None  # chat: true or false; completions: alternatives a token (0-20)
+    top_logprobs: StrictInt | None = None  # chat, with logprobs true: alternatives a token (0-20)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    tool_choice: str | dict | None = None
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's: ids that end the output as EOS does
+
+
+class CompletionBody(SamplingFields):
+    """A /v1/completions request: the sampling fields and a prompt (text or token ids), or a list of them (one
+    choice each). echo puts the prompt before the completion, and with logprobs scores the prompt's tokens
+    (then max_tokens may be 0), as evaluation harnesses ask."""
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat request: a role and its content (a string or text parts; only an assistant's
+    may be absent, as when it called tools)."""
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict] | None = None
+
+    @model_validator(mode="after")
+    def _known_role_with_content(self) -> ChatMessage:
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is not one of {', '.join(ROLES)}")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+
+class ChatBody(SamplingFields):
+    """A /v1/chat/completions request: the sampling fields and the conversation so far; add_generation_prompt
+    (vLLM's, default true) false renders the conversation without the assistant turn's opening."""
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+
+
+# Extra fields of OpenAI's, vLLM's and llama.cpp's APIs that would change the answer, with the value that would
+# not: sent with another, they are refused rather than ignored.
+UNIMPLEMENTED = {"function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "min_tokens": (0,),
+                 "include_stop_str_in_output": (False,), "continue_final_message": (False,), "bad_words": ([],),
+                 "allowed_token_ids": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+                 "guided_grammar": (), "structured_outputs": (), "grammar": ("",), "json_schema": (),
+                 "typical_p": (1, 1.0), "mirostat": (0,), "repeat_penalty": (1, 1.0), "tfs_z": (1, 1.0),
+                 "prompt_logprobs": (), "truncate_prompt_tokens": (), "length_penalty": (1, 1.0),
+                 "use_beam_search": (False,)}
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    """APIError for a field this server does not implement and that would change the answer; fields that do not
+    (user, tools the model may leave uncalled, ...) are accepted and ignored."""
+    for name, value in (body.model_extra or {}).items():
+        if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name]:
+            raise APIError(400, f"{name} is not supported by this server; leave it out", name)
+    unsupported = [
+        (body.presence_penalty != 0, "presence_penalty", "use repetition_penalty (> 1 discourages tokens seen)"),
+        (body.frequency_penalty != 0, "frequency_penalty", "use repetition_penalty (> 1 discourages tokens seen)"),
+        (bool(body.logit_bias), "logit_bias", "leave it out"),
+        ((body.response_format or {}).get("type", "text") != "text", "response_format",
+         "this server generates free text; leave it out or use {\"type\": \"text\"}"),
+        (body.tool_choice not in (None, "none", "auto"), "tool_choice", "this server does not call tools"),
+        (getattr(body, "best_of", None) not in (None, 1), "best_of", "use best_of=1"),
+        (bool(getattr(body, "suffix", None)), "suffix", "leave it out"),
+    ]
+    for refused, name, fix in unsupported:
+        if refused:
+            raise APIError(400, f"{name} is not supported; {fix}", name)
+
+
+def logprobs_count(body: SamplingFields, chat: bool) -> int | None:
+    """Alternatives to report a token (SamplingParams.logprobs), or None when the body asks for no logprobs:
+    chat asks with logprobs: true and top_logprobs: N, completions with logprobs: N."""
+    if chat:
+        if body.logprobs is not None and not isinstance(body.logprobs, bool):
+            raise APIError(400, "logprobs is true or false in chat completions; top_logprobs: N asks for "
+                           "alternatives", "logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        n, param = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
+    else:
+        if body.top_logprobs is not None:  # refused, not ignored, as every field that would change the answer
+            raise APIError(400, "top_logprobs is chat's field; completions take logprobs: N (alternatives a token)",
+                           "top_logprobs")
+        if isinstance(body.logprobs, bool):
+            raise APIError(400, "logprobs is a number of alternatives a token in completions (e.g. logprobs: 1)",
+                           "logprobs")
+        n, param = body.logprobs, "logprobs"
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise APIError(400, f"{param}={n} must be in [0, {MAX_LOGPROBS}]", param)
+    return n
+
+
+def message_text(message: ChatMessage) -> dict:
+    """A message as the template sees it; content parts of type text are joined."""
+    content = message.content
+    if isinstance(content, list):
+        if any(part.get("type") != "text" for part in content):
+            raise APIError(400, "only text content parts are supported", "messages")
+        if any(not isinstance(part.get("text", ""), str) for part in content):
+            raise APIError(400, "a text content part's text must be a string", "messages")
+        content = "".join(part.get("text", "") for part in content)
+    return {"role": message.role, "content": content or ""}
+
+
+def checked_stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    """The stop strings of a body; APIError beyond MAX_STOP of them or MAX_STOP_CHARS characters each (each
+    token's text is matched against every one)."""
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"{len(stop)} stop strings; send at most {MAX_STOP}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"a stop string is over {MAX_STOP_CHARS} characters; shorten it", "stop")
+    return stop
