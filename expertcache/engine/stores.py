@@ -92,6 +92,7 @@ class ExpertStore(ABC):
     name: str
     read_mode: str  # how fetches reach the slow tier, reported in RunStats
     inline = False  # True: a copy costs less than a hand-off to a worker, so transfers run in place
+    pinned_host = False  # True: `host_parts` are page-locked, a CUDA copy needs no staging buffer
 
     def __init__(self, shape: ExpertShape, dtype: torch.dtype):
         self.shape, self.dtype = shape, dtype
@@ -217,9 +218,10 @@ class RamStore(ExpertStore):
 
 
 class PinnedStore(RamStore):
-    """Page-locked host copies; the transfer engine issues the non_blocking copies in place,
-    on its copy stream."""
+    """Page-locked host copies: the transfer engine copies from them with non_blocking=True on its copy
+    stream (`host_parts`), without a staging buffer."""
     name = read_mode = "pinned"
+    pinned_host = True
 
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float16):
         if not torch.cuda.is_available():
@@ -231,12 +233,9 @@ class PinnedStore(RamStore):
     def _hold(t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory()
 
-    def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
-        """Issue non_blocking copies of expert (layer, expert) from page-locked memory into the
-        slot tensors on the current stream; returns `expert_bytes`."""
-        for dst, src in zip((w13, w2, b13, b2), self._sources(layer, expert)):
-            dst.copy_(src, non_blocking=True)
-        return self.expert_bytes
+    def host_parts(self, layer: int, expert: int) -> list[torch.Tensor]:
+        """The page-locked parts of (layer, expert) (w13 [2F, H], w2 [H, F], biases), to copy from as they are."""
+        return self._sources(layer, expert)
 
 
 def staging_bytes(store: str, shape: ExpertShape, fmt: ExpertFormat, workers: int) -> int:
