@@ -101,7 +101,14 @@ def test_stop_strings_and_seeded_sampling(client):
     assert got.choices[0].text == first_line and got.choices[0].finish_reason == "stop"
     kw = dict(model=MODEL, prompt="JULIET.\n", max_tokens=16, temperature=0.9, top_p=0.9, seed=3,
               extra_body={"top_k": 50, "min_p": 0.02, "repetition_penalty": 1.1})
-    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+    text = lambda **over: client.completions.create(**{**kw, **over}).choices[0].text  # noqa: E731
+    sampled = text()
+    assert text() == sampled  # a seed makes a request repeatable
+    assert text(seed=4) != sampled  # and the seed is the one that draws
+    greedy = text(temperature=0)
+    assert sampled != greedy  # the temperature samples
+    assert text(extra_body={**kw["extra_body"], "top_k": 1}) == greedy  # top_k 1 leaves only the most likely
+    assert text(temperature=0.05, top_p=1.0, extra_body={}) != text(temperature=2.0, top_p=1.0, extra_body={})
 
 
 def test_logprobs_are_the_models_own(client, reference):
@@ -378,13 +385,19 @@ def test_disconnect_stops_generation_and_metrics(server):
     assert metric(server, "expertcache_request_latency_seconds_count") > 0
 
 
-def test_readme_python_example_runs(server):
+def test_readme_python_example_runs(server, client):
     section = README.read_text().split("## Serving", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(code.replace("http://127.0.0.1:8000/v1", server.base_url), {})
-    assert len(out.getvalue().strip()) > 10
+    # what it prints: the greedy chat reply, then the seeded completion streamed (the same text as whole)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Who goes there?"}],
+                                          max_tokens=24, temperature=0).choices[0].message.content
+    text = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, temperature=0.8, top_p=0.95,
+                                     seed=1).choices[0].text
+    assert chat.strip() and text.strip()
+    assert out.getvalue() == f"{chat}\n{text}"
 
 
 def test_failed_fetch_ends_the_request_and_the_server_keeps_serving(tmp_path, reference):
