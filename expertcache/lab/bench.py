@@ -164,9 +164,14 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
                                         store_format=cfg.store_format, read_mode=cfg.read_mode,
                                         slot_dtype=cfg.slot_dtype, dense_dtype=cfg.dense_dtype, max_seq=max_seq))
-    floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0, io=cfg.io),
-                                       store_dir=cfg.store_dir, store_format=cfg.store_format, read_mode=cfg.read_mode,
-                                       slot_dtype=cfg.slot_dtype, dense_dtype=cfg.dense_dtype, max_seq=max_seq))
+    try:
+        floor = Engine(model, EngineConfig(device=cfg.device, store=cfg.store,
+                                           cache=CacheConfig(fraction=1.0, io=cfg.io), store_dir=cfg.store_dir,
+                                           store_format=cfg.store_format, read_mode=cfg.read_mode,
+                                           slot_dtype=cfg.slot_dtype, dense_dtype=cfg.dense_dtype, max_seq=max_seq))
+    except BaseException:  # the first engine's store, ring and threads are not left open
+        engine.close()
+        raise
     try:
         need = cfg.prompt_tokens + cfg.forced_tokens + 1
         ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
