@@ -353,3 +353,26 @@ def test_io_backend_errors_name_the_fix():
         Engine(None, EngineConfig(store="ram", cache=CacheConfig(io="uring")))
     with pytest.raises(BadInput, match="unknown I/O backend 'fast'; choose one of auto, uring, threads"):
         Engine(None, EngineConfig(store="ram", cache=CacheConfig(io="fast")))
+
+
+def io_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("expert-io-")]
+
+
+@needs_ring
+def test_io_worker_threads_start_only_for_a_read_that_needs_one(paged_model):
+    """Where io_uring serves every read no worker thread is started; with --io threads the workers start at
+    the first read handed to them, not when the engine opens."""
+    path, store = paged_model
+    before = len(io_threads())
+    ids = torch.arange(16) % 96
+    ring = Engine(path, EngineConfig(store="disk", store_dir=store, initial="cold", cache=CacheConfig(io="uring")))
+    ring.forward(ids, 0)
+    assert ring.stats.sync_fetches > 0 and ring.cache.transfers.workers == [] and len(io_threads()) == before
+    ring.close()
+    threads = Engine(path, EngineConfig(store="disk", store_dir=store, initial="cold", cache=CacheConfig(io="threads")))
+    assert threads.cache.transfers.workers == [] and len(io_threads()) == before
+    threads.forward(ids, 0)  # a window's misses: several reads a layer, handed to the workers
+    assert len(threads.cache.transfers.workers) == 4 and len(io_threads()) == before + 4
+    threads.close()
+    assert len(io_threads()) == before

@@ -189,9 +189,8 @@ class TransferEngine:
         self.staged: dict[int, int] = {}
         self.tickets = 0
         self.queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
-        self.workers = [threading.Thread(target=self._work, name=f"expert-io-{i}", daemon=True) for i in range(workers)]
-        for w in self.workers:
-            w.start()
+        self.n_workers = workers
+        self.workers: list[threading.Thread] = []  # started by the first read handed to a worker (`_hand_off`)
 
     def _ring(self, io: str) -> RingReads | None:
         if io not in IO_BACKENDS:
@@ -243,8 +242,18 @@ class TransferEngine:
         else:
             t.landed = threading.Lock()
             t.landed.acquire()
-            self.queue.put(t)
+            self._hand_off(t)
         return t
+
+    def _hand_off(self, t: Transfer) -> None:
+        """Queue t for the workers, starting them on the first read that needs one (where io_uring or the
+        calling thread serves every read, none is ever started)."""
+        if not self.workers:
+            self.workers = [threading.Thread(target=self._work, name=f"expert-io-{i}", daemon=True)
+                            for i in range(max(self.n_workers, 1))]
+            for w in self.workers:
+                w.start()
+        self.queue.put(t)
 
     def queues_prefetches(self) -> bool:
         """Whether prefetch reads wait in the workers' queue, where `Transfer.cancel` can still stop them
@@ -256,7 +265,7 @@ class TransferEngine:
         store's `buffer_bytes` counts, else the next to come free as the reads in flight complete."""
         nbytes = store.blob
         free = self.staging.setdefault(nbytes, [])
-        while not free and self.staged.get(nbytes, 0) >= store.buffer_bytes(len(self.workers)) // nbytes:
+        while not free and self.staged.get(nbytes, 0) >= store.buffer_bytes(self.n_workers) // nbytes:
             self.reap(block=True)
         if free:
             return free.pop()
