@@ -93,6 +93,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("--quota nope", [*ppl, "--quota", "nope"]),
         ("--initial hot", [*ppl, "--initial", "hot"]),
         ("--store tape", [*ppl[:1], "--store", "tape", "--max-tokens", "64"]),
+        ("--store pinned with a lowbit policy", [*ppl[:1], "--store", "pinned", "--policy", "lowbit:tau=0.15",
+                                                 "--max-tokens", "64"]),
         ("--eviction random", [*ppl, "--eviction", "random"]),
         ("--device cuda without a GPU", [*ppl, "--device", "cuda"]),
         ("--policy nope", [*ppl, "--policy", "nope"]),

@@ -6,10 +6,11 @@ import threading
 import pytest
 import torch
 
+from expertcache.engine.cache import CacheConfig
 from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.engine.generate import TextGeneration, batch_logits, generate
 from expertcache.engine.sampling import SamplingParams
-from expertcache.errors import BadInput
+from expertcache.errors import BadInput, FetchError
 from expertcache.serve.scheduler import Request, Scheduler, SchedulerConfig
 
 
@@ -128,7 +129,19 @@ def test_concurrent_greedy_requests_equal_their_serial_runs(builtin, schedule):
     jobs.append(collecting(prompts[0], sampled))
     victim, victim_got = collecting(prompts[2], SamplingParams(max_tokens=40, ignore_eos=True))
     victim.emit = lambda item, emit=victim.emit: (emit(item), len(victim_got) == 2 and victim.cancel())
-    run_requests(builtin, SchedulerConfig(schedule=schedule, max_active=4), [r for r, _ in jobs] + [victim])
+    started, ended, overlap = set(), set(), []  # requests with a first token, and ended ones, at each emit
+
+    def watched(i, emit):
+        def out(item):
+            emit(item)
+            (ended if item is None else started).add(i)
+            overlap.append(len(started - ended))
+        return out
+    requests = [r for r, _ in jobs] + [victim]
+    for i, r in enumerate(requests):
+        r.emit = watched(i, r.emit)
+    run_requests(builtin, SchedulerConfig(schedule=schedule, max_active=4), requests)
+    assert max(overlap) > 1  # requests were decoding at the same time, not one after another
     for (_, got), ids in zip(jobs, want + [want_sampled]):
         assert got == ids + [None]
     assert victim_got[-1] is None and 2 <= len(victim_got) - 1 < 40
@@ -159,4 +172,52 @@ def test_failed_fetch_in_a_batch_ends_its_requests_and_the_scheduler_goes_on(tmp
     jobs = [collecting(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
     run_requests(engine, SchedulerConfig(schedule="batch"), [r for r, _ in jobs])
     assert [got for _, got in jobs] == [ids + [None] for ids in want]
+    engine.close()
+
+
+@pytest.mark.parametrize("shots", [1, 2])
+def test_a_failed_batch_step_retries_each_request_alone_and_the_others_go_on_exactly(tmp_path, builtin, shots):
+    """A fetch fails in the batched decode step: each request retries its step alone. With one failure every
+    retry succeeds and every request ends with exactly its serial tokens; with a second failure (the first
+    retried request's fetch) only that request ends with the error, the others with exactly their tokens."""
+    engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, initial="cold", max_seq=128,
+                                       cache=CacheConfig(io="threads")))
+    prompts = prompts_of(engine, [4, 6, 3])
+    want = [list(generate(builtin, p, 6)) for p in prompts]
+    transfers, real = engine.cache.transfers, engine.cache.transfers._copy
+    armed, failures, repairs = [False], [], []
+    clear = engine.cache.clear
+
+    def cleared():  # the scheduler empties the cache after a failed fetch (repair_cache), before the retries
+        repairs.append(len(failures))
+        clear()
+    engine.cache.clear = cleared
+
+    def copy(t):
+        # the first fetch of the batched step fails; with two shots also the first one after the repair
+        if armed[0] and t.kind == "fetch" and len(failures) < shots and len(failures) == len(set(repairs)):
+            failures.append((t.layer, t.expert))
+            raise FetchError(f"expert {t.expert} of layer {t.layer}: injected")
+        return real(t)
+    transfers._copy = copy
+    jobs = [collecting(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
+    firsts = []
+
+    def first_token(item, emit, got) -> None:
+        emit(item)
+        if len(got) == 1:
+            firsts.append(item)
+            if len(firsts) == len(jobs):  # every prompt prefilled: the next round is a batched step
+                armed[0], repairs[:] = True, []
+    for request, got in jobs:
+        request.emit = lambda item, emit=request.emit, got=got: first_token(item, emit, got)
+    run_requests(engine, SchedulerConfig(schedule="batch", max_active=4), [r for r, _ in jobs])
+    assert len(failures) == shots
+    failed = [i for i, (_, got) in enumerate(jobs) if any(isinstance(x, Exception) for x in got)]
+    assert len(failed) == shots - 1
+    for i, (_, got) in enumerate(jobs):
+        if i in failed:
+            assert isinstance(got[-2], FetchError) and "injected" in str(got[-2]) and got[-1] is None
+        else:
+            assert got == want[i] + [None]
     engine.close()

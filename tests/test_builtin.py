@@ -109,3 +109,25 @@ def test_trained_tokenizer_keeps_the_chat_template(tmp_path):
     written = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
     shipped = json.loads((BUILTIN_MODEL / "tokenizer_config.json").read_text())
     assert written["chat_template"] == shipped["chat_template"]
+
+
+def test_bench_closes_its_first_engine_when_the_floor_fails_to_open(monkeypatch):
+    """run_bench opens the engine under test, then the all-resident floor: a floor that fails to open leaves
+    the first engine closed (its store, ring and threads), and the error propagates."""
+    from expertcache.lab import bench
+    opened, closed = [], []
+
+    class Counted(bench.Engine):
+        def __init__(self, *a, **k):
+            if opened:
+                raise RuntimeError("the floor failed to open")
+            super().__init__(*a, **k)
+            opened.append(self)
+
+        def close(self):
+            closed.append(self)
+            super().close()
+    monkeypatch.setattr(bench, "Engine", Counted)
+    with pytest.raises(RuntimeError, match="the floor failed to open"):
+        bench.run_bench(None, bench.BenchConfig(store="ram", policies=("fetch-all",), repeats=1))
+    assert len(opened) == 1 and closed == opened

@@ -20,8 +20,10 @@ from expertcache.engine.stores import DiskStore, RamStore, convert_to_disk
 from expertcache.engine.uring import RingReads
 from expertcache.errors import FetchError, NonFiniteOutput
 from expertcache.models import model_args
+from hf_models import save_tiny
 
 FAMILY = "qwen3_moe"  # 2 layers, 8 experts, top-2
+needs_ring = pytest.mark.skipif(RingReads.open() is None, reason="io_uring is not available here")
 
 
 @pytest.fixture
@@ -31,6 +33,16 @@ def model(tiny, tmp_path):
     shutil.copytree(tiny[FAMILY][0], path)
     ckpt = open_checkpoint(path)
     return path, convert_to_disk(ckpt, model_args(ckpt.config), tmp_path / "store")
+
+
+@pytest.fixture
+def paged_model(tmp_path):
+    """The tiny family with hidden 64 and experts of 16: fp32 parts of whole pages (w13 8 KiB, w2 4 KiB), so that
+    the disk store reads them through io_uring straight into the slots. (checkpoint folder, store folder)."""
+    path = tmp_path / "paged"
+    save_tiny(FAMILY, path, hidden_size=64, moe_intermediate_size=16)
+    ckpt = open_checkpoint(path)
+    return path, convert_to_disk(ckpt, model_args(ckpt.config), tmp_path / "paged-store")
 
 
 def blob_bytes(store):
@@ -96,6 +108,34 @@ class FaultyReads:
         return n // 2
 
 
+class FaultyRing:
+    """io_uring completions of which the `at`-th read of one of `kinds` (counted from arming) comes back as EIO
+    or short, as the kernel would report them. Records the (layer, expert) whose read failed and counts the
+    completions taken, so that a test can show the reads went through the ring."""
+
+    def __init__(self, monkeypatch, engine, mode, at, kinds=("fetch",)):
+        self.transfers, self.mode, self.at, self.kinds = engine.cache.transfers, mode, at, kinds
+        assert self.transfers.ring is not None, "the engine reads without io_uring"
+        self.calls, self.completed, self.armed, self.failed = 0, 0, False, None
+        real = RingReads.completions
+
+        def completions(ring, block):
+            out = real(ring, block)
+            self.completed += len(out)
+            return [self._fault(ticket, n) for ticket, n in out] if self.armed else out
+        monkeypatch.setattr(RingReads, "completions", completions)
+
+    def _fault(self, ticket, n):
+        t = self.transfers.reads[ticket][0]
+        if t.kind not in self.kinds:
+            return ticket, n
+        self.calls += 1
+        if self.calls != self.at:
+            return ticket, n
+        self.failed = (t.layer, t.expert)
+        return ticket, -errno.EIO if self.mode == "eio" else n // 2
+
+
 def check_consistent(engine):
     """Every mapping has its inverse; nothing is in flight; every resident slot holds its expert."""
     cache, st = engine.cache, engine.cache.state
@@ -125,22 +165,31 @@ def clone_state(src, dst):
     dst.stats.tokens = src.stats.tokens
 
 
+@pytest.mark.parametrize("io", ["threads", pytest.param("uring", marks=needs_ring)])
 @pytest.mark.parametrize("mode", ["eio", "short"])
 @pytest.mark.parametrize("policy,at", [("fetch-all", 1), ("fetch-all", 4), ("quality-first", 2),
                                        ("quality-first", 7), ("threshold:tau=0.3,beta=0.2", 5)])
-def test_failed_read_leaves_the_cache_consistent(model, monkeypatch, mode, policy, at):
-    path, store = model
-    cfg = EngineConfig(store="disk", store_dir=store, policy=policy, initial="cold", cache=CacheConfig(fraction=0.5))
+def test_failed_read_leaves_the_cache_consistent(request, monkeypatch, io, mode, policy, at):
+    """A read that fails (on a worker thread: os.preadv; through io_uring: its completion) leaves the cache
+    consistent and the engine computing what a clean one computes from the same state."""
+    path, store = request.getfixturevalue("model" if io == "threads" else "paged_model")
+    cfg = EngineConfig(store="disk", store_dir=store, policy=policy, initial="cold",
+                       cache=CacheConfig(fraction=0.5, io=io))
     g = torch.Generator().manual_seed(at)
     first, faulted, after = (torch.randint(0, 96, (n,), generator=g) for n in (12, 16, 12))
     engine = Engine(path, cfg)
     engine.forward(first, 0)
-    faults = FaultyReads(monkeypatch, blob_bytes(store), engine.args.num_experts, mode, at)
+    if io == "threads":
+        faults = FaultyReads(monkeypatch, blob_bytes(store), engine.args.num_experts, mode, at)
+    else:
+        faults = FaultyRing(monkeypatch, engine, mode, at)
+        assert engine.stats.read_mode == "o_direct+io_uring"
     faults.armed = True
     with pytest.raises(FetchError) as info:
         engine.forward(faulted, 0)
     layer, e = faults.failed
     assert f"expert {e} of layer {layer}" in str(info.value)
+    assert ("short read" if mode == "short" else "Errno 5") in str(info.value)
     assert engine.cache.slot_of[layer, e] == -1
     check_consistent(engine)
     faults.armed = False
@@ -232,9 +281,6 @@ def test_the_calling_thread_reads_a_tokens_only_fetch(model, monkeypatch):
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
 
 
-needs_ring = pytest.mark.skipif(RingReads.open() is None, reason="io_uring is not available here")
-
-
 @needs_ring
 @pytest.mark.parametrize("policy", ["fetch-all", "lowbit:tau=0.15"])
 def test_io_uring_reads_equal_worker_reads(tmp_path, policy):
@@ -275,7 +321,7 @@ def test_io_uring_staging_buffers_are_bounded(tmp_path):
 
 
 @needs_ring
-def test_io_uring_read_faults_leave_the_cache_consistent(tmp_path):
+def test_io_uring_read_faults_leave_the_cache_consistent(tmp_path, monkeypatch):
     """Through io_uring a corrupt blob fails its checksum and a truncated store file gives a short read:
     each a FetchError naming the expert, with the expert absent and nothing left in flight."""
     engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, cache=CacheConfig(fraction=0.25, io="uring"),
@@ -291,8 +337,12 @@ def test_io_uring_read_faults_leave_the_cache_consistent(tmp_path):
     with pytest.raises(FetchError, match=f"short read of expert {E - 1} of layer 5: 4096 of"):
         cache.fill(5, [E - 1])
     assert cache.slot_of[5, E - 1] < 0 and not cache.pending and not cache.state.pending.any()
+    ring = FaultyRing(monkeypatch, engine, "eio", 1, kinds=("fill",))
+    ring.armed = True
     with pytest.raises(FetchError, match=r"reading expert 2 of layer 0 from the disk store failed \(\[Errno 5\]"):
-        store.check_read(0, 2, -errno.EIO, [])  # what a failed read's completion carries
+        cache.fill(0, [2])  # its completion carries the error the kernel reports
+    assert ring.failed == (0, 2) and ring.completed == 1
+    assert cache.slot_of[0, 2] < 0 and not cache.pending and not cache.state.pending.any()
     engine.close()
 
 
@@ -303,3 +353,26 @@ def test_io_backend_errors_name_the_fix():
         Engine(None, EngineConfig(store="ram", cache=CacheConfig(io="uring")))
     with pytest.raises(BadInput, match="unknown I/O backend 'fast'; choose one of auto, uring, threads"):
         Engine(None, EngineConfig(store="ram", cache=CacheConfig(io="fast")))
+
+
+def io_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("expert-io-")]
+
+
+@needs_ring
+def test_io_worker_threads_start_only_for_a_read_that_needs_one(paged_model):
+    """Where io_uring serves every read no worker thread is started; with --io threads the workers start at
+    the first read handed to them, not when the engine opens."""
+    path, store = paged_model
+    before = len(io_threads())
+    ids = torch.arange(16) % 96
+    ring = Engine(path, EngineConfig(store="disk", store_dir=store, initial="cold", cache=CacheConfig(io="uring")))
+    ring.forward(ids, 0)
+    assert ring.stats.sync_fetches > 0 and ring.cache.transfers.workers == [] and len(io_threads()) == before
+    ring.close()
+    threads = Engine(path, EngineConfig(store="disk", store_dir=store, initial="cold", cache=CacheConfig(io="threads")))
+    assert threads.cache.transfers.workers == [] and len(io_threads()) == before
+    threads.forward(ids, 0)  # a window's misses: several reads a layer, handed to the workers
+    assert len(threads.cache.transfers.workers) == 4 and len(io_threads()) == before + 4
+    threads.close()
+    assert len(io_threads()) == before

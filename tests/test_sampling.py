@@ -32,8 +32,13 @@ def test_sampler_filters():
         assert {sampler(logits, none) for _ in range(20)} == {0}
     seen = torch.tensor([True, False, False, False])
     assert Sampler(SamplingParams(repetition_penalty=4.0))(logits, seen) == 1  # 3/4 < 2
-    draws = [Sampler(SamplingParams(temperature=1, seed=7))(logits, none) for _ in range(2)]
-    assert draws[0] == draws[1]  # a seed makes sampling repeatable
+    def draws(**kw):
+        sampler = Sampler(SamplingParams(**{"temperature": 1.0, "seed": 7, **kw}))
+        return [sampler(logits, none) for _ in range(64)]
+    assert draws() == draws()  # a seed makes sampling repeatable
+    assert draws(seed=8) != draws()  # and it is the seed that draws
+    assert draws(temperature=0.1).count(0) > draws(temperature=5.0).count(0)  # colder: the best token more often
+    assert set(draws(top_k=2)) == {0, 1} and len(set(draws())) > 2
 
 
 def test_incremental_detokenizer_matches_full_decode(tokenizer):

@@ -101,7 +101,14 @@ def test_stop_strings_and_seeded_sampling(client):
     assert got.choices[0].text == first_line and got.choices[0].finish_reason == "stop"
     kw = dict(model=MODEL, prompt="JULIET.\n", max_tokens=16, temperature=0.9, top_p=0.9, seed=3,
               extra_body={"top_k": 50, "min_p": 0.02, "repetition_penalty": 1.1})
-    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+    text = lambda **over: client.completions.create(**{**kw, **over}).choices[0].text  # noqa: E731
+    sampled = text()
+    assert text() == sampled  # a seed makes a request repeatable
+    assert text(seed=4) != sampled  # and the seed is the one that draws
+    greedy = text(temperature=0)
+    assert sampled != greedy  # the temperature samples
+    assert text(extra_body={**kw["extra_body"], "top_k": 1}) == greedy  # top_k 1 leaves only the most likely
+    assert text(temperature=0.05, top_p=1.0, extra_body={}) != text(temperature=2.0, top_p=1.0, extra_body={})
 
 
 def test_logprobs_are_the_models_own(client, reference):

@@ -292,6 +292,26 @@ def test_calibrate_hw_measures_the_store_and_slots_it_is_given(tmp_path, capsys)
     assert "one buffered-dontneed read alone" in prof.source, prof.source
 
 
+def test_calibrate_hw_refuses_to_write_a_profile_its_reader_would_refuse(tmp_path, capsys, monkeypatch):
+    """A fit that leaves fetch_bandwidth infinite (no time per fetch, as under load) ends calibrate-hw with exit 2
+    and one line, writing nothing: save runs the check that load runs."""
+    from dataclasses import replace
+
+    from expertcache import cli
+    from expertcache.errors import BadInput
+    from expertcache.lab import costmodel
+    bad = replace(costmodel.DATASHEET["rtx3090-qwen3-next"], fetch_bandwidth=float("inf"))
+    with pytest.raises(BadInput, match="fetch_bandwidth=inf"):
+        bad.save(tmp_path / "direct.json")
+    monkeypatch.setattr(costmodel, "measure_profile", lambda *a, **k: bad)
+    out = tmp_path / "profile.json"
+    assert cli.main(["calibrate-hw", "--store", "ram", "--repeats", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after the progress bar's lines
+    assert err.count("error:") == 1 and "fetch_bandwidth=inf" in last and "calibrate-hw" in last, err
+    assert not out.exists() and not (tmp_path / "direct.json").exists()
+
+
 def test_profiles_are_versioned(tmp_path, capsys):
     """A version-1 profile (before the version field) loads with its newer terms unmeasured; a
     later version, or a field this version does not know, is refused in one line."""

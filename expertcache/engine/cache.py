@@ -29,16 +29,16 @@ BACKGROUND_KINDS = ("prefetch", "admit", "upgrade")  # reads no token waits for 
 
 def slot_format(name: str, device: torch.device, stored: ExpertFormat, store: str = "disk") -> ExpertFormat:
     """The fast tier's format of one expert from --slot-dtype `name` and the slow tier's format
-    `stored`. auto: on the CPU the store's dtype when it is fp16 or bf16 (the compiled kernel widens
-    them exactly), else fp32; on CUDA fp16. int8/int4/mxfp4 keep the store's encoded blobs as they are
+    `stored`. auto: the store's dtype when it is fp16 or bf16 (on the CPU the compiled kernel widens
+    them exactly; on CUDA a bf16 checkpoint stays bf16), else fp32 on the CPU and fp16 on CUDA. int8/int4/mxfp4 keep the store's encoded blobs as they are
     (its group size and scheme), so the store must hold that dtype (on the disk, or emulated in
     RAM), for the CPU kernel."""
     if name not in SLOT_DTYPES:
         raise UnknownName(f"unknown slot dtype {name!r}; choose one of {', '.join(SLOT_DTYPES)}")
     if name == "auto":
-        if device.type != "cpu":
-            return ExpertFormat("float16")
-        return stored if stored.dtype in ("float16", "bfloat16") else ExpertFormat("float32")
+        if stored.dtype in ("float16", "bfloat16"):
+            return ExpertFormat(stored.dtype)
+        return ExpertFormat("float32" if device.type == "cpu" else "float16")
     fmt = ExpertFormat.parse(name)
     if not fmt.quantized:
         return fmt

@@ -70,6 +70,19 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+def non_finite_cause(held: dict[str, torch.dtype | None], checkpoint: torch.dtype) -> str:
+    """Why a run's logits were not finite: fp16 overflow where a part is held in fp16 (`held`: compute,
+    dense, slot dtypes) although the checkpoint's values are bf16 or fp32 (a wider range: 65504 is fp16's
+    largest); else corrupt weights."""
+    narrowed = [part for part, d in held.items() if d == torch.float16]
+    if narrowed and checkpoint in (torch.bfloat16, torch.float32):
+        ckpt = {torch.bfloat16: "bf16", torch.float32: "fp32"}[checkpoint]
+        return (f"an overflow of fp16 (largest value 65504): the {ckpt} checkpoint runs with its "
+                f"{' and '.join(narrowed)} {'dtype' if len(narrowed) == 1 else 'dtypes'} in fp16; keep its own "
+                f"dtype (--dense-dtype auto --slot-dtype auto{', or bf16' if ckpt == 'bf16' else ''}) or fp32")
+    return "corrupt weights; check the checkpoint, or rerun `expertcache convert` for a disk store"
+
+
 def max_seq_limit(args: ModelArgs) -> int:
     """The longest sequence an engine takes: the model's context (max_position_embeddings), or the default
     max_seq if that is longer (small test models). RoPE tables are built to max_seq at load."""
@@ -101,11 +114,14 @@ class Engine:
             raise UnknownName(f"unknown device {config.device!r}; use cpu, cuda or cuda:N") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UnknownName("device 'cuda' asked for but torch sees no CUDA device; use --device cpu")
-        dtype = torch.float32 if self.device.type == "cpu" else torch.float16
         policy = policy or make_policy(config.policy)
         if config.read_mode != "auto" and config.store != "disk":
             raise BadInput(f"--read-mode {config.read_mode} is how the disk store reads; the {config.store} store "
                            "reads none: drop it, or use --store disk")
+        if policy.fetches_small and config.store == "pinned":
+            raise BadInput(f"policy {policy.name!r} fetches {config.small_format.tag} copies of the experts, which "
+                           "the pinned store does not hold (it keeps float experts only); use --store disk or "
+                           "--store ram, or a policy that fetches no low-precision copies")
         ckpt = open_checkpoint(self.path)
         self.args = model_args(ckpt.config)
         limit = max_seq_limit(self.args)
@@ -118,13 +134,18 @@ class Engine:
         self.policy = self._fit(policy)  # refused before any weight is read; bound in full below
         self.routing_counts = load_routing_counts(self.path, (self.args.num_moe_layers, self.args.num_experts))
         self.checkpoint = ckpt
+        self.dense_format = dense_format(config.dense_dtype, self.device)
+        embed = ckpt.info(dense_names(ckpt, self.args)["embed"]).dtype
+        held_dense = float_dtype(config.dense_dtype, self.device, embed)
+        # the compute dtype: fp32 on the CPU (16-bit weights widened exactly); on CUDA the dense weights' own
+        # (a bf16 checkpoint stays bf16: fp16 would overflow where bf16 does not)
+        self.dtype = dtype = torch.float32 if self.device.type == "cpu" else held_dense
+        self.checkpoint_dtype = embed
+        self.dense_dtype = held_dense if self.device.type == "cpu" else dtype  # the float dense matrices' dtype
         # a ram store on the CPU holds the experts in the slots' float dtype (plain copies), or for auto as stored
         explicit = config.slot_dtype in ("fp32", "fp16", "bf16")
         held = ExpertFormat.parse(config.slot_dtype) if explicit else None
         store_dtype = dtype if self.device.type != "cpu" else held and FLOAT_DTYPES[held.dtype]
-        self.dense_format = dense_format(config.dense_dtype, self.device)
-        embed = ckpt.info(dense_names(ckpt, self.args)["embed"]).dtype
-        held_dense = float_dtype(config.dense_dtype, self.device, embed)
         # the fast tier's fixed parts, and a budget too small refused, before any weight is read
         stored = config.store_format or ExpertFormat.of_dtype(store_dtype or expert_dtype(ckpt, self.args))
         self.slot_format = slot_format(config.slot_dtype, self.device, stored, config.store)
@@ -321,13 +342,14 @@ class Engine:
         self.stats.peak_memory_bytes = peak_memory_bytes(self.device)
         return logits
 
-    @staticmethod
-    def _check_finite(logits: torch.Tensor, where) -> None:
+    def _check_finite(self, logits: torch.Tensor, where) -> None:
         # a finite sum means every logit is finite: one reduction, the full check only when it is not
         if not math.isfinite(float(logits.sum())) and not bool((finite := torch.isfinite(logits).all(-1)).all()):
             t = int((~finite).nonzero()[0, 0])
-            raise NonFiniteOutput(f"the model produced non-finite logits {where(t)}: corrupt weights; "
-                                  "check the checkpoint, or rerun `expertcache convert` for a disk store")
+            held = {"compute": self.dtype, "dense": self.dense_dtype,
+                    "slot": FLOAT_DTYPES.get(self.slot_format.dtype)}
+            raise NonFiniteOutput(f"the model produced non-finite logits {where(t)}: "
+                                  f"{non_finite_cause(held, self.checkpoint_dtype)}")
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """The token ids of `text` by the checkpoint's tokenizer (with `special`, the tokens its post-processor

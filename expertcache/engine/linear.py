@@ -19,7 +19,7 @@ from .quant import ExpertFormat, decode_into, decode_plan, encode_matrix
 
 def dense_format(name: str, device: torch.device) -> ExpertFormat | None:
     """The dense weights' format from --dense-dtype `name`: None for a float dtype held as a torch tensor (auto:
-    on the CPU the checkpoint's fp16 / bf16, else fp32; fp16 on CUDA), or int8 / int4 (group 32, asymmetric),
+    the checkpoint's fp16 / bf16, else fp32 on the CPU and fp16 on CUDA), or int8 / int4 (group 32, asymmetric),
     the CPU kernel's quantized formats."""
     if name not in DENSE_DTYPES:
         raise BadInput(f"unknown dense dtype {name!r}; choose one of {', '.join(DENSE_DTYPES)}")
@@ -32,12 +32,12 @@ def dense_format(name: str, device: torch.device) -> ExpertFormat | None:
 
 def float_dtype(name: str, device: torch.device, stored: torch.dtype) -> torch.dtype:
     """The torch dtype float dense weights are held in for --dense-dtype `name` (see dense_format): auto, and
-    the matrices a quantized dense part keeps in floats (embedding, router), on the CPU the checkpoint's
-    fp16 / bf16 (else fp32), fp16 on CUDA."""
+    the matrices a quantized dense part keeps in floats (embedding, router): the checkpoint's fp16 / bf16,
+    else fp32 on the CPU and fp16 on CUDA (a bf16 checkpoint kept in bf16: fp16 would overflow its range)."""
     if name in ("auto", "int8", "int4"):
-        if device.type != "cpu":
-            return torch.float16
-        return stored if stored in (torch.float16, torch.bfloat16) else torch.float32
+        if stored in (torch.float16, torch.bfloat16):
+            return stored
+        return torch.float32 if device.type == "cpu" else torch.float16
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
 
 

@@ -46,14 +46,15 @@ def teacher_forced(forward: Callable[[torch.Tensor], torch.Tensor], ids: list[in
                    progress: Callable[[int], None] | None = None,
                    score: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The one teacher-forced loop: for each window of `windows`, forward(inputs [T]) -> logits
-    [T, V] with the KV cache restarted, yielded with the targets [T] (the next tokens). With
+    [T, V] with the KV cache restarted, yielded with the targets [T] (the next tokens, on the logits'
+    device). With
     score=False every token is an input (calibration records them all) and the last window's
     targets are one short."""
     x = torch.as_tensor(ids, dtype=torch.long)
     for start, end in windows(len(x) + (not score), context):
         logits = forward(x[start:end - 1])
         assert logits.shape[0] == end - 1 - start, (tuple(logits.shape), start, end)
-        yield logits, x[start + 1:end]
+        yield logits, x[start + 1:end].to(logits.device)
         if progress:
             progress(end - 1 - start)
 
@@ -85,7 +86,7 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
             raise
         interrupted = True
         del window_stats[len(nll_parts):]
-    token_nll = torch.cat(nll_parts).numpy()
+    token_nll = torch.cat(nll_parts).cpu().numpy()
     mean = float(token_nll.mean(dtype=np.float64))  # a float32 mean resolves perplexity to ~1e-6 only
     se = float(token_nll.std(ddof=1, dtype=np.float64) / math.sqrt(len(token_nll))) if len(token_nll) > 1 else 0.0
     return PerplexityResult(math.exp(mean), mean, math.exp(mean) * se, len(token_nll), window_nll,

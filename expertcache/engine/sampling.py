@@ -64,7 +64,8 @@ class SamplingError(BadInput):
 
 
 class Sampler:
-    """Picks the next token from logits [V] given the ids seen so far (prompt + output)."""
+    """Picks the next token from logits [V] (on any device) given the ids seen so far (prompt + output); the
+    random draw is made on the host with a host generator."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -77,6 +78,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor) -> int:
         p = self.params
         if p.repetition_penalty != 1.0 and seen.numel():
+            seen = seen.to(logits.device)
             prev = logits[seen]
             logits = logits.clone()
             logits[seen] = torch.where(prev > 0, prev / p.repetition_penalty, prev * p.repetition_penalty)
@@ -94,7 +96,8 @@ class Sampler:
             # keep a token if the mass before it is below top_p (the first token always stays)
             drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
             probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        # drawn on the generator's device (the host): a seed gives the same tokens on every device
+        return int(torch.multinomial(probs.to(self.generator.device), 1, generator=self.generator))
 
 
 class IncrementalDetokenizer:

@@ -6,8 +6,10 @@ On CPU, O_DIRECT reads go through io_uring where the system has it (engine/uring
 and reaped by the engine's own thread): straight into float slots of the store's dtype, or into
 a page-aligned staging buffer whose encoded bytes a quantized slot takes, or that a low-precision
 copy is decoded from when reaped; other reads (a dtype conversion, buffered modes) run on worker
-threads (O_DIRECT reads release the GIL). On CUDA the copies are issued on a separate stream
-and completion is a recorded event.
+threads (O_DIRECT reads release the GIL). On CUDA (`DeviceCopies`) a read lands in a pinned staging
+buffer on the host, is copied to the slot with non_blocking=True on a copy stream that first waits for
+the compute work queued before the slot was taken, and its completion is an event the compute stream
+waits on: no host synchronisation; a staging buffer is reused only once its copy's event has completed.
 
 The workers are a minimal pool rather than concurrent.futures: a read's hand-off, start,
 completion and cancellation are C-level queue and lock operations, so a worker holds the GIL
@@ -42,7 +44,8 @@ class Transfer:
     ring: "TransferEngine | None" = None  # the engine whose io_uring holds this read until it is reaped
     claim: threading.Lock = field(default_factory=threading.Lock)  # taken by the worker that starts it, or by cancel
     error: BaseException | None = None
-    event: "torch.cuda.Event | None" = None
+    ready: "torch.cuda.Event | None" = None  # CUDA: recorded on the compute stream when the slot was taken
+    event: "torch.cuda.Event | None" = None  # CUDA: recorded on the copy stream after the slot's copies
     stall_s: float = 0.0  # a read the calling thread ran itself: the time it blocked there
 
     def done(self) -> bool:
@@ -51,13 +54,110 @@ class Transfer:
             self.ring.reap(block=False)
             if self.ring is not None:
                 return False
-        if self.landed is not None and self.landed.locked():
-            return False
-        return self.event is None or self.event.query()
+        # a CUDA copy is issued once `landed` is free: the compute stream waits for its event, the host does not
+        return self.landed is None or not self.landed.locked()
 
     def cancel(self) -> bool:
         """Keep a queued read from starting; False once a worker has started it (or it ran in place)."""
         return self.landed is not None and self.claim.acquire(False)
+
+
+class CudaRuntime:
+    """The CUDA calls that `DeviceCopies` makes, on one device (a test passes a fake with the same methods)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def stream(self):
+        """A new stream on the device, for the copies."""
+        return torch.cuda.Stream(device=self.device)
+
+    def current_stream(self):
+        """The calling thread's current stream on the device: the compute stream, called from the engine's thread."""
+        return torch.cuda.current_stream(self.device)
+
+    def event(self):
+        """A new event."""
+        return torch.cuda.Event()
+
+    def use(self, stream):
+        """A context in which the calling thread's work is queued on `stream`."""
+        return torch.cuda.stream(stream)
+
+    def staging(self, like: torch.Tensor) -> torch.Tensor:
+        """A page-locked host tensor of `like`'s shape and dtype: a non_blocking copy from it is asynchronous."""
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue dst <- src on the current stream without blocking the host."""
+        dst.copy_(src, non_blocking=True)
+
+
+class DeviceCopies:
+    """Transfers into slots on a CUDA device. `taken` (the engine's thread, at submit) records an event on
+    the compute stream: the slot's previous expert is no longer read after it. `copy` (any thread) reads the
+    expert on the host into pinned staging tensors (or takes a pinned store's own page-locked tensors), and
+    on the copy stream waits for that event, queues the non_blocking copies and records the transfer's
+    event. `land` (the engine's thread) makes the compute stream wait for that event. A staging set goes back
+    to the pool with the event of its copies and is handed out again only once that event has completed."""
+
+    def __init__(self, slot_tensors: list[torch.Tensor], runtime: CudaRuntime, limit: int):
+        self.slot_tensors, self.runtime, self.limit = slot_tensors, runtime, limit
+        self.stream = runtime.stream()
+        self.lock = threading.Lock()
+        self.free: list[list[torch.Tensor]] = []
+        self.busy: list[tuple[object, list[torch.Tensor]]] = []  # (event of the copies reading it, staging set)
+        self.made = 0
+
+    def taken(self, t: Transfer) -> None:
+        t.ready = self.runtime.event()
+        t.ready.record(self.runtime.current_stream())
+
+    def _acquire(self) -> list[torch.Tensor]:
+        with self.lock:
+            while True:
+                done = [b for b in self.busy if b[0].query()]
+                for b in done:
+                    self.busy.remove(b)
+                    self.free.append(b[1])
+                if self.free:
+                    return self.free.pop()
+                if self.made < self.limit or not self.busy:  # no set is being copied from: none will come free
+                    self.made += 1
+                    return [self.runtime.staging(x[0]) for x in self.slot_tensors]
+                self.busy[0][0].synchronize()  # every set is being copied from: the oldest comes free first
+
+    def copy(self, t: Transfer, store: ExpertStore) -> int:
+        dsts = [x[t.slot] for x in self.slot_tensors]
+        staging = None
+        if getattr(store, "pinned_host", False):
+            srcs = store.host_parts(t.layer, t.expert)
+            n = store.expert_bytes
+        else:
+            staging = srcs = self._acquire()
+            try:
+                n = store.read_into(t.layer, t.expert, *srcs)
+            except BaseException:
+                with self.lock:
+                    self.free.append(staging)
+                raise
+        with self.runtime.use(self.stream):
+            self.stream.wait_event(t.ready)
+            for dst, src in zip(dsts, srcs):
+                self.runtime.copy(dst, src)
+            t.event = self.runtime.event()
+            t.event.record(self.stream)
+        if staging is not None:
+            with self.lock:
+                self.busy.append((t.event, staging))
+        return n
+
+    def land(self, t: Transfer) -> None:
+        self.runtime.current_stream().wait_event(t.event)
+
+    def finish(self) -> None:
+        """Block until the queued copies have completed: their staging sets may then be freed."""
+        self.stream.synchronize()
 
 
 class TransferEngine:
@@ -67,11 +167,13 @@ class TransferEngine:
     stream on CUDA."""
     def __init__(self, store: ExpertStore, w13: torch.Tensor, w2: torch.Tensor | None, workers: int = 4,
                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, encoded: bool = False,
-                 io: str = "auto"):
+                 io: str = "auto", runtime: CudaRuntime | None = None):
         self.store, self.w13, self.w2, self.encoded = store, w13, w2, encoded
         self.small: ExpertStore | None = None  # low-precision copies, read by "lowbit" transfers
         self.slot_tensors = [t for t in (w13, w2, b13, b2) if t is not None]  # what one slot holds
-        self.cuda = w13.is_cuda
+        runtime = runtime or (CudaRuntime(w13.device) if w13.is_cuda else None)
+        self.cuda = runtime is not None
+        self.device_copies = DeviceCopies(self.slot_tensors, runtime, workers + 1) if self.cuda else None
         # CPU float slots that the store reads straight into: each slot's views taken once, not per read
         direct = None if encoded or self.cuda else [store.direct_targets([x[s] for x in self.slot_tensors])
                                                      for s in range(w13.shape[0])]
@@ -85,11 +187,9 @@ class TransferEngine:
         # budget's bound; a window's misses would otherwise grow the pool to a layer's slots)
         self.staged: dict[int, int] = {}
         self.tickets = 0
-        self.stream = torch.cuda.Stream(device=w13.device) if self.cuda else None
         self.queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
-        self.workers = [threading.Thread(target=self._work, name=f"expert-io-{i}", daemon=True) for i in range(workers)]
-        for w in self.workers:
-            w.start()
+        self.n_workers = workers
+        self.workers: list[threading.Thread] = []  # started by the first read handed to a worker (`_hand_off`)
 
     def _ring(self, io: str) -> RingReads | None:
         if io not in IO_BACKENDS:
@@ -108,15 +208,9 @@ class TransferEngine:
             return store.read_direct(t.layer, t.expert, self.direct[t.slot])
         if self.encoded:
             return store.read_encoded(t.layer, t.expert, self.w13[t.slot])
-        if self.stream is None:
+        if self.device_copies is None:
             return store.read_into(t.layer, t.expert, *(x[t.slot] for x in self.slot_tensors))
-        # The slot's previous expert may still be read by queued compute: copy after it.
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            n = store.read_into(t.layer, t.expert, *(x[t.slot] for x in self.slot_tensors))
-            t.event = torch.cuda.Event()
-            t.event.record(self.stream)
-        return n
+        return self.device_copies.copy(t, store)
 
     def submit(self, layer: int, expert: int, slot: int, kind: str, here: bool = False) -> Transfer:
         """Start copying `expert` of `layer` into `slot` (a `Transfer.kind`); an inline store
@@ -128,6 +222,8 @@ class TransferEngine:
         store = self.small if kind == "lowbit" else self.store
         if store is None:
             raise RuntimeError("a low-precision fetch without a store of small copies (ExpertCache.attach_small)")
+        if self.device_copies is not None:  # the compute work queued so far is the last to read the slot's old expert
+            self.device_copies.taken(t)
         if store.inline:
             self._copy(t)  # a host memcpy, or already asynchronous on the copy stream
         elif self.ring is not None and (store is self.store or getattr(store, "read_mode", "") == "o_direct"):
@@ -145,8 +241,18 @@ class TransferEngine:
         else:
             t.landed = threading.Lock()
             t.landed.acquire()
-            self.queue.put(t)
+            self._hand_off(t)
         return t
+
+    def _hand_off(self, t: Transfer) -> None:
+        """Queue t for the workers, starting them on the first read that needs one (where io_uring or the
+        calling thread serves every read, none is ever started)."""
+        if not self.workers:
+            self.workers = [threading.Thread(target=self._work, name=f"expert-io-{i}", daemon=True)
+                            for i in range(max(self.n_workers, 1))]
+            for w in self.workers:
+                w.start()
+        self.queue.put(t)
 
     def queues_prefetches(self) -> bool:
         """Whether prefetch reads wait in the workers' queue, where `Transfer.cancel` can still stop them
@@ -158,7 +264,7 @@ class TransferEngine:
         store's `buffer_bytes` counts, else the next to come free as the reads in flight complete."""
         nbytes = store.blob
         free = self.staging.setdefault(nbytes, [])
-        while not free and self.staged.get(nbytes, 0) >= store.buffer_bytes(len(self.workers)) // nbytes:
+        while not free and self.staged.get(nbytes, 0) >= store.buffer_bytes(self.n_workers) // nbytes:
             self.reap(block=True)
         if free:
             return free.pop()
@@ -213,12 +319,8 @@ class TransferEngine:
         waited = time.perf_counter() - start if queued else 0.0
         if t.error is not None:
             raise t.error
-        if t.event is not None:
-            if t.event.query():
-                torch.cuda.current_stream().wait_event(t.event)
-            else:
-                t.event.synchronize()
-                waited = time.perf_counter() - start
+        if t.event is not None:  # the compute stream, not the host, waits for the copies
+            self.device_copies.land(t)
         return t.stall_s + waited
 
     def close(self) -> None:
@@ -231,6 +333,8 @@ class TransferEngine:
             self.queue.put(None)
         for w in self.workers:
             w.join()
+        if self.device_copies is not None:
+            self.device_copies.finish()
 
 
 class InstantTransfers:

@@ -99,8 +99,29 @@ class HardwareProfile:
         return 1000 * sum(self.terms(s).values())
 
     def save(self, path: Path) -> None:
-        """Write the profile as JSON."""
-        path.write_text(json.dumps(asdict(self), indent=1))
+        """Write the profile as JSON, after the check `load` makes (`invalid_field`): a profile that its own
+        reader would refuse is refused here with BadInput, and nothing is written."""
+        from ..errors import BadInput
+        data = asdict(self)
+        if (problem := self.invalid_field(data)) is not None:
+            raise BadInput(f"not writing {path}: the measured hardware profile has {problem} (the fit found no "
+                           "cost for that term: a machine under load, or runs too short); measure again with "
+                           "`expertcache calibrate-hw` on a quieter machine or with more --repeats")
+        path.write_text(json.dumps(data, indent=1))
+
+    @classmethod
+    def invalid_field(cls, data: dict) -> str | None:
+        """The first cost term or size of a profile's fields `data` that is not a finite number (> 0 for the
+        bandwidth and the sizes, >= 0 otherwise), described; None when all are. What `save` and `load` check."""
+        numeric = [f.name for f in fields(cls) if f.type in ("float", "int", "float | None") and f.name != "version"]
+        for name in numeric:  # every cost term and size (the version is checked apart)
+            v, positive = data.get(name, 0.0), name in ("fetch_bandwidth", "expert_bytes", "layers", "top_k")
+            if v is None and name == "lowbit_fetch_s":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf if positive
+                                                                                else 0 <= v < math.inf):
+                return f"{name}={v!r}, which must be a finite number {'> 0' if positive else '>= 0'}"
+        return None
 
     @classmethod
     def load(cls, path: Path) -> "HardwareProfile":
@@ -126,16 +147,9 @@ class HardwareProfile:
             raise BadInput(f"{path}: hardware profile {problem}; measure it again with `expertcache calibrate-hw "
                            "--out FILE`")
         data["calibration"], data["unfitted"] = tuple(data.get("calibration", ())), tuple(data.get("unfitted", ()))
-        numeric = [f.name for f in fields(cls) if f.type in ("float", "int", "float | None") and f.name != "version"]
-        for name in numeric:  # every cost term and size (the version is checked above)
-            v, positive = data.get(name, 0.0), name in ("fetch_bandwidth", "expert_bytes", "layers", "top_k")
-            if v is None and name == "lowbit_fetch_s":
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf if positive
-                                                                                else 0 <= v < math.inf):
-                raise BadInput(f"{path}: hardware profile has {name}={v!r}, which must be a finite number "
-                               f"{'> 0' if positive else '>= 0'}; measure it again with `expertcache calibrate-hw "
-                               "--out FILE`")
+        if (problem := cls.invalid_field(data)) is not None:
+            raise BadInput(f"{path}: hardware profile has {problem}; measure it again with `expertcache "
+                           "calibrate-hw --out FILE`")
         return cls(**data)
 
 

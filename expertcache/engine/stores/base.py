@@ -49,6 +49,7 @@ class ExpertStore(ABC):
     name: str
     read_mode: str  # how fetches reach the slow tier, reported in RunStats
     inline = False  # True: a copy costs less than a hand-off to a worker, so transfers run in place
+    pinned_host = False  # True: `host_parts` are page-locked, a CUDA copy needs no staging buffer
 
     def __init__(self, shape: ExpertShape, dtype: torch.dtype):
         self.shape, self.dtype = shape, dtype

@@ -94,9 +94,10 @@ class RamStore(ExpertStore):
 
 
 class PinnedStore(RamStore):
-    """Page-locked host copies; the transfer engine issues the non_blocking copies in place,
-    on its copy stream."""
+    """Page-locked host copies: the transfer engine copies from them with non_blocking=True on its copy
+    stream (`host_parts`), without a staging buffer."""
     name = read_mode = "pinned"
+    pinned_host = True
 
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float16):
         if not torch.cuda.is_available():
@@ -108,9 +109,6 @@ class PinnedStore(RamStore):
     def _hold(t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory()
 
-    def read_into(self, layer, expert, w13, w2, b13=None, b2=None):
-        """Issue non_blocking copies of expert (layer, expert) from page-locked memory into the
-        slot tensors on the current stream; returns `expert_bytes`."""
-        for dst, src in zip((w13, w2, b13, b2), self._sources(layer, expert)):
-            dst.copy_(src, non_blocking=True)
-        return self.expert_bytes
+    def host_parts(self, layer: int, expert: int) -> list[torch.Tensor]:
+        """The page-locked parts of (layer, expert) (w13 [2F, H], w2 [H, F], biases), to copy from as they are."""
+        return self._sources(layer, expert)
