@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 H, FF, K = 2048, 768, 8
+UNIQUE = 4  # encoding is slow in Python: 4 distinct experts, copied over the slots (every slot's bytes streamed)
 
 
 def ours(fmt_name: str, w13: torch.Tensor, w2: torch.Tensor):
@@ -37,9 +38,8 @@ def ours(fmt_name: str, w13: torch.Tensor, w2: torch.Tensor):
     fmt = ExpertFormat.parse(fmt_name, 32)
     parts = [(2 * FF, H), (H, FF)]
     size = encoded_bytes(parts, fmt)
-    unique = 4  # encoding is slow in Python: 4 distinct experts, repeated over the slots (the same bytes streamed)
-    blobs = [np.frombuffer(encode([w13[s], w2[s]], parts, fmt, size), np.uint8) for s in range(unique)]
-    held = torch.from_numpy(np.stack([blobs[s % unique] for s in range(w13.shape[0])]))
+    blobs = [np.frombuffer(encode([w13[s], w2[s]], parts, fmt, size), np.uint8) for s in range(UNIQUE)]
+    held = torch.from_numpy(np.stack([blobs[s % UNIQUE] for s in range(w13.shape[0])]))
     run = CompiledExperts.of_blobs(held, decode_plan(parts, fmt), SWIGLU)
     return run, size
 
@@ -119,8 +119,9 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     gbps = bandwidth(a.threads)
     g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(a.slots, 2 * FF, H, generator=g) * 0.02
-    w2 = torch.randn(a.slots, H, FF, generator=g) * 0.02
+    copies = torch.arange(a.slots) % UNIQUE
+    w13 = (torch.randn(UNIQUE, 2 * FF, H, generator=g) * 0.02)[copies]
+    w2 = (torch.randn(UNIQUE, H, FF, generator=g) * 0.02)[copies]
     variants = {f"engine {f}": lambda f=f: ours(f, w13, w2) for f in ("fp16", "bf16", "int8", "int4", "mxfp4")}
     variants |= {"torch fp16 (F.linear)": lambda: torch_float(torch.float16, w13, w2),
                  "torch bf16 (F.linear)": lambda: torch_float(torch.bfloat16, w13, w2),
@@ -133,7 +134,7 @@ def main() -> None:
             built[name] = make()
         except Exception as e:  # noqa: BLE001 -- an operator this torch build lacks is reported, not fatal
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    del w13, w2
+
     rng = np.random.default_rng(1)
     picks = [rng.choice(a.slots, K, replace=False).astype(np.int64) for _ in range(a.tokens + 4)]
     gates = np.full(K, 1 / K, np.float32)

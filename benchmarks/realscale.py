@@ -63,6 +63,7 @@ def timed_decode(step, ids: list[int], warmup: int) -> list[float]:
 
 
 def run_engine(a, fmt: str) -> dict:
+    import numba
     import numpy as np
     import torch
 
@@ -71,6 +72,7 @@ def run_engine(a, fmt: str) -> dict:
     from expertcache.engine.quant import ExpertFormat
     from expertcache.engine.threads import describe
     _, stored, dense = FORMATS[fmt]
+    numba.set_num_threads(min(a.threads, numba.config.NUMBA_NUM_THREADS))  # as llama.cpp's n_threads
     engine = Engine(a.model, EngineConfig(store="disk", cache=CacheConfig(fraction=1.0), initial="cold",
                                           store_format=ExpertFormat.parse(stored, 32) if stored else None,
                                           slot_dtype=stored or "auto", dense_dtype=dense,
