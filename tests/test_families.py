@@ -76,7 +76,8 @@ def test_compiled_decode_experts_equal_torch(kind):
         slots, weights = torch.randperm(S, generator=g)[:k].view(1, k), torch.rand(1, k, generator=g)
         ref = experts_one_token(x, slots, weights, w13, w2, b13, b2, kind)
         compiled = CompiledExperts.of_floats(w13, w2, b13, b2, kind)(x, slots[0].numpy(), weights[0].numpy())
-        torch.testing.assert_close(compiled, ref, atol=1e-4, rtol=1e-5)
+        # to fp32 rounding: an output near zero is a difference of sums as large as the largest output
+        torch.testing.assert_close(compiled, ref, atol=1e-5 * float(ref.abs().max()), rtol=1e-5)
     x = torch.randn(11, H, generator=g)  # a window: the same kinds through the grouped compiled call
     slots, weights = torch.randint(0, S, (11, k), generator=g), torch.rand(11, k, generator=g)
     window = CompiledExperts.of_floats(w13, w2, b13, b2, kind).window(x, slots.numpy(), weights.numpy())
