@@ -278,7 +278,10 @@ def _decide_one(cache, spec, probs, k=4):
     from expertcache.kernel.routing import Routing, route_logits
     rows, weights, ids = route_logits(np.log(np.array([probs], np.float32)), k, True)
     out = np.empty((1, k), np.int64), np.empty((1, k), np.int64), np.empty((1, k), np.float32)
-    cache.decide(make_policy(spec).fit(k, len(probs), True), 0, Routing(rows, rows, weights, ids), 0, *out)
+    policy = make_policy(spec).fit(k, len(probs), True)
+    if policy.fetches_small:
+        cache.small = "virtual"  # a virtual cache moves no bytes: its small copies are bookkeeping only
+    cache.decide(policy, 0, Routing(rows, rows, weights, ids), 0, *out)
     log = cache._take_log()
     counts = dict(zip(COUNTERS, cache.state.counts.tolist()))
     return [(decisions.KINDS[c] if op == decisions.LOAD else op, a) for op, a, _, c in log], counts
