@@ -221,3 +221,21 @@ def test_a_failed_batch_step_retries_each_request_alone_and_the_others_go_on_exa
         else:
             assert got == want[i] + [None]
     engine.close()
+
+
+def test_a_substituting_policys_outputs_depend_on_the_schedule():
+    """The other side of schedule independence: under a policy that substitutes, each request computes with the
+    experts the cache holds when its step runs, and the schedule decides what that is; the same requests from
+    the same cold cache then give other greedy tokens batched than one after another (docs/server.md)."""
+    engine = Engine(None, EngineConfig(store="ram", max_seq=256, policy="quality-first", initial="cold",
+                                       cache=CacheConfig(fraction=0.1)))
+    prompts = prompts_of(engine, [5, 9, 3, 7])
+    outputs = {}
+    for schedule in ("serial", "batch"):
+        engine.reset()
+        jobs = [collecting(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+        run_requests(engine, SchedulerConfig(schedule=schedule, max_active=4), [r for r, _ in jobs])
+        outputs[schedule] = [got for _, got in jobs]
+    engine.close()
+    assert all(len(o) == 13 for o in outputs["batch"])  # 12 tokens, then the end
+    assert outputs["batch"] != outputs["serial"]
