@@ -22,7 +22,7 @@ from expertcache.commands.options import byte_size  # noqa: E402
 from expertcache.lab.cgroup import drop_page_cache, run_capped, unavailable  # noqa: E402
 
 SERVE_ONCE = """
-import json, sys, threading, urllib.request
+import json, sys, threading, urllib.error, urllib.request
 from expertcache import cli
 port = int(sys.argv[1])
 def ask():
@@ -34,12 +34,15 @@ def ask():
                                          {"Content-Type": "application/json"})
             print(urllib.request.urlopen(req, timeout=600).read()[:200].decode())
             break
+        except urllib.error.HTTPError as e:  # the server answered: a refusal is a result, not a wait
+            print(e.code, e.read()[:200].decode())
+            break
         except OSError:
             time.sleep(0.5)
     import os, signal
     os.kill(os.getpid(), signal.SIGINT)
 threading.Thread(target=ask, daemon=True).start()
-sys.exit(cli.main(["serve", "--port", str(port)] + sys.argv[2:]))
+sys.exit(cli.main(["serve", "--port", str(port), "--served-model-name", "m"] + sys.argv[2:]))
 """
 
 
@@ -53,13 +56,14 @@ def verbs(model: str | None, budget: int, store: list[str]) -> dict[str, list[st
     """Each verb's command line under the budget (model None: the built-in model)."""
     cli = [sys.executable, "-m", "expertcache.cli"]
     chosen = ["--model", model] if model else []
-    common = [*chosen, "--memory-budget", str(budget), "--max-seq", "256", *store]
-    return {"generate": cli + ["generate", "-p", "KING HENRY.", "-n", "16", *common],
-            "ppl": cli + ["ppl", "--max-tokens", "512", "--context", "256", *common],
+    common = [*chosen, "--memory-budget", str(budget), *store]
+    seq = ["--max-seq", "256"]  # bench sizes its own sequence
+    return {"generate": cli + ["generate", "-p", "KING HENRY.", "-n", "16", *common, *seq],
+            "ppl": cli + ["ppl", "--max-tokens", "512", "--context", "256", *common, *seq],
             "bench": cli + ["bench", "--policies", "threshold:tau=0.15", "--decode-tokens", "8", "--forced-tokens",
                             "64", "--repeats", "1", *common],
             "calibrate": cli + ["calibrate", *chosen, "--max-tokens", "512", "--memory-budget", str(budget)],
-            "serve": [sys.executable, "-c", SERVE_ONCE, str(free_port()), *common]}
+            "serve": [sys.executable, "-c", SERVE_ONCE, str(free_port()), *common, *seq]}
 
 
 def main() -> None:
