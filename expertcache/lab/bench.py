@@ -171,10 +171,7 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     try:
         # the floor holds every expert: under a memory budget it would break the budget the run is measured at
         if cfg.memory_budget is None:
-            floor = Engine(model, EngineConfig(
-                device=cfg.device, store=cfg.store, cache=CacheConfig(fraction=1.0, io=cfg.io), store_dir=cfg.store_dir,
-                store_format=cfg.store_format, read_mode=cfg.read_mode, slot_dtype=cfg.slot_dtype,
-                dense_dtype=cfg.dense_dtype, max_seq=max_seq))
+            floor = Engine(model, replace(engine.config, cache=CacheConfig(fraction=1.0, io=cfg.io)))
         need = cfg.prompt_tokens + cfg.forced_tokens + 1
         ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
         if len(ids) < need:
