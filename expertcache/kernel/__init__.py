@@ -1,3 +1,7 @@
 """The decision kernel, compiled with numba: cache bookkeeping, eviction orders, routing, the
 policies' decisions and the replay loop. Shared by the engine and the simulator; it works
 on numpy arrays and never calls back into the engine."""
+
+# numba picks a function's cache locator when the function is decorated: the kernel's own locator (one cache
+# folder per version of this package's sources, compiled.py) must be registered before any module here is
+from . import compiled  # noqa: E402,F401
