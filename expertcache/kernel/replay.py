@@ -6,7 +6,7 @@ from __future__ import annotations
 from .cache_state import SEGMENTS
 from .compiled import compiled, prefetch
 from .decisions import owes_work, begin_call, decide_token, land_flying
-from .routing import biased_row, route_row, route_row_sigmoid, select_row
+from .routing import biased_row, float_row, route_row, route_row_sigmoid, select_row
 
 
 @compiled
@@ -47,7 +47,8 @@ def replay_windows(st, p, account, sc, logits, table, ranked, weights, context, 
     the layer whose cache was too small. ranked, weights: routes, layer-major [L, N, *];
     slots, experts, gates [k]: working arrays. With `sigmoid`, the kernel ranks each row's
     selection row (bias [L, E], groups; sel [E], group_score [n_group]: working arrays); with
-    `biased` (a softmax router's logit bias [L, E]), each row plus the bias, in sel."""
+    `biased` (a softmax router's logit bias [L, E]), each row plus the bias, in sel; else each row as float32, in
+    sel too."""
     N, L, E = logits.shape
     line = 64 // logits.itemsize
     for w0 in range(0, N, context):
@@ -65,19 +66,17 @@ def replay_windows(st, p, account, sc, logits, table, ranked, weights, context, 
                     ahead = logits[n + 2, layer]
                     for e in range(0, E, line):
                         prefetch(ahead, e)
+                # the row the policy reads, in float32 whatever the trace holds: one inlined decision, not one
+                # per row type (each inlined copy of the decision kernel costs about a minute of compiling)
                 if sigmoid:
                     select_row(logits[n, layer], table, bias[layer], n_group, topk_group, sel, sc.gate_row,
                                group_score)
-                    if not decide_token(st, p, account, sc, layer, t, n, sel, None, False,
-                                        ranked[layer, n], weights[layer, n], slots, experts, gates):
-                        return layer
                 elif biased:
                     biased_row(logits[n, layer], table, bias[layer], sel)
-                    if not decide_token(st, p, account, sc, layer, t, n, sel, None, True,
-                                        ranked[layer, n], weights[layer, n], slots, experts, gates):
-                        return layer
-                elif not decide_token(st, p, account, sc, layer, t, n, logits[n, layer], table, True,
-                                      ranked[layer, n], weights[layer, n], slots, experts, gates):
+                else:
+                    float_row(logits[n, layer], table, sel)
+                if not decide_token(st, p, account, sc, layer, t, n, sel, None, not sigmoid,
+                                    ranked[layer, n], weights[layer, n], slots, experts, gates):
                     return layer
             st.counts[SEGMENTS] += owes_work(st, layer)  # the window's final pass, if a slot has work left
     return -1
