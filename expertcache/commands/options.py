@@ -178,23 +178,41 @@ COMPILE_MARKS: list[Path] = []  # marks to leave once the verb that announced co
 
 
 def announce_compile() -> None:
-    """Say on stderr, before a first run's silent minutes, that the kernels are being compiled (once per version
-    of them); the mark that ends the notice is left when the verb succeeds."""
+    """Say on stderr, when a first run's silent minutes begin (numba's first compile in this process, once per
+    version of the kernels), that the kernels are being compiled; a run that ends before compiling anything (bad
+    input) says nothing. The mark that ends the notice is left when the verb succeeds."""
     import sys
+
+    from numba.core import event
 
     from ..kernel.compiled import cache_dir, kernels_compiled
     mark = kernels_compiled()
-    if not mark.exists():
-        print(f"expertcache: compiling the kernels for this CPU (once, a few minutes; cached in {cache_dir().parent})",
-              file=sys.stderr, flush=True)
-        COMPILE_MARKS.append(mark)
+    if mark.exists() or mark in COMPILE_MARKS:
+        return
+    COMPILE_MARKS.append(mark)
+
+    class Notice(event.Listener):
+        said = False
+
+        def on_start(self, ev):
+            if not self.said:
+                self.said = True
+                print(f"expertcache: compiling the kernels for this CPU (once, a few minutes; cached in "
+                      f"{cache_dir().parent})", file=sys.stderr, flush=True)
+
+        def on_end(self, ev):
+            pass
+    event.register("numba:compile", Notice())
 
 
 def compiled_ok() -> None:
     """After a verb succeeded: leave the mark that ends announce_compile's notice."""
     for mark in COMPILE_MARKS:
-        if mark.parent.is_dir():
+        try:
+            mark.parent.mkdir(parents=True, exist_ok=True)
             mark.touch()
+        except OSError:  # a cache folder this user may not write: the notice stays, nothing else is lost
+            pass
     COMPILE_MARKS.clear()
 
 
