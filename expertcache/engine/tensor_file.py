@@ -57,6 +57,8 @@ class TensorFile:
         if sys.platform == "darwin":
             import fcntl
             fcntl.fcntl(self.fd, F_NOCACHE, 1)
+        elif hasattr(os, "posix_fadvise"):  # no read-ahead: a disk's (8 MiB here) would bring in the pages of
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # tensors read earlier, which no drop then reaches
 
     def _corrupt(self, why: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: corrupt safetensors file ({why}); re-download or re-export it")
