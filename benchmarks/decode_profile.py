@@ -3,6 +3,7 @@ greedily with every expert resident (or a smaller cache), stages timed with perf
 wrapping the engine's own functions in this process.
 
     python benchmarks/decode_profile.py [--model DIR] [--store ram] [--cache 1.0] [--tokens 64] [--trials 5]
+        [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
 
 Stages (nested stages are subtracted from their parents): attention (the dense attention
 block, norms excluded; the compiled decode block includes its two norms), route (router
@@ -18,6 +19,7 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -52,6 +54,19 @@ class StageTimer:
         self.calls.clear()
 
 
+class TimedExperts:
+    """The runner's compiled expert calls, both timed as "experts"."""
+
+    def __init__(self, inner, timer: StageTimer):
+        self.inner, self.call, self.window = inner, timer.wrap("experts", inner), timer.wrap("experts", inner.window)
+
+    def __call__(self, *args):
+        return self.call(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def instrument(engine, timer: StageTimer) -> None:
     """Wrap the engine's stages in `timer` (this process only)."""
     from expertcache.engine import moe
@@ -62,8 +77,8 @@ def instrument(engine, timer: StageTimer) -> None:
         m.linear[i] = timer.wrap("attention", f)
     moe.route = timer.wrap("route", moe.route)
     moe.experts_compute = timer.wrap("experts", moe.experts_compute)
-    if engine.runner.compiled is not None:  # decode's compiled expert call on the CPU
-        engine.runner.compiled = timer.wrap("experts", engine.runner.compiled)
+    if engine.runner.compiled is not None:  # the compiled expert calls on the CPU, a token's and a window's
+        engine.runner.compiled = TimedExperts(engine.runner.compiled, timer)
     m._logits_token = timer.wrap("lm_head", m._logits_token)
     decide = "decide_routed" if hasattr(cache, "decide_routed") else "decide"  # the runner's call
     setattr(cache, decide, timer.wrap("decide", getattr(cache, decide)))
@@ -75,7 +90,14 @@ def instrument(engine, timer: StageTimer) -> None:
 def profile(a) -> dict:
     from expertcache.engine.cache import CacheConfig
     from expertcache.engine.engine import Engine, EngineConfig
-    engine = Engine(a.model, EngineConfig(store=a.store, cache=CacheConfig(fraction=a.cache), policy=a.policy))
+    from expertcache.engine.quant import ExpertFormat
+    fmt = ExpertFormat.parse(a.store_dtype, 32) if a.store_dtype else None
+    engine = Engine(a.model, EngineConfig(store=a.store, cache=CacheConfig(fraction=a.cache), policy=a.policy,
+                                          store_format=fmt, slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype))
+    if a.cache >= 1.0:  # every expert resident from the start, whatever routing counts the checkpoint has
+        import numpy as np
+        engine.routing_counts = np.ones((engine.args.num_moe_layers, engine.args.num_experts))
+        engine.config = replace(engine.config, initial="auto")
     timer = StageTimer()
     instrument(engine, timer)
     forward = timer.wrap("forward", engine.forward)
@@ -110,6 +132,9 @@ def main() -> None:
     p.add_argument("--policy", default="fetch-all")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--store-dtype", default=None, help="the disk store's format (default: the checkpoint's)")
+    p.add_argument("--slot-dtype", default="auto")
+    p.add_argument("--dense-dtype", default="auto")
     a = p.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     r = profile(a)
