@@ -58,7 +58,7 @@ class Checkpoint:
         """Load one tensor by its checkpoint name (an fp8 weight dequantised); with `index`, only its [index] along
         the first dimension (one expert of a fused stack)."""
         self.info(name)
-        with TensorFile(self.files[name]) as f:
+        with TensorFile(self.files[name], self.headers[self.files[name]]) as f:
             t = f.get(name, index)
         return self._dequantized(name, t, index)
 
@@ -96,7 +96,7 @@ class Checkpoint:
         for file, ns in by_file.items():
             for n in ns:
                 self.info(n)
-            with TensorFile(file) as f:
+            with TensorFile(file, self.headers[file]) as f:  # its header parsed once, not once an expert
                 try:
                     out.update({n: f.get(n) for n in ns})
                 except OSError as e:

@@ -40,17 +40,17 @@ class TensorInfo:
 
 
 class TensorFile:
-    """One safetensors file: its header parsed on opening (CheckpointError when it is not a valid one), its
-    tensors read on demand."""
+    """One safetensors file: its header parsed on opening (CheckpointError when it is not a valid one), or taken as
+    parsed by an earlier opening (`tensors`), its tensors read on demand."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, tensors: dict[str, TensorInfo] | None = None):
         self.path = Path(path)
         try:
             self.fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
             raise CheckpointError(f"{path}: cannot open ({e.strerror}); re-download or re-export it") from None
         try:
-            self.tensors = self._header()
+            self.tensors = tensors if tensors is not None else self._header()
         except BaseException:
             os.close(self.fd)
             raise
