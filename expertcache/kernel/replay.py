@@ -1,12 +1,11 @@
-"""The replay loops of the simulator, compiled: routing a whole trace, and deciding every
-window of it layer by layer, token by token, with the engine's own `decide_token` on a
-virtual cache."""
+"""The replay loops of the simulator, compiled: routing a whole trace, and deciding a window of
+it layer by layer, token by token, with the engine's own `decide_token` on a virtual cache."""
 from __future__ import annotations
 
 from .cache_state import SEGMENTS
 from .compiled import compiled, prefetch
 from .decisions import owes_work, begin_call, decide_token, land_flying
-from .routing import biased_row, float_row, route_row, route_row_sigmoid, select_row
+from .routing import biased_row, route_row, route_row_sigmoid, select_row
 
 
 @compiled
@@ -41,42 +40,39 @@ def route_all_sigmoid(logits, table, norm, ranked, weights, vals, comp, block_ma
 
 
 @compiled
-def replay_windows(st, p, account, sc, logits, table, ranked, weights, context, slots, experts, gates, sigmoid, biased,
-                   bias, n_group, topk_group, sel, group_score):
-    """Every window of `context` tokens, layer by layer, token by token; -1 on success, else
-    the layer whose cache was too small. ranked, weights: routes, layer-major [L, N, *];
-    slots, experts, gates [k]: working arrays. With `sigmoid`, the kernel ranks each row's
-    selection row (bias [L, E], groups; sel [E], group_score [n_group]: working arrays); with
-    `biased` (a softmax router's logit bias [L, E]), each row plus the bias, in sel; else each row as float32, in
-    sel too."""
-    N, L, E = logits.shape
+def replay_window(st, p, account, sc, logits, w0, ranked, weights, slots, experts, gates, sigmoid, biased, bias,
+                  n_group, topk_group, sel, group_score):
+    """One window of the trace, the tokens w0 .. w0 + T - 1, layer by layer, token by token; -1 on success, else
+    the layer whose cache was too small. logits [T, L, E] float32: the window's router logits (one type whatever
+    the trace holds, so that one compiled replay serves every trace: each is about a minute of compiling);
+    ranked, weights: the trace's routes, layer-major [L, N, *]; slots, experts, gates [k]: working arrays. With
+    `sigmoid`, the kernel ranks each row's selection row (bias [L, E], groups; sel [E], group_score [n_group]:
+    working arrays); with `biased` (a softmax router's logit bias [L, E]), each row plus the bias, in sel; else
+    the row as it is."""
+    T, L, E = logits.shape
     line = 64 // logits.itemsize
-    for w0 in range(0, N, context):
-        T = min(context, N - w0)
-        for layer in range(L):
-            # every transfer has landed by the next layer call; only this layer's slots (every
-            # slot with a global quota) can matter to it, and they are all it may have loaded
-            st.pending[st.slot_lo[layer]:st.slot_hi[layer]] = False
-            begin_call(st)
-            for t in range(T):
-                if t:
-                    land_flying(st)
-                n = w0 + t
-                if n + 2 < N:  # rows of one layer lie L * E apart: the hardware would not guess them
-                    ahead = logits[n + 2, layer]
-                    for e in range(0, E, line):
-                        prefetch(ahead, e)
-                # the row the policy reads, in float32 whatever the trace holds: one inlined decision, not one
-                # per row type (each inlined copy of the decision kernel costs about a minute of compiling)
-                if sigmoid:
-                    select_row(logits[n, layer], table, bias[layer], n_group, topk_group, sel, sc.gate_row,
-                               group_score)
-                elif biased:
-                    biased_row(logits[n, layer], table, bias[layer], sel)
-                else:
-                    float_row(logits[n, layer], table, sel)
-                if not decide_token(st, p, account, sc, layer, t, n, sel, None, not sigmoid,
-                                    ranked[layer, n], weights[layer, n], slots, experts, gates):
-                    return layer
-            st.counts[SEGMENTS] += owes_work(st, layer)  # the window's final pass, if a slot has work left
+    for layer in range(L):
+        # every transfer has landed by the next layer call; only this layer's slots (every
+        # slot with a global quota) can matter to it, and they are all it may have loaded
+        st.pending[st.slot_lo[layer]:st.slot_hi[layer]] = False
+        begin_call(st)
+        for t in range(T):
+            if t:
+                land_flying(st)
+            n = w0 + t
+            if t + 2 < T:  # rows of one layer lie L * E apart: the hardware would not guess them
+                ahead = logits[t + 2, layer]
+                for e in range(0, E, line):
+                    prefetch(ahead, e)
+            row = logits[t, layer]
+            if sigmoid:
+                select_row(row, None, bias[layer], n_group, topk_group, sel, sc.gate_row, group_score)
+                row = sel
+            elif biased:
+                biased_row(row, None, bias[layer], sel)
+                row = sel
+            if not decide_token(st, p, account, sc, layer, t, n, row, None, not sigmoid,
+                                ranked[layer, n], weights[layer, n], slots, experts, gates):
+                return layer
+        st.counts[SEGMENTS] += owes_work(st, layer)  # the window's final pass, if a slot has work left
     return -1

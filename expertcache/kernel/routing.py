@@ -125,13 +125,6 @@ def biased_row(row, table, bias, out):
 
 
 @compiled
-def float_row(row, table, out):
-    """One token's logits as float32: out [E] <- row (exact: float16 widens exactly)."""
-    for e in range(len(row)):
-        out[e] = np.float32(value(row, table, e))
-
-
-@compiled
 def select_row(row, table, bias, n_group, topk_group, sel, scores, group_score):
     """Sigmoid router, one token: scores [E] <- sigmoid(row) (float32); sel [E] <- scores + bias
     inside the token's topk_group best groups (a group's worth: its two best biased scores

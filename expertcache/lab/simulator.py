@@ -24,7 +24,7 @@ from ..engine.stores import ExpertShape
 from ..errors import BadInput
 from ..kernel.cache_state import LOGGING
 from ..kernel.policy import Scratch
-from ..kernel.replay import replay_windows, route_all, route_all_biased, route_all_sigmoid
+from ..kernel.replay import replay_window, route_all, route_all_biased, route_all_sigmoid
 from ..kernel.routing import HALF_TO_FLOAT, Router
 from ..policies import make_policy
 from .trace import Trace
@@ -151,14 +151,18 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     st = vc.state
     st.misc[LOGGING] = 0  # nothing carries actions out
     routes = routes or route_trace(trace)
-    logits, table = logit_rows(trace)
     router = trace_router(trace)
+    params, account, scratch = pol.params(), pol.bind(L, E), Scratch.make(k, E)
+    work = (np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.float32), router.sigmoid, router.logit_bias,
+            router.bias_table(L, E), router.n_group, router.topk_group, np.empty(E, np.float32),
+            np.empty(router.n_group, np.float32))
     start = time.perf_counter()
-    failed = replay_windows(st, pol.params(), pol.bind(L, E), Scratch.make(k, E), logits, table, routes.ranked,
-                            routes.weights, window, np.empty(k, np.int64), np.empty(k, np.int64),
-                            np.empty(k, np.float32), router.sigmoid, router.logit_bias, router.bias_table(L, E),
-                            router.n_group, router.topk_group, np.empty(E, np.float32),
-                            np.empty(router.n_group, np.float32))
+    failed = -1
+    for w0 in range(0, N, window):  # a window's logits widened to float32 (exact), a copy the kernel may read
+        rows = np.asarray(trace.logits[w0:w0 + window]).astype(np.float32)
+        failed = replay_window(st, params, account, scratch, rows, w0, routes.ranked, routes.weights, *work)
+        if failed >= 0:
+            break
     seconds = time.perf_counter() - start
     if failed >= 0:
         raise vc.too_small(failed)
