@@ -63,7 +63,7 @@ def run_reads(depth: int, blocks: np.ndarray, read) -> dict:
 
 def fork_join(store, depths: list[int], batches: int) -> None:
     """The --fork-join table (module docstring) for the fp16 disk store `store`."""
-    from expertcache.engine.cache import page_aligned_zeros
+    from expertcache.engine.slots import page_aligned_zeros
     from expertcache.engine.transfer import TransferEngine
     from expertcache.engine.uring import RingReads
     S, n_experts = max(depths), store.shape.num_experts

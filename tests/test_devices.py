@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from expertcache.engine.cache import slot_format
+from expertcache.engine.slots import slot_format
 from expertcache.engine.engine import Engine, EngineConfig, non_finite_cause
 from expertcache.engine.linear import float_dtype
 from expertcache.engine.perplexity import teacher_forced

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from expertcache.engine.cache import CacheConfig, slot_bytes
+from expertcache.engine.cache import CacheConfig
+from expertcache.engine.slots import slot_bytes
 from expertcache.engine.checkpoint import open_checkpoint
 from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.engine.quant import SMALL_FORMAT, ExpertFormat, encoded_bytes

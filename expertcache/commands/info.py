@@ -138,7 +138,7 @@ def run(a) -> int:
         return 0
     import torch
 
-    from ..engine.cache import slot_bytes, slot_format
+    from ..engine.slots import slot_bytes, slot_format
     from ..engine.checkpoint import open_checkpoint
     from ..engine.quant import ExpertFormat
     from ..engine.stores import ExpertShape

@@ -6,7 +6,6 @@ expert kernel indexes them like any expert stack; in fp32, fp16 or bf16. Quantiz
 hold each expert's encoded blob as the disk store keeps it instead (`blobs` uint8 [S, bytes])."""
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,52 +16,14 @@ from ..kernel import decisions as kernel
 from ..kernel.cache_state import LOGGING, N_LOG, PREFETCHES, CacheState
 from ..kernel.policy import Scratch
 from ..kernel.routing import Router, Routing, route_logits
-from ..choices import SLOT_DTYPES  # noqa: F401 (re-exported)
 from ..policies import MissPolicy
-from .quant import FLOAT_DTYPES, ExpertFormat, encoded_bytes
+from .quant import FLOAT_DTYPES, ExpertFormat
+from .slots import page_aligned_zeros, slot_bytes
 from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)  # the kernel's argument types
 BACKGROUND_KINDS = ("prefetch", "admit", "upgrade")  # reads no token waits for when they start
-
-
-def slot_format(name: str, device: torch.device, stored: ExpertFormat, store: str = "disk") -> ExpertFormat:
-    """The fast tier's format of one expert from --slot-dtype `name` and the slow tier's format
-    `stored`. auto: the store's dtype when it is fp16 or bf16 (on the CPU the compiled kernel widens
-    them exactly; on CUDA a bf16 checkpoint stays bf16), else fp32 on the CPU and fp16 on CUDA. int8/int4/mxfp4 keep the store's encoded blobs as they are
-    (its group size and scheme), so the store must hold that dtype (on the disk, or emulated in
-    RAM), for the CPU kernel."""
-    if name not in SLOT_DTYPES:
-        raise UnknownName(f"unknown slot dtype {name!r}; choose one of {', '.join(SLOT_DTYPES)}")
-    if name == "auto":
-        if stored.dtype in ("float16", "bfloat16"):
-            return ExpertFormat(stored.dtype)
-        return ExpertFormat("float32" if device.type == "cpu" else "float16")
-    fmt = ExpertFormat.parse(name)
-    if not fmt.quantized:
-        return fmt
-    if device.type != "cpu":
-        raise BadInput(f"--slot-dtype {name} computes with the CPU kernel; use --device cpu or --slot-dtype fp16")
-    if stored.dtype != fmt.dtype:
-        raise BadInput(f"--slot-dtype {name} keeps the slow tier's {name} blobs as they are, but it holds "
-                       f"{stored.tag}; add --store-dtype {name}")
-    if store not in ("disk", "ram"):
-        raise BadInput(f"--slot-dtype {name} copies encoded blobs, which the {store} store does not hold; "
-                       "use --store disk or --store ram")
-    return stored
-
-
-def slot_bytes(shape: ExpertShape, fmt: ExpertFormat) -> int:
-    """Fast-tier bytes of one expert's slot in `fmt`: its float values, or its encoded blob unpadded."""
-    return encoded_bytes(shape.parts, fmt) if fmt.quantized else shape.numel * FLOAT_DTYPES[fmt.dtype].itemsize
-
-
-def page_aligned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose storage starts on a page (an anonymous mmap): slot rows whose bytes
-    are whole pages can then take O_DIRECT reads straight from the disk store."""
-    n = int(np.prod(shape)) * dtype.itemsize
-    return torch.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=torch.uint8)[:n].view(dtype).view(shape)
 
 
 @dataclass(frozen=True)

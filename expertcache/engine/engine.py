@@ -22,7 +22,8 @@ from ..errors import (
 from ..models import model_args
 from ..models.args import ModelArgs
 from ..policies import MissPolicy, make_policy
-from .cache import CacheConfig, ExpertCache, slot_bytes, slot_format
+from .cache import CacheConfig, ExpertCache
+from .slots import slot_bytes, slot_format
 from .checkpoint import ROUTING_COUNTS, load_routing_counts, open_checkpoint
 from . import threads
 from .budget import FORWARD_CHUNK, MemoryPlan, dense_bytes, kv_bytes, workspace_bytes
@@ -57,7 +58,7 @@ class EngineConfig:
     kv_positions: int | None = None
     prefetch: PrefetchConfig | None = None  # predict the next layer's experts and prefetch them
     memory_budget: int | None = None  # bytes of the whole fast tier; sizes the expert cache (overrides cache size)
-    slot_dtype: str = "auto"  # the fast tier's expert format: auto, fp32, fp16, bf16, int8, int4 (cache.slot_format)
+    slot_dtype: str = "auto"  # the fast tier's expert format: auto, fp32, fp16, bf16, int8, int4 (slots.slot_format)
     dense_dtype: str = "auto"  # the dense weights' format: auto (the checkpoint's 16 bits), fp32, fp16, bf16, int8, int4
 
 
