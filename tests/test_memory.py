@@ -103,11 +103,11 @@ def test_bench_under_a_memory_budget_skips_the_floor():
     """`bench --memory-budget` sizes the cache from the budget and leaves out the all-resident floor, which would
     hold more than the budget; the table marks its ratios as absent."""
     from expertcache.lab.bench import FLOOR, BenchConfig, markdown, run_bench
-    res = run_bench(None, BenchConfig(store="ram", policies=("fetch-all",), memory_budget=120 * 2**20,
+    res = run_bench(None, BenchConfig(store="ram", policies=("fetch-all",), memory_budget=40 * 2**20,
                                       decode_tokens=2, forced_tokens=32, context=32, repeats=1))
     assert FLOOR not in res.summary() and 0 < res.config["slots_per_layer"] < res.config["experts"]
     table = markdown(res)
-    assert "memory budget 120 MiB" in table and "| - |" in table
+    assert "memory budget 40 MiB" in table and "| - |" in table
 
 
 def test_server_admits_requests_while_their_kv_fits():

@@ -162,7 +162,7 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     if sequence > limit:
         raise BadInput(f"--decode-tokens {cfg.decode_tokens} after the {cfg.prompt_tokens}-token prompt exceeds the "
                        f"model's context of {limit} positions; give at most {limit - cfg.prompt_tokens - 1}")
-    max_seq = max(EngineConfig.max_seq, sequence, cfg.context)
+    max_seq = max(sequence, cfg.context)  # what the runs reach, no more: the KV cache and workspace scale with it
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
                                         store_format=cfg.store_format, read_mode=cfg.read_mode,
                                         slot_dtype=cfg.slot_dtype, dense_dtype=cfg.dense_dtype, max_seq=max_seq,
