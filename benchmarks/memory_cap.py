@@ -3,7 +3,7 @@ same extra bytes (the dense weights and 10%, 25% or 50% of the experts, in 4 bit
 and decodes the same text token by token.
 
     sudo python benchmarks/memory_cap.py [--model build/qwen3-30b-shape] [--fractions 0.1 0.25 0.5]
-        [--policies fetch-all threshold:tau=0.15] [--tokens 32] [--rounds 2] [--json OUT]
+        [--policies fetch-all threshold:tau=0.15] [--quota layer] [--tokens 32] [--rounds 2] [--json OUT]
 
 The extra bytes are those of llama.cpp's Q4_0 file: its dense tensors plus the fraction of its experts (18
 bytes a block of 32 weights). llama.cpp maps the file (mmap), so that the page cache is its expert cache, with
@@ -57,7 +57,8 @@ def child_engine(a) -> dict:
     from expertcache.engine.engine import Engine, EngineConfig
     from expertcache.engine.quant import ExpertFormat
     ids = text_ids(a.model, a.tokens + 8)
-    engine = Engine(a.model, EngineConfig(store="disk", cache=CacheConfig(fraction=0.25), policy=a.policy,
+    cache = CacheConfig(fraction=0.25, quota=a.quota)  # sized by --memory-budget
+    engine = Engine(a.model, EngineConfig(store="disk", cache=cache, policy=a.policy,
                                           store_format=ExpertFormat.parse("int4", 32), slot_dtype="int4",
                                           dense_dtype="int4", memory_budget=a.budget, max_seq=a.tokens + 16))
     before = read_bytes()
@@ -129,6 +130,8 @@ def main() -> None:
     p.add_argument("--policies", nargs="+", default=["fetch-all", "threshold:tau=0.15"])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--quota", default="layer", choices=["layer", "global"],
+                   help="the engine's slots each layer's own, or shared by the layers (needs only top-k in all)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--runtime", default=None, help=argparse.SUPPRESS)
@@ -161,7 +164,8 @@ def main() -> None:
         for f in a.fractions:
             extra = int(dense + f * experts)
             variants = [("llama.cpp", "llama.cpp", [])] + [
-                (f"engine {pol}", "engine", ["--policy", pol, "--budget", str(extra)]) for pol in a.policies]
+                (f"engine {pol}", "engine", ["--policy", pol, "--budget", str(extra), "--quota", a.quota])
+                for pol in a.policies]
             for name, child, args in variants:
                 if child == "llama.cpp" and readahead is not None:
                     read_ahead_kb(model_dir, 128)
@@ -173,7 +177,9 @@ def main() -> None:
                 row = {"fraction": f, "extra_bytes": extra, "cap_bytes": base[child] + extra, **info, **(out or {})}
                 results.setdefault(f"{name} @ {f}", []).append(row)
                 print(f"round {round_ + 1} {name} at {f:.0%}: {row}", file=sys.stderr, flush=True)
-    print(f"\ncaps: each runtime's baseline (llama.cpp {base['llama.cpp'] / 2**20:.0f} MiB, engine "
+    slots = "shared by the layers (--quota global)" if a.quota == "global" else "each layer its own"
+    print(f"\nengine slots: {slots}; "
+          f"caps: each runtime's baseline (llama.cpp {base['llama.cpp'] / 2**20:.0f} MiB, engine "
           f"{base['engine'] / 2**20:.0f} MiB) + the Q4_0 dense weights and the share of Q4_0 experts; decode of "
           f"{a.tokens} text tokens, medians of {a.rounds} rounds; llama.cpp at read-ahead 128 KiB (the disk's was "
           f"{readahead} KiB)\n")

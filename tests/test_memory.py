@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from expertcache import CacheConfig, Engine, EngineConfig
+from expertcache.engine.perplexity import EVAL_TEXT
 from expertcache.errors import CacheTooSmall
 
 # In a fresh process: the libraries, the compiled kernels, their thread pool and the tokenizer first (the
@@ -139,3 +140,26 @@ def test_server_admits_requests_while_their_kv_fits():
     assert all(r.completion_tokens == 32 for r in requests)
     with pytest.raises(Exception, match="--kv-positions 10 holds less than one --max-seq 64"):
         Engine(None, EngineConfig(store="ram", max_seq=64, kv_positions=10))
+
+
+def test_layers_sharing_their_slots_need_only_a_top_k_set_in_all():
+    """With --quota global the layers share every slot, so a cache of 12 slots in all (2 a layer, fewer than
+    top-8) runs the built-in model, fetch-every-miss still equal to every expert resident; with a layer quota the
+    same bytes are refused in one line that names --quota global, as is a budget below the per-layer floor."""
+    from expertcache import perplexity
+    full = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
+    ids = full.encode(EVAL_TEXT.read_text(encoding="utf-8")[:4000])[:400]
+    shared = Engine(None, EngineConfig(store="ram", cache=CacheConfig(bytes=12 * full.cache.expert_bytes,
+                                                                      quota="global")))
+    assert (shared.cache.per_layer, shared.cache.num_slots) == (2, 12)
+    assert perplexity(shared, ids, 200).ppl == pytest.approx(perplexity(full, ids, 200).ppl, rel=1e-6)
+    assert shared.stats.hit_rate < 0.5
+    with pytest.raises(CacheTooSmall, match=r"1 expert slots per layer, fewer than top-k=8.*--quota global"):
+        Engine(None, EngineConfig(store="ram", cache=CacheConfig(bytes=7 * full.cache.expert_bytes)))
+    fixed = Engine(None, EngineConfig(store="ram", max_seq=64)).plan.total
+    budget = fixed + 24 * full.cache.expert_bytes  # 4 slots a layer: enough shared, too few a layer's own
+    with pytest.raises(CacheTooSmall, match=r"top-8 experts per layer need .*--quota global"):
+        Engine(None, EngineConfig(store="ram", max_seq=64, memory_budget=budget))
+    tight = Engine(None, EngineConfig(store="ram", max_seq=64, memory_budget=budget,
+                                      cache=CacheConfig(quota="global")))
+    assert tight.cache.num_slots == 24

@@ -39,9 +39,15 @@ class CacheConfig:
     caller_reads: bool = True  # a token's only synchronous fetch of a layer is read by the waiting thread
 
 
+def least_slots_per_layer(quota: str, top_k: int, num_layers: int) -> int:
+    """The fewest slots a layer may have: a token's top-k, each layer its own (quota 'layer'); or, where the layers
+    share every slot (quota 'global'), enough that all of them together hold one layer's top-k."""
+    return top_k if quota == "layer" else -(-top_k // num_layers)
+
+
 def slots_per_layer(cfg: CacheConfig, shape: ExpertShape, fast_expert_bytes: int, top_k: int) -> int:
-    """Expert slots per layer under `cfg`, at most the layer's experts; CacheTooSmall when
-    fewer than `top_k` or the fraction is out of range."""
+    """Expert slots per layer under `cfg`, at most the layer's experts; CacheTooSmall when fewer than a token needs
+    (`least_slots_per_layer`) or the fraction is out of range."""
     if cfg.bytes is not None:
         per_layer = cfg.bytes // fast_expert_bytes // shape.num_layers
         what = f"{cfg.bytes} bytes"
@@ -50,10 +56,16 @@ def slots_per_layer(cfg: CacheConfig, shape: ExpertShape, fast_expert_bytes: int
             raise CacheTooSmall(f"cache fraction {cfg.fraction} must be in (0, 1]; e.g. --cache 0.25")
         per_layer = int(round(cfg.fraction * shape.num_experts))
         what = f"a fraction of {cfg.fraction}"
-    if per_layer < top_k:
-        raise CacheTooSmall(f"{what} gives {per_layer} expert slots per layer, fewer than top-k={top_k}; "
-                            f"give at least {top_k / shape.num_experts:.3f} of the experts or "
-                            f"{top_k * fast_expert_bytes * shape.num_layers} bytes")
+    least = least_slots_per_layer(cfg.quota, top_k, shape.num_layers)
+    if per_layer < least:
+        layer_bytes = fast_expert_bytes * shape.num_layers  # one slot a layer
+        fix = f"give at least {least / shape.num_experts:.3f} of the experts or {least * layer_bytes} bytes"
+        if cfg.quota == "layer":
+            shared = least_slots_per_layer("global", top_k, shape.num_layers)
+            fix += f", or --quota global (the layers share their slots: {shared * layer_bytes} bytes)"
+        held = f"{per_layer} expert slots per layer" if cfg.quota == "layer" else \
+            f"{per_layer * shape.num_layers} expert slots shared by the layers"
+        raise CacheTooSmall(f"{what} gives {held}, fewer than top-k={top_k}; {fix}")
     return min(per_layer, shape.num_experts)
 
 

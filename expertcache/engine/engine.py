@@ -22,7 +22,7 @@ from ..errors import (
 from ..models import model_args
 from ..models.args import ModelArgs
 from ..policies import MissPolicy, make_policy
-from .cache import CacheConfig, ExpertCache
+from .cache import CacheConfig, ExpertCache, least_slots_per_layer
 from .slots import slot_bytes, slot_format
 from .checkpoint import ROUTING_COUNTS, load_routing_counts, open_checkpoint
 from . import threads
@@ -197,13 +197,16 @@ class Engine:
         CacheTooSmall naming the minimum when that leaves fewer than a top-k set of slots per layer."""
         left = budget - self.plan.total
         shape = ExpertShape.of(self.args)
-        one = slot_bytes(shape, self.slot_format) * shape.num_layers * self.args.top_k
+        quota, k, L = self.config.cache.quota, self.args.top_k, shape.num_layers
+        one = slot_bytes(shape, self.slot_format) * L * least_slots_per_layer(quota, k, L)
         if left < one:
             parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.plan.parts().items())
+            need = "per layer" if quota == "layer" else "shared by the layers (--quota global)"
+            shared = "" if quota == "global" else ", or --quota global (the layers share their slots)"
             raise CacheTooSmall(f"--memory-budget {budget / 2**20:.1f} MiB leaves {max(left, 0) / 2**20:.1f} MiB for "
-                                f"experts after {parts}; top-{self.args.top_k} experts per layer need "
-                                f"{one / 2**20:.1f} MiB: raise it to at least "
-                                f"{math.ceil((budget - left + one) / 2**20 * 10) / 10:.1f}M or lower --max-seq (serve: --kv-positions)")
+                                f"experts after {parts}; top-{k} experts {need} need {one / 2**20:.1f} MiB: raise it "
+                                f"to at least {math.ceil((budget - left + one) / 2**20 * 10) / 10:.1f}M or lower "
+                                f"--max-seq (serve: --kv-positions){shared}")
         return left
 
     # -- residency -----------------------------------------------------------------------
