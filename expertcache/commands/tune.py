@@ -96,8 +96,10 @@ def run(a) -> int:
         how = (f"a quick {a.mode} profile per slot format measured now on the disk store (pass --profile for full "
                "calibrate-hw ones)")
     with progress_bar(unit="step") as bar:
-        def progress(label, n):
-            bar.set_description(label.split(":")[0] if label != "replay" else "replay")
+        def progress(label, n, total=None):
+            if total is not None:  # a phase begins: its steps in all
+                bar.reset(total=total)
+            bar.set_description(label.split(":")[0])
             bar.update(n)
         res = tune(a.model, ids, profile, cfg, progress)
     print(f"time estimates: {how}; replay in {a.mode} order on {res.config['calib_tokens_used']} tokens of "

@@ -206,11 +206,15 @@ def pick_finalists(rows: list[dict], n: int, n_lowbit: int = 0, n_slots: int = 0
 
 
 def score(engines: dict[str, Engine], labels, ids: list[int], context: int, cfg: TuneConfig,
-          progress: Callable[[str, int], None] | None = None) -> dict:
+          progress: Callable[..., None] | None = None, phase: str = "score") -> dict:
     """Exact perplexity of each labelled candidate over `ids` (on the engine of its slot format) with the
-    increase over fetch-every-miss on auto's slots, the exact model (paired bootstrap CI)."""
+    increase over fetch-every-miss on auto's slots, the exact model (paired bootstrap CI). `progress(phase, 0,
+    total)` once, with the tokens it scores in all, then `progress(candidate, tokens)` as they are scored."""
     results = {}
-    for name in dict.fromkeys([BASELINE, *labels]):
+    names = list(dict.fromkeys([BASELINE, *labels]))
+    if progress:
+        progress(phase, 0, len(names) * (len(ids) - 1))
+    for name in names:
         spec, slots = unlabel(name)
         engine = engines[slots]
         engine.set_policy(spec)
@@ -268,10 +272,11 @@ def tune_ids(model: Path | None, calib_text: str, eval_text: str, cfg: TuneConfi
 
 
 def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: HardwareProfile | dict[str, HardwareProfile],
-         cfg: TuneConfig, progress: Callable[[str, int], None] | None = None) -> TuneResult:
+         cfg: TuneConfig, progress: Callable[..., None] | None = None) -> TuneResult:
     """Search the policy space for the fastest policy within `cfg.budget_pct` (see the module's steps); ids: the
     calibration and held-out tokens, as `tune_ids` gives them; `profile`: the cost model, or one per slot format
-    of `cfg.slot_dtypes`."""
+    of `cfg.slot_dtypes`. `progress(phase, 0, total)` starts each phase (trace, replay, score, validate) with its
+    steps in all, `progress(label, steps)` reports steps done."""
     calib, held = ids
     searched = list(dict.fromkeys(("auto", *cfg.slot_dtypes)))  # auto's slots: the exact reference, always
     profiles = profile if isinstance(profile, dict) else {s: profile for s in searched}
@@ -279,29 +284,35 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
     if missing:
         raise BadInput(f"no cost profile for slots {', '.join(missing)}; give one profile per slot format")
     engines: dict[str, Engine] = {}
-    note = (lambda label, n=0: progress(label, n)) if progress else None
+    note = (lambda label, n=0, total=None: progress(label, n, total)) if progress else None
     try:
         for slots in searched:
             engines[slots] = slot_engine(model, cfg, slots)
         if note:
-            note("trace")
+            note("trace", 0, 1)
         rows = []
         with tempfile.TemporaryDirectory() as d:
             trace = record_trace(engines["auto"].path, calib, Path(d) / "calib.ectrace", cfg.context, "float32")
             window = 1 if cfg.mode == "decode" else None
+            specs = {}
             for slots in searched:
-                specs = list(dict.fromkeys([BASELINE, *(cfg.candidates or default_candidates(trace, cfg, slots)),
-                                            *(cfg.presets if slots == "auto" else ())]))
+                specs[slots] = list(dict.fromkeys([BASELINE, *(cfg.candidates or default_candidates(trace, cfg, slots)),
+                                                   *(cfg.presets if slots == "auto" else ())]))
                 if slots in QUANTIZED_SLOTS:
-                    specs = [s for s in specs if not make_policy(s).fetches_small]
-                rows += replay_candidates(trace, specs, cfg.cache, engines["auto"].routing_counts, profiles[slots],
-                                          window, (lambda s: note("replay", 1)) if note else None, engines[slots])
+                    specs[slots] = [s for s in specs[slots] if not make_policy(s).fetches_small]
+            if note:
+                note("replay", 0, sum(map(len, specs.values())))
+            for slots in searched:
+                rows += replay_candidates(trace, specs[slots], cfg.cache, engines["auto"].routing_counts,
+                                          profiles[slots], window, (lambda s: note("replay", 1)) if note else None,
+                                          engines[slots])
         est = {r["label"]: r["estimated_ms"] for r in rows}
         finalists = pick_finalists(rows, cfg.finalists, cfg.lowbit_finalists, cfg.slot_finalists)
         scored = score(engines, finalists, calib, cfg.context, cfg, progress)
         within = [s for s in finalists if scored[s]["pct"] <= cfg.budget_pct]
         winner = min(within, key=lambda s: est[s]) if within else None
-        checked = score(engines, [s for s in [winner, *cfg.presets] if s], held, cfg.context, cfg, progress)
+        checked = score(engines, [s for s in [winner, *cfg.presets] if s], held, cfg.context, cfg, progress,
+                        "validate")
     finally:
         for engine in engines.values():
             engine.close()
