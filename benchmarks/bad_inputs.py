@@ -60,6 +60,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     bad_estimator = tmp / "bad_estimator"
     shutil.copytree(BUILTIN_MODEL, bad_estimator)
     (bad_estimator / "estimator.safetensors").write_bytes(b"\0" * 100)
+    (bad_estimator / "lookahead.safetensors").unlink()  # a model trained before the lookahead predictor
     bad_tokenizer = tmp / "bad_tokenizer"
     shutil.copytree(BUILTIN_MODEL, bad_tokenizer)
     (bad_tokenizer / "tokenizer.json").write_text("not a tokenizer")
@@ -149,6 +150,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("tokenizer_config.json not JSON", ["generate", "--model", str(bad_tok_config), "--store", "ram", "hi"]),
         ("estimator.safetensors corrupt", ["predict", "--model", str(bad_estimator), "--max-tokens", "64",
                                            "--predictors", "estimator"]),
+        ("lookahead.safetensors missing", ["generate", "--model", str(bad_estimator), "--store", "ram",
+                                           "--policy", "fetch-all+prefetch/lookahead", "hi"]),
         ("serve --prefill-policy conditional:j=16,m=16 (top-8 model)",
          ["serve", "--store", "ram", "--port", "0", "--prefill-policy", "conditional:j=16,m=16"]),
         ("serve --prefill-policy nope", ["serve", "--store", "ram", "--port", "0", "--prefill-policy", "nope"]),

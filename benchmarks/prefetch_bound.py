@@ -2,14 +2,17 @@
 against an oracle that knows every next layer's experts, in greedy decode on the disk store.
 
     python benchmarks/prefetch_bound.py [--model DIR] [--cache 0.25] [--policy fetch-all]
-                                        [--predictor quasi-hidden] [--budgets 8 4] [--tokens 64]
+                                        [--predictors estimator lookahead] [--budgets 8 4] [--tokens 64]
                                         [--repeats 5] [--json FILE]
+                                        [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
 
 The oracle replays the routes of an identical on-demand run: the policy must decode the same
 tokens whatever the cache holds (fetch-all does), which the script checks. Its prediction costs
 nothing but the lookup, so it bounds what any predictor can gain here: perfect recall and
-precision, with the real cost of issuing, reading and waiting. The predictor runs at each of
-`budgets` (prefetches per layer among its top-k; default top-k), the oracle at the first. Variants run round robin,
+precision, with the real cost of issuing, reading and waiting. Each predictor runs at each of
+`budgets` (prefetches per layer among its top-k; default top-k), the oracle at the first; "of the
+oracle's gain" is (on demand / variant - 1) / (on demand / oracle - 1), and "predict" the wall time
+of a token's predictions (the attention run ahead included). Variants run round robin,
 `repeats` times after one warm-up round; medians. Counts are the decode tokens' own (the prompt's
 forward excluded).
 """
@@ -68,6 +71,21 @@ def oracle_predictor(model, routes: list[list[np.ndarray]]):
     return Oracle()
 
 
+class PredictionTimer:
+    """Wraps a predictor's decode_logits and sums its wall time."""
+
+    def __init__(self, predictor):
+        self.seconds, self.inner = 0.0, predictor.decode_logits
+        predictor.decode_logits = self
+
+    def __call__(self, *args):
+        start = time.perf_counter()
+        try:
+            return self.inner(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
 def decode(engine, prompt: list[int], tokens: int) -> tuple[list[int], dict]:
     """Greedy decode after the prompt's forward: (tokens, per-token figures of the decode alone)."""
     from expertcache.engine.generate import generate
@@ -75,13 +93,15 @@ def decode(engine, prompt: list[int], tokens: int) -> tuple[list[int], dict]:
     it = generate(engine, prompt, tokens)
     out = [next(it)]
     s = engine.stats
+    timer = PredictionTimer(engine.runner.predictor) if engine.runner.predictor is not None else None
     before = (s.tokens, s.sync_fetches, s.prefetch_fetches, s.stall_s)
     start = time.perf_counter()
     out += list(it)
     wall = time.perf_counter() - start
     n = s.tokens - before[0]
     return out, {"ms_per_token": 1e3 * wall / n, "sync_fetches": (s.sync_fetches - before[1]) / n,
-                 "prefetches": (s.prefetch_fetches - before[2]) / n, "stall_ms": 1e3 * (s.stall_s - before[3]) / n}
+                 "prefetches": (s.prefetch_fetches - before[2]) / n, "stall_ms": 1e3 * (s.stall_s - before[3]) / n,
+                 "predict_ms": 1e3 * (timer.seconds if timer else 0.0) / n}
 
 
 def main() -> None:
@@ -89,11 +109,15 @@ def main() -> None:
     from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
     from expertcache.engine.moe import PrefetchConfig
     from expertcache.engine.perplexity import EVAL_TEXT
+    from expertcache.engine.quant import ExpertFormat
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=BUILTIN_MODEL)
     p.add_argument("--cache", type=float, default=0.25)
     p.add_argument("--policy", default="fetch-all", help="one that decodes the same tokens whatever the cache holds")
-    p.add_argument("--predictor", default="quasi-hidden")
+    p.add_argument("--store-dtype", default=None, help="the disk store's format (default: the checkpoint's)")
+    p.add_argument("--slot-dtype", default="auto")
+    p.add_argument("--dense-dtype", default="auto")
+    p.add_argument("--predictors", nargs="+", default=["estimator", "lookahead"])
     p.add_argument("--budgets", type=int, nargs="+", default=[None], help="prefetches per layer (default: top-k)")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64)
@@ -101,21 +125,24 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     recorder = Recorder()
-    engine = Engine(a.model, EngineConfig(store="disk", cache=CacheConfig(fraction=a.cache), policy=a.policy))
+    fmt = ExpertFormat.parse(a.store_dtype, 32) if a.store_dtype else None
+    engine = Engine(a.model, EngineConfig(store="disk", cache=CacheConfig(fraction=a.cache), policy=a.policy,
+                                          store_format=fmt, slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype))
     prompt = engine.encode(EVAL_TEXT.read_text()[:4000])[:a.prompt_tokens]
     recorder.on = True
     reference, _ = decode(engine, prompt, a.tokens)
     recorder.on = False
     routes = recorder.tokens
     budget = lambda b: "" if b is None else f", budget {b}"  # noqa: E731
-    variants = {"on demand": None} | {f"prefetch, {a.predictor}{budget(b)}": PrefetchConfig(a.predictor, budget=b)
-                                      for b in a.budgets}
-    variants[f"prefetch, oracle{budget(a.budgets[0])}"] = PrefetchConfig(a.predictor, budget=a.budgets[0])
+    variants = {"on demand": None} | {f"prefetch, {name}{budget(b)}": PrefetchConfig(name, budget=b)
+                                      for name in a.predictors for b in a.budgets}
+    oracle = f"prefetch, oracle{budget(a.budgets[0])}"
+    variants[oracle] = PrefetchConfig(a.predictors[0], budget=a.budgets[0])
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     for round_ in range(a.repeats + 1):  # round 0 warms up
         for name, cfg in variants.items():
             engine.set_prefetch(cfg)
-            if name.startswith("prefetch, oracle"):
+            if name == oracle:
                 engine.runner.predictor = oracle_predictor(engine.model, routes)
             out, figures = decode(engine, prompt, a.tokens)
             if out != reference:
@@ -125,12 +152,16 @@ def main() -> None:
                 runs[name].append(figures)
     rows = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     base = rows["on demand"]["ms_per_token"]
+    bound = base / rows[oracle]["ms_per_token"] - 1
+    for r in rows.values():
+        r["of_oracle_gain"] = (base / r["ms_per_token"] - 1) / bound if bound > 0 else float("nan")
     print(f"disk store, cache {a.cache}, {a.policy}, {a.tokens} decode tokens, medians of {a.repeats}\n")
-    print("| variant | ms/token | vs on demand | synchronous fetches/token | prefetches/token | stall ms/token |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| variant | ms/token | vs on demand | of the oracle's gain | synchronous fetches/token | prefetches/token "
+          "| stall ms/token | predict ms/token |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
-        print(f"| {name} | {r['ms_per_token']:.2f} | {base / r['ms_per_token']:.2f}x | {r['sync_fetches']:.1f} | "
-              f"{r['prefetches']:.1f} | {r['stall_ms']:.2f} |")
+        print(f"| {name} | {r['ms_per_token']:.2f} | {base / r['ms_per_token']:.2f}x | {r['of_oracle_gain']:.0%} | "
+              f"{r['sync_fetches']:.1f} | {r['prefetches']:.1f} | {r['stall_ms']:.2f} | {r['predict_ms']:.3f} |")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "medians": rows,
                                       "runs": runs}, indent=1))

@@ -46,7 +46,7 @@ def decode(engine, ids, prompt=6):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("predictor", ["router-ahead", "quasi-hidden", "estimator", "hybrid"])
+@pytest.mark.parametrize("predictor", ["router-ahead", "quasi-hidden", "estimator", "hybrid", "lookahead"])
 @pytest.mark.parametrize("store", ["ram", "disk"])
 def test_prefetch_only_is_exact(calibrated, predictor, store):
     path, hf = calibrated
@@ -173,7 +173,7 @@ def test_recall_table(calibrated):
     path, _ = calibrated
     ids = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(7)).tolist()
     table = recall_table(path, ids)
-    assert set(table) == {"router-ahead", "quasi-hidden", "estimator", "hybrid"}
+    assert set(table) == {"router-ahead", "quasi-hidden", "estimator", "hybrid", "lookahead"}
     assert all(len(r) == 1 and 0 <= r[0] <= 1 for r in table.values())
 
 
@@ -270,12 +270,14 @@ def test_router_ahead_decode_path_equals_torch():
     torch.testing.assert_close(torch.from_numpy(fast), p.logits(2, None, x, None, None), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["quasi-hidden", "estimator", "hybrid"])
+@pytest.mark.parametrize("name", ["quasi-hidden", "estimator", "hybrid", "lookahead"])
 def test_compiled_prediction_equals_torch(name):
-    """Decode's compiled prediction (quasi-hidden's state, and the estimator net on it) gives the logits of the
-    PyTorch path, on every layer."""
+    """Decode's compiled prediction (quasi-hidden's state, and the estimator net on it or on the next layer's
+    attention run ahead) gives the logits of the PyTorch path, on every layer."""
     from expertcache.engine.predictors import QuasiHidden, make_predictor
     engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
+    engine.forward(torch.tensor([5, 6, 7]), 0)  # keys and values for the attention run ahead at position 3
+    engine.model.position = 3
     p = make_predictor(name, engine.model, engine.path)
     g = torch.Generator().manual_seed(1)
     a = engine.args
@@ -407,8 +409,9 @@ def test_recorded_states_give_each_token_its_previous_tokens_experts(calibrated)
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "deepseek_v2"])
 def test_the_estimator_trains_and_predicts_exactly_on_other_families(tiny, tmp_path, family):
     """Trained on a router with a logit bias (GPT-OSS), with linear attention and a shared expert (Qwen3-Next) or
-    with latent attention (DeepSeek-V2), the estimator predicts through decode and leaves its logits equal to
-    HF's."""
+    with latent attention (DeepSeek-V2), the estimator and the lookahead predict through decode and leave its
+    logits equal to HF's: the attention run ahead writes only keys and values (or latents) that its layer
+    writes again, and does not run on linear attention's state."""
     path = tmp_path / "model"
     shutil.copytree(tiny[family][0], path)
     ids = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -417,11 +420,12 @@ def test_the_estimator_trains_and_predicts_exactly_on_other_families(tiny, tmp_p
     ids = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         ref = tiny[family][1](ids[None]).logits[0]
-    engine = Engine(path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25),
-                                       prefetch=PrefetchConfig("estimator", "prefetch")))
-    torch.testing.assert_close(decode(engine, ids), ref, atol=1e-4, rtol=0)
-    assert engine.stats.predictions >= len(ids) - 6  # one a decode token at least (a prompt's: one a token)
-    engine.close()
+    for predictor in ("estimator", "lookahead"):
+        engine = Engine(path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25),
+                                           prefetch=PrefetchConfig(predictor, "prefetch")))
+        torch.testing.assert_close(decode(engine, ids), ref, atol=1e-4, rtol=0)
+        assert engine.stats.predictions >= len(ids) - 6  # one a decode token at least (a prompt's: one a token)
+        engine.close()
 
 
 def test_predict_trains_and_measures_from_the_command_line(tmp_path, capsys):
@@ -431,11 +435,32 @@ def test_predict_trains_and_measures_from_the_command_line(tmp_path, capsys):
     path = tmp_path / "model"
     shutil.copytree(BUILTIN_MODEL, path)
     (path / "estimator.safetensors").unlink()
+    (path / "lookahead.safetensors").unlink()
     common = ["--model", str(path), "--max-tokens", "600"]
     assert cli.main(["predict", "--train", *common, "--epochs", "2"]) == 0
-    assert "train 4->5" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "train 4->5" in err and "lookahead 4->5" in err and (path / "lookahead.safetensors").exists()
     out = tmp_path / "recall.json"
     assert cli.main(["predict", *common, "--predictors", "estimator", "--json", str(out)]) == 0
     assert "record" in capsys.readouterr().err
     recall = json.loads(out.read_text())["estimator"]
     assert len(recall) == 5 and all(0.1 < r <= 1 for r in recall)  # above chance (8 of 128) after 2 epochs
+
+
+def test_the_attention_run_ahead_is_the_layers_own_and_leaves_no_trace():
+    """Given a layer's true input, the attention run ahead gives that layer's MoE input exactly, at the position
+    of the forward; a forward after one run ahead on another input gives the logits it gives without; a decode
+    batch runs none (linear attention: the families test)."""
+    engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
+    model = engine.model
+    engine.forward(torch.tensor([11, 12, 13, 14]), 0)
+    want = engine.forward(torch.tensor([15]), 4).clone()
+    h = model.embed[torch.tensor([15])].float()
+    model.position = 4
+    ahead = model.attention_ahead(0, h)
+    torch.testing.assert_close(ahead, model.attention_block(0, h.clone(), 4)[1], atol=0, rtol=0)
+    model.attention_ahead(1, torch.randn(1, engine.args.hidden_size))
+    torch.testing.assert_close(engine.forward(torch.tensor([15]), 4), want, atol=0, rtol=0)
+    model.position = None  # as a decode batch leaves it
+    assert model.attention_ahead(0, h) is None
+    engine.close()

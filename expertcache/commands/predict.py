@@ -1,4 +1,4 @@
-"""expertcache predict: train the next-layer estimator, or measure recall@k per layer."""
+"""expertcache predict: train the next-layer estimators, or measure recall@k per layer."""
 from __future__ import annotations
 
 import json
@@ -7,17 +7,18 @@ from pathlib import Path
 from ..choices import BUILTIN_MODEL, CALIB_TEXT, EVAL_TEXT, PREDICTORS
 from .options import add_json_argument, add_model_argument, fraction, output_path, positive_int, write_json
 
-HELP = "train the estimator (--train) or report each predictor's recall@k per layer"
+HELP = "train the estimators (--train) or report each predictor's recall@k per layer"
 
 
 def add_arguments(p):
     """The verb's options."""
     add_model_argument(p)
-    p.add_argument("--train", action="store_true", help="train the estimator on calibration text and save it")
+    p.add_argument("--train", action="store_true",
+                   help="train the estimator and the lookahead's net on calibration text and save them")
     p.add_argument("--text", type=Path, default=None,
                    help="default: calibration text to train, evaluation text to measure")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="use only the first N tokens")
-    p.add_argument("--epochs", type=positive_int, default=30, help="estimator training epochs (per layer transition)")
+    p.add_argument("--epochs", type=positive_int, default=30, help="training epochs of each net (per layer transition)")
     p.add_argument("--hybrid-below", type=fraction, default=0.85,
                    help="hybrid: estimator where quasi-hidden recall is below")
     p.add_argument("--predictors", nargs="+", default=list(PREDICTORS), choices=PREDICTORS, help="predictors to score")

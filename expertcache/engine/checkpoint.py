@@ -21,6 +21,7 @@ from .tensor_file import TensorFile, TensorInfo
 
 DEFAULT_VECTORS = "default_vectors.safetensors"
 ESTIMATOR_FILE = "estimator.safetensors"  # the next-layer estimator (engine/predictors.py)
+LOOKAHEAD_FILE = "lookahead.safetensors"  # the estimator on the next layer's attention run ahead (same place)
 ROUTING_COUNTS = "routing_counts.json"  # per layer, how often each expert is routed on calibration text
 
 
@@ -181,7 +182,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             files[name] = path / shard
     else:
         # the model's weights, not the files `calibrate` and `predict --train` write beside them
-        shards = sorted(f for f in path.glob("*.safetensors") if f.name not in (DEFAULT_VECTORS, ESTIMATOR_FILE))
+        beside = (DEFAULT_VECTORS, ESTIMATOR_FILE, LOOKAHEAD_FILE)
+        shards = sorted(f for f in path.glob("*.safetensors") if f.name not in beside)
         if not shards:
             raise CheckpointError(f"{path}: no *.safetensors weights; convert the checkpoint to safetensors")
         headers = {}

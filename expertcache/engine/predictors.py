@@ -12,7 +12,11 @@ token ran at layer l+1 (ids, weights [T, k]; weight 0 where a token has none).
 - estimator: one small feed-forward net per layer transition on the quasi-hidden state and the
   previous token's experts at l+1 (consecutive tokens share experts), distilled by KL to the
   true next-layer router;
-- hybrid: the estimator on the layers where quasi-hidden recall is weak, quasi-hidden elsewhere.
+- hybrid: the estimator on the layers where quasi-hidden recall is weak, quasi-hidden elsewhere;
+- lookahead: the estimator's net on layer l+1's own MoE input as its attention gives it when run
+  early on the quasi-hidden residual r_l + d_l (keys and values of earlier tokens exact): the
+  attention's context is what the quasi-hidden state lacks most. It costs one attention block more
+  per layer.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from torch import nn
 from ..choices import PREDICTORS  # noqa: F401 (re-exported)
 from ..errors import CheckpointError, UnknownName
 from ..kernel import dense_decode
-from .checkpoint import ESTIMATOR_FILE
+from .checkpoint import ESTIMATOR_FILE, LOOKAHEAD_FILE
 from .experts import KERNEL_VIEWS, kernel_view
 from .moe import decode_router_logits, router_logits
 from .transformer import Transformer
@@ -185,17 +189,21 @@ class Estimator(QuasiHidden):
             return super().decode_logits(layer, resid, x, ids, weights)
         if not self._compiled(resid) or self.net.transitions[0].fc1.weight.dtype != torch.float32:
             return None
-        if self._net is None:
-            self._net = [tuple(t.detach().numpy() for t in (n.fc1.weight, n.fc1.bias, n.prev.weight, n.fc2.weight,
-                                                            n.fc2.bias)) for n in self.net.transitions]
-            self._hidden = np.empty(self._net[0][0].shape[0], np.float32)
         vectors, norm, _ = self._arrays()[layer]
-        w1, b1, rows, w2, b2 = self._net[layer]
+        w1, b1, rows, w2, b2 = self._net_arrays()[layer]
         prev_ids, prev_weights = self._none if prev is None else prev
         out = np.empty((1, w2.shape[0]), np.float32)
         dense_decode.estimator_logits(resid.numpy()[0], vectors, ids, weights, norm, self._eps, w1, b1, rows,
                                       prev_ids, prev_weights, w2, b2, self._q, self._hidden, out[0])
         return out
+
+    def _net_arrays(self) -> list[tuple[np.ndarray, ...]]:
+        """Per transition, the net's weights as arrays for the compiled calls."""
+        if self._net is None:
+            self._net = [tuple(t.detach().numpy() for t in (n.fc1.weight, n.fc1.bias, n.prev.weight, n.fc2.weight,
+                                                            n.fc2.bias)) for n in self.net.transitions]
+            self._hidden = np.empty(self._net[0][0].shape[0], np.float32)
+        return self._net
 
     def logits(self, layer, resid, x, ids, weights, prev=None):
         """The estimator's logits for layer+1 [T, E], or quasi-hidden's on layers it does not cover."""
@@ -207,26 +215,81 @@ class Estimator(QuasiHidden):
             return self.net(layer, q.float(), prev_ids.long(), prev_weights.float()).to(q.dtype)
 
 
+class Lookahead(Estimator):
+    """The net on layer l+1's MoE input as layer l+1's attention gives it on the quasi-hidden residual
+    r_l + d_l, run ahead at the forward's positions (Transformer.attention_ahead); where it cannot run (linear
+    attention, a decode batch) the net takes the quasi-hidden state itself, as it was trained to there."""
+    name = "lookahead"
+
+    def ahead_input(self, layer: int, resid: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                    ) -> torch.Tensor:
+        """The net's input [T, H] at transition layer -> layer+1 (resid [T, H], ids and weights [T, k])."""
+        return lookahead_input(self.model, layer, resid, self.default_vectors, ids, weights)
+
+    def net_logits(self, layer: int, inputs: torch.Tensor, prev: tuple[torch.Tensor, torch.Tensor] | None
+                   ) -> torch.Tensor:
+        """The net of transition layer -> layer+1 on its inputs [T, H] -> logits [T, E]."""
+        prev_ids, prev_weights = no_previous(inputs.shape[0], self.model.args.top_k, inputs.device) \
+            if prev is None else prev
+        with torch.no_grad():
+            return self.net(layer, inputs.float(), prev_ids.long(), prev_weights.float()).to(inputs.dtype)
+
+    def logits(self, layer, resid, x, ids, weights, prev=None):
+        return self.net_logits(layer, self.ahead_input(layer, resid, ids, weights), prev)
+
+    def decode_logits(self, layer, resid, x, ids, weights, prev=None):
+        """The attention ahead through the model's compiled decode block, the net in one compiled call."""
+        if not self._compiled(resid) or self.net.transitions[0].fc1.weight.dtype != torch.float32:
+            return None
+        h = torch.empty_like(resid)
+        dense_decode.gated_sum(resid.numpy()[0], self._arrays()[layer][0], ids, weights, h.numpy()[0])
+        inputs = self.model.attention_ahead(self.model.args.moe_layers[layer + 1], h, own=True)
+        if inputs is None:
+            inputs = self.ahead_input(layer, resid, torch.from_numpy(ids)[None], torch.from_numpy(weights)[None])
+        w1, b1, rows, w2, b2 = self._net_arrays()[layer]
+        prev_ids, prev_weights = self._none if prev is None else prev
+        out = np.empty((1, w2.shape[0]), np.float32)
+        dense_decode.transition_logits(inputs.float().numpy()[0], w1, b1, rows, prev_ids, prev_weights, w2, b2,
+                                       self._hidden, out[0])
+        return out
+
+
+def lookahead_input(model: Transformer, layer: int, resid: torch.Tensor, default_vectors: torch.Tensor,
+                    ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Layer layer+1's MoE input [T, H] as its attention, run ahead, gives it on r + d (resid [T, H], d the
+    gate-weighted default vectors of ids, weights [T, k] at `layer`); the quasi-hidden state where the
+    attention cannot run ahead."""
+    a = model.args
+    h = resid + (default_vectors[layer][ids] * weights.unsqueeze(-1).to(resid.dtype)).sum(1)
+    x = model.attention_ahead(a.moe_layers[layer + 1], h)
+    if x is None:
+        x = F.rms_norm(h, (a.hidden_size,), model.moe_layers[layer + 1]["moe_norm"], a.rms_norm_eps)
+    return x
+
+
 ESTIMATOR_VERSION = "2"  # 1: one net for every transition, without the previous token's experts
 
 
-def save_estimator(net: EstimatorNet, path: Path, hybrid_layers: list[int], recall: dict) -> None:
-    """Write the net to estimator.safetensors in `path`, with its shape, hybrid layers and calibration recall
-    as metadata."""
+def save_estimator(net: EstimatorNet, path: Path, hybrid_layers: list[int], recall: dict,
+                   file: str = ESTIMATOR_FILE) -> None:
+    """Write the net to `file` (estimator.safetensors, or lookahead.safetensors for the lookahead's) in `path`,
+    with its shape, hybrid layers and calibration recall as metadata."""
     import json
     t = net.transitions[0]
     meta = {"version": ESTIMATOR_VERSION, "hidden": str(t.fc1.in_features), "experts": str(t.fc2.out_features),
             "transitions": str(len(net.transitions)), "width": str(t.fc1.out_features),
             "hybrid_layers": json.dumps(hybrid_layers), "calibration_recall": json.dumps(recall)}
-    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path / ESTIMATOR_FILE), metadata=meta)
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path / file), metadata=meta)
 
 
-def load_estimator(path: Path, model: Transformer | None = None) -> tuple[EstimatorNet, list[int]]:
-    """The net saved in `path` and the layers the hybrid uses it on; with `model`, checked to be its shape."""
+def load_estimator(path: Path, model: Transformer | None = None, file: str = ESTIMATOR_FILE
+                   ) -> tuple[EstimatorNet, list[int]]:
+    """The net saved as `file` in `path` and the layers the hybrid uses it on; with `model`, checked to be its
+    shape."""
     import json
 
     from safetensors import SafetensorError, safe_open
-    f = Path(path) / ESTIMATOR_FILE
+    f = Path(path) / file
     retrain = f"run `expertcache predict --train --model {path}`"
     if not f.exists():
         raise CheckpointError(f"{f} is missing; {retrain}")
@@ -261,4 +324,7 @@ def make_predictor(name: str, model: Transformer, model_path: Path) -> Predictor
         p = Estimator(model, load_default_vectors(model_path), net, set(hybrid_layers) if name == "hybrid" else None)
         p.name = name
         return p
+    if name == "lookahead":
+        net, _ = load_estimator(model_path, model, LOOKAHEAD_FILE)
+        return Lookahead(model, load_default_vectors(model_path), net)
     raise UnknownName(f"unknown predictor {name!r}; choose one of {', '.join(PREDICTORS)}")

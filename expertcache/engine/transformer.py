@@ -52,6 +52,7 @@ class Transformer:
         self.embed, self.norm = w["embed"], w["norm"]
 
         self.scratch_activations = ActivationScratch()  # a window's int8 activations, shared by the matrices
+        self.position: int | None = None  # the first position of the one sequence's forward running (attention_ahead)
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, bias, dense, held if device.type == "cpu" else dtype, self.scratch_activations)
@@ -254,6 +255,7 @@ class Transformer:
         if pos + T > self.max_seq:
             raise BadInput(f"sequence of {pos + T} tokens exceeds max_seq={self.max_seq}; raise --max-seq")
         self._reserve(pos + T)
+        self.position = pos
         h = self.embed[ids].to(self.dtype)  # a copy: the compiled attention block may update it in place
         for i in range(len(self.layers)):
             h, x = self.attention_block(i, h, pos)
@@ -274,6 +276,16 @@ class Transformer:
         xa = F.rms_norm(h, (a.hidden_size,), L["attn_norm"], a.rms_norm_eps)
         h = h + (self.linear[i](xa, pos) if i in self.linear else self._attention(i, L, xa, pos))
         return h, F.rms_norm(h, (a.hidden_size,), L["moe_norm"], a.rms_norm_eps)
+
+    def attention_ahead(self, i: int, h: torch.Tensor, own: bool = False) -> torch.Tensor | None:
+        """Layer i's attention block run early on an estimate h [T, H] of its input, at the positions of the
+        forward running, for a predictor: the MoE input it gives (normed), or None where running it would change
+        state that is not written again (linear attention) or the forward is a decode batch. The keys and values
+        it writes are written again by layer i's own attention in the same forward. `own`: h is the caller's
+        scratch, which a decode token's compiled block may update in place (else it is copied)."""
+        if self.position is None or i in self.linear:
+            return None
+        return self.attention_block(i, h if own else h.clone(), self.position)[1]
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [T, V] of the last residual stream h [T, H]: final norm, output matrix."""
@@ -315,6 +327,7 @@ class Transformer:
             raise BadInput("batched decode needs a model whose per-sequence state is its keys and values; "
                            "this one has latent or linear attention: decode one sequence at a time")
         a = self.args
+        self.position = None  # several sequences: no attention runs ahead
         for pos, (k_cache, _) in zip(positions, kv):
             if pos >= k_cache.shape[2]:
                 raise BadInput(f"position {pos} is beyond its KV buffer of {k_cache.shape[2]} positions; "

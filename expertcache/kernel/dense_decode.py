@@ -201,15 +201,22 @@ def scratch_size(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
+def gated_sum(resid, vectors, ids, gates, out):
+    """out [H] = resid [H] + sum_j gates[j] vectors[ids[j]]: one token's residual with its experts' default
+    vectors, the quasi-hidden state before its norm."""
+    for h in range(resid.shape[0]):
+        out[h] = resid[h]
+    for j in range(ids.shape[0]):
+        g = gates[j]
+        for h in range(resid.shape[0]):
+            out[h] += g * vectors[ids[j], h]
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
 def _quasi_hidden(resid, vectors, ids, gates, norm, eps, q):
     """One token's quasi-hidden state q [:H] = rms_norm(resid [H] + sum_j gates[j] vectors[ids[j]], norm)."""
     H = resid.shape[0]
-    for h in range(H):
-        q[h] = resid[h]
-    for j in range(ids.shape[0]):
-        g = gates[j]
-        for h in range(H):
-            q[h] += g * vectors[ids[j], h]
+    gated_sum(resid, vectors, ids, gates, q[:H])
     rms_norm(q[:H], norm, eps, q[:H])
 
 
@@ -222,13 +229,10 @@ def quasi_hidden_logits(resid, vectors, ids, gates, norm, eps, router, q, out):
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def estimator_logits(resid, vectors, ids, gates, norm, eps, w1, b1, rows, prev_ids, prev_gates, w2, b2, q, hidden,
-                     out):
-    """One estimator transition's next-layer logits out [E] for one token: w2 silu(w1 q + b1 + sum_j prev_gates[j]
-    rows[prev_ids[j]]) + b2, with q the quasi-hidden state [H] (quasi_hidden_logits), w1 [W, H], rows [E, W] (a
-    row per expert the previous token ran at the next layer; none given: unknown), w2 [E, W]; q, hidden [W]
-    scratch."""
-    _quasi_hidden(resid, vectors, ids, gates, norm, eps, q)
+def transition_logits(q, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidden, out):
+    """One estimator transition's next-layer logits out [E] for one token's input q [H]: w2 silu(w1 q + b1 +
+    sum_j prev_gates[j] rows[prev_ids[j]]) + b2, with w1 [W, H], rows [E, W] (a row per expert the previous
+    token ran at the next layer; none given: unknown), w2 [E, W]; hidden [W] scratch."""
     gemv(w1, q, b1, hidden)
     for j in range(prev_ids.shape[0]):
         g = prev_gates[j]
@@ -237,3 +241,11 @@ def estimator_logits(resid, vectors, ids, gates, norm, eps, w1, b1, rows, prev_i
     for i in range(hidden.shape[0]):
         hidden[i] = hidden[i] / (np.float32(1.0) + np.exp(-hidden[i]))
     gemv(w2, hidden, b2, out)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def estimator_logits(resid, vectors, ids, gates, norm, eps, w1, b1, rows, prev_ids, prev_gates, w2, b2, q, hidden,
+                     out):
+    """transition_logits on the quasi-hidden state q [H] of one token (quasi_hidden_logits); q, hidden scratch."""
+    _quasi_hidden(resid, vectors, ids, gates, norm, eps, q)
+    transition_logits(q, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidden, out)

@@ -14,14 +14,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..engine.checkpoint import load_default_vectors
+from ..engine.checkpoint import LOOKAHEAD_FILE, load_default_vectors
 from ..engine.experts import ExpertKind
 from ..engine.moe import router_logits
 from ..engine.predictors import (
     Estimator,
     EstimatorNet,
+    Lookahead,
     Predictor,
     QuasiHidden,
+    lookahead_input,
     make_predictor,
     save_estimator,
 )
@@ -40,6 +42,7 @@ class LayerStates:
     weights: list[torch.Tensor]
     logits: list[torch.Tensor]  # [N, E]
     starts: torch.Tensor  # [N] bool
+    ahead: list[torch.Tensor] | None = None  # per transition l -> l+1, the lookahead's inputs [N, H] (add_lookahead)
 
     def previous(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's previous token's routed ids and weights at `layer` [N, k] (weight 0 at a window's start),
@@ -79,6 +82,23 @@ def record_states(model_path: Path, ids: list[int], context: int = 512,
     return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"), starts)
 
 
+@torch.inference_mode()
+def add_lookahead(model: Transformer, s: LayerStates, default_vectors: torch.Tensor) -> None:
+    """s.ahead: per transition, the lookahead's input for every recorded token, each window's attention run
+    ahead from position 0 as its forward ran it. Within a window the earlier tokens' keys and values are
+    estimates too, where decode has them exact: a little farther from the truth than decode's inputs."""
+    bounds = [*s.starts.nonzero().flatten().tolist(), len(s.starts)]
+    s.ahead = []
+    for l in range(len(s.x) - 1):
+        parts = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            model.position = 0
+            parts.append(lookahead_input(model, l, s.resid[l][start:end], default_vectors, s.ids[l][start:end],
+                                         s.weights[l][start:end]))
+        s.ahead.append(torch.cat(parts))
+    model.position = None
+
+
 @torch.no_grad()
 def recall_per_layer(p: Predictor, s: LayerStates, top_k: int, batch: int = 8192) -> list[float]:
     """recall@k of transition l -> l+1 for l = 0..L-2: share of the true top-k that was predicted."""
@@ -89,8 +109,12 @@ def recall_per_layer(p: Predictor, s: LayerStates, top_k: int, batch: int = 8192
         prev_ids, prev_weights = s.previous(layer + 1)
         for i in range(0, len(s.x[layer]), batch):
             sl = slice(i, i + batch)
-            pred = p.logits(layer, s.resid[layer][sl], s.x[layer][sl], s.ids[layer][sl], s.weights[layer][sl],
-                            (prev_ids[sl], prev_weights[sl]))
+            prev = (prev_ids[sl], prev_weights[sl])
+            if isinstance(p, Lookahead):  # its attention runs ahead per window: the inputs add_lookahead recorded
+                pred = p.net_logits(layer, s.ahead[layer][sl], prev)
+            else:
+                pred = p.logits(layer, s.resid[layer][sl], s.x[layer][sl], s.ids[layer][sl], s.weights[layer][sl],
+                                prev)
             true_ids = s.ids[layer + 1][sl][:, :top_k]  # routed by the family's router when recorded
             assert pred.shape == s.logits[layer + 1][sl].shape, \
                 f"{p.name} gave logits {tuple(pred.shape)}, expected {tuple(s.logits[layer + 1][sl].shape)}"
@@ -121,11 +145,13 @@ def routing_loss(router: Router, pred: torch.Tensor, true: torch.Tensor, bias: t
 
 def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.Tensor, epochs: int = 30,
                     lr: float = 2e-3, batch: int = 1024, seed: int = 0, unknown_previous: float = 0.1,
-                    progress: Callable[[str, int, int], None] | None = None) -> EstimatorNet:
+                    progress: Callable[[str, int, int], None] | None = None, lookahead: bool = False
+                    ) -> EstimatorNet:
     """Distil (q_l, the previous token's experts at l+1) -> Router_{l+1} logits by `routing_loss` under the model's
-    router, one net per transition. A share `unknown_previous` of each batch is shown without the previous
-    token's experts, as the engine predicts a sequence's first token and a decode batch's. `progress(stage,
-    epochs done, epochs in all)` after each epoch, the stage naming the transition and its loss."""
+    router, one net per transition; with `lookahead`, on s.ahead's inputs instead of q_l. A share
+    `unknown_previous` of each batch is shown without the previous token's experts, as the engine predicts a
+    sequence's first token and a decode batch's. `progress(stage, epochs done, epochs in all)` after each epoch,
+    the stage naming the net, the transition and its loss."""
     a, router = model.args, model.router
     qh = QuasiHidden(model, default_vectors)
     torch.manual_seed(seed)
@@ -133,7 +159,7 @@ def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.T
     g = torch.Generator().manual_seed(seed)
     for l, transition in enumerate(net.transitions):
         with torch.no_grad():
-            q = qh.quasi_hidden(l, s.resid[l], s.ids[l], s.weights[l]).float()
+            q = (s.ahead[l] if lookahead else qh.quasi_hidden(l, s.resid[l], s.ids[l], s.weights[l])).float()
             prev_ids, prev_weights = s.previous(l + 1)
             prev_ids, prev_weights = prev_ids.long(), prev_weights.float()
             target = s.logits[l + 1].float()
@@ -157,15 +183,16 @@ def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.T
                 sched.step()
                 total += loss.item()
             if progress:
-                progress(f"train {l}->{l + 1}, loss {total / (len(q) // size):.4f}", 1, epochs * len(net.transitions))
+                stage = "lookahead" if lookahead else "train"
+                progress(f"{stage} {l}->{l + 1}, loss {total / (len(q) // size):.4f}", 1, epochs * len(net.transitions))
     return net.eval()
 
 
 def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, epochs: int = 30,
                   progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Train the estimator on calibration tokens, choose the hybrid's layers (quasi-hidden recall
-    below `hybrid_below` there) and save it beside the model. `progress(stage, done, total)`: the tokens
-    recorded, then the epochs trained."""
+    below `hybrid_below` there) and save it beside the model; then the lookahead's net, saved beside it too.
+    `progress(stage, done, total)`: the tokens recorded, then each net's epochs trained."""
     model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))))
     dv = load_default_vectors(model_path)
     k = model.args.top_k
@@ -175,13 +202,19 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
     hybrid = [l for l, r in enumerate(qh_recall) if r < hybrid_below and est_recall[l] > r]
     recall = {"quasi-hidden": qh_recall, "estimator": est_recall}
     save_estimator(net, Path(model_path), hybrid, recall)
+    add_lookahead(model, states, dv)
+    ahead = train_estimator(model, states, dv, epochs=epochs, progress=progress, lookahead=True)
+    recall["lookahead"] = recall_per_layer(Lookahead(model, dv, ahead), states, k)
+    save_estimator(ahead, Path(model_path), [], {"lookahead": recall["lookahead"]}, LOOKAHEAD_FILE)
     return {"tokens": len(states.x[0]), "hybrid_layers": hybrid, "calibration_recall": recall}
 
 
 def recall_table(model_path: Path, ids: list[int],
-                 predictors=("router-ahead", "quasi-hidden", "estimator", "hybrid"),
+                 predictors=("router-ahead", "quasi-hidden", "estimator", "hybrid", "lookahead"),
                  progress: Callable[[str, int, int], None] | None = None) -> dict:
     """recall@k of each named predictor per layer transition, on the states recorded over `ids`."""
     model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))))
+    if "lookahead" in predictors:
+        add_lookahead(model, states, load_default_vectors(model_path))
     return {name: recall_per_layer(make_predictor(name, model, Path(model_path)), states, model.args.top_k)
             for name in predictors}
