@@ -464,3 +464,31 @@ def test_the_attention_run_ahead_is_the_layers_own_and_leaves_no_trace():
     model.position = None  # as a decode batch leaves it
     assert model.attention_ahead(0, h) is None
     engine.close()
+
+
+def test_the_lookahead_trains_on_the_inputs_decode_gives_it():
+    """The lookahead's training inputs for a recorded text (add_lookahead) are those decode computes for the same
+    tokens one at a time: the attention run ahead against the exact keys of the tokens before."""
+    from expertcache.engine.checkpoint import load_default_vectors
+    from expertcache.engine.engine import BUILTIN_MODEL
+    from expertcache.lab.prediction import add_lookahead, record_states
+    ids = list(range(40, 52))
+    model, states = record_states(BUILTIN_MODEL, ids)
+    add_lookahead(model, states, load_default_vectors(BUILTIN_MODEL))
+    engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0),
+                                       prefetch=PrefetchConfig("lookahead", "prefetch")))
+    seen, ahead = {}, engine.model.attention_ahead
+
+    def spy(i, h, own=False):
+        x = ahead(i, h, own)
+        if h.shape[0] == 1:
+            seen.setdefault(engine.model.position, []).append(x.clone())
+        return x
+    engine.model.attention_ahead = spy
+    decode(engine, torch.tensor(ids))
+    assert sorted(seen) == list(range(6, len(ids)))
+    for pos, inputs in seen.items():
+        assert len(inputs) == engine.args.num_moe_layers - 1
+        for l, x in enumerate(inputs):
+            torch.testing.assert_close(x, states.ahead[l][pos:pos + 1], atol=1e-4, rtol=1e-4)
+    engine.close()

@@ -56,8 +56,8 @@ def run(a) -> int:
 
 
 def _stages(bar):
-    """A `progress(stage, done, total)` that shows each stage's count on `bar`: recording's tokens, then
-    training's epochs (a stage whose label changes within it, e.g. the loss, keeps counting)."""
+    """A `progress(stage, done, total)` that shows each stage's count on `bar`: recording's and the lookahead's
+    tokens, training's epochs (a stage whose label changes within it, e.g. the loss, keeps counting)."""
     kind = [None]
 
     def progress(stage: str, done: int, total: int) -> None:
@@ -65,7 +65,7 @@ def _stages(bar):
         if unit != kind[0]:
             kind[0] = unit
             bar.reset(total=total)
-            bar.unit = "tok" if unit == "record" else "epoch"
+            bar.unit = "tok" if unit in ("record", "ahead") else "epoch"
         bar.set_description(stage, refresh=False)
         bar.update(done)
     return progress

@@ -90,7 +90,8 @@ def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[Checkpoint, 
     layer's MoE call sees all the text's tokens, so that an expert is read from the checkpoint once per layer
     and held alone (the run holds the dense weights, the text's hidden states and one expert, not the model).
     Returns the model, the MoE function and the windows' lengths; `progress(tokens)` after each layer, its share
-    of the text's tokens (so that a bar over the tokens ends full)."""
+    of the text's tokens (so that a bar over the tokens ends full). A MoE function with `before_attention(layer,
+    windows)` sees each decoder layer's input, window by window, before its attention runs."""
     ckpt = open_checkpoint(model_path)
     args = model_args(ckpt.config)
     weights = dense_weights(ckpt, args)
@@ -103,7 +104,10 @@ def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[Checkpoint, 
     with torch.inference_mode(), kernels_own_the_cores():
         hs = [model.embed[x[a:b]].to(model.dtype) for a, b in spans]
         lengths = [h.shape[0] for h in hs]
+        before = getattr(moe, "before_attention", None)
         for i in range(args.num_layers):
+            if before is not None:
+                before(i, hs)
             xs = []
             for w, h in enumerate(hs):  # attention per window, as a window's forward runs it
                 hs[w], xn = model.attention_block(i, h, 0)

@@ -35,13 +35,15 @@ from .calibrate import RecordingMoE, run_exact
 @dataclass
 class LayerStates:
     """Per layer l, every recorded token's residual r_l and MoE input x_l [N, H], routed ids and weights
-    [N, k] and router logits [N, E]; `starts` [N]: the tokens that begin a window (no previous token)."""
+    [N, k] and router logits [N, E]; `starts` [N]: the tokens that begin a window (no previous token); `pre`:
+    per layer, its decoder layer's input before attention [N, H]."""
     resid: list[torch.Tensor]  # per layer [N, H]
     x: list[torch.Tensor]
     ids: list[torch.Tensor]  # [N, k]
     weights: list[torch.Tensor]
     logits: list[torch.Tensor]  # [N, E]
     starts: torch.Tensor  # [N] bool
+    pre: list[torch.Tensor] | None = None
     ahead: list[torch.Tensor] | None = None  # per transition l -> l+1, the lookahead's inputs [N, H] (add_lookahead)
 
     def previous(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,10 +58,15 @@ class _Recorder(RecordingMoE):
     def __init__(self, ckpt, args, router, kind):
         super().__init__(ckpt, args, router, kind)
         self.resid_now = None
-        self.rows = [dict(resid=[], x=[], ids=[], weights=[], logits=[]) for _ in range(args.num_moe_layers)]
+        self.rows = [dict(resid=[], x=[], ids=[], weights=[], logits=[], pre=[]) for _ in range(args.num_moe_layers)]
+        self.moe_index = {i: j for j, i in enumerate(args.moe_layers)}
 
     def hook(self, layer, h):
         self.resid_now = h
+
+    def before_attention(self, layer, windows):
+        if layer in self.moe_index:
+            self.rows[self.moe_index[layer]]["pre"].append(torch.cat(windows))
 
     def __call__(self, layer, x, router):
         logits = router_logits(x, router, self.router)  # recorded without the router's bias, as traces hold them
@@ -79,23 +86,33 @@ def record_states(model_path: Path, ids: list[int], context: int = 512,
                                     context, progress)
     cat = lambda key: [torch.cat(r[key]) for r in rec.rows]  # noqa: E731
     starts = torch.cat([torch.arange(n) == 0 for n in lengths])  # each window's first token
-    return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"), starts)
+    return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"), starts, cat("pre"))
 
 
 @torch.inference_mode()
-def add_lookahead(model: Transformer, s: LayerStates, default_vectors: torch.Tensor) -> None:
-    """s.ahead: per transition, the lookahead's input for every recorded token, each window's attention run
-    ahead from position 0 as its forward ran it. Within a window the earlier tokens' keys and values are
-    estimates too, where decode has them exact: a little farther from the truth than decode's inputs."""
+def add_lookahead(model: Transformer, s: LayerStates, default_vectors: torch.Tensor,
+                  progress: Callable[[int], None] | None = None) -> None:
+    """s.ahead: per transition l -> l+1, the lookahead's input for every recorded token as decode computes it:
+    layer l+1's attention run ahead on the token's r_l + d_l against the exact keys and values of the tokens
+    before it in its window. Each window's exact keys are written first (from s.pre), then its tokens run from
+    the last to the first, so that the key each one writes at its own position is past every later query's
+    reach. `progress(tokens)` after each window of each transition."""
+    a = model.args
     bounds = [*s.starts.nonzero().flatten().tolist(), len(s.starts)]
     s.ahead = []
     for l in range(len(s.x) - 1):
-        parts = []
+        i = a.moe_layers[l + 1]
+        rows = [None] * len(s.starts)
         for start, end in zip(bounds[:-1], bounds[1:]):
-            model.position = 0
-            parts.append(lookahead_input(model, l, s.resid[l][start:end], default_vectors, s.ids[l][start:end],
-                                         s.weights[l][start:end]))
-        s.ahead.append(torch.cat(parts))
+            if i not in model.linear:
+                model.attention_block(i, s.pre[l + 1][start:end].clone(), 0)
+            for t in reversed(range(start, end)):
+                model.position = t - start
+                rows[t] = lookahead_input(model, l, s.resid[l][t:t + 1], default_vectors, s.ids[l][t:t + 1],
+                                          s.weights[l][t:t + 1])
+            if progress:
+                progress(end - start)
+        s.ahead.append(torch.cat(rows))
     model.position = None
 
 
@@ -192,7 +209,8 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
                   progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Train the estimator on calibration tokens, choose the hybrid's layers (quasi-hidden recall
     below `hybrid_below` there) and save it beside the model; then the lookahead's net, saved beside it too.
-    `progress(stage, done, total)`: the tokens recorded, then each net's epochs trained."""
+    `progress(stage, done, total)`: the tokens recorded, the estimator's epochs, the lookahead's inputs (tokens
+    of every transition), its epochs."""
     model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))))
     dv = load_default_vectors(model_path)
     k = model.args.top_k
@@ -202,7 +220,7 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
     hybrid = [l for l, r in enumerate(qh_recall) if r < hybrid_below and est_recall[l] > r]
     recall = {"quasi-hidden": qh_recall, "estimator": est_recall}
     save_estimator(net, Path(model_path), hybrid, recall)
-    add_lookahead(model, states, dv)
+    add_lookahead(model, states, dv, progress and (lambda n: progress("ahead", n, len(states.starts) * len(net.transitions))))
     ahead = train_estimator(model, states, dv, epochs=epochs, progress=progress, lookahead=True)
     recall["lookahead"] = recall_per_layer(Lookahead(model, dv, ahead), states, k)
     save_estimator(ahead, Path(model_path), [], {"lookahead": recall["lookahead"]}, LOOKAHEAD_FILE)
@@ -215,6 +233,7 @@ def recall_table(model_path: Path, ids: list[int],
     """recall@k of each named predictor per layer transition, on the states recorded over `ids`."""
     model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))))
     if "lookahead" in predictors:
-        add_lookahead(model, states, load_default_vectors(model_path))
+        add_lookahead(model, states, load_default_vectors(model_path),
+                      progress and (lambda n: progress("ahead", n, len(states.starts) * (model.args.num_moe_layers - 1))))
     return {name: recall_per_layer(make_predictor(name, model, Path(model_path)), states, model.args.top_k)
             for name in predictors}
