@@ -220,7 +220,8 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
     hybrid = [l for l, r in enumerate(qh_recall) if r < hybrid_below and est_recall[l] > r]
     recall = {"quasi-hidden": qh_recall, "estimator": est_recall}
     save_estimator(net, Path(model_path), hybrid, recall)
-    add_lookahead(model, states, dv, progress and (lambda n: progress("ahead", n, len(states.starts) * len(net.transitions))))
+    tokens = len(states.starts) * len(net.transitions)
+    add_lookahead(model, states, dv, progress and (lambda n: progress("ahead", n, tokens)))
     ahead = train_estimator(model, states, dv, epochs=epochs, progress=progress, lookahead=True)
     recall["lookahead"] = recall_per_layer(Lookahead(model, dv, ahead), states, k)
     save_estimator(ahead, Path(model_path), [], {"lookahead": recall["lookahead"]}, LOOKAHEAD_FILE)
@@ -233,7 +234,8 @@ def recall_table(model_path: Path, ids: list[int],
     """recall@k of each named predictor per layer transition, on the states recorded over `ids`."""
     model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))))
     if "lookahead" in predictors:
+        tokens = len(states.starts) * (model.args.num_moe_layers - 1)
         add_lookahead(model, states, load_default_vectors(model_path),
-                      progress and (lambda n: progress("ahead", n, len(states.starts) * (model.args.num_moe_layers - 1))))
+                      progress and (lambda n: progress("ahead", n, tokens)))
     return {name: recall_per_layer(make_predictor(name, model, Path(model_path)), states, model.args.top_k)
             for name in predictors}
