@@ -492,3 +492,17 @@ def test_the_lookahead_trains_on_the_inputs_decode_gives_it():
         for l, x in enumerate(inputs):
             torch.testing.assert_close(x, states.ahead[l][pos:pos + 1], atol=1e-4, rtol=1e-4)
     engine.close()
+
+
+@pytest.mark.parametrize("spec", ["fetch-all", "fetch-all+prefetch/lookahead", "fetch-all+speculative/estimator",
+                                  "fetch-all+prefetch/quasi-hidden:budget=4,drop=0,fetched=1"])
+def test_the_statistics_name_the_prefetch_as_the_policy_spec_gave_it(spec):
+    """`Engine.variant`, which the verbs' statistics lines print, spells the policy and its prefetch as `--policy`
+    took them, so the line can be pasted back."""
+    from expertcache.lab.bench import parse_variant
+    policy, prefetch = parse_variant(spec)
+    engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25), policy=policy,
+                                       prefetch=prefetch))
+    assert engine.variant == spec
+    assert parse_variant(engine.variant) == (policy, prefetch)
+    engine.close()

@@ -50,7 +50,7 @@ def run(a) -> int:
     interactive = sys.stdin.isatty()
     name = engine.path.name if a.model else "the built-in model"
     print(f"expertcache chat: {name} ({engine.config.store} store, cache {engine.cache.per_layer}/"
-          f"{engine.args.num_experts} per layer, {engine.policy}); /exit, /quit, Ctrl-D or Ctrl-C at the prompt to "
+          f"{engine.args.num_experts} per layer, {engine.variant}); /exit, /quit, Ctrl-D or Ctrl-C at the prompt to "
           "leave, Ctrl-C during a reply to stop it", file=sys.stderr)
     while True:
         if interactive:
@@ -77,6 +77,6 @@ def run(a) -> int:
             sys.stdout.write(" [stopped]")
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
-    print(f"[{engine.policy}] {engine.stats.line()}", file=sys.stderr)
+    print(f"[{engine.variant}] {engine.stats.line()}", file=sys.stderr)
     engine.close()
     return 0

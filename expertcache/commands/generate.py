@@ -101,7 +101,7 @@ def run(a) -> int:
     timing = {"prompt_tokens": len(prompt), "prefill_s": first - start, "generated_tokens": len(gen.tokens),
               "decode_steps": steps - 1, "decode_s": end - first}
     print(f"[{engine.config.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, "
-          f"{engine.policy}] finish: {gen.finish_reason}\n{speed_line(timing)}\ncache: {engine.stats.line(speed=False)}",
+          f"{engine.variant}] finish: {gen.finish_reason}\n{speed_line(timing)}\ncache: {engine.stats.line(speed=False)}",
           file=sys.stderr)
     write_json(a.json, {"prompt": text, "text": "".join(shown), "tokens": gen.tokens,
                         "finish_reason": gen.finish_reason, **timing, "stats": engine.stats.to_dict(),

@@ -33,7 +33,7 @@ def run(a) -> int:
     spread = f"± {r.stderr:.3f}" if r.tokens > 1 else "(one token: no standard error)"
     scored = f"{r.tokens} of {len(ids) - 1} tokens, interrupted" if r.interrupted else f"{r.tokens} tokens"
     print(f"perplexity {r.ppl:.3f} {spread} over {scored} "
-          f"({a.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, {engine.policy})")
+          f"({a.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, {engine.variant})")
     print(engine.stats.line())
     write_json(a.json, {"text": str(a.text), "context": a.context, "policy": repr(engine.policy),
                         "store": a.store, "cache_fraction": a.cache, **r.to_dict(), "budget": engine.budget()})

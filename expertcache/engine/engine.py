@@ -275,6 +275,12 @@ class Engine:
         policy.bind(self.args.num_moe_layers, self.args.num_experts)  # per-layer parameters fit the depth
         return policy
 
+    @property
+    def variant(self) -> str:
+        """The miss policy and, with a predictor attached, what it does, as `--policy` spells them
+        (e.g. fetch-all+prefetch/lookahead)."""
+        return str(self.policy) + (f"+{self.runner.prefetch}" if self.runner.predictor is not None else "")
+
     def set_prefetch(self, prefetch: PrefetchConfig | None) -> None:
         """Attach a predictor (or detach with None); starts a new run."""
         if prefetch is not None and prefetch.mode not in ("prefetch", "speculative"):

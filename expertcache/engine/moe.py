@@ -106,6 +106,13 @@ class PrefetchConfig:
     drop: bool = True  # drop queued prefetches that the layer's routes turn out not to need, unread
     fetched: bool = False  # only the predicted experts the policy would fetch were they misses (by rank and weight)
 
+    def __str__(self) -> str:
+        """As a policy spec writes it after its '+': mode/predictor, then the options that are not the defaults."""
+        default = PrefetchConfig()
+        options = [f"{k}={int(v) if isinstance(v, bool) else v}" for k in ("budget", "drop", "fetched")
+                   if (v := getattr(self, k)) != getattr(default, k)]
+        return f"{self.mode}/{self.predictor}" + (":" + ",".join(options) if options else "")
+
 
 class MoELayerRunner:
     """Runs every MoE layer of a model against one cache and one policy; with a predictor,
