@@ -230,7 +230,9 @@ def main() -> None:
         row = {"engine_decode_ms": med(e, "decode_ms"), "llama_decode_ms": med(ll, "decode_ms"), "floor_ms": floor,
                "engine_prefill_ms": med(e, "prefill_ms"), "llama_prefill_ms": med(ll, "prefill_ms")}
         table[fmt] = row
-        print(f"| {fmt} slots and dense / {FORMATS[fmt][0].upper()} | {row['engine_decode_ms']:.2f} | "
+        dense = FORMATS[fmt][2]
+        parts = "slots and dense" if dense in (fmt, "auto") else f"slots, {dense} dense"
+        print(f"| {fmt} {parts} / {FORMATS[fmt][0].upper()} | {row['engine_decode_ms']:.2f} | "
               f"{row['llama_decode_ms']:.2f} | {row['engine_decode_ms'] / row['llama_decode_ms']:.2f}x | {floor:.2f} | "
               f"{row['engine_decode_ms'] / floor:.2f}x | {row['llama_decode_ms'] / floor:.2f}x | "
               f"{row['engine_prefill_ms']:.3f} | {row['llama_prefill_ms']:.3f} | "
