@@ -154,13 +154,13 @@ def main() -> None:
     base = rows["on demand"]["ms_per_token"]
     bound = base / rows[oracle]["ms_per_token"] - 1
     for r in rows.values():
-        r["of_oracle_gain"] = (base / r["ms_per_token"] - 1) / bound if bound > 0 else float("nan")
+        r["of_oracle_gain"] = (base / r["ms_per_token"] - 1) / bound if bound > 0 else None  # no gain to share
     print(f"disk store, cache {a.cache}, {a.policy}, {a.tokens} decode tokens, medians of {a.repeats}\n")
     print("| variant | ms/token | vs on demand | of the oracle's gain | synchronous fetches/token | prefetches/token "
           "| stall ms/token | predict ms/token |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
-        print(f"| {name} | {r['ms_per_token']:.2f} | {base / r['ms_per_token']:.2f}x | {r['of_oracle_gain']:.0%} | "
+        print(f"| {name} | {r['ms_per_token']:.2f} | {base / r['ms_per_token']:.2f}x | {'n/a' if r['of_oracle_gain'] is None else format(r['of_oracle_gain'], '.0%')} | "
               f"{r['sync_fetches']:.1f} | {r['prefetches']:.1f} | {r['stall_ms']:.2f} | {r['predict_ms']:.3f} |")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "medians": rows,
