@@ -473,7 +473,7 @@ def test_the_lookahead_trains_on_the_inputs_decode_gives_it():
     from expertcache.engine.engine import BUILTIN_MODEL
     from expertcache.lab.prediction import add_lookahead, record_states
     ids = list(range(40, 52))
-    model, states = record_states(BUILTIN_MODEL, ids)
+    model, states = record_states(BUILTIN_MODEL, ids, pre=True)
     add_lookahead(model, states, load_default_vectors(BUILTIN_MODEL))
     engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0),
                                        prefetch=PrefetchConfig("lookahead", "prefetch")))

@@ -18,6 +18,7 @@ from ..engine.checkpoint import LOOKAHEAD_FILE, load_default_vectors
 from ..engine.experts import ExpertKind
 from ..engine.moe import router_logits
 from ..engine.predictors import (
+    PREDICTORS,
     Estimator,
     EstimatorNet,
     Lookahead,
@@ -35,8 +36,8 @@ from .calibrate import RecordingMoE, run_exact
 @dataclass
 class LayerStates:
     """Per layer l, every recorded token's residual r_l and MoE input x_l [N, H], routed ids and weights
-    [N, k] and router logits [N, E]; `starts` [N]: the tokens that begin a window (no previous token); `pre`:
-    per layer, its decoder layer's input before attention [N, H]."""
+    [N, k] and router logits [N, E]; `starts` [N]: the tokens that begin a window (no previous token); `pre`
+    (recorded when asked for): per layer, its decoder layer's input before attention [N, H]."""
     resid: list[torch.Tensor]  # per layer [N, H]
     x: list[torch.Tensor]
     ids: list[torch.Tensor]  # [N, k]
@@ -55,9 +56,9 @@ class LayerStates:
 
 
 class _Recorder(RecordingMoE):
-    def __init__(self, ckpt, args, router, kind):
+    def __init__(self, ckpt, args, router, kind, pre: bool):
         super().__init__(ckpt, args, router, kind)
-        self.resid_now = None
+        self.resid_now, self.pre = None, pre
         self.rows = [dict(resid=[], x=[], ids=[], weights=[], logits=[], pre=[]) for _ in range(args.num_moe_layers)]
         self.moe_index = {i: j for j, i in enumerate(args.moe_layers)}
 
@@ -65,7 +66,7 @@ class _Recorder(RecordingMoE):
         self.resid_now = h
 
     def before_attention(self, layer, windows):
-        if layer in self.moe_index:
+        if self.pre and layer in self.moe_index:
             self.rows[self.moe_index[layer]]["pre"].append(torch.cat(windows))
 
     def __call__(self, layer, x, router):
@@ -79,14 +80,16 @@ class _Recorder(RecordingMoE):
 
 
 def record_states(model_path: Path, ids: list[int], context: int = 512,
-                  progress: Callable[[int], None] | None = None) -> tuple[Transformer, LayerStates]:
+                  progress: Callable[[int], None] | None = None, pre: bool = False) -> tuple[Transformer, LayerStates]:
     """Run the exact model over `ids` in windows of `context`, recording every layer's states (run_exact's
-    `progress`)."""
-    model, rec, lengths = run_exact(model_path, ids, lambda ckpt, a, router: _Recorder(ckpt, a, router, ExpertKind.of(a)),
+    `progress`); with `pre`, each layer's input before attention too (what add_lookahead needs)."""
+    model, rec, lengths = run_exact(model_path, ids,
+                                    lambda ckpt, a, router: _Recorder(ckpt, a, router, ExpertKind.of(a), pre),
                                     context, progress)
     cat = lambda key: [torch.cat(r[key]) for r in rec.rows]  # noqa: E731
     starts = torch.cat([torch.arange(n) == 0 for n in lengths])  # each window's first token
-    return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"), starts, cat("pre"))
+    return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"), starts,
+                              cat("pre") if pre else None)
 
 
 @torch.inference_mode()
@@ -211,7 +214,8 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
     below `hybrid_below` there) and save it beside the model; then the lookahead's net, saved beside it too.
     `progress(stage, done, total)`: the tokens recorded, the estimator's epochs, the lookahead's inputs (tokens
     of every transition), its epochs."""
-    model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))))
+    model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))),
+                                  pre=True)
     dv = load_default_vectors(model_path)
     k = model.args.top_k
     qh_recall = recall_per_layer(QuasiHidden(model, dv), states, k)
@@ -229,10 +233,10 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
 
 
 def recall_table(model_path: Path, ids: list[int],
-                 predictors=("router-ahead", "quasi-hidden", "estimator", "hybrid", "lookahead"),
-                 progress: Callable[[str, int, int], None] | None = None) -> dict:
+                 predictors=PREDICTORS, progress: Callable[[str, int, int], None] | None = None) -> dict:
     """recall@k of each named predictor per layer transition, on the states recorded over `ids`."""
-    model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))))
+    model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))),
+                                  pre="lookahead" in predictors)
     if "lookahead" in predictors:
         tokens = len(states.starts) * (model.args.num_moe_layers - 1)
         add_lookahead(model, states, load_default_vectors(model_path),
