@@ -9,8 +9,9 @@ timed in one round-robin, repetition by repetition, so that a change of the mach
 hits both alike.
 Each validation run's time is estimated twice with the calibrated profile: from the engine's
 own counters in that run (tests the cost model alone), and from a replay of the same tokens'
-router-logit trace (what `simulate` and `tune` do; not for prefetch variants, which the
-replay does not model). Decode: a 32-token prompt, then 256 tokens fed alone, timed.
+router-logit trace (what `simulate` and `tune` do; a prefetch variant replays its predictor's
+routes, recorded over the same tokens as decode computes them). Decode: a 32-token prompt, then
+256 tokens fed alone, timed.
 Reported per run: measured / estimated time, and per mode the share of runs within 15%.
 
     python benchmarks/costmodel_check.py [--repeats 3] [--modes forced decode] [--json out.json]
@@ -29,6 +30,7 @@ from expertcache.engine.engine import BUILTIN_MODEL
 from expertcache.engine.perplexity import EVAL_TEXT
 from expertcache.engine.stores import open_store
 from expertcache.lab.costmodel import CALIBRATION, calibration_ids, difference, fit_profile, time_runs
+from expertcache.lab.prediction import prediction_routes
 from expertcache.lab.simulator import replay
 from expertcache.lab.trace import record_trace
 from expertcache.models import model_args
@@ -51,21 +53,28 @@ def held_out_ids(mode: str) -> list[int]:
 
 
 def record(ids: list[int], mode: str, d: Path) -> tuple:
-    """The traces a replay of `ids` needs: the teacher-forced windows, or (whole, prompt) in decode."""
+    """The traces a replay of `ids` needs, each with its validation predictors' routes: the teacher-forced
+    windows, or (whole, prompt) in decode (the prompt's routes are the whole's first: attention is causal)."""
+    predictors = list(dict.fromkeys(v.partition("+prefetch/")[2] for _, v in VALIDATION if "+" in v))
+    context = CONTEXT if mode == "forced" else len(ids)
+    routes = prediction_routes(BUILTIN_MODEL, ids, predictors, context)
     if mode == "forced":
-        return (record_trace(BUILTIN_MODEL, ids, d / "forced.ectrace", CONTEXT, "float32"),)
-    return (record_trace(BUILTIN_MODEL, ids, d / "whole.ectrace", len(ids), "float32"),
-            record_trace(BUILTIN_MODEL, ids[:32], d / "head.ectrace", 32, "float32"))
+        return ((record_trace(BUILTIN_MODEL, ids, d / "forced.ectrace", CONTEXT, "float32"), routes),)
+    head = {p: (i[:, :32], w[:, :32]) for p, (i, w) in routes.items()}
+    return ((record_trace(BUILTIN_MODEL, ids, d / "whole.ectrace", len(ids), "float32"), routes),
+            (record_trace(BUILTIN_MODEL, ids[:32], d / "head.ectrace", 32, "float32"), head))
 
 
 def replayed_ms(profile, traces: tuple, variant: str, fraction: float, counts) -> float:
     """Estimated ms/token from a replay of `record`'s traces (decode: the tokens after the prompt)."""
     cache = CacheConfig(fraction=fraction)
     if len(traces) == 1:
-        return profile.ms_per_token(replay(traces[0], variant, cache, None, counts).stats)
-    whole, head = traces
-    return profile.ms_per_token(difference(replay(whole, variant, cache, None, counts, window=1).stats,
-                                           replay(head, variant, cache, None, counts, window=1).stats))
+        trace, routes = traces[0]
+        return profile.ms_per_token(replay(trace, variant, cache, None, counts, predictions=routes).stats)
+    (whole, routes), (head, head_routes) = traces
+    return profile.ms_per_token(difference(
+        replay(whole, variant, cache, None, counts, window=1, predictions=routes).stats,
+        replay(head, variant, cache, None, counts, window=1, predictions=head_routes).stats))
 
 
 def check(mode: str, repeats: int, bar) -> dict:
@@ -84,11 +93,9 @@ def check(mode: str, repeats: int, bar) -> dict:
     with tempfile.TemporaryDirectory() as d:
         traces = record(ids, mode, Path(d))
         for r in val:
-            replayable = "+" not in r.variant
             rows.append({"cache": r.cache, "variant": r.variant, "measured_ms": 1000 * r.seconds,
                          "from_engine_counts_ms": profile.ms_per_token(r.stats),
-                         "from_replay_ms": replayed_ms(profile, traces, r.variant, r.cache, counts)
-                         if replayable else None})
+                         "from_replay_ms": replayed_ms(profile, traces, r.variant, r.cache, counts)})
     return {"profile": profile.__dict__, "calibration_tokens": len(cal_ids), "validation_tokens": len(ids),
             "calibration": list(profile.calibration), "validation": rows,
             "summary": {"engine counts": summary(rows, "from_engine_counts_ms"),
@@ -97,7 +104,7 @@ def check(mode: str, repeats: int, bar) -> dict:
 
 def summary(rows: list[dict], key: str) -> dict:
     """Mean and worst |error|, and the share within 15%, of the estimates in `key` against the measured times."""
-    ratios = [r["measured_ms"] / r[key] for r in rows if r[key] is not None]
+    ratios = [r["measured_ms"] / r[key] for r in rows]
     errs = [abs(1 / q - 1) for q in ratios]
     return {"runs": len(errs), "mean_abs_error": sum(errs) / len(errs), "worst_abs_error": max(errs),
             "within_15pct": sum(e <= 0.15 for e in errs) / len(errs)}
@@ -119,11 +126,9 @@ def table(mode: str, res: dict) -> None:
           "| measured/est. |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for r in res["validation"]:
-        rep = "-", "-"
-        if r["from_replay_ms"] is not None:
-            rep = f"{r['from_replay_ms']:.2f}", f"{r['measured_ms'] / r['from_replay_ms']:.2f}"
         print(f"| {r['cache']:g} | `{r['variant']}` | {r['measured_ms']:.2f} | {r['from_engine_counts_ms']:.2f} | "
-              f"{r['measured_ms'] / r['from_engine_counts_ms']:.2f} | {rep[0]} | {rep[1]} |")
+              f"{r['measured_ms'] / r['from_engine_counts_ms']:.2f} | {r['from_replay_ms']:.2f} | "
+              f"{r['measured_ms'] / r['from_replay_ms']:.2f} |")
     for k, v in res["summary"].items():
         print(f"\nfrom {k}: mean |error| {100 * v['mean_abs_error']:.1f}%, worst {100 * v['worst_abs_error']:.1f}%, "
               f"{round(v['within_15pct'] * v['runs'])}/{v['runs']} ({100 * v['within_15pct']:.0f}%) within 15%", end="")

@@ -71,21 +71,6 @@ def oracle_predictor(model, routes: list[list[np.ndarray]]):
     return Oracle()
 
 
-class PredictionTimer:
-    """Wraps a predictor's decode_logits and sums its wall time."""
-
-    def __init__(self, predictor):
-        self.seconds, self.inner = 0.0, predictor.decode_logits
-        predictor.decode_logits = self
-
-    def __call__(self, *args):
-        start = time.perf_counter()
-        try:
-            return self.inner(*args)
-        finally:
-            self.seconds += time.perf_counter() - start
-
-
 def decode(engine, prompt: list[int], tokens: int) -> tuple[list[int], dict]:
     """Greedy decode after the prompt's forward: (tokens, per-token figures of the decode alone)."""
     from expertcache.engine.generate import generate
@@ -93,15 +78,14 @@ def decode(engine, prompt: list[int], tokens: int) -> tuple[list[int], dict]:
     it = generate(engine, prompt, tokens)
     out = [next(it)]
     s = engine.stats
-    timer = PredictionTimer(engine.runner.predictor) if engine.runner.predictor is not None else None
-    before = (s.tokens, s.sync_fetches, s.prefetch_fetches, s.stall_s)
+    before = (s.tokens, s.sync_fetches, s.prefetch_fetches, s.stall_s, s.predict_s)
     start = time.perf_counter()
     out += list(it)
     wall = time.perf_counter() - start
     n = s.tokens - before[0]
     return out, {"ms_per_token": 1e3 * wall / n, "sync_fetches": (s.sync_fetches - before[1]) / n,
                  "prefetches": (s.prefetch_fetches - before[2]) / n, "stall_ms": 1e3 * (s.stall_s - before[3]) / n,
-                 "predict_ms": 1e3 * (timer.seconds if timer else 0.0) / n}
+                 "predict_ms": 1e3 * (s.predict_s - before[4]) / n}
 
 
 def main() -> None:

@@ -17,14 +17,18 @@ from expertcache.errors import BadInput
 from expertcache.kernel.cache_state import PREFETCHES
 from expertcache.kernel.routing import Router
 from expertcache.lab.calibrate import calibrate, save_calibration
+from expertcache.lab.bench import parse_variant
 from expertcache.lab.prediction import (
     fit_estimator,
+    prediction_routes,
     recall_per_layer,
     recall_table,
     record_states,
     routing_loss,
     train_estimator,
 )
+from expertcache.lab.simulator import replay
+from expertcache.lab.trace import record_trace
 
 
 @pytest.fixture(scope="module")
@@ -506,3 +510,51 @@ def test_the_statistics_name_the_prefetch_as_the_policy_spec_gave_it(spec):
     assert engine.variant == spec
     assert parse_variant(engine.variant) == (policy, prefetch)
     engine.close()
+
+
+@pytest.mark.parametrize("spec", ["fetch-all+prefetch/quasi-hidden", "fetch-all+prefetch/lookahead:budget=1",
+                                  "threshold:tau=0.3+prefetch/estimator:fetched=1"])
+def test_the_replay_prefetches_what_the_engine_does_in_decode(calibrated, spec, tmp_path):
+    """Replayed in decode order with the predictors' routes recorded over the trace's tokens, a prefetching
+    policy makes the engine's own decisions token by token: the same hits, fetches, prefetches and
+    substitutions."""
+    path, _ = calibrated
+    ids = torch.randint(0, 96, (48,), generator=torch.Generator().manual_seed(9)).tolist()
+    trace = record_trace(path, ids, tmp_path / "t.ectrace", context=48, dtype="float32")
+    policy, pre = parse_variant(spec)
+    predictions = prediction_routes(path, ids, [pre.predictor], context=48)
+    engine = Engine(path, EngineConfig(cache=CacheConfig(fraction=0.25), initial="cold", policy=policy, prefetch=pre))
+    x = torch.tensor(ids)
+    for pos in range(len(ids)):
+        engine.forward(x[pos:pos + 1], pos)
+    sim = replay(trace, spec, CacheConfig(fraction=0.25), window=1, predictions=predictions).stats
+    fields = ("hits", "misses", "sync_fetches", "prefetch_fetches", "exposed_prefetches", "predictions",
+              "substitutions")
+    assert [getattr(sim, f) for f in fields] == [getattr(engine.stats, f) for f in fields]
+    assert engine.stats.prefetch_fetches > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_the_replay_prefetches_what_the_engine_does_on_other_routers(tiny, tmp_path, family):
+    """On a sigmoid router with groups and a selection bias (DeepSeek-V3) and on a softmax router with a logit bias
+    (GPT-OSS), whose predictions the engine routes outside the compiled prefetch, the replay prefetches as it does."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny[family][0], path)
+    ids = torch.randint(0, 96, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    save_calibration(calibrate(path, ids, context=128), path, "random ids")
+    ids = ids[:40]
+    trace = record_trace(path, ids, tmp_path / "t.ectrace", context=40, dtype="float32")
+    predictions = prediction_routes(path, ids, ["quasi-hidden"], context=40)
+    for spec in ("fetch-all+prefetch/quasi-hidden", "threshold:tau=0.3+prefetch/quasi-hidden:fetched=1"):
+        policy, pre = parse_variant(spec)
+        engine = Engine(path, EngineConfig(cache=CacheConfig(fraction=0.5), initial="cold", policy=policy,
+                                           prefetch=pre))
+        x = torch.tensor(ids)
+        for pos in range(len(ids)):
+            engine.forward(x[pos:pos + 1], pos)
+        sim = replay(trace, spec, CacheConfig(fraction=0.5), window=1, predictions=predictions).stats
+        fields = ("hits", "misses", "sync_fetches", "prefetch_fetches", "exposed_prefetches", "substitutions")
+        assert [getattr(sim, f) for f in fields] == [getattr(engine.stats, f) for f in fields], spec
+        assert engine.stats.prefetch_fetches > 0
+        engine.close()

@@ -360,7 +360,8 @@ def test_terms_the_runs_do_not_vary_are_not_fitted():
 def test_fit_profile_recovers_each_term_and_folds_constant_ones_into_dense():
     """Synthetic runs whose times follow known costs: the fitted profile gives them back, its
     estimate of each run is its time, and expert runs (k per token and layer in every run, as
-    in decode) are folded into dense; flushed entries (none, as in decode) stay unmeasured."""
+    in decode) are folded into dense; flushed entries (none, as in decode) stay unmeasured; of a prediction's
+    cost, its compute is what the engine timed and the rest is fitted."""
     from types import SimpleNamespace
 
     from expertcache.engine.stats import RunStats
@@ -373,6 +374,7 @@ def test_fit_profile_recovers_each_term_and_folds_constant_ones_into_dense():
     for i in range(14):
         s = RunStats(tokens=tokens, moe_calls=tokens * layers, expert_runs=tokens * layers * k,
                      **{t: int(rng.integers(0, 3 * tokens)) for t in cost})
+        s.predict_s = 2e-5 * s.predictions  # of a prediction's cost, the compute the engine times itself
         seconds = 2e-3 + sum(c * getattr(s, t) / tokens for t, c in cost.items())
         runs.append(TimedRun(0.25, f"run {i}", seconds, s))
     p = fit_profile(runs, SimpleNamespace(expert_bytes=10**6), layers, k, "decode", "test")
@@ -381,7 +383,7 @@ def test_fit_profile_recovers_each_term_and_folds_constant_ones_into_dense():
               "background_fetches": p.admission_s, "prefetch_fetches": p.prefetch_s,
               "exposed_prefetches": p.exposed_prefetch_s, "predictions": p.prediction_s,
               "substituted_calls": p.decision_s}
-    assert fitted == pytest.approx(cost, rel=1e-6)
+    assert fitted == pytest.approx(cost, rel=1e-6) and p.prediction_compute_s == pytest.approx(2e-5)
     for r in runs:
         assert p.ms_per_token(r.stats) == pytest.approx(1000 * r.seconds, rel=1e-6)
 

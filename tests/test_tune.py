@@ -40,7 +40,7 @@ def result():
 
 def test_finalists_are_the_frontier_and_the_winner_the_fastest_within_budget(result):
     rows = {r["spec"]: r for r in result.candidates}
-    assert set(rows) == {*SMALL, "quality-first"}
+    assert {s for s in rows if "+" not in s} == {*SMALL, "quality-first"}
     finalists = [s for s in result.finalists if s != "fetch-all"]
     assert finalists
     for s in finalists:  # no candidate is at least as fast with less mass
@@ -49,10 +49,39 @@ def test_finalists_are_the_frontier_and_the_winner_the_fastest_within_budget(res
     assert result.finalists["fetch-all"]["pct"] == 0
     within = [s for s, f in result.finalists.items() if f["pct"] <= 3.0]
     assert result.winner == min(within, key=lambda s: rows[s]["estimated_ms"])
-    assert result.finalists["substitute-all"]["pct"] > 3.0  # the budget binds
+    assert any(f["pct"] > 3.0 for s, f in result.finalists.items() if s.startswith("substitute-all"))  # it binds
     v = result.validation[result.winner]
     assert v["ci"][0] <= v["pct"] <= v["ci"][1] and v["estimated_speedup"] >= 1
     assert "quality-first" in result.validation
+
+
+def test_prefetching_is_searched_on_the_frontier_in_decode(result):
+    """In decode the frontier's policies are replayed again with each predictor, at top-k, at half of it, and
+    for a substituting policy with only what it would fetch; each priced with its predictor's cost in place.
+    A prefetch changes no window's output: a finalist that prefetches scores as its policy does."""
+    rows = {r["spec"]: r for r in result.candidates}
+    prefetching = [s for s in rows if "+prefetch/" in s]
+    for predictor in ("quasi-hidden", "estimator", "lookahead"):
+        assert f"fetch-all+prefetch/{predictor}" in rows and f"fetch-all+prefetch/{predictor}:budget=4" in rows
+        one = rows[f"fetch-all+prefetch/{predictor}"]
+        assert one["prefetches_per_token"] > rows[f"fetch-all+prefetch/{predictor}:budget=4"]["prefetches_per_token"]
+        assert one["fetches_per_token"] < rows["fetch-all"]["fetches_per_token"]  # recall above nothing
+        assert one["mass_per_call"] == 0 and one["prediction_s"] > 0
+    assert rows["fetch-all+prefetch/lookahead"]["prediction_s"] > rows["fetch-all+prefetch/quasi-hidden"]["prediction_s"]
+    assert any(s.endswith(":fetched=1") for s in prefetching)
+    assert not any(s.startswith("fetch-all+") and "fetched" in s for s in prefetching)  # fetch-all fetches all
+    for s, f in result.finalists.items():
+        if "+" in s:
+            assert f == result.finalists.get(s.partition("+")[0], f)
+    assert result.config["prefetch_skipped"] == {}
+
+
+def test_a_forced_search_makes_no_prefetching_candidates():
+    cfg = TuneConfig(cache=CacheConfig(fraction=0.25), calib_tokens=600, tokens=600, context=256, mode="forced",
+                     candidates=("fetch-all", "threshold:tau=0.15,eviction=lru"), presets=(), finalists=2, bootstrap=100)
+    ids = tune_ids(None, CALIB_TEXT.read_text(encoding="utf-8"), EVAL_TEXT.read_text(encoding="utf-8"), cfg)
+    res = tune(None, ids, DATASHEET["rtx3090-qwen3-next"], cfg)
+    assert not any("+" in r["spec"] for r in res.candidates)
 
 
 def test_tune_verb_writes_the_search_and_the_plot(tmp_path, capsys):
@@ -195,8 +224,10 @@ def test_quantized_slots_are_searched_at_equal_bytes_against_the_exact_model():
     ids = tune_ids(None, CALIB_TEXT.read_text(encoding="utf-8"), EVAL_TEXT.read_text(encoding="utf-8"), cfg)
     res = tune(None, ids, DATASHEET["rtx3090-qwen3-next"], cfg)
     rows = {r["label"]: r for r in res.candidates}
-    assert set(rows) == {*specs, *(f"{s} @int4" for s in specs)}
+    assert {n for n in rows if "+" not in n} == {*specs, *(f"{s} @int4" for s in specs)}
+    assert "fetch-all+prefetch/lookahead @int4" in rows  # prefetching on int4's frontier too
     assert rows["fetch-all @int4"]["hit_rate"] > rows["fetch-all"]["hit_rate"] + 0.2  # 102 slots a layer, not 32
-    assert "fetch-all @int4" in res.finalists and res.finalists["fetch-all"]["pct"] == 0
-    assert res.finalists["fetch-all @int4"]["pct"] != 0  # int4's own error, against the exact model
+    exact_int4 = [n for n in res.finalists if n.startswith("fetch-all") and n.endswith(" @int4")]
+    assert exact_int4 and res.finalists["fetch-all"]["pct"] == 0
+    assert all(res.finalists[n]["pct"] != 0 for n in exact_int4)  # int4's own error, against the exact model
     assert res.winner in res.finalists and res.winner in res.validation

@@ -40,7 +40,7 @@ def add_arguments(p):
     p.add_argument("--profile", nargs="+", default=None,
                    help="cost model: a calibrate-hw file, rtx3090-qwen3-next or a6000-qwen3-30b, one per slot format "
                         "in the order auto, then --slot-dtypes (default: a quick profile of each measured now with "
-                        "the disk store, 8 runs x 1 repetition)")
+                        "the disk store, 8 runs, 10 where prefetching is searched, x 1 repetition)")
     p.add_argument("--slot-dtypes", nargs="+", default=[], choices=["int8", "int4"],
                    help="also search fast tiers of these quantized slots (their `convert --dtype` store emulated); "
                         "with --cache-bytes they hold more experts in the same bytes, and their quantization error "
@@ -57,6 +57,9 @@ def add_arguments(p):
                    help="leave out thresholds with one tau per layer (scaled by each layer's router entropy)")
     p.add_argument("--no-lowbit", dest="lowbit", action="store_false",
                    help="leave out the low-precision miss option (lowbit: int4 copies converted by the engine)")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help="leave out prefetching (in decode, the frontier's policies are also tried with each predictor "
+                        "the model has: quasi-hidden, estimator, lookahead)")
     p.add_argument("--plot", type=output_path, default=None, help="frontier PNG: ppl increase vs estimated ms/token")
     add_json_argument(p)
 
@@ -68,14 +71,24 @@ def run(a) -> int:
     from ..errors import BadInput
     from ..lab.costmodel import calibration_ids, load_profile, measure_profile, runs_for_slots
     from ..lab.texts import read_text
-    from ..lab.tune import QUICK_RUNS, TuneConfig, slot_store_format, tune, tune_ids, unlabel
+    from ..lab.tune import (
+        PREFETCH_PREDICTORS,
+        QUICK_PREFETCH_RUNS,
+        QUICK_RUNS,
+        TuneConfig,
+        slot_store_format,
+        tune,
+        tune_ids,
+        unlabel,
+    )
     from ..progress import progress_bar
 
     calib_text, eval_text = read_text(a.calib_text), read_text(a.text)
     cfg = TuneConfig(budget_pct=a.budget, cache=CacheConfig(fraction=a.cache, bytes=a.cache_bytes),
                      calib_tokens=a.calib_tokens, tokens=a.tokens, context=a.context, mode=a.mode,
                      finalists=a.finalists, per_layer=a.per_layer, lowbit=a.lowbit,
-                     slot_dtypes=("auto", *dict.fromkeys(a.slot_dtypes)))
+                     slot_dtypes=("auto", *dict.fromkeys(a.slot_dtypes)),
+                     prefetch=PREFETCH_PREDICTORS if a.prefetch and a.mode == "decode" else ())
     slots = cfg.slot_dtypes
     if a.profile and len(a.profile) != len(slots):
         raise BadInput(f"{len(a.profile)} --profile files for {len(slots)} slot formats ({', '.join(slots)}); "
@@ -85,7 +98,8 @@ def run(a) -> int:
         profile = {s: load_profile(f) for s, f in zip(slots, a.profile)}
         how = f"profile {', '.join(a.profile)}"
     else:
-        runs = {s: runs_for_slots(QUICK_RUNS, s) for s in slots}
+        quick = QUICK_RUNS + (QUICK_PREFETCH_RUNS if cfg.prefetch else ())
+        runs = {s: runs_for_slots(quick, s) for s in slots}
         profile = {}
         with progress_bar(total=sum(2 * len(r) for r in runs.values()), unit="run", desc="quick profile") as bar:
             for s in slots:
@@ -102,6 +116,8 @@ def run(a) -> int:
             bar.set_description(label.split(":")[0])
             bar.update(n)
         res = tune(a.model, ids, profile, cfg, progress)
+    for name, why in res.config["prefetch_skipped"].items():
+        print(f"prefetch/{name} not searched: {why}")
     print(f"time estimates: {how}; replay in {a.mode} order on {res.config['calib_tokens_used']} tokens of "
           f"{a.calib_text.name}; {len(res.candidates)} candidates, {len(res.finalists) - 1} finalists scored "
           f"exactly; held-out: {res.config['tokens_used']} tokens of {a.text.name}\n")

@@ -7,6 +7,7 @@ that a later token's fetch would overwrite first has its pending work computed.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -157,9 +158,11 @@ class MoELayerRunner:
     def _predict_next(self, layer: int, x: torch.Tensor, exec_ids: np.ndarray, gates: np.ndarray) -> None:
         a, cache = self.args, self.cache
         prev = self.previous[layer + 1] if self.follows else None
+        start = time.perf_counter()
         logits = self.predictor.decode_logits(layer, self.resid, x, exec_ids[0], gates[0], prev) \
             if x.shape[0] == 1 else None
         if logits is not None and not self.router.sigmoid and self.router.bias is None:
+            self.stats.predict_s += time.perf_counter() - start
             # a decode token: routing, the policy's filter and the prefetch in one compiled call
             ids, w, stall = cache.prefetch_predicted(self.policy.params(), layer + 1, logits[0], self.router.norm_topk,
                                                      self.prefetch.budget or a.top_k, self.prefetch.fetched,
@@ -179,6 +182,7 @@ class MoELayerRunner:
             assert logits.shape == want, \
                 f"{self.predictor.name} gave logits {tuple(logits.shape)}, expected [T, E] = {want}"
             logits = logits.float().cpu().numpy()
+        self.stats.predict_s += time.perf_counter() - start
         self.predicted = self.router.route(logits, layer + 1)
         self.stats.predictions += x.shape[0]
         if x.shape[0] != 1 and not self.decoding:  # prefetching ahead is a decode-time pipeline

@@ -30,6 +30,7 @@ class RunStats:
     prefetch_dropped: int = 0  # prefetches dropped before a worker read them: the layer's routes did not need them
     prefetch_bytes: int = 0
     predictions: int = 0  # (token, layer) next-layer predictions a prefetch predictor made
+    predict_s: float = 0.0  # wall time of those predictions (the predictor's compute, to its logits)
     background_bytes: int = 0
     segments: int = 0  # expert-compute passes: a slot's flush before it changes hands mid-call, and each call's last
     expert_runs: int = 0  # (batch, expert) pairs: one expert applied to one batch of tokens

@@ -16,13 +16,15 @@ tokens (its weights read once): k per token and layer in decode, fewer per token
 window's tokens share experts. A flushed entry is one token of a window run through one expert
 early, because a later token's fetch is about to overwrite that expert's slot (the engine runs
 a few such tokens one at a time, so their cost is per token, not per run). A prediction is a
-prefetch predictor's forecast of the next layer's experts for one token (its own compute). An
+prefetch predictor's forecast of the next layer's experts for one token: its compute, which the engine
+times (a profile takes the calibration runs' mean rather than fitting it), and the routing and Python
+around it, fitted. An
 exposed prefetch is one issued by a call that has no fetch of its own to wait for: its
 submission and landing are not hidden behind a wait (on the 2-core machine of
 benchmarks/RESULTS.md an exposed one costs 43 us, a hidden one nothing measurable). Counts per
 token are counts per MoE call times the profile's layers, so a datasheet profile applies a
 trace's per-layer rates to the profiled model's depth. Every count is one the engine (RunStats)
-and the replay both keep (the replay makes no predictions). Profiles are measured on this
+and the replay both keep (the replay's predictions are recorded ones: lab/prediction.prediction_routes). Profiles are measured on this
 machine by `expertcache calibrate-hw` (per store and mode) or written from datasheet figures.
 """
 from __future__ import annotations
@@ -37,8 +39,9 @@ import numpy as np
 
 from ..engine.stats import RunStats
 
-PROFILE_VERSION = 4  # 1: no lowbit_fetch_s, prefetch_s, prediction_s, unfitted; 2: no exposed_prefetch_s;
-# 3: no flushed_s, and expert runs counted a window's every split (older versions load with those terms unmeasured)
+PROFILE_VERSION = 5  # 1: no lowbit_fetch_s, prefetch_s, prediction_s, unfitted; 2: no exposed_prefetch_s;
+# 3: no flushed_s, and expert runs counted a window's every split; 4: no prediction_compute_s (older versions
+# load with those terms unmeasured)
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,8 @@ class HardwareProfile:
     calibration: tuple = ()  # measured runs behind a fitted profile: config, ms/token, counts/token, fit
     lowbit_fetch_s: float | None = None  # one low-precision fetch (read and decode); None: its bytes / bandwidth
     prefetch_s: float = 0.0  # what a prefetch costs the critical path even when it overlaps
-    prediction_s: float = 0.0  # one token's next-layer prediction (the predictor's compute)
+    prediction_s: float = 0.0  # one token's next-layer prediction: the predictor's compute, routing it, the rest
+    prediction_compute_s: float = 0.0  # of which the compute, as the engine timed its calibration runs' predictors
     exposed_prefetch_s: float = 0.0  # a prefetch's cost beyond prefetch_s when no wait of its call hides it
     flushed_s: float = 0.0  # one entry a window runs before its slot changes hands (one token through one expert)
     unfitted: tuple = ()  # terms the calibration runs did not vary (folded into dense or left at 0)
@@ -188,13 +192,14 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 # substituting calls against fetches; admission betas and rules move admissions apart from
 # substitution; lowbit moves low-precision fetches; two predictors move predictions and prefetches, and
 # three prefetch runs from mostly waiting calls (fetch-all at 1/8) to mostly not (the 0.15 rule) move the
-# exposed prefetches apart from the rest.
+# exposed prefetches apart from the rest; a fourth, predicting at every layer but prefetching little (only
+# first choices), moves predictions apart from prefetches.
 CALIBRATION = ((1.0, "fetch-all"), (0.125, "fetch-all"), (0.25, "fetch-all"), (0.5, "fetch-all"),
                (0.75, "fetch-all"), (0.25, "threshold:tau=0.15"), (0.5, "threshold:tau=0.15"),
                (0.25, "first-choice"), (0.25, "first-choice:beta=0.3"), (0.5, "threshold:tau=0.1,beta=1"),
                (0.25, "substitute-all"), (0.25, "lowbit:tau=0.15"), (0.125, "lowbit:tau=0.3"),
                (0.5, "fetch-all+prefetch/router-ahead"), (0.25, "threshold:tau=0.15+prefetch/quasi-hidden"),
-               (0.125, "fetch-all+prefetch/quasi-hidden"))
+               (0.125, "fetch-all+prefetch/quasi-hidden"), (0.25, "first-choice+prefetch/quasi-hidden:fetched=1"))
 # RunStats counters, one cost each; "dense" (1 per token) first
 TERMS = ("dense", "expert_runs", "flushed", "fetch_waits", "sync_fetches", "lowbit_fetches", "background_fetches",
          "prefetch_fetches", "exposed_prefetches", "predictions", "substituted_calls")
@@ -329,10 +334,17 @@ def fit_profile(timed: list[TimedRun], store, layers: int, top_k: int, mode: str
     scaled count matrix goes into `source`: large means the runs barely separate two terms."""
     counts = np.array([term_counts(r.stats, layers) for r in timed])
     seconds = np.array([r.seconds for r in timed])
+    # a prediction's compute is timed by the engine itself (RunStats.predict_s): measured, not fitted, and
+    # taken off each run's time; the fit prices the rest of a prediction (routing it, the Python around it)
+    made = sum(r.stats.predictions for r in timed)
+    compute_s = sum(r.stats.predict_s for r in timed) / made if made else 0.0
+    rest = seconds - counts[:, TERMS.index("predictions")] * compute_s
     terms, unfitted = identifiable(counts, TERMS)
     cols = [TERMS.index(t) for t in terms]
-    cost = fit_terms(counts[:, cols], seconds, tuple(terms))
-    scaled = counts[:, cols] / seconds[:, None]
+    cost = fit_terms(counts[:, cols], rest, tuple(terms))
+    if made:
+        cost["predictions"] = cost.get("predictions", 0.0) + compute_s
+    scaled = counts[:, cols] / rest[:, None]
     cond = float(np.linalg.cond(scaled / np.linalg.norm(scaled, axis=0)))
     fitted = counts @ np.array([cost.get(t, 0.0) for t in TERMS])
     calibration = tuple({"cache": r.cache, "policy": r.variant, "ms_per_token": 1000 * r.seconds,
@@ -344,7 +356,7 @@ def fit_profile(timed: list[TimedRun], store, layers: int, top_k: int, mode: str
     costs = {FIELD[t]: cost.get(t, 0.0) for t in FIELD}
     if "lowbit_fetches" not in cost:  # never measured: the bytes over the bandwidth
         costs["lowbit_fetch_s"] = None
-    return HardwareProfile(f"this-machine-{label or 'store'}-{mode}", **costs,
+    return HardwareProfile(f"this-machine-{label or 'store'}-{mode}", **costs, prediction_compute_s=compute_s,
                            fetch_bandwidth=store.expert_bytes / transfer if transfer else float("inf"),
                            overlap=True, expert_bytes=store.expert_bytes, layers=layers, top_k=top_k,
                            source=f"measured by calibrate-hw ({label} store, {mode}, {len(timed)} runs, condition "

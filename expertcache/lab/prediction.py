@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -119,6 +120,19 @@ def add_lookahead(model: Transformer, s: LayerStates, default_vectors: torch.Ten
     model.position = None
 
 
+def _predicted(p: Predictor, s: LayerStates, layer: int, sl: slice) -> torch.Tensor:
+    """`p`'s logits for layer+1 [n, E] of the recorded tokens `sl`, from layer `layer`'s states as decode gives them."""
+    prev_ids, prev_weights = s.previous(layer + 1)
+    prev = (prev_ids[sl], prev_weights[sl])
+    if isinstance(p, Lookahead):  # its attention runs ahead per window: the inputs add_lookahead recorded
+        pred = p.net_logits(layer, s.ahead[layer][sl], prev)
+    else:
+        pred = p.logits(layer, s.resid[layer][sl], s.x[layer][sl], s.ids[layer][sl], s.weights[layer][sl], prev)
+    assert pred.shape == s.logits[layer + 1][sl].shape, \
+        f"{p.name} gave logits {tuple(pred.shape)}, expected {tuple(s.logits[layer + 1][sl].shape)}"
+    return pred
+
+
 @torch.no_grad()
 def recall_per_layer(p: Predictor, s: LayerStates, top_k: int, batch: int = 8192) -> list[float]:
     """recall@k of transition l -> l+1 for l = 0..L-2: share of the true top-k that was predicted."""
@@ -126,24 +140,31 @@ def recall_per_layer(p: Predictor, s: LayerStates, top_k: int, batch: int = 8192
     router = p.model.router
     for layer in range(len(s.x) - 1):
         hit, n = 0, 0
-        prev_ids, prev_weights = s.previous(layer + 1)
         for i in range(0, len(s.x[layer]), batch):
             sl = slice(i, i + batch)
-            prev = (prev_ids[sl], prev_weights[sl])
-            if isinstance(p, Lookahead):  # its attention runs ahead per window: the inputs add_lookahead recorded
-                pred = p.net_logits(layer, s.ahead[layer][sl], prev)
-            else:
-                pred = p.logits(layer, s.resid[layer][sl], s.x[layer][sl], s.ids[layer][sl], s.weights[layer][sl],
-                                prev)
             true_ids = s.ids[layer + 1][sl][:, :top_k]  # routed by the family's router when recorded
-            assert pred.shape == s.logits[layer + 1][sl].shape, \
-                f"{p.name} gave logits {tuple(pred.shape)}, expected {tuple(s.logits[layer + 1][sl].shape)}"
             # the prediction routed as the model routes: biases, groups, a sigmoid router's selection
-            pred_ids = torch.from_numpy(router.route(pred.float().numpy(), layer + 1).ids[:, :top_k])
+            pred_ids = torch.from_numpy(router.route(_predicted(p, s, layer, sl).float().numpy(),
+                                                     layer + 1).ids[:, :top_k])
             hit += (pred_ids.unsqueeze(-1) == true_ids.unsqueeze(-2)).any(-1).sum().item()
             n += true_ids.numel()
         out.append(hit / n)
     return out
+
+
+@torch.no_grad()
+def predicted_routes(p: Predictor, s: LayerStates, batch: int = 8192) -> tuple[np.ndarray, np.ndarray]:
+    """Each recorded token's routes at every MoE layer l >= 1 as `p` predicts them at layer l - 1, routed by the
+    model's router: ids and gate weights [L, N, k], layer-major as the replay reads routes (layer 0, which nothing
+    predicts: ids -1, weights 0). A decode token's prefetch takes its first `budget` of them."""
+    L, N, k = len(s.x), len(s.starts), p.model.args.top_k
+    ids, weights = np.full((L, N, k), -1, np.int64), np.zeros((L, N, k), np.float32)
+    for layer in range(L - 1):
+        for i in range(0, N, batch):
+            sl = slice(i, i + batch)
+            r = p.model.router.route(_predicted(p, s, layer, sl).float().numpy(), layer + 1)
+            ids[layer + 1, sl], weights[layer + 1, sl] = r.ids[:, :k], r.weights[:, :k]
+    return ids, weights
 
 
 def routing_loss(router: Router, pred: torch.Tensor, true: torch.Tensor, bias: torch.Tensor | None = None
@@ -232,14 +253,31 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
     return {"tokens": len(states.x[0]), "hybrid_layers": hybrid, "calibration_recall": recall}
 
 
-def recall_table(model_path: Path, ids: list[int],
-                 predictors=PREDICTORS, progress: Callable[[str, int, int], None] | None = None) -> dict:
-    """recall@k of each named predictor per layer transition, on the states recorded over `ids`."""
-    model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))),
+def record_for(model_path: Path, ids: list[int], predictors, context: int = 512,
+               progress: Callable[[str, int, int], None] | None = None) -> tuple[Transformer, LayerStates]:
+    """record_states over `ids`, with the lookahead's inputs where `predictors` name it (`progress(stage, done,
+    total)`: the tokens recorded, then the lookahead's inputs)."""
+    model, states = record_states(model_path, ids, context,
+                                  progress=progress and (lambda n: progress("record", n, len(ids))),
                                   pre="lookahead" in predictors)
     if "lookahead" in predictors:
         tokens = len(states.starts) * (model.args.num_moe_layers - 1)
         add_lookahead(model, states, load_default_vectors(model_path),
                       progress and (lambda n: progress("ahead", n, tokens)))
+    return model, states
+
+
+def recall_table(model_path: Path, ids: list[int],
+                 predictors=PREDICTORS, progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """recall@k of each named predictor per layer transition, on the states recorded over `ids`."""
+    model, states = record_for(model_path, ids, predictors, progress=progress)
     return {name: recall_per_layer(make_predictor(name, model, Path(model_path)), states, model.args.top_k)
             for name in predictors}
+
+
+def prediction_routes(model_path: Path, ids: list[int], predictors, context: int = 512,
+                      progress: Callable[[str, int, int], None] | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """`predicted_routes` of each named predictor over `ids`, run exactly in windows of `context` (as a trace of
+    them is recorded): what a replay in decode order prefetches."""
+    model, states = record_for(model_path, ids, predictors, context, progress)
+    return {name: predicted_routes(make_predictor(name, model, Path(model_path)), states) for name in predictors}

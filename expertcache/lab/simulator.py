@@ -115,16 +115,37 @@ def route_trace(trace: Trace, ranks: int = 32) -> Routes:
 def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), eviction: str | None = None,
            counts: np.ndarray | None = None, fetch_dtype_bytes: int = 2, routes: Routes | None = None,
            window: int | None = None, small_format: ExpertFormat = SMALL_FORMAT,
-           slot_format: ExpertFormat | None = None) -> Replay:
+           slot_format: ExpertFormat | None = None,
+           predictions: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> Replay:
     """Replay `policy` over the trace in windows of `window` tokens (default: the trace's
     context, as `ppl` runs; 1: decode order); `counts` [L, E] gives a warm start; `routes`
     (route_trace) saves routing the trace again. A fetch moves the expert at `fetch_dtype_bytes`
     per parameter, one of a low-precision copy its bytes in `small_format` (unaligned).
     `slot_format`: the fast tier's, which sizes a cache given in bytes as the engine does (default:
-    float slots of `fetch_dtype_bytes`); quantized slots fetch their encoded blobs."""
+    float slots of `fetch_dtype_bytes`); quantized slots fetch their encoded blobs.
+    A policy with '+prefetch/PREDICTOR[:budget=N,fetched=1]' prefetches in decode order what `predictions`
+    (`lab.prediction.prediction_routes` over the trace's tokens) gives for its predictor, as the engine does;
+    every token's predictions are counted (the engine makes them in windows too, without prefetching)."""
+    from .bench import parse_variant
     h = trace.header
     L, E, k = check_trace(trace)
     N = np.shape(trace.logits)[0]
+    spec, (policy, pre) = policy, parse_variant(policy)
+    if pre is not None and pre.mode != "prefetch":
+        raise BadInput(f"the replay cannot run {pre.mode} execution (its routing would leave the trace's); "
+                       "replay '+prefetch/...' or time it with `expertcache bench`")
+    if pre is not None and (predictions is None or pre.predictor not in predictions):
+        raise BadInput(f"replaying '+prefetch/{pre.predictor}' needs that predictor's predictions over the trace's "
+                       "tokens (lab.prediction.prediction_routes)")
+    budget = 0 if pre is None else pre.budget or k
+    if not 0 <= budget <= k:
+        raise BadInput(f"prefetch budget {budget} is beyond the {k} experts a prediction ranks; give budget=1..{k}")
+    pred_ids, pred_w = (np.full((1, 1, 1), -1, np.int64), np.zeros((1, 1, 1), np.float32)) if pre is None \
+        else predictions[pre.predictor]
+    if pre is not None and (pred_ids.shape != (L, N, k) or pred_w.shape != (L, N, k)
+                            or pred_ids[1:].min(initial=0) < 0 or pred_ids.max(initial=0) >= E):
+        raise BadInput(f"predicted routes of shape {pred_ids.shape} do not fit the trace ({L} layers, {N} tokens, "
+                       f"{E} experts, top-k {k}); compute them over the trace's own tokens")
     hidden, numel = h["hidden_size"], h["expert_params"]
     shape = ExpertShape(L, E, (2 * (numel // (3 * hidden)), hidden), (hidden, numel // (3 * hidden)))
     pol = make_policy(policy).fit(k, E, bool(h["norm_topk_prob"]))
@@ -155,7 +176,8 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     params, account, scratch = pol.params(), pol.bind(L, E), Scratch.make(k, E)
     work = (np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.float32), router.sigmoid, router.logit_bias,
             router.bias_table(L, E), router.n_group, router.topk_group, np.empty(E, np.float32),
-            np.empty(router.n_group, np.float32))
+            np.empty(router.n_group, np.float32), pred_ids, pred_w, budget, bool(pre and pre.fetched),
+            np.empty(k, np.int64))
     start = time.perf_counter()
     failed = -1
     for w0 in range(0, N, window):  # a window's logits widened to float32 (exact), a copy the kernel may read
@@ -166,6 +188,6 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     seconds = time.perf_counter() - start
     if failed >= 0:
         raise vc.too_small(failed)
-    stats = RunStats(tokens=trace.num_tokens)
+    stats = RunStats(tokens=trace.num_tokens, predictions=0 if pre is None else trace.num_tokens * (L - 1))
     stats.absorb(st, vc.fetch_bytes, vc.lowbit_bytes)
-    return Replay(policy, cache.fraction, stats, seconds, trace.num_tokens * L * k)
+    return Replay(spec, cache.fraction, stats, seconds, trace.num_tokens * L * k)

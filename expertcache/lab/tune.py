@@ -3,7 +3,11 @@ machine.
 
 1. Trace the calibration text once (router logits of the exact model).
 2. Replay every candidate of the search space on the trace (the decision kernel on a virtual
-   cache, decode order by default) and estimate its ms/token with a hardware profile.
+   cache, decode order by default) and estimate its ms/token with a hardware profile. In decode,
+   replay the frontier's policies again with each predictor's prefetch, on the routes each
+   predictor forecasts over the calibration text (recorded as decode computes them), a
+   prediction priced by its predictor's cost measured in place. A window prefetches nothing, so
+   a prefetching candidate's perplexity below is its policy's.
 3. Take the Pareto frontier of (estimated ms/token, substituted gate mass per call) and score
    its points exactly: teacher-forced perplexity on the calibration text with the exact `ram`
    store and a warm cache, against fetch-every-miss on the same tokens.
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -63,9 +67,18 @@ LOWBIT_RULES = (*(f"lowbit:tau={t:g}" for t in (0.07, 0.1, 0.15, 0.3)),
 QUANTIZED_SLOTS = ("int8", "int4")  # slot formats that keep encoded blobs (no low-precision copies)
 PRESETS = ("quality-first", "speed-first", "threshold:tau=0.15", "first-choice")  # validated beside the winner
 # The quick profile measured when none is given: enough runs to separate dense, wait, fetch, low-precision
-# fetch, admission and substitution costs (tune's candidates make no predictions).
+# fetch, admission and substitution costs.
 QUICK_RUNS = ((1.0, BASELINE), (0.125, BASELINE), (0.5, BASELINE), (0.25, "first-choice"), (0.25, "quality-first"),
               (0.5, "threshold:tau=0.1,beta=1"), (0.25, "substitute-all"), (0.25, "lowbit:tau=0.15"))
+# ... and, where prefetching is searched, what separates prefetches, exposed prefetches and predictions
+# (as calibrate-hw's runs do: a fetch-all run that mostly waits, a substituting one that mostly does not,
+# and one that predicts at every layer but prefetches only first choices)
+QUICK_PREFETCH_RUNS = ((0.125, f"{BASELINE}+prefetch/quasi-hidden"), (0.25, "threshold:tau=0.15+prefetch/quasi-hidden"),
+                       (0.25, "first-choice+prefetch/quasi-hidden:fetched=1"))
+# Prefetching (decode only): each frontier point of the first replay, again with each predictor the model
+# has, at its top-k and at half of it, and for a policy that substitutes, also only what it would fetch
+PREFETCH_PREDICTORS = ("quasi-hidden", "estimator", "lookahead")
+PREDICTION_TOKENS = 48  # decode tokens each predictor's in-place cost is measured over
 
 
 def search_space(rules=RULES, betas=BETAS, evictions=EVICTIONS) -> list[str]:
@@ -127,6 +140,7 @@ class TuneConfig:
     # in the bytes of a `--cache-bytes` cache; their own quantization error counts against the budget
     slot_dtypes: tuple[str, ...] = ("auto",)
     slot_finalists: int = 8  # most frontier points of each quantized slot format scored exactly
+    prefetch: tuple[str, ...] = PREFETCH_PREDICTORS  # predictors searched in decode (where the model has them)
 
 
 @dataclass
@@ -156,6 +170,13 @@ def unlabel(name: str) -> tuple[str, str]:
     return spec, slots or "auto"
 
 
+def without_prefetch(name: str) -> str:
+    """A candidate's label without its '+prefetch/...': a window prefetches nothing, so a prefetching
+    candidate scores as its policy does, scored once."""
+    spec, slots = unlabel(name)
+    return label(spec.partition("+")[0], slots)
+
+
 def slot_store_format(slots: str):
     """The slow-tier format a slot format needs: quantized slots keep the blobs of a store of their own
     format (`convert --dtype` of the same name); None for float slots (the checkpoint's)."""
@@ -163,24 +184,41 @@ def slot_store_format(slots: str):
     return ExpertFormat.parse(slots) if slots in QUANTIZED_SLOTS else None
 
 
+def priced(profile: HardwareProfile, spec: str, prediction_s: dict[str, float]) -> HardwareProfile:
+    """The profile that prices `spec`: with '+prefetch/PREDICTOR', a prediction's compute is what
+    `prediction_costs` measured for that predictor, in place of the profile's (its calibration runs'
+    predictors'); the rest of a prediction's cost is the profile's."""
+    _, _, pre = spec.partition("+prefetch/")
+    if not pre or not prediction_s:
+        return profile
+    compute = prediction_s[pre.partition(":")[0]]
+    return replace(profile, prediction_s=max(profile.prediction_s - profile.prediction_compute_s, 0.0) + compute)
+
+
 def replay_candidates(trace, specs: list[str], cache: CacheConfig, counts, profile: HardwareProfile,
                       window: int | None, progress: Callable[[str], None] | None = None,
-                      engine: Engine | None = None) -> list[dict]:
+                      engine: Engine | None = None, predictions: dict | None = None,
+                      prediction_s: dict[str, float] | None = None) -> list[dict]:
     """Each spec replayed on `trace` with its estimated ms/token and substituted mass; `engine`: the
-    slots (format, and so their number in a cache of bytes) and fetch bytes the replay takes from it."""
+    slots (format, and so their number in a cache of bytes) and fetch bytes the replay takes from it;
+    `predictions`, `prediction_s`: the prefetching specs' predicted routes over the trace and their
+    predictors' costs (`priced`)."""
     routes = route_trace(trace)
     slots = engine.config.slot_dtype if engine is not None else "auto"
     sized = {} if engine is None else {"slot_format": engine.slot_format,
                                        "fetch_dtype_bytes": engine.store.dtype.itemsize}
     rows = []
     for spec in specs:
-        s = replay(trace, spec, cache, None, counts, routes=routes, window=window, **sized).stats
+        s = replay(trace, spec, cache, None, counts, routes=routes, window=window, predictions=predictions,
+                   **sized).stats
         rows.append({"spec": spec, "slots": slots, "label": label(spec, slots),
-                     "estimated_ms": profile.ms_per_token(s), "mass_per_call": s.mass_per_call,
+                     "estimated_ms": priced(profile, spec, prediction_s or {}).ms_per_token(s),
+                     "mass_per_call": s.mass_per_call,
                      "fetches_per_token": s.fetches_per_token, "hit_rate": s.hit_rate,
                      "admissions_per_token": s.background_fetches / s.tokens,
                      "lowbit_per_token": s.lowbit_fetches / s.tokens,
-                     "inexact_per_call": (s.substitutions + s.lowbit_uses) / s.moe_calls})
+                     "inexact_per_call": (s.substitutions + s.lowbit_uses) / s.moe_calls,
+                     "prefetches_per_token": s.prefetch_fetches / s.tokens})
         if progress:
             progress(spec)
     return rows
@@ -197,8 +235,9 @@ def pick_finalists(rows: list[dict], n: int, n_lowbit: int = 0, n_slots: int = 0
             f = [f[i] for i in np.unique(np.linspace(0, len(f) - 1, most).round().astype(int))]
         return f
     plain = [r for r in rows if r.get("slots", "auto") == "auto"]
-    lowbit = [r for r in plain if make_policy(r["spec"]).fetches_small]
-    rest = [r for r in plain if not make_policy(r["spec"]).fetches_small]
+    small = lambda r: make_policy(r["spec"].partition("+")[0]).fetches_small  # noqa: E731 (prefetch aside)
+    lowbit = [r for r in plain if small(r)]
+    rest = [r for r in plain if not small(r)]
     out = front("mass_per_call", rest, n) + front("inexact_per_call", lowbit, n_lowbit)
     for slots in dict.fromkeys(r["slots"] for r in rows if r.get("slots", "auto") != "auto"):
         out += front("mass_per_call", [r for r in rows if r["slots"] == slots], n_slots)
@@ -212,17 +251,19 @@ def score(engines: dict[str, Engine], labels, ids: list[int], context: int, cfg:
     total)` once, with the tokens it scores in all, then `progress(candidate, tokens)` as they are scored."""
     results = {}
     names = list(dict.fromkeys([BASELINE, *labels]))
+    policies = list(dict.fromkeys(map(without_prefetch, names)))
     if progress:
-        progress(phase, 0, len(names) * (len(ids) - 1))
-    for name in names:
+        progress(phase, 0, len(policies) * (len(ids) - 1))
+    for name in policies:
         spec, slots = unlabel(name)
         engine = engines[slots]
         engine.set_policy(spec)
         results[name] = perplexity(engine, ids, context,
                                    progress=(lambda n, s=name: progress(s, n)) if progress else None)
     base = results[BASELINE]
-    return {name: {"ppl": r.ppl, **paired_increase(base.window_nll, r.window_nll, cfg.bootstrap, cfg.seed)}
-            for name, r in results.items()}
+    increase = {name: {"ppl": r.ppl, **paired_increase(base.window_nll, r.window_nll, cfg.bootstrap, cfg.seed)}
+                for name, r in results.items()}
+    return {name: increase[without_prefetch(name)] for name in names}
 
 
 def default_candidates(trace, cfg: TuneConfig, slots: str = "auto") -> list[str]:
@@ -248,6 +289,55 @@ def fitting(specs: list[str], trace) -> list[str]:
         except BadInput:
             continue
         out.append(spec)
+    return out
+
+
+def prefetch_variants(spec: str, predictors, top_k: int) -> list[str]:
+    """`spec` with each predictor's prefetch: its top-k, half of it, and where the policy substitutes, only
+    what it would fetch."""
+    budgets = [f":budget={top_k // 2}"] if top_k > 1 else []
+    fetched = [":fetched=1"] if make_policy(spec).name != BASELINE else []
+    return [f"{spec}+prefetch/{p}{option}" for p in predictors for option in ("", *budgets, *fetched)]
+
+
+def usable_predictors(engine: Engine, names) -> dict[str, str]:
+    """Each of `names` with '' where the model has what it needs (default vectors, nets), else why not
+    (CheckpointError's one line)."""
+    from ..engine.predictors import make_predictor
+    from ..errors import CheckpointError
+    out = {}
+    for name in names:
+        try:
+            make_predictor(name, engine.model, engine.path)
+            out[name] = ""
+        except (CheckpointError, FileNotFoundError) as e:
+            out[name] = str(e)
+    return out
+
+
+def prediction_costs(engine: Engine, predictors, ids: list[int], tokens: int = PREDICTION_TOKENS,
+                     prompt: int = 16) -> dict[str, float]:
+    """Seconds per prediction of each predictor in place: `engine` decodes `tokens` of `ids` one at a time after a
+    `prompt` under fetch-every-miss with its prefetch, twice (the first warms up), and the second's predict time
+    (RunStats.predict_s) is divided by its predictions. The engine is left without a prefetch."""
+    import torch
+
+    from ..engine.moe import PrefetchConfig
+    x = torch.tensor(ids[:prompt + tokens])
+    out = {}
+    try:
+        engine.set_policy(BASELINE)
+        for name in predictors:
+            engine.set_prefetch(PrefetchConfig(name))
+            for _ in range(2):
+                engine.reset()
+                engine.forward(x[:prompt], 0)
+                before = (engine.stats.predict_s, engine.stats.predictions)
+                for pos in range(prompt, len(x)):
+                    engine.forward(x[pos:pos + 1], pos)
+            out[name] = (engine.stats.predict_s - before[0]) / max(engine.stats.predictions - before[1], 1)
+    finally:
+        engine.set_prefetch(None)
     return out
 
 
@@ -284,6 +374,7 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
     if missing:
         raise BadInput(f"no cost profile for slots {', '.join(missing)}; give one profile per slot format")
     engines: dict[str, Engine] = {}
+    skipped: dict[str, str] = {}  # predictors left out of the search, and why
     note = (lambda label, n=0, total=None: progress(label, n, total)) if progress else None
     try:
         for slots in searched:
@@ -306,6 +397,8 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
                 rows += replay_candidates(trace, specs[slots], cfg.cache, engines["auto"].routing_counts,
                                           profiles[slots], window, (lambda s: note("replay", 1)) if note else None,
                                           engines[slots])
+            if cfg.mode == "decode" and cfg.prefetch:
+                rows += replay_prefetching(trace, rows, engines, profiles, calib, cfg, skipped, note)
         est = {r["label"]: r["estimated_ms"] for r in rows}
         finalists = pick_finalists(rows, cfg.finalists, cfg.lowbit_finalists, cfg.slot_finalists)
         scored = score(engines, finalists, calib, cfg.context, cfg, progress)
@@ -320,6 +413,40 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
     validation = {s: {**v, "estimated_ms": est.get(s), "estimated_speedup": base_ms / est[s] if s in est else None,
                       "within_budget": v["pct"] <= cfg.budget_pct} for s, v in checked.items()}
     config = {**cfg.__dict__, "cache": cfg.cache.__dict__, "candidates": [r["label"] for r in rows],
-              "calib_tokens_used": len(calib) - 1, "tokens_used": len(held) - 1}
+              "calib_tokens_used": len(calib) - 1, "tokens_used": len(held) - 1, "prefetch_skipped": skipped}
     profile_out = {s: profiles[s].__dict__ for s in searched} if len(searched) > 1 else profiles["auto"].__dict__
     return TuneResult(config, profile_out, rows, scored, winner, validation, base_ms)
+
+
+def replay_prefetching(trace, rows: list[dict], engines: dict[str, Engine], profiles: dict[str, HardwareProfile],
+                       calib: list[int], cfg: TuneConfig, skipped: dict[str, str], note=None) -> list[dict]:
+    """The prefetching candidates: each frontier point of `rows` (as pick_finalists draws them) with each of
+    `cfg.prefetch`'s predictors that the model has (`prefetch_variants`), replayed in decode order on the
+    predicted routes over the calibration tokens, a prediction priced by its predictor's cost in place
+    (`prediction_costs`, `priced`). Predictors the model lacks go into `skipped`, with why."""
+    from .prediction import prediction_routes
+    auto = engines["auto"]
+    have = usable_predictors(auto, cfg.prefetch)
+    skipped.update({n: why for n, why in have.items() if why})
+    predictors = [n for n in cfg.prefetch if not have[n]]
+    if not predictors:
+        return []
+    bases = [unlabel(n) for n in pick_finalists(rows, cfg.finalists, cfg.lowbit_finalists, cfg.slot_finalists)]
+    bases = list(dict.fromkeys([(BASELINE, "auto"), *bases]))
+    if note:
+        note("predict", 0, 1)
+    predictions = prediction_routes(auto.path, calib, predictors, cfg.context)
+    costs = prediction_costs(auto, predictors, calib)
+    k = trace.header["top_k"]
+    variants = {slots: [v for spec, s in bases if s == slots for v in prefetch_variants(spec, predictors, k)]
+                for slots in dict.fromkeys(s for _, s in bases)}
+    if note:
+        note("replay prefetch", 0, sum(map(len, variants.values())))
+    out = []
+    for slots, specs in variants.items():
+        out += replay_candidates(trace, specs, cfg.cache, auto.routing_counts, profiles[slots], 1,
+                                 (lambda s: note("replay prefetch", 1)) if note else None, engines[slots],
+                                 predictions, costs)
+    for r in out:
+        r["prediction_s"] = costs[r["spec"].partition("+prefetch/")[2].partition(":")[0]]
+    return out
