@@ -112,10 +112,13 @@ def _dot_u8s8(b: ir.IRBuilder, module, isa: str, acc, codes, x, small: bool):
         (c0, c1), (x0, x1) = _halves(b, codes, 64), _halves(b, x, 64)
         return b.add(acc, _join(b, b.call(wd, [b.call(mad, [c0, x0]), ones]), b.call(wd, [b.call(mad, [c1, x1]), ones]),
                                 16))
-    # the portable form: LLVM lowers it to each target's dot-product instructions where it has them
-    fn = _intrinsic_fn(module, "llvm.vector.partial.reduce.add.v16i32.v64i32", V16I32, [V16I32, _vec(I32, 64)])
+    # the portable form: each lane adds its own four products. (llvm.vector.partial.reduce.add defines only the
+    # whole vector's sum, not which products meet in which lane: on an AVX2 target it put other rows' products
+    # in a row's lane)
     prod = b.mul(b.zext(codes, _vec(I32, 64)), b.sext(x, _vec(I32, 64)))
-    return b.call(fn, [acc, prod])
+    for j in range(4):
+        acc = b.add(acc, b.shuffle_vector(prod, prod, ir.Constant(_vec(I32, 16), [4 * i + j for i in range(16)])))
+    return acc
 
 
 def _mx_bytes(b: ir.IRBuilder, module, isa: str, nibbles):

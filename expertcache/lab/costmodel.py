@@ -16,16 +16,16 @@ tokens (its weights read once): k per token and layer in decode, fewer per token
 window's tokens share experts. A flushed entry is one token of a window run through one expert
 early, because a later token's fetch is about to overwrite that expert's slot (the engine runs
 a few such tokens one at a time, so their cost is per token, not per run). A prediction is a
-prefetch predictor's forecast of the next layer's experts for one token: its compute, which the engine
-times (a profile takes the calibration runs' mean rather than fitting it), and the routing and Python
-around it, fitted. An
-exposed prefetch is one issued by a call that has no fetch of its own to wait for: its
-submission and landing are not hidden behind a wait (on the 2-core machine of
+prefetch predictor's forecast of the next layer's experts for one token: its compute, which the
+engine times (a profile takes the calibration runs' mean rather than fitting it), and the routing
+and Python around it, fitted. An exposed prefetch is one issued by a call that has no fetch of its
+own to wait for: its submission and landing are not hidden behind a wait (on the 2-core machine of
 benchmarks/RESULTS.md an exposed one costs 43 us, a hidden one nothing measurable). Counts per
 token are counts per MoE call times the profile's layers, so a datasheet profile applies a
 trace's per-layer rates to the profiled model's depth. Every count is one the engine (RunStats)
-and the replay both keep (the replay's predictions are recorded ones: lab/prediction.prediction_routes). Profiles are measured on this
-machine by `expertcache calibrate-hw` (per store and mode) or written from datasheet figures.
+and the replay both keep (the replay's predictions are recorded ones:
+lab/prediction.prediction_routes). Profiles are measured on this machine by `expertcache
+calibrate-hw` (per store and mode) or written from datasheet figures.
 """
 from __future__ import annotations
 

@@ -276,7 +276,8 @@ def recall_table(model_path: Path, ids: list[int],
 
 
 def prediction_routes(model_path: Path, ids: list[int], predictors, context: int = 512,
-                      progress: Callable[[str, int, int], None] | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+                      progress: Callable[[str, int, int], None] | None = None
+                      ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """`predicted_routes` of each named predictor over `ids`, run exactly in windows of `context` (as a trace of
     them is recorded): what a replay in decode order prefetches."""
     model, states = record_for(model_path, ids, predictors, context, progress)
