@@ -223,3 +223,45 @@ def test_quantized_slots_refuse_another_store_format(tiny, tmp_path, capsys):
     assert code == 2 and err.count("\n") == 0 and "--store-dtype int8" in err, err
     with pytest.raises(SystemExit):
         cli.main(["ppl", "--model", str(path), "--slot-dtype", "fp8"])
+
+
+def _dot_kernel(isa: str, small: bool):
+    """A compiled call of kernel.simd._dot_u8s8 on one 64-byte vector of codes and of activations, built for `isa`."""
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    from expertcache.kernel import simd
+
+    @intrinsic
+    def dot(typingctx, codes, x, out):
+        def codegen(context, builder, signature, args):
+            codes_p, x_p, out_p = (context.make_array(t)(context, builder, v).data for t, v in zip(signature.args, args))
+            load = lambda p: builder.load(builder.bitcast(p, simd.V64I8.as_pointer()), align=1)  # noqa: E731
+            acc = simd._dot_u8s8(builder, builder.module, isa, ir.Constant(simd.V16I32, [0] * 16), load(codes_p),
+                                 load(x_p), small)
+            builder.store(acc, builder.bitcast(out_p, simd.V16I32.as_pointer()), align=1)
+            return context.get_dummy_value()
+        return types.void(codes, x, out), codegen
+
+    @njit
+    def run(codes, x, out):
+        dot(codes, x, out)
+    return run
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512bw", "avx512-vnni"])
+@pytest.mark.parametrize("small", [False, True])
+def test_each_dot_product_path_sums_each_lanes_own_four_products(isa, small):
+    """Every integer dot-product path this CPU can run (the portable one always) gives lane i the sum of codes
+    4i..4i+3 times their activations, for 8-bit codes and for codes below 128: no lane takes another row's."""
+    from expertcache.kernel.simd import ISA
+    order = ["generic", "avx2", "avx512bw", "avx512-vnni"]  # each CPU runs its own path and those before it
+    if order.index(isa) > order.index(ISA):
+        pytest.skip(f"this CPU runs {ISA}")
+    rng = np.random.default_rng(4)
+    codes = rng.integers(0, 128 if small else 256, 64).astype(np.uint8)
+    x = rng.integers(-128, 128, 64).astype(np.int8)
+    out = np.zeros(16, np.int32)
+    _dot_kernel(isa, small)(codes, x, out)
+    np.testing.assert_array_equal(out, (codes.astype(np.int32) * x).reshape(16, 4).sum(1))
