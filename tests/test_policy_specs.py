@@ -219,14 +219,19 @@ def test_fuzzed_per_layer_taus_give_an_error_or_a_finite_perplexity(tiny):
 
 
 @pytest.mark.parametrize("variant", ["fetch-all+prefetch/quasi-hidden:drop=2", "fetch-all+prefetch/estimator:fetched=7",
-                                     "fetch-all+prefetch/quasi-hidden:budget=0", "fetch-all+prefetch/quasi-hidden:x=1"])
+                                     "fetch-all+prefetch/quasi-hidden:budget=0", "fetch-all+prefetch/quasi-hidden:x=1",
+                                     "fetch-all+prefetch/lookahead:confidence=1.5", "fetch-all+prefetch/lookahead:confidence=nan",
+                                     "fetch-all+prefetch/lookahead:confidence=sure"])
 def test_prefetch_options_take_only_their_values(variant):
-    """drop and fetched are 0 or 1, budget a count >= 1: any other value is refused, not read as 1."""
+    """drop and fetched are 0 or 1, budget a count >= 1, confidence a weight in [0, 1]: any other value is
+    refused, not read as something else."""
     from expertcache.errors import BadInput
     from expertcache.lab.bench import parse_variant
     with pytest.raises(BadInput, match="prefetch option"):
         parse_variant(variant)
     assert parse_variant("fetch-all+prefetch/quasi-hidden:drop=0,fetched=1,budget=4")[1].budget == 4
+    sure = parse_variant("fetch-all+prefetch/lookahead:confidence=0.1")[1]
+    assert sure.confidence == 0.1 and str(sure) == "prefetch/lookahead:confidence=0.1"
 
 
 def test_a_report_folder_that_is_a_file_is_refused_before_any_work(tmp_path, capsys):

@@ -513,7 +513,8 @@ def test_the_statistics_name_the_prefetch_as_the_policy_spec_gave_it(spec):
 
 
 @pytest.mark.parametrize("spec", ["fetch-all+prefetch/quasi-hidden", "fetch-all+prefetch/lookahead:budget=1",
-                                  "threshold:tau=0.3+prefetch/estimator:fetched=1"])
+                                  "threshold:tau=0.3+prefetch/estimator:fetched=1",
+                                  "fetch-all+prefetch/estimator:confidence=0.5"])
 def test_the_replay_prefetches_what_the_engine_does_in_decode(calibrated, spec, tmp_path):
     """Replayed in decode order with the predictors' routes recorded over the trace's tokens, a prefetching
     policy makes the engine's own decisions token by token: the same hits, fetches, prefetches and
@@ -546,7 +547,8 @@ def test_the_replay_prefetches_what_the_engine_does_on_other_routers(tiny, tmp_p
     ids = ids[:40]
     trace = record_trace(path, ids, tmp_path / "t.ectrace", context=40, dtype="float32")
     predictions = prediction_routes(path, ids, ["quasi-hidden"], context=40)
-    for spec in ("fetch-all+prefetch/quasi-hidden", "threshold:tau=0.3+prefetch/quasi-hidden:fetched=1"):
+    for spec in ("fetch-all+prefetch/quasi-hidden", "threshold:tau=0.3+prefetch/quasi-hidden:fetched=1",
+                 "fetch-all+prefetch/quasi-hidden:confidence=0.3"):
         policy, pre = parse_variant(spec)
         engine = Engine(path, EngineConfig(cache=CacheConfig(fraction=0.5), initial="cold", policy=policy,
                                            prefetch=pre))

@@ -63,6 +63,8 @@ def test_prefetching_is_searched_on_the_frontier_in_decode(result):
     prefetching = [s for s in rows if "+prefetch/" in s]
     for predictor in ("quasi-hidden", "estimator", "lookahead"):
         assert f"fetch-all+prefetch/{predictor}" in rows and f"fetch-all+prefetch/{predictor}:budget=4" in rows
+        sure = rows[f"fetch-all+prefetch/{predictor}:confidence=0.1"]  # the sure predictions only: fewer reads
+        assert 0 < sure["prefetches_per_token"] < rows[f"fetch-all+prefetch/{predictor}"]["prefetches_per_token"]
         one = rows[f"fetch-all+prefetch/{predictor}"]
         assert one["prefetches_per_token"] > rows[f"fetch-all+prefetch/{predictor}:budget=4"]["prefetches_per_token"]
         assert one["fetches_per_token"] < rows["fetch-all"]["fetches_per_token"]  # recall above nothing

@@ -134,7 +134,7 @@ class ExpertCache:
         ids = np.arange(k, dtype=np.int64)[None]
         sc = self.scratch
         kernel.prefetch_predicted(self._new_state(), MissPolicy().params(), 0, np.zeros(E, np.float32), True, 0,
-                                  False, 0, np.empty(k, np.int64), np.empty(k, np.float32), sc.order_v, sc.comp,
+                                  False, 0.0, 0, np.empty(k, np.int64), np.empty(k, np.float32), sc.order_v, sc.comp,
                                   sc.block_max, sc.fetch)
         for logits in (True, False):
             kernel.decide_layer(self._new_state(), MissPolicy().params(), np.zeros((L, E)), self.scratch, 0,
@@ -235,13 +235,14 @@ class ExpertCache:
         return self.carry_out()
 
     def prefetch_predicted(self, policy: np.ndarray, layer: int, row: np.ndarray, norm: bool, budget: int,
-                           fetched: bool, clock: int) -> tuple[np.ndarray, np.ndarray, float]:
+                           fetched: bool, confidence: float, clock: int) -> tuple[np.ndarray, np.ndarray, float]:
         """A decode token's predicted router logits row [E] (float32) for `layer`, from a softmax router without
         bias, routed and prefetched in one compiled call (kernel.prefetch_predicted, with the policy's
         parameter vector); returns its routed ids [k], their gate weights [k] and the seconds stalled."""
         ids, w = np.empty(self.top_k, np.int64), np.empty(self.top_k, np.float32)
         sc = self.scratch
-        started = kernel.prefetch_predicted(self.state, policy, layer, row, norm, budget, fetched, clock, ids, w,
+        started = kernel.prefetch_predicted(self.state, policy, layer, row, norm, budget, fetched, confidence, clock,
+                                            ids, w,
                                             sc.order_v, sc.comp, sc.block_max, sc.fetch)
         if started < 0:
             self._abandon(self._take_log())

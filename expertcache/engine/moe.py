@@ -106,11 +106,12 @@ class PrefetchConfig:
     budget: int | None = None  # prefetches per token and layer (default: top-k)
     drop: bool = True  # drop queued prefetches that the layer's routes turn out not to need, unread
     fetched: bool = False  # only the predicted experts the policy would fetch were they misses (by rank and weight)
+    confidence: float = 0.0  # only the predicted experts of at least this predicted gate weight (the sure ones)
 
     def __str__(self) -> str:
         """As a policy spec writes it after its '+': mode/predictor, then the options that are not the defaults."""
         default = PrefetchConfig()
-        options = [f"{k}={int(v) if isinstance(v, bool) else v}" for k in ("budget", "drop", "fetched")
+        options = [f"{k}={int(v) if isinstance(v, bool) else f'{v:g}'}" for k in ("budget", "drop", "fetched", "confidence")
                    if (v := getattr(self, k)) != getattr(default, k)]
         return f"{self.mode}/{self.predictor}" + (":" + ",".join(options) if options else "")
 
@@ -166,6 +167,7 @@ class MoELayerRunner:
             # a decode token: routing, the policy's filter and the prefetch in one compiled call
             ids, w, stall = cache.prefetch_predicted(self.policy.params(), layer + 1, logits[0], self.router.norm_topk,
                                                      self.prefetch.budget or a.top_k, self.prefetch.fetched,
+                                                     self.prefetch.confidence,
                                                      self.token_base)
             self.predicted = Routing(logits, logits, w[None], ids[None])
             self.stats.predictions += 1
@@ -194,6 +196,9 @@ class MoELayerRunner:
             keep, p = np.empty(wanted.shape, np.bool_), self.policy.params()
             for t in range(wanted.shape[0]):
                 would_fetch(p, layer + 1, self.predicted.weights[t, :budget], keep[t])
+        if self.prefetch.confidence:  # a prediction of a small weight is often wrong: not worth a read
+            sure = self.predicted.weights[:, :budget] >= self.prefetch.confidence
+            keep = sure if keep is None else keep & sure
         if wanted.shape[0] > 1:  # a decode batch: the `budget` experts most of its tokens predict (ties: best rank)
             experts, first, counts = np.unique(wanted.T.ravel() if keep is None else wanted.T[keep.T],
                                                return_index=True, return_counts=True)

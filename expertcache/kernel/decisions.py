@@ -315,26 +315,29 @@ def prefetch(st, layer, ids, clock):
 
 
 @compiled
-def prefetch_ranked(st, p, layer, ids, w, budget, fetched, clock, chosen):
+def prefetch_ranked(st, p, layer, ids, w, budget, fetched, confidence, clock, chosen):
     """A decode token's prefetch of its predicted experts ids [>= budget] of `layer` in rank order, with their
-    predicted gate weights w: `prefetch` the first `budget` that are not mapped and, with `fetched`, that the
-    policy p would fetch were they misses. The engine's and the replay's one path. Returns the transfers
-    started, or -1 when the cache has no slot to give. chosen [>= budget] int64 scratch."""
+    predicted gate weights w: `prefetch` the first `budget` that are not mapped, predicted at a weight of at
+    least `confidence` and, with `fetched`, that the policy p would fetch were they misses. The engine's and
+    the replay's one path. Returns the transfers started, or -1 when the cache has no slot to give. chosen
+    [>= budget] int64 scratch."""
     n = 0
     for j in range(budget):  # chosen before any load: one may evict another predicted expert, not refetched now
-        if st.slot_of[layer, ids[j]] < 0 and not (fetched and not fetches_miss(p, layer, j, w[j])):
+        if st.slot_of[layer, ids[j]] < 0 and w[j] >= confidence \
+                and not (fetched and not fetches_miss(p, layer, j, w[j])):
             chosen[n] = ids[j]
             n += 1
     return n if prefetch(st, layer, chosen[:n], clock) else -1
 
 
 @compiled
-def prefetch_predicted(st, p, layer, row, norm, budget, fetched, clock, ids, w, vals, comp, block_max, chosen):
+def prefetch_predicted(st, p, layer, row, norm, budget, fetched, confidence, clock, ids, w, vals, comp, block_max,
+                       chosen):
     """A decode token's prefetch straight from its predicted router logits row [E] for `layer` (a softmax
     router without bias), in one call: route the row (ids [k], w [k] <- its top-k in rank order and their
     gate weights, as route_row), then `prefetch_ranked`. vals, comp, block_max: route_row's working arrays."""
     route_row(row, None, norm, ids, vals, w, comp, block_max)
-    return prefetch_ranked(st, p, layer, ids, w, budget, fetched, clock, chosen)
+    return prefetch_ranked(st, p, layer, ids, w, budget, fetched, confidence, clock, chosen)
 
 
 @compiled

@@ -41,7 +41,7 @@ def route_all_sigmoid(logits, table, norm, ranked, weights, vals, comp, block_ma
 
 @compiled
 def replay_window(st, p, account, sc, logits, w0, ranked, weights, slots, experts, gates, sigmoid, biased, bias,
-                  n_group, topk_group, sel, group_score, pred_ids, pred_w, budget, fetched, chosen):
+                  n_group, topk_group, sel, group_score, pred_ids, pred_w, budget, fetched, confidence, chosen):
     """One window of the trace, the tokens w0 .. w0 + T - 1, layer by layer, token by token; -1 on success, else
     the layer whose cache was too small. logits [T, L, E] float32: the window's router logits (one type whatever
     the trace holds, so that one compiled replay serves every trace: each is about a minute of compiling);
@@ -50,7 +50,8 @@ def replay_window(st, p, account, sc, logits, w0, ranked, weights, slots, expert
     working arrays); with `biased` (a softmax router's logit bias [L, E]), each row plus the bias, in sel; else
     the row as it is. With a `budget`, a decode token (T == 1) prefetches at each layer l the predicted routes
     of layer l + 1 (pred_ids, pred_w [L, N, k], layer-major) after its decisions, as the engine does
-    (`prefetch_ranked`; `fetched`: only what the policy would fetch; chosen [k]: working array)."""
+    (`prefetch_ranked`; `fetched`: only what the policy would fetch; `confidence`: only predictions of that
+    gate weight or more; chosen [k]: working array)."""
     T, L, E = logits.shape
     line = 64 // logits.itemsize
     for layer in range(L):
@@ -78,7 +79,7 @@ def replay_window(st, p, account, sc, logits, w0, ranked, weights, slots, expert
                 return layer
             if budget and T == 1 and layer + 1 < L:
                 if prefetch_ranked(st, p, layer + 1, pred_ids[layer + 1, n], pred_w[layer + 1, n], budget, fetched,
-                                   n, chosen) < 0:
+                                   confidence, n, chosen) < 0:
                     return layer + 1
         st.counts[SEGMENTS] += owes_work(st, layer)  # the window's final pass, if a slot has work left
     return -1

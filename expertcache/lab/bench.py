@@ -31,9 +31,10 @@ FLOOR = "all resident"
 
 
 def parse_variant(v: str) -> tuple[str, PrefetchConfig | None]:
-    """'policy' or 'policy+mode/predictor[:budget=N,drop=0|1,fetched=0|1]', e.g. 'fetch-all+prefetch/quasi-hidden'
-    or 'fetch-all+prefetch/quasi-hidden:budget=4' (the next layer's N best predicted experts);
-    fetched=1 prefetches only those the policy would fetch were they misses."""
+    """'policy' or 'policy+mode/predictor[:budget=N,drop=0|1,fetched=0|1,confidence=W]', e.g.
+    'fetch-all+prefetch/quasi-hidden' or 'fetch-all+prefetch/quasi-hidden:budget=4' (the next layer's N best
+    predicted experts); fetched=1 prefetches only those the policy would fetch were they misses, confidence=W
+    only those predicted at a gate weight of at least W (0 <= W <= 1)."""
     policy, _, pre = v.partition("+")
     if not pre:
         return policy, None
@@ -42,10 +43,20 @@ def parse_variant(v: str) -> tuple[str, PrefetchConfig | None]:
     config = PrefetchConfig(predictor or "quasi-hidden", mode)
     for item in filter(None, options.split(",")):
         key, _, value = item.partition("=")
+        if key == "confidence":
+            try:
+                weight = float(value)
+            except ValueError:
+                weight = math.nan
+            if not 0 <= weight <= 1:
+                raise BadInput(f"prefetch option {item!r} in {v!r}: confidence=W takes a gate weight 0 <= W <= 1, "
+                               "e.g. confidence=0.1")
+            config = replace(config, confidence=weight)
+            continue
         if key not in ("budget", "drop", "fetched") or not value.isdigit() or \
                 (int(value) < 1 if key == "budget" else value not in ("0", "1")):
-            raise BadInput(f"prefetch option {item!r} in {v!r}: use budget=N (N >= 1 experts a layer), drop=0|1 "
-                           "or fetched=0|1")
+            raise BadInput(f"prefetch option {item!r} in {v!r}: use budget=N (N >= 1 experts a layer), drop=0|1, "
+                           "fetched=0|1 or confidence=W")
         config = replace(config, **{key: int(value) if key == "budget" else value != "0"})
     return policy, config
 

@@ -123,7 +123,7 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     per parameter, one of a low-precision copy its bytes in `small_format` (unaligned).
     `slot_format`: the fast tier's, which sizes a cache given in bytes as the engine does (default:
     float slots of `fetch_dtype_bytes`); quantized slots fetch their encoded blobs.
-    A policy with '+prefetch/PREDICTOR[:budget=N,fetched=1]' prefetches in decode order what `predictions`
+    A policy with '+prefetch/PREDICTOR[:budget=N,fetched=1,confidence=W]' prefetches in decode order what `predictions`
     (`lab.prediction.prediction_routes` over the trace's tokens) gives for its predictor, as the engine does;
     every token's predictions are counted (the engine makes them in windows too, without prefetching)."""
     from .bench import parse_variant
@@ -177,7 +177,7 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     work = (np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.float32), router.sigmoid, router.logit_bias,
             router.bias_table(L, E), router.n_group, router.topk_group, np.empty(E, np.float32),
             np.empty(router.n_group, np.float32), pred_ids, pred_w, budget, bool(pre and pre.fetched),
-            np.empty(k, np.int64))
+            float(pre.confidence if pre else 0.0), np.empty(k, np.int64))
     start = time.perf_counter()
     failed = -1
     for w0 in range(0, N, window):  # a window's logits widened to float32 (exact), a copy the kernel may read

@@ -76,9 +76,11 @@ QUICK_RUNS = ((1.0, BASELINE), (0.125, BASELINE), (0.5, BASELINE), (0.25, "first
 QUICK_PREFETCH_RUNS = ((0.125, f"{BASELINE}+prefetch/quasi-hidden"), (0.25, "threshold:tau=0.15+prefetch/quasi-hidden"),
                        (0.25, "first-choice+prefetch/quasi-hidden:fetched=1"))
 # Prefetching (decode only): each frontier point of the first replay, again with each predictor the model
-# has, at its top-k and at half of it, and for a policy that substitutes, also only what it would fetch
+# has, at its top-k, at half of it, only its sure predictions, and for a policy that substitutes, also only
+# what it would fetch
 PREFETCH_PREDICTORS = ("quasi-hidden", "estimator", "lookahead")
 PREDICTION_TOKENS = 48  # decode tokens each predictor's in-place cost is measured over
+SURE = 0.1  # a prediction's gate weight above which it is nearly always right (benchmarks/RESULTS.md, "Confidence")
 
 
 def search_space(rules=RULES, betas=BETAS, evictions=EVICTIONS) -> list[str]:
@@ -293,11 +295,12 @@ def fitting(specs: list[str], trace) -> list[str]:
 
 
 def prefetch_variants(spec: str, predictors, top_k: int) -> list[str]:
-    """`spec` with each predictor's prefetch: its top-k, half of it, and where the policy substitutes, only
-    what it would fetch."""
+    """`spec` with each predictor's prefetch: its top-k, half of it, only the sure predictions, and where the
+    policy substitutes, only what it would fetch."""
     budgets = [f":budget={top_k // 2}"] if top_k > 1 else []
     fetched = [":fetched=1"] if make_policy(spec).name != BASELINE else []
-    return [f"{spec}+prefetch/{p}{option}" for p in predictors for option in ("", *budgets, *fetched)]
+    options = ("", *budgets, f":confidence={SURE:g}", *fetched)
+    return [f"{spec}+prefetch/{p}{option}" for p in predictors for option in options]
 
 
 def usable_predictors(engine: Engine, names) -> dict[str, str]:
