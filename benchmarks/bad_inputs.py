@@ -145,6 +145,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("--read-mode direct with the ram store", [*ppl, "--read-mode", "direct"]),
         ("study --out a file", ["study", "--out", str(png)]),
         ("bench prefetch drop=2", ["bench", "--policies", "fetch-all+prefetch/quasi-hidden:drop=2"]),
+        ("generate prefetch confidence=2", ["generate", "--policy", "fetch-all+prefetch/lookahead:confidence=2"]),
         ("tune --profile with a negative term", ["tune", "--profile", str(bad_profile)]),
         ("config quantized with GPTQ", [*ppl, "--model", str(gptq)]),
         ("tokenizer_config.json not JSON", ["generate", "--model", str(bad_tok_config), "--store", "ram", "hi"]),

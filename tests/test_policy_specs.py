@@ -220,7 +220,8 @@ def test_fuzzed_per_layer_taus_give_an_error_or_a_finite_perplexity(tiny):
 
 @pytest.mark.parametrize("variant", ["fetch-all+prefetch/quasi-hidden:drop=2", "fetch-all+prefetch/estimator:fetched=7",
                                      "fetch-all+prefetch/quasi-hidden:budget=0", "fetch-all+prefetch/quasi-hidden:x=1",
-                                     "fetch-all+prefetch/lookahead:confidence=1.5", "fetch-all+prefetch/lookahead:confidence=nan",
+                                     "fetch-all+prefetch/lookahead:confidence=1.5",
+                                     "fetch-all+prefetch/lookahead:confidence=nan",
                                      "fetch-all+prefetch/lookahead:confidence=sure"])
 def test_prefetch_options_take_only_their_values(variant):
     """drop and fetched are 0 or 1, budget a count >= 1, confidence a weight in [0, 1]: any other value is

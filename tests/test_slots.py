@@ -236,7 +236,8 @@ def _dot_kernel(isa: str, small: bool):
     @intrinsic
     def dot(typingctx, codes, x, out):
         def codegen(context, builder, signature, args):
-            codes_p, x_p, out_p = (context.make_array(t)(context, builder, v).data for t, v in zip(signature.args, args))
+            codes_p, x_p, out_p = (context.make_array(t)(context, builder, v).data
+                                   for t, v in zip(signature.args, args))
             load = lambda p: builder.load(builder.bitcast(p, simd.V64I8.as_pointer()), align=1)  # noqa: E731
             acc = simd._dot_u8s8(builder, builder.module, isa, ir.Constant(simd.V16I32, [0] * 16), load(codes_p),
                                  load(x_p), small)

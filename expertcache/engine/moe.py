@@ -111,8 +111,9 @@ class PrefetchConfig:
     def __str__(self) -> str:
         """As a policy spec writes it after its '+': mode/predictor, then the options that are not the defaults."""
         default = PrefetchConfig()
-        options = [f"{k}={int(v) if isinstance(v, bool) else f'{v:g}'}" for k in ("budget", "drop", "fetched", "confidence")
-                   if (v := getattr(self, k)) != getattr(default, k)]
+        keys = ("budget", "drop", "fetched", "confidence")
+        options = [f"{k}={int(v) if isinstance(v, bool) else f'{v:g}'}"
+                   for k in keys if (v := getattr(self, k)) != getattr(default, k)]
         return f"{self.mode}/{self.predictor}" + (":" + ",".join(options) if options else "")
 
 
