@@ -29,6 +29,7 @@ from expertcache.engine.checkpoint import load_routing_counts, open_checkpoint
 from expertcache.engine.engine import BUILTIN_MODEL
 from expertcache.engine.perplexity import EVAL_TEXT
 from expertcache.engine.stores import open_store
+from expertcache.lab.bench import parse_variant
 from expertcache.lab.costmodel import CALIBRATION, calibration_ids, difference, fit_profile, time_runs
 from expertcache.lab.prediction import prediction_routes
 from expertcache.lab.simulator import replay
@@ -55,7 +56,7 @@ def held_out_ids(mode: str) -> list[int]:
 def record(ids: list[int], mode: str, d: Path) -> tuple:
     """The traces a replay of `ids` needs, each with its validation predictors' routes: the teacher-forced
     windows, or (whole, prompt) in decode (the prompt's routes are the whole's first: attention is causal)."""
-    predictors = list(dict.fromkeys(v.partition("+prefetch/")[2] for _, v in VALIDATION if "+" in v))
+    predictors = list(dict.fromkeys(pre.predictor for _, v in VALIDATION if (pre := parse_variant(v)[1])))
     context = CONTEXT if mode == "forced" else len(ids)
     routes = prediction_routes(BUILTIN_MODEL, ids, predictors, context)
     if mode == "forced":

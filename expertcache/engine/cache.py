@@ -242,8 +242,7 @@ class ExpertCache:
         ids, w = np.empty(self.top_k, np.int64), np.empty(self.top_k, np.float32)
         sc = self.scratch
         started = kernel.prefetch_predicted(self.state, policy, layer, row, norm, budget, fetched, confidence, clock,
-                                            ids, w,
-                                            sc.order_v, sc.comp, sc.block_max, sc.fetch)
+                                            ids, w, sc.order_v, sc.comp, sc.block_max, sc.fetch)
         if started < 0:
             self._abandon(self._take_log())
             raise self.too_small(layer)

@@ -133,22 +133,14 @@ def _predicted(p: Predictor, s: LayerStates, layer: int, sl: slice) -> torch.Ten
     return pred
 
 
-@torch.no_grad()
-def recall_per_layer(p: Predictor, s: LayerStates, top_k: int, batch: int = 8192) -> list[float]:
-    """recall@k of transition l -> l+1 for l = 0..L-2: share of the true top-k that was predicted."""
+def recall_per_layer(p: Predictor, s: LayerStates, top_k: int) -> list[float]:
+    """recall@k of transition l -> l+1 for l = 0..L-2: share of the true top-k (routed by the family's router
+    when recorded) that was predicted (`predicted_routes`: routed as the model routes)."""
+    ids, _ = predicted_routes(p, s)
     out = []
-    router = p.model.router
-    for layer in range(len(s.x) - 1):
-        hit, n = 0, 0
-        for i in range(0, len(s.x[layer]), batch):
-            sl = slice(i, i + batch)
-            true_ids = s.ids[layer + 1][sl][:, :top_k]  # routed by the family's router when recorded
-            # the prediction routed as the model routes: biases, groups, a sigmoid router's selection
-            pred_ids = torch.from_numpy(router.route(_predicted(p, s, layer, sl).float().numpy(),
-                                                     layer + 1).ids[:, :top_k])
-            hit += (pred_ids.unsqueeze(-1) == true_ids.unsqueeze(-2)).any(-1).sum().item()
-            n += true_ids.numel()
-        out.append(hit / n)
+    for layer in range(1, len(s.x)):
+        pred, true = ids[layer, :, :top_k], s.ids[layer][:, :top_k].numpy()
+        out.append(float((pred[:, :, None] == true[:, None, :]).any(-1).mean()))
     return out
 
 

@@ -32,6 +32,7 @@ from ..engine.engine import BUILTIN_MODEL, Engine, EngineConfig
 from ..engine.perplexity import perplexity
 from ..errors import BadInput
 from ..policies import make_policy
+from .bench import parse_variant
 from .costmodel import HardwareProfile
 from .plots import pareto_front
 from .simulator import replay, route_trace
@@ -176,7 +177,7 @@ def without_prefetch(name: str) -> str:
     """A candidate's label without its '+prefetch/...': a window prefetches nothing, so a prefetching
     candidate scores as its policy does, scored once."""
     spec, slots = unlabel(name)
-    return label(spec.partition("+")[0], slots)
+    return label(parse_variant(spec)[0], slots)
 
 
 def slot_store_format(slots: str):
@@ -190,10 +191,10 @@ def priced(profile: HardwareProfile, spec: str, prediction_s: dict[str, float]) 
     """The profile that prices `spec`: with '+prefetch/PREDICTOR', a prediction's compute is what
     `prediction_costs` measured for that predictor, in place of the profile's (its calibration runs'
     predictors'); the rest of a prediction's cost is the profile's."""
-    _, _, pre = spec.partition("+prefetch/")
-    if not pre or not prediction_s:
+    pre = parse_variant(spec)[1]
+    if pre is None or not prediction_s:
         return profile
-    compute = prediction_s[pre.partition(":")[0]]
+    compute = prediction_s[pre.predictor]
     return replace(profile, prediction_s=max(profile.prediction_s - profile.prediction_compute_s, 0.0) + compute)
 
 
@@ -237,7 +238,7 @@ def pick_finalists(rows: list[dict], n: int, n_lowbit: int = 0, n_slots: int = 0
             f = [f[i] for i in np.unique(np.linspace(0, len(f) - 1, most).round().astype(int))]
         return f
     plain = [r for r in rows if r.get("slots", "auto") == "auto"]
-    small = lambda r: make_policy(r["spec"].partition("+")[0]).fetches_small  # noqa: E731 (prefetch aside)
+    small = lambda r: make_policy(parse_variant(r["spec"])[0]).fetches_small  # noqa: E731 (prefetch aside)
     lowbit = [r for r in plain if small(r)]
     rest = [r for r in plain if not small(r)]
     out = front("mass_per_call", rest, n) + front("inexact_per_call", lowbit, n_lowbit)
@@ -451,5 +452,5 @@ def replay_prefetching(trace, rows: list[dict], engines: dict[str, Engine], prof
                                  (lambda s: note("replay prefetch", 1)) if note else None, engines[slots],
                                  predictions, costs)
     for r in out:
-        r["prediction_s"] = costs[r["spec"].partition("+prefetch/")[2].partition(":")[0]]
+        r["prediction_s"] = costs[parse_variant(r["spec"])[1].predictor]
     return out
