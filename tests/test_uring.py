@@ -46,7 +46,7 @@ def test_vectored_reads_land_the_files_bytes(direct_file):
     iovecs = [ring.iovec([b[:PAGE], b[PAGE:]]) for b in bufs]  # two parts, as a slot's w13 and w2
     offsets = [PAGE * k for k in (0, 7, 3, 40, 61, 20)]
     for i, (iov, off) in enumerate(zip(iovecs, offsets)):
-        ring.read(fd, iov, off, 100 + i, background=i % 2 == 1)
+        ring.read(fd, iov, off, 100 + i)
     got = drain(ring, 6)
     assert sorted(got) == [(100 + i, 3 * PAGE) for i in range(6)]
     for b, off in zip(bufs, offsets):

@@ -233,7 +233,7 @@ class TransferEngine:
                 stage = self._stage(store)
             t.ring, self.reads[self.tickets] = self, (t, store, stage)
             self.ring.read(store.fd, self.iovecs[slot] if stage is None else stage[1], store.offset(layer, expert),
-                           self.tickets, background=kind in ("prefetch", "admit", "upgrade"))
+                           self.tickets)
         elif here:
             start = time.perf_counter()
             self._run(t)
