@@ -31,8 +31,8 @@ _SYS_SETUP, _SYS_ENTER = 425, 426  # the same numbers on every architecture sinc
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _OP_READV = 1
 _ENTER_GETEVENTS = 1
-# IORING_FEAT_NODROP (5.5: no completion is lost to a full queue) and IORING_FEAT_RW_CUR_POS (5.6): an older
-# kernel keeps the worker threads
+# IORING_FEAT_NODROP (5.5: no completion is lost to a full queue) and IORING_FEAT_RW_CUR_POS (5.6: it marked
+# IOSQE_ASYNC, which reads no longer use, and is still required): an older kernel keeps the worker threads
 _FEATURES_NEEDED = (1 << 1) | (1 << 3)
 # io_uring_params: sq_entries, cq_entries, flags, sq_thread_cpu, sq_thread_idle, features, wq_fd, resv[3];
 # then the SQ ring's offsets (head, tail, ring_mask, ring_entries, flags, dropped, array, resv1, user_addr)
@@ -124,7 +124,8 @@ class RingReads:
             tries += 1
         # issued inline by `submit`, prefetches too: handed to the kernel's io-wq workers (IOSQE_ASYNC) they saved
         # the calling thread ~20 us of block-layer work a read, but waited for a worker to be woken on the busy
-        # cores, and an oracle's prefetch lost to on-demand loading (0.92x against 1.08x inline, 2-core VM)
+        # cores: an oracle's prefetch gained 1.11x over on-demand loading that way, 1.17x inline (built-in model;
+        # 1.03x against 1.12x at real scale; benchmarks/RESULTS.md, "Prefetch reads issued inline")
         _SQE.pack_into(self.sqes, 64 * (self.tail & self.sq_mask), _OP_READV, 0, 0, fd, offset, iovec.address,
                        iovec.count, 0, ticket, 0, 0, 0, 0, 0)
         self.tail = (self.tail + 1) & 0xFFFFFFFF
