@@ -14,6 +14,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from expertcache.engine.engine import BUILTIN_MODEL
 
 
@@ -61,6 +64,11 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     shutil.copytree(BUILTIN_MODEL, bad_estimator)
     (bad_estimator / "estimator.safetensors").write_bytes(b"\0" * 100)
     (bad_estimator / "lookahead.safetensors").unlink()  # a model trained before the lookahead predictor
+    old_lookahead = tmp / "old_lookahead"
+    shutil.copytree(BUILTIN_MODEL, old_lookahead)
+    with safe_open(str(old_lookahead / "lookahead.safetensors"), "pt") as f:  # the net alone, as version 2 held it
+        save_file({k: f.get_tensor(k) for k in f.keys() if not k.startswith("sketch.")},
+                  str(old_lookahead / "lookahead.safetensors"), metadata={**f.metadata(), "version": "2"})
     bad_tokenizer = tmp / "bad_tokenizer"
     shutil.copytree(BUILTIN_MODEL, bad_tokenizer)
     (bad_tokenizer / "tokenizer.json").write_text("not a tokenizer")
@@ -153,6 +161,9 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
                                            "--predictors", "estimator"]),
         ("lookahead.safetensors missing", ["generate", "--model", str(bad_estimator), "--store", "ram",
                                            "--policy", "fetch-all+prefetch/lookahead", "hi"]),
+        ("lookahead.safetensors without sketches", ["generate", "--model", str(old_lookahead), "--store", "ram",
+                                                    "--policy", "fetch-all+prefetch/lookahead", "hi"]),
+        ("predict --sketch-rank -1", ["predict", "--train", "--sketch-rank", "-1"]),
         ("serve --prefill-policy conditional:j=16,m=16 (top-8 model)",
          ["serve", "--store", "ram", "--port", "0", "--prefill-policy", "conditional:j=16,m=16"]),
         ("serve --prefill-policy nope", ["serve", "--store", "ram", "--port", "0", "--prefill-policy", "nope"]),

@@ -4,7 +4,12 @@ built-in tokenizer, folded into the tiny vocabulary), calibrated and trained on 
 scored on the held-out second. Routing is made decisive as in the tests (routers scaled up).
 
     python benchmarks/families_recall.py [--families mixtral deepseek_v2] [--layers 5]
-        [--train-tokens 16384] [--eval-tokens 8192] [--epochs 20] [--json FILE]
+        [--train-tokens 16384] [--eval-tokens 8192] [--epochs 20] [--sketch-rank 16]
+        [--sketch-neurons 8] [--json FILE]
+
+The tiny models' experts have 16 neurons on a 32-wide hidden state: the default sketch (rank 16,
+8 neurons) is most of such an expert; `--sketch-rank 3 --sketch-neurons 2` keeps the built-in
+model's proportions (rank 16 of 160 channels, 8 of 64 neurons).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from hf_models import hf_config, save_tiny  # noqa: E402
 
-from expertcache.choices import BUILTIN_MODEL, CALIB_TEXT, EVAL_TEXT  # noqa: E402
+from expertcache.choices import BUILTIN_MODEL, CALIB_TEXT, EVAL_TEXT, SKETCH_NEURONS, SKETCH_RANK  # noqa: E402
 from expertcache.lab.calibrate import calibrate, encode_text, save_calibration  # noqa: E402
 from expertcache.lab.prediction import fit_estimator, recall_table  # noqa: E402
 from expertcache.lab.texts import read_text  # noqa: E402
@@ -44,6 +49,8 @@ def main() -> None:
     p.add_argument("--train-tokens", type=int, default=16384)
     p.add_argument("--eval-tokens", type=int, default=8192)
     p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--sketch-rank", type=int, default=SKETCH_RANK, help="the lookahead's expert sketches' rank")
+    p.add_argument("--sketch-neurons", type=int, default=SKETCH_NEURONS, help="and the neurons they keep")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     out = {}
@@ -54,7 +61,7 @@ def main() -> None:
             vocab = model.config.vocab_size
             train, held_out = folded(CALIB_TEXT, a.train_tokens, vocab), folded(EVAL_TEXT, a.eval_tokens, vocab)
             save_calibration(calibrate(path, train, context=128), path, "the built-in calibration text, folded")
-            fit_estimator(path, train, epochs=a.epochs)
+            fit_estimator(path, train, epochs=a.epochs, sketch=(a.sketch_rank, a.sketch_neurons))
             table = recall_table(path, held_out)
             out[family] = table
             layers = len(next(iter(table.values())))

@@ -15,4 +15,5 @@ SLOT_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4", "mxfp4")  # fast-
 DENSE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4")  # dense weights (engine/linear.py)
 IO_BACKENDS = ("auto", "uring", "threads")  # engine/transfer.py
 PREDICTORS = ("router-ahead", "quasi-hidden", "estimator", "hybrid", "lookahead")  # engine/predictors.py
+SKETCH_RANK, SKETCH_NEURONS = 16, 8  # the lookahead's expert sketches (engine/predictors.py)
 BENCH_POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "substitute-all")

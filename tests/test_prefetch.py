@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from expertcache.choices import EVAL_TEXT
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.checkpoint import load_default_vectors
 from expertcache.engine.engine import Engine, EngineConfig
@@ -368,6 +369,77 @@ def test_a_decode_token_predicts_with_its_own_sequences_previous_token(calibrate
     engine.close()
 
 
+def test_a_lookahead_without_expert_sketches_is_refused_in_one_line(calibrated, tmp_path):
+    """A lookahead.safetensors of the format before the expert sketches (the net alone) names the command that
+    retrains it."""
+    from expertcache.engine.checkpoint import LOOKAHEAD_FILE
+    from expertcache.engine.predictors import EstimatorNet, save_estimator
+    from expertcache.errors import CheckpointError
+    path = tmp_path / "model"
+    shutil.copytree(calibrated[0], path)
+    a = Engine(path, EngineConfig(store="ram")).args
+    save_estimator(EstimatorNet(a.hidden_size, a.num_experts, a.num_moe_layers - 1, 32), path, [], {}, LOOKAHEAD_FILE)
+    with pytest.raises(CheckpointError, match=r"older expertcache \(without expert sketches\).*predict --train") as e:
+        Engine(path, EngineConfig(store="ram", prefetch=PrefetchConfig("lookahead", "prefetch")))
+    assert "\n" not in str(e.value)
+
+
+def test_an_expert_sketch_keeps_its_strongest_neurons_and_the_best_low_rank_map_of_the_rest():
+    """ExpertSketch.fit keeps exact the neurons that carry most of an expert's output, and recovers the rest
+    where it is a rank-r linear map of the inputs plus a constant, from more tokens than channels (the primal
+    system) and from fewer (the dual); an expert never routed sketches to zero; the compiled sum for a decode
+    token equals `estimate`, for SwiGLU and GPT-OSS's clamped activation."""
+    from expertcache.engine.experts import SWIGLU, ExpertKind, swiglu
+    from expertcache.engine.predictors import ExpertSketch
+    from expertcache.kernel import dense_decode
+    g = torch.Generator().manual_seed(0)
+    H, Fd, r, n = 24, 6, 3, 2
+    w13, w2 = torch.randn(2 * Fd, H, generator=g), torch.randn(H, Fd, generator=g)
+    w2[:, :n] *= 10  # the two strongest neurons
+    lin = torch.randn(H, r, generator=g) @ torch.randn(r, H, generator=g)
+    for tokens in (200, 16):
+        x = torch.randn(tokens, H, generator=g)
+        strong = swiglu(x, torch.cat([w13[:n], w13[Fd:Fd + n]]), w2[:, :n])
+        y = strong + x @ lin + 0.5
+        fit = ExpertSketch.fit(x, y, [w13, w2], SWIGLU, r, n, ridge=1e-6)
+        kept, strong_rows = fit[8], w2[:, :n].T
+        torch.testing.assert_close(kept[kept[:, 0].argsort()], strong_rows[strong_rows[:, 0].argsort()])  # in any order
+        sketch = ExpertSketch(*(t[None, None] for t in fit))
+        x2 = torch.randn(5, H, generator=g) if tokens > H else x[:5]  # the dual fit is exact on what it saw
+        want = swiglu(x2, torch.cat([w13[:n], w13[Fd:Fd + n]]), w2[:, :n]) + x2 @ lin + 0.5
+        got = sketch.estimate(0, x2, torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1))
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    assert all(float(t.abs().sum()) == 0 for t in ExpertSketch.fit(torch.zeros(0, H), None, [w13, w2], SWIGLU, r, n))
+    for kind in (SWIGLU, ExpertKind(True, 7.0, 1.702)):
+        arrays = [torch.randn(1, 4, *shape, generator=g) for shape in ExpertSketch.shapes(H, r, n)]
+        sketch, x, resid = ExpertSketch(*arrays, kind=kind), torch.randn(1, H, generator=g), torch.randn(H)
+        ids, w = torch.tensor([[2, 0]]), torch.tensor([[0.7, 0.3]])
+        out, z = np.empty(H, np.float32), np.empty(r, np.float32)
+        dense_decode.sketch_sum(resid.numpy(), x.numpy()[0], *(t[0].numpy() for t in sketch.arrays), ids.numpy()[0],
+                                w.numpy()[0], kind.limit is not None, np.float32(kind.limit or 0),
+                                np.float32(kind.alpha), z, out)
+        torch.testing.assert_close(torch.from_numpy(out), resid + sketch.estimate(0, x, ids, w)[0], atol=1e-4,
+                                   rtol=1e-4)
+
+
+def test_expert_sketches_explain_more_of_a_layers_output_than_default_vectors():
+    """On held-out text of the built-in model, the shipped sketches leave less of each MoE layer's output
+    unexplained than the default vectors, on every layer they cover."""
+    from expertcache.engine.checkpoint import LOOKAHEAD_FILE, load_default_vectors
+    from expertcache.engine.engine import BUILTIN_MODEL
+    from expertcache.engine.predictors import load_estimator
+    from expertcache.lab.calibrate import encode_text
+    from expertcache.lab.prediction import record_states
+    ids = encode_text(BUILTIN_MODEL, EVAL_TEXT.read_text(), 300)
+    model, s = record_states(BUILTIN_MODEL, ids, pre=True)
+    sketch, dv = load_estimator(BUILTIN_MODEL, model, LOOKAHEAD_FILE)[2], load_default_vectors(BUILTIN_MODEL)
+    for l in range(len(s.x) - 1):
+        true = s.pre[l + 1] - s.resid[l]  # layer l's MoE output
+        default = (dv[l][s.ids[l]] * s.weights[l].unsqueeze(-1)).sum(1)
+        sketched = sketch.estimate(l, s.x[l], s.ids[l], s.weights[l])
+        assert (sketched - true).norm() < 0.6 * (default - true).norm(), l
+
+
 @pytest.mark.parametrize("case", ["older", "another model", "corrupt", "truncated", "corrupt default vectors"])
 def test_an_estimator_that_does_not_fit_is_refused_in_one_line(calibrated, tmp_path, case):
     """An estimator.safetensors of the format before the per-transition nets, one trained for another model, or
@@ -473,12 +545,13 @@ def test_the_attention_run_ahead_is_the_layers_own_and_leaves_no_trace():
 def test_the_lookahead_trains_on_the_inputs_decode_gives_it():
     """The lookahead's training inputs for a recorded text (add_lookahead) are those decode computes for the same
     tokens one at a time: the attention run ahead against the exact keys of the tokens before."""
-    from expertcache.engine.checkpoint import load_default_vectors
+    from expertcache.engine.checkpoint import LOOKAHEAD_FILE
     from expertcache.engine.engine import BUILTIN_MODEL
+    from expertcache.engine.predictors import load_estimator
     from expertcache.lab.prediction import add_lookahead, record_states
     ids = list(range(40, 52))
     model, states = record_states(BUILTIN_MODEL, ids, pre=True)
-    add_lookahead(model, states, load_default_vectors(BUILTIN_MODEL))
+    add_lookahead(model, states, load_estimator(BUILTIN_MODEL, model, LOOKAHEAD_FILE)[2])
     engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0),
                                        prefetch=PrefetchConfig("lookahead", "prefetch")))
     seen, ahead = {}, engine.model.attention_ahead

@@ -4,8 +4,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..choices import BUILTIN_MODEL, CALIB_TEXT, EVAL_TEXT, PREDICTORS
-from .options import add_json_argument, add_model_argument, fraction, output_path, positive_int, write_json
+from ..choices import BUILTIN_MODEL, CALIB_TEXT, EVAL_TEXT, PREDICTORS, SKETCH_NEURONS, SKETCH_RANK
+from .options import (
+    add_json_argument,
+    add_model_argument,
+    fraction,
+    non_negative_int,
+    output_path,
+    positive_int,
+    write_json,
+)
 
 HELP = "train the estimators (--train) or report each predictor's recall@k per layer"
 
@@ -19,6 +27,10 @@ def add_arguments(p):
                    help="default: calibration text to train, evaluation text to measure")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="use only the first N tokens")
     p.add_argument("--epochs", type=positive_int, default=30, help="training epochs of each net (per layer transition)")
+    p.add_argument("--sketch-rank", type=non_negative_int, default=SKETCH_RANK,
+                   help="rank of the linear map in the lookahead's expert sketches")
+    p.add_argument("--sketch-neurons", type=non_negative_int, default=SKETCH_NEURONS,
+                   help="neurons each expert sketch keeps exact (0 and rank 0: each expert's mean output alone)")
     p.add_argument("--hybrid-below", type=fraction, default=0.85,
                    help="hybrid: estimator where quasi-hidden recall is below")
     p.add_argument("--predictors", nargs="+", default=list(PREDICTORS), choices=PREDICTORS, help="predictors to score")
@@ -37,7 +49,7 @@ def run(a) -> int:
     if a.train:
         ids = encode_text(path, read_text(a.text or CALIB_TEXT), a.max_tokens)
         with progress_bar() as bar:
-            r = fit_estimator(path, ids, a.hybrid_below, a.epochs, progress=_stages(bar))
+            r = fit_estimator(path, ids, a.hybrid_below, a.epochs, progress=_stages(bar), sketch=(a.sketch_rank, a.sketch_neurons))
         print(json.dumps(r, indent=1))
         write_json(a.json, r)
         return 0

@@ -212,6 +212,47 @@ def gated_sum(resid, vectors, ids, gates, out):
             out[h] += g * vectors[ids[j], h]
 
 
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def sketch_sum(resid, x, means, inputs, bias, outputs, gate, up, gate_bias, up_bias, down, ids, gates, clamped,
+               limit, alpha, z, out):
+    """out [H] = resid [H] + sum_j gates[j] sketch_e(x), e = ids[j]: one token's residual with its experts'
+    sketches (engine/predictors.ExpertSketch) on its MoE input x [H]: means[e] + (inputs[e] x + bias[e])
+    outputs[e] + sum_i glu(gate[e, i] x + gate_bias[e, i], up[e, i] x + up_bias[e, i]) down[e, i]; glu is
+    silu(g) u, or with `clamped` GPT-OSS's (u clamped to +-limit, plus 1) g sigmoid(alpha g), g clamped above at
+    limit. means [E, H]; inputs, outputs [E, r, H]; bias [E, r]; gate, up, down [E, n, H]; gate_bias, up_bias
+    [E, n]; float32 or 16-bit (`widen`); z [>= r] scratch."""
+    H, r, n = resid.shape[0], inputs.shape[1], gate.shape[1]
+    for h in range(H):
+        out[h] = resid[h]
+    for j in range(ids.shape[0]):
+        e, g = ids[j], gates[j]
+        for i in range(r):
+            acc = widen(bias[e, i])
+            for h in range(H):
+                acc += widen(inputs[e, i, h]) * x[h]
+            z[i] = g * acc
+        for h in range(H):
+            out[h] += g * widen(means[e, h])
+        for i in range(r):
+            zi = z[i]
+            for h in range(H):
+                out[h] += zi * widen(outputs[e, i, h])
+        for i in range(n):
+            a, b = widen(gate_bias[e, i]), widen(up_bias[e, i])
+            for h in range(H):
+                a += widen(gate[e, i, h]) * x[h]
+                b += widen(up[e, i, h]) * x[h]
+            if clamped:
+                a = min(a, limit)
+                b = min(max(b, -limit), limit)
+                act = (b + np.float32(1.0)) * a / (np.float32(1.0) + np.exp(-alpha * a))
+            else:
+                act = b * a / (np.float32(1.0) + np.exp(-a))
+            act *= g
+            for h in range(H):
+                out[h] += act * widen(down[e, i, h])
+
+
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
 def _quasi_hidden(resid, vectors, ids, gates, norm, eps, q):
     """One token's quasi-hidden state q [:H] = rms_norm(resid [H] + sum_j gates[j] vectors[ids[j]], norm)."""

@@ -55,6 +55,12 @@ class RecordingMoE:
         self.sums = torch.zeros(L, E, H, dtype=torch.float64)
         self.counts = torch.zeros(L, E, dtype=torch.int64)
 
+    def seen(self, layer: int, expert: int, x: torch.Tensor, y: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """Expert `expert` of `layer` (its weights `parts`, expert_parts') ran on the inputs x [n, H] of the tokens
+        routed to it, giving y [n, H]."""
+        self.sums[layer, expert] += y.sum(0).double()
+        self.counts[layer, expert] += len(y)
+
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         routing = route(x, router, self.router, layer)
         weights, ids = torch.from_numpy(routing.weights), torch.from_numpy(routing.ids)
@@ -67,8 +73,7 @@ class RecordingMoE:
             tok = pos // self.top_k
             parts = [p.float() for p in expert_parts(self.ckpt, self.args, layer, e)]
             y = swiglu(x[tok], *parts, *([None, None] if len(parts) == 2 else []), kind=self.kind)  # its own output
-            self.sums[layer, e] += y.sum(0).double()
-            self.counts[layer, e] += c
+            self.seen(layer, e, x[tok], y, parts)
             out.index_add_(0, tok, y * weights.reshape(-1)[pos].unsqueeze(-1))
         return out if self.router.scale == 1.0 else out * self.router.scale
 

@@ -2,8 +2,9 @@
 
 `record_states` runs the exact model over a text and keeps, per layer l, the residual after
 attention r_l, the normed MoE input x_l, the routed experts (ids, weights) and the router
-logits. Transition l -> l+1 pairs the first four at l, and the previous token's experts at
-l+1, with the logits at l+1.
+logits (and, asked for, the experts' sketches fitted on what they computed). Transition
+l -> l+1 pairs the first four at l, and the previous token's experts at l+1, with the logits
+at l+1.
 """
 from __future__ import annotations
 
@@ -14,19 +15,24 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..engine.checkpoint import LOOKAHEAD_FILE, load_default_vectors
 from ..engine.experts import ExpertKind
 from ..engine.moe import router_logits
 from ..engine.predictors import (
     PREDICTORS,
+    SKETCH_NEURONS,
+    SKETCH_RANK,
     Estimator,
     EstimatorNet,
+    ExpertSketch,
     Lookahead,
     Predictor,
     QuasiHidden,
-    lookahead_input,
+    load_estimator,
     make_predictor,
+    run_ahead,
     save_estimator,
 )
 from ..engine.transformer import Transformer
@@ -47,6 +53,7 @@ class LayerStates:
     starts: torch.Tensor  # [N] bool
     pre: list[torch.Tensor] | None = None
     ahead: list[torch.Tensor] | None = None  # per transition l -> l+1, the lookahead's inputs [N, H] (add_lookahead)
+    sketch: ExpertSketch | None = None  # the source layers' expert sketches, fitted while recording (`sketch`)
 
     def previous(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's previous token's routed ids and weights at `layer` [N, k] (weight 0 at a window's start),
@@ -57,14 +64,23 @@ class LayerStates:
 
 
 class _Recorder(RecordingMoE):
-    def __init__(self, ckpt, args, router, kind, pre: bool):
+    def __init__(self, ckpt, args, router, kind, pre: bool, sketch: tuple[int, int] | None):
         super().__init__(ckpt, args, router, kind)
-        self.resid_now, self.pre = None, pre
+        self.resid_now, self.pre, self.sketch_size = None, pre, sketch
+        if sketch is not None:  # the sketches of layers 0..L-2, the transitions' sources, filled as experts run
+            L, E = args.num_moe_layers - 1, args.num_experts
+            self.sketch = [torch.zeros(L, E, *shape) for shape in ExpertSketch.shapes(args.hidden_size, *sketch)]
         self.rows = [dict(resid=[], x=[], ids=[], weights=[], logits=[], pre=[]) for _ in range(args.num_moe_layers)]
         self.moe_index = {i: j for j, i in enumerate(args.moe_layers)}
 
     def hook(self, layer, h):
         self.resid_now = h
+
+    def seen(self, layer, expert, x, y, parts):
+        super().seen(layer, expert, x, y, parts)
+        if self.sketch_size is not None and layer < self.args.num_moe_layers - 1:
+            for array, fitted in zip(self.sketch, ExpertSketch.fit(x, y, parts, self.kind, *self.sketch_size)):
+                array[layer, expert] = fitted
 
     def before_attention(self, layer, windows):
         if self.pre and layer in self.moe_index:
@@ -81,24 +97,26 @@ class _Recorder(RecordingMoE):
 
 
 def record_states(model_path: Path, ids: list[int], context: int = 512,
-                  progress: Callable[[int], None] | None = None, pre: bool = False) -> tuple[Transformer, LayerStates]:
+                  progress: Callable[[int], None] | None = None, pre: bool = False,
+                  sketch: tuple[int, int] | None = None) -> tuple[Transformer, LayerStates]:
     """Run the exact model over `ids` in windows of `context`, recording every layer's states (run_exact's
-    `progress`); with `pre`, each layer's input before attention too (what add_lookahead needs)."""
-    model, rec, lengths = run_exact(model_path, ids,
-                                    lambda ckpt, a, router: _Recorder(ckpt, a, router, ExpertKind.of(a), pre),
-                                    context, progress)
+    `progress`); with `pre`, each layer's input before attention too (what add_lookahead needs); with `sketch`
+    (rank, neurons), the experts' sketches of that size fitted on the tokens routed to them."""
+    model, rec, lengths = run_exact(model_path, ids, lambda ckpt, a, router: _Recorder(
+        ckpt, a, router, ExpertKind.of(a), pre, sketch), context, progress)
     cat = lambda key: [torch.cat(r[key]) for r in rec.rows]  # noqa: E731
     starts = torch.cat([torch.arange(n) == 0 for n in lengths])  # each window's first token
     return model, LayerStates(cat("resid"), cat("x"), cat("ids"), cat("weights"), cat("logits"), starts,
-                              cat("pre") if pre else None)
+                              cat("pre") if pre else None,
+                              sketch=None if sketch is None else ExpertSketch(*rec.sketch, kind=rec.kind))
 
 
 @torch.inference_mode()
-def add_lookahead(model: Transformer, s: LayerStates, default_vectors: torch.Tensor,
+def add_lookahead(model: Transformer, s: LayerStates, sketch: ExpertSketch,
                   progress: Callable[[int], None] | None = None) -> None:
     """s.ahead: per transition l -> l+1, the lookahead's input for every recorded token as decode computes it:
-    layer l+1's attention run ahead on the token's r_l + d_l against the exact keys and values of the tokens
-    before it in its window. Each window's exact keys are written first (from s.pre), then its tokens run from
+    layer l+1's attention run ahead on the token's r_l + s_l (its experts' sketches) against the exact keys and
+    values of the tokens before it in its window. Each window's exact keys are written first (from s.pre), then its tokens run from
     the last to the first, so that the key each one writes at its own position is past every later query's
     reach. `progress(tokens)` after each window of each transition."""
     a = model.args
@@ -107,13 +125,13 @@ def add_lookahead(model: Transformer, s: LayerStates, default_vectors: torch.Ten
     for l in range(len(s.x) - 1):
         i = a.moe_layers[l + 1]
         rows = [None] * len(s.starts)
+        h = s.resid[l] + sketch.estimate(l, s.x[l], s.ids[l], s.weights[l]).to(s.resid[l].dtype)  # every token's
         for start, end in zip(bounds[:-1], bounds[1:]):
             if i not in model.linear:
                 model.attention_block(i, s.pre[l + 1][start:end].clone(), 0)
             for t in reversed(range(start, end)):
                 model.position = t - start
-                rows[t] = lookahead_input(model, l, s.resid[l][t:t + 1], default_vectors, s.ids[l][t:t + 1],
-                                          s.weights[l][t:t + 1])
+                rows[t] = run_ahead(model, l, h[t:t + 1])
             if progress:
                 progress(end - start)
         s.ahead.append(torch.cat(rows))
@@ -181,7 +199,8 @@ def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.T
                     progress: Callable[[str, int, int], None] | None = None, lookahead: bool = False
                     ) -> EstimatorNet:
     """Distil (q_l, the previous token's experts at l+1) -> Router_{l+1} logits by `routing_loss` under the model's
-    router, one net per transition; with `lookahead`, on s.ahead's inputs instead of q_l. A share
+    router, one net per transition; with `lookahead`, on s.ahead's inputs instead of q_l and on top of layer l+1's
+    router on them (the net learns what the router misses; its last layer starts at zero). A share
     `unknown_previous` of each batch is shown without the previous token's experts, as the engine predicts a
     sequence's first token and a decode batch's. `progress(stage, epochs done, epochs in all)` after each epoch,
     the stage naming the net, the transition and its loss."""
@@ -196,6 +215,10 @@ def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.T
             prev_ids, prev_weights = s.previous(l + 1)
             prev_ids, prev_weights = prev_ids.long(), prev_weights.float()
             target = s.logits[l + 1].float()
+            base = router_logits(q, model.moe_layers[l + 1]["router"], router).float() if lookahead else None
+        if lookahead:
+            nn.init.zeros_(transition.fc2.weight)
+            nn.init.zeros_(transition.fc2.bias)
         # a softmax router's logit bias of the target layer (GPT-OSS); a sigmoid router's is not needed
         bias = torch.from_numpy(router.bias_table(a.num_moe_layers, a.num_experts)[l + 1]) \
             if router.logit_bias else None
@@ -209,6 +232,8 @@ def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.T
                 idx = perm[i:i + size]
                 known = torch.rand(len(idx), 1, generator=g) >= unknown_previous  # drawn again at every step
                 pred = transition(q[idx], prev_ids[idx], prev_weights[idx] * known)
+                if base is not None:
+                    pred = pred + base[idx]
                 loss = routing_loss(router, pred, target[idx], bias)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -222,13 +247,14 @@ def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.T
 
 
 def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, epochs: int = 30,
-                  progress: Callable[[str, int, int], None] | None = None) -> dict:
+                  progress: Callable[[str, int, int], None] | None = None,
+                  sketch: tuple[int, int] = (SKETCH_RANK, SKETCH_NEURONS)) -> dict:
     """Train the estimator on calibration tokens, choose the hybrid's layers (quasi-hidden recall
-    below `hybrid_below` there) and save it beside the model; then the lookahead's net, saved beside it too.
-    `progress(stage, done, total)`: the tokens recorded, the estimator's epochs, the lookahead's inputs (tokens
-    of every transition), its epochs."""
+    below `hybrid_below` there) and save it beside the model; then the lookahead's expert sketches of `sketch`'s
+    rank and neurons and its net, saved beside it too. `progress(stage, done, total)`: the tokens recorded, the
+    estimator's epochs, the lookahead's inputs (tokens of every transition), its epochs."""
     model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))),
-                                  pre=True)
+                                  pre=True, sketch=sketch)
     dv = load_default_vectors(model_path)
     k = model.args.top_k
     qh_recall = recall_per_layer(QuasiHidden(model, dv), states, k)
@@ -238,10 +264,11 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
     recall = {"quasi-hidden": qh_recall, "estimator": est_recall}
     save_estimator(net, Path(model_path), hybrid, recall)
     tokens = len(states.starts) * len(net.transitions)
-    add_lookahead(model, states, dv, progress and (lambda n: progress("ahead", n, tokens)))
+    sketch = ExpertSketch.from_tensors(states.sketch.tensors(), states.sketch.kind)  # as its file gives it to decode
+    add_lookahead(model, states, sketch, progress and (lambda n: progress("ahead", n, tokens)))
     ahead = train_estimator(model, states, dv, epochs=epochs, progress=progress, lookahead=True)
-    recall["lookahead"] = recall_per_layer(Lookahead(model, dv, ahead), states, k)
-    save_estimator(ahead, Path(model_path), [], {"lookahead": recall["lookahead"]}, LOOKAHEAD_FILE)
+    recall["lookahead"] = recall_per_layer(Lookahead(model, dv, ahead, sketch), states, k)
+    save_estimator(ahead, Path(model_path), [], {"lookahead": recall["lookahead"]}, LOOKAHEAD_FILE, sketch)
     return {"tokens": len(states.x[0]), "hybrid_layers": hybrid, "calibration_recall": recall}
 
 
@@ -254,7 +281,7 @@ def record_for(model_path: Path, ids: list[int], predictors, context: int = 512,
                                   pre="lookahead" in predictors)
     if "lookahead" in predictors:
         tokens = len(states.starts) * (model.args.num_moe_layers - 1)
-        add_lookahead(model, states, load_default_vectors(model_path),
+        add_lookahead(model, states, load_estimator(model_path, model, LOOKAHEAD_FILE)[2],
                       progress and (lambda n: progress("ahead", n, tokens)))
     return model, states
 
