@@ -416,8 +416,7 @@ def test_an_expert_sketch_keeps_its_strongest_neurons_and_the_best_low_rank_map_
         ids, w = torch.tensor([[2, 0]]), torch.tensor([[0.7, 0.3]])
         out, z = np.empty(H, np.float32), np.empty(r, np.float32)
         dense_decode.sketch_sum(resid.numpy(), x.numpy()[0], *(t[0].numpy() for t in sketch.arrays), ids.numpy()[0],
-                                w.numpy()[0], kind.limit is not None, np.float32(kind.limit or 0),
-                                np.float32(kind.alpha), z, out)
+                                w.numpy()[0], *sketch.activation, z, out)
         torch.testing.assert_close(torch.from_numpy(out), resid + sketch.estimate(0, x, ids, w)[0], atol=1e-4,
                                    rtol=1e-4)
 

@@ -237,26 +237,28 @@ class ExpertSketch:
             raise ValueError(f"a sketch has {len(SKETCH_PARTS)} arrays, got {len(arrays)}")
         L, E, H = arrays[0].shape
         r, n = arrays[1].shape[2], arrays[4].shape[2]
-        want = [(L, E, H), (L, E, r, H), (L, E, r), (L, E, r, H), (L, E, n, H), (L, E, n, H), (L, E, n), (L, E, n),
-                (L, E, n, H)]
-        if [tuple(t.shape) for t in arrays] != want:
+        if [tuple(t.shape) for t in arrays] != [(L, E, *shape) for shape in ExpertSketch.shapes(H, r, n)]:
             raise ValueError(f"sketch arrays of shapes {[tuple(t.shape) for t in arrays]} disagree")
-        (self.means, self.inputs, self.bias, self.outputs, self.gate, self.up, self.gate_bias, self.up_bias,
-         self.down) = (t.contiguous() for t in arrays)
+        self.arrays = tuple(t.contiguous() for t in arrays)  # in SKETCH_PARTS' order
         self.kind = kind
 
     @property
-    def arrays(self) -> tuple[torch.Tensor, ...]:
-        return (self.means, self.inputs, self.bias, self.outputs, self.gate, self.up, self.gate_bias, self.up_bias,
-                self.down)
+    def shape(self) -> tuple[int, int, int]:
+        """(source layers, experts, hidden size)."""
+        return tuple(self.arrays[0].shape)
 
     @property
     def rank(self) -> int:
-        return self.inputs.shape[2]
+        return self.arrays[1].shape[2]
 
     @property
     def neurons(self) -> int:
-        return self.gate.shape[2]
+        return self.arrays[4].shape[2]
+
+    @property
+    def activation(self) -> tuple[bool, np.float32, np.float32]:
+        """The gated activation as dense_decode.sketch_sum takes it: (clamped, limit, alpha)."""
+        return self.kind.limit is not None, np.float32(self.kind.limit or 0), np.float32(self.kind.alpha)
 
     @staticmethod
     def shapes(hidden: int, rank: int, neurons: int) -> list[tuple[int, ...]]:
@@ -340,8 +342,8 @@ class Lookahead(Estimator):
     def __init__(self, model: Transformer, default_vectors: torch.Tensor, net: EstimatorNet, sketch: ExpertSketch):
         super().__init__(model, default_vectors, net)
         a = model.args
-        if tuple(sketch.means.shape) != (a.num_moe_layers - 1, a.num_experts, a.hidden_size):
-            raise CheckpointError(f"the lookahead's expert sketches of shape {tuple(sketch.means.shape)} do not fit "
+        if sketch.shape != (a.num_moe_layers - 1, a.num_experts, a.hidden_size):
+            raise CheckpointError(f"the lookahead's expert sketches of shape {sketch.shape} do not fit "
                                   f"the model; run `expertcache predict --train`")
         self.sketch = sketch if model.device.type == "cpu" else sketch.to(model.device)
         self._sketch: list[tuple[np.ndarray, ...]] | None = None  # per layer, its arrays (decode_logits)
@@ -369,12 +371,9 @@ class Lookahead(Estimator):
         if not self._compiled(resid) or self.net.transitions[0].fc1.weight.dtype != torch.float32:
             return None
         h = torch.empty_like(resid)
-        kind = self.sketch.kind
         dense_decode.sketch_sum(resid.numpy()[0], x.float().numpy()[0], *self._sketch_arrays()[layer], ids, weights,
-                                kind.limit is not None, np.float32(kind.limit or 0), np.float32(kind.alpha), self._z,
-                                h.numpy()[0])
-        ahead = self.model.attention_ahead(self.model.args.moe_layers[layer + 1], h, own=True)
-        q = (run_ahead(self.model, layer, h) if ahead is None else ahead).float().numpy()[0]
+                                *self._activation, self._z, h.numpy()[0])
+        q = run_ahead(self.model, layer, h, own=True).float().numpy()[0]
         w1, b1, rows, w2, b2 = self._net_arrays()[layer]
         prev_ids, prev_weights = self._none if prev is None else prev
         out = np.empty((1, w2.shape[0]), np.float32)
@@ -385,8 +384,8 @@ class Lookahead(Estimator):
     def _sketch_arrays(self) -> list[tuple[np.ndarray, ...]]:
         if self._sketch is None:
             s = self.sketch
-            self._sketch = [tuple(kernel_view(t[l]) for t in s.arrays) for l in range(s.means.shape[0])]
-            self._z = np.empty(max(s.rank, 1), np.float32)
+            self._sketch = [tuple(kernel_view(t[l]) for t in s.arrays) for l in range(s.shape[0])]
+            self._z, self._activation = np.empty(max(s.rank, 1), np.float32), s.activation
         return self._sketch
 
 
@@ -398,11 +397,11 @@ def lookahead_input(model: Transformer, layer: int, resid: torch.Tensor, x: torc
     return run_ahead(model, layer, resid + sketch.estimate(layer, x, ids, weights).to(resid.dtype))
 
 
-def run_ahead(model: Transformer, layer: int, h: torch.Tensor) -> torch.Tensor:
+def run_ahead(model: Transformer, layer: int, h: torch.Tensor, own: bool = False) -> torch.Tensor:
     """Layer layer+1's attention run ahead on h [T, H], an estimate of its input: its MoE input [T, H]; where it
-    cannot run, h normed as layer layer+1's MoE input."""
+    cannot run, h normed as layer layer+1's MoE input. `own`: as Transformer.attention_ahead's."""
     a = model.args
-    ahead = model.attention_ahead(a.moe_layers[layer + 1], h)
+    ahead = model.attention_ahead(a.moe_layers[layer + 1], h, own)
     if ahead is None:
         ahead = F.rms_norm(h, (a.hidden_size,), model.moe_layers[layer + 1]["moe_norm"], a.rms_norm_eps)
     return ahead
