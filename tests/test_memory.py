@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 from expertcache import BUILTIN_MODEL, CacheConfig, Engine, EngineConfig, generate
+from expertcache.engine.moe import PrefetchConfig
 
 def status(key):
     return int(re.search(key + r":\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
@@ -39,7 +40,8 @@ del warm
 gc.collect()
 base = status("VmRSS")
 Path("/proc/self/clear_refs").write_text("5")
-e = Engine(None, EngineConfig(**{**cfg.__dict__, "memory_budget": int(sys.argv[1])}))
+prefetch = PrefetchConfig(sys.argv[2]) if sys.argv[2] != "-" else None
+e = Engine(None, EngineConfig(**{**cfg.__dict__, "memory_budget": int(sys.argv[1]), "prefetch": prefetch}))
 list(generate(e, list(range(1, 33)), 32))
 print(json.dumps({"base": base, "peak": status("VmHWM"), "anon": status("RssAnon"), "file": status("RssFile"),
                   **e.budget()}))
@@ -47,14 +49,18 @@ print(json.dumps({"base": base, "peak": status("VmHWM"), "anon": status("RssAnon
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable peak RSS")
-def test_peak_rss_within_budget():
+@pytest.mark.parametrize("predictor,budget", [("-", 48 * 2**20), ("lookahead", 72 * 2**20)])
+def test_peak_rss_within_budget(predictor, budget):
+    """Also with the lookahead's prefetch, whose nets and sketches (~20 MiB) the budget counts."""
     Engine(None, EngineConfig(store="disk", cache=CacheConfig(fraction=0.25))).close()  # convert the store first
-    budget = 48 * 2**20
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(budget)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(budget), predictor], capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     run = json.loads(out.stdout.strip().splitlines()[-1])
-    parts = run["dense_bytes"] + run["kv_bytes_max"] + run["buffer_bytes"] + run["workspace_bytes"] + run["cache_bytes"]
-    assert parts <= budget and run["cache_bytes"] > budget / 4
+    parts = run["dense_bytes"] + run["kv_bytes_max"] + run["buffer_bytes"] + run["workspace_bytes"] + \
+        run["cache_bytes"] + run["predictor_bytes"]
+    assert parts <= budget and run["cache_bytes"] > budget / 5
+    assert (run["predictor_bytes"] > 16 * 2**20) == (predictor == "lookahead")
     assert run["kv_bytes"] < run["kv_bytes_max"]  # 64 positions used of 512: the KV cache did not take it all
     assert run["peak"] - run["base"] <= budget, {k: run[k] / 2**20 for k in ("base", "peak", "anon", "file")}
     # without the budget the same run holds every expert: more than the budget allows
@@ -100,6 +106,21 @@ def test_generate_fits_a_real_memory_cap(tmp_path):
     assert small.returncode == 2 and small.stderr.strip().count("\n") == 0 and "at least" in small.stderr
 
 
+def test_a_predictor_the_budget_did_not_plan_is_refused():
+    """Under --memory-budget the cache is sized around the predictor the engine is made with; attaching a larger
+    one later would break the budget, and is refused in one line naming the fix."""
+    from expertcache.engine.moe import PrefetchConfig
+    budget = 56 * 2**20
+    plain = Engine(None, EngineConfig(store="ram", memory_budget=budget, max_seq=256))
+    with pytest.raises(CacheTooSmall, match=r"^the lookahead predictor takes 19\.\d MiB .*prefetch/lookahead\)"):
+        plain.set_prefetch(PrefetchConfig("lookahead"))
+    planned = Engine(None, EngineConfig(store="ram", memory_budget=budget, max_seq=256,
+                                        prefetch=PrefetchConfig("lookahead")))
+    assert planned.plan.predictor > 16 * 2**20 and planned.cache.bytes <= plain.cache.bytes - planned.plan.predictor
+    planned.set_prefetch(PrefetchConfig("quasi-hidden"))  # smaller: within what was planned
+    planned.set_prefetch(PrefetchConfig("lookahead"))
+
+
 def test_bench_under_a_memory_budget_skips_the_floor():
     """`bench --memory-budget` sizes the cache from the budget and leaves out the all-resident floor, which would
     hold more than the budget; the table marks its ratios as absent."""
@@ -109,6 +130,12 @@ def test_bench_under_a_memory_budget_skips_the_floor():
     assert FLOOR not in res.summary() and 0 < res.config["slots_per_layer"] < res.config["experts"]
     table = markdown(res)
     assert "memory budget 40 MiB" in table and "| - |" in table
+    # a variant's predictor is planned: the cache is sized around the largest, the same for every variant
+    alone = res.config["slots_per_layer"]
+    res = run_bench(None, BenchConfig(store="ram", policies=("fetch-all", "fetch-all+prefetch/lookahead"),
+                                      memory_budget=40 * 2**20, decode_tokens=2, forced_tokens=32, context=32,
+                                      repeats=1))
+    assert 0 < res.config["slots_per_layer"] < alone
 
 
 def test_server_admits_requests_while_their_kv_fits():

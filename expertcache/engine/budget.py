@@ -1,7 +1,7 @@
 """What the fast tier holds besides its expert slots, by part, sized from the checkpoint's headers and the
 configuration before any weight is read: the dense weights as the engine holds them, the KV cache at
-max_seq, the stores' staging buffers, and the workspace (a forward's activations, the kernels' scratch, the
-largest transient of loading). `--memory-budget` sizes the expert cache from what is left, and a budget too
+max_seq, the stores' staging buffers, the workspace (a forward's activations, the kernels' scratch, the
+largest transient of loading) and the prefetch predictor's vectors, nets and sketches. `--memory-budget` sizes the expert cache from what is left, and a budget too
 small is refused before the model loads.
 
 The budget is what a run holds beyond its baseline: the process after its imports and with its compiled
@@ -31,16 +31,17 @@ class MemoryPlan:
     kv: int
     buffers: int
     workspace: int
+    predictor: int = 0  # the one the engine is made with (predictors.predictor_bytes)
 
     def parts(self) -> dict[str, int]:
-        """The parts by name, as the budget's error names them."""
+        """The parts by name, as the budget's error names them (a predictor's where there is one)."""
         return {"dense weights": self.dense, "KV cache": self.kv, "transfer buffers": self.buffers,
-                "workspace": self.workspace}
+                "workspace": self.workspace} | ({"predictor": self.predictor} if self.predictor else {})
 
     @property
     def total(self) -> int:
         """Every fixed part together."""
-        return self.dense + self.kv + self.buffers + self.workspace
+        return self.dense + self.kv + self.buffers + self.workspace + self.predictor
 
 
 def dense_bytes(ckpt: Checkpoint, args: ModelArgs, compute: torch.dtype, held: torch.dtype | None,

@@ -29,7 +29,7 @@ from . import threads
 from .budget import FORWARD_CHUNK, MemoryPlan, dense_bytes, kv_bytes, workspace_bytes
 from .linear import dense_format, float_dtype
 from .moe import MoELayerRunner, PrefetchConfig
-from .predictors import make_predictor
+from .predictors import make_predictor, predictor_bytes
 from .quant import FLOAT_DTYPES, SMALL_FORMAT, ExpertFormat
 from .stats import RunStats
 from .stores import ExpertShape, ExpertStore, open_store, staging_bytes
@@ -183,14 +183,16 @@ class Engine:
     def _memory_plan(self, stored: ExpertFormat, dtype: torch.dtype, held_dense: torch.dtype | None) -> MemoryPlan:
         """The fast tier's fixed parts (engine/budget.py) for experts stored as `stored`: the dense weights as
         held, the KV cache at max_seq, the stores' staging buffers (the small copies' too where the policy
-        fetches them) and the workspace."""
+        fetches them), the workspace and the prefetch predictor it is made with."""
         a, c = self.args, self.config
         shape = ExpertShape.of(a)
         dense, largest = dense_bytes(self.checkpoint, a, dtype, held_dense if self.device.type == "cpu" else dtype,
                                      self.dense_format)
         formats = [stored] + ([c.small_format] if self.policy.fetches_small else [])
         buffers = sum(staging_bytes(c.store, shape, f, c.cache.io_workers) for f in formats)
-        return MemoryPlan(dense, kv_bytes(a, c.kv_positions or c.max_seq, dtype), buffers, workspace_bytes(a, c.max_seq, largest))
+        predictor = predictor_bytes(c.prefetch.predictor, self.path, dtype) if c.prefetch is not None else 0
+        return MemoryPlan(dense, kv_bytes(a, c.kv_positions or c.max_seq, dtype), buffers,
+                          workspace_bytes(a, c.max_seq, largest), predictor)
 
     def _expert_budget(self, budget: int) -> int:
         """Bytes left for expert slots when the fast tier holds `budget` bytes in all: the plan's parts first;
@@ -288,6 +290,13 @@ class Engine:
         if prefetch is not None and prefetch.budget is not None and not 1 <= prefetch.budget <= self.args.top_k:
             raise BadInput(f"prefetch budget {prefetch.budget}: a predictor ranks the model's top-{self.args.top_k} "
                            f"experts of the next layer; give budget=1..{self.args.top_k}")
+        if prefetch is not None and self.config.memory_budget is not None:
+            need = predictor_bytes(prefetch.predictor, self.path, self.dtype)
+            if need > self.plan.predictor:  # the cache was sized without it: attached, the run would break its budget
+                raise CacheTooSmall(f"the {prefetch.predictor} predictor takes {need / 2**20:.1f} MiB that "
+                                    f"--memory-budget's plan left no room for ({self.plan.predictor / 2**20:.1f} MiB "
+                                    "planned); make the engine with that prefetch (--policy POLICY+prefetch/"
+                                    f"{prefetch.predictor}) so that the cache is sized around it")
         self.runner.predictor = make_predictor(prefetch.predictor, self.model, self.path) if prefetch else None
         self.runner.prefetch = prefetch or PrefetchConfig()
         self.model.prefetch = self.runner.observe_residual if prefetch else None
@@ -378,13 +387,16 @@ class Engine:
 
     def budget(self) -> dict:
         """Bytes of the fast tier: non-expert weights, the expert cache, the KV cache (as allocated
-        now, and at max_seq), the transfer buffers; and the budget they were sized to, if any."""
+        now, and at max_seq), the transfer buffers, the attached predictor; and the budget they were sized to,
+        if any."""
         kv = self.model.kv_bytes(self.model.kv_positions)
         return {"memory_budget": self.config.memory_budget, "dense_bytes": self.model.dense_bytes,
                 "cache_bytes": self.cache.bytes, "kv_bytes": kv,
                 "kv_bytes_max": self.model.kv_bytes(self.model.max_seq),
                 "buffer_bytes": self.buffer_bytes(), "workspace_bytes": self.plan.workspace,
                 "planned_dense_bytes": self.plan.dense,
+                "predictor_bytes": predictor_bytes(self.runner.prefetch.predictor, self.path, self.dtype)
+                if self.runner.predictor is not None else 0,
                 "slots_per_layer": self.cache.per_layer, "slot_dtype": self.slot_format.tag,
                 "expert_bytes_slow": self.store.expert_bytes,
                 "expert_bytes_fast": self.cache.expert_bytes}

@@ -462,6 +462,38 @@ def load_estimator(path: Path, model: Transformer | None = None, file: str = EST
         raise CheckpointError(f"{f} is unreadable ({str(e).splitlines()[0][:200]}); {retrain}") from None
 
 
+def predictor_bytes(name: str, model_path: Path, dtype: torch.dtype) -> int:
+    """Memory the predictor `name` takes once attached, from its files' headers before any is read: its default
+    vectors in the compute `dtype`, its nets and sketches as stored, and its nets once more, the copy that loading
+    reads them into before the module takes them. A file that is missing or unreadable counts 0: attaching the
+    predictor then names the fix."""
+    from safetensors import SafetensorError, safe_open
+
+    from .checkpoint import DEFAULT_VECTORS
+    if name not in PREDICTORS:
+        raise UnknownName(f"unknown predictor {name!r}; choose one of {', '.join(PREDICTORS)}")
+    files = {"router-ahead": (), "quasi-hidden": (DEFAULT_VECTORS,), "estimator": (DEFAULT_VECTORS, ESTIMATOR_FILE),
+             "hybrid": (DEFAULT_VECTORS, ESTIMATOR_FILE), "lookahead": (DEFAULT_VECTORS, LOOKAHEAD_FILE)}[name]
+    total = 0
+    for file in files:
+        try:
+            with safe_open(str(Path(model_path) / file), "pt") as f:
+                for key in f.keys():
+                    t = f.get_slice(key)
+                    n = int(np.prod(t.get_shape()))
+                    if key == "default_vectors":
+                        total += n * dtype.itemsize
+                    elif key != "counts":  # the vectors' token counts are not kept
+                        held = n * _SAFETENSOR_BYTES.get(t.get_dtype(), 4)
+                        total += held * (1 if key.startswith("sketch.") else 2)
+        except (SafetensorError, OSError):
+            continue
+    return total
+
+
+_SAFETENSOR_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4}
+
+
 def make_predictor(name: str, model: Transformer, model_path: Path) -> Predictor:
     """The predictor named `name` (one of PREDICTORS) for `model`, loading its files from `model_path`."""
     from .checkpoint import load_default_vectors
