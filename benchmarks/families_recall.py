@@ -22,7 +22,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from hf_models import hf_config, save_tiny  # noqa: E402
 
-from expertcache.choices import BUILTIN_MODEL, CALIB_TEXT, EVAL_TEXT, SKETCH_NEURONS, SKETCH_RANK  # noqa: E402
+from expertcache.choices import (  # noqa: E402
+    BUILTIN_MODEL,
+    CALIB_TEXT,
+    EVAL_TEXT,
+    LOOKAHEAD_WIDTH,
+    SKETCH_NEURONS,
+    SKETCH_RANK,
+)
 from expertcache.lab.calibrate import calibrate, encode_text, save_calibration  # noqa: E402
 from expertcache.lab.prediction import fit_estimator, recall_table  # noqa: E402
 from expertcache.lab.texts import read_text  # noqa: E402
@@ -51,6 +58,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--sketch-rank", type=int, default=SKETCH_RANK, help="the lookahead's expert sketches' rank")
     p.add_argument("--sketch-neurons", type=int, default=SKETCH_NEURONS, help="and the neurons they keep")
+    p.add_argument("--lookahead-width", type=int, default=LOOKAHEAD_WIDTH, help="the lookahead's net's width")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     out = {}
@@ -61,7 +69,8 @@ def main() -> None:
             vocab = model.config.vocab_size
             train, held_out = folded(CALIB_TEXT, a.train_tokens, vocab), folded(EVAL_TEXT, a.eval_tokens, vocab)
             save_calibration(calibrate(path, train, context=128), path, "the built-in calibration text, folded")
-            fit_estimator(path, train, epochs=a.epochs, sketch=(a.sketch_rank, a.sketch_neurons))
+            fit_estimator(path, train, epochs=a.epochs, sketch=(a.sketch_rank, a.sketch_neurons),
+                          width=a.lookahead_width)
             table = recall_table(path, held_out)
             out[family] = table
             layers = len(next(iter(table.values())))

@@ -16,4 +16,6 @@ DENSE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4")  # dense weights
 IO_BACKENDS = ("auto", "uring", "threads")  # engine/transfer.py
 PREDICTORS = ("router-ahead", "quasi-hidden", "estimator", "hybrid", "lookahead")  # engine/predictors.py
 SKETCH_RANK, SKETCH_NEURONS = 16, 8  # the lookahead's expert sketches (engine/predictors.py)
+# the lookahead's net on top of the router: 512 wide predicted no better (built-in model), at 4x the bytes a call
+LOOKAHEAD_WIDTH = 128
 BENCH_POLICIES = ("fetch-all", "threshold:tau=0.15", "first-choice", "quality-first", "speed-first", "substitute-all")

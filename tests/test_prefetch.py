@@ -553,14 +553,14 @@ def test_the_lookahead_trains_on_the_inputs_decode_gives_it():
     add_lookahead(model, states, load_estimator(BUILTIN_MODEL, model, LOOKAHEAD_FILE)[2])
     engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0),
                                        prefetch=PrefetchConfig("lookahead", "prefetch")))
-    seen, ahead = {}, engine.model.attention_ahead
+    seen, ahead = {}, engine.model.attention_ahead_token
 
-    def spy(i, h, own=False):
-        x = ahead(i, h, own)
-        if h.shape[0] == 1:
-            seen.setdefault(engine.model.position, []).append(x.clone())
-        return x
-    engine.model.attention_ahead = spy
+    def spy(i, h, x_out):  # decode's compiled call
+        ran = ahead(i, h, x_out)
+        assert ran
+        seen.setdefault(engine.model.position, []).append(torch.from_numpy(x_out.copy())[None])
+        return ran
+    engine.model.attention_ahead_token = spy
     decode(engine, torch.tensor(ids))
     assert sorted(seen) == list(range(6, len(ids)))
     for pos, inputs in seen.items():
@@ -631,4 +631,18 @@ def test_the_replay_prefetches_what_the_engine_does_on_other_routers(tiny, tmp_p
         fields = ("hits", "misses", "sync_fetches", "prefetch_fetches", "exposed_prefetches", "substitutions")
         assert [getattr(sim, f) for f in fields] == [getattr(engine.stats, f) for f in fields], spec
         assert engine.stats.prefetch_fetches > 0
+        engine.close()
+
+
+def test_a_prefill_under_prefetch_makes_no_predictions():
+    """A window of one sequence issues no prefetch, so under `prefetch` its predictions would be thrown away: none
+    is made (speculation still makes them, to run on)."""
+    x = torch.arange(1, 17)
+    for mode, predicted in (("prefetch", False), ("speculative", True)):
+        engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25),
+                                           prefetch=PrefetchConfig("lookahead", mode)))
+        engine.forward(x, 0)
+        assert (engine.stats.predictions > 0) == predicted and (engine.stats.predict_s > 0) == predicted
+        engine.forward(x[:1], 16)  # a decode token predicts in both
+        assert engine.stats.predictions > 0
         engine.close()

@@ -4,7 +4,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..choices import BUILTIN_MODEL, CALIB_TEXT, EVAL_TEXT, PREDICTORS, SKETCH_NEURONS, SKETCH_RANK
+from ..choices import (
+    BUILTIN_MODEL,
+    CALIB_TEXT,
+    EVAL_TEXT,
+    LOOKAHEAD_WIDTH,
+    PREDICTORS,
+    SKETCH_NEURONS,
+    SKETCH_RANK,
+)
 from .options import (
     add_json_argument,
     add_model_argument,
@@ -31,6 +39,8 @@ def add_arguments(p):
                    help="rank of the linear map in the lookahead's expert sketches")
     p.add_argument("--sketch-neurons", type=non_negative_int, default=SKETCH_NEURONS,
                    help="neurons each expert sketch keeps exact (0 and rank 0: each expert's mean output alone)")
+    p.add_argument("--lookahead-width", type=positive_int, default=LOOKAHEAD_WIDTH,
+                   help="hidden width of the lookahead's net on top of the router (its bytes read a decode call)")
     p.add_argument("--hybrid-below", type=fraction, default=0.85,
                    help="hybrid: estimator where quasi-hidden recall is below")
     p.add_argument("--predictors", nargs="+", default=list(PREDICTORS), choices=PREDICTORS, help="predictors to score")
@@ -49,7 +59,8 @@ def run(a) -> int:
     if a.train:
         ids = encode_text(path, read_text(a.text or CALIB_TEXT), a.max_tokens)
         with progress_bar() as bar:
-            r = fit_estimator(path, ids, a.hybrid_below, a.epochs, progress=_stages(bar), sketch=(a.sketch_rank, a.sketch_neurons))
+            r = fit_estimator(path, ids, a.hybrid_below, a.epochs, progress=_stages(bar),
+                              sketch=(a.sketch_rank, a.sketch_neurons), width=a.lookahead_width)
         print(json.dumps(r, indent=1))
         write_json(a.json, r)
         return 0

@@ -302,7 +302,8 @@ class MoELayerRunner:
         # decode: the next layer's prefetches start as soon as this layer's fetches are under way
         plan = decide_layer(cache, self.policy, stats, layer, routing, self.token_base, flush,
                             predict if ahead and T == 1 else None)
-        if ahead and T > 1:
+        # a window's predictions serve speculation and a decode batch's prefetches; a prefill issues no prefetch
+        if ahead and T > 1 and (self.decoding or self.prefetch.mode == "speculative"):
             predict(plan.experts, plan.gates)
         finish(plan.slots, plan.gates)
         return out if self.router.scale == 1.0 else out * self.router.scale

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..choices import PREDICTORS, SKETCH_NEURONS, SKETCH_RANK  # noqa: F401 (re-exported)
+from ..choices import LOOKAHEAD_WIDTH, PREDICTORS, SKETCH_NEURONS, SKETCH_RANK  # noqa: F401 (re-exported)
 from ..errors import CheckpointError, UnknownName
 from ..kernel import dense_decode
 from .checkpoint import ESTIMATOR_FILE, LOOKAHEAD_FILE
@@ -178,6 +178,7 @@ class Estimator(QuasiHidden):
                  layers: set[int] | None = None):
         super().__init__(model, default_vectors)
         self.net = net.to(model.device).eval()
+        self._float_net = net.transitions[0].fc1.weight.dtype == torch.float32  # what the compiled calls take
         self.layers = layers  # None: every layer; else only these, quasi-hidden elsewhere
         self._net: list[tuple[np.ndarray, ...]] | None = None  # per transition, the net's arrays (decode_logits)
         self._none = (np.zeros(0, np.int64), np.zeros(0, np.float32))  # an unknown previous token
@@ -188,7 +189,7 @@ class Estimator(QuasiHidden):
         net's PyTorch calls."""
         if self.layers is not None and layer not in self.layers:
             return super().decode_logits(layer, resid, x, ids, weights)
-        if not self._compiled(resid) or self.net.transitions[0].fc1.weight.dtype != torch.float32:
+        if not self._compiled(resid) or not self._float_net:
             return None
         vectors, norm, _ = self._arrays()[layer]
         w1, b1, rows, w2, b2 = self._net_arrays()[layer]
@@ -366,26 +367,30 @@ class Lookahead(Estimator):
         return self.net_logits(layer, self.ahead_input(layer, resid, x, ids, weights), prev)
 
     def decode_logits(self, layer, resid, x, ids, weights, prev=None):
-        """The sketches and the net in compiled calls, the attention ahead through the model's compiled decode
-        block."""
-        if not self._compiled(resid) or self.net.transitions[0].fc1.weight.dtype != torch.float32:
+        """Three compiled calls and no torch operation: the sketches' sum, the attention ahead (the model's compiled
+        decode block, on scratch of the predictor's own) and the router with the net."""
+        if not self._compiled(resid) or not self._float_net:
             return None
-        h = torch.empty_like(resid)
-        dense_decode.sketch_sum(resid.numpy()[0], x.float().numpy()[0], *self._sketch_arrays()[layer], ids, weights,
-                                *self._activation, self._z, h.numpy()[0])
-        q = run_ahead(self.model, layer, h, own=True).float().numpy()[0]
+        sketch, h, q = self._sketch_arrays()[layer], self._h, self._ahead
+        dense_decode.sketch_sum(resid.numpy()[0], x.float().numpy()[0], *sketch, ids, weights, *self._activation,
+                                self._z, h)
+        model = self.model
+        if not model.attention_ahead_token(model.args.moe_layers[layer + 1], h, q):  # torch's, or none, decide
+            q = run_ahead(model, layer, torch.from_numpy(h)[None], own=True).float().numpy()[0]
         w1, b1, rows, w2, b2 = self._net_arrays()[layer]
         prev_ids, prev_weights = self._none if prev is None else prev
         out = np.empty((1, w2.shape[0]), np.float32)
-        dense_decode.transition_logits(q, w1, b1, rows, prev_ids, prev_weights, w2, b2, self._hidden, out[0])
-        dense_decode.gemv(self._arrays()[layer][2], q, out[0], out[0])  # plus the router's logits
+        dense_decode.lookahead_logits(q, self._arrays()[layer][2], w1, b1, rows, prev_ids, prev_weights, w2, b2,
+                                      self._hidden, out[0])
         return out
 
     def _sketch_arrays(self) -> list[tuple[np.ndarray, ...]]:
+        """Per source layer, the sketch's arrays for the compiled sum; and the decode call's scratch."""
         if self._sketch is None:
             s = self.sketch
             self._sketch = [tuple(kernel_view(t[l]) for t in s.arrays) for l in range(s.shape[0])]
             self._z, self._activation = np.empty(max(s.rank, 1), np.float32), s.activation
+            self._h, self._ahead = np.empty(s.shape[2], np.float32), np.empty(s.shape[2], np.float32)
         return self._sketch
 
 

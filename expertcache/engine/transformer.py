@@ -101,6 +101,7 @@ class Transformer:
                                                               a.head_dim), np.float32)
             self.scores = np.empty((a.num_heads, max_seq), np.float32)
             self.cos_np, self.sin_np = self.cos.numpy(), self.sin.numpy()
+            self._kv_views: tuple = (None, None)  # _kv_arrays
 
     def kv_bytes(self, positions: int) -> int:
         """Bytes of the attention caches holding `positions` positions: keys and values, and a latent
@@ -230,11 +231,18 @@ class Transformer:
         x = torch.empty_like(h)
         c = self.kv_index[i]
         before, after, (qkv_work, o_work, parts) = self.token_args[i]
-        k_cache, v_cache = kv or (self.k_cache, self.v_cache)
-        dense_decode.attention_token(h.numpy()[0], *before, self.cos_np[pos], self.sin_np[pos], pos,
-                                     k_cache.numpy()[c], v_cache.numpy()[c], *after, self.scratch, qkv_work, o_work,
-                                     self.scores, x.numpy()[0], parts)
+        k_cache, v_cache = self._kv_arrays() if kv is None else (kv[0].numpy(), kv[1].numpy())
+        dense_decode.attention_token(h.numpy()[0], *before, self.cos_np[pos], self.sin_np[pos], pos, k_cache[c],
+                                     v_cache[c], *after, self.scratch, qkv_work, o_work, self.scores, x.numpy()[0],
+                                     parts)
         return x
+
+    def _kv_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The model's keys and values as arrays for the compiled block, made once for each cache tensor (a
+        view costs ~2 us here, twice a layer), again when the cache has grown or been swapped."""
+        if self._kv_views[0] is not self.k_cache or self._kv_views[1] is not self.v_cache:
+            self._kv_views = (self.k_cache, self.v_cache, self.k_cache.numpy(), self.v_cache.numpy())
+        return self._kv_views[2:]
 
     def _mlp(self, L: dict, x: torch.Tensor, name: str) -> torch.Tensor:
         """A SwiGLU MLP of the layer's `name`_w13, `name`_w2 (the shared expert, or a dense layer's MLP)."""
@@ -286,6 +294,20 @@ class Transformer:
         if self.position is None or i in self.linear:
             return None
         return self.attention_block(i, h if own else h.clone(), self.position)[1]
+
+    def attention_ahead_token(self, i: int, h: np.ndarray, x_out: np.ndarray) -> bool:
+        """attention_ahead for one decode token in one compiled call, without torch: h [H] (the caller's scratch,
+        updated in place) -> x_out [H], layer i's MoE input. False where the compiled block cannot run it (then
+        attention_ahead says what can)."""
+        pos = self.position
+        if pos is None or not self.compiled or i not in self.kv_index or pos >= self.k_cache.shape[2]:
+            return False
+        before, after, (qkv_work, o_work, parts) = self.token_args[i]
+        c = self.kv_index[i]
+        k_cache, v_cache = self._kv_arrays()
+        dense_decode.attention_token(h, *before, self.cos_np[pos], self.sin_np[pos], pos, k_cache[c], v_cache[c],
+                                     *after, self.scratch, qkv_work, o_work, self.scores, x_out, parts)
+        return True
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [T, V] of the last residual stream h [T, H]: final norm, output matrix."""

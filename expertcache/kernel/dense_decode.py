@@ -290,3 +290,15 @@ def estimator_logits(resid, vectors, ids, gates, norm, eps, w1, b1, rows, prev_i
     """transition_logits on the quasi-hidden state q [H] of one token (quasi_hidden_logits); q, hidden scratch."""
     _quasi_hidden(resid, vectors, ids, gates, norm, eps, q)
     transition_logits(q, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidden, out)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def lookahead_logits(q, router, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidden, out):
+    """The lookahead's next-layer logits out [E] on its input q [H]: the next layer's router [E, H] on q plus the
+    transition's net (transition_logits), in one call."""
+    transition_logits(q, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidden, out)
+    for e in range(out.shape[0]):
+        acc = np.float32(0.0)
+        for c in range(q.shape[0]):
+            acc += widen(router[e, c]) * q[c]
+        out[e] += acc

@@ -21,6 +21,7 @@ from ..engine.checkpoint import LOOKAHEAD_FILE, load_default_vectors
 from ..engine.experts import ExpertKind
 from ..engine.moe import router_logits
 from ..engine.predictors import (
+    LOOKAHEAD_WIDTH,
     PREDICTORS,
     SKETCH_NEURONS,
     SKETCH_RANK,
@@ -196,18 +197,18 @@ def routing_loss(router: Router, pred: torch.Tensor, true: torch.Tensor, bias: t
 
 def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.Tensor, epochs: int = 30,
                     lr: float = 2e-3, batch: int = 1024, seed: int = 0, unknown_previous: float = 0.1,
-                    progress: Callable[[str, int, int], None] | None = None, lookahead: bool = False
-                    ) -> EstimatorNet:
+                    progress: Callable[[str, int, int], None] | None = None, lookahead: bool = False,
+                    width: int = 512) -> EstimatorNet:
     """Distil (q_l, the previous token's experts at l+1) -> Router_{l+1} logits by `routing_loss` under the model's
     router, one net per transition; with `lookahead`, on s.ahead's inputs instead of q_l and on top of layer l+1's
     router on them (the net learns what the router misses; its last layer starts at zero). A share
     `unknown_previous` of each batch is shown without the previous token's experts, as the engine predicts a
     sequence's first token and a decode batch's. `progress(stage, epochs done, epochs in all)` after each epoch,
-    the stage naming the net, the transition and its loss."""
+    the stage naming the net, the transition and its loss. `width`: the nets' hidden width."""
     a, router = model.args, model.router
     qh = QuasiHidden(model, default_vectors)
     torch.manual_seed(seed)
-    net = EstimatorNet(a.hidden_size, a.num_experts, a.num_moe_layers - 1)
+    net = EstimatorNet(a.hidden_size, a.num_experts, a.num_moe_layers - 1, width)
     g = torch.Generator().manual_seed(seed)
     for l, transition in enumerate(net.transitions):
         with torch.no_grad():
@@ -248,10 +249,10 @@ def train_estimator(model: Transformer, s: LayerStates, default_vectors: torch.T
 
 def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, epochs: int = 30,
                   progress: Callable[[str, int, int], None] | None = None,
-                  sketch: tuple[int, int] = (SKETCH_RANK, SKETCH_NEURONS)) -> dict:
+                  sketch: tuple[int, int] = (SKETCH_RANK, SKETCH_NEURONS), width: int = LOOKAHEAD_WIDTH) -> dict:
     """Train the estimator on calibration tokens, choose the hybrid's layers (quasi-hidden recall
     below `hybrid_below` there) and save it beside the model; then the lookahead's expert sketches of `sketch`'s
-    rank and neurons and its net, saved beside it too. `progress(stage, done, total)`: the tokens recorded, the
+    rank and neurons and its net of `width`, saved beside it too. `progress(stage, done, total)`: the tokens recorded, the
     estimator's epochs, the lookahead's inputs (tokens of every transition), its epochs."""
     model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))),
                                   pre=True, sketch=sketch)
@@ -266,7 +267,7 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
     tokens = len(states.starts) * len(net.transitions)
     sketch = ExpertSketch.from_tensors(states.sketch.tensors(), states.sketch.kind)  # as its file gives it to decode
     add_lookahead(model, states, sketch, progress and (lambda n: progress("ahead", n, tokens)))
-    ahead = train_estimator(model, states, dv, epochs=epochs, progress=progress, lookahead=True)
+    ahead = train_estimator(model, states, dv, epochs=epochs, progress=progress, lookahead=True, width=width)
     recall["lookahead"] = recall_per_layer(Lookahead(model, dv, ahead, sketch), states, k)
     save_estimator(ahead, Path(model_path), [], {"lookahead": recall["lookahead"]}, LOOKAHEAD_FILE, sketch)
     return {"tokens": len(states.x[0]), "hybrid_layers": hybrid, "calibration_recall": recall}
