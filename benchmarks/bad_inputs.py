@@ -164,6 +164,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("lookahead.safetensors without sketches", ["generate", "--model", str(old_lookahead), "--store", "ram",
                                                     "--policy", "fetch-all+prefetch/lookahead", "hi"]),
         ("predict --sketch-rank -1", ["predict", "--train", "--sketch-rank", "-1"]),
+        ("predict --lookahead-width 0", ["predict", "--train", "--lookahead-width", "0"]),
         ("serve --prefill-policy conditional:j=16,m=16 (top-8 model)",
          ["serve", "--store", "ram", "--port", "0", "--prefill-policy", "conditional:j=16,m=16"]),
         ("serve --prefill-policy nope", ["serve", "--store", "ram", "--port", "0", "--prefill-policy", "nope"]),

@@ -1,8 +1,8 @@
 """What the fast tier holds besides its expert slots, by part, sized from the checkpoint's headers and the
 configuration before any weight is read: the dense weights as the engine holds them, the KV cache at
 max_seq, the stores' staging buffers, the workspace (a forward's activations, the kernels' scratch, the
-largest transient of loading) and the prefetch predictor's vectors, nets and sketches. `--memory-budget` sizes the expert cache from what is left, and a budget too
-small is refused before the model loads.
+largest transient of loading) and the prefetch predictor's vectors, nets and sketches. `--memory-budget` sizes
+the expert cache from what is left, and a budget too small is refused before the model loads.
 
 The budget is what a run holds beyond its baseline: the process after its imports and with its compiled
 kernels loaded (PyTorch, numba's LLVM and the kernels' machine code: ~390 MiB here, the same for every

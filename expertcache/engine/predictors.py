@@ -368,14 +368,14 @@ class Lookahead(Estimator):
 
     def decode_logits(self, layer, resid, x, ids, weights, prev=None):
         """Three compiled calls and no torch operation: the sketches' sum, the attention ahead (the model's compiled
-        decode block, on scratch of the predictor's own) and the router with the net."""
+        decode block, from and into arrays of the predictor's own) and the router with the net."""
         if not self._compiled(resid) or not self._float_net:
             return None
         sketch, h, q = self._sketch_arrays()[layer], self._h, self._ahead
         dense_decode.sketch_sum(resid.numpy()[0], x.float().numpy()[0], *sketch, ids, weights, *self._activation,
                                 self._z, h)
         model = self.model
-        if not model.attention_ahead_token(model.args.moe_layers[layer + 1], h, q):  # torch's, or none, decide
+        if not model.attention_ahead_token(model.args.moe_layers[layer + 1], h, q):  # torch's path, or the normed h
             q = run_ahead(model, layer, torch.from_numpy(h)[None], own=True).float().numpy()[0]
         w1, b1, rows, w2, b2 = self._net_arrays()[layer]
         prev_ids, prev_weights = self._none if prev is None else prev
@@ -467,6 +467,9 @@ def load_estimator(path: Path, model: Transformer | None = None, file: str = EST
         raise CheckpointError(f"{f} is unreadable ({str(e).splitlines()[0][:200]}); {retrain}") from None
 
 
+_SAFETENSOR_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4}
+
+
 def predictor_bytes(name: str, model_path: Path, dtype: torch.dtype) -> int:
     """Memory the predictor `name` takes once attached, from its files' headers before any is read: its default
     vectors in the compute `dtype`, its nets and sketches as stored, and its nets once more, the copy that loading
@@ -495,8 +498,6 @@ def predictor_bytes(name: str, model_path: Path, dtype: torch.dtype) -> int:
             continue
     return total
 
-
-_SAFETENSOR_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4}
 
 
 def make_predictor(name: str, model: Transformer, model_path: Path) -> Predictor:

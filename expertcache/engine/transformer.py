@@ -101,7 +101,7 @@ class Transformer:
                                                               a.head_dim), np.float32)
             self.scores = np.empty((a.num_heads, max_seq), np.float32)
             self.cos_np, self.sin_np = self.cos.numpy(), self.sin.numpy()
-            self._kv_views: tuple = (None, None)  # _kv_arrays
+            self._kv_views: tuple = (None, None)  # (keys, values, their arrays), made by _kv_arrays
 
     def kv_bytes(self, positions: int) -> int:
         """Bytes of the attention caches holding `positions` positions: keys and values, and a latent

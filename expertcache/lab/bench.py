@@ -22,8 +22,8 @@ from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL, Engine, EngineConfig, max_seq_limit
 from ..engine.generate import generate
 from ..engine.moe import PrefetchConfig
-from ..engine.predictors import predictor_bytes
 from ..engine.perplexity import EVAL_TEXT, teacher_forced
+from ..engine.predictors import predictor_bytes
 from ..engine.quant import ExpertFormat
 from ..errors import BadInput
 from ..models import model_args
@@ -175,15 +175,15 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
         raise BadInput(f"--decode-tokens {cfg.decode_tokens} after the {cfg.prompt_tokens}-token prompt exceeds the "
                        f"model's context of {limit} positions; give at most {limit - cfg.prompt_tokens - 1}")
     max_seq = max(sequence, cfg.context)  # what the runs reach, no more: the KV cache and workspace scale with it
-    # under a budget the cache is sized around the largest predictor a variant attaches, the same for every variant
-    prefetches = [p for _, p in map(parse_variant, cfg.policies) if p is not None]
-    largest = max(prefetches, default=None, key=lambda p: predictor_bytes(p.predictor, model or BUILTIN_MODEL,
-                                                                          torch.float32))
+    largest = None  # under a budget the cache is sized around the largest predictor a variant attaches, for all
+    if cfg.memory_budget is not None:
+        prefetches = [p for _, p in map(parse_variant, cfg.policies) if p is not None]
+        largest = max(prefetches, default=None, key=lambda p: predictor_bytes(p.predictor, model or BUILTIN_MODEL,
+                                                                              torch.float32))
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
                                         store_format=cfg.store_format, read_mode=cfg.read_mode,
                                         slot_dtype=cfg.slot_dtype, dense_dtype=cfg.dense_dtype, max_seq=max_seq,
-                                        memory_budget=cfg.memory_budget,
-                                        prefetch=largest if cfg.memory_budget is not None else None))
+                                        memory_budget=cfg.memory_budget, prefetch=largest))
     floor = None
     try:
         # the floor holds every expert: under a memory budget it would break the budget the run is measured at

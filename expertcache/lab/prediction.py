@@ -252,8 +252,8 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
                   sketch: tuple[int, int] = (SKETCH_RANK, SKETCH_NEURONS), width: int = LOOKAHEAD_WIDTH) -> dict:
     """Train the estimator on calibration tokens, choose the hybrid's layers (quasi-hidden recall
     below `hybrid_below` there) and save it beside the model; then the lookahead's expert sketches of `sketch`'s
-    rank and neurons and its net of `width`, saved beside it too. `progress(stage, done, total)`: the tokens recorded, the
-    estimator's epochs, the lookahead's inputs (tokens of every transition), its epochs."""
+    rank and neurons and its net of `width`, saved beside it too. `progress(stage, done, total)`: the tokens
+    recorded, the estimator's epochs, the lookahead's inputs (tokens of every transition), its epochs."""
     model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))),
                                   pre=True, sketch=sketch)
     dv = load_default_vectors(model_path)
