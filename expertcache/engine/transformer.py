@@ -101,7 +101,7 @@ class Transformer:
                                                               a.head_dim), np.float32)
             self.scores = np.empty((a.num_heads, max_seq), np.float32)
             self.cos_np, self.sin_np = self.cos.numpy(), self.sin.numpy()
-            self._kv_views: tuple = (None, None)  # (keys, values, their arrays), made by _kv_arrays
+        self._kv_views: tuple = (None, None)  # (keys, values, their arrays) during a forward (_kv_arrays)
 
     def kv_bytes(self, positions: int) -> int:
         """Bytes of the attention caches holding `positions` positions: keys and values, and a latent
@@ -238,8 +238,9 @@ class Transformer:
         return x
 
     def _kv_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """The model's keys and values as arrays for the compiled block, made once for each cache tensor (a
-        view costs ~2 us here, twice a layer), again when the cache has grown or been swapped."""
+        """The model's keys and values as arrays for the compiled block, made once a forward (a view costs ~2 us
+        here, twice a layer), again when the cache has grown; forward lets go of them at its end, so that a cache
+        swapped out (another sequence's, generate.py) is not kept alive."""
         if self._kv_views[0] is not self.k_cache or self._kv_views[1] is not self.v_cache:
             self._kv_views = (self.k_cache, self.v_cache, self.k_cache.numpy(), self.v_cache.numpy())
         return self._kv_views[2:]
@@ -265,9 +266,12 @@ class Transformer:
         self._reserve(pos + T)
         self.position = pos
         h = self.embed[ids].to(self.dtype)  # a copy: the compiled attention block may update it in place
-        for i in range(len(self.layers)):
-            h, x = self.attention_block(i, h, pos)
-            h = self.feed_forward(i, self.layers[i], h, x)
+        try:
+            for i in range(len(self.layers)):
+                h, x = self.attention_block(i, h, pos)
+                h = self.feed_forward(i, self.layers[i], h, x)
+        finally:
+            self._kv_views = (None, None)
         if last:
             h = h[-1:]
         if h.shape[0] == 1 and self.compiled_logits:
