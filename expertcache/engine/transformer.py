@@ -229,13 +229,19 @@ class Transformer:
         """Decode: layer i's attention block on one token in one compiled call; h [1, H] is updated in
         place and the MoE input rms_norm(h) returned. kv: the keys and values to use (default: the model's)."""
         x = torch.empty_like(h)
-        c = self.kv_index[i]
-        before, after, (qkv_work, o_work, parts) = self.token_args[i]
-        k_cache, v_cache = self._kv_arrays() if kv is None else (kv[0].numpy(), kv[1].numpy())
-        dense_decode.attention_token(h.numpy()[0], *before, self.cos_np[pos], self.sin_np[pos], pos, k_cache[c],
-                                     v_cache[c], *after, self.scratch, qkv_work, o_work, self.scores, x.numpy()[0],
-                                     parts)
+        self._attention_call(i, h.numpy()[0], pos, x.numpy()[0],
+                             None if kv is None else (kv[0].numpy(), kv[1].numpy()))
         return x
+
+    def _attention_call(self, i: int, h: np.ndarray, pos: int, x_out: np.ndarray,
+                        kv: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """The compiled attention block of layer i on h [H] (updated in place) at `pos` into x_out [H], against the
+        keys and values kv (default: the model's)."""
+        before, after, (qkv_work, o_work, parts) = self.token_args[i]
+        c = self.kv_index[i]
+        k_cache, v_cache = kv or self._kv_arrays()
+        dense_decode.attention_token(h, *before, self.cos_np[pos], self.sin_np[pos], pos, k_cache[c], v_cache[c],
+                                     *after, self.scratch, qkv_work, o_work, self.scores, x_out, parts)
 
     def _kv_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """The model's keys and values as arrays for the compiled block, made once a forward (a view costs ~2 us
@@ -306,11 +312,7 @@ class Transformer:
         pos = self.position
         if pos is None or not self.compiled or i not in self.kv_index or pos >= self.k_cache.shape[2]:
             return False
-        before, after, (qkv_work, o_work, parts) = self.token_args[i]
-        c = self.kv_index[i]
-        k_cache, v_cache = self._kv_arrays()
-        dense_decode.attention_token(h, *before, self.cos_np[pos], self.sin_np[pos], pos, k_cache[c], v_cache[c],
-                                     *after, self.scratch, qkv_work, o_work, self.scores, x_out, parts)
+        self._attention_call(i, h, pos, x_out)
         return True
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

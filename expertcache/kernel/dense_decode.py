@@ -297,8 +297,4 @@ def lookahead_logits(q, router, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidd
     """The lookahead's next-layer logits out [E] on its input q [H]: the next layer's router [E, H] on q plus the
     transition's net (transition_logits), in one call."""
     transition_logits(q, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidden, out)
-    for e in range(out.shape[0]):
-        acc = np.float32(0.0)
-        for c in range(q.shape[0]):
-            acc += widen(router[e, c]) * q[c]
-        out[e] += acc
+    gemv(router, q, out, out)  # the net's logits as the product's bias: each is read before its row is written

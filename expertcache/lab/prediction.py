@@ -117,9 +117,9 @@ def add_lookahead(model: Transformer, s: LayerStates, sketch: ExpertSketch,
                   progress: Callable[[int], None] | None = None) -> None:
     """s.ahead: per transition l -> l+1, the lookahead's input for every recorded token as decode computes it:
     layer l+1's attention run ahead on the token's r_l + s_l (its experts' sketches) against the exact keys and
-    values of the tokens before it in its window. Each window's exact keys are written first (from s.pre), then its tokens run from
-    the last to the first, so that the key each one writes at its own position is past every later query's
-    reach. `progress(tokens)` after each window of each transition."""
+    values of the tokens before it in its window. Each window's exact keys are written first (from s.pre), then
+    its tokens run from the last to the first, so that the key each one writes at its own position is past every
+    later query's reach. `progress(tokens)` after each window of each transition."""
     a = model.args
     bounds = [*s.starts.nonzero().flatten().tolist(), len(s.starts)]
     s.ahead = []
