@@ -12,7 +12,9 @@ nothing but the lookup, so it bounds what any predictor can gain here: perfect r
 precision, with the real cost of issuing, reading and waiting. Each predictor runs at each of
 `budgets` (prefetches per layer among its top-k; default top-k), the oracle at the first; "of the
 oracle's gain" is (on demand / variant - 1) / (on demand / oracle - 1), and "predict" the wall time
-of a token's predictions (the attention run ahead included). Variants run round robin,
+of a token's predictions (the attention run ahead included). "disk busy" is the time per token that the store's
+device had a read in flight (Linux's /proc/diskstats; n/a elsewhere): no prefetch can bring a token below it,
+so on demand / disk busy bounds any gain. Variants run round robin,
 `repeats` times after one warm-up round; medians. Counts are the decode tokens' own (the prompt's
 forward excluded).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -73,6 +76,20 @@ def oracle_predictor(model, routes: list[list[np.ndarray]]):
     return Oracle()
 
 
+def busy_ms(path: Path):
+    """A counter of the milliseconds that the device holding `path` has had I/O in flight, or None where
+    the kernel does not report it (io_ticks, /proc/diskstats)."""
+    st = os.stat(path)
+    try:
+        for line in open("/proc/diskstats"):
+            f = line.split()
+            if (int(f[0]), int(f[1])) == (os.major(st.st_dev), os.minor(st.st_dev)):
+                return int(f[12])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def decode(engine, prompt: list[int], tokens: int) -> tuple[list[int], dict]:
     """Greedy decode after the prompt's forward: (tokens, per-token figures of the decode alone)."""
     from expertcache.engine.generate import generate
@@ -81,13 +98,15 @@ def decode(engine, prompt: list[int], tokens: int) -> tuple[list[int], dict]:
     out = [next(it)]
     s = engine.stats
     before = (s.tokens, s.sync_fetches, s.prefetch_fetches, s.stall_s, s.predict_s)
+    busy = busy_ms(engine.store.path)
     start = time.perf_counter()
     out += list(it)
     wall = time.perf_counter() - start
+    busy = None if busy is None else busy_ms(engine.store.path) - busy
     n = s.tokens - before[0]
     return out, {"ms_per_token": 1e3 * wall / n, "sync_fetches": (s.sync_fetches - before[1]) / n,
                  "prefetches": (s.prefetch_fetches - before[2]) / n, "stall_ms": 1e3 * (s.stall_s - before[3]) / n,
-                 "predict_ms": 1e3 * (s.predict_s - before[4]) / n}
+                 "predict_ms": 1e3 * (s.predict_s - before[4]) / n, "disk_busy_ms": None if busy is None else busy / n}
 
 
 def main() -> None:
@@ -136,18 +155,21 @@ def main() -> None:
                                  "fetches every miss (fetch-all)")
             if round_:
                 runs[name].append(figures)
-    rows = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    rows = {name: {k: None if rs[0][k] is None else statistics.median(r[k] for r in rs) for k in rs[0]}
+            for name, rs in runs.items()}
     base = rows["on demand"]["ms_per_token"]
     bound = base / rows[oracle]["ms_per_token"] - 1
     for r in rows.values():
         r["of_oracle_gain"] = (base / r["ms_per_token"] - 1) / bound if bound > 0 else None  # no gain to share
     print(f"disk store, cache {a.cache}, {a.policy}, {a.tokens} decode tokens, medians of {a.repeats}\n")
     print("| variant | ms/token | vs on demand | of the oracle's gain | synchronous fetches/token | prefetches/token "
-          "| stall ms/token | predict ms/token |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| stall ms/token | predict ms/token | disk busy ms/token |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    na = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     for name, r in rows.items():
-        print(f"| {name} | {r['ms_per_token']:.2f} | {base / r['ms_per_token']:.2f}x | {'n/a' if r['of_oracle_gain'] is None else format(r['of_oracle_gain'], '.0%')} | "
-              f"{r['sync_fetches']:.1f} | {r['prefetches']:.1f} | {r['stall_ms']:.2f} | {r['predict_ms']:.3f} |")
+        print(f"| {name} | {r['ms_per_token']:.2f} | {base / r['ms_per_token']:.2f}x | {na(r['of_oracle_gain'], '.0%')} | "
+              f"{r['sync_fetches']:.1f} | {r['prefetches']:.1f} | {r['stall_ms']:.2f} | {r['predict_ms']:.3f} | "
+              f"{na(r['disk_busy_ms'], '.2f')} |")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "medians": rows,
                                       "runs": runs}, indent=1))

@@ -321,6 +321,23 @@ def test_io_uring_staging_buffers_are_bounded(tmp_path):
 
 
 @needs_ring
+def test_waits_for_a_staging_buffer_count_as_stall(tmp_path, monkeypatch):
+    """A read whose submission blocks until a staging buffer comes free waits on the slow tier: that time is in
+    the statistics' stall, as a wait for the read itself is."""
+    engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, initial="cold", slot_dtype="int4",
+                                       store_format=ExpertFormat.parse("int4"),
+                                       cache=CacheConfig(fraction=0.25, io="uring", io_workers=0)))
+    transfers, taken = engine.cache.transfers, []
+    take = transfers.take_buffer_wait
+    monkeypatch.setattr(transfers, "take_buffer_wait", lambda: taken.append(take()) or taken[-1])
+    engine.forward(torch.arange(40, 104), 0)
+    assert transfers.staged == {engine.store.expert_bytes: 1}  # every read after the first waited for the buffer
+    assert len(taken) == 1 and taken[0] > 0
+    assert engine.stats.stall_s >= taken[0]
+    engine.close()
+
+
+@needs_ring
 def test_io_uring_read_faults_leave_the_cache_consistent(tmp_path, monkeypatch):
     """Through io_uring a corrupt blob fails its checksum and a truncated store file gives a short read:
     each a FetchError naming the expert, with the expert absent and nothing left in flight."""

@@ -264,6 +264,42 @@ def test_unneeded_queued_prefetches_are_dropped_unread(tmp_path, monkeypatch):
     engine.close()
 
 
+def test_a_prefetch_does_not_evict_the_other_predictions():
+    """A prefetch evicts the layer's least recently used slot; the predicted experts already resident are kept
+    from it (the layer is about to use them), and nothing stays protected after."""
+    import numpy as np
+    layer, runs = 2, []
+    for hold in (False, True):
+        engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25)))
+        cache = engine.cache
+        absent = next(e for e in range(engine.args.num_experts) if cache.slot_of[layer, e] < 0)
+        before = cache.slot_of[layer].copy()
+        kept = np.array(runs[0] if hold else [], np.int64)
+        cache.prefetch_routed(layer, np.array([absent]), 0, np.concatenate([kept, [absent]]))
+        cache.finish_all()
+        evicted = np.flatnonzero((before >= 0) & (cache.slot_of[layer] < 0))
+        assert cache.slot_of[layer, absent] >= 0 and len(evicted) == 1 and not cache.state.protected.any()
+        runs.append(evicted)
+        engine.close()
+    assert runs[1][0] != runs[0][0]  # held, the first run's victim stayed; another slot went
+
+
+def test_a_prefetch_into_a_full_hold_evicts_as_before():
+    """Where every slot of the layer holds a prediction, the prefetch still loads (evicting one of them) rather
+    than calling the cache too small."""
+    import numpy as np
+    engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=8 / 128)))  # top-8 of 128
+    cache, layer = engine.cache, 2
+    resident = np.flatnonzero(cache.slot_of[layer] >= 0)
+    absent = next(e for e in range(engine.args.num_experts) if cache.slot_of[layer, e] < 0)
+    assert len(resident) == engine.args.top_k  # the smallest cache: a slot per routed expert
+    cache.prefetch_routed(layer, np.array([absent]), 0, np.concatenate([resident, [absent]]))
+    cache.finish_all()
+    assert cache.slot_of[layer, absent] >= 0 and (cache.slot_of[layer] >= 0).sum() == engine.args.top_k
+    assert not cache.state.protected.any()
+    engine.close()
+
+
 def test_router_ahead_decode_path_equals_torch():
     """Decode's compiled router-ahead prediction gives the logits of its PyTorch product."""
     from expertcache.engine.predictors import RouterAhead, make_predictor

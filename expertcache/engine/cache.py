@@ -227,9 +227,10 @@ class ExpertCache:
         self._check_experts("prefetch: experts", experts)
         return self.prefetch_routed(layer, experts, clock)
 
-    def prefetch_routed(self, layer: int, experts: np.ndarray, clock: int) -> float:
-        """`prefetch` without its checks, for ids that a router made (int64 [n], in range): the engine's call."""
-        if not kernel.prefetch(self.state, layer, experts, clock):
+    def prefetch_routed(self, layer: int, experts: np.ndarray, clock: int, hold: np.ndarray | None = None) -> float:
+        """`prefetch` without its checks, for ids that a router made (int64 [n], in range): the engine's call;
+        the resident experts of `hold` (the other predictions) are not evicted for them."""
+        if not kernel.prefetch(self.state, layer, experts, experts if hold is None else hold, clock):
             self._abandon(self._take_log())
             raise self.too_small(layer)
         return self.carry_out()

@@ -352,6 +352,7 @@ class Engine:
                 logits = run().float()
         finally:  # the decision kernel's counters of every layer decided, also when a fetch failed
             self.stats.absorb(self.cache.state, self.cache.fetch_bytes, self.cache.lowbit_bytes)
+            self.stats.stall_s += self.cache.transfers.take_buffer_wait()
             self.stats.failed_background_reads += self.cache.failed_background
             self.cache.failed_background = 0
         if self.device.type == "cuda":

@@ -206,9 +206,10 @@ class MoELayerRunner:
             chosen = experts[np.lexsort((first, -counts))][:budget]
         else:
             chosen = wanted[0] if keep is None else wanted[0][keep[0]]
+        hold = chosen if wanted.shape[0] > 1 else wanted[0]  # the predictions that stay resident while these load
         chosen = chosen[cache.slot_of[layer + 1, chosen] < 0]  # most predictions are resident: nothing to start
         if chosen.size:
-            self.stats.stall_s += cache.prefetch_routed(layer + 1, chosen, self.token_base)
+            self.stats.stall_s += cache.prefetch_routed(layer + 1, chosen, self.token_base, hold)
 
     def __call__(self, layer: int, x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed MoE input) of MoE layer `layer` -> routed experts' combined output

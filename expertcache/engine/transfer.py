@@ -186,6 +186,9 @@ class TransferEngine:
         # blob bytes -> staging buffers made, at most as many as the store's `buffer_bytes` counts (the memory
         # budget's bound; a window's misses would otherwise grow the pool to a layer's slots)
         self.staged: dict[int, int] = {}
+        # seconds a read's submission blocked until a staging buffer came free: a wait on the slow tier like any
+        # other, that no `wait` returns (`take_buffer_wait`)
+        self.buffer_wait_s = 0.0
         self.tickets = 0
         self.queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
         self.n_workers = workers
@@ -254,6 +257,11 @@ class TransferEngine:
                 w.start()
         self.queue.put(t)
 
+    def take_buffer_wait(self) -> float:
+        """The seconds submissions blocked for a staging buffer since the last call."""
+        waited, self.buffer_wait_s = self.buffer_wait_s, 0.0
+        return waited
+
     def queues_prefetches(self) -> bool:
         """Whether prefetch reads wait in the workers' queue, where `Transfer.cancel` can still stop them
         (through io_uring every read is handed to the kernel at once)."""
@@ -264,8 +272,11 @@ class TransferEngine:
         store's `buffer_bytes` counts, else the next to come free as the reads in flight complete."""
         nbytes = store.blob
         free = self.staging.setdefault(nbytes, [])
-        while not free and self.staged.get(nbytes, 0) >= store.buffer_bytes(self.n_workers) // nbytes:
-            self.reap(block=True)
+        if not free and self.staged.get(nbytes, 0) >= store.buffer_bytes(self.n_workers) // nbytes:
+            start = time.perf_counter()
+            while not free:
+                self.reap(block=True)
+            self.buffer_wait_s += time.perf_counter() - start
         if free:
             return free.pop()
         self.staged[nbytes] = self.staged.get(nbytes, 0) + 1
@@ -351,6 +362,10 @@ class InstantTransfers:
     def flush(self) -> None:
         """Nothing is queued."""
         pass
+
+    def take_buffer_wait(self) -> float:
+        """No read ever waits for a buffer."""
+        return 0.0
 
     def queues_prefetches(self) -> bool:
         """Nothing waits to be read."""

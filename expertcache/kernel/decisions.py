@@ -301,17 +301,40 @@ def decide_layer(st, p, account, sc, layer, rows, scores, logits, ids, w, token_
 
 
 @compiled
-def prefetch(st, layer, ids, clock):
-    """Start transfers of the predicted experts `ids` of `layer` that are not mapped;
-    False when the cache has no slot to give."""
+def _hold(st, layer, experts, held):
+    """Mark the slots of the mapped `experts` of `layer` protected (`held`) or not. Called after a call's
+    decisions, whose marks no later victim choice needs before the next token's decisions release them all."""
+    for e in experts:
+        s = st.slot_of[layer, e]
+        if s >= 0:
+            st.protected[s] = held
+
+
+@compiled
+def prefetch(st, layer, ids, hold, clock):
+    """Start transfers of the predicted experts `ids` of `layer` that are not mapped; False when the cache has
+    no slot to give. The mapped experts of `hold` (the layer's other predictions) are kept from eviction
+    meanwhile: the layer's routes are not yet known when its prefetches evict, so its least recently used slot
+    is often one that it is about to use (an oracle's prefetches read ~1 expert a token more than on-demand
+    loading that way)."""
     st.misc[N_LOG] = 0
+    _hold(st, layer, hold, True)
+    held, ok = True, True
     for e in ids:
         if st.slot_of[layer, e] < 0:
-            if load(st, layer, e, PREFETCH, 0, clock) < 0:
-                return False
+            s = load(st, layer, e, PREFETCH, 0, clock)
+            if s < 0 and held:  # a cache of few slots: the held ones may go, as before holding
+                _hold(st, layer, hold, False)
+                held = False
+                s = load(st, layer, e, PREFETCH, 0, clock)
+            if s < 0:
+                ok = False
+                break
             st.counts[PREFETCHES] += 1
             st.counts[EXPOSED_PREFETCHES] += st.misc[CALL_WAITS] == 0  # no wait of the call's own hides its cost
-    return True
+    if held:
+        _hold(st, layer, hold, False)
+    return ok
 
 
 @compiled
@@ -322,12 +345,12 @@ def prefetch_ranked(st, p, layer, ids, w, budget, fetched, confidence, clock, ch
     the replay's one path. Returns the transfers started, or -1 when the cache has no slot to give. chosen
     [>= budget] int64 scratch."""
     n = 0
-    for j in range(budget):  # chosen before any load: one may evict another predicted expert, not refetched now
+    for j in range(budget):
         if st.slot_of[layer, ids[j]] < 0 and w[j] >= confidence \
                 and not (fetched and not fetches_miss(p, layer, j, w[j])):
             chosen[n] = ids[j]
             n += 1
-    return n if prefetch(st, layer, chosen[:n], clock) else -1
+    return n if prefetch(st, layer, chosen[:n], ids[:budget], clock) else -1
 
 
 @compiled
