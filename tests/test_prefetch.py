@@ -235,7 +235,6 @@ def test_unneeded_queued_prefetches_are_dropped_unread(tmp_path, monkeypatch):
     import os
     import threading
 
-    import numpy as np
     engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path,
                                        cache=CacheConfig(fraction=0.25, io="threads")))
     cache, workers = engine.cache, engine.cache.cfg.io_workers
@@ -267,7 +266,6 @@ def test_unneeded_queued_prefetches_are_dropped_unread(tmp_path, monkeypatch):
 def test_a_prefetch_does_not_evict_the_other_predictions():
     """A prefetch evicts the layer's least recently used slot; the predicted experts already resident are kept
     from it (the layer is about to use them), and nothing stays protected after."""
-    import numpy as np
     layer, runs = 2, []
     for hold in (False, True):
         engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25)))
@@ -287,7 +285,6 @@ def test_a_prefetch_does_not_evict_the_other_predictions():
 def test_a_prefetch_into_a_full_hold_evicts_as_before():
     """Where every slot of the layer holds a prediction, the prefetch still loads (evicting one of them) rather
     than calling the cache too small."""
-    import numpy as np
     engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=8 / 128)))  # top-8 of 128
     cache, layer = engine.cache, 2
     resident = np.flatnonzero(cache.slot_of[layer] >= 0)
