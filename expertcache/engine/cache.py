@@ -244,10 +244,23 @@ class ExpertCache:
         sc = self.scratch
         started = kernel.prefetch_predicted(self.state, policy, layer, row, norm, budget, fetched, confidence, clock,
                                             ids, w, sc.order_v, sc.comp, sc.block_max, sc.fetch)
+        return ids, w, self._carry_out_prefetch(started, layer)
+
+    def prefetch_ranked(self, policy: np.ndarray, layer: int, ids: np.ndarray, w: np.ndarray, budget: int,
+                        fetched: bool, confidence: float, clock: int) -> float:
+        """A decode token's predicted experts of `layer`, ids [k] (int64) in rank order with their gate weights w [k]
+        (float32), already routed: prefetched through the compiled path's filter (kernel.prefetch_ranked). Returns
+        the seconds stalled."""
+        started = kernel.prefetch_ranked(self.state, policy, layer, ids, w, budget, fetched, confidence, clock,
+                                         self.scratch.fetch)
+        return self._carry_out_prefetch(started, layer)
+
+    def _carry_out_prefetch(self, started: int, layer: int) -> float:
+        """The transfers a compiled prefetch logged (`started` of them; -1: the cache had no slot to give)."""
         if started < 0:
             self._abandon(self._take_log())
             raise self.too_small(layer)
-        return ids, w, self.carry_out() if started else 0.0
+        return self.carry_out() if started else 0.0
 
     def carry_out(self, compute=None, started=None) -> float:
         """Carry out the logged actions in order: start transfers, wait for them, run the

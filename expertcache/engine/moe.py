@@ -191,6 +191,13 @@ class MoELayerRunner:
         if x.shape[0] != 1 and not self.decoding:  # prefetching ahead is a decode-time pipeline
             return
         budget = self.prefetch.budget or a.top_k
+        if x.shape[0] == 1:  # a decode token: the compiled path's filter and prefetch
+            self.stats.stall_s += cache.prefetch_ranked(
+                self.policy.params(), layer + 1, np.ascontiguousarray(self.predicted.ids[0], np.int64),
+                np.ascontiguousarray(self.predicted.weights[0], np.float32), budget, self.prefetch.fetched,
+                self.prefetch.confidence, self.token_base)
+            return
+        # a decode batch: the `budget` experts most of its tokens predict (ties: best rank)
         wanted = self.predicted.ids[:, :budget]
         keep = None
         if self.prefetch.fetched:  # what the policy would substitute is not worth a read
@@ -200,13 +207,10 @@ class MoELayerRunner:
         if self.prefetch.confidence:  # a prediction of a small weight is often wrong: not worth a read
             sure = self.predicted.weights[:, :budget] >= self.prefetch.confidence
             keep = sure if keep is None else keep & sure
-        if wanted.shape[0] > 1:  # a decode batch: the `budget` experts most of its tokens predict (ties: best rank)
-            experts, first, counts = np.unique(wanted.T.ravel() if keep is None else wanted.T[keep.T],
-                                               return_index=True, return_counts=True)
-            chosen = experts[np.lexsort((first, -counts))][:budget]
-        else:
-            chosen = wanted[0] if keep is None else wanted[0][keep[0]]
-        hold = chosen if wanted.shape[0] > 1 else wanted[0]  # the predictions that stay resident while these load
+        experts, first, counts = np.unique(wanted.T.ravel() if keep is None else wanted.T[keep.T],
+                                           return_index=True, return_counts=True)
+        chosen = experts[np.lexsort((first, -counts))][:budget]
+        hold = chosen  # the predictions that stay resident while these load
         chosen = chosen[cache.slot_of[layer + 1, chosen] < 0]  # most predictions are resident: nothing to start
         if chosen.size:
             self.stats.stall_s += cache.prefetch_routed(layer + 1, chosen, self.token_base, hold)
