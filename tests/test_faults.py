@@ -332,8 +332,20 @@ def test_waits_for_a_staging_buffer_count_as_stall(tmp_path, monkeypatch):
     monkeypatch.setattr(transfers, "take_buffer_wait", lambda: taken.append(take()) or taken[-1])
     engine.forward(torch.arange(40, 104), 0)
     assert transfers.staged == {engine.store.expert_bytes: 1}  # every read after the first waited for the buffer
-    assert len(taken) == 1 and taken[0] > 0
-    assert engine.stats.stall_s >= taken[0]
+    assert taken[0] == 0 and len(taken) == 2 and taken[1] > 0  # before the forward (a cold start), then its own
+    assert engine.stats.stall_s >= taken[1]
+    engine.close()
+
+
+@needs_ring
+def test_a_warm_starts_waits_for_staging_buffers_are_no_tokens_stall(tmp_path):
+    """Filling every slot at a warm start waits for staging buffers outside any forward: with every expert
+    resident, a forward then stalls for nothing."""
+    engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, initial="warm", slot_dtype="int4",
+                                       store_format=ExpertFormat.parse("int4"),
+                                       cache=CacheConfig(fraction=1.0, io="uring", io_workers=0)))
+    engine.forward(torch.arange(40, 104), 0)
+    assert engine.stats.sync_fetches == 0 and engine.stats.stall_s == 0
     engine.close()
 
 

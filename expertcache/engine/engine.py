@@ -344,6 +344,7 @@ class Engine:
     def _timed(self, run, tokens: int) -> torch.Tensor:
         start = time.perf_counter()
         self.runner.token_base = self.stats.tokens
+        self.cache.transfers.take_buffer_wait()  # a warm start's fill waited outside any forward: no token's stall
         try:
             if self.device.type == "cpu":
                 with threads.kernels_own_the_cores():
