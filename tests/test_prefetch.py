@@ -555,6 +555,26 @@ def test_predict_trains_and_measures_from_the_command_line(tmp_path, capsys):
     assert len(recall) == 5 and all(0.1 < r <= 1 for r in recall)  # above chance (8 of 128) after 2 epochs
 
 
+def test_predict_measures_speculative_execution_from_the_command_line(tmp_path, capsys):
+    """`predict --speculative` runs each predictor's experts in place of the router's: its perplexity against the
+    exact model's on the same tokens, with a CI around the increase, and its greedy agreement; --train with it is a
+    usage error."""
+    from expertcache import cli
+    out = tmp_path / "speculative.json"
+    assert cli.main(["predict", "--speculative", "--max-tokens", "512", "--predictors", "quasi-hidden", "lookahead",
+                     "--json", str(out)]) == 0
+    assert "| lookahead |" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    for name in ("quasi-hidden", "lookahead"):
+        inc = r["increase"][f"speculative/{name}"]
+        assert inc["ci"][0] <= inc["pct"] <= inc["ci"][1]
+        assert 0 <= r["generation"][f"speculative/{name}"]["identical_token_share"] <= 1
+    # the lookahead's routes are nearly the router's, quasi-hidden's much less so (RESULTS: +0.16% against +8%)
+    assert r["increase"]["speculative/lookahead"]["pct"] < r["increase"]["speculative/quasi-hidden"]["pct"]
+    assert cli.main(["predict", "--speculative", "--train"]) == 2
+    assert "--train first" in capsys.readouterr().err
+
+
 def test_the_attention_run_ahead_is_the_layers_own_and_leaves_no_trace():
     """Given a layer's true input, the attention run ahead gives that layer's MoE input exactly, at the position
     of the forward; a forward after one run ahead on another input gives the logits it gives without; a decode

@@ -13,6 +13,7 @@ from ..choices import (
     SKETCH_NEURONS,
     SKETCH_RANK,
 )
+from ..errors import BadInput
 from .options import (
     add_json_argument,
     add_model_argument,
@@ -23,7 +24,8 @@ from .options import (
     write_json,
 )
 
-HELP = "train the estimators (--train) or report each predictor's recall@k per layer"
+HELP = ("train the estimators (--train), report each predictor's recall@k per layer, or (--speculative) what "
+        "running its predictions in place of the router costs in perplexity and greedy tokens")
 
 
 def add_arguments(p):
@@ -31,6 +33,10 @@ def add_arguments(p):
     add_model_argument(p)
     p.add_argument("--train", action="store_true",
                    help="train the estimator and the lookahead's net on calibration text and save them")
+    p.add_argument("--speculative", action="store_true",
+                   help="run each predictor's experts in place of the true router's (speculative execution): "
+                        "perplexity against the exact model with a paired bootstrap CI, over --max-tokens per "
+                        "domain of the evaluation text (default 4096), and greedy continuations' agreement")
     p.add_argument("--text", type=Path, default=None,
                    help="default: calibration text to train, evaluation text to measure")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="use only the first N tokens")
@@ -56,6 +62,8 @@ def run(a) -> int:
     from ..lab.texts import read_text
     from ..progress import progress_bar
     path = a.model or BUILTIN_MODEL
+    if a.train and a.speculative:
+        raise BadInput("--speculative measures trained predictors: run --train first, then --speculative")
     if a.train:
         ids = encode_text(path, read_text(a.text or CALIB_TEXT), a.max_tokens)
         with progress_bar() as bar:
@@ -64,6 +72,8 @@ def run(a) -> int:
         print(json.dumps(r, indent=1))
         write_json(a.json, r)
         return 0
+    if a.speculative:
+        return _speculative(a)
     ids = encode_text(path, read_text(a.text or EVAL_TEXT), a.max_tokens)
     with progress_bar() as bar:
         table = recall_table(path, ids, a.predictors, _stages(bar))
@@ -75,6 +85,37 @@ def run(a) -> int:
     if a.plot:
         lines(table, [f"{l}->{l + 1}" for l in range(layers)], "layer transition", "recall@k", a.plot)
     write_json(a.json, table)
+    return 0
+
+
+def _speculative(a) -> int:
+    """`--speculative`: the quality of running each predictor's experts, as the study measures a policy's."""
+    from ..lab.speculation import speculative_quality
+    from ..lab.study import StudyConfig
+    from ..lab.texts import text_segments
+    from ..progress import progress_bar
+    cfg = StudyConfig(tokens_per_domain=a.max_tokens or StudyConfig.tokens_per_domain,
+                      text=str(a.text) if a.text else None)
+    text_segments(a.text or EVAL_TEXT, None)  # a bad text fails here, before the progress bar
+    last = [None]
+    with progress_bar(unit="tok") as bar:
+        def progress(label, n, total=None):
+            if total is not None:  # the generation test starts
+                bar.reset(total=total)
+            if label != last[0]:
+                bar.set_description(label)
+                last[0] = label
+            bar.update(n)
+        r = speculative_quality(a.model, cfg, a.predictors, progress)
+    print(f"speculative execution over {r['tokens']} tokens; baseline: the exact model (ppl {r['ppl']['fetch-all']:.3f})\n")
+    print("| predictor | ppl | increase | 95% CI | greedy tokens identical | first divergence (tokens) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in a.predictors:
+        label = f"speculative/{name}"
+        inc, gen = r["increase"][label], r["generation"][label]
+        print(f"| {name} | {r['ppl'][label]:.3f} | {inc['pct']:+.2f}% | [{inc['ci'][0]:+.2f}, {inc['ci'][1]:+.2f}] | "
+              f"{gen['identical_token_share']:.1%} | {gen['mean_first_divergence']:.1f} |")
+    write_json(a.json, r)
     return 0
 
 

@@ -14,9 +14,10 @@ from .study import BASELINE, StudyConfig, generation_test, paired_increase, stud
 
 
 def speculative_quality(model: Path | None, cfg: StudyConfig, predictors=PREDICTORS,
-                        progress: Callable[[str, int], None] | None = None) -> dict:
+                        progress: Callable[..., None] | None = None) -> dict:
     """Perplexity increase over fetch-every-miss (paired bootstrap CI) and greedy agreement when each predictor's
-    experts run in place of the true router's."""
+    experts run in place of the true router's. `progress(label, n, total=None)` as `run_study`'s: a phase
+    starts with its total (perplexity of every variant, then the generation test)."""
     engine = Engine(model, EngineConfig(store="ram", cache=CacheConfig(fraction=cfg.cache_fraction), initial="warm"))
     seq = study_sequences(engine, cfg)
     setups = {BASELINE: lambda e: (e.set_policy(BASELINE), e.set_prefetch(None))}
@@ -24,6 +25,8 @@ def speculative_quality(model: Path | None, cfg: StudyConfig, predictors=PREDICT
         setups[f"speculative/{name}"] = lambda e, n=name: (e.set_policy(BASELINE),
                                                           e.set_prefetch(PrefetchConfig(n, "speculative")))
     runs = {}
+    if progress:  # the perplexity phase: every variant over the same tokens
+        progress(BASELINE, 0, total=len(seq.ids) * len(setups))
     for label, setup in setups.items():
         setup(engine)
         runs[label] = perplexity(engine, seq.ids, cfg.context, reset=False,
