@@ -91,7 +91,7 @@ def run(a) -> int:
 def _speculative(a) -> int:
     """`--speculative`: the quality of running each predictor's experts, as the study measures a policy's."""
     from ..lab.speculation import speculative_quality
-    from ..lab.study import StudyConfig
+    from ..lab.study import BASELINE, StudyConfig
     from ..lab.texts import text_segments
     from ..progress import progress_bar
     cfg = StudyConfig(tokens_per_domain=a.max_tokens or StudyConfig.tokens_per_domain,
@@ -107,7 +107,8 @@ def _speculative(a) -> int:
                 last[0] = label
             bar.update(n)
         r = speculative_quality(a.model, cfg, a.predictors, progress)
-    print(f"speculative execution over {r['tokens']} tokens; baseline: the exact model (ppl {r['ppl']['fetch-all']:.3f})\n")
+    print(f"speculative execution over {r['tokens']} tokens; baseline: the exact model "
+          f"(ppl {r['ppl'][BASELINE]:.3f})\n")
     print("| predictor | ppl | increase | 95% CI | greedy tokens identical | first divergence (tokens) |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in a.predictors:
