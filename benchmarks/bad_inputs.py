@@ -72,6 +72,12 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     bad_tokenizer = tmp / "bad_tokenizer"
     shutil.copytree(BUILTIN_MODEL, bad_tokenizer)
     (bad_tokenizer / "tokenizer.json").write_text("not a tokenizer")
+    other_tokenizer = tmp / "other_tokenizer"  # half the vocabulary: the tokenizer is another model's
+    shutil.copytree(BUILTIN_MODEL, other_tokenizer)
+    with safe_open(str(BUILTIN_MODEL / "model.safetensors"), "pt") as f:
+        save_file({k: f.get_tensor(k)[:cfg["vocab_size"] // 2] if "embed_tokens" in k else f.get_tensor(k)
+                   for k in f.keys()}, str(other_tokenizer / "model.safetensors"))
+    (other_tokenizer / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] // 2}))
     gptq = tmp / "gptq"
     shutil.copytree(BUILTIN_MODEL, gptq)
     config = json.loads((gptq / "config.json").read_text())
@@ -140,6 +146,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("convert --group-size 1", ["convert", "--dtype", "int4", "--group-size", "1"]),
         ("config with top-k 0", [*ppl, "--model", str(zero_k)]),
         ("tokenizer.json not a tokenizer", [*ppl, "--model", str(bad_tokenizer)]),
+        ("tokenizer.json of a model with more tokens", [*ppl, "--model", str(other_tokenizer)]),
         ("generate --device tpu", ["generate", "--store", "ram", "--device", "tpu", "hi"]),
         ("generate a prompt that is not UTF-8", ["generate", "--store", "ram", "caf\udce9"]),
         ("generate two prompts", ["generate", "--store", "ram", "-p", "a", "b"]),

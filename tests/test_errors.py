@@ -58,6 +58,16 @@ def test_missing_tensor(capsys, ckpt):
     expect_cli_error(capsys, ckpt, "is missing")
 
 
+def test_another_models_tokenizer_is_one_line(capsys, ckpt):
+    """A tokenizer.json whose ids go beyond the model's embeddings (the built-in model's, 8,192 tokens, beside a
+    96-token model) is named as such by every road text takes: the engine's verbs and the lab's."""
+    from expertcache.engine.engine import BUILTIN_MODEL
+    shutil.copy(BUILTIN_MODEL / "tokenizer.json", ckpt / "tokenizer.json")
+    expect_cli_error(capsys, ckpt, "tokenizer.json is another model's")
+    code, err = run_cli(capsys, "calibrate", "--model", str(ckpt), "--max-tokens", "64")
+    assert code == 2 and "tokenizer.json is another model's" in err and err.count("\n") == 0, err
+
+
 def test_unsupported_architecture(capsys, ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["model_type"] = "llama"

@@ -4,6 +4,7 @@ import io
 import json
 import os
 import re
+import shutil
 import socket
 import threading
 import time
@@ -413,6 +414,22 @@ def test_failed_fetch_ends_the_request_and_the_server_keeps_serving(tmp_path, re
         blob.write_bytes(original)
         got = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=8, temperature=0)
         assert got.choices[0].text == want
+    engine.close()
+
+
+def test_a_tokenizer_of_another_model_gets_400_and_token_ids_still_serve(tiny, tmp_path):
+    """Text through a tokenizer whose ids go beyond the model's embeddings is refused with a 400 that says so; a
+    prompt of token ids is still served."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny["qwen3_moe"][0], path)
+    shutil.copy(BUILTIN_MODEL / "tokenizer.json", path)
+    engine = Engine(path, EngineConfig(initial="cold", max_seq=64))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="beyond its vocabulary"):
+            client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=4, temperature=0)
+        got = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0)
+        assert got.usage.completion_tokens == 4
     engine.close()
 
 

@@ -155,6 +155,16 @@ def download(repo_id: str) -> Path:
                               f"{reason}); check the id and the network, or pass --model a local folder") from None
 
 
+def check_token_ids(ids: list[int], vocab_size: int, path: str | Path) -> list[int]:
+    """`ids` as the checkpoint at `path` tokenized a text; CheckpointError when one is beyond the model's
+    `vocab_size` embeddings (a tokenizer.json of another model), which would otherwise fail inside a forward."""
+    top = max(ids, default=-1)
+    if top >= vocab_size:
+        raise CheckpointError(f"{path}: its tokenizer gives token id {top}, but the model has {vocab_size} "
+                              "embeddings: tokenizer.json is another model's; put this model's own beside it")
+    return ids
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Open a checkpoint folder (single or sharded safetensors), or a Hub id (`org/name`, downloaded
     into huggingface_hub's cache); raises CheckpointError naming the fix."""

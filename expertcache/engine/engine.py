@@ -24,7 +24,7 @@ from ..models.args import ModelArgs
 from ..policies import MissPolicy, make_policy
 from .cache import CacheConfig, ExpertCache, least_slots_per_layer
 from .slots import slot_bytes, slot_format
-from .checkpoint import ROUTING_COUNTS, load_routing_counts, open_checkpoint
+from .checkpoint import ROUTING_COUNTS, check_token_ids, load_routing_counts, open_checkpoint
 from . import threads
 from .budget import FORWARD_CHUNK, MemoryPlan, dense_bytes, kv_bytes, workspace_bytes
 from .linear import dense_format, float_dtype
@@ -217,8 +217,8 @@ class Engine:
         initial = self.config.initial
         counts = self.routing_counts if initial in ("warm", "auto") else None
         if initial == "warm" and counts is None:
-            raise CheckpointError(f"{self.path}: no {ROUTING_COUNTS} for a warm cache; "
-                                  "run `expertcache calibrate` or pass --initial cold")
+            raise CheckpointError(f"{self.path}: no {ROUTING_COUNTS} for a warm cache; run `expertcache calibrate "
+                                  "--model PATH` first (a verb that takes --initial can also start cold)")
         if initial not in ("warm", "cold", "auto"):
             raise UnknownName(f"unknown initial residency {initial!r}; choose warm, cold or auto")
         self.cache.clear()
@@ -381,7 +381,8 @@ class Engine:
             text.encode("utf-8")
         except UnicodeEncodeError:  # bytes that were not UTF-8 reach Python as lone surrogates
             raise BadInput("the text is not valid UTF-8; give UTF-8 text (e.g. convert it with iconv)") from None
-        return self.tokenizer.encode(text, add_special_tokens=special).ids
+        return check_token_ids(self.tokenizer.encode(text, add_special_tokens=special).ids, self.args.vocab_size,
+                               self.path)
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`, or the ids joined by spaces when the checkpoint has no tokenizer."""

@@ -156,7 +156,9 @@ class Server:
         try:
             return self.engine.encode(text, special)
         except CheckpointError:
-            raise APIError(400, "this model has no tokenizer; send the prompt as token ids", param) from None
+            what = "has no tokenizer" if self.engine.tokenizer is None else \
+                "has a tokenizer whose token ids go beyond its vocabulary (another model's)"
+            raise APIError(400, f"this model {what}; send the prompt as token ids", param) from None
         except BadInput:
             raise APIError(400, f"the {param} is not Unicode text (it holds a lone surrogate escape such as "
                            "\\ud800); send valid UTF-8", param) from None
