@@ -101,6 +101,24 @@ def test_study_policies_restrict_the_generation_test_too(tmp_path, capsys):
     assert set(res["generation"]) - {"samples", "prompt0"} == {"fetch-all", "substitute-all"}
 
 
+def test_a_text_of_one_domain_reports_no_interval_where_it_has_no_windows(tmp_path):
+    """A text without topic changes has no window after one, and one window has no bootstrap interval: the study
+    says so where it printed NaN, and a paired increase of one window has no CI."""
+    from expertcache.engine.engine import BUILTIN_MODEL
+    from expertcache.lab.study import increase_text, paired_increase
+    assert paired_increase([], [], 100, 0) == {"pct": None, "ci": None}
+    one = paired_increase([2.0], [2.01], 100, 0)
+    assert one["ci"] is None and increase_text(one) == "+1.01% [n/a (one window)]"
+    two = paired_increase([2.0, 2.1], [2.01, 2.2], 100, 0)
+    assert two["ci"][0] <= two["pct"] <= two["ci"][1]
+    text = tmp_path / "one_domain.txt"  # no segments file beside it: one domain
+    text.write_text((BUILTIN_MODEL.parent / "eval.txt").read_text(encoding="utf-8")[:1500], encoding="utf-8")
+    assert cli.main(["study", "--text", str(text), "--policies", "quality-first", "quality-first:beta=0",
+                     "--tokens-per-domain", "128", "--context", "64", "--out", str(tmp_path / "report")]) == 0
+    report = (tmp_path / "report" / "README.md").read_text()
+    assert "after each topic change n/a (no window)" in report and "+nan" not in report
+
+
 def test_chat_prints_a_banner_and_leaves_at_quit(monkeypatch, capsys):
     import io
     monkeypatch.setattr("sys.stdin", io.StringIO("Who goes there?\n/quit\nNever answered.\n"))

@@ -573,6 +573,8 @@ def test_predict_measures_speculative_execution_from_the_command_line(tmp_path, 
     assert r["increase"]["speculative/lookahead"]["pct"] < r["increase"]["speculative/quasi-hidden"]["pct"]
     assert cli.main(["predict", "--speculative", "--train"]) == 2
     assert "--train first" in capsys.readouterr().err
+    assert cli.main(["predict", "--speculative", "--max-tokens", "10"]) == 2
+    assert "--max-tokens 512 or more" in capsys.readouterr().err
 
 
 def test_the_attention_run_ahead_is_the_layers_own_and_leaves_no_trace():

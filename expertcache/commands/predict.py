@@ -91,11 +91,14 @@ def run(a) -> int:
 def _speculative(a) -> int:
     """`--speculative`: the quality of running each predictor's experts, as the study measures a policy's."""
     from ..lab.speculation import speculative_quality
-    from ..lab.study import BASELINE, StudyConfig
+    from ..lab.study import BASELINE, StudyConfig, increase_text
     from ..lab.texts import text_segments
     from ..progress import progress_bar
     cfg = StudyConfig(tokens_per_domain=a.max_tokens or StudyConfig.tokens_per_domain,
                       text=str(a.text) if a.text else None)
+    if cfg.tokens_per_domain < cfg.context:
+        raise BadInput(f"--speculative scores windows of {cfg.context} tokens in each domain of the text; give "
+                       f"--max-tokens {cfg.context} or more")
     text_segments(a.text or EVAL_TEXT, None)  # a bad text fails here, before the progress bar
     last = [None]
     with progress_bar(unit="tok") as bar:
@@ -109,12 +112,12 @@ def _speculative(a) -> int:
         r = speculative_quality(a.model, cfg, a.predictors, progress)
     print(f"speculative execution over {r['tokens']} tokens; baseline: the exact model "
           f"(ppl {r['ppl'][BASELINE]:.3f})\n")
-    print("| predictor | ppl | increase | 95% CI | greedy tokens identical | first divergence (tokens) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| predictor | ppl | increase [95% CI] | greedy tokens identical | first divergence (tokens) |")
+    print("|---|---:|---:|---:|---:|")
     for name in a.predictors:
         label = f"speculative/{name}"
-        inc, gen = r["increase"][label], r["generation"][label]
-        print(f"| {name} | {r['ppl'][label]:.3f} | {inc['pct']:+.2f}% | [{inc['ci'][0]:+.2f}, {inc['ci'][1]:+.2f}] | "
+        gen = r["generation"][label]
+        print(f"| {name} | {r['ppl'][label]:.3f} | {increase_text(r['increase'][label])} | "
               f"{gen['identical_token_share']:.1%} | {gen['mean_first_divergence']:.1f} |")
     write_json(a.json, r)
     return 0

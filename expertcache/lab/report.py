@@ -6,11 +6,11 @@ from pathlib import Path
 
 from ..jsonout import dump_json
 from .plots import scatter
-from .study import BASELINE, StudyResult
+from .study import BASELINE, StudyResult, increase_text
 
 
 def _ci(r: dict) -> str:
-    return f"{r['pct']:+.2f}% [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]"
+    return increase_text(r)
 
 
 def _r(x) -> str:
@@ -87,7 +87,7 @@ def write_report(res: StudyResult, out: Path) -> list[Path]:
 
 def _plots(res: StudyResult, out: Path) -> list[Path]:
     runs = {p: r for p, r in res.runs.items() if p != BASELINE}
-    ci = {p: (r["pct"] - r["ci"][0], r["ci"][1] - r["pct"]) for p, r in res.runs.items() if "ci" in r}
+    ci = {p: (r["pct"] - r["ci"][0], r["ci"][1] - r["pct"]) for p, r in res.runs.items() if r.get("ci")}
     short = {p: p.replace("threshold:", "").replace("band:", "") for p in res.runs}
     return [
         scatter({p: (r["mass_per_call"], r["pct"]) for p, r in runs.items()}, "substituted gate mass per MoE call",

@@ -78,19 +78,30 @@ def study_sequences(engine: Engine, cfg: StudyConfig) -> StudySequences:
                 prompts.append((domain, prompt))
     if not ids:
         raise BadInput(f"no domain of {cfg.text or EVAL_TEXT} holds one window of {cfg.context} tokens and "
-                       f"{cfg.prompts_per_domain} prompts of {cfg.prompt_tokens}; give a longer text or a smaller "
-                       "--context")
+                       f"{cfg.prompts_per_domain} prompts of {cfg.prompt_tokens}; give a longer text (`study`: or a "
+                       "smaller --context)")
     return StudySequences(ids + ids[-1:], domains, starts, prompts)
 
 
 def paired_increase(base: list[float], other: list[float], n_boot: int, seed: int) -> dict:
-    """% perplexity increase of `other` over `base` with a paired bootstrap 95% CI over windows."""
+    """% perplexity increase of `other` over `base` with a paired bootstrap 95% CI over windows; with fewer than
+    two windows the CI is None (a bootstrap of one window is that window), with none the increase too."""
     d = np.asarray(other) - np.asarray(base)
+    if len(d) < 2:
+        return {"pct": 100 * (math.exp(d.mean()) - 1) if len(d) else None, "ci": None}
     rng = np.random.default_rng(seed)
     boots = d[rng.integers(0, len(d), (n_boot, len(d)))].mean(1)
     lo, hi = np.percentile(boots, [2.5, 97.5])
     pct = lambda x: 100 * (math.exp(x) - 1)  # noqa: E731
     return {"pct": pct(d.mean()), "ci": [pct(lo), pct(hi)]}
+
+
+def increase_text(r: dict) -> str:
+    """A `paired_increase` as text: '+1.23% [+0.45, +2.01]', the CI 'n/a' from fewer than two windows."""
+    if r["pct"] is None:
+        return "n/a (no window)"
+    ci = "n/a (one window)" if r["ci"] is None else f"{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}"
+    return f"{r['pct']:+.2f}% [{ci}]"
 
 
 def pearson(x, y) -> float:
