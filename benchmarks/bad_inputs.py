@@ -57,6 +57,12 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     shutil.copytree(store, old)
     meta = json.loads((old / "experts.json").read_text())
     (old / "experts.json").write_text(json.dumps({**meta, "format_version": 1}))
+    gelu = tmp / "gelu"
+    shutil.copytree(BUILTIN_MODEL, gelu)
+    (gelu / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    odd_kv = tmp / "odd_kv"
+    shutil.copytree(BUILTIN_MODEL, odd_kv)
+    (odd_kv / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 3}))
     zero_k = tmp / "zero_k"
     shutil.copytree(BUILTIN_MODEL, zero_k)
     (zero_k / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 0}))
@@ -145,6 +151,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("convert --out under a file", ["convert", "--out", str(png / "store")]),
         ("convert --group-size 1", ["convert", "--dtype", "int4", "--group-size", "1"]),
         ("config with top-k 0", [*ppl, "--model", str(zero_k)]),
+        ("config with hidden_act gelu", [*ppl, "--model", str(gelu)]),
+        ("config with key-value heads that do not divide the heads", [*ppl, "--model", str(odd_kv)]),
         ("tokenizer.json not a tokenizer", [*ppl, "--model", str(bad_tokenizer)]),
         ("tokenizer.json of a model with more tokens", [*ppl, "--model", str(other_tokenizer)]),
         ("generate --device tpu", ["generate", "--store", "ram", "--device", "tpu", "hi"]),

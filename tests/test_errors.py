@@ -150,7 +150,9 @@ def test_os_errors_are_one_line(capsys, ckpt, tmp_path, monkeypatch):
 @pytest.mark.parametrize("key,value,words", [("num_experts_per_tok", 0, "whole number >= 1"),
                                              ("num_experts_per_tok", "two", "whole number >= 1"),
                                              ("num_experts_per_tok", 100, "experts of only"),
-                                             ("num_hidden_layers", 0, "whole number >= 1")])
+                                             ("num_hidden_layers", 0, "whole number >= 1"),
+                                             ("num_key_value_heads", 3, "that divides them"),
+                                             ("hidden_act", "gelu", "supported: silu")])
 def test_impossible_config_values_are_one_line(capsys, ckpt, key, value, words):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg[key] = value

@@ -38,6 +38,15 @@ def model_args(config: dict) -> ModelArgs:
     if bad:
         raise CheckpointError(f"config.json gives {', '.join(bad)}; each must be a whole number >= 1: restore the "
                               "config from the model's release")
+    if isinstance(a.num_kv_heads, bool) or not isinstance(a.num_kv_heads, int) or a.num_kv_heads < 1 \
+            or a.num_heads % a.num_kv_heads:
+        raise CheckpointError(f"config.json gives {a.num_heads} attention heads over {a.num_kv_heads!r} key-value "
+                              "heads, which must be a whole number >= 1 that divides them: restore the config from "
+                              "the model's release")
+    act = config.get("hidden_act", "silu")
+    if a.family != "gpt_oss" and act not in ("silu", "swish"):  # GPT-OSS's clamped SwiGLU is its own (swiglu_*)
+        raise UnsupportedArchitecture(f"config.json's hidden_act is {act!r}: expertcache computes experts and MLPs "
+                                      "as SwiGLU with silu, so its output would be another model's; supported: silu")
     if a.top_k > a.num_experts:
         raise CheckpointError(f"config.json routes each token to {a.top_k} experts of only {a.num_experts}; "
                               "restore the config from the model's release")
