@@ -160,6 +160,25 @@ def test_impossible_config_values_are_one_line(capsys, ckpt, key, value, words):
     expect_cli_error(capsys, ckpt, words)
 
 
+@pytest.mark.parametrize("family,key,value,words", [
+    ("qwen3_moe", "num_key_value_heads", 1, "does not belong to these weights"),  # divides, but not wk's rows
+    ("deepseek_v3", "kv_lora_rank", 3, "does not belong to these weights"),
+    ("deepseek_v3", "qk_rope_head_dim", 0, "whole number >= 1"),
+    ("deepseek_v3", "qk_nope_head_dim", -1, "whole number >= 0"),
+    ("deepseek_v3", "v_head_dim", 3, "does not belong to these weights"),
+    ("deepseek_v2", "num_attention_heads", 3, "does not belong to these weights"),
+    ("deepseek_v2", "rms_norm_eps", -1, "must be >= 0")])
+def test_attention_dimensions_that_do_not_fit_the_weights_are_one_line(capsys, tiny, tmp_path, family, key, value,
+                                                                       words):
+    """Each attention dimension of a config is checked against its tensors at load: a wrong one crashed inside
+    the first forward's reshapes (MLA's latent and head dimensions, a GQA's key-value heads)."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny[family][0], path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, key: value}))
+    expect_cli_error(capsys, path, words)
+
+
 def test_unreadable_side_files_are_one_line(capsys, ckpt):
     """A garbage tokenizer, a routing-counts file without its table, one expert of another shape."""
     from safetensors.torch import load_file, save_file

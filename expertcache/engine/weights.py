@@ -81,10 +81,23 @@ def _check_shapes(w: dict[str, torch.Tensor], a: ModelArgs) -> None:
     expect = {"embed": (a.vocab_size, a.hidden_size), f"layers.{first}.router": (a.num_experts, a.hidden_size)}
     if a.router_bias:
         expect[f"layers.{first}.router_bias"] = (a.num_experts,)
+    H, nh = a.hidden_size, a.num_heads
     if attn is not None and a.attention == "gqa":  # a gated attention's q_proj also yields the gate
-        expect[f"layers.{attn}.wq"] = ((2 if a.attention_gate else 1) * a.num_heads * a.head_dim, a.hidden_size)
+        kv = (a.num_kv_heads * a.head_dim, H)
+        expect |= {f"layers.{attn}.wq": ((2 if a.attention_gate else 1) * nh * a.head_dim, H),
+                   f"layers.{attn}.wk": kv, f"layers.{attn}.wv": kv, f"layers.{attn}.wo": (H, nh * a.head_dim)}
+    if attn is not None and a.attention == "mla":  # the latent's and the heads' dimensions, each its own key
+        nope, rope, vd, rank = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+        p = f"layers.{attn}."
+        expect |= {p + "wkv_a": (rank + rope, H), p + "kv_a_norm": (rank,), p + "wkv_b": (nh * (nope + vd), rank),
+                   p + "wo": (H, nh * vd)}
+        if a.q_lora_rank:
+            expect |= {p + "wq_a": (a.q_lora_rank, H), p + "q_a_norm": (a.q_lora_rank,),
+                       p + "wq_b": (nh * (nope + rope), a.q_lora_rank)}
+        else:
+            expect[p + "wq"] = (nh * (nope + rope), H)
     for name, shape in expect.items():
-        if tuple(w[name].shape) != shape:
+        if name in w and tuple(w[name].shape) != shape:
             raise CheckpointError(f"tensor {name} has shape {tuple(w[name].shape)}, config.json implies {shape}; "
                                   "the config does not belong to these weights")
 

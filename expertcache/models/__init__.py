@@ -34,9 +34,20 @@ def model_args(config: dict) -> ModelArgs:
     sizes = {"vocab_size": a.vocab_size, "hidden_size": a.hidden_size, "num_hidden_layers": a.num_layers,
              "num_attention_heads": a.num_heads, "number of experts": a.num_experts,
              "experts per token (top-k)": a.top_k, "expert intermediate size": a.expert_dim}
+    if a.attention == "mla":
+        sizes |= {"kv_lora_rank": a.kv_lora_rank, "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim}
+        if a.q_lora_rank:  # null (or 0): q projected directly
+            sizes["q_lora_rank"] = a.q_lora_rank
     bad = [f"{name} {v!r}" for name, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
     if bad:
         raise CheckpointError(f"config.json gives {', '.join(bad)}; each must be a whole number >= 1: restore the "
+                              "config from the model's release")
+    if a.attention == "mla" and (isinstance(a.qk_nope_head_dim, bool) or not isinstance(a.qk_nope_head_dim, int)
+                                 or a.qk_nope_head_dim < 0):
+        raise CheckpointError(f"config.json gives qk_nope_head_dim {a.qk_nope_head_dim!r}; it must be a whole number "
+                              ">= 0: restore the config from the model's release")
+    if not a.rms_norm_eps >= 0:
+        raise CheckpointError(f"config.json gives rms_norm_eps {a.rms_norm_eps!r}; it must be >= 0: restore the "
                               "config from the model's release")
     if isinstance(a.num_kv_heads, bool) or not isinstance(a.num_kv_heads, int) or a.num_kv_heads < 1 \
             or a.num_heads % a.num_kv_heads:
