@@ -167,11 +167,13 @@ def test_impossible_config_values_are_one_line(capsys, ckpt, key, value, words):
     ("deepseek_v3", "qk_nope_head_dim", -1, "whole number >= 0"),
     ("deepseek_v3", "v_head_dim", 3, "does not belong to these weights"),
     ("deepseek_v2", "num_attention_heads", 3, "does not belong to these weights"),
-    ("deepseek_v2", "rms_norm_eps", -1, "must be >= 0")])
+    ("deepseek_v2", "rms_norm_eps", -1, "must be >= 0"),
+    ("qwen3_next", "linear_key_head_dim", 3, "does not belong to these weights"),
+    ("qwen3_next", "linear_num_key_heads", 3, "do not divide them")])
 def test_attention_dimensions_that_do_not_fit_the_weights_are_one_line(capsys, tiny, tmp_path, family, key, value,
                                                                        words):
     """Each attention dimension of a config is checked against its tensors at load: a wrong one crashed inside
-    the first forward's reshapes (MLA's latent and head dimensions, a GQA's key-value heads)."""
+    the first forward's reshapes (MLA's latent and head dimensions, a GQA's key-value heads, a DeltaNet's)."""
     path = tmp_path / "model"
     shutil.copytree(tiny[family][0], path)
     cfg = json.loads((path / "config.json").read_text())

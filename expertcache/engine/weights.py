@@ -96,6 +96,14 @@ def _check_shapes(w: dict[str, torch.Tensor], a: ModelArgs) -> None:
                        p + "wq_b": (nh * (nope + rope), a.q_lora_rank)}
         else:
             expect[p + "wq"] = (nh * (nope + rope), H)
+    linear = next((i for i in range(a.num_layers) if a.layer_type(i) == "linear_attention"), None)
+    if linear is not None:  # Gated DeltaNet: keys and values of their own head counts and sizes
+        nk, nv = a.linear_num_key_heads, a.linear_num_value_heads
+        dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
+        p = f"layers.{linear}."
+        expect |= {p + "lin_qkvz": (2 * nk * dk + 2 * nv * dv, H), p + "lin_ba": (2 * nv, H),
+                   p + "lin_conv": (2 * nk * dk + nv * dv, a.linear_conv_kernel), p + "lin_dt_bias": (nv,),
+                   p + "lin_A_log": (nv,), p + "lin_norm": (dv,), p + "lin_out": (H, nv * dv)}
     for name, shape in expect.items():
         if name in w and tuple(w[name].shape) != shape:
             raise CheckpointError(f"tensor {name} has shape {tuple(w[name].shape)}, config.json implies {shape}; "

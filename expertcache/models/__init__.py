@@ -34,6 +34,10 @@ def model_args(config: dict) -> ModelArgs:
     sizes = {"vocab_size": a.vocab_size, "hidden_size": a.hidden_size, "num_hidden_layers": a.num_layers,
              "num_attention_heads": a.num_heads, "number of experts": a.num_experts,
              "experts per token (top-k)": a.top_k, "expert intermediate size": a.expert_dim}
+    if "linear_attention" in a.layer_types:
+        sizes |= {"linear_num_key_heads": a.linear_num_key_heads, "linear_num_value_heads": a.linear_num_value_heads,
+                  "linear_key_head_dim": a.linear_key_head_dim, "linear_value_head_dim": a.linear_value_head_dim,
+                  "linear_conv_kernel_dim": a.linear_conv_kernel}
     if a.attention == "mla":
         sizes |= {"kv_lora_rank": a.kv_lora_rank, "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim}
         if a.q_lora_rank:  # null (or 0): q projected directly
@@ -46,6 +50,10 @@ def model_args(config: dict) -> ModelArgs:
                                  or a.qk_nope_head_dim < 0):
         raise CheckpointError(f"config.json gives qk_nope_head_dim {a.qk_nope_head_dim!r}; it must be a whole number "
                               ">= 0: restore the config from the model's release")
+    if "linear_attention" in a.layer_types and a.linear_num_value_heads % a.linear_num_key_heads:
+        raise CheckpointError(f"config.json gives {a.linear_num_value_heads} linear-attention value heads over "
+                              f"{a.linear_num_key_heads} key heads, which do not divide them: restore the config "
+                              "from the model's release")
     if not a.rms_norm_eps >= 0:
         raise CheckpointError(f"config.json gives rms_norm_eps {a.rms_norm_eps!r}; it must be >= 0: restore the "
                               "config from the model's release")
