@@ -169,11 +169,14 @@ def test_impossible_config_values_are_one_line(capsys, ckpt, key, value, words):
     ("deepseek_v2", "num_attention_heads", 3, "does not belong to these weights"),
     ("deepseek_v2", "rms_norm_eps", -1, "must be >= 0"),
     ("qwen3_next", "linear_key_head_dim", 3, "does not belong to these weights"),
-    ("qwen3_next", "linear_num_key_heads", 3, "do not divide them")])
-def test_attention_dimensions_that_do_not_fit_the_weights_are_one_line(capsys, tiny, tmp_path, family, key, value,
-                                                                       words):
-    """Each attention dimension of a config is checked against its tensors at load: a wrong one crashed inside
-    the first forward's reshapes (MLA's latent and head dimensions, a GQA's key-value heads, a DeltaNet's)."""
+    ("qwen3_next", "linear_num_key_heads", 3, "do not divide them"),
+    ("deepseek_v3", "n_group", 3, "groups must divide the experts"),
+    ("glm4_moe", "n_group", -1, "groups must divide the experts")])
+def test_config_dimensions_that_do_not_fit_the_weights_or_each_other_are_one_line(capsys, tiny, tmp_path, family, key,
+                                                                               value, words):
+    """Each attention dimension of a config is checked against its tensors at load, and the router's groups against
+    its experts: a wrong one crashed inside the first forward's reshapes (MLA's latent and head dimensions, a GQA's
+    key-value heads, a DeltaNet's) or the router's grouping."""
     path = tmp_path / "model"
     shutil.copytree(tiny[family][0], path)
     cfg = json.loads((path / "config.json").read_text())

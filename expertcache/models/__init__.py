@@ -1,6 +1,8 @@
 """Model families: model_type -> module with ARCHITECTURE, args_from_config, layer_names."""
 from __future__ import annotations
 
+import math
+
 from ..errors import CheckpointError, UnsupportedArchitecture
 from . import deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
 from .args import ModelArgs
@@ -54,6 +56,9 @@ def model_args(config: dict) -> ModelArgs:
         raise CheckpointError(f"config.json gives {a.linear_num_value_heads} linear-attention value heads over "
                               f"{a.linear_num_key_heads} key heads, which do not divide them: restore the config "
                               "from the model's release")
+    if not math.isfinite(a.routed_scaling_factor):
+        raise CheckpointError(f"config.json gives routed_scaling_factor {a.routed_scaling_factor!r}; restore the "
+                              "config from the model's release")
     if not a.rms_norm_eps >= 0:
         raise CheckpointError(f"config.json gives rms_norm_eps {a.rms_norm_eps!r}; it must be >= 0: restore the "
                               "config from the model's release")
@@ -69,6 +74,13 @@ def model_args(config: dict) -> ModelArgs:
     if a.top_k > a.num_experts:
         raise CheckpointError(f"config.json routes each token to {a.top_k} experts of only {a.num_experts}; "
                               "restore the config from the model's release")
+    groups_ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (a.n_group, a.topk_group)) \
+        and 1 <= a.topk_group <= a.n_group and a.num_experts % a.n_group == 0 \
+        and a.top_k <= a.topk_group * (a.num_experts // a.n_group)
+    if not groups_ok:
+        raise CheckpointError(f"config.json routes top-{a.top_k} of {a.num_experts} experts within {a.topk_group!r} of "
+                              f"{a.n_group!r} groups; the groups must divide the experts and hold the top-k: restore "
+                              "the config from the model's release")
     if a.num_moe_layers < 1:
         raise CheckpointError("config.json describes no MoE layer (every layer dense); expertcache runs "
                               "Mixture-of-Experts models")
