@@ -59,7 +59,7 @@ def model_args(config: dict) -> ModelArgs:
     if not math.isfinite(a.routed_scaling_factor):
         raise CheckpointError(f"config.json gives routed_scaling_factor {a.routed_scaling_factor!r}; restore the "
                               "config from the model's release")
-    if not a.rms_norm_eps >= 0:
+    if isinstance(a.rms_norm_eps, bool) or not isinstance(a.rms_norm_eps, (int, float)) or not a.rms_norm_eps >= 0:
         raise CheckpointError(f"config.json gives rms_norm_eps {a.rms_norm_eps!r}; it must be >= 0: restore the "
                               "config from the model's release")
     if isinstance(a.num_kv_heads, bool) or not isinstance(a.num_kv_heads, int) or a.num_kv_heads < 1 \
