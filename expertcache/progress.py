@@ -20,3 +20,18 @@ def progress_bar(show: bool | None = True, **kw) -> Iterator[tqdm]:
         raise
     finally:
         bar.close()
+
+
+def phases(bar: tqdm):
+    """A `progress(label, n, total=None)` for work in phases (the study's, speculation's): a phase opens with its
+    total, which resets `bar`; each label is shown as it changes; n counts onwards."""
+    last = [None]
+
+    def progress(label: str, n: int, total: int | None = None) -> None:
+        if total is not None:
+            bar.reset(total=total)
+        if label != last[0]:
+            bar.set_description(label)
+            last[0] = label
+        bar.update(n)
+    return progress

@@ -93,23 +93,15 @@ def _speculative(a) -> int:
     from ..lab.speculation import speculative_quality
     from ..lab.study import BASELINE, StudyConfig, increase_text
     from ..lab.texts import text_segments
-    from ..progress import progress_bar
+    from ..progress import phases, progress_bar
     cfg = StudyConfig(tokens_per_domain=a.max_tokens or StudyConfig.tokens_per_domain,
                       text=str(a.text) if a.text else None)
     if cfg.tokens_per_domain < cfg.context:
         raise BadInput(f"--speculative scores windows of {cfg.context} tokens in each domain of the text; give "
                        f"--max-tokens {cfg.context} or more")
     text_segments(a.text or EVAL_TEXT, None)  # a bad text fails here, before the progress bar
-    last = [None]
-    with progress_bar(unit="tok") as bar:
-        def progress(label, n, total=None):
-            if total is not None:  # the generation test starts
-                bar.reset(total=total)
-            if label != last[0]:
-                bar.set_description(label)
-                last[0] = label
-            bar.update(n)
-        r = speculative_quality(a.model, cfg, a.predictors, progress)
+    with progress_bar(unit="tok") as bar:  # phases: perplexity of every variant, then the generation test
+        r = speculative_quality(a.model, cfg, a.predictors, phases(bar))
     print(f"speculative execution over {r['tokens']} tokens; baseline: the exact model "
           f"(ppl {r['ppl'][BASELINE]:.3f})\n")
     print("| predictor | ppl | increase [95% CI] | greedy tokens identical | first divergence (tokens) |")

@@ -39,7 +39,7 @@ def run(a) -> int:
     from ..lab.study import StudyConfig, run_study
     from ..lab.texts import text_segments
     from ..policies import make_policy
-    from ..progress import progress_bar
+    from ..progress import phases, progress_bar
     cfg = StudyConfig(cache_fraction=a.cache, tokens_per_domain=a.tokens_per_domain, context=a.context,
                       text=str(a.text) if a.text else None, domains=a.domains or ())
     if a.policies:
@@ -48,16 +48,8 @@ def run(a) -> int:
         chosen = tuple(dict.fromkeys(["fetch-all", *a.policies]))  # the generation test too runs only these
         cfg = StudyConfig(**{**cfg.__dict__, "policies": chosen, "generation_policies": chosen})
     text_segments(a.text or EVAL_TEXT, a.domains or None)  # a bad text fails here, before the progress bar
-    last = [None]
-    with progress_bar(unit="tok") as bar:
-        def progress(label, n, total=None):
-            if total is not None:  # a phase starts: perplexity of every policy, then the generation test
-                bar.reset(total=total)
-            if label != last[0]:
-                bar.set_description(label)
-                last[0] = label
-            bar.update(n)
-        res = run_study(a.model, cfg, progress)
+    with progress_bar(unit="tok") as bar:  # phases: perplexity of every policy, then the generation test
+        res = run_study(a.model, cfg, phases(bar))
     files = write_report(res, a.out)
     write_json(a.json, res.to_dict())
     print((a.out / "README.md").read_text())

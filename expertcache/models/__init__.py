@@ -22,6 +22,11 @@ def family_of(config: dict):
     return FAMILIES[model_type]
 
 
+def _whole(v, least: int = 1) -> bool:
+    """Whether a config value is a whole number (not a bool) of at least `least`."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
 def model_args(config: dict) -> ModelArgs:
     """ModelArgs of a config.json; raises CheckpointError naming a missing key."""
     family = family_of(config)
@@ -44,12 +49,11 @@ def model_args(config: dict) -> ModelArgs:
         sizes |= {"kv_lora_rank": a.kv_lora_rank, "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim}
         if a.q_lora_rank:  # null (or 0): q projected directly
             sizes["q_lora_rank"] = a.q_lora_rank
-    bad = [f"{name} {v!r}" for name, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    bad = [f"{name} {v!r}" for name, v in sizes.items() if not _whole(v)]
     if bad:
         raise CheckpointError(f"config.json gives {', '.join(bad)}; each must be a whole number >= 1: restore the "
                               "config from the model's release")
-    if a.attention == "mla" and (isinstance(a.qk_nope_head_dim, bool) or not isinstance(a.qk_nope_head_dim, int)
-                                 or a.qk_nope_head_dim < 0):
+    if a.attention == "mla" and not _whole(a.qk_nope_head_dim, 0):
         raise CheckpointError(f"config.json gives qk_nope_head_dim {a.qk_nope_head_dim!r}; it must be a whole number "
                               ">= 0: restore the config from the model's release")
     if "linear_attention" in a.layer_types and a.linear_num_value_heads % a.linear_num_key_heads:
@@ -62,8 +66,7 @@ def model_args(config: dict) -> ModelArgs:
     if isinstance(a.rms_norm_eps, bool) or not isinstance(a.rms_norm_eps, (int, float)) or not a.rms_norm_eps >= 0:
         raise CheckpointError(f"config.json gives rms_norm_eps {a.rms_norm_eps!r}; it must be >= 0: restore the "
                               "config from the model's release")
-    if isinstance(a.num_kv_heads, bool) or not isinstance(a.num_kv_heads, int) or a.num_kv_heads < 1 \
-            or a.num_heads % a.num_kv_heads:
+    if not _whole(a.num_kv_heads) or a.num_heads % a.num_kv_heads:
         raise CheckpointError(f"config.json gives {a.num_heads} attention heads over {a.num_kv_heads!r} key-value "
                               "heads, which must be a whole number >= 1 that divides them: restore the config from "
                               "the model's release")
@@ -74,9 +77,8 @@ def model_args(config: dict) -> ModelArgs:
     if a.top_k > a.num_experts:
         raise CheckpointError(f"config.json routes each token to {a.top_k} experts of only {a.num_experts}; "
                               "restore the config from the model's release")
-    groups_ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (a.n_group, a.topk_group)) \
-        and 1 <= a.topk_group <= a.n_group and a.num_experts % a.n_group == 0 \
-        and a.top_k <= a.topk_group * (a.num_experts // a.n_group)
+    groups_ok = _whole(a.n_group) and _whole(a.topk_group) and a.topk_group <= a.n_group \
+        and a.num_experts % a.n_group == 0 and a.top_k <= a.topk_group * (a.num_experts // a.n_group)
     if not groups_ok:
         raise CheckpointError(f"config.json routes top-{a.top_k} of {a.num_experts} experts within {a.topk_group!r} of "
                               f"{a.n_group!r} groups; the groups must divide the experts and hold the top-k: restore "
