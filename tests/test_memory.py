@@ -106,6 +106,18 @@ def test_generate_fits_a_real_memory_cap(tmp_path):
     assert small.returncode == 2 and small.stderr.strip().count("\n") == 0 and "at least" in small.stderr
 
 
+@pytest.mark.parametrize("slot_dtype, buffers", [("auto", 0), ("fp16", 0), ("fp32", 3)])
+def test_the_budget_plans_the_staging_buffers_the_reads_use(slot_dtype, buffers):
+    """The built-in model's fp16 blobs land straight in fp16 slots: the plan counts no staging buffer, and the
+    slots get those bytes. fp32 slots take them through a buffer of the disk store's fp16 blob per worker and one
+    for the calling thread: the plan counts those, not blobs of the slots' dtype."""
+    e = Engine(None, EngineConfig(store="disk", slot_dtype=slot_dtype, memory_budget=64 * 2**20, max_seq=256,
+                                  cache=CacheConfig(io_workers=2)))
+    assert e.plan.buffers == e.budget()["buffer_bytes"] == buffers * e.store.expert_bytes
+    assert (e.cache.transfers.direct is not None) == (buffers == 0)
+    e.close()
+
+
 def test_a_predictor_the_budget_did_not_plan_is_refused():
     """Under --memory-budget the cache is sized around the predictor the engine is made with; attaching a larger
     one later would break the budget, and is refused in one line naming the fix."""

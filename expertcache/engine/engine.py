@@ -148,7 +148,9 @@ class Engine:
         held = ExpertFormat.parse(config.slot_dtype) if explicit else None
         store_dtype = dtype if self.device.type != "cpu" else held and FLOAT_DTYPES[held.dtype]
         # the fast tier's fixed parts, and a budget too small refused, before any weight is read
-        stored = config.store_format or ExpertFormat.of_dtype(store_dtype or expert_dtype(ckpt, self.args))
+        # (a disk store holds the checkpoint's dtype unless told otherwise, whatever the slots' dtype)
+        held_as = store_dtype if config.store != "disk" else None
+        stored = config.store_format or ExpertFormat.of_dtype(held_as or expert_dtype(ckpt, self.args))
         self.slot_format = slot_format(config.slot_dtype, self.device, stored, config.store)
         self.plan = self._memory_plan(stored, dtype, held_dense)
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
@@ -189,7 +191,9 @@ class Engine:
         dense, largest = dense_bytes(self.checkpoint, a, dtype, held_dense if self.device.type == "cpu" else dtype,
                                      self.dense_format)
         formats = [stored] + ([c.small_format] if self.policy.fetches_small else [])
-        buffers = sum(staging_bytes(c.store, shape, f, c.cache.io_workers) for f in formats)
+        slots = self.slot_format if self.device.type == "cpu" else None  # on CPU, reads may land in the slots
+        buffers = sum(staging_bytes(c.store, shape, f, c.cache.io_workers, slots if f is stored else None)
+                      for f in formats)
         predictor = predictor_bytes(c.prefetch.predictor, self.path, dtype) if c.prefetch is not None else 0
         return MemoryPlan(dense, kv_bytes(a, c.kv_positions or c.max_seq, dtype), buffers,
                           workspace_bytes(a, c.max_seq, largest), predictor)
@@ -258,9 +262,12 @@ class Engine:
             self.cache.attach_small(self.small_store)
 
     def buffer_bytes(self) -> int:
-        """Fast-tier memory the reads need besides the slots: the stores' staging buffers."""
+        """Fast-tier memory the reads need besides the slots: the stores' staging buffers (none for a store
+        whose reads land in the slots themselves)."""
         workers = self.config.cache.io_workers
-        return sum(s.buffer_bytes(workers) for s in (self.store, self.small_store) if s is not None)
+        direct = getattr(self.cache.transfers, "direct", None) is not None
+        return sum(s.buffer_bytes(workers) for s in (self.store, self.small_store)
+                   if s is not None and not (direct and s is self.store))
 
     def bind_policy(self, policy: MissPolicy | str) -> MissPolicy:
         """`policy` (or its spec) made ready to decide this engine's misses: its parameters checked against the

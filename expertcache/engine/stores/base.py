@@ -10,7 +10,7 @@ import torch
 
 from ...errors import BadInput
 from ...models.args import ModelArgs
-from ..quant import ExpertFormat, encoded_bytes
+from ..quant import FLOAT_DTYPES, ExpertFormat, encoded_bytes
 
 ALIGN = 4096
 DISK_FORMAT_VERSION = 3  # 2: a CRC32C per blob in experts.json; 3: quantized matrices in row blocks of 16 (quant.py)
@@ -96,10 +96,23 @@ class ExpertStore(ABC):
 
 
 
-def staging_bytes(store: str, shape: ExpertShape, fmt: ExpertFormat, workers: int) -> int:
+def staging_bytes(store: str, shape: ExpertShape, fmt: ExpertFormat, workers: int,
+                  slots: ExpertFormat | None = None) -> int:
     """The staging buffers a store of kind `store` holding `fmt` reads through with `workers` workers (its
-    `buffer_bytes`), computed before it is opened."""
-    return (workers + 1) * blob_bytes(shape, fmt) if store == "disk" else 0
+    `buffer_bytes`), computed before it is opened; none where every read lands in CPU slots of format `slots`."""
+    if store != "disk" or (slots is not None and reads_into_slots(shape, fmt, slots)):
+        return 0
+    return (workers + 1) * blob_bytes(shape, fmt)
+
+
+def reads_into_slots(shape: ExpertShape, fmt: ExpertFormat, slots: ExpertFormat) -> bool:
+    """Whether a disk store of `fmt` reads each blob straight into CPU slots of format `slots`, with no staging
+    buffer (DiskStore.direct_targets): slots of the blob's own float dtype whose parts are whole pages."""
+    if slots != fmt or fmt.quantized:
+        return False
+    itemsize = FLOAT_DTYPES[fmt.dtype].itemsize
+    return encoded_bytes(shape.parts, fmt) == blob_bytes(shape, fmt) and \
+        all(math.prod(p) * itemsize % ALIGN == 0 for p in shape.parts)
 
 
 def blob_bytes(shape: ExpertShape, fmt: ExpertFormat) -> int:

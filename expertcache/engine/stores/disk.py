@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import math
 import mmap
 import os
 import sys
@@ -22,7 +21,7 @@ from ...errors import CheckpointError, FetchError, ReadModeUnsupported, UnknownN
 from ...kernel.decode_blob import NO_PART, decode_blob
 from ...models.args import ModelArgs
 from ..quant import FLOAT_DTYPES, ExpertFormat, decode_into, decode_plan, encoded_bytes, layout
-from .base import ALIGN, DISK_FORMAT_VERSION, ExpertShape, ExpertStore, blob_bytes
+from .base import ALIGN, DISK_FORMAT_VERSION, ExpertShape, ExpertStore, blob_bytes, reads_into_slots
 
 F_NOCACHE = getattr(fcntl, "F_NOCACHE", 48 if sys.platform == "darwin" else None)  # macOS: no page cache
 READ_MODES = ("auto", "direct", "buffered")  # auto: O_DIRECT where the platform and filesystem allow it
@@ -105,8 +104,7 @@ class DiskStore(ExpertStore):
         self._raw = raw  # float blobs: the parts' values back to back, no padding between them
         self._segments = layout(shape.parts, self.format)
         # a float blob that is whole pages per part can be read straight into slot rows of its dtype
-        self._direct_parts = raw is not None and self.encoded_bytes == self.blob and \
-            all(math.prod(p) * raw.itemsize % ALIGN == 0 for p in shape.parts)
+        self._direct_parts = reads_into_slots(shape, self.format, self.format)
 
     @property
     def stored_format(self) -> ExpertFormat:
