@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -84,6 +85,11 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         save_file({k: f.get_tensor(k)[:cfg["vocab_size"] // 2] if "embed_tokens" in k else f.get_tensor(k)
                    for k in f.keys()}, str(other_tokenizer / "model.safetensors"))
     (other_tokenizer / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] // 2}))
+    int_weights = tmp / "int_weights"  # a norm exported as integers
+    shutil.copytree(BUILTIN_MODEL, int_weights)
+    with safe_open(str(BUILTIN_MODEL / "model.safetensors"), "pt") as f:
+        save_file({k: f.get_tensor(k).to(torch.int32) if k == "model.norm.weight" else f.get_tensor(k)
+                   for k in f.keys()}, str(int_weights / "model.safetensors"))
     gptq = tmp / "gptq"
     shutil.copytree(BUILTIN_MODEL, gptq)
     config = json.loads((gptq / "config.json").read_text())
@@ -171,6 +177,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("generate prefetch confidence=2", ["generate", "--policy", "fetch-all+prefetch/lookahead:confidence=2"]),
         ("tune --profile with a negative term", ["tune", "--profile", str(bad_profile)]),
         ("config quantized with GPTQ", [*ppl, "--model", str(gptq)]),
+        ("a weight stored as integers", [*ppl, "--model", str(int_weights)]),
         ("tokenizer_config.json not JSON", ["generate", "--model", str(bad_tok_config), "--store", "ram", "hi"]),
         ("estimator.safetensors corrupt", ["predict", "--model", str(bad_estimator), "--max-tokens", "64",
                                            "--predictors", "estimator"]),

@@ -3,6 +3,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from expertcache import cli
 from expertcache.engine.cache import CacheConfig
@@ -56,6 +57,18 @@ def test_missing_tensor(capsys, ckpt):
     del sd["model.layers.1.mlp.experts.3.up_proj.weight"]
     save_file(sd, ckpt / "model.safetensors")
     expect_cli_error(capsys, ckpt, "is missing")
+
+
+@pytest.mark.parametrize("name", ["model.norm.weight", "model.layers.1.mlp.experts.3.up_proj.weight"])
+def test_integer_weights_are_refused_not_read_as_numbers(capsys, ckpt, name):
+    """A weight stored as integers (a corrupt export, or a quantization the engine does not read) was converted
+    to float and run: another model's output. Dense or expert, it is one line naming the tensor."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(ckpt / "model.safetensors")
+    sd[name] = (sd[name] * 100).to(torch.int32)
+    save_file(sd, ckpt / "model.safetensors")
+    expect_cli_error(capsys, ckpt, f"tensor '{name}' holds int32", "--store", "disk", "--store-dir",
+                     str(ckpt / "store"))
 
 
 def test_another_models_tokenizer_is_one_line(capsys, ckpt):

@@ -29,6 +29,9 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+PACKED_SUFFIXES = ("_blocks", "_scales")  # MXFP4 experts' packed codes and exponents (GPT-OSS): bytes, not numbers
+
+
 @dataclass
 class Checkpoint:
     """An opened HF checkpoint folder: its config.json and where each tensor is stored."""
@@ -53,7 +56,12 @@ class Checkpoint:
         if name not in self.headers[file]:
             raise CheckpointError(f"{file} has no tensor {name!r}, where the index puts it; re-download the "
                                   "checkpoint and its model.safetensors.index.json")
-        return self.headers[file][name]
+        info = self.headers[file][name]
+        if not info.dtype.is_floating_point and not name.endswith(PACKED_SUFFIXES):  # would be read as numbers
+            raise CheckpointError(f"{file}: tensor {name!r} holds {str(info.dtype).removeprefix('torch.')}, where a "
+                                  "weight is floating point; the checkpoint is corrupt or quantized in a way this "
+                                  "engine does not read: export it in bf16, fp16 or fp32")
+        return info
 
     def tensor(self, name: str, index: int | None = None) -> torch.Tensor:
         """Load one tensor by its checkpoint name (an fp8 weight dequantised); with `index`, only its [index] along
