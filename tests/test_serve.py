@@ -95,6 +95,42 @@ def test_builtin_template_renders_as_in_hf(reference):
         tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+TOOL_TEMPLATE = """{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}
+{% endif %}{% for m in messages %}{{ m.role | upper }}{% if m.name %} ({{ m.name }}){% endif %}.
+{{ m.content }}{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}({{ c.function.arguments }})</call>{% endfor %}
+
+{% endfor %}{% if add_generation_prompt %}ASSISTANT.
+{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"""
+
+
+def test_tools_calls_and_template_arguments_reach_the_template_as_in_hf(tmp_path):
+    """A chat's tools, its messages' own fields (an assistant's tool calls, a name) and chat_template_kwargs reach
+    the chat template as HF's apply_chat_template passes them: the prompt is the one HF renders, not one without
+    them; an argument the server sets itself is refused with a 400."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "model"
+    shutil.copytree(BUILTIN_MODEL, path)
+    (path / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Rain?", "name": "Kate"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+                {"role": "tool", "content": "wet", "tool_call_id": "1"}]
+    want = transformers.AutoTokenizer.from_pretrained(str(path)).apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert "TOOLS: weather" in want and "<call>weather({})</call>" in want and "(Kate)" in want
+    engine = Engine(path, EngineConfig(store="ram", max_seq=128))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        ask = lambda **kw: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,  # noqa: E731
+                                                          temperature=0, **kw).usage.prompt_tokens
+        assert ask(tools=tools, extra_body={"chat_template_kwargs": {"enable_thinking": False}}) == \
+            len(engine.encode(want, special=False)) > ask()
+        with pytest.raises(openai.BadRequestError, match="set by the server"):
+            ask(extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    engine.close()
+
+
 def test_stop_strings_and_seeded_sampling(client):
     whole = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, temperature=0).choices[0]
     first_line = whole.text.split("\n")[0]
@@ -334,6 +370,8 @@ def test_bad_requests_get_openai_errors(client, server):
 
 @pytest.mark.parametrize("fields,words", [({"seed": 2**70}, "seed"), ({"max_tokens": True}, "max_tokens"),
                                           ({"n": "2"}, "n"), ({"temperature": float("inf")}, "temperature"),
+                                          ({"temperature": True}, "temperature must be a number"),
+                                          ({"tools": "weather"}, "tools"),
                                           ({"messages": [{"role": "wizard", "content": "a"}]}, "role"),
                                           ({"messages": [{"role": "user"}]}, "needs content")])
 def test_malformed_fields_are_refused_with_400(server, fields, words):

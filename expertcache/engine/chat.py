@@ -25,6 +25,9 @@ def _token_text(token) -> str:
     return (token.get("content") if isinstance(token, dict) else token) or ""
 
 
+RESERVED = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}  # what render itself passes
+
+
 class ChatTemplate:
     """messages [{"role", "content"}] -> prompt text."""
 
@@ -60,11 +63,19 @@ class ChatTemplate:
                                   "tokenizer_config.json); add one or use plain completions")
         return cls(source, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render the conversation; ChatTemplateError when the template rejects it."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               kwargs: dict | None = None) -> str:
+        """Render the conversation, as HF's apply_chat_template does: with the tools the model may call (the
+        template writes them into the prompt) and the template's own keyword arguments (e.g. Qwen3's
+        enable_thinking); ChatTemplateError when the template rejects it, or for a keyword it reserves."""
+        kwargs = kwargs or {}
+        taken = sorted(RESERVED & kwargs.keys())
+        if taken:
+            raise ChatTemplateError(f"chat template arguments {', '.join(taken)} are set by the server; "
+                                    "send them as fields of the request, or leave them out")
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
+                                        tools=tools, bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:

@@ -27,6 +27,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 class SamplingFields(BaseModel):
     """Fields shared by both endpoints; top_k, min_p, repetition_penalty, stop_token_ids are extensions (as in
     vLLM). Fields that would change the output and are not implemented are refused (`refuse_unsupported`), not
@@ -37,6 +40,9 @@ class SamplingFields(BaseModel):
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            for k in NUMBERS:  # pydantic reads true as 1.0: a client's mistake, not a temperature
+                if isinstance(data.get(k), bool):
+                    raise ValueError(f"{k} must be a number, not {str(data[k]).lower()}")
             return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
     model: str
@@ -94,9 +100,13 @@ class ChatMessage(BaseModel):
 
 class ChatBody(SamplingFields):
     """A /v1/chat/completions request: the sampling fields and the conversation so far; add_generation_prompt
-    (vLLM's, default true) false renders the conversation without the assistant turn's opening."""
+    (vLLM's, default true) false renders the conversation without the assistant turn's opening. tools go to the
+    chat template, which writes them into the prompt (a call the model makes comes back as its text), and so do
+    chat_template_kwargs (vLLM's: e.g. {"enable_thinking": false})."""
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # Extra fields of OpenAI's, vLLM's and llama.cpp's APIs that would change the answer, with the value that would
@@ -122,7 +132,8 @@ def refuse_unsupported(body: SamplingFields) -> None:
         (bool(body.logit_bias), "logit_bias", "leave it out"),
         ((body.response_format or {}).get("type", "text") != "text", "response_format",
          "this server generates free text; leave it out or use {\"type\": \"text\"}"),
-        (body.tool_choice not in (None, "none", "auto"), "tool_choice", "this server does not call tools"),
+        (body.tool_choice not in (None, "none", "auto"), "tool_choice",
+         "the model's calls come back as its text; use tool_choice auto or none"),
         (getattr(body, "best_of", None) not in (None, 1), "best_of", "use best_of=1"),
         (bool(getattr(body, "suffix", None)), "suffix", "leave it out"),
     ]
@@ -155,7 +166,8 @@ def logprobs_count(body: SamplingFields, chat: bool) -> int | None:
 
 
 def message_text(message: ChatMessage) -> dict:
-    """A message as the template sees it; content parts of type text are joined."""
+    """A message as the template sees it: its fields as sent (a tool call's, a name), content parts of type text
+    joined."""
     content = message.content
     if isinstance(content, list):
         if any(part.get("type") != "text" for part in content):
@@ -163,7 +175,7 @@ def message_text(message: ChatMessage) -> dict:
         if any(not isinstance(part.get("text", ""), str) for part in content):
             raise APIError(400, "a text content part's text must be a string", "messages")
         content = "".join(part.get("text", "") for part in content)
-    return {"role": message.role, "content": content or ""}
+    return {**(message.model_extra or {}), "role": message.role, "content": content or ""}
 
 
 def checked_stop(stop: str | list[str] | None) -> tuple[str, ...]:
