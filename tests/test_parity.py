@@ -169,3 +169,42 @@ def test_dense_layers_of_the_qwen_families_match_hf(family, over, tmp_path):
     torch.testing.assert_close(torch.cat(out), ref, **TOL)
     assert engine.stats.misses > 0 and engine.stats.predictions > 0
     engine.close()
+
+
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)
+LINEAR = dict(rope_type="linear", rope_theta=10000.0, factor=2.0)
+
+
+@pytest.mark.parametrize("family,over", [
+    ("qwen3_moe", dict(rope_parameters=YARN, use_sliding_window=True, sliding_window=4)),
+    ("qwen2_moe", dict(rope_parameters=LINEAR, use_sliding_window=True, sliding_window=4,
+                       layer_types=["sliding_attention", "full_attention"])),
+    ("mixtral", dict(rope_parameters=YARN, sliding_window=4, head_dim=8)),
+    ("olmoe", dict(rope_parameters=LINEAR))])
+def test_rope_scaling_and_sliding_windows_of_the_gqa_families_match_hf(family, over, tmp_path):
+    """Configs that scale RoPE (YaRN, as Qwen3's long-context setting; linear) or slide a window over the keys
+    (Mixtral's sliding_window, Qwen's use_sliding_window) compute what HF computes, in a window and in KV-cache
+    decode past the window: they were read as plain RoPE over every key, another model's output."""
+    from hf_models import save_tiny
+    hf = save_tiny(family, tmp_path, **over)
+    ids = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(7))
+    ref, engine = hf_logits(hf, ids), disk_engine(tmp_path, 0.25)
+    torch.testing.assert_close(engine.forward(ids, 0), ref, **TOL)
+    engine.reset()
+    out = [engine.forward(ids[:6], 0)] + [engine.forward(ids[p:p + 1], p) for p in range(6, len(ids))]
+    torch.testing.assert_close(torch.cat(out), ref, **TOL)
+    engine.close()
+
+
+def test_rope_scaling_that_varies_with_the_length_is_refused(tmp_path):
+    """Dynamic NTK scaling changes the positions with the sequence's length: refused in one line, not read as
+    plain RoPE."""
+    from hf_models import save_tiny
+
+    from expertcache.errors import UnsupportedArchitecture
+    save_tiny("qwen3_moe", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitecture, match="'dynamic' is not supported"):
+        Engine(tmp_path, EngineConfig(store="ram"))

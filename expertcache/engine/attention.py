@@ -1,4 +1,4 @@
-"""Attention variants beyond plain causal GQA with full RoPE: RoPE frequencies (default, YaRN,
+"""Attention variants beyond plain causal GQA with full RoPE: RoPE frequencies (default, linear, YaRN,
 partial rotary) and their tables, which every attention kind shares (GQA, latent attention),
 sliding-window masks, and softmax with per-head sinks (GPT-OSS)."""
 from __future__ import annotations
@@ -32,8 +32,10 @@ def rope_frequencies(a: ModelArgs, dim: int | None = None) -> tuple[torch.Tensor
     kind = s.get("rope_type", s.get("type", "default"))
     if kind == "default":
         return 1.0 / pos_freqs, 1.0
+    if kind == "linear":  # positions divided by `factor`
+        return 1.0 / (float(s["factor"]) * pos_freqs), 1.0
     if kind != "yarn":
-        raise UnsupportedArchitecture(f"rope_type {kind!r} is not supported; supported: default, yarn")
+        raise UnsupportedArchitecture(f"rope_type {kind!r} is not supported; supported: default, linear, yarn")
     original = s["original_max_position_embeddings"]
     factor = yarn_factor(a)
     attention_factor = s.get("attention_factor")

@@ -7,6 +7,8 @@ from ..errors import CheckpointError, UnsupportedArchitecture
 from . import deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
 from .args import ModelArgs
 
+ROPE_TYPES = ("default", "linear", "yarn")
+
 FAMILIES = {"qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe, "mixtral": mixtral,
             "gpt_oss": gpt_oss, "qwen3_next": qwen3_next, "glm4_moe": glm4_moe, "deepseek_v3": deepseek_v3,
             "deepseek_v2": deepseek_v2}
@@ -83,6 +85,25 @@ def model_args(config: dict) -> ModelArgs:
         raise CheckpointError(f"config.json routes top-{a.top_k} of {a.num_experts} experts within {a.topk_group!r} of "
                               f"{a.n_group!r} groups; the groups must divide the experts and hold the top-k: restore "
                               "the config from the model's release")
+    if "sliding_attention" in a.layer_types and not _whole(a.sliding_window):
+        raise CheckpointError(f"config.json gives sliding_window {a.sliding_window!r} for its sliding-window layers; "
+                              "it must be a whole number >= 1: restore the config from the model's release")
+    if len(a.layer_types) not in (0, a.num_layers):
+        raise CheckpointError(f"config.json gives {len(a.layer_types)} layer_types for {a.num_layers} layers: restore "
+                              "the config from the model's release")
+    kind = (a.rope_scaling or {}).get("rope_type", (a.rope_scaling or {}).get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise UnsupportedArchitecture(f"config.json's RoPE scaling {kind!r} is not supported (its positions would be "
+                                      f"another model's); supported: {', '.join(ROPE_TYPES)}")
+    rope = a.rope_scaling or {}
+    factor = rope.get("factor")
+    factor_ok = (factor is None and kind == "yarn") or (  # YaRN without one: max / original positions
+        isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor) and factor > 0)
+    original_ok = kind != "yarn" or _whole(rope.get("original_max_position_embeddings"))
+    if kind != "default" and not (factor_ok and original_ok):
+        needs = "a factor > 0" + (" and original_max_position_embeddings >= 1" if kind == "yarn" else "")
+        raise CheckpointError(f"config.json's {kind} RoPE scaling needs {needs} (it gives {rope}): restore the "
+                              "config from the model's release")
     if a.num_moe_layers < 1:
         raise CheckpointError("config.json describes no MoE layer (every layer dense); expertcache runs "
                               "Mixture-of-Experts models")

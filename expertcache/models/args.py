@@ -124,6 +124,15 @@ def rope_scaling(config: dict) -> dict | None:
     return None if kind == "default" else params
 
 
+def sliding_fields(window, sliding: list[bool]) -> dict:
+    """ModelArgs fields of sliding-window attention: the layers that slide (each family's rule, as HF reads its
+    config) over the last `window` positions; none when there is no window or no layer slides."""
+    if window is None or not any(sliding):
+        return {}
+    return dict(layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+                sliding_window=window)
+
+
 def partial_rotary_factor(config: dict, default: float = 1.0) -> float:
     """The share of each head that RoPE rotates (rope_parameters or the top-level key; `default` if absent)."""
     params = config.get("rope_parameters") or {}

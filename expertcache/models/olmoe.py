@@ -1,5 +1,5 @@
 """OLMoE: q/k RMSNorm over all heads at once, optional qkv clipping, softmax router."""
-from .args import ModelArgs, head_dim, num_experts, rope_theta
+from .args import ModelArgs, head_dim, num_experts, rope_scaling, rope_theta
 from .naming import per_expert_names
 
 ARCHITECTURE = "OlmoeForCausalLM"
@@ -15,7 +15,7 @@ def args_from_config(c: dict) -> ModelArgs:
         norm_topk_prob=bool(c.get("norm_topk_prob", False)), rope_theta=rope_theta(c, 10000.0),
         rms_norm_eps=c.get("rms_norm_eps", 1e-5), tie_word_embeddings=c.get("tie_word_embeddings", False),
         attention_bias=c.get("attention_bias", False), qk_norm="full", clip_qkv=c.get("clip_qkv"),
-        max_position_embeddings=c.get("max_position_embeddings", 4096))
+        rope_scaling=rope_scaling(c), max_position_embeddings=c.get("max_position_embeddings", 4096))
 
 
 def layer_names(i: int, a: ModelArgs) -> dict:

@@ -1,5 +1,5 @@
 """Qwen2-MoE: q/k/v biases, a shared expert behind a sigmoid gate, softmax router."""
-from .args import ModelArgs, head_dim, num_experts, rope_theta
+from .args import ModelArgs, head_dim, num_experts, rope_scaling, rope_theta, sliding_fields
 from .naming import per_expert_names, qwen_dense_fields
 
 ARCHITECTURE = "Qwen2MoeForCausalLM"
@@ -15,7 +15,20 @@ def args_from_config(c: dict) -> ModelArgs:
         norm_topk_prob=bool(c.get("norm_topk_prob", False)), rope_theta=rope_theta(c, 10000.0),
         rms_norm_eps=c.get("rms_norm_eps", 1e-6), tie_word_embeddings=c.get("tie_word_embeddings", False),
         attention_bias=c.get("qkv_bias", True), shared_expert_dim=c.get("shared_expert_intermediate_size", 0),
-        max_position_embeddings=c.get("max_position_embeddings", 4096), **qwen_dense_fields(c))
+        rope_scaling=rope_scaling(c), max_position_embeddings=c.get("max_position_embeddings", 4096),
+        **qwen_dense_fields(c), **sliding_fields(c.get("sliding_window") if c.get("use_sliding_window") else None,
+                                                 sliding_layers(c)))
+
+
+def sliding_layers(c: dict) -> list[bool]:
+    """Which layers slide, as HF's Qwen2-MoE config says: its layer_types, else every other layer from the first
+    below max_window_layers, when use_sliding_window is true."""
+    types = c.get("layer_types")
+    if types is not None:
+        return [t == "sliding_attention" for t in types]
+    below = c.get("max_window_layers", 28)
+    return [bool(c.get("use_sliding_window")) and (i + 1) % 2 == 1 and i < below
+            for i in range(c["num_hidden_layers"])]
 
 
 def layer_names(i: int, a: ModelArgs) -> dict:
