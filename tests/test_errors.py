@@ -184,12 +184,17 @@ def test_impossible_config_values_are_one_line(capsys, ckpt, key, value, words):
     ("qwen3_next", "linear_key_head_dim", 3, "does not belong to these weights"),
     ("qwen3_next", "linear_num_key_heads", 3, "do not divide them"),
     ("deepseek_v3", "n_group", 3, "groups must divide the experts"),
-    ("glm4_moe", "n_group", -1, "groups must divide the experts")])
+    ("glm4_moe", "n_group", -1, "groups must divide the experts"),
+    ("deepseek_v2", "mlp_bias", True, "mlp_bias true"),
+    ("mixtral", "sliding_window", 0, "sliding_window 0"),
+    ("qwen3_moe", "rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}, "'llama3' is not"),
+    ("qwen3_moe", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "needs a factor > 0 and")])
 def test_config_dimensions_that_do_not_fit_the_weights_or_each_other_are_one_line(capsys, tiny, tmp_path, family, key,
                                                                                value, words):
     """Each attention dimension of a config is checked against its tensors at load, and the router's groups against
     its experts: a wrong one crashed inside the first forward's reshapes (MLA's latent and head dimensions, a GQA's
-    key-value heads, a DeltaNet's) or the router's grouping."""
+    key-value heads, a DeltaNet's) or the router's grouping. Settings the engine does not compute (a RoPE scaling
+    of another kind, MLP biases) or cannot (a zero window, a YaRN without its original length) are refused too."""
     path = tmp_path / "model"
     shutil.copytree(tiny[family][0], path)
     cfg = json.loads((path / "config.json").read_text())

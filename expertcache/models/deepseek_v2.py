@@ -21,6 +21,9 @@ def args_from_config(c: dict) -> ModelArgs:
     if c.get("scoring_func", "softmax") != "softmax" or (c.get("moe_layer_freq") or 1) != 1:
         raise UnsupportedArchitecture("deepseek_v2: only softmax scoring with every layer after "
                                       "first_k_dense_replace routed (moe_layer_freq 1) is supported")
+    if c.get("mlp_bias"):
+        raise UnsupportedArchitecture("deepseek_v2: mlp_bias true (MLPs and experts with biases) is not supported; "
+                                      "expertcache runs DeepSeek-V2's MLPs without biases, as its releases have them")
     return ModelArgs(
         family="deepseek_v2", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
