@@ -17,6 +17,10 @@ class CacheTooSmall(ExpertCacheError):
     """The fast tier cannot hold top-k experts of one layer."""
 
 
+class NotEnoughMemory(ExpertCacheError):
+    """The machine has less free memory than a run would hold: refused before loading, not killed while loading."""
+
+
 class UnknownName(ExpertCacheError):
     """An unknown policy, eviction, store or preset name."""
 

@@ -106,6 +106,25 @@ def test_generate_fits_a_real_memory_cap(tmp_path):
     assert small.returncode == 2 and small.stderr.strip().count("\n") == 0 and "at least" in small.stderr
 
 
+@pytest.mark.skipif(bool(__import__("expertcache.lab.cgroup", fromlist=["x"]).unavailable()),
+                    reason="no memory cgroup can be created here (needs root or a delegated cgroup v2 subtree)")
+def test_a_run_larger_than_the_free_memory_is_refused_not_killed():
+    """Under a cgroup cap that leaves less than a run would hold (every expert in the ram store and in fp32 slots),
+    `expertcache generate` ends with exit 2 and one line naming what it would hold and the fixes, before loading:
+    not with the OOM killer."""
+    from expertcache.lab.cgroup import run_capped
+    warm = [sys.executable, "-c", "from expertcache import Engine, EngineConfig, generate; "
+                                  "list(generate(Engine(None, EngineConfig(store='ram', max_seq=16)), [1, 2], 2))"]
+    base = run_capped(warm, None, timeout=600)
+    assert base.returncode == 0, base.stderr[-2000:]
+    cmd = [sys.executable, "-m", "expertcache.cli", "generate", "-p", "KING HENRY.", "-n", "8", "--store", "ram",
+           "--cache", "1.0", "--slot-dtype", "fp32"]
+    run = run_capped(cmd, base.peak_bytes + 64 * 2**20, timeout=600)
+    err = run.stderr.strip()
+    assert run.returncode == 2 and not run.oom_killed and err.count("\n") == 0, err[-2000:]
+    assert "this machine has free" in err and "--store disk" in err, err
+
+
 @pytest.mark.parametrize("slot_dtype, buffers", [("auto", 0), ("fp16", 0), ("fp32", 3)])
 def test_the_budget_plans_the_staging_buffers_the_reads_use(slot_dtype, buffers):
     """The built-in model's fp16 blobs land straight in fp16 slots: the plan counts no staging buffer, and the

@@ -10,7 +10,9 @@ model), which `expertcache info --baseline` measures."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -102,3 +104,42 @@ def workspace_bytes(args: ModelArgs, max_seq: int, largest_dense: int) -> int:
     F, H = a.expert_dim, a.hidden_size
     experts = min(PASS, chunk * a.top_k) * (3 * H + 3 * F + 2 * F) * 4 + chunk * H * 2
     return logits + forward + scores + experts + largest_dense
+
+
+def available_memory() -> int | None:
+    """Bytes the machine can still give this process: MemAvailable and free swap (/proc/meminfo), and no more than
+    its cgroup's limit less what the group holds (its inactive page cache aside: the kernel takes that back
+    first), cgroup v2 or v1; None where Linux does not say."""
+    try:
+        info = dict(re.findall(r"^(\w+):\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M))
+        free = (int(info["MemAvailable"]) + int(info.get("SwapFree", 0))) * 1024
+    except (OSError, KeyError):
+        return None
+    limited = _cgroup_room()
+    return free if limited is None else min(free, limited)
+
+
+def _cgroup_room() -> int | None:
+    """This process's memory cgroup's limit less its charge, or None where no limit is set or readable."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        v2 = controllers == ""
+        if not v2 and "memory" not in controllers.split(","):
+            continue
+        root = Path("/sys/fs/cgroup") if v2 else Path("/sys/fs/cgroup/memory")
+        names = ("memory.max", "memory.current", "inactive_file") if v2 else \
+            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        for group in (root / path.lstrip("/"), root):  # a container sees its own group at the root
+            try:
+                limit, used = (group / names[0]).read_text().strip(), int((group / names[1]).read_text())
+                stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+            except (OSError, ValueError):
+                continue
+            if limit == "max" or int(limit) >= 2**60:  # no limit (v1 writes a huge number)
+                return None
+            return int(limit) - used + int(stat.get(names[2], 0))
+    return None

@@ -17,16 +17,17 @@ from ..errors import (
     CacheTooSmall,
     CheckpointError,
     NonFiniteOutput,
+    NotEnoughMemory,
     UnknownName,
 )
 from ..models import model_args
 from ..models.args import ModelArgs
 from ..policies import MissPolicy, make_policy
-from .cache import CacheConfig, ExpertCache, least_slots_per_layer
+from .cache import CacheConfig, ExpertCache, least_slots_per_layer, slots_per_layer
 from .slots import slot_bytes, slot_format
 from .checkpoint import ROUTING_COUNTS, check_token_ids, load_routing_counts, open_checkpoint
 from . import threads
-from .budget import FORWARD_CHUNK, MemoryPlan, dense_bytes, kv_bytes, workspace_bytes
+from .budget import FORWARD_CHUNK, MemoryPlan, available_memory, dense_bytes, kv_bytes, workspace_bytes
 from .linear import dense_format, float_dtype
 from .moe import MoELayerRunner, PrefetchConfig
 from .predictors import make_predictor, predictor_bytes
@@ -156,6 +157,7 @@ class Engine:
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
         if config.memory_budget is not None:
             cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget))
+        self._check_memory(cache_cfg, stored, store_dtype or expert_dtype(ckpt, self.args))
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, store_dtype, config.store_format,
                                 config.read_mode, config.verify)
         self.slot_format = slot_format(config.slot_dtype, self.device, self.store.stored_format, config.store)
@@ -197,6 +199,32 @@ class Engine:
         predictor = predictor_bytes(c.prefetch.predictor, self.path, dtype) if c.prefetch is not None else 0
         return MemoryPlan(dense, kv_bytes(a, c.kv_positions or c.max_seq, dtype), buffers,
                           workspace_bytes(a, c.max_seq, largest), predictor)
+
+    def _check_memory(self, cache: CacheConfig, stored: ExpertFormat, store_dtype: torch.dtype) -> None:
+        """NotEnoughMemory, before any weight is read, where what the run holds in host memory (on the CPU the plan's
+        parts and the expert slots; a ram or pinned store's experts) is more than the machine has free: the OOM
+        killer would end it while loading, with nothing said."""
+        free = available_memory()
+        if free is None:
+            return
+        shape, c = ExpertShape.of(self.args), self.config
+        parts = {}
+        if self.device.type == "cpu":
+            one = slot_bytes(shape, self.slot_format)
+            parts = {**self.plan.parts(), "expert slots": one * shape.num_layers *
+                     slots_per_layer(cache, shape, one, self.args.top_k)}
+        if c.store in ("ram", "pinned"):  # every expert, as the store holds them (quantized slots: encoded)
+            each = slot_bytes(shape, stored) if self.slot_format.quantized else \
+                shape.numel * store_dtype.itemsize
+            parts[f"the {c.store} store's experts"] = each * shape.num_layers * shape.num_experts
+        need = sum(parts.values())
+        if need > free:
+            size = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"  # noqa: E731
+            held = ", ".join(f"{k} {size(v)}" for k, v in parts.items() if v >= 2**20)
+            fixes = (["--store disk (the experts stay on the disk)"] if c.store in ("ram", "pinned") else []) + \
+                ["a smaller --cache", "--memory-budget"]
+            raise NotEnoughMemory(f"this run would hold {size(need)} ({held}), more than the {size(free)} this "
+                                  f"machine has free; use {', '.join(fixes[:-1])} or {fixes[-1]}")
 
     def _expert_budget(self, budget: int) -> int:
         """Bytes left for expert slots when the fast tier holds `budget` bytes in all: the plan's parts first;
