@@ -386,6 +386,25 @@ def test_malformed_fields_are_refused_with_400(server, fields, words):
     assert e.value.code == 400 and words in error["message"], error
 
 
+def test_a_browser_page_may_call_the_api_and_probes_may_ask_with_head(server):
+    """A chat page served from another origin calls the API from a browser: its CORS preflight is answered and
+    the answer carries the origin's permission (any origin by default, as vLLM's and llama.cpp's servers);
+    health and model probes may ask with HEAD."""
+    preflight = urllib.request.Request(f"{server.base_url}/chat/completions", method="OPTIONS", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type, authorization"})
+    with urllib.request.urlopen(preflight) as r:
+        assert r.status == 200 and r.headers["access-control-allow-origin"] in ("*", "http://localhost:3000")
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    call = urllib.request.Request(f"{server.base_url}/completions", data=json.dumps(body).encode(),
+                                  headers={"content-type": "application/json", "Origin": "http://localhost:3000"})
+    with urllib.request.urlopen(call) as r:
+        assert r.status == 200 and r.headers["access-control-allow-origin"] in ("*", "http://localhost:3000")
+    for path in (f"{server.url}/health", f"{server.base_url}/models"):
+        with urllib.request.urlopen(urllib.request.Request(path, method="HEAD")) as r:
+            assert r.status == 200
+
+
 def test_unknown_paths_get_openai_errors(server):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(f"{server.base_url}/nothing-here")

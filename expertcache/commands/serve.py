@@ -53,6 +53,9 @@ def add_arguments(p):
                    help="open connections; more get 503")
     p.add_argument("--max-body-bytes", type=positive_int, default=ServerLimits.max_body_bytes,
                    help="bytes of a request body; larger get 413")
+    p.add_argument("--allowed-origins", nargs="*", default=list(ServerLimits.allowed_origins), metavar="ORIGIN",
+                   help="web origins a browser may call the API from (CORS; default: any, as vLLM's and llama.cpp's "
+                        "servers; none: no CORS headers)")
     p.add_argument("--prefill-policy", default="same",
                    help="miss policy for prompt tokens ('same': the decode policy); e.g. substitute-all keeps "
                         "a long prompt from flushing the experts decoding uses")
@@ -72,7 +75,7 @@ def build_app(a):
     engine = engine_from_args(a)
     name = a.served_model_name or (a.model.resolve().name if a.model else "expertcache-builtin")
     limits = ServerLimits(max_body_bytes=a.max_body_bytes, max_waiting=a.max_waiting,
-                          max_connections=a.max_connections)
+                          max_connections=a.max_connections, allowed_origins=tuple(a.allowed_origins))
     try:
         app = create_app(Scheduler(engine, config), name, limits)
     except BaseException:  # the engine's store, ring and threads go with the failed start

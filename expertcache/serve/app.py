@@ -18,6 +18,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..engine.chat import ChatTemplate, ChatTemplateError
 from ..engine.generate import StepOutput
@@ -351,6 +352,9 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
     app = FastAPI(title="expertcache", lifespan=lifespan)
     app.state.server = server
     app.add_middleware(BodyLimits, limits=limits)
+    if limits.allowed_origins:  # a chat page in a browser calls the API from another origin: its preflight answered
+        app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -388,7 +392,7 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
     card = lambda: {"id": model_name, "object": "model", "created": server.created,  # noqa: E731
                     "owned_by": "expertcache"}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [card()]}
 
@@ -403,7 +407,7 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
     async def http_error(_, e: StarletteHTTPException):  # an unknown path or method, an unreadable body
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # probes that ask with HEAD
     async def health():  # 'ok', or what stopped the worker ('failed: ...', 'stopped'), with a 503
         state = scheduler.state
         return JSONResponse({"status": "ok" if state == "serving" else state},

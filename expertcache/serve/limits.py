@@ -17,6 +17,7 @@ class ServerLimits:
     max_waiting: int = 256  # requests waiting for admission; more: 429 with Retry-After
     max_connections: int = 512  # open connections (uvicorn's limit_concurrency); more: its 503
     retry_after_s: int = 1  # what a 429 asks the client to wait
+    allowed_origins: tuple[str, ...] = ("*",)  # web pages that may call the API from a browser (CORS), as vLLM's
 
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)  # a JSON string: its brackets are no nesting
