@@ -1,5 +1,6 @@
 """Bad input: one clear line and exit code 2 from the CLI, a typed exception from the library."""
 import json
+import os
 import shutil
 
 import pytest
@@ -240,6 +241,35 @@ def test_bad_cli_values_are_one_line(capsys, ckpt, tmp_path):
         except SystemExit as e:  # argparse's own check of the value
             code, err = e.code, capsys.readouterr().err.strip().splitlines()[-1]
         assert code == 2 and err.count("\n") == 0 and words in err, (argv, err)
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """A folder this process cannot write into: read-only by its mode, or for root (whom modes do not stop) a
+    read-only tmpfs mounted on it."""
+    import subprocess
+    path = tmp_path / "unwritable"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)]).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    yield path
+    subprocess.run(["umount", str(path)])
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_the_run(capsys, ckpt, unwritable):
+    """A --json file or an --out folder that cannot be written (permission, a read-only filesystem) is refused in
+    one line before any work, not found when the run ends and its results are written."""
+    for argv, words in ((["ppl", "--model", str(ckpt), "--json", str(unwritable / "x.json")], "cannot be written"),
+                        (["study", "--model", str(ckpt), "--out", str(unwritable / "study")], "cannot be made")):
+        with pytest.raises(SystemExit) as e:
+            run_cli(capsys, *argv)
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 2 and words in err, (argv, err)
 
 
 def test_truncated_trace_is_one_line(capsys, tmp_path):

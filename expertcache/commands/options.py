@@ -3,6 +3,7 @@ parsed so that a bad one ends in a line naming the flag."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -80,6 +81,9 @@ def output_path(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text}: folder {path.parent} does not exist; create it or give another path")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):  # found at the end of the run: too late
+        raise argparse.ArgumentTypeError(f"{text} cannot be written here (permission denied or a read-only "
+                                         "filesystem); give another path")
     return path
 
 
@@ -89,6 +93,10 @@ def output_dir(text: str) -> Path:
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file; give a folder")
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text} cannot be made or written here ({existing} is not a writable "
+                                         "folder); give another path")
     return path
 
 
