@@ -208,3 +208,42 @@ def test_rope_scaling_that_varies_with_the_length_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedArchitecture, match="'dynamic' is not supported"):
         Engine(tmp_path, EngineConfig(store="ram"))
+
+
+def rope_theta(theta: float) -> dict:
+    return dict(rope_parameters=dict(rope_type="default", rope_theta=theta))
+
+
+CONFIG_OPTIONS = {  # each family's config options that change its forward, each set away from the tiny default
+    "qwen3_moe": [dict(tie_word_embeddings=True), dict(attention_bias=True), dict(norm_topk_prob=False),
+                  dict(rms_norm_eps=1e-2), dict(head_dim=16), rope_theta(500.0), dict(num_key_value_heads=4)],
+    "qwen2_moe": [dict(tie_word_embeddings=True), dict(norm_topk_prob=True), dict(qkv_bias=False),
+                  dict(shared_expert_intermediate_size=8), rope_theta(500.0), dict(num_key_value_heads=1)],
+    "olmoe": [dict(clip_qkv=None), dict(norm_topk_prob=True), dict(attention_bias=True), dict(tie_word_embeddings=True)],
+    "mixtral": [dict(head_dim=16), dict(tie_word_embeddings=True), rope_theta(500.0), dict(num_key_value_heads=4)],
+    "gpt_oss": [dict(swiglu_limit=7.0), dict(sliding_window=2), dict(layer_types=["full_attention", "sliding_attention"]),
+                dict(attention_bias=False), dict(tie_word_embeddings=True)],
+    "glm4_moe": [dict(use_qk_norm=False), dict(norm_topk_prob=False), dict(attention_bias=False),
+                 dict(first_k_dense_replace=0), dict(n_shared_experts=2), dict(routed_scaling_factor=1.0),
+                 dict(head_dim=16)],
+    "deepseek_v3": [dict(q_lora_rank=None), dict(norm_topk_prob=False), dict(first_k_dense_replace=0),
+                    dict(n_shared_experts=2), dict(rope_interleave=False), dict(attention_bias=True)],
+    "deepseek_v2": [dict(q_lora_rank=24), dict(routed_scaling_factor=2.0), dict(n_shared_experts=2),
+                    dict(attention_bias=True)],
+    "qwen3_next": [dict(norm_topk_prob=False), dict(partial_rotary_factor=0.5), dict(attention_bias=True)],
+}
+
+
+@pytest.mark.parametrize("family,over", [(f, o) for f, opts in CONFIG_OPTIONS.items() for o in opts],
+                         ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)))
+def test_each_config_option_computes_what_hf_computes(family, over, tmp_path):
+    """Every option of a family's config that changes HF's forward, set away from the tiny model's default, gives
+    HF's logits in a window and in KV-cache decode: none is read and left out (attention_bias once gave q/k/v
+    biases without the output projection's, which Qwen3-MoE, Qwen3-Next and OLMoE also have)."""
+    from hf_models import save_tiny
+    hf = save_tiny(family, tmp_path, **over)
+    ids = torch.randint(0, 96, (14,), generator=torch.Generator().manual_seed(5))
+    engine = Engine(tmp_path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.5), initial="cold"))
+    out = torch.cat([engine.forward(ids[:8], 0)] + [engine.forward(ids[p:p + 1], p) for p in range(8, 14)])
+    torch.testing.assert_close(out, hf_logits(hf, ids), **TOL)
+    engine.close()

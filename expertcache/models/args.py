@@ -25,7 +25,8 @@ class ModelArgs:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases
+    o_proj_bias: bool = False  # and the output projection's (Qwen3-MoE, Qwen3-Next, OLMoE with attention_bias)
     qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3); "full": over all heads (OLMoE)
     clip_qkv: float | None = None
     shared_expert_dim: int = 0  # an always-on expert (Qwen2-MoE, GLM-4.5, DeepSeek-V3)

@@ -31,6 +31,8 @@ def attention_names(i: int, a: ModelArgs) -> dict:
              "wo": attn + "o_proj.weight"}
     if a.attention_bias:
         names.update(bq=attn + "q_proj.bias", bk=attn + "k_proj.bias", bv=attn + "v_proj.bias")
+    if a.o_proj_bias:
+        names.update(bo=attn + "o_proj.bias")
     if a.qk_norm:
         names.update(q_norm=attn + "q_norm.weight", k_norm=attn + "k_norm.weight")
     return names

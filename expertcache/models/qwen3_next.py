@@ -27,7 +27,8 @@ def args_from_config(c: dict) -> ModelArgs:
         num_experts=num_experts(c), top_k=c["num_experts_per_tok"], expert_dim=c["moe_intermediate_size"],
         norm_topk_prob=bool(c.get("norm_topk_prob", True)), rope_theta=rope_theta(c, 10000.0),
         rms_norm_eps=c.get("rms_norm_eps", 1e-6), tie_word_embeddings=c.get("tie_word_embeddings", False),
-        attention_bias=c.get("attention_bias", False), qk_norm="head",
+        attention_bias=c.get("attention_bias", False),
+        o_proj_bias=c.get("attention_bias", False), qk_norm="head",
         shared_expert_dim=c.get("shared_expert_intermediate_size", 0),
         max_position_embeddings=c.get("max_position_embeddings", 4096), layer_types=tuple(types),
         attention_gate=True, partial_rotary_factor=partial_rotary_factor(c), rope_scaling=rope_scaling(c),
@@ -41,7 +42,7 @@ def layer_names(i: int, a: ModelArgs) -> dict:
     names = per_expert_names(i, a, moe="mlp", gate="gate", w1="gate_proj", w3="up_proj", w2="down_proj")
     p = f"model.layers.{i}."
     if a.layer_type(i) == "linear_attention":
-        for k in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm"):
+        for k in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm"):
             names.pop(k, None)
         la = p + "linear_attn."
         names.update(lin_qkvz=la + "in_proj_qkvz.weight", lin_ba=la + "in_proj_ba.weight",
