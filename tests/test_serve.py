@@ -95,9 +95,11 @@ def test_builtin_template_renders_as_in_hf(reference):
         tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-TOOL_TEMPLATE = """{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}
+TOOL_TEMPLATE = """{% set d = dict(a=1) %}{% if tools %}TOOLS:{% for t in tools %} {{ t | tojson }}{% endfor %}
 {% endif %}{% for m in messages %}{{ m.role | upper }}{% if m.name %} ({{ m.name }}){% endif %}.
-{{ m.content }}{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}({{ c.function.arguments }})</call>{% endfor %}
+{% if m.role == "assistant" %}{% generation %}<think>{{ m.reasoning_content }}</think>{{ m.content }}{% endgeneration %}
+{%- else %}{{ m.content }}{% endif %}
+{%- for c in m.tool_calls or [] %}<call>{{ c.function.name }}({{ c.function.arguments }})</call>{% endfor %}
 
 {% endfor %}{% if add_generation_prompt %}ASSISTANT.
 {% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"""
@@ -105,20 +107,23 @@ TOOL_TEMPLATE = """{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }
 
 def test_tools_calls_and_template_arguments_reach_the_template_as_in_hf(tmp_path):
     """A chat's tools, its messages' own fields (an assistant's tool calls, a name) and chat_template_kwargs reach
-    the chat template as HF's apply_chat_template passes them: the prompt is the one HF renders, not one without
-    them; an argument the server sets itself is refused with a 400."""
+    the chat template as HF's apply_chat_template passes them, and the template has HF's helpers (tojson that does
+    not escape HTML, dict, the generation block): the prompt is the one HF renders; an argument the server sets
+    itself is refused with a 400."""
     transformers = pytest.importorskip("transformers")
     path = tmp_path / "model"
     shutil.copytree(BUILTIN_MODEL, path)
     (path / "chat_template.jinja").write_text(TOOL_TEMPLATE)
-    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    tools = [{"type": "function", "function": {"name": "weather", "description": "the day's <rain> & sun",
+                                               "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "Rain?", "name": "Kate"},
-                {"role": "assistant", "content": "", "tool_calls": [
+                {"role": "assistant", "content": "", "reasoning": "look it up", "tool_calls": [
                     {"id": "1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
                 {"role": "tool", "content": "wet", "tool_call_id": "1"}]
     want = transformers.AutoTokenizer.from_pretrained(str(path)).apply_chat_template(
         messages, tools=tools, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-    assert "TOOLS: weather" in want and "<call>weather({})</call>" in want and "(Kate)" in want
+    assert "day's <rain> & sun" in want and "<call>weather({})</call>" in want and "(Kate)" in want
+    assert "<think>look it up</think>" in want
     engine = Engine(path, EngineConfig(store="ram", max_seq=128))
     with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
         client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)

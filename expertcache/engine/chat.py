@@ -1,11 +1,14 @@
 """Chat templates: the checkpoint's chat_template.jinja or tokenizer_config.json `chat_template`, rendered with
-jinja2 the way HF transformers renders it (sandboxed, trim_blocks, lstrip_blocks, the
-`raise_exception` helper, bos/eos tokens from the tokenizer config)."""
+jinja2 the way HF transformers renders it (sandboxed, trim_blocks, lstrip_blocks, its `tojson` that does not escape
+HTML, `dict`, `raise_exception`, `strftime_now`, the `{% generation %}` block, bos/eos tokens from the tokenizer
+config)."""
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import BadInput, CheckpointError
@@ -21,6 +24,39 @@ def _raise_exception(message: str):
     raise ChatTemplateError(message)
 
 
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """HF's tojson: plain JSON (jinja's own escapes <, >, & and ' for HTML, which would change a tool's schema in
+    the prompt)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, which HF's templates use to mark the assistant's tokens for
+    training masks: rendered as its body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller) -> str:
+        return caller()
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # a message's reasoning, by the names clients use
+
+
+def _with_reasoning_aliases(message: dict) -> dict:
+    """A message whose reasoning comes under any of its names carries it under reasoning_content (what most
+    templates read) and thinking (GPT-OSS's), as HF's apply_chat_template passes it."""
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
 def _token_text(token) -> str:
     return (token.get("content") if isinstance(token, dict) else token) or ""
 
@@ -33,14 +69,16 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=["jinja2.ext.loopcontrols", _Generation])
+        env.filters["tojson"] = _tojson
+        env.globals["dict"] = dict
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise CheckpointError(f"the chat template does not parse ({e}); fix it in chat_template.jinja or "
-                                  "tokenizer_config.json") from None
+                                  "tokenizer_config.json, or use plain completions") from None
         self.bos_token, self.eos_token = bos_token, eos_token
 
     @classmethod
@@ -73,6 +111,7 @@ class ChatTemplate:
         if taken:
             raise ChatTemplateError(f"chat template arguments {', '.join(taken)} are set by the server; "
                                     "send them as fields of the request, or leave them out")
+        messages = [_with_reasoning_aliases(m) for m in messages]
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         tools=tools, bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)

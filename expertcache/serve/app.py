@@ -66,10 +66,12 @@ class Server:
                  limits: ServerLimits = ServerLimits()):
         self.scheduler, self.engine, self.model_name, self.metrics = scheduler, scheduler.engine, model_name, metrics
         self.limits = limits
+        self.template: ChatTemplate | None = None
+        self.no_template = ""  # why chat is refused: no template, or one that does not parse
         try:
-            self.template: ChatTemplate | None = ChatTemplate.of(self.engine)
-        except CheckpointError:
-            self.template = None
+            self.template = ChatTemplate.of(self.engine)
+        except CheckpointError as e:
+            self.no_template = str(e)
         tokenizer = self.engine.tokenizer
         byte_level = tokenizer is not None and type(tokenizer.decoder).__name__ == "ByteLevel"
         self.byte_of = byte_level_alphabet() if byte_level else None  # a token's exact bytes, for logprobs
@@ -139,7 +141,7 @@ class Server:
     def chat_prompt(self, body: ChatBody) -> list[int]:
         """The conversation's token ids through the chat template; APIError when the model has none."""
         if self.template is None:
-            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+            raise APIError(400, self.no_template, "messages")  # it names the fix, and plain completions
         if not body.messages:
             raise APIError(400, "messages is empty; send at least one message", "messages")
         try:
