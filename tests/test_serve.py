@@ -133,6 +133,9 @@ def test_tools_calls_and_template_arguments_reach_the_template_as_in_hf(tmp_path
             len(engine.encode(want, special=False)) > ask()
         with pytest.raises(openai.BadRequestError, match="set by the server"):
             ask(extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+        with pytest.raises(openai.BadRequestError, match="chat template failed .*not iterable"):  # not a 500
+            client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+                {"role": "assistant", "content": "x", "tool_calls": 5}])
     engine.close()
 
 

@@ -117,8 +117,8 @@ class ChatTemplate:
                                         tools=tools, bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
         except ChatTemplateError:
             raise
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template failed on these messages ({e})") from None
+        except Exception as e:  # noqa: BLE001 -- a template is code of the checkpoint's, run on the request's fields
+            raise ChatTemplateError(f"chat template failed on these messages ({type(e).__name__}: {e})") from None
 
 
 def encode_chat(engine: Engine, template: ChatTemplate, messages: list[dict],

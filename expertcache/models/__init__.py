@@ -91,11 +91,11 @@ def model_args(config: dict) -> ModelArgs:
     if len(a.layer_types) not in (0, a.num_layers):
         raise CheckpointError(f"config.json gives {len(a.layer_types)} layer_types for {a.num_layers} layers: restore "
                               "the config from the model's release")
-    kind = (a.rope_scaling or {}).get("rope_type", (a.rope_scaling or {}).get("type", "default"))
+    rope = a.rope_scaling or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise UnsupportedArchitecture(f"config.json's RoPE scaling {kind!r} is not supported (its positions would be "
                                       f"another model's); supported: {', '.join(ROPE_TYPES)}")
-    rope = a.rope_scaling or {}
     factor = rope.get("factor")
     factor_ok = (factor is None and kind == "yarn") or (  # YaRN without one: max / original positions
         isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor) and factor > 0)

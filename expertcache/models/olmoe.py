@@ -14,8 +14,8 @@ def args_from_config(c: dict) -> ModelArgs:
         num_experts=num_experts(c), top_k=c["num_experts_per_tok"], expert_dim=c["intermediate_size"],
         norm_topk_prob=bool(c.get("norm_topk_prob", False)), rope_theta=rope_theta(c, 10000.0),
         rms_norm_eps=c.get("rms_norm_eps", 1e-5), tie_word_embeddings=c.get("tie_word_embeddings", False),
-        attention_bias=c.get("attention_bias", False),
-        o_proj_bias=c.get("attention_bias", False), qk_norm="full", clip_qkv=c.get("clip_qkv"),
+        attention_bias=c.get("attention_bias", False), o_proj_bias=c.get("attention_bias", False),  # HF: o_proj too
+        qk_norm="full", clip_qkv=c.get("clip_qkv"),
         rope_scaling=rope_scaling(c), max_position_embeddings=c.get("max_position_embeddings", 4096))
 
 
