@@ -379,6 +379,7 @@ def test_bad_requests_get_openai_errors(client, server):
 @pytest.mark.parametrize("fields,words", [({"seed": 2**70}, "seed"), ({"max_tokens": True}, "max_tokens"),
                                           ({"n": "2"}, "n"), ({"temperature": float("inf")}, "temperature"),
                                           ({"temperature": True}, "temperature must be a number"),
+                                          ({"stop_token_ids": [10**6]}, "stop_token_ids must be token ids"),
                                           ({"tools": "weather"}, "tools"),
                                           ({"messages": [{"role": "wizard", "content": "a"}]}, "role"),
                                           ({"messages": [{"role": "user"}]}, "needs content")])

@@ -109,6 +109,9 @@ class Server:
                            f"{self.engine.model.max_seq} tokens; ask for at most {room}", "max_tokens",
                            "context_length_exceeded")
         stop = checked_stop(body.stop)
+        vocab = self.engine.args.vocab_size
+        if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):  # never generated: a client's mistake
+            raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
         try:
             return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                   min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
