@@ -77,6 +77,7 @@ def run(a) -> int:
             sys.stdout.write(" [stopped]")
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
-    print(f"[{engine.variant}] {engine.stats.line()}", file=sys.stderr)
+    if engine.stats.tokens:  # a session that said nothing has no statistics to report
+        print(f"[{engine.variant}] {engine.stats.line()}", file=sys.stderr)
     engine.close()
     return 0
