@@ -126,7 +126,10 @@ def _cgroup_room() -> int | None:
     except OSError:
         return None
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         v2 = controllers == ""
         if not v2 and "memory" not in controllers.split(","):
             continue
