@@ -272,6 +272,23 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_run(capsys, ckpt,
         assert e.value.code == 2 and words in err, (argv, err)
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(ckpt):
+    """The Python API's road: Engine.forward and generate refuse an id outside the vocabulary in one line. A
+    negative one indexed the embeddings from their end (another token's output); one past them was an IndexError
+    inside the forward."""
+    from expertcache import generate
+    engine = Engine(ckpt, EngineConfig(store="ram"))
+    for ids in ([-1], [3, 96], [10**6]):
+        with pytest.raises(BadInput, match="outside the model's vocabulary"):
+            engine.forward(torch.tensor(ids), 0)
+    with pytest.raises(BadInput, match="outside the model's vocabulary"):
+        list(generate(engine, [5, -2], 2))
+    with pytest.raises(BadInput, match="1-D integer tensor"):
+        engine.forward(torch.tensor([1.0, 2.0]), 0)
+    assert engine.forward(torch.tensor([0, 95]), 0).shape[0] == 2  # the vocabulary's ends are ids
+    engine.close()
+
+
 def test_truncated_trace_is_one_line(capsys, tmp_path):
     from expertcache.engine.engine import BUILTIN_MODEL
     from expertcache.lab.trace import record_trace

@@ -346,12 +346,24 @@ class Engine:
         """ids [T] -> logits [T, V] (fp32; with `last`, [1, V]: the last position's only, as a prefill
         needs), counting tokens and wall time. Raises NonFiniteOutput rather than return a NaN or
         infinite logit."""
+        self._check_ids(ids)
         T = ids.shape[0]
         self.runner.start_forward(id(self.model.k_cache), pos, T)  # a swapped-in sequence has other keys
         logits = self._timed(lambda: self._passes(ids.to(self.device), pos, last), T)
         self.runner.end_forward(id(self.model.k_cache), pos + T)  # the keys as they may have grown
         self._check_finite(logits, lambda t: f"at position {pos + (T - 1 if last else t)}")
         return logits
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        """BadInput unless ids is a non-empty 1-D tensor of token ids in the vocabulary: a negative id would index
+        the embeddings from their end (another token's output), one past them fail inside the forward."""
+        if ids.dim() != 1 or not ids.numel() or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise BadInput(f"token ids must be a non-empty 1-D integer tensor, not {ids.dtype} of shape "
+                           f"{tuple(ids.shape)}")
+        lo, hi = (int(ids[0]),) * 2 if ids.numel() == 1 else (int(ids.min()), int(ids.max()))  # decode: one id
+        if lo < 0 or hi >= self.args.vocab_size:
+            raise BadInput(f"token id {lo if lo < 0 else hi} is outside the model's vocabulary [0, "
+                           f"{self.args.vocab_size}); give ids its tokenizer made")
 
     def _passes(self, ids: torch.Tensor, pos: int, last: bool) -> torch.Tensor:
         """The model over ids [T] in passes of at most FORWARD_CHUNK tokens (the workspace the budget counts; the
@@ -371,6 +383,7 @@ class Engine:
                       kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Decode B sequences one token each (Transformer.forward_batch): ids [B] at `positions`, keys and
         values in kv[b] -> logits [B, V] (fp32); the B tokens count as B decode tokens."""
+        self._check_ids(ids)
         self.runner.decoding = True
         self.runner.start_forward(None, 0, ids.shape[0])
         try:
