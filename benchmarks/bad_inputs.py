@@ -90,6 +90,12 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     with safe_open(str(BUILTIN_MODEL / "model.safetensors"), "pt") as f:
         save_file({k: f.get_tensor(k).to(torch.int32) if k == "model.norm.weight" else f.get_tensor(k)
                    for k in f.keys()}, str(int_weights / "model.safetensors"))
+    tuned = tmp / "tuned"  # a fine-tune of the same shape: the store converted from the original is not its
+    shutil.copytree(BUILTIN_MODEL, tuned)
+    with safe_open(str(BUILTIN_MODEL / "model.safetensors"), "pt") as f:
+        up = "model.layers.0.mlp.experts.0.up_proj.weight"
+        save_file({k: f.get_tensor(k) + 0.5 if k == up else f.get_tensor(k) for k in f.keys()},
+                  str(tuned / "model.safetensors"))
     gptq = tmp / "gptq"
     shutil.copytree(BUILTIN_MODEL, gptq)
     config = json.loads((gptq / "config.json").read_text())
@@ -178,6 +184,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("tune --profile with a negative term", ["tune", "--profile", str(bad_profile)]),
         ("config quantized with GPTQ", [*ppl, "--model", str(gptq)]),
         ("a weight stored as integers", [*ppl, "--model", str(int_weights)]),
+        ("--store-dir of another checkpoint of the same shape", ["ppl", "--model", str(tuned), "--store", "disk",
+                                                                 "--store-dir", str(store), "--max-tokens", "64"]),
         ("tokenizer_config.json not JSON", ["generate", "--model", str(bad_tok_config), "--store", "ram", "hi"]),
         ("estimator.safetensors corrupt", ["predict", "--model", str(bad_estimator), "--max-tokens", "64",
                                            "--predictors", "estimator"]),

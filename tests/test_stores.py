@@ -260,6 +260,27 @@ def test_a_store_in_another_format_is_refused(tiny, tmp_path):
         open_store("disk", ckpt, args, tmp_path, fmt=ExpertFormat.parse("int4", 64))
 
 
+@pytest.mark.parametrize("fmt", [None, "int4"])
+def test_a_store_of_another_checkpoint_of_the_same_shape_is_refused(tiny, tmp_path, fmt):
+    """A --store-dir converted from another checkpoint of the same shape (a fine-tune) would serve its experts
+    with this one's dense weights: refused in one line. The same weights at another path are accepted."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    src = tiny["qwen3_moe"][0]
+    form = ExpertFormat.parse(fmt, 16) if fmt else None
+    Engine(src, EngineConfig(store="disk", store_dir=tmp_path / "store", store_format=form)).close()
+    copy, tuned = tmp_path / "copy", tmp_path / "tuned"
+    shutil.copytree(src, copy)
+    shutil.copytree(src, tuned)
+    sd = load_file(tuned / "model.safetensors")
+    sd["model.layers.0.mlp.experts.0.up_proj.weight"] += 0.5
+    save_file(sd, tuned / "model.safetensors")
+    Engine(copy, EngineConfig(store="disk", store_dir=tmp_path / "store", store_format=form)).close()
+    with pytest.raises(CheckpointError, match="holds another checkpoint's experts"):
+        Engine(tuned, EngineConfig(store="disk", store_dir=tmp_path / "store", store_format=form))
+
+
 def test_quantized_blobs_carry_their_checksum(tiny, tmp_path):
     """An int4 store's blobs get the CRC32C of their encoded bytes; a flipped code byte is caught."""
     ckpt = open_checkpoint(tiny["qwen2_moe"][0])

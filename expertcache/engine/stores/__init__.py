@@ -20,7 +20,8 @@ from ...models.args import ModelArgs
 from ..checkpoint import Checkpoint
 from ..quant import ExpertFormat
 from .base import ALIGN, DISK_FORMAT_VERSION, ExpertShape, ExpertStore, blob_bytes, staging_bytes
-from .convert import conversion_lock, convert_to_disk, default_store_dir, format_store_dir, store_format
+from .convert import (blob_checksum, conversion_lock, convert_to_disk, default_store_dir, format_store_dir,
+                      store_format)
 from .disk import F_NOCACHE, READ_MODES, DiskStore, open_blob_file
 from .ram import PinnedStore, RamStore
 
@@ -46,6 +47,7 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
                               "or use --store disk")
         return PinnedStore(ckpt, args, dtype)
     if name == "disk":
+        given = store_dir is not None  # a folder of the user's may hold any checkpoint's experts: matched below
         if store_dir is None:
             store_dir = format_store_dir(ckpt, fmt)
             stale = lambda: store_format(store_dir) != DISK_FORMAT_VERSION  # noqa: E731
@@ -60,5 +62,10 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
             store.close()
             raise CheckpointError(f"{store_dir} holds experts as {store.format.tag}, not {fmt.tag}; "
                                   f"convert to another folder (`expertcache convert --dtype {fmt.dtype} --out DIR`)")
+        if given and blob_checksum(ckpt, args, 0, 0, store.format) != store.checksums[0]:
+            store.close()  # a store of another checkpoint of this shape: its experts with these dense weights
+            raise CheckpointError(f"{store_dir} holds another checkpoint's experts (expert 0 of layer 0 differs from "
+                                  f"{ckpt.path}'s); convert this model into another folder (`expertcache convert "
+                                  "--out DIR`), or leave out --store-dir")
         return store
     raise UnknownName(f"unknown store {name!r}; choose one of {', '.join(STORES)}")

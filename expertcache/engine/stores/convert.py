@@ -85,6 +85,14 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     return out_dir
 
 
+def blob_checksum(ckpt: Checkpoint, args: ModelArgs, layer: int, expert: int, fmt: ExpertFormat) -> int:
+    """The CRC32C that `convert_to_disk` records for expert (layer, expert) of `ckpt` in `fmt`: its blob encoded
+    again from the checkpoint, so that a store can be matched to the weights it is used with."""
+    shape = ExpertShape.of(args)
+    parts = expert_parts(ckpt, args, layer, expert, mxfp4=fmt.mx)
+    return crc32c.crc32c(encode(parts, shape.parts, fmt, blob_bytes(shape, fmt)))
+
+
 def _written(f) -> None:
     """Flush what a conversion wrote so far to the disk and drop it from the page cache: the store's file would
     otherwise stay cached, charged to the process (and its memory cgroup) as it grows."""
