@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..errors import UnsupportedArchitecture
-from ..models.args import ModelArgs
+from ..models.args import ModelArgs, rope_type
 
 
 def yarn_mscale(scale: float, m: float = 1.0) -> float:
@@ -29,7 +29,7 @@ def rope_frequencies(a: ModelArgs, dim: int | None = None) -> tuple[torch.Tensor
     dim = dim or int(a.head_dim * a.partial_rotary_factor)
     pos_freqs = a.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     s = a.rope_scaling or {}
-    kind = s.get("rope_type", s.get("type", "default"))
+    kind = rope_type(s)
     if kind == "default":
         return 1.0 / pos_freqs, 1.0
     if kind == "linear":  # positions divided by `factor`

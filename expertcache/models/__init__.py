@@ -5,7 +5,7 @@ import math
 
 from ..errors import CheckpointError, UnsupportedArchitecture
 from . import deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
-from .args import ModelArgs
+from .args import ModelArgs, rope_type
 
 ROPE_TYPES = ("default", "linear", "yarn")
 
@@ -27,6 +27,11 @@ def family_of(config: dict):
 def _whole(v, least: int = 1) -> bool:
     """Whether a config value is a whole number (not a bool) of at least `least`."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _number(v) -> bool:
+    """Whether a config value is a number (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def model_args(config: dict) -> ModelArgs:
@@ -65,7 +70,7 @@ def model_args(config: dict) -> ModelArgs:
     if not math.isfinite(a.routed_scaling_factor):
         raise CheckpointError(f"config.json gives routed_scaling_factor {a.routed_scaling_factor!r}; restore the "
                               "config from the model's release")
-    if isinstance(a.rms_norm_eps, bool) or not isinstance(a.rms_norm_eps, (int, float)) or not a.rms_norm_eps >= 0:
+    if not _number(a.rms_norm_eps) or not a.rms_norm_eps >= 0:
         raise CheckpointError(f"config.json gives rms_norm_eps {a.rms_norm_eps!r}; it must be >= 0: restore the "
                               "config from the model's release")
     if not _whole(a.num_kv_heads) or a.num_heads % a.num_kv_heads:
@@ -91,14 +96,13 @@ def model_args(config: dict) -> ModelArgs:
     if len(a.layer_types) not in (0, a.num_layers):
         raise CheckpointError(f"config.json gives {len(a.layer_types)} layer_types for {a.num_layers} layers: restore "
                               "the config from the model's release")
-    rope = a.rope_scaling or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    rope, kind = a.rope_scaling or {}, rope_type(a.rope_scaling)
     if kind not in ROPE_TYPES:
         raise UnsupportedArchitecture(f"config.json's RoPE scaling {kind!r} is not supported (its positions would be "
                                       f"another model's); supported: {', '.join(ROPE_TYPES)}")
     factor = rope.get("factor")
     factor_ok = (factor is None and kind == "yarn") or (  # YaRN without one: max / original positions
-        isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor) and factor > 0)
+        _number(factor) and math.isfinite(factor) and factor > 0)
     original_ok = kind != "yarn" or _whole(rope.get("original_max_position_embeddings"))
     if kind != "default" and not (factor_ok and original_ok):
         needs = "a factor > 0" + (" and original_max_position_embeddings >= 1" if kind == "yarn" else "")

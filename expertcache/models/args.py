@@ -116,13 +116,18 @@ def num_experts(config: dict) -> int:
     return config.get("num_experts") or config["num_local_experts"]
 
 
+def rope_type(params: dict | None) -> str:
+    """The kind of RoPE scaling that `params` (ModelArgs.rope_scaling) describe; older configs say `type`."""
+    params = params or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
 def rope_scaling(config: dict) -> dict | None:
     """The RoPE parameters beyond rope_theta (rope_parameters in transformers 5, rope_scaling before),
     or None for plain RoPE."""
     params = {k: v for k, v in (config.get("rope_parameters") or config.get("rope_scaling") or {}).items()
               if k not in ("rope_theta", "partial_rotary_factor")}
-    kind = params.get("rope_type", params.get("type", "default"))
-    return None if kind == "default" else params
+    return None if rope_type(params) == "default" else params
 
 
 def sliding_fields(window, sliding: list[bool]) -> dict:
