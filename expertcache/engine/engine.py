@@ -34,6 +34,7 @@ from .predictors import make_predictor, predictor_bytes
 from .quant import FLOAT_DTYPES, SMALL_FORMAT, ExpertFormat
 from .stats import RunStats
 from .stores import ExpertShape, ExpertStore, open_store, staging_bytes
+from .stores.ram import held_dtype
 from .transformer import Transformer
 from .weights import dense_names, dense_weights, expert_dtype
 
@@ -157,11 +158,7 @@ class Engine:
         cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
         if config.memory_budget is not None:
             cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget))
-        # a ram store holds floats: the slots' dtype, else a float format's or fp32 for an emulated quantized one
-        fmt = config.store_format
-        held_float = store_dtype or (expert_dtype(ckpt, self.args) if fmt is None
-                                     else FLOAT_DTYPES.get(fmt.dtype, torch.float32))
-        self._check_memory(cache_cfg, stored, held_float)
+        self._check_memory(cache_cfg, stored, held_dtype(ckpt, self.args, store_dtype, config.store_format))
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, store_dtype, config.store_format,
                                 config.read_mode, config.verify)
         self.slot_format = slot_format(config.slot_dtype, self.device, self.store.stored_format, config.store)

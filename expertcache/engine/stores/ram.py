@@ -10,8 +10,16 @@ from ...errors import UnknownName
 from ...models.args import ModelArgs
 from ..checkpoint import Checkpoint
 from ..quant import FLOAT_DTYPES, ExpertFormat, encode, encoded_bytes, roundtrip
-from ..weights import all_layer_experts, layer_experts
+from ..weights import all_layer_experts, expert_dtype
 from .base import ExpertShape, ExpertStore
+
+def held_dtype(ckpt: Checkpoint, args: ModelArgs, dtype: torch.dtype | None, fmt: ExpertFormat | None) -> torch.dtype:
+    """The float dtype a ram store holds its experts in: `dtype`, else the checkpoint's (from its headers), else a
+    float `fmt`'s, fp32 for a quantized one."""
+    if dtype is not None:
+        return dtype
+    return expert_dtype(ckpt, args) if fmt is None else FLOAT_DTYPES.get(fmt.dtype, torch.float32)
+
 
 class RamStore(ExpertStore):
     """With a quantized `fmt`, holds the weights that format's disk store serves (quantised and
@@ -23,10 +31,7 @@ class RamStore(ExpertStore):
     inline = True
 
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32, fmt: ExpertFormat | None = None):
-        if dtype is None:
-            dtype = (layer_experts(ckpt, args, 0).w13.dtype if fmt is None
-                     else FLOAT_DTYPES.get(fmt.dtype, torch.float32))
-        super().__init__(ExpertShape.of(args), dtype)
+        super().__init__(ExpertShape.of(args), held_dtype(ckpt, args, dtype, fmt))
         self.format = fmt
         self._ckpt, self._args = ckpt, args  # for the float parts and the encoded blobs, each made on first use
         self._blobs: torch.Tensor | None = None
