@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
+import io
 import json
 import sys
 from pathlib import Path
@@ -61,8 +63,14 @@ def _run(argv: list[str] | None) -> int:
         mod.add_arguments(sub.add_parser(verb, help=mod.HELP, description=mod.HELP))
         modules[verb] = mod
     args = parser.parse_args(argv)
+    json_to_stdout = getattr(args, "json", None) == "-"
+    if json_to_stdout:  # stdout carries the JSON alone, so that it pipes into a parser
+        args.json = io.StringIO()
     try:
-        code = modules[args.verb].run(args)
+        with contextlib.redirect_stdout(sys.stderr) if json_to_stdout else contextlib.nullcontext():
+            code = modules[args.verb].run(args)
+        if json_to_stdout:
+            sys.stdout.write(args.json.getvalue())
         if code == 0:
             compiled_ok()
         return code

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -26,6 +27,10 @@ def json_ready(x):
     return str(x)
 
 
-def dump_json(path: Path, data) -> None:
-    """Write `data` to `path` as strict JSON."""
-    Path(path).write_text(json.dumps(json_ready(data), indent=1, allow_nan=False))
+def dump_json(path: Path | TextIO, data) -> None:
+    """Write `data` to `path` (a file name or an open text stream) as strict JSON."""
+    text = json.dumps(json_ready(data), indent=1, allow_nan=False)
+    if hasattr(path, "write"):
+        path.write(text + "\n")
+    else:
+        Path(path).write_text(text)

@@ -63,6 +63,20 @@ def test_sampling_errors_name_the_cli_flags(capsys):
     assert "-n 8 exceed --max-seq 8" in err and "max_tokens" not in err
 
 
+@pytest.mark.parametrize("argv", [["ppl", "--store", "ram", "--max-tokens", "32"],
+                                  ["generate", "--store", "ram", "-n", "3", "-p", "ROMEO."]])
+def test_json_dash_puts_the_json_alone_on_stdout(argv, capsys, tmp_path, monkeypatch):
+    """`--json -` is stdout, as the tools it pipes into expect: not a file named "-", and no other line in it."""
+    import json
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([*argv, "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert data["tokens"] == 32 if argv[0] == "ppl" else len(data["tokens"]) == 3
+    assert ("perplexity" if argv[0] == "ppl" else "ROMEO.") in err  # the human output, moved
+    assert not (tmp_path / "-").exists()
+
+
 def test_generate_reports_prefill_and_generation_apart(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin.isatty", lambda: True)
     assert cli.main(["generate", "--store", "ram", "-n", "6", "-p", "ROMEO."]) == 0

@@ -9,7 +9,7 @@ from ..errors import BadInput
 
 if TYPE_CHECKING:
     from ..engine.sampling import SamplingParams
-from .options import add_engine_arguments, engine_from_args, output_path, write_json
+from .options import add_engine_arguments, engine_from_args, json_output, write_json
 
 HELP = "generate text from a prompt, streamed, with cache statistics"
 DEFAULT_PROMPT = "ROMEO.\n"
@@ -60,7 +60,7 @@ def add_arguments(p):
     p.add_argument("-p", "--prompt", dest="prompt_option", default=None,
                    help="prompt text; '-' reads it from stdin (also read when stdin is not a terminal)")
     add_sampling_arguments(p)
-    p.add_argument("--json", type=output_path, default=None, help="write statistics as JSON")
+    p.add_argument("--json", type=json_output, default=None, help="write statistics as JSON to FILE (- for stdout)")
 
 
 def prompt_text(a) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from ..choices import DENSE_DTYPES, DTYPES, IO_BACKENDS, SCHEMES, SLOT_DTYPES
 
@@ -100,9 +100,15 @@ def output_dir(text: str) -> Path:
     return path
 
 
+def json_output(text: str) -> Path | str:
+    """--json's file (output_path), or "-": the JSON on stdout, where the verb's other output goes to stderr
+    (argparse type)."""
+    return "-" if text == "-" else output_path(text)
+
+
 def add_json_argument(p: argparse.ArgumentParser) -> None:
     """Where to write every number as JSON (--json)."""
-    p.add_argument("--json", type=output_path, default=None, help="write every number as JSON")
+    p.add_argument("--json", type=json_output, default=None, help="write every number as JSON to FILE (- for stdout)")
 
 
 def add_store_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None:
@@ -239,8 +245,9 @@ def engine_from_args(a: argparse.Namespace) -> Engine:
                                         dense_dtype=a.dense_dtype, kv_positions=getattr(a, "kv_positions", None)))
 
 
-def write_json(path: Path | None, data: dict) -> None:
-    """Write `data` to `path` as strict JSON when a path was given."""
+def write_json(path: Path | TextIO | None, data: dict) -> None:
+    """Write `data` to `path` (a file, or the stream cli.main gives for `--json -`) as strict JSON when one was
+    given."""
     if path is not None:
         from ..jsonout import dump_json
         dump_json(path, data)
