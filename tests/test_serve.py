@@ -314,8 +314,6 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client, reference):
     assert one.text == texts[0] + alone and len(one.logprobs.tokens) == len(ids[0]) + 3
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model=MODEL, prompt="a", max_tokens=0)
-    with pytest.raises(openai.BadRequestError, match="one choice"):
-        client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2, stream=True)
 
 
 def test_n_choices_sample_with_successive_seeds(client):
@@ -333,8 +331,25 @@ def test_n_choices_sample_with_successive_seeds(client):
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
     with pytest.raises(openai.BadRequestError, match="n=17"):
         client.completions.create(n=17, **kw)
-    with pytest.raises(openai.BadRequestError, match="one choice"):
-        client.completions.create(n=2, stream=True, **kw)
+    streamed = {}  # n choices streamed: each chunk one choice by its index, the same texts as whole
+    for c in client.completions.create(n=3, seed=11, stream=True, **kw):
+        streamed[c.choices[0].index] = streamed.get(c.choices[0].index, "") + c.choices[0].text
+    assert [streamed[i] for i in range(3)] == [c.text for c in got.choices]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hail"}], n=2,
+                                                 max_tokens=4, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+        assert "".join(x.delta.content or "" for x in mine) == chat.choices[i].message.content
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+    texts = {}  # a prompt list streamed: choice p * n + i
+    for c in client.completions.create(model=MODEL, prompt=["JULIET.\n", "ROMEO.\n"], n=2, max_tokens=4,
+                                       temperature=0, stream=True):
+        texts[c.choices[0].index] = texts.get(c.choices[0].index, "") + c.choices[0].text
+    whole = client.completions.create(model=MODEL, prompt=["JULIET.\n", "ROMEO.\n"], n=2, max_tokens=4,
+                                      temperature=0)
+    assert [texts[i] for i in range(4)] == [c.text for c in whole.choices]
 
 
 def test_concurrent_requests_each_get_their_own_answer(client, reference):

@@ -173,12 +173,9 @@ class Server:
     async def run(self, http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, chat: bool,
                   stream: bool, n: int = 1, include_usage: bool = False, echo: list[str] | None = None) -> Response:
         """Submit one scheduler request per choice (n per prompt, the i-th with seed + i when the body gives a
-        seed); returns an SSE stream of chunks (one choice; with `include_usage`, a last chunk carries the usage),
-        or the whole response once every generation has ended, choice prompt * n + i. `echo`: the prompts'
-        texts, to put before their completions."""
-        if stream and len(prompts) * n > 1:
-            raise APIError(400, f"a streamed request answers one choice; got {len(prompts)} prompt(s) with n={n}: "
-                           "send them without stream, or one at a time", "n" if n > 1 else "prompt")
+        seed); returns an SSE stream of chunks, each of one choice by its index (with `include_usage`, a last
+        chunk carries the usage), or the whole response once every generation has ended; choice prompt * n + i.
+        `echo`: the prompts' texts, to put before their completions."""
         if self.scheduler.failure is not None:
             raise APIError(503, f"the engine has stopped ({self.scheduler.state}); the server must be restarted",
                            code="engine_failed", kind="server_error")
@@ -188,6 +185,7 @@ class Server:
                            {"Retry-After": str(self.limits.retry_after_s)})
         loop = asyncio.get_running_loop()
         submitted, group = [], object()  # the call's generations share its slots (Scheduler.max_per_group)
+        merged: asyncio.Queue = asyncio.Queue()  # a stream's items of every choice, as (choice, item)
         try:
             for prompt in prompts:
                 for i in range(n):
@@ -195,8 +193,9 @@ class Server:
                     seed = None if params.seed is None else params.seed + i
                     seeded = params if not i or seed is None else \
                         replace(params, seed=seed if seed < 2**64 else seed - 2**64)  # wrapped, as torch takes seeds
-                    request = Request(prompt, seeded,
-                                      lambda item, q=queue: loop.call_soon_threadsafe(q.put_nowait, item), group=group)
+                    put = (lambda item, c=len(submitted): merged.put_nowait((c, item))) if stream else queue.put_nowait
+                    request = Request(prompt, seeded, lambda item, f=put: loop.call_soon_threadsafe(f, item),
+                                      group=group)
                     self.scheduler.submit(request)
                     submitted.append((request, queue))
         except BaseException:  # what was already submitted would run for nobody
@@ -205,8 +204,8 @@ class Server:
             raise
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if stream:
-            return StreamingResponse(self._stream(*submitted[0], rid, chat, include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._stream([r for r, _ in submitted], merged, rid, chat, include_usage,
+                                                  sum(len(p) for p in prompts)), media_type="text/event-stream")
         try:
             outcomes = await asyncio.gather(*(self._collect(http, *s) for s in submitted))
         finally:
@@ -274,42 +273,50 @@ class Server:
                 "top_logprobs": [None if i.logprob is None else {self._token(t): lp for t, lp in i.top} for i in items],
                 "text_offset": offsets}
 
-    async def _stream(self, request: Request, queue: asyncio.Queue, rid: str, chat: bool, include_usage: bool):
-        logprobs = request.params.logprobs is not None
+    async def _stream(self, requests: list[Request], merged: asyncio.Queue, rid: str, chat: bool,
+                      include_usage: bool, prompt_tokens: int):
+        """The SSE chunks of `requests` (choice i is requests[i]) as their tokens arrive on `merged`."""
+        logprobs = requests[0].params.logprobs is not None
         usage = {"usage": None} if include_usage else {}
+        chunk = lambda choice: f"data: {json.dumps({**self._envelope(rid, chat, True), 'choices': [choice], **usage})}\n\n"  # noqa: E731
         try:
             if chat:
-                first = {**self._envelope(rid, chat, True),
-                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "finish_reason": None, **({"logprobs": None} if logprobs else {})}], **usage}
-                yield f"data: {json.dumps(first)}\n\n"
-            held = []  # tokens whose logprobs wait for a chunk (their text may come later)
-            offsets = self.offsets(request.prompt)
-            while (item := await queue.get()) is not None:
+                for i in range(len(requests)):
+                    yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                                 **({"logprobs": None} if logprobs else {})})
+            held = [[] for _ in requests]  # tokens whose logprobs wait for a chunk (their text may come later)
+            offsets = [self.offsets(r.prompt) for r in requests]
+            running = len(requests)
+            while running:
+                i, item = await merged.get()
+                if item is None:
+                    running -= 1
+                    continue
                 if isinstance(item, Exception):
                     yield f"data: {json.dumps(self._error(item).body())}\n\n"
                     return
                 if item.logprob is not None:
-                    held.append(item)
+                    held[i].append(item)
                 if not item.text and item.finish_reason is None:
                     continue
-                choice: dict[str, Any] = {"index": 0, "finish_reason": item.finish_reason}
+                choice: dict[str, Any] = {"index": i, "finish_reason": item.finish_reason}
                 if chat:
                     choice["delta"] = {"content": item.text} if item.text else {}
                     if logprobs:
-                        choice["logprobs"] = self._logprobs(held, chat)
+                        choice["logprobs"] = self._logprobs(held[i], chat)
                 else:
-                    where = offsets.of([h.token for h in held]) if logprobs else None
-                    choice.update(text=item.text, logprobs=self._logprobs(held, chat, where) if logprobs else None)
-                held = []
-                yield f"data: {json.dumps({**self._envelope(rid, chat, True), 'choices': [choice], **usage})}\n\n"
+                    where = offsets[i].of([h.token for h in held[i]]) if logprobs else None
+                    choice.update(text=item.text, logprobs=self._logprobs(held[i], chat, where) if logprobs else None)
+                held[i] = []
+                yield chunk(choice)
             if include_usage:
                 last = {**self._envelope(rid, chat, True), "choices": [],
-                        "usage": self._usage(len(request.prompt), request.completion_tokens)}
+                        "usage": self._usage(prompt_tokens, sum(r.completion_tokens for r in requests))}
                 yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
-        finally:  # a client that went away ends its generation at the worker's next step
-            request.cancel()
+        finally:  # a client that went away ends its generations at the worker's next step
+            for request in requests:
+                request.cancel()
 
     async def _collect(self, http: HTTPRequest, request: Request, queue: asyncio.Queue) -> tuple | Response:
         """One request's whole output: (text, finish reason, its tokens with logprobs, the prompt's scored tokens
