@@ -377,6 +377,11 @@ def test_bad_requests_get_openai_errors(client, server):
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="no-such-model", prompt="a", max_tokens=4)
+    unnamed = urllib.request.Request(f"{server.base_url}/completions",  # no model: the one served, as vLLM takes it
+                                     data=json.dumps({"prompt": "a", "max_tokens": 2, "temperature": 0}).encode(),
+                                     headers={"content-type": "application/json"})
+    assert json.loads(urllib.request.urlopen(unnamed).read())["choices"][0]["text"] == \
+        client.completions.create(model=MODEL, prompt="a", max_tokens=2, temperature=0).choices[0].text
     with pytest.raises(openai.BadRequestError, match="max_tokens") as e:
         client.completions.create(model=MODEL, prompt="a", max_tokens=100_000)
     assert e.value.body["code"] == "context_length_exceeded"

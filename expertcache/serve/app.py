@@ -85,7 +85,7 @@ class Server:
         """The SamplingParams of a request body; APIError for an unknown model, n out of range, a field not
         implemented, or a prompt plus max_tokens beyond the context. default_max caps max_tokens when the body
         gives none."""
-        if body.model != self.model_name:
+        if body.model not in (None, self.model_name):
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
         if not 1 <= body.n <= MAX_CHOICES:

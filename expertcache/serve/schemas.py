@@ -45,7 +45,7 @@ class SamplingFields(BaseModel):
                     raise ValueError(f"{k} must be a number, not {str(data[k]).lower()}")
             return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
-    model: str
+    model: str | None = None  # left out: the model served, as vLLM and llama-server take it (OpenAI requires it)
     max_tokens: StrictInt | None = None  # strict: a bool or a string is refused, not read as a number
     max_completion_tokens: StrictInt | None = None
     temperature: float = 1.0
