@@ -528,6 +528,34 @@ def test_serve_verb_refuses_a_taken_port(capsys):
     assert "choose another --port" in capsys.readouterr().err
 
 
+def test_sigterm_ends_running_streams_after_the_shutdown_timeout(tmp_path):
+    """A stopped server does not wait for a long generation: after --shutdown-timeout it ends its streams and
+    exits, within the grace a container runtime gives before it kills."""
+    import http.client
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli", "serve", "--store", "ram", "--port", "0",
+                             "--shutdown-timeout", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        url = re.search(r"http://\S+/v1", line).group(0)
+        body = {"prompt": "a", "max_tokens": 2000, "ignore_eos": True, "stream": True, "temperature": 0}
+        stream = urllib.request.urlopen(urllib.request.Request(
+            f"{url}/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}))
+        assert stream.readline().startswith(b"data: ")  # generating
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        assert proc.wait(timeout=30) == -signal.SIGTERM  # uvicorn's shutdown done, it dies of the signal it caught
+        assert time.monotonic() - start < 10
+        with pytest.raises(http.client.IncompleteRead) as cut:  # the stream ended, not finished
+            stream.read()
+        assert b"[DONE]" not in cut.value.partial
+    finally:
+        proc.kill()
+        proc.stderr.close()
+
+
 @pytest.mark.parametrize("family,interleaves", [("qwen3_moe", True), ("qwen3_next", False), ("deepseek_v3", False)])
 def test_models_with_more_than_kv_state_serve_one_request_at_a_time(tiny, family, interleaves):
     """A turn swaps in a request's keys and values only: a model with MLA's latent cache or

@@ -7,7 +7,7 @@ import sys
 
 from ..errors import ExpertCacheError
 from ..serve.limits import ServerLimits
-from .options import add_engine_arguments, engine_from_args, positive_int
+from .options import add_engine_arguments, bounded, engine_from_args, positive_int
 
 HELP = "serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"
 
@@ -56,6 +56,9 @@ def add_arguments(p):
     p.add_argument("--allowed-origins", nargs="*", default=list(ServerLimits.allowed_origins), metavar="ORIGIN",
                    help="web origins a browser may call the API from (CORS; default: any, as vLLM's and llama.cpp's "
                         "servers; none: no CORS headers)")
+    p.add_argument("--shutdown-timeout", type=bounded(float, 0, what="give seconds >= 0, e.g. 5"), default=5.0,
+                   help="seconds that requests still running may take to end after SIGTERM or Ctrl-C; then they are "
+                        "ended (within the 10 s a container runtime waits before it kills; inf: wait for them)")
     p.add_argument("--prefill-policy", default="same",
                    help="miss policy for prompt tokens ('same': the decode policy); e.g. substitute-all keeps "
                         "a long prompt from flushing the experts decoding uses")
@@ -86,12 +89,15 @@ def build_app(a):
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads so a taken port fails fast."""
+    """The listening socket, bound before the model loads so a taken port fails fast. It listens at once: a
+    client that connects as soon as the "serving" line appears waits in its backlog, not refused, until uvicorn
+    accepts."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's backlog
     except OSError as e:
         raise ExpertCacheError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port "
                                "or --host") from None
@@ -106,7 +112,9 @@ def run(a) -> int:
     app = build_app(a)
     scheduler = app.state.server.scheduler
     limits = app.state.server.limits
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", limit_concurrency=limits.max_connections))
+    grace = None if a.shutdown_timeout == float("inf") else a.shutdown_timeout
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", limit_concurrency=limits.max_connections,
+                                           timeout_graceful_shutdown=grace))
     scheduler.on_fatal = lambda e: setattr(server, "should_exit", True)
     bound = sock.getsockname()[1]  # the port the system chose for --port 0
     print(f"expertcache: serving {app.state.server.model_name!r} on http://{a.host}:{bound}/v1", file=sys.stderr)
