@@ -285,6 +285,8 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(ckpt):
         list(generate(engine, [5, -2], 2))
     with pytest.raises(BadInput, match="1-D integer tensor"):
         engine.forward(torch.tensor([1.0, 2.0]), 0)
+    with pytest.raises(BadInput, match="position -1 is negative"):
+        engine.forward(torch.tensor([1, 2]), -1)
     assert engine.forward(torch.tensor([0, 95]), 0).shape[0] == 2  # the vocabulary's ends are ids
     engine.close()
 

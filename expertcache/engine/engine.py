@@ -344,6 +344,8 @@ class Engine:
         needs), counting tokens and wall time. Raises NonFiniteOutput rather than return a NaN or
         infinite logit."""
         self._check_ids(ids)
+        if pos < 0:  # the rotary angles and the cache's slice would silently take it
+            raise BadInput(f"position {pos} is negative; a sequence's first token is at position 0")
         T = ids.shape[0]
         self.runner.start_forward(id(self.model.k_cache), pos, T)  # a swapped-in sequence has other keys
         logits = self._timed(lambda: self._passes(ids.to(self.device), pos, last), T)
