@@ -101,7 +101,8 @@ TOOL_TEMPLATE = """{% set d = dict(a=1) %}{% if tools %}TOOLS:{% for t in tools 
 {%- else %}{{ m.content }}{% endif %}
 {%- for c in m.tool_calls or [] %}<call>{{ c.function.name }}({{ c.function.arguments }})</call>{% endfor %}
 
-{% endfor %}{% if add_generation_prompt %}ASSISTANT.
+{% endfor %}{% if reasoning_effort is defined %}EFFORT {{ reasoning_effort }}.
+{% endif %}{% if add_generation_prompt %}ASSISTANT.
 {% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"""
 
 
@@ -133,6 +134,11 @@ def test_tools_calls_and_template_arguments_reach_the_template_as_in_hf(tmp_path
             len(engine.encode(want, special=False)) > ask()
         with pytest.raises(openai.BadRequestError, match="set by the server"):
             ask(extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+        effort = transformers.AutoTokenizer.from_pretrained(str(path)).apply_chat_template(  # GPT-OSS's field
+            messages, tokenize=False, add_generation_prompt=True, reasoning_effort="low")
+        assert "EFFORT low." in effort and ask(reasoning_effort="low") == len(engine.encode(effort, special=False))
+        assert ask(reasoning_effort="low", extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}}) == \
+            len(engine.encode(effort.replace("low", "high"), special=False))
         with pytest.raises(openai.BadRequestError, match="chat template failed .*not iterable"):  # not a 500
             client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
                 {"role": "assistant", "content": "x", "tool_calls": 5}])
@@ -235,7 +241,8 @@ def test_other_apis_fields_that_change_the_answer_are_refused(client, fields):
                                        extra_body=fields)
     assert e.value.body["param"] == name
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
-                                   extra_body={"min_tokens": 0, "modalities": ["text"], "function_call": "auto"})
+                                   extra_body={"min_tokens": 0, "modalities": ["text"], "function_call": "auto",
+                                               "logprobs": False, "top_logprobs": 0})
 
 
 def test_nulls_stop_ids_and_the_generation_prompt(client, reference):

@@ -149,7 +149,7 @@ class Server:
             raise APIError(400, "messages is empty; send at least one message", "messages")
         try:
             text = self.template.render([message_text(m) for m in body.messages], body.add_generation_prompt,
-                                        body.tools, body.chat_template_kwargs)
+                                        body.tools, body.template_kwargs())
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
         return self.encode(text, "messages", special=False)

@@ -102,11 +102,18 @@ class ChatBody(SamplingFields):
     """A /v1/chat/completions request: the sampling fields and the conversation so far; add_generation_prompt
     (vLLM's, default true) false renders the conversation without the assistant turn's opening. tools go to the
     chat template, which writes them into the prompt (a call the model makes comes back as its text), and so do
-    chat_template_kwargs (vLLM's: e.g. {"enable_thinking": false})."""
+    chat_template_kwargs (vLLM's: e.g. {"enable_thinking": false}), and reasoning_effort (OpenAI's), which
+    GPT-OSS's template writes into its system message; chat_template_kwargs' own reasoning_effort wins."""
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's further arguments: reasoning_effort where sent, then chat_template_kwargs."""
+        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return {**effort, **(self.chat_template_kwargs or {})}
 
 
 # Extra fields of OpenAI's, vLLM's and llama.cpp's APIs that would change the answer, with the value that would
@@ -149,7 +156,7 @@ def logprobs_count(body: SamplingFields, chat: bool) -> int | None:
         if body.logprobs is not None and not isinstance(body.logprobs, bool):
             raise APIError(400, "logprobs is true or false in chat completions; top_logprobs: N asks for "
                            "alternatives", "logprobs")
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.top_logprobs and not body.logprobs:  # 0 asks for nothing, as some clients send by default
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         n, param = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
     else:
