@@ -180,3 +180,28 @@ def test_first_runs_compile_notice_comes_with_the_first_compile(tmp_path):
     err = run("compile")
     assert err[0] == "before" and len(err) == 2 and "compiling the kernels" in err[1]
     assert run("compile") == ["before"]  # the mark was left
+
+
+def test_a_first_runs_compiling_is_not_counted_as_the_models_time(capsys):
+    """numba compiles a kernel at its first call, inside the forward a first run times: those seconds are the
+    compiler's (minutes on a new machine), so ms/token and generate's speeds leave them out and say so."""
+    import time
+
+    import torch
+    from numba import njit
+
+    from expertcache.engine.compile_clock import compile_seconds
+    from expertcache.engine.engine import Engine, EngineConfig
+    engine = Engine(None, EngineConfig(store="ram"))
+
+    def forward_that_compiles():
+        njit(lambda x: x * 3 + 1)(2)  # a function never compiled before: compiled here
+        return torch.zeros(1, 4)
+    before, start = compile_seconds(), time.perf_counter()
+    engine._timed(forward_that_compiles, 1)
+    took = time.perf_counter() - start
+    compiling = compile_seconds() - before
+    assert engine.stats.compile_s == pytest.approx(compiling) and compiling > 0.02
+    assert engine.stats.wall_s <= took - compiling + 1e-4
+    assert "not counted" in engine.stats.line()
+    engine.close()

@@ -24,6 +24,7 @@ from ..models import model_args
 from ..models.args import ModelArgs
 from ..policies import MissPolicy, make_policy
 from .cache import CacheConfig, ExpertCache, least_slots_per_layer, slots_per_layer
+from .compile_clock import compile_seconds
 from .slots import slot_bytes, slot_format
 from .checkpoint import ROUTING_COUNTS, check_token_ids, load_routing_counts, open_checkpoint
 from . import threads
@@ -393,7 +394,7 @@ class Engine:
         return logits
 
     def _timed(self, run, tokens: int) -> torch.Tensor:
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), compile_seconds()
         self.runner.token_base = self.stats.tokens
         self.cache.transfers.take_buffer_wait()  # a warm start's fill waited outside any forward: no token's stall
         try:
@@ -409,7 +410,9 @@ class Engine:
             self.cache.failed_background = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.stats.wall_s += time.perf_counter() - start
+        compiling = compile_seconds() - compiled  # a first run's kernels: the compiler's time, not the model's
+        self.stats.compile_s += compiling
+        self.stats.wall_s += time.perf_counter() - start - compiling
         self.stats.tokens += tokens
         self.stats.peak_memory_bytes = peak_memory_bytes(self.device)
         return logits
