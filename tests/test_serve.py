@@ -573,6 +573,27 @@ def test_models_with_more_than_kv_state_serve_one_request_at_a_time(tiny, family
     engine.close()
 
 
+@pytest.mark.parametrize("family,schedule", [("qwen3_moe", "batch"), ("qwen3_moe", "serial"), ("qwen3_next", "batch"),
+                                             ("deepseek_v3", "batch")])
+def test_warm_up_runs_a_requests_steps_and_leaves_fresh_counts(tiny, family, schedule):
+    """serve's start-up runs the steps requests take (where kernels compile on a first run), for every kind of
+    sequence state and schedule; the counts start afresh, and a request after it is answered as without it."""
+    from expertcache.engine.sampling import SamplingParams
+    from expertcache.serve.scheduler import Request, SchedulerConfig
+    engine = Engine(tiny[family][0], EngineConfig(store="ram", initial="cold"))
+    want = list(generate(engine, [3, 4, 5], 4))
+    scheduler = Scheduler(engine, SchedulerConfig(schedule=schedule))
+    scheduler.warm_up()
+    assert engine.stats.tokens == 0 and engine.stats.routed == 0
+    got, done = [], threading.Event()
+    scheduler.start()
+    scheduler.submit(Request([3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True),
+                             lambda out: done.set() if out is None else got.append(out.token)))
+    assert done.wait(60) and got == want
+    scheduler.stop()
+    engine.close()
+
+
 def test_text_offsets_stay_in_the_text_past_split_characters(client):
     """A token may end inside a UTF-8 character (its text is U+FFFD); the tokens after it still start where
     text_offset says, echoed or streamed."""

@@ -80,7 +80,9 @@ def build_app(a):
     limits = ServerLimits(max_body_bytes=a.max_body_bytes, max_waiting=a.max_waiting,
                           max_connections=a.max_connections, allowed_origins=tuple(a.allowed_origins))
     try:
-        app = create_app(Scheduler(engine, config), name, limits)
+        scheduler = Scheduler(engine, config)
+        scheduler.warm_up()  # a first run compiles here, under the notice, not in the first request
+        app = create_app(scheduler, name, limits)
     except BaseException:  # the engine's store, ring and threads go with the failed start
         engine.close()
         raise

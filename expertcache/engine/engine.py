@@ -258,12 +258,16 @@ class Engine:
         self.cache.clear()
         if counts is not None:
             self.cache.warm(counts)
+        self.restart_counts()
+        self.warm = counts is not None
+
+    def restart_counts(self) -> None:
+        """Fresh statistics and policy state, the cache left as it is (Scheduler.warm_up's steps are no run)."""
         self.policy.reset()
         self.runner.predicted, self.runner.sequence = None, None
         ring = getattr(self.cache.transfers, "ring", None) is not None
         self.stats.__init__(read_mode=self.store.read_mode + ("+io_uring" if ring else ""),
                             kernels=threads.describe() if self.device.type == "cpu" else "")
-        self.warm = counts is not None
 
     def set_policy(self, policy: MissPolicy | str, eviction: str | None = None) -> None:
         """Switch the miss policy (and the eviction it prefers, unless the config names one);

@@ -98,6 +98,22 @@ class Scheduler:
         """Start the worker thread."""
         self.thread.start()
 
+    def warm_up(self) -> None:
+        """Before the worker starts: the steps requests take (a prompt, a decode step and, where this schedule
+        batches, a batched one) on short sequences, then fresh statistics and policy state. A first run's kernels
+        compile here, minutes on a new machine, before the server says it serves, and not inside a client's first
+        request; the few experts the steps fetched stay resident."""
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        gens = [TextGeneration(self.engine, [0, 1], params, own_kv=True, prefill_policy=self.config.prefill_policy)
+                for _ in range(2 if self.batches else 1)]
+        for g in gens:
+            g.step()
+        gens[0].step()
+        if self.batches:
+            for g, row in zip(gens, batch_logits(self.engine, gens)):
+                g.advance(row)
+        self.engine.restart_counts()
+
     def stop(self) -> None:
         """Stop the worker after its current round of steps and wait for it to exit."""
         with self.lock:
