@@ -7,6 +7,7 @@ import errno
 import importlib
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -78,7 +79,23 @@ def _run(argv: list[str] | None) -> int:
         print(f"expertcache: error: {e}", file=sys.stderr)
     except OSError as e:
         print(f"expertcache: error: {e}; {os_error_fix(e)}", file=sys.stderr)
+    except (MemoryError, RuntimeError) as e:  # torch's out-of-memory errors are RuntimeErrors
+        if (sizes := out_of_memory(e)) is None:
+            raise
+        print(f"expertcache: error: out of memory{f' ({sizes})' if sizes else ''}; give the run less: a smaller "
+              "--cache or --memory-budget, --slot-dtype int4, --dense-dtype int8, or a shorter --max-seq",
+              file=sys.stderr)
     return 2
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """What an allocation the machine refused says of its sizes (numpy's MemoryError, the CPU allocator's or CUDA's
+    OutOfMemoryError: a too large run on a GPU), or None for another error; matched by name, since --help loads
+    no torch."""
+    said = " ".join(str(e).split())
+    if not (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in said):
+        return None
+    return re.sub(r"^\[enforce fail[^]]*\]\s*(err == 0\.\s*)?", "", said.split(" Of the allocated")[0])
 
 
 def version() -> str:

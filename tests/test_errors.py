@@ -376,3 +376,20 @@ def test_time_runs_closes_its_engines_when_a_run_fails(tiny, tmp_path):
         time_runs(model, [(0.5, "fetch-all"), (0.5, "nope")], list(range(1, 12)), repeats=1,
                   store_dir=tmp_path / "s", prompt=4)
     assert len(os.listdir("/proc/self/fd")) == fds and threading.active_count() == threads
+
+
+@pytest.mark.parametrize("fail", ["cpu", "cuda"])
+def test_running_out_of_memory_is_one_line_naming_the_fixes(capsys, monkeypatch, fail):
+    """An allocation the machine refuses (the CPU allocator's, numpy's, or CUDA's OutOfMemoryError, the usual
+    failure of a too large run on a GPU) ends in one line with the sizes and what to lower, not a traceback."""
+    from expertcache.commands import ppl
+
+    def run(_):
+        if fail == "cpu":
+            torch.empty(2**62, dtype=torch.uint8)  # a real refusal of the CPU allocator
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                     "7.60 GiB of which 512.00 MiB is free. Of the allocated memory 6.1 GiB ...")
+    monkeypatch.setattr(ppl, "run", run)
+    code, err = run_cli(capsys, "ppl")
+    assert code == 2 and len(err.splitlines()) == 1 and "out of memory" in err and "--memory-budget" in err
+    assert ("allocate" in err) and ("2.00 GiB" in err if fail == "cuda" else "bytes" in err)
