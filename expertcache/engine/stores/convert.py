@@ -19,6 +19,11 @@ from ..quant import ExpertFormat, encode
 from ..weights import expert_parts
 from .base import ALIGN, DISK_FORMAT_VERSION, ExpertShape, blob_bytes
 
+# Written bytes a conversion holds in the page cache at most: a layer of a real model's experts is a GiB or more
+# (Qwen3-30B-A3B's in fp16: 1.1 GiB), past a budget that holds a quarter of them.
+FLUSH_BYTES = 64 * 2**20
+
+
 def default_store_dir(ckpt: Checkpoint) -> Path:
     """~/.cache/expertcache/<model>-<digest of its weight files>, so a changed checkpoint reconverts."""
     h = hashlib.sha1()
@@ -57,7 +62,7 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
     tmp = out_dir / "experts.bin.partial"
-    checksums = []
+    checksums, flushed = [], 0
     fmt = fmt or (ExpertFormat.of_dtype(dtype) if dtype is not None else None)
     try:
         bar_args = dict(total=args.num_moe_layers, unit="layer", desc=f"convert to {out_dir.name}")
@@ -70,8 +75,10 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
                     data = encode(parts, shape.parts, fmt, blob_bytes(shape, fmt))
                     checksums.append(crc32c.crc32c(data))  # of the stored bytes: the same check for every format
                     f.write(data)
-                _written(f)
+                    if f.tell() - flushed >= FLUSH_BYTES:
+                        flushed = _written(f, flushed)
                 bar.update()
+            _written(f, flushed)
     except BaseException:  # a full disk, an interrupt: no partial file is left to fill the disk
         tmp.unlink(missing_ok=True)
         raise
@@ -93,13 +100,16 @@ def blob_checksum(ckpt: Checkpoint, args: ModelArgs, layer: int, expert: int, fm
     return crc32c.crc32c(encode(parts, shape.parts, fmt, blob_bytes(shape, fmt)))
 
 
-def _written(f) -> None:
-    """Flush what a conversion wrote so far to the disk and drop it from the page cache: the store's file would
-    otherwise stay cached, charged to the process (and its memory cgroup) as it grows."""
+def _written(f, start: int) -> int:
+    """Flush what a conversion wrote since `start` to the disk and drop it from the page cache: the store's file
+    would otherwise stay cached, charged to the process (and its memory cgroup) as it grows. Returns where the
+    file ends now."""
     f.flush()
     os.fsync(f.fileno())
+    end = f.tell()
     if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(f.fileno(), start, end - start, os.POSIX_FADV_DONTNEED)
+    return end
 
 
 def store_format(store_dir: Path) -> int | None:
