@@ -21,6 +21,10 @@ class NotEnoughMemory(ExpertCacheError):
     """The machine has less free memory than a run would hold: refused before loading, not killed while loading."""
 
 
+class NotEnoughDisk(ExpertCacheError):
+    """The disk has less free space than a store conversion writes: refused before writing, not failed near its end."""
+
+
 class UnknownName(ExpertCacheError):
     """An unknown policy, eviction, store or preset name."""
 

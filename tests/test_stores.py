@@ -36,6 +36,7 @@ from expertcache.engine.stores import (
 from expertcache.errors import (
     CheckpointError,
     FetchError,
+    NotEnoughDisk,
     ReadModeUnsupported,
     UnknownName,
 )
@@ -57,6 +58,25 @@ def test_disk_store_reads_what_ram_holds(tiny, tmp_path):
         for e in range(args.num_experts):
             assert disk.read_into(layer, e, w13, w2) % 4096 == 0
             assert torch.equal(w13, ram.w13[layer, e]) and torch.equal(w2, ram.w2[layer, e])
+
+
+def test_a_store_larger_than_the_free_disk_is_refused_before_writing(tiny, tmp_path):
+    """A conversion that would run out of disk space is refused at once, naming the sizes, where it failed near its
+    end (tens of GB into a real model's); it leaves no file. A real small filesystem: a tmpfs, where one can be
+    mounted."""
+    import subprocess
+    ckpt = open_checkpoint(tiny["qwen2_moe"][0])
+    args = model_args(ckpt.config)
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("no tmpfs can be mounted here (needs root)")
+    try:
+        with pytest.raises(NotEnoughDisk, match=r"needs .* free; free disk space"):
+            convert_to_disk(ckpt, args, small / "store")
+        assert not any((small / "store").iterdir())
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
 
 
 def test_short_read_is_an_error(tiny, tmp_path):

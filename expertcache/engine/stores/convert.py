@@ -6,12 +6,14 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
 import crc32c
 import torch
 
+from ...errors import NotEnoughDisk
 from ...models.args import ModelArgs
 from ...progress import progress_bar
 from ..checkpoint import Checkpoint
@@ -64,6 +66,8 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     tmp = out_dir / "experts.bin.partial"
     checksums, flushed = [], 0
     fmt = fmt or (ExpertFormat.of_dtype(dtype) if dtype is not None else None)
+    _check_space(out_dir, shape.num_layers * shape.num_experts *
+                 blob_bytes(shape, fmt or ExpertFormat.of_dtype(expert_parts(ckpt, args, 0, 0)[0].dtype)))
     try:
         bar_args = dict(total=args.num_moe_layers, unit="layer", desc=f"convert to {out_dir.name}")
         with progress_bar(progress, **bar_args) as bar, open(tmp, "wb") as f:
@@ -98,6 +102,16 @@ def blob_checksum(ckpt: Checkpoint, args: ModelArgs, layer: int, expert: int, fm
     shape = ExpertShape.of(args)
     parts = expert_parts(ckpt, args, layer, expert, mxfp4=fmt.mx)
     return crc32c.crc32c(encode(parts, shape.parts, fmt, blob_bytes(shape, fmt)))
+
+
+def _check_space(out_dir: Path, need: int) -> None:
+    """NotEnoughDisk unless the folder's filesystem has `need` bytes free (a store of a real model is tens of GB,
+    and a conversion that ran out of space would fail near its end)."""
+    free = shutil.disk_usage(out_dir).free
+    if need > free:
+        size = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"  # noqa: E731
+        raise NotEnoughDisk(f"the disk store needs {size(need)} and {out_dir} has {size(free)} free; free disk space "
+                            "or choose a folder on another disk (--store-dir or --out, or EXPERTCACHE_HOME)")
 
 
 def _written(f, start: int) -> int:
