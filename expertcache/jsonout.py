@@ -9,6 +9,8 @@ from typing import TextIO
 
 import numpy as np
 
+from .atomic import write_text
+
 
 def json_ready(x):
     """`x` with numpy scalars and arrays as Python values, and NaN or infinite floats as None."""
@@ -33,4 +35,4 @@ def dump_json(path: Path | TextIO, data) -> None:
     if hasattr(path, "write"):
         path.write(text + "\n")
     else:
-        Path(path).write_text(text)
+        write_text(Path(path), text)  # a run's earlier output is not cut short by a failed write

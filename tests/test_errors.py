@@ -393,3 +393,24 @@ def test_running_out_of_memory_is_one_line_naming_the_fixes(capsys, monkeypatch,
     code, err = run_cli(capsys, "ppl")
     assert code == 2 and len(err.splitlines()) == 1 and "out of memory" in err and "--memory-budget" in err
     assert ("allocate" in err) and ("2.00 GiB" in err if fail == "cuda" else "bytes" in err)
+
+
+def test_a_file_whose_write_is_interrupted_is_left_as_it_was(tmp_path, ckpt):
+    """calibrate's and predict --train's files beside the model, profiles and --json outputs are written whole or
+    not at all: an interrupt (or a full disk) mid-write leaves the earlier file, not a cut one that the next run
+    (or a server loading it meanwhile) would refuse."""
+    from expertcache.atomic import replaced, write_text
+    from expertcache.lab.calibrate import Calibration, save_calibration
+    f = tmp_path / "out.json"
+    write_text(f, "earlier")
+    with pytest.raises(KeyboardInterrupt):
+        with replaced(f) as tmp:
+            tmp.write_text("half of a")
+            raise KeyboardInterrupt
+    assert f.read_text() == "earlier" and not list(tmp_path.glob(".*.partial"))
+    args = model_args(open_checkpoint(ckpt).config)
+    c = Calibration(torch.ones(args.num_moe_layers, args.num_experts), torch.zeros(args.num_moe_layers,
+                    args.num_experts, args.hidden_size), 5)
+    save_calibration(c, ckpt, "text")
+    assert json.loads((ckpt / "routing_counts.json").read_text())["tokens"] == 5
+    assert not list(ckpt.glob(".*.partial"))

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..atomic import replaced
 from ..choices import LOOKAHEAD_WIDTH, PREDICTORS, SKETCH_NEURONS, SKETCH_RANK  # noqa: F401 (re-exported)
 from ..errors import CheckpointError, UnknownName
 from ..kernel import dense_decode
@@ -430,7 +431,8 @@ def save_estimator(net: EstimatorNet, path: Path, hybrid_layers: list[int], reca
     if sketch is not None:
         meta["sketch_rank"], meta["sketch_neurons"] = str(sketch.rank), str(sketch.neurons)
         tensors.update(sketch.tensors())
-    save_file(tensors, str(path / file), metadata=meta)
+    with replaced(path / file) as tmp:  # a server may be loading the one it replaces
+        save_file(tensors, str(tmp), metadata=meta)
 
 
 def load_estimator(path: Path, model: Transformer | None = None, file: str = ESTIMATOR_FILE

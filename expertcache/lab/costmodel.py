@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import write_text
 from ..engine.stats import RunStats
 
 PROFILE_VERSION = 5  # 1: no lowbit_fetch_s, prefetch_s, prediction_s, unfitted; 2: no exposed_prefetch_s;
@@ -111,7 +112,7 @@ class HardwareProfile:
             raise BadInput(f"not writing {path}: the measured hardware profile has {problem} (the fit found no "
                            "cost for that term: a machine under load, or runs too short); measure again with "
                            "`expertcache calibrate-hw` on a quieter machine or with more --repeats")
-        path.write_text(json.dumps(data, indent=1))
+        write_text(path, json.dumps(data, indent=1))
 
     @classmethod
     def invalid_field(cls, data: dict) -> str | None:
