@@ -5,11 +5,12 @@ import shutil
 
 import pytest
 import torch
+from hf_models import save_tiny
 
 from expertcache import cli
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.checkpoint import open_checkpoint
-from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
 from expertcache.engine.perplexity import perplexity
 from expertcache.errors import BadInput, CacheTooSmall, CheckpointError, UnknownName, UnsupportedArchitecture
 from expertcache.models import model_args
@@ -97,6 +98,20 @@ def test_cache_too_small(capsys, ckpt):
         Engine(ckpt, EngineConfig(cache=CacheConfig(fraction=0.1)))
     with pytest.raises(CacheTooSmall):
         Engine(ckpt, EngineConfig(cache=CacheConfig(bytes=1000)))
+
+
+def test_the_default_cache_runs_a_model_with_few_experts(tmp_path):
+    """The default size, 25% of the experts, is at least a token's top-k: a tiny model of 4 experts and top-2 runs
+    without a flag (it was refused: 1 slot); a size asked for is taken as asked, and refused when too small."""
+    from expertcache.engine.generate import generate
+    path = tmp_path / "four"
+    save_tiny("mixtral", path, num_local_experts=4, num_experts_per_tok=2)
+    engine = Engine(path, EngineConfig(store="ram"))
+    assert engine.cache.per_layer == 2 and len(list(generate(engine, [1, 2, 3], 3))) == 3
+    engine.close()
+    with pytest.raises(CacheTooSmall, match="a fraction of 0.25 gives 1 expert slots per layer"):
+        Engine(path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25)))
+    assert Engine(BUILTIN_MODEL, EngineConfig(store="ram")).cache.per_layer == 32  # 25% where that holds top-k
 
 
 def test_unknown_names(capsys, ckpt):

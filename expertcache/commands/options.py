@@ -163,7 +163,8 @@ def format_from_args(a: argparse.Namespace, dtype: str | None) -> ExpertFormat |
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     """The fast tier's size and how it is shared."""
-    p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
+    p.add_argument("--cache", type=fraction, default=None, help="cache size as a fraction of each layer's experts "
+                   "(default: 0.25, and at least a token's top-k)")
     p.add_argument("--cache-bytes", type=byte_size, default=None, help="expert cache size in bytes, e.g. 32M "
                    "(overrides --cache)")
     p.add_argument("--memory-budget", type=byte_size, default=None, help="bytes of the whole fast tier (dense "

@@ -30,13 +30,16 @@ BACKGROUND_KINDS = ("prefetch", "admit", "upgrade")  # reads no token waits for 
 class CacheConfig:
     """The expert cache's size (a fraction of each layer's experts, or bytes), how layers share
     slots (quota), the eviction order and the number of transfer workers."""
-    fraction: float = 0.25  # of each layer's experts
+    fraction: float | None = None  # of each layer's experts; None: DEFAULT_FRACTION, at least a token's top-k
     bytes: int | None = None  # overrides fraction when given
     quota: str = "layer"  # "layer": each layer owns its slots; "global": any layer may take any slot
     eviction: str = "lru"  # the engine overrides it with EngineConfig.eviction or the policy's choice
     io_workers: int = 4
     io: str = "auto"  # auto: io_uring for O_DIRECT reads where the system has it; uring (or an error); threads
     caller_reads: bool = True  # a token's only synchronous fetch of a layer is read by the waiting thread
+
+
+DEFAULT_FRACTION = 0.25  # a model with few experts (a tiny test model's 4, top-2) is given its top-k instead
 
 
 def least_slots_per_layer(quota: str, top_k: int, num_layers: int) -> int:
@@ -48,15 +51,17 @@ def least_slots_per_layer(quota: str, top_k: int, num_layers: int) -> int:
 def slots_per_layer(cfg: CacheConfig, shape: ExpertShape, fast_expert_bytes: int, top_k: int) -> int:
     """Expert slots per layer under `cfg`, at most the layer's experts; CacheTooSmall when fewer than a token needs
     (`least_slots_per_layer`) or the fraction is out of range."""
+    least = least_slots_per_layer(cfg.quota, top_k, shape.num_layers)
     if cfg.bytes is not None:
         per_layer = cfg.bytes // fast_expert_bytes // shape.num_layers
         what = f"{cfg.bytes} bytes"
+    elif cfg.fraction is None:  # the default size, not one asked for: never too small to run
+        return min(max(int(round(DEFAULT_FRACTION * shape.num_experts)), least), shape.num_experts)
     else:
         if not 0 < cfg.fraction <= 1:
             raise CacheTooSmall(f"cache fraction {cfg.fraction} must be in (0, 1]; e.g. --cache 0.25")
         per_layer = int(round(cfg.fraction * shape.num_experts))
         what = f"a fraction of {cfg.fraction}"
-    least = least_slots_per_layer(cfg.quota, top_k, shape.num_layers)
     if per_layer < least:
         layer_bytes = fast_expert_bytes * shape.num_layers  # one slot a layer
         fix = f"give at least {least / shape.num_experts:.3f} of the experts or {least * layer_bytes} bytes"

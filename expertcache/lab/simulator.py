@@ -190,4 +190,5 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
         raise vc.too_small(failed)
     stats = RunStats(tokens=trace.num_tokens, predictions=0 if pre is None else trace.num_tokens * (L - 1))
     stats.absorb(st, vc.fetch_bytes, vc.lowbit_bytes)
-    return Replay(spec, cache.fraction, stats, seconds, trace.num_tokens * L * k)
+    fraction = cache.fraction if cache.fraction is not None else vc.per_layer / E  # the default's size
+    return Replay(spec, fraction, stats, seconds, trace.num_tokens * L * k)
