@@ -36,6 +36,7 @@ def run(a) -> int:
           f"({a.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, {engine.variant})")
     print(engine.stats.line())
     write_json(a.json, {"text": str(a.text), "context": a.context, "policy": repr(engine.policy),
-                        "store": a.store, "cache_fraction": engine.cache.per_layer / engine.args.num_experts, **r.to_dict(), "budget": engine.budget()})
+                        "store": a.store, "cache_fraction": engine.cache.per_layer / engine.args.num_experts,
+                        **r.to_dict(), "budget": engine.budget()})
     engine.close()
     return 130 if r.interrupted else 0

@@ -278,7 +278,9 @@ class Server:
         """The SSE chunks of `requests` (choice i is requests[i]) as their tokens arrive on `merged`."""
         logprobs = requests[0].params.logprobs is not None
         usage = {"usage": None} if include_usage else {}
-        chunk = lambda choice: f"data: {json.dumps({**self._envelope(rid, chat, True), 'choices': [choice], **usage})}\n\n"  # noqa: E731
+
+        def chunk(choice: dict) -> str:
+            return f"data: {json.dumps({**self._envelope(rid, chat, True), 'choices': [choice], **usage})}\n\n"
         try:
             if chat:
                 for i in range(len(requests)):
