@@ -592,6 +592,10 @@ def test_warm_up_runs_a_requests_steps_and_leaves_fresh_counts(tiny, family, sch
     assert done.wait(60) and got == want
     scheduler.stop()
     engine.close()
+    for max_seq in (1, 4):  # any context a server may be given; 1 is too short to warm up in
+        short = Engine(tiny[family][0], EngineConfig(store="ram", max_seq=max_seq))
+        Scheduler(short, SchedulerConfig(schedule=schedule)).warm_up()
+        short.close()
 
 
 def test_text_offsets_stay_in_the_text_past_split_characters(client):

@@ -103,8 +103,10 @@ class Scheduler:
         batches, a batched one) on short sequences, then fresh statistics and policy state. A first run's kernels
         compile here, minutes on a new machine, before the server says it serves, and not inside a client's first
         request; the few experts the steps fetched stay resident."""
+        if self.engine.model.max_seq < 4:  # a prompt token and three more: a context too short to warm up in
+            return
         params = SamplingParams(max_tokens=3, ignore_eos=True)
-        gens = [TextGeneration(self.engine, [0, 1], params, own_kv=True, prefill_policy=self.config.prefill_policy)
+        gens = [TextGeneration(self.engine, [0], params, own_kv=True, prefill_policy=self.config.prefill_policy)
                 for _ in range(2 if self.batches else 1)]
         for g in gens:
             g.step()
