@@ -94,6 +94,9 @@ class TextGeneration:
     def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, own_kv: bool = False,
                  prefill_policy: MissPolicy | None = None):
         check_length(engine, len(prompt), params.max_tokens)
+        vocab = engine.args.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):  # never sampled: a stop that silently never ends
+            raise BadInput(f"stop_token_ids {list(params.stop_token_ids)} must be token ids in [0, {vocab})")
         self.engine, self.prompt, self.params = engine, prompt, params
         self.prefill_policy = prefill_policy and engine.bind_policy(prefill_policy)  # refused here, not mid-step
         self.sampler = Sampler(params)
