@@ -43,3 +43,8 @@ class ReadModeUnsupported(ExpertCacheError):
 
 class NonFiniteOutput(ExpertCacheError):
     """The model produced NaN or infinite logits: corrupt weights, never a result to report."""
+
+
+def size_text(nbytes: int) -> str:
+    """A byte count as the messages give it: GiB from one GiB up, else MiB."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"

@@ -19,6 +19,7 @@ from ..errors import (
     NonFiniteOutput,
     NotEnoughMemory,
     UnknownName,
+    size_text,
 )
 from ..models import model_args
 from ..models.args import ModelArgs
@@ -221,12 +222,11 @@ class Engine:
             parts[f"the {c.store} store's experts"] = each * shape.num_layers * shape.num_experts
         need = sum(parts.values())
         if need > 1.05 * free:  # the budget's own tolerance: a run the plan puts just past what is free may fit
-            size = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"  # noqa: E731
-            held = ", ".join(f"{k} {size(v)}" for k, v in parts.items() if v >= 2**20)
+            held = ", ".join(f"{k} {size_text(v)}" for k, v in parts.items() if v >= 2**20)
             fixes = (["--store disk (the experts stay on the disk)"] if c.store in ("ram", "pinned") else []) + \
                 ["a smaller --cache", "--memory-budget"]
-            raise NotEnoughMemory(f"this run would hold {size(need)} ({held}), more than the {size(free)} this "
-                                  f"machine has free; use {', '.join(fixes[:-1])} or {fixes[-1]}")
+            raise NotEnoughMemory(f"this run would hold {size_text(need)} ({held}), more than the {size_text(free)} "
+                                  f"this machine has free; use {', '.join(fixes[:-1])} or {fixes[-1]}")
 
     def _expert_budget(self, budget: int) -> int:
         """Bytes left for expert slots when the fast tier holds `budget` bytes in all: the plan's parts first;

@@ -13,7 +13,7 @@ from pathlib import Path
 import crc32c
 import torch
 
-from ...errors import NotEnoughDisk
+from ...errors import NotEnoughDisk, size_text
 from ...models.args import ModelArgs
 from ...progress import progress_bar
 from ..checkpoint import Checkpoint
@@ -109,9 +109,8 @@ def _check_space(out_dir: Path, need: int) -> None:
     and a conversion that ran out of space would fail near its end)."""
     free = shutil.disk_usage(out_dir).free
     if need > free:
-        size = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"  # noqa: E731
-        raise NotEnoughDisk(f"the disk store needs {size(need)} and {out_dir} has {size(free)} free; free disk space "
-                            "or choose a folder on another disk (--store-dir or --out, or EXPERTCACHE_HOME)")
+        raise NotEnoughDisk(f"the disk store needs {size_text(need)} and {out_dir} has {size_text(free)} free; free "
+                            "disk space or choose a folder on another disk (--store-dir or --out, or EXPERTCACHE_HOME)")
 
 
 def _written(f, start: int) -> int:
