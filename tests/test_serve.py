@@ -545,7 +545,10 @@ def test_sigterm_ends_running_streams_after_the_shutdown_timeout(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli", "serve", "--store", "ram", "--port", "0",
                              "--shutdown-timeout", "1"], stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stderr.readline()
+        line = ""
+        while "serving" not in line:  # a first run's compile notice may come first
+            line = proc.stderr.readline()
+            assert line, "the server exited before serving"
         url = re.search(r"http://\S+/v1", line).group(0)
         body = {"prompt": "a", "max_tokens": 2000, "ignore_eos": True, "stream": True, "temperature": 0}
         stream = urllib.request.urlopen(urllib.request.Request(
