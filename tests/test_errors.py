@@ -433,3 +433,25 @@ def test_a_file_whose_write_is_interrupted_is_left_as_it_was(tmp_path, ckpt):
     save_calibration(c, ckpt, "text")
     assert json.loads((ckpt / "routing_counts.json").read_text())["tokens"] == 5
     assert not list(ckpt.glob(".*.partial"))
+
+
+def test_the_first_tokens_of_a_large_text_are_the_whole_texts_without_tokenizing_it_all():
+    """`ppl --max-tokens`, calibrate, predict and tune ask for a text's first tokens: they are the whole text's
+    first tokens, cut ends included (a word run over the cut, a repeated text), and the tokenizer reads a prefix
+    a few times their length, not the file (60 MB of text took 79 s and 10 GB)."""
+    from expertcache.engine.checkpoint import encode_prefix
+    engine = Engine(BUILTIN_MODEL, EngineConfig(store="ram"))
+    text = (BUILTIN_MODEL.parent / "eval.txt").read_text() * 4 + "x" * 50_000 + " tail"
+    whole = engine.encode(text)
+    read = []
+
+    def encode(t):
+        read.append(len(t))
+        return engine.tokenizer.encode(t).ids
+    for n in (1, 64, 1000, 40_000, len(whole) - 3, len(whole) + 5):
+        read.clear()
+        assert encode_prefix(encode, text, n) == whole[:n], n
+        if n <= 40_000:  # two prefixes, of 8 and 16 characters a token asked for (at least 4,096)
+            assert sum(read) <= 24 * max(n, 512) < len(text)
+    assert engine.encode(text, max_tokens=500) == whole[:500]
+    engine.close()

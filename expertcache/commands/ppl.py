@@ -27,7 +27,7 @@ def run(a) -> int:
     from ..progress import progress_bar
     text = read_text(a.text)
     engine = engine_from_args(a)
-    ids = engine.encode(text)[: a.max_tokens and a.max_tokens + 1]
+    ids = engine.encode(text, max_tokens=a.max_tokens and a.max_tokens + 1)
     with progress_bar(total=len(ids) - 1, unit="tok", desc="ppl") as bar:
         r = perplexity(engine, ids, a.context, progress=bar.update, partial_on_interrupt=True)
     spread = f"± {r.stderr:.3f}" if r.tokens > 1 else "(one token: no standard error)"

@@ -8,6 +8,7 @@ config's dtype (bf16 for the releases)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,6 +162,27 @@ def download(repo_id: str) -> Path:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{repo_id}: no such folder here, and no Hub download of it ({type(e).__name__}: "
                               f"{reason}); check the id and the network, or pass --model a local folder") from None
+
+
+CUT_MARGIN = 16  # tokens by where a prefix is cut that may differ from the whole text's
+
+
+def encode_prefix(encode: Callable[[str], list[int]], text: str, max_tokens: int | None) -> list[int]:
+    """The first `max_tokens` ids of encode(text) (every id without a limit), tokenizing only as much of the text as
+    they need: prefixes of doubling length, until one gives CUT_MARGIN tokens more than asked and a prefix twice as
+    long gives the same first ids (tokens near a cut may differ from the whole text's). A run over the first
+    tokens of a large file tokenized all of it: 79 s and 10 GB for 60 MB of text."""
+    if max_tokens is None:
+        return encode(text)
+    n = max(4096, 8 * max_tokens)
+    ids = encode(text[:n])
+    while n < len(text):
+        n *= 2
+        longer = encode(text[:n])
+        if len(ids) >= max_tokens + CUT_MARGIN and longer[:max_tokens] == ids[:max_tokens]:
+            break
+        ids = longer
+    return ids[:max_tokens]
 
 
 def check_token_ids(ids: list[int], vocab_size: int, path: str | Path) -> list[int]:

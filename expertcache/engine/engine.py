@@ -27,7 +27,7 @@ from ..policies import MissPolicy, make_policy
 from .cache import CacheConfig, ExpertCache, least_slots_per_layer, slots_per_layer
 from .compile_clock import compile_seconds
 from .slots import slot_bytes, slot_format
-from .checkpoint import ROUTING_COUNTS, check_token_ids, load_routing_counts, open_checkpoint
+from .checkpoint import ROUTING_COUNTS, check_token_ids, encode_prefix, load_routing_counts, open_checkpoint
 from . import threads
 from .budget import FORWARD_CHUNK, MemoryPlan, available_memory, dense_bytes, kv_bytes, workspace_bytes
 from .linear import dense_format, float_dtype
@@ -430,17 +430,18 @@ class Engine:
             raise NonFiniteOutput(f"the model produced non-finite logits {where(t)}: "
                                   f"{non_finite_cause(held, self.checkpoint_dtype)}")
 
-    def encode(self, text: str, special: bool = True) -> list[int]:
+    def encode(self, text: str, special: bool = True, max_tokens: int | None = None) -> list[int]:
         """The token ids of `text` by the checkpoint's tokenizer (with `special`, the tokens its post-processor
-        adds, such as a BOS); CheckpointError when it has none, BadInput for text that is not UTF-8."""
+        adds, such as a BOS), its first `max_tokens` when given (encode_prefix: without tokenizing the rest);
+        CheckpointError when it has none, BadInput for text that is not UTF-8."""
         if self.tokenizer is None:
             raise CheckpointError(f"{self.path}: no tokenizer.json; text input needs the model's tokenizer")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:  # bytes that were not UTF-8 reach Python as lone surrogates
             raise BadInput("the text is not valid UTF-8; give UTF-8 text (e.g. convert it with iconv)") from None
-        return check_token_ids(self.tokenizer.encode(text, add_special_tokens=special).ids, self.args.vocab_size,
-                               self.path)
+        ids = encode_prefix(lambda t: self.tokenizer.encode(t, add_special_tokens=special).ids, text, max_tokens)
+        return check_token_ids(ids, self.args.vocab_size, self.path)
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`, or the ids joined by spaces when the checkpoint has no tokenizer."""

@@ -20,7 +20,14 @@ from safetensors.torch import save_file
 
 from ..atomic import replaced, write_text
 from ..choices import CALIB_TEXT  # noqa: F401 (re-exported)
-from ..engine.checkpoint import DEFAULT_VECTORS, ROUTING_COUNTS, Checkpoint, check_token_ids, open_checkpoint
+from ..engine.checkpoint import (
+    DEFAULT_VECTORS,
+    ROUTING_COUNTS,
+    Checkpoint,
+    check_token_ids,
+    encode_prefix,
+    open_checkpoint,
+)
 from ..engine.experts import SWIGLU, ExpertKind, expert_groups, swiglu
 from ..engine.moe import route
 from ..engine.perplexity import windows
@@ -85,7 +92,8 @@ def encode_text(model_path: Path, text: str, max_tokens: int | None = None) -> l
     ckpt = open_checkpoint(model_path)
     if ckpt.tokenizer_file is None:
         raise CheckpointError(f"{model_path}: no tokenizer.json to encode text with; add the model's tokenizer")
-    ids = Tokenizer.from_file(str(ckpt.tokenizer_file)).encode(text).ids[:max_tokens]
+    tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_file))
+    ids = encode_prefix(lambda t: tokenizer.encode(t).ids, text, max_tokens)
     return check_token_ids(ids, model_args(ckpt.config).vocab_size, model_path)
 
 

@@ -30,6 +30,9 @@ LIGHT = [f"band:lo=0,hi={h:g}" for h in (0.06, 0.09, 0.12, 0.16)]  # only light 
 LOWBIT = ["lowbit:tau=0.15", "lowbit:tau=0.15,lo=0.05", "lowbit:tau=0.15,upgrade=1"]
 
 
+PREFIX_FACTOR = 16  # a domain's tokens read: the built-in text's domains (at most ~30k tokens) whole
+
+
 @dataclass(frozen=True)
 class StudyConfig:
     """What the study runs: cache size, windows, tokens and prompts per domain, bootstrap and the policies."""
@@ -59,10 +62,12 @@ class StudySequences:
 
 def study_sequences(engine: Engine, cfg: StudyConfig) -> StudySequences:
     """Each domain of the text (`cfg.text`, split at `cfg.domains`; default: the evaluation text and
-    its segments) cut to whole windows of `cfg.context`, and prompts from the rest of it."""
+    its segments) cut to whole windows of `cfg.context`, and prompts from the rest of it (of its first
+    PREFIX_FACTOR times the tokens the domain's windows and prompts take: a large file is not tokenized whole)."""
     ids, domains, starts, prompts = [], [], [], []
+    used = cfg.tokens_per_domain + cfg.prompts_per_domain * (cfg.prompt_tokens + 8)
     for domain, text in domain_texts(Path(cfg.text or EVAL_TEXT), cfg.domains or None):
-        toks = engine.encode(text)
+        toks = engine.encode(text, max_tokens=PREFIX_FACTOR * used)
         n = min(cfg.tokens_per_domain, len(toks) - cfg.prompts_per_domain * (cfg.prompt_tokens + 8))
         n = n // cfg.context * cfg.context  # windows never straddle a topic change
         if n <= 0:
