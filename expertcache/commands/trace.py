@@ -26,7 +26,10 @@ def run(a) -> int:
     path = a.model or BUILTIN_MODEL
     docs, ids = [], []
     for domain, text in domain_texts(a.text, a.domains):  # documents with known boundaries
-        part = encode_text(path, text)
+        left = None if a.max_tokens is None else a.max_tokens - len(ids)
+        if left is not None and left <= 0:
+            break
+        part = encode_text(path, text, left)
         docs.append([len(ids), len(ids) + len(part), domain])
         ids += part
     ids = ids[:a.max_tokens]
