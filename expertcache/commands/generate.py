@@ -49,7 +49,8 @@ def sampling_from_args(a) -> SamplingParams:
 def check_fits(engine, prompt_len: int, max_new_tokens: int) -> None:
     """Refuse, naming the CLI flags, a prompt and -n that outgrow --max-seq."""
     if prompt_len + max_new_tokens > engine.model.max_seq:
-        raise BadInput(f"the prompt ({prompt_len} tokens) + -n {max_new_tokens} exceed --max-seq "
+        tokens = f"over {engine.model.max_seq}" if prompt_len > engine.model.max_seq else prompt_len
+        raise BadInput(f"the prompt ({tokens} tokens) + -n {max_new_tokens} exceed --max-seq "
                        f"{engine.model.max_seq}; lower -n, shorten the prompt or raise --max-seq")
 
 
@@ -83,7 +84,7 @@ def run(a) -> int:
     params = sampling_from_args(a)
     text = prompt_text(a)
     engine = engine_from_args(a)
-    prompt = engine.encode(text)
+    prompt = engine.encode(text, max_tokens=engine.model.max_seq + 1)  # a piped file is not tokenized whole
     check_fits(engine, len(prompt), params.max_tokens)
     gen = TextGeneration(engine, prompt, params)
     sys.stdout.write(text)
