@@ -32,7 +32,6 @@ def run(a) -> int:
         part = encode_text(path, text, left)
         docs.append([len(ids), len(ids) + len(part), domain])
         ids += part
-    ids = ids[:a.max_tokens]
     with progress_bar(total=len(ids), unit="tok", desc="trace") as bar:
         t = record_trace(path, ids, a.out, a.context, a.dtype, docs, bar.update)
     print(f"wrote {t.num_tokens} tokens x {t.header['num_layers']} layers x {t.header['num_experts']} experts "

@@ -139,7 +139,7 @@ def _cgroup_room() -> int | None:
         for group in (root / path.lstrip("/"), root):  # a container sees its own group at the root
             try:
                 limit, used = (group / names[0]).read_text().strip(), int((group / names[1]).read_text())
-                stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+                stat = dict(row.split() for row in (group / "memory.stat").read_text().splitlines())
             except (OSError, ValueError):
                 continue
             if limit == "max" or int(limit) >= 2**60:  # no limit (v1 writes a huge number)

@@ -10,7 +10,7 @@ from ..errors import CheckpointError
 from ..kernel.routing import Router
 from ..models import family_of
 from ..models.args import LayerExperts, ModelArgs
-from .checkpoint import Checkpoint
+from .checkpoint import CONFIG_DTYPES, Checkpoint
 
 # the dense matrices a family may have, in our names (after Transformer joins q, k, v and gate, up): held in
 # their own dtype (or quantized) and run as engine.linear.Linear; every other dense tensor (norms, biases, a
@@ -48,8 +48,7 @@ def expert_dtype(ckpt: Checkpoint, args: ModelArgs) -> torch.dtype:
     name = p + "gate_up_proj" if p + "gate_up_proj" in ckpt.files or names is None else names["w1"][0]
     dtype = ckpt.info(name).dtype
     if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return {"float16": torch.float16, "float32": torch.float32}.get(
-            ckpt.config.get("dtype") or ckpt.config.get("torch_dtype"), torch.bfloat16)
+        return CONFIG_DTYPES.get(ckpt.config.get("dtype") or ckpt.config.get("torch_dtype"), torch.bfloat16)
     return dtype
 
 

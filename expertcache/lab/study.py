@@ -65,10 +65,10 @@ def study_sequences(engine: Engine, cfg: StudyConfig) -> StudySequences:
     its segments) cut to whole windows of `cfg.context`, and prompts from the rest of it (of its first
     PREFIX_FACTOR times the tokens the domain's windows and prompts take: a large file is not tokenized whole)."""
     ids, domains, starts, prompts = [], [], [], []
-    used = cfg.tokens_per_domain + cfg.prompts_per_domain * (cfg.prompt_tokens + 8)
+    for_prompts = cfg.prompts_per_domain * (cfg.prompt_tokens + 8)
     for domain, text in domain_texts(Path(cfg.text or EVAL_TEXT), cfg.domains or None):
-        toks = engine.encode(text, max_tokens=PREFIX_FACTOR * used)
-        n = min(cfg.tokens_per_domain, len(toks) - cfg.prompts_per_domain * (cfg.prompt_tokens + 8))
+        toks = engine.encode(text, max_tokens=PREFIX_FACTOR * (cfg.tokens_per_domain + for_prompts))
+        n = min(cfg.tokens_per_domain, len(toks) - for_prompts)
         n = n // cfg.context * cfg.context  # windows never straddle a topic change
         if n <= 0:
             continue  # a domain too short for one window and its prompts

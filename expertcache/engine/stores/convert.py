@@ -18,7 +18,7 @@ from ...models.args import ModelArgs
 from ...progress import progress_bar
 from ..checkpoint import Checkpoint
 from ..quant import ExpertFormat, encode
-from ..weights import expert_parts
+from ..weights import expert_dtype, expert_parts
 from .base import ALIGN, DISK_FORMAT_VERSION, ExpertShape, blob_bytes
 
 # Written bytes a conversion holds in the page cache at most: a layer of a real model's experts is a GiB or more
@@ -65,18 +65,17 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
     tmp = out_dir / "experts.bin.partial"
     checksums, flushed = [], 0
-    fmt = fmt or (ExpertFormat.of_dtype(dtype) if dtype is not None else None)
-    _check_space(out_dir, shape.num_layers * shape.num_experts *
-                 blob_bytes(shape, fmt or ExpertFormat.of_dtype(expert_parts(ckpt, args, 0, 0)[0].dtype)))
+    fmt = fmt or ExpertFormat.of_dtype(dtype if dtype is not None else expert_dtype(ckpt, args))
+    blob = blob_bytes(shape, fmt)
+    _check_space(out_dir, shape.num_layers * shape.num_experts * blob)
     try:
         bar_args = dict(total=args.num_moe_layers, unit="layer", desc=f"convert to {out_dir.name}")
         with progress_bar(progress, **bar_args) as bar, open(tmp, "wb") as f:
             for layer in range(args.num_moe_layers):
                 for e in range(args.num_experts):  # one expert at a time: a conversion holds one, not a layer
                     # w13, w2 (and b13, b2): the blob's order; as stored when the checkpoint is in `fmt` already
-                    parts = expert_parts(ckpt, args, layer, e, mxfp4=fmt is not None and fmt.mx)
-                    fmt = fmt or ExpertFormat.of_dtype(parts[0].dtype)
-                    data = encode(parts, shape.parts, fmt, blob_bytes(shape, fmt))
+                    parts = expert_parts(ckpt, args, layer, e, mxfp4=fmt.mx)
+                    data = encode(parts, shape.parts, fmt, blob)
                     checksums.append(crc32c.crc32c(data))  # of the stored bytes: the same check for every format
                     f.write(data)
                     if f.tell() - flushed >= FLUSH_BYTES:
@@ -89,7 +88,7 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     os.replace(tmp, out_dir / "experts.bin")
     meta = {"format_version": DISK_FORMAT_VERSION, **fmt.meta(),
             "num_layers": shape.num_layers, "num_experts": shape.num_experts, "w13": list(shape.w13),
-            "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": blob_bytes(shape, fmt), "align": ALIGN,
+            "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": blob, "align": ALIGN,
             "checksum": "crc32c", "checksums": checksums}
     (out_dir / "experts.json.partial").write_text(json.dumps(meta))
     os.replace(out_dir / "experts.json.partial", out_dir / "experts.json")

@@ -13,6 +13,7 @@ from ..quant import FLOAT_DTYPES, ExpertFormat, encode, encoded_bytes, roundtrip
 from ..weights import all_layer_experts, expert_dtype
 from .base import ExpertShape, ExpertStore
 
+
 def held_dtype(ckpt: Checkpoint, args: ModelArgs, dtype: torch.dtype | None, fmt: ExpertFormat | None) -> torch.dtype:
     """The float dtype a ram store holds its experts in: `dtype`, else the checkpoint's (from its headers), else a
     float `fmt`'s, fp32 for a quantized one."""
