@@ -14,7 +14,8 @@ precision, with the real cost of issuing, reading and waiting. Each predictor ru
 oracle's gain" is (on demand / variant - 1) / (on demand / oracle - 1), and "predict" the wall time
 of a token's predictions (the attention run ahead included). "disk busy" is the time per token that the store's
 device had a read in flight (Linux's /proc/diskstats; n/a elsewhere): no prefetch can bring a token below it,
-so on demand / disk busy bounds any gain. Variants run round robin,
+so on demand / disk busy bounds any gain; "thread CPU" is the decoding thread's own CPU time per token (its
+compute share, issuing and checking reads, predicting; not its waits). Variants run round robin,
 `repeats` times after one warm-up round; medians. Counts are the decode tokens' own (the prompt's
 forward excluded).
 """
@@ -99,14 +100,15 @@ def decode(engine, prompt: list[int], tokens: int) -> tuple[list[int], dict]:
     s = engine.stats
     before = (s.tokens, s.sync_fetches, s.prefetch_fetches, s.stall_s, s.predict_s)
     busy = busy_ms(engine.store.path)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     out += list(it)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
     busy = None if busy is None else busy_ms(engine.store.path) - busy
     n = s.tokens - before[0]
     return out, {"ms_per_token": 1e3 * wall / n, "sync_fetches": (s.sync_fetches - before[1]) / n,
                  "prefetches": (s.prefetch_fetches - before[2]) / n, "stall_ms": 1e3 * (s.stall_s - before[3]) / n,
-                 "predict_ms": 1e3 * (s.predict_s - before[4]) / n, "disk_busy_ms": None if busy is None else busy / n}
+                 "predict_ms": 1e3 * (s.predict_s - before[4]) / n, "disk_busy_ms": None if busy is None else busy / n,
+                 "thread_cpu_ms": 1e3 * cpu / n}
 
 
 def main() -> None:
@@ -163,13 +165,13 @@ def main() -> None:
         r["of_oracle_gain"] = (base / r["ms_per_token"] - 1) / bound if bound > 0 else None  # no gain to share
     print(f"disk store, cache {a.cache}, {a.policy}, {a.tokens} decode tokens, medians of {a.repeats}\n")
     print("| variant | ms/token | vs on demand | of the oracle's gain | synchronous fetches/token | prefetches/token "
-          "| stall ms/token | predict ms/token | disk busy ms/token |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| stall ms/token | predict ms/token | disk busy ms/token | thread CPU ms/token |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     na = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     for name, r in rows.items():
         print(f"| {name} | {r['ms_per_token']:.2f} | {base / r['ms_per_token']:.2f}x | {na(r['of_oracle_gain'], '.0%')} | "
               f"{r['sync_fetches']:.1f} | {r['prefetches']:.1f} | {r['stall_ms']:.2f} | {r['predict_ms']:.3f} | "
-              f"{na(r['disk_busy_ms'], '.2f')} |")
+              f"{na(r['disk_busy_ms'], '.2f')} | {r['thread_cpu_ms']:.2f} |")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "medians": rows,
                                       "runs": runs}, indent=1))
