@@ -183,33 +183,6 @@ def test_quantized_slots_equal_dequantised_fp32_slots(tiny, tmp_path, family, dt
         q.set_policy("lowbit:tau=0.15")
 
 
-@pytest.mark.parametrize("io", ["uring", "threads"])
-def test_quantized_slots_of_whole_blobs_take_each_read_straight_in(tmp_path, io):
-    """Where an expert's blob is whole pages (at real sizes), a quantized slot is that blob: the disk store's reads
-    land in the slot itself, through io_uring or a worker, with no staging buffer and none in the memory plan,
-    and give the logits of the ram store's copies of the same blobs, fetch for fetch."""
-    from hf_models import save_tiny
-
-    from expertcache.engine.uring import RingReads
-    if io == "uring" and RingReads.open() is None:
-        pytest.skip("io_uring is not available here")
-    save_tiny("qwen2_moe", tmp_path / "model", moe_intermediate_size=512)  # int8 blobs of 15 whole pages
-    fmt = ExpertFormat.parse("int8", 16)
-    disk = Engine(tmp_path / "model", EngineConfig(cache=CacheConfig(fraction=0.5, io=io), initial="cold", store="disk",
-                                                   store_dir=tmp_path / "store", store_format=fmt, slot_dtype="int8"))
-    ram = engine(tmp_path / "model", store="ram", store_format=fmt, slot_dtype="int8")
-    blob = disk.store.expert_bytes
-    assert blob == encoded_bytes(disk.store.shape.parts, fmt) == disk.cache.blobs.shape[1] == 15 * 4096
-    assert disk.plan.parts()["transfer buffers"] == 0
-    assert torch.equal(logits_of(disk), logits_of(ram))
-    assert disk.stats.sync_fetches == ram.stats.sync_fetches > 0
-    transfers = disk.cache.transfers
-    assert transfers.direct is not None and not transfers.staged  # no read went through a staging buffer
-    assert (transfers.ring is not None) == (io == "uring")
-    disk.close()
-    ram.close()
-
-
 @pytest.mark.parametrize("family, dtype", [("qwen2_moe", "int4"), ("gpt_oss", "int8")])
 def test_quantized_slots_from_the_ram_store_equal_the_disk_stores(tiny, tmp_path, family, dtype):
     """The ram store of an int8/int4 format encodes the blobs the disk store of that format holds:

@@ -33,7 +33,7 @@ from .budget import FORWARD_CHUNK, MemoryPlan, available_memory, dense_bytes, kv
 from .linear import dense_format, float_dtype
 from .moe import MoELayerRunner, PrefetchConfig
 from .predictors import make_predictor, predictor_bytes
-from .quant import FLOAT_DTYPES, SMALL_FORMAT, ExpertFormat, encoded_bytes
+from .quant import FLOAT_DTYPES, SMALL_FORMAT, ExpertFormat
 from .stats import RunStats
 from .stores import ExpertShape, ExpertStore, open_store, staging_bytes
 from .stores.ram import held_dtype
@@ -217,7 +217,7 @@ class Engine:
             parts = {**self.plan.parts(), "expert slots": one * shape.num_layers *
                      slots_per_layer(cache, shape, one, self.args.top_k)}
         if c.store in ("ram", "pinned"):  # every expert, as the store holds them (quantized slots: encoded)
-            each = encoded_bytes(shape.parts, stored) if self.slot_format.quantized else \
+            each = slot_bytes(shape, stored) if self.slot_format.quantized else \
                 shape.numel * store_dtype.itemsize
             parts[f"the {c.store} store's experts"] = each * shape.num_layers * shape.num_experts
         need = sum(parts.values())

@@ -10,7 +10,7 @@ import torch
 from ..choices import SLOT_DTYPES
 from ..errors import BadInput, UnknownName
 from .quant import FLOAT_DTYPES, ExpertFormat, encoded_bytes
-from .stores import ExpertShape, blob_bytes, reads_into_slots
+from .stores import ExpertShape
 
 
 def slot_format(name: str, device: torch.device, stored: ExpertFormat, store: str = "disk") -> ExpertFormat:
@@ -40,12 +40,8 @@ def slot_format(name: str, device: torch.device, stored: ExpertFormat, store: st
 
 
 def slot_bytes(shape: ExpertShape, fmt: ExpertFormat) -> int:
-    """Fast-tier bytes of one expert's slot in `fmt`: its float values, or its encoded blob: padded to whole pages
-    as the disk store keeps it where that adds little (stores.reads_into_slots), so that an O_DIRECT read lands
-    in the slot itself, with no staging copy; else unpadded."""
-    if not fmt.quantized:
-        return shape.numel * FLOAT_DTYPES[fmt.dtype].itemsize
-    return blob_bytes(shape, fmt) if reads_into_slots(shape, fmt, fmt) else encoded_bytes(shape.parts, fmt)
+    """Fast-tier bytes of one expert's slot in `fmt`: its float values, or its encoded blob unpadded."""
+    return encoded_bytes(shape.parts, fmt) if fmt.quantized else shape.numel * FLOAT_DTYPES[fmt.dtype].itemsize
 
 
 def page_aligned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

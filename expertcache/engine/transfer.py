@@ -3,8 +3,8 @@
 Fetches, background admissions and prefetches all go through `submit`, which returns
 a `Transfer`; `wait` blocks until its slot holds the expert and reports the stall.
 On CPU, O_DIRECT reads go through io_uring where the system has it (engine/uring.py: queued
-and reaped by the engine's own thread): straight into float slots of the store's dtype or into
-quantized slots (each a whole blob), or into a page-aligned staging buffer that a low-precision
+and reaped by the engine's own thread): straight into float slots of the store's dtype, or into
+a page-aligned staging buffer whose encoded bytes a quantized slot takes, or that a low-precision
 copy is decoded from when reaped; other reads (a dtype conversion, buffered modes) run on worker
 threads (O_DIRECT reads release the GIL). On CUDA (`DeviceCopies`) a read lands in a pinned staging
 buffer on the host, is copied to the slot with non_blocking=True on a copy stream that first waits for
@@ -174,12 +174,12 @@ class TransferEngine:
         runtime = runtime or (CudaRuntime(w13.device) if w13.is_cuda else None)
         self.cuda = runtime is not None
         self.device_copies = DeviceCopies(self.slot_tensors, runtime, workers + 1) if self.cuda else None
-        # CPU slots that the store reads straight into: each slot's views taken once, not per read
-        direct = None if self.cuda else [store.direct_targets([x[s] for x in self.slot_tensors])
-                                         for s in range(w13.shape[0])]
+        # CPU float slots that the store reads straight into: each slot's views taken once, not per read
+        direct = None if encoded or self.cuda else [store.direct_targets([x[s] for x in self.slot_tensors])
+                                                     for s in range(w13.shape[0])]
         self.direct = direct if direct and all(t is not None for t in direct) else None
-        # io_uring for the direct reads, and through page-aligned staging buffers for quantized slots that are not
-        # whole blobs (a store's read_encoded into them) and for low-precision copies (decoded into the slot when reaped)
+        # io_uring for the direct reads, and through page-aligned staging buffers for quantized slots' blobs
+        # and for low-precision copies (decoded into the slot when reaped)
         self.ring, self.reads = self._ring(io), {}  # ticket -> (transfer, its store, its staging buffer or None)
         self.iovecs = [RingReads.iovec(t) for t in self.direct] if self.ring is not None and self.direct else None
         self.staging: dict[int, list[tuple[np.ndarray, object]]] = {}  # blob bytes -> free (buffer, iovec) pairs

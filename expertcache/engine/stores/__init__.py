@@ -19,7 +19,7 @@ from ...errors import CheckpointError, UnknownName
 from ...models.args import ModelArgs
 from ..checkpoint import Checkpoint
 from ..quant import ExpertFormat
-from .base import ALIGN, DISK_FORMAT_VERSION, ExpertShape, ExpertStore, blob_bytes, reads_into_slots, staging_bytes
+from .base import ALIGN, DISK_FORMAT_VERSION, ExpertShape, ExpertStore, blob_bytes, staging_bytes
 from .convert import (blob_checksum, conversion_lock, convert_to_disk, default_store_dir, format_store_dir,
                       store_format)
 from .disk import F_NOCACHE, READ_MODES, DiskStore, open_blob_file
@@ -27,8 +27,7 @@ from .ram import PinnedStore, RamStore
 
 __all__ = ["ALIGN", "DISK_FORMAT_VERSION", "F_NOCACHE", "READ_MODES", "STORES", "DiskStore", "ExpertShape",
            "ExpertStore", "PinnedStore", "RamStore", "blob_bytes", "conversion_lock", "convert_to_disk",
-           "default_store_dir", "format_store_dir", "open_blob_file", "open_store", "reads_into_slots",
-           "staging_bytes", "store_format"]
+           "default_store_dir", "format_store_dir", "open_blob_file", "open_store", "staging_bytes", "store_format"]
 STORES = ("ram", "disk", "pinned")
 
 

@@ -13,7 +13,6 @@ from ...models.args import ModelArgs
 from ..quant import FLOAT_DTYPES, ExpertFormat, encoded_bytes
 
 ALIGN = 4096
-PAD_SHARE = 1 / 32  # the most of a quantized slot's bytes that padding it to whole pages may add (reads_into_slots)
 DISK_FORMAT_VERSION = 3  # 2: a CRC32C per blob in experts.json; 3: quantized matrices in row blocks of 16 (quant.py)
 
 
@@ -108,14 +107,9 @@ def staging_bytes(store: str, shape: ExpertShape, fmt: ExpertFormat, workers: in
 
 def reads_into_slots(shape: ExpertShape, fmt: ExpertFormat, slots: ExpertFormat) -> bool:
     """Whether a disk store of `fmt` reads each blob straight into CPU slots of format `slots`, with no staging
-    buffer (DiskStore.direct_targets): slots of the blob's own float dtype whose parts are whole pages, or
-    quantized slots of its format where padding each to a whole blob costs at most PAD_SHARE of it (engine/slots.py:
-    at real sizes, not on small experts, whose staging copy is cheap)."""
-    if slots != fmt:
+    buffer (DiskStore.direct_targets): slots of the blob's own float dtype whose parts are whole pages."""
+    if slots != fmt or fmt.quantized:
         return False
-    if fmt.quantized:
-        encoded = encoded_bytes(shape.parts, fmt)
-        return blob_bytes(shape, fmt) - encoded <= encoded * PAD_SHARE
     itemsize = FLOAT_DTYPES[fmt.dtype].itemsize
     return encoded_bytes(shape.parts, fmt) == blob_bytes(shape, fmt) and \
         all(math.prod(p) * itemsize % ALIGN == 0 for p in shape.parts)

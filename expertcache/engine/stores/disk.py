@@ -103,7 +103,7 @@ class DiskStore(ExpertStore):
         raw = None if quantized else FLOAT_DTYPES[self.format.dtype]
         self._raw = raw  # float blobs: the parts' values back to back, no padding between them
         self._segments = layout(shape.parts, self.format)
-        # a quantized slot's whole blob, or a float blob that is whole pages per part, is read straight into slot rows
+        # a float blob that is whole pages per part can be read straight into slot rows of its dtype
         self._direct_parts = reads_into_slots(shape, self.format, self.format)
 
     @property
@@ -168,13 +168,7 @@ class DiskStore(ExpertStore):
 
     def direct_targets(self, dsts):
         """The bytes of dsts as uint8 arrays when the blob's float parts are whole pages of their
-        dtype and dsts are contiguous CPU tensors of that dtype and shape at page-aligned addresses,
-        or when the blob is quantized and dsts is one quantized slot: a page-aligned CPU uint8 [blob]."""
-        if self.format.quantized:
-            d = dsts[0] if len(dsts) == 1 else None
-            whole = d is not None and d.device.type == "cpu" and d.dtype == torch.uint8 and d.is_contiguous() \
-                and d.numel() == self.blob and d.data_ptr() % ALIGN == 0
-            return [d.numpy()] if whole else None
+        dtype and dsts are contiguous CPU tensors of that dtype and shape at page-aligned addresses."""
         if not self._direct_parts or len(dsts) != len(self.shape.parts):
             return None
         if self._cpu_slots(dsts) and all(d.dtype == self._raw and d.data_ptr() % ALIGN == 0 for d in dsts):
@@ -194,18 +188,14 @@ class DiskStore(ExpertStore):
         return self._local.scratch
 
     def read_encoded(self, layer, expert, dst):
-        """Read and check the blob of (layer, expert) into dst uint8 [at least encoded_bytes]: a quantized
-        slot keeps its encoded bytes as they are; straight into dst where it is a whole page-aligned blob
-        (direct_targets), else through this thread's buffer. Returns the blob's bytes."""
-        targets = self.direct_targets([dst])
-        if targets is not None:
-            return self.read_direct(layer, expert, targets)
+        """Read and check the blob of (layer, expert), then copy its encoded bytes (unpadded) into dst
+        uint8 [encoded_bytes]: a quantized slot keeps them as they are. Returns the blob's bytes."""
         self.copy_encoded(self._read(layer, expert), dst)
         return self.blob
 
     def copy_encoded(self, blob: np.ndarray, dst: torch.Tensor) -> None:
-        """A checked blob's encoded bytes into a quantized slot dst uint8 [at least encoded_bytes]."""
-        dst.numpy()[:self.encoded_bytes] = blob[:self.encoded_bytes]
+        """A checked blob's encoded bytes (unpadded) into a quantized slot dst uint8 [encoded_bytes]."""
+        dst.numpy()[:] = blob[:self.encoded_bytes]
 
     def _read(self, layer: int, expert: int, into: list | None = None) -> np.ndarray | None:
         """One blob read with O_DIRECT into this thread's buffer, or into the buffers `into` (page-aligned,

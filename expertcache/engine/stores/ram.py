@@ -83,7 +83,7 @@ class RamStore(ExpertStore):
         return self.expert_bytes
 
     def read_encoded(self, layer, expert, dst):
-        """Copy the int8/int4/MXFP4 blob of (layer, expert) into a quantized slot dst uint8 [at least its bytes]:
+        """Copy the int8/int4/MXFP4 blob of (layer, expert) into a quantized slot dst uint8 [encoded bytes]:
         the bytes the disk store of this format holds, encoded from the checkpoint on first use (MXFP4 from the
         dequantised weights of an MXFP4 checkpoint: their values, if not always their scales)."""
         if self.format is None or not self.format.quantized:
@@ -95,7 +95,7 @@ class RamStore(ExpertStore):
                                                                self.shape.parts, self.format, n)), dtype=torch.uint8)
                              for e in range(self.shape.num_experts)])
                 for x in all_layer_experts(self._ckpt, self._args)])  # [L, E, n]
-        dst[:self._blobs.shape[2]].copy_(self._blobs[layer, expert])
+        dst.copy_(self._blobs[layer, expert])
         return self.expert_bytes
 
 
