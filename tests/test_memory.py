@@ -125,6 +125,23 @@ def test_a_run_larger_than_the_free_memory_is_refused_not_killed():
     assert "this machine has free" in err and "--store disk" in err, err
 
 
+def test_a_run_larger_than_the_gpus_free_memory_is_refused_before_loading(monkeypatch):
+    """On CUDA the engine compares what the device would hold with what it has free before any weight is read:
+    a GPU with too little free memory gets one line naming the sizes and the fixes, with no weight loaded (the
+    device here is a stand-in; no GPU is touched before the refusal). One with room for the whole plan passes it."""
+    from expertcache.errors import NotEnoughMemory
+    free = {"bytes": 32 * 2**20}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 * 2**30))
+    monkeypatch.setattr("expertcache.engine.engine.open_store", lambda *a, **k: pytest.fail("a store was opened"))
+    with pytest.raises(NotEnoughMemory, match=r"^this run would hold [\d.]+ MiB on cuda \(.*expert slots .*\), more "
+                                              r"than the 32 MiB free there; use a smaller --cache"):
+        Engine(None, EngineConfig(device="cuda", store="ram", cache=CacheConfig(fraction=1.0)))
+    free["bytes"] = 8 * 2**30
+    with pytest.raises(pytest.fail.Exception, match="a store was opened"):  # past the check: it would load now
+        Engine(None, EngineConfig(device="cuda", store="ram", cache=CacheConfig(fraction=1.0)))
+
+
 @pytest.mark.parametrize("slot_dtype, buffers", [("auto", 0), ("fp16", 0), ("fp32", 3)])
 def test_the_budget_plans_the_staging_buffers_the_reads_use(slot_dtype, buffers):
     """The built-in model's fp16 blobs land straight in fp16 slots: the plan counts no staging buffer, and the

@@ -161,6 +161,7 @@ class Engine:
         if config.memory_budget is not None:
             cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget))
         self._check_memory(cache_cfg, stored, held_dtype(ckpt, self.args, store_dtype, config.store_format))
+        self._check_device_memory(cache_cfg)
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, store_dtype, config.store_format,
                                 config.read_mode, config.verify)
         self.slot_format = slot_format(config.slot_dtype, self.device, self.store.stored_format, config.store)
@@ -227,6 +228,27 @@ class Engine:
                 ["a smaller --cache", "--memory-budget"]
             raise NotEnoughMemory(f"this run would hold {size_text(need)} ({held}), more than the {size_text(free)} "
                                   f"this machine has free; use {', '.join(fixes[:-1])} or {fixes[-1]}")
+
+    def _check_device_memory(self, cache: CacheConfig) -> None:
+        """On CUDA, NotEnoughMemory before any weight is read where what the device holds (the dense weights, the KV
+        cache, the workspace, a predictor and the expert slots; staging buffers are host memory) is clearly more than
+        it has free: the load would otherwise end in an out-of-memory error after reading the dense weights."""
+        if self.device.type != "cuda":
+            return
+        try:
+            free = torch.cuda.mem_get_info(self.device)[0]
+        except (RuntimeError, AssertionError):  # a driver that cannot say: the allocator's own error stands
+            return
+        shape = ExpertShape.of(self.args)
+        one = slot_bytes(shape, self.slot_format)
+        parts = {k: v for k, v in self.plan.parts().items() if k != "transfer buffers"} | \
+            {"expert slots": one * shape.num_layers * slots_per_layer(cache, shape, one, self.args.top_k)}
+        need = sum(parts.values())
+        if need > 1.05 * free:
+            held = ", ".join(f"{k} {size_text(v)}" for k, v in parts.items() if v >= 2**20)
+            raise NotEnoughMemory(f"this run would hold {size_text(need)} on {self.device} ({held}), more than the "
+                                  f"{size_text(free)} free there; use a smaller --cache, --memory-budget, a smaller "
+                                  "--max-seq, or --device cpu")
 
     def _expert_budget(self, budget: int) -> int:
         """Bytes left for expert slots when the fast tier holds `budget` bytes in all: the plan's parts first;
