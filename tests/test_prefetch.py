@@ -308,6 +308,27 @@ def test_router_ahead_decode_path_equals_torch():
     torch.testing.assert_close(torch.from_numpy(fast), p.logits(2, None, x, None, None), atol=1e-5, rtol=1e-5)
 
 
+def test_router_ahead_routes_and_predicts_in_one_call():
+    """Router-ahead computes a decode token's routing at layer l and its prediction for l+1 in one compiled call:
+    the routing is the engine's own, the prediction is its product on that same input, taken once; a prediction
+    for another input is computed afresh, not reused."""
+    from expertcache.engine.moe import route
+    from expertcache.engine.predictors import make_predictor
+    engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
+    p, model = make_predictor("router-ahead", engine.model, engine.path), engine.model
+    g = torch.Generator().manual_seed(3)
+    x, other = (torch.randn(1, engine.args.hidden_size, generator=g) for _ in range(2))
+    weight = model.moe_layers[2]["router"]
+    fused, plain = p.route(2, x, weight, model.router), route(x, weight, model.router, 2)
+    assert np.array_equal(fused.ids, plain.ids) and np.array_equal(fused.weights, plain.weights)
+    want = p.logits(2, None, x, None, None)
+    torch.testing.assert_close(torch.from_numpy(p.decode_logits(2, None, x, None, None)), want, atol=1e-5, rtol=1e-5)
+    assert p._ahead is None  # taken
+    p.route(2, x, weight, model.router)
+    torch.testing.assert_close(torch.from_numpy(p.decode_logits(2, None, other, None, None)),
+                               p.logits(2, None, other, None, None), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["quasi-hidden", "estimator", "hybrid", "lookahead"])
 def test_compiled_prediction_equals_torch(name):
     """Decode's compiled prediction (quasi-hidden's state, and the estimator net on it or on the next layer's

@@ -221,8 +221,10 @@ class MoELayerRunner:
         a, cache, stats = self.args, self.cache, self.stats
         if self.prefetch.mode == "speculative" and layer > 0 and self.predicted is not None:
             routing = self.predicted  # the true router is skipped
-        else:  # the one host sync of the layer: decisions need the routes on the host
-            routing = route(x, router, self.router, layer)
+        else:  # the one host sync of the layer: decisions need the routes on the host (a predictor may route)
+            fused = self.predictor is not None and layer + 1 < a.num_moe_layers
+            routing = (fused and self.predictor.route(layer, x, router, self.router)) or \
+                route(x, router, self.router, layer)
         self.predicted = None
         T = routing.ids.shape[0]
         if self.predictor is not None:  # the next token's `prev` (start_forward decides whether it applies)

@@ -41,6 +41,14 @@ def gemv(w, x, b, out):
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def gemv_pair(w, w_next, x, out, out_next):
+    """out = w @ x and out_next = w_next @ x in one call: a layer's router and the next layer's on the same input
+    (the router-ahead prediction riding on the routing, with no call of its own)."""
+    gemv(w, x, EMPTY, out)
+    gemv(w_next, x, EMPTY, out_next)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
 def _norm_heads(v, w, eps, heads, dim):
     """RMS-normalise each of `heads` consecutive dim-channel slices of v in place with w [dim]."""
     for h in range(heads):
