@@ -219,12 +219,13 @@ class MoELayerRunner:
         """x [T, H] (normed MoE input) of MoE layer `layer` -> routed experts' combined output
         [T, H] (times the routed scaling factor)."""
         a, cache, stats = self.args, self.cache, self.stats
+        ahead = self.predictor is not None and layer + 1 < a.num_moe_layers
         if self.prefetch.mode == "speculative" and layer > 0 and self.predicted is not None:
             routing = self.predicted  # the true router is skipped
         else:  # the one host sync of the layer: decisions need the routes on the host (a predictor may route)
-            fused = self.predictor is not None and layer + 1 < a.num_moe_layers
-            routing = (fused and self.predictor.route(layer, x, router, self.router)) or \
-                route(x, router, self.router, layer)
+            routing = self.predictor.route(layer, x, router, self.router) if ahead else None
+            if routing is None:
+                routing = route(x, router, self.router, layer)
         self.predicted = None
         T = routing.ids.shape[0]
         if self.predictor is not None:  # the next token's `prev` (start_forward decides whether it applies)
@@ -301,8 +302,6 @@ class MoELayerRunner:
                 rest = [(t, s, g) for s, entries in by_slot.items() for t, g in entries]
                 if rest:
                     add(rest)
-
-        ahead = self.predictor is not None and layer + 1 < a.num_moe_layers
 
         def predict(experts: np.ndarray, gates: np.ndarray) -> None:  # this token's slots stay protected
             self._predict_next(layer, x, experts, gates)

@@ -78,13 +78,13 @@ class RouterAhead(Predictor):
     """Router_{l+1}(x_l): the next layer's router on this layer's normed MoE input."""
     name = "router-ahead"
 
-    def logits(self, layer, resid, x, ids, weights, prev=None):
-        """x [T, H] -> Router_{l+1}(x) [T, E]."""
-        return self._router_logits(layer, x)
-
     def __init__(self, model: Transformer):
         super().__init__(model)
         self._ahead: tuple[torch.Tensor, np.ndarray] | None = None  # (x, layer+1's logits) computed by `route`
+
+    def logits(self, layer, resid, x, ids, weights, prev=None):
+        """x [T, H] -> Router_{l+1}(x) [T, E]."""
+        return self._router_logits(layer, x)
 
     def route(self, layer, x, weight, router):
         """Layer l's router and layer l+1's on the same decode input, in one compiled call: the prediction costs
