@@ -94,6 +94,17 @@ def max_seq_limit(args: ModelArgs) -> int:
     return max(args.max_position_embeddings, EngineConfig.max_seq)
 
 
+def refuse_unless_fits(parts: dict[str, int], free: int, where: str, free_where: str, fixes: str) -> None:
+    """NotEnoughMemory naming the parts (bytes by name) a run would hold `where` and the fixes, when together they
+    are clearly more than `free` bytes: past the budget's own tolerance (a run the plan puts just past what is free
+    may fit)."""
+    need = sum(parts.values())
+    if need > 1.05 * free:
+        held = ", ".join(f"{k} {size_text(v)}" for k, v in parts.items() if v >= 2**20)
+        raise NotEnoughMemory(f"this run would hold {size_text(need)}{where} ({held}), more than the "
+                              f"{size_text(free)} {free_where}; use {fixes}")
+
+
 class Engine:
     """A checkpoint run with its experts in a slow tier and an expert cache in the fast tier, under one
     miss policy; `forward(ids [T], pos) -> logits [T, V]`."""
@@ -212,22 +223,14 @@ class Engine:
         if free is None:
             return
         shape, c = ExpertShape.of(self.args), self.config
-        parts = {}
-        if self.device.type == "cpu":
-            one = slot_bytes(shape, self.slot_format)
-            parts = {**self.plan.parts(), "expert slots": one * shape.num_layers *
-                     slots_per_layer(cache, shape, one, self.args.top_k)}
+        parts = {**self.plan.parts(), "expert slots": self._slots_bytes(cache)} if self.device.type == "cpu" else {}
         if c.store in ("ram", "pinned"):  # every expert, as the store holds them (quantized slots: encoded)
             each = slot_bytes(shape, stored) if self.slot_format.quantized else \
                 shape.numel * store_dtype.itemsize
             parts[f"the {c.store} store's experts"] = each * shape.num_layers * shape.num_experts
-        need = sum(parts.values())
-        if need > 1.05 * free:  # the budget's own tolerance: a run the plan puts just past what is free may fit
-            held = ", ".join(f"{k} {size_text(v)}" for k, v in parts.items() if v >= 2**20)
-            fixes = (["--store disk (the experts stay on the disk)"] if c.store in ("ram", "pinned") else []) + \
-                ["a smaller --cache", "--memory-budget"]
-            raise NotEnoughMemory(f"this run would hold {size_text(need)} ({held}), more than the {size_text(free)} "
-                                  f"this machine has free; use {', '.join(fixes[:-1])} or {fixes[-1]}")
+        fixes = (["--store disk (the experts stay on the disk)"] if c.store in ("ram", "pinned") else []) + \
+            ["a smaller --cache", "--memory-budget"]
+        refuse_unless_fits(parts, free, "", "this machine has free", f"{', '.join(fixes[:-1])} or {fixes[-1]}")
 
     def _check_device_memory(self, cache: CacheConfig) -> None:
         """On CUDA, NotEnoughMemory before any weight is read where what the device holds (the dense weights, the KV
@@ -239,16 +242,16 @@ class Engine:
             free = torch.cuda.mem_get_info(self.device)[0]
         except (RuntimeError, AssertionError):  # a driver that cannot say: the allocator's own error stands
             return
+        parts = {k: v for k, v in self.plan.parts().items() if k != "transfer buffers"} | \
+            {"expert slots": self._slots_bytes(cache)}
+        refuse_unless_fits(parts, free, f" on {self.device}", "free there",
+                           "a smaller --cache, --memory-budget, a smaller --max-seq, or --device cpu")
+
+    def _slots_bytes(self, cache: CacheConfig) -> int:
+        """The expert slots' bytes in the fast tier under `cache`."""
         shape = ExpertShape.of(self.args)
         one = slot_bytes(shape, self.slot_format)
-        parts = {k: v for k, v in self.plan.parts().items() if k != "transfer buffers"} | \
-            {"expert slots": one * shape.num_layers * slots_per_layer(cache, shape, one, self.args.top_k)}
-        need = sum(parts.values())
-        if need > 1.05 * free:
-            held = ", ".join(f"{k} {size_text(v)}" for k, v in parts.items() if v >= 2**20)
-            raise NotEnoughMemory(f"this run would hold {size_text(need)} on {self.device} ({held}), more than the "
-                                  f"{size_text(free)} free there; use a smaller --cache, --memory-budget, a smaller "
-                                  "--max-seq, or --device cpu")
+        return one * shape.num_layers * slots_per_layer(cache, shape, one, self.args.top_k)
 
     def _expert_budget(self, budget: int) -> int:
         """Bytes left for expert slots when the fast tier holds `budget` bytes in all: the plan's parts first;

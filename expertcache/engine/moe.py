@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..kernel.cache_state import N_LOG
-from ..kernel.dense_decode import EMPTY, gemv
+from ..kernel.dense_decode import EMPTY, gemv, gemv_pair
 from ..kernel.policy import would_fetch
 from ..kernel.routing import Router, Routing
 from ..models.args import ModelArgs
@@ -46,13 +46,20 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torc
     return (x @ weight.t()).float()
 
 
-def decode_router_logits(x: torch.Tensor, weight: torch.Tensor) -> np.ndarray | None:
+def decode_router_logits(x: torch.Tensor, weight: torch.Tensor, ahead: torch.Tensor | None = None
+                         ) -> np.ndarray | None:
     """One decode token's router logits [1, E] as one compiled product, no torch op, where x [1, H] is
-    fp32 on the CPU and the router's weight [E, H] fp32, fp16 or bf16 there; None otherwise."""
-    if x.shape[0] != 1 or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype not in KERNEL_VIEWS:
+    fp32 on the CPU and the router's weight [E, H] fp32, fp16 or bf16 there; None otherwise. With `ahead`
+    (the next layer's router weight, the same kind), [2, E]: its logits on the same x too, in the same call."""
+    weights = (weight,) if ahead is None else (weight, ahead)
+    if x.shape[0] != 1 or x.device.type != "cpu" or x.dtype != torch.float32 or \
+            any(w.dtype not in KERNEL_VIEWS for w in weights):
         return None
-    logits = np.empty((1, weight.shape[0]), np.float32)
-    gemv(kernel_view(weight), x.numpy()[0], EMPTY, logits[0])
+    logits = np.empty((len(weights), weight.shape[0]), np.float32)
+    if ahead is None:
+        gemv(kernel_view(weight), x.numpy()[0], EMPTY, logits[0])
+    else:
+        gemv_pair(kernel_view(weight), kernel_view(ahead), x.numpy()[0], logits[0], logits[1])
     return logits
 
 

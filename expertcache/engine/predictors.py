@@ -33,7 +33,6 @@ from ..atomic import replaced
 from ..choices import LOOKAHEAD_WIDTH, PREDICTORS, SKETCH_NEURONS, SKETCH_RANK  # noqa: F401 (re-exported)
 from ..errors import CheckpointError, UnknownName
 from ..kernel import dense_decode
-from ..kernel.dense_decode import gemv_pair
 from ..kernel.routing import Router, Routing
 from .checkpoint import ESTIMATOR_FILE, LOOKAHEAD_FILE
 from .experts import KERNEL_VIEWS, SWIGLU, ExpertKind, kernel_view
@@ -89,12 +88,9 @@ class RouterAhead(Predictor):
     def route(self, layer, x, weight, router):
         """Layer l's router and layer l+1's on the same decode input, in one compiled call: the prediction costs
         one more product of the routing call (~2 us here), not a call of its own (~10 us hot, ~30 in place)."""
-        ahead = self.model.moe_layers[layer + 1]["router"]
-        if x.shape[0] != 1 or x.device.type != "cpu" or x.dtype != torch.float32 or \
-                weight.dtype not in KERNEL_VIEWS or ahead.dtype not in KERNEL_VIEWS:
+        logits = decode_router_logits(x, weight, self.model.moe_layers[layer + 1]["router"])
+        if logits is None:
             return None
-        logits = np.empty((2, weight.shape[0]), np.float32)
-        gemv_pair(kernel_view(weight), kernel_view(ahead), x.numpy()[0], logits[0], logits[1])
         self._ahead = (x, logits[1:])
         return router.route(logits[:1], layer)
 
