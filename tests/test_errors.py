@@ -290,7 +290,8 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_run(capsys, ckpt,
 def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(ckpt):
     """The Python API's road: Engine.forward and generate refuse an id outside the vocabulary in one line. A
     negative one indexed the embeddings from their end (another token's output); one past them was an IndexError
-    inside the forward. A stop token outside it, which could never end the output, is refused too."""
+    inside the forward. A stop token outside it, which could never end the output, is refused too, and so is a
+    logit bias on a token that does not exist."""
     from expertcache import generate
     engine = Engine(ckpt, EngineConfig(store="ram"))
     for ids in ([-1], [3, 96], [10**6]):
@@ -302,6 +303,8 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(ckpt):
     from expertcache.engine.sampling import SamplingParams
     with pytest.raises(BadInput, match=r"stop_token_ids \[96\] must be token ids in \[0, 96\)"):
         TextGeneration(engine, [1, 2], SamplingParams(max_tokens=2, stop_token_ids=(96,)))
+    with pytest.raises(BadInput, match=r"logit_bias names token 96; token ids are in \[0, 96\)"):
+        TextGeneration(engine, [1, 2], SamplingParams(max_tokens=2, logit_bias=((5, 1.0), (96, -100.0))))
     with pytest.raises(BadInput, match="1-D integer tensor"):
         engine.forward(torch.tensor([1.0, 2.0]), 0)
     with pytest.raises(BadInput, match="position -1 is negative"):

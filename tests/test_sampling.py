@@ -14,7 +14,9 @@ def tokenizer():
 
 @pytest.mark.parametrize("field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
                                          ("min_p", 2.0), ("repetition_penalty", 0.0), ("max_tokens", 0),
-                                         ("stop", ("",))])
+                                         ("stop", ("",)), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+                                         ("frequency_penalty", float("nan")), ("logit_bias", ((-1, 1.0),)),
+                                         ("logit_bias", ((3, 101.0),))])
 def test_bad_sampling_values_name_the_field(field, value):
     with pytest.raises(SamplingError, match=field) as e:
         SamplingParams(**{field: value})
@@ -39,6 +41,22 @@ def test_sampler_filters():
     assert draws(seed=8) != draws()  # and it is the seed that draws
     assert draws(temperature=0.1).count(0) > draws(temperature=5.0).count(0)  # colder: the best token more often
     assert set(draws(top_k=2)) == {0, 1} and len(set(draws())) > 2
+
+
+def test_presence_frequency_penalties_and_logit_bias_are_openais():
+    """presence: once for a token the output has; frequency: once per occurrence; the bias is added to the logit,
+    greedy or sampled, and -100 bans a token."""
+    logits = torch.tensor([3.0, 2.5, 1.0, 0.0])
+    counts = torch.tensor([2, 0, 0, 0], dtype=torch.int32)  # the output has token 0 twice
+    pick = lambda counts=counts, **kw: Sampler(SamplingParams(**kw))(logits, None, counts)  # noqa: E731
+    assert pick(presence_penalty=0.4) == 0 and pick(presence_penalty=0.6) == 1  # 3 - 0.6 < 2.5
+    assert pick(frequency_penalty=0.2) == 0 and pick(frequency_penalty=0.3) == 1  # 3 - 2 x 0.3 < 2.5
+    assert pick(frequency_penalty=0.3, counts=torch.zeros(4, dtype=torch.int32)) == 0  # nothing in the output yet
+    assert pick(presence_penalty=-2.0) == 0
+    assert pick(frequency_penalty=-2.0, counts=counts.flip(0)) == 3  # negative: encouraged, 0 + 2 x 2 > 3
+    assert pick(logit_bias=((2, 2.1),)) == 2 and pick(logit_bias=((2, 2.1), (2, 0.0))) == 0  # the last bias given
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0, logit_bias=((0, -100.0), (1, -100.0))))
+    assert {sampler(logits, None) for _ in range(50)} == {2, 3}  # banned, at any temperature
 
 
 def test_incremental_detokenizer_matches_full_decode(tokenizer):

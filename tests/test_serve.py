@@ -17,7 +17,8 @@ import pytest
 
 from expertcache.engine.chat import ChatTemplate
 from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
-from expertcache.engine.generate import generate
+from expertcache.engine.generate import TextGeneration, generate
+from expertcache.engine.sampling import SamplingParams
 from expertcache.serve.app import create_app
 from expertcache.serve.background import BackgroundServer
 from expertcache.serve.scheduler import Scheduler
@@ -162,6 +163,29 @@ def test_stop_strings_and_seeded_sampling(client):
     assert text(temperature=0.05, top_p=1.0, extra_body={}) != text(temperature=2.0, top_p=1.0, extra_body={})
 
 
+def test_penalties_and_logit_bias_sample_as_the_engine_does(client, reference):
+    """presence_penalty, frequency_penalty and logit_bias, as OpenAI clients send them, give the engine's own
+    tokens under the same SamplingParams; each changes the greedy answer, and +100 forces a token."""
+    engine = reference.engine
+    prompt = engine.encode("ROMEO.\n")
+    def engine_text(**kw):
+        gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=24, **kw))
+        return "".join(step.text for step in gen)
+    def served(**kw):
+        return client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, temperature=0,
+                                         **kw).choices[0].text
+    plain = served()
+    token = engine.encode(" love", special=False)[0]
+    for fields in [dict(frequency_penalty=1.5), dict(presence_penalty=2.0), dict(presence_penalty=-2.0),
+                   dict(logit_bias={str(engine.encode(plain, special=False)[0]): -100})]:
+        got = served(**fields)
+        bias = tuple((int(t), float(b)) for t, b in fields.pop("logit_bias", {}).items())
+        assert got == engine_text(logit_bias=bias, **fields) and got != plain, fields
+    forced = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=4, temperature=0.8, seed=1,
+                                       logit_bias={str(token): 100})
+    assert forced.choices[0].text == engine.decode([token] * 4)
+
+
 def test_logprobs_are_the_models_own(client, reference):
     """Each token's logprob, and its alternatives', are the model's log-softmax at that position, whole and
     streamed, in chat's and completions' layouts."""
@@ -212,10 +236,7 @@ def test_logprob_bytes_are_the_tokens_own(reference):
     assert b"".join(bytes(server._bytes(t, server._token(t))) for t in ids) == text.encode()
 
 
-@pytest.mark.parametrize("fields, param", [({"frequency_penalty": 0.5}, "frequency_penalty"),
-                                           ({"presence_penalty": 1}, "presence_penalty"),
-                                           ({"logit_bias": {"5": 10}}, "logit_bias"),
-                                           ({"response_format": {"type": "json_object"}}, "response_format"),
+@pytest.mark.parametrize("fields, param", [({"response_format": {"type": "json_object"}}, "response_format"),
                                            ({"tool_choice": "required"}, "tool_choice"),
                                            ({"top_logprobs": 2}, "top_logprobs"),
                                            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -407,6 +428,13 @@ def test_bad_requests_get_openai_errors(client, server):
                                           ({"n": "2"}, "n"), ({"temperature": float("inf")}, "temperature"),
                                           ({"temperature": True}, "temperature must be a number"),
                                           ({"stop_token_ids": [10**6]}, "stop_token_ids must be token ids"),
+                                          ({"presence_penalty": 2.5}, "presence_penalty"),
+                                          ({"frequency_penalty": True}, "frequency_penalty must be a number"),
+                                          ({"logit_bias": {"x": 1}}, "logit_bias key 'x' is not a token id"),
+                                          ({"logit_bias": {"99999999": 1}}, "logit_bias key"),
+                                          ({"logit_bias": {"5": 101}}, "in [-100, 100]"),
+                                          ({"logit_bias": {"5": "1"}}, "in [-100, 100]"),
+                                          ({"logit_bias": [5]}, "logit_bias"),
                                           ({"tools": "weather"}, "tools"),
                                           ({"messages": [{"role": "wizard", "content": "a"}]}, "role"),
                                           ({"messages": [{"role": "user"}]}, "needs content")])

@@ -17,7 +17,8 @@ DEFAULT_PROMPT = "ROMEO.\n"
 
 # the CLI flag of each SamplingParams field, for errors raised from the command line
 FLAGS = {"max_tokens": "-n/--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
-         "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "seed": "--seed", "stop": "--stop"}
+         "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
+         "frequency_penalty": "--frequency-penalty", "logit_bias": "--logit-bias", "seed": "--seed", "stop": "--stop"}
 
 
 def add_sampling_arguments(p, max_tokens: int = 64) -> None:
@@ -28,6 +29,12 @@ def add_sampling_arguments(p, max_tokens: int = 64) -> None:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0: no limit")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top probability")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables it")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of each token the output has (OpenAI's; -2..2, 0 disables it)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted once for each time the output has a token (OpenAI's; -2..2, 0 disables it)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (-100..100) to a token's logit before sampling (repeatable; -100 bans it)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
@@ -38,12 +45,25 @@ def sampling_from_args(a) -> SamplingParams:
     from ..engine.sampling import SamplingError, SamplingParams
     try:
         return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
-                              repetition_penalty=a.repetition_penalty, seed=a.seed, max_tokens=a.max_new_tokens,
-                              stop=tuple(a.stop), ignore_eos=a.ignore_eos)
+                              repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+                              frequency_penalty=a.frequency_penalty, logit_bias=logit_bias_flags(a.logit_bias),
+                              seed=a.seed, max_tokens=a.max_new_tokens, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
     except SamplingError as e:
         flag = FLAGS.get(e.param, e.param)
         message = str(e).replace(f"{e.param}=", f"{flag} ", 1).replace(" (0 only when scoring the prompt)", "")
         raise BadInput(message) from None
+
+
+def logit_bias_flags(flags: list[str]) -> tuple[tuple[int, float], ...]:
+    """--logit-bias TOKEN_ID=BIAS flags as SamplingParams takes them; BadInput for one not of that form."""
+    pairs = []
+    for flag in flags:
+        token, _, bias = flag.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise BadInput(f"--logit-bias {flag!r} is not TOKEN_ID=BIAS; write e.g. --logit-bias 42=-100") from None
+    return tuple(pairs)
 
 
 def check_fits(engine, prompt_len: int, max_new_tokens: int) -> None:

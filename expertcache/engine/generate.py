@@ -97,6 +97,9 @@ class TextGeneration:
         vocab = engine.args.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):  # never sampled: a stop that silently never ends
             raise BadInput(f"stop_token_ids {list(params.stop_token_ids)} must be token ids in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):  # a bias on no token: silently without effect
+            raise BadInput(f"logit_bias names token {max(t for t, _ in params.logit_bias)}; token ids are in "
+                           f"[0, {vocab})")
         self.engine, self.prompt, self.params = engine, prompt, params
         self.prefill_policy = prefill_policy and engine.bind_policy(prefill_policy)  # refused here, not mid-step
         self.sampler = Sampler(params)
@@ -110,6 +113,7 @@ class TextGeneration:
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(engine.args.vocab_size, dtype=torch.bool)
             self.seen[torch.tensor(prompt)] = True
+        self.counts = torch.zeros(vocab, dtype=torch.int32) if params.counts_output else None  # the output's
         self.kv = None
         if own_kv:
             m = engine.model
@@ -156,9 +160,11 @@ class TextGeneration:
 
     def advance(self, logits: torch.Tensor) -> StepOutput:
         """Sample the next token from this sequence's logits [V] and apply EOS, max_tokens and stop strings."""
-        token = self.sampler(logits, self.seen)
+        token = self.sampler(logits, self.seen, self.counts)
         if self.seen is not None:
             self.seen[token] = True
+        if self.counts is not None:
+            self.counts[token] += 1
         if token in self.eos:
             self.finish_reason = "stop"
         else:

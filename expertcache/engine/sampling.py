@@ -20,6 +20,9 @@ class SamplingParams:
     top_k: int = 0  # 0 (or -1, as vLLM writes it): no limit
     min_p: float = 0.0  # drop tokens below min_p * the most likely token's probability
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt or output (CTRL rule)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output has (OpenAI's rule)
+    frequency_penalty: float = 0.0  # subtracted from a token's logit once for each time the output has it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to that token's logit before sampling
     seed: int | None = None  # None: a fresh random seed per request
     max_tokens: int = 16
     stop: tuple[str, ...] = ()  # stop strings: the output ends before the first occurrence
@@ -36,6 +39,8 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (0 < self.repetition_penalty < math.inf, "repetition_penalty",
              "must be a finite number > 0 (1 disables it)"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2] (0 disables it)"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2] (0 disables it)"),
             (self.seed is None or -2**63 <= self.seed < 2**64, "seed", "must be a whole number in [-2**63, 2**64)"),
             (self.max_tokens >= (0 if self.prompt_logprobs is not None else 1), "max_tokens",
              "must be >= 1 (0 only when scoring the prompt)"),
@@ -48,11 +53,20 @@ class SamplingParams:
         for ok, name, rule in checks:
             if not ok:
                 raise SamplingError(name, f"{name}={getattr(self, name)!r} {rule}")
+        for token, bias in self.logit_bias:
+            if type(token) is not int or token < 0 or not -100 <= bias <= 100:
+                raise SamplingError("logit_bias", f"logit_bias={token}:{bias} must give a token id >= 0 a bias in "
+                                                  "[-100, 100]")
 
     @property
     def greedy(self) -> bool:
         """Whether the next token is the most likely one (temperature 0)."""
         return self.temperature == 0
+
+    @property
+    def counts_output(self) -> bool:
+        """Whether sampling needs how often the output has each token (presence and frequency penalties)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 class SamplingError(BadInput):
@@ -64,8 +78,8 @@ class SamplingError(BadInput):
 
 
 class Sampler:
-    """Picks the next token from logits [V] (on any device) given the ids seen so far (prompt + output); the
-    random draw is made on the host with a host generator."""
+    """Picks the next token from logits [V] (on any device) given the ids seen so far (prompt + output) and how
+    often the output has each token; the random draw is made on the host with a host generator."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -74,14 +88,24 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(params.seed)
+        bias = dict(params.logit_bias)  # a token given twice takes its last bias
+        self.bias = (torch.tensor(list(bias), dtype=torch.long), torch.tensor(list(bias.values()))) if bias else None
 
-    def __call__(self, logits: torch.Tensor, seen: torch.Tensor) -> int:
+    def __call__(self, logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor | None = None) -> int:
+        """The next token from logits [V]: the penalties (repetition over `seen`, presence and frequency over
+        `counts` [V], the output's occurrences of each token) and the logit bias, then greedy or sampled."""
         p = self.params
         if p.repetition_penalty != 1.0 and seen.numel():
             seen = seen.to(logits.device)
             prev = logits[seen]
             logits = logits.clone()
             logits[seen] = torch.where(prev > 0, prev / p.repetition_penalty, prev * p.repetition_penalty)
+        if counts is not None and p.counts_output:
+            counts = counts.to(logits.device, logits.dtype)
+            logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+        if self.bias is not None:
+            ids, bias = self.bias
+            logits = logits.index_add(0, ids.to(logits.device), bias.to(logits.device, logits.dtype))
         if p.greedy:
             return int(logits.argmax())
         logits = (logits - logits.max()) / p.temperature  # shifted first: a tiny temperature gives -inf, not inf - inf

@@ -27,7 +27,7 @@ from ..errors import BadInput, CheckpointError
 from .metrics import ServerMetrics
 from .limits import BodyLimits, ServerLimits
 from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, CompletionBody, SamplingFields, checked_stop,
-                      logprobs_count, message_text, refuse_unsupported)
+                      logit_bias_pairs, logprobs_count, message_text, refuse_unsupported)
 from .scheduler import Request, Scheduler
 
 DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
@@ -114,7 +114,9 @@ class Server:
             raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
         try:
             return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                  min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
+                                  min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                  logit_bias=logit_bias_pairs(body, vocab), seed=body.seed,
                                   max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
                                   ignore_eos=body.ignore_eos, logprobs=logprobs,
                                   prompt_logprobs=(logprobs or 0) if echo else None)

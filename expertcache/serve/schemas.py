@@ -134,9 +134,6 @@ def refuse_unsupported(body: SamplingFields) -> None:
         if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name]:
             raise APIError(400, f"{name} is not supported by this server; leave it out", name)
     unsupported = [
-        (body.presence_penalty != 0, "presence_penalty", "use repetition_penalty (> 1 discourages tokens seen)"),
-        (body.frequency_penalty != 0, "frequency_penalty", "use repetition_penalty (> 1 discourages tokens seen)"),
-        (bool(body.logit_bias), "logit_bias", "leave it out"),
         ((body.response_format or {}).get("type", "text") != "text", "response_format",
          "this server generates free text; leave it out or use {\"type\": \"text\"}"),
         (body.tool_choice not in (None, "none", "auto"), "tool_choice",
@@ -147,6 +144,22 @@ def refuse_unsupported(body: SamplingFields) -> None:
     for refused, name, fix in unsupported:
         if refused:
             raise APIError(400, f"{name} is not supported; {fix}", name)
+
+
+def logit_bias_pairs(body: SamplingFields, vocab: int) -> tuple[tuple[int, float], ...]:
+    """The body's logit_bias, OpenAI's map of token ids (as strings) to biases in [-100, 100], as SamplingParams
+    takes it; APIError for a key that is not a token id of the vocabulary or a value that is not such a number."""
+    pairs = []
+    for key, bias in (body.logit_bias or {}).items():
+        token = int(key) if key.isascii() and key.strip().isdigit() else -1
+        if not 0 <= token < vocab:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id; keys are token ids in [0, {vocab}) "
+                           "written as strings, e.g. {\"42\": -100}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise APIError(400, f"logit_bias value {bias!r} for token {key} must be a number in [-100, 100]",
+                           "logit_bias")
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
 
 
 def logprobs_count(body: SamplingFields, chat: bool) -> int | None:
