@@ -203,6 +203,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("serve --prefill-policy nope", ["serve", "--store", "ram", "--port", "0", "--prefill-policy", "nope"]),
         ("serve --max-waiting 0", ["serve", "--store", "ram", "--port", "0", "--max-waiting", "0"]),
         ("serve --shutdown-timeout -1", ["serve", "--store", "ram", "--port", "0", "--shutdown-timeout", "-1"]),
+        ("serve --api-key with a space", ["serve", "--store", "ram", "--port", "0", "--api-key", "my key"]),
         ("an unknown verb", ["nope"]),
     ]
 

@@ -21,6 +21,7 @@ from expertcache.engine.generate import TextGeneration, generate
 from expertcache.engine.sampling import SamplingParams
 from expertcache.serve.app import create_app
 from expertcache.serve.background import BackgroundServer
+from expertcache.serve.limits import ServerLimits
 from expertcache.serve.scheduler import Scheduler
 
 MODEL = "expertcache-builtin"
@@ -448,6 +449,35 @@ def test_malformed_fields_are_refused_with_400(server, fields, words):
         urllib.request.urlopen(req)
     error = json.loads(e.value.read())["error"]
     assert e.value.code == 400 and words in error["message"], error
+
+
+def test_an_api_key_is_required_where_one_is_set():
+    """With --api-key, the API answers only "Authorization: Bearer KEY" (the openai client's api_key): a missing or
+    wrong key gets a 401 (the client's AuthenticationError) before its body is looked at; probes, metrics and a
+    browser's CORS preflight need none."""
+    engine = Engine(None, EngineConfig(store="ram", max_seq=128))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL, ServerLimits(api_key="s3cret"))) as s:
+        ok = openai.OpenAI(base_url=s.base_url, api_key="s3cret", max_retries=0)
+        assert ok.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        assert ok.models.list().data[0].id == MODEL
+        for key in ("wrong", "s3cre", "s3crett"):
+            with pytest.raises(openai.AuthenticationError) as e:
+                openai.OpenAI(base_url=s.base_url, api_key=key, max_retries=0).chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2)
+            assert e.value.body["code"] == "invalid_api_key" and "--api-key" in e.value.body["message"]
+        unread = urllib.request.Request(f"{s.base_url}/completions", data=b"{not json",  # refused before a 400
+                                        headers={"content-type": "application/json"})
+        for request in (unread, urllib.request.Request(f"{s.base_url}/models")):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(request)
+            assert e.value.code == 401 and e.value.headers["www-authenticate"] == "Bearer"
+        assert json.loads(get(f"{s.url}/health")) == {"status": "ok"} and "expertcache" in get(f"{s.url}/metrics")
+        preflight = urllib.request.Request(f"{s.base_url}/chat/completions", method="OPTIONS", headers={
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type, authorization"})
+        with urllib.request.urlopen(preflight) as r:
+            assert r.status == 200
+    engine.close()
 
 
 def test_a_browser_page_may_call_the_api_and_probes_may_ask_with_head(server):

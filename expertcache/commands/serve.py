@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 
@@ -27,6 +28,15 @@ def model_name(text: str) -> str:
     """A non-empty model id (argparse type)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("the served model name is empty; give one, e.g. --served-model-name my-model")
+    return text
+
+
+def api_key(text: str) -> str:
+    """A key that an HTTP header can carry: printable ASCII without spaces (argparse type)."""
+    if not text or not all("!" <= c <= "~" for c in text):
+        raise argparse.ArgumentTypeError("the API key (--api-key or $EXPERTCACHE_API_KEY) is empty or has spaces or "
+                                         "characters outside printable ASCII; give one such as "
+                                         "--api-key $(openssl rand -hex 16)")
     return text
 
 
@@ -56,6 +66,9 @@ def add_arguments(p):
     p.add_argument("--allowed-origins", nargs="*", default=list(ServerLimits.allowed_origins), metavar="ORIGIN",
                    help="web origins a browser may call the API from (CORS; default: any, as vLLM's and llama.cpp's "
                         "servers; none: no CORS headers)")
+    p.add_argument("--api-key", type=api_key, default=os.environ.get("EXPERTCACHE_API_KEY"),
+                   help="requests to /v1 must send 'Authorization: Bearer KEY', else 401 (/health and /metrics stay "
+                        "open); default: $EXPERTCACHE_API_KEY, which keeps the key out of the process list")
     p.add_argument("--shutdown-timeout", type=bounded(float, 0, what="give seconds >= 0, e.g. 5"), default=5.0,
                    help="seconds that requests still running may take to end after SIGTERM or Ctrl-C; then they are "
                         "ended (within the 10 s a container runtime waits before it kills; inf: wait for them)")
@@ -78,7 +91,8 @@ def build_app(a):
     engine = engine_from_args(a)
     name = a.served_model_name or (a.model.resolve().name if a.model else "expertcache-builtin")
     limits = ServerLimits(max_body_bytes=a.max_body_bytes, max_waiting=a.max_waiting,
-                          max_connections=a.max_connections, allowed_origins=tuple(a.allowed_origins))
+                          max_connections=a.max_connections, allowed_origins=tuple(a.allowed_origins),
+                          api_key=a.api_key)
     try:
         scheduler = Scheduler(engine, config)
         scheduler.warm_up()  # a first run compiles here, under the notice, not in the first request
@@ -119,7 +133,9 @@ def run(a) -> int:
                                            timeout_graceful_shutdown=grace))
     scheduler.on_fatal = lambda e: setattr(server, "should_exit", True)
     bound = sock.getsockname()[1]  # the port the system chose for --port 0
-    print(f"expertcache: serving {app.state.server.model_name!r} on http://{a.host}:{bound}/v1", file=sys.stderr)
+    keyed = " (requests need the API key)" if limits.api_key is not None else ""
+    print(f"expertcache: serving {app.state.server.model_name!r} on http://{a.host}:{bound}/v1{keyed}",
+          file=sys.stderr)
     try:
         server.run(sockets=[sock])
     finally:

@@ -25,7 +25,7 @@ from ..engine.generate import StepOutput
 from ..engine.sampling import IncrementalDetokenizer, SamplingError, SamplingParams
 from ..errors import BadInput, CheckpointError
 from .metrics import ServerMetrics
-from .limits import BodyLimits, ServerLimits
+from .limits import BodyLimits, RequireApiKey, ServerLimits
 from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, CompletionBody, SamplingFields, checked_stop,
                       logit_bias_pairs, logprobs_count, message_text, refuse_unsupported)
 from .scheduler import Request, Scheduler
@@ -368,6 +368,8 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
     app = FastAPI(title="expertcache", lifespan=lifespan)
     app.state.server = server
     app.add_middleware(BodyLimits, limits=limits)
+    if limits.api_key is not None:  # outside the body's limits: a caller without the key is refused unread
+        app.add_middleware(RequireApiKey, key=limits.api_key)
     if limits.allowed_origins:  # a chat page in a browser calls the API from another origin: its preflight answered
         app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])

@@ -1,9 +1,10 @@
-"""Bounds on what one client can send before its body reaches an endpoint: the body's size (413) and its
-JSON nesting (400), checked by an ASGI wrapper that reads the body once and hands it on. The other bounds
-(the waiting queue, a request's share of the active slots, stop strings, connections) are applied where
-their objects live: the scheduler, the schemas, uvicorn's limit_concurrency."""
+"""Bounds on what one client can send before its body reaches an endpoint: who may call the API at all (its
+key, 401), the body's size (413) and its JSON nesting (400), checked by ASGI wrappers; the body's is read once
+and handed on. The other bounds (the waiting queue, a request's share of the active slots, stop strings,
+connections) are applied where their objects live: the scheduler, the schemas, uvicorn's limit_concurrency."""
 from __future__ import annotations
 
+import hmac
 import json
 import re
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ class ServerLimits:
     max_connections: int = 512  # open connections (uvicorn's limit_concurrency); more: its 503
     retry_after_s: int = 1  # what a 429 asks the client to wait
     allowed_origins: tuple[str, ...] = ("*",)  # web pages that may call the API from a browser (CORS), as vLLM's
+    api_key: str | None = None  # when set, /v1 requests must send "Authorization: Bearer KEY" (as vLLM's --api-key)
 
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)  # a JSON string: its brackets are no nesting
@@ -35,6 +37,25 @@ def _error(status: int, message: str, code: str) -> tuple[dict, bytes]:
     body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
     return {"type": "http.response.start", "status": status,
             "headers": [(b"content-type", b"application/json")]}, json.dumps(body).encode()
+
+
+class RequireApiKey:
+    """ASGI wrapper: a request to the API (/v1/...) without "Authorization: Bearer `key`" gets a 401, before its
+    body is read; /health and /metrics stay open to probes and scrapers, and CORS preflights pass, as vLLM's do."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            sent = dict(scope.get("headers", ())).get(b"authorization", b"")
+            if not hmac.compare_digest(sent, self.key):  # in constant time: the key is not guessed byte by byte
+                start, body = _error(401, "the API key is missing or wrong; send Authorization: Bearer KEY with "
+                                     "the key the server was started with (--api-key)", "invalid_api_key")
+                start["headers"].append((b"www-authenticate", b"Bearer"))
+                await send(start)
+                return await send({"type": "http.response.body", "body": body})
+        await self.app(scope, receive, send)
 
 
 class BodyLimits:
