@@ -451,6 +451,35 @@ def test_malformed_fields_are_refused_with_400(server, fields, words):
     assert e.value.code == 400 and words in error["message"], error
 
 
+def call(server, path: str, body: dict) -> tuple[int, dict]:
+    """POST a JSON body to the server's `path`: (status, the answer's JSON)."""
+    status, _, answer = post(f"{server.url}{path}", json.dumps(body).encode())
+    return status, answer
+
+
+def test_tokenize_and_detokenize_count_as_the_endpoints_do(server, client, reference):
+    """/tokenize and /detokenize, as vLLM's: a prompt's ids are the ones a completion runs, a conversation's the
+    ones a chat completion runs (its usage counts them), and ids come back as their text."""
+    engine = reference.engine
+    status, got = call(server, "/tokenize", {"prompt": "ROMEO.\nBut soft!"})
+    assert status == 200 and got["tokens"] == engine.encode("ROMEO.\nBut soft!") and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == 512
+    assert client.completions.create(model=MODEL, prompt="ROMEO.\nBut soft!", max_tokens=1).usage.prompt_tokens == \
+        got["count"]
+    messages = [{"role": "user", "content": "Who goes there?"}]
+    status, chat = call(server, "/tokenize", {"model": MODEL, "messages": messages})
+    assert status == 200 and chat["count"] == client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens
+    assert call(server, "/detokenize", {"tokens": got["tokens"]}) == (200, {"prompt": "ROMEO.\nBut soft!"})
+    for path, body, words in [("/tokenize", {"prompt": "a", "messages": messages}, "either prompt"),
+                              ("/tokenize", {}, "either prompt"), ("/tokenize", {"promt": "a"}, "promt"),
+                              ("/detokenize", {"tokens": [10**6]}, "token ids in"),
+                              ("/detokenize", {"tokens": ["a"]}, "tokens")]:
+        status, error = call(server, path, body)
+        assert status == 400 and words in error["error"]["message"], (body, error)
+    assert call(server, "/tokenize", {"model": "other", "prompt": "a"})[0] == 404
+
+
 def test_an_api_key_is_required_where_one_is_set():
     """With --api-key, the API answers only "Authorization: Bearer KEY" (the openai client's api_key): a missing or
     wrong key gets a 401 (the client's AuthenticationError) before its body is looked at; probes, metrics and a
@@ -472,6 +501,7 @@ def test_an_api_key_is_required_where_one_is_set():
                 urllib.request.urlopen(request)
             assert e.value.code == 401 and e.value.headers["www-authenticate"] == "Bearer"
         assert json.loads(get(f"{s.url}/health")) == {"status": "ok"} and "expertcache" in get(f"{s.url}/metrics")
+        assert call(s, "/tokenize", {"prompt": "a"})[0] == 401
         preflight = urllib.request.Request(f"{s.base_url}/chat/completions", method="OPTIONS", headers={
             "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "content-type, authorization"})

@@ -26,8 +26,8 @@ from ..engine.sampling import IncrementalDetokenizer, SamplingError, SamplingPar
 from ..errors import BadInput, CheckpointError
 from .metrics import ServerMetrics
 from .limits import BodyLimits, RequireApiKey, ServerLimits
-from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, CompletionBody, SamplingFields, checked_stop,
-                      logit_bias_pairs, logprobs_count, message_text, refuse_unsupported)
+from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, CompletionBody, DetokenizeBody, SamplingFields,
+                      TokenizeBody, checked_stop, logit_bias_pairs, logprobs_count, message_text, refuse_unsupported)
 from .scheduler import Request, Scheduler
 
 DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
@@ -85,9 +85,7 @@ class Server:
         """The SamplingParams of a request body; APIError for an unknown model, n out of range, a field not
         implemented, or a prompt plus max_tokens beyond the context. default_max caps max_tokens when the body
         gives none."""
-        if body.model not in (None, self.model_name):
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+        self.check_model(body.model)
         if not 1 <= body.n <= MAX_CHOICES:
             raise APIError(400, f"n={body.n} must be in [1, {MAX_CHOICES}]", "n")
         refuse_unsupported(body)
@@ -122,6 +120,12 @@ class Server:
                                   prompt_logprobs=(logprobs or 0) if echo else None)
         except SamplingError as e:
             raise APIError(400, str(e), e.param) from None
+
+    def check_model(self, model: str | None) -> None:
+        """APIError 404 unless `model` is the one served (or left out, as vLLM and llama-server take it)."""
+        if model not in (None, self.model_name):
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
 
     def completion_prompts(self, body: CompletionBody) -> list[tuple[list[int], str]]:
         """Each prompt's token ids and text: a text encoded, or ids as sent (checked against the vocabulary) and
@@ -385,6 +389,8 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             message, param = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
+        elif not loc and first.get("type") == "value_error":  # a check of the whole body (TokenizeBody's)
+            message, param = first.get("msg", "invalid").removeprefix("Value error, "), None
         elif not loc:  # not an object: a JSON list, or a body sent without Content-Type: application/json
             message, param = ("the body must be a JSON object, sent with Content-Type: application/json "
                               f"({first.get('msg', 'invalid')})"), None
@@ -420,6 +426,27 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
             raise APIError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}", "model",
                            "model_not_found")
         return card()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        server.check_model(body.model)
+        if body.messages is not None:
+            chat = ChatBody(messages=body.messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
+                            chat_template_kwargs=body.chat_template_kwargs)
+            ids = await asyncio.to_thread(server.chat_prompt, chat)
+        else:
+            ids = await asyncio.to_thread(server.encode, body.prompt, "prompt", body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": server.engine.model.max_seq, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        server.check_model(body.model)
+        vocab = server.engine.args.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be token ids in [0, {vocab})", "tokens")
+        if server.engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer to turn token ids into text", "tokens")
+        return {"prompt": server.engine.decode(body.tokens)}
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, e: StarletteHTTPException):  # an unknown path or method, an unreadable body

@@ -19,7 +19,7 @@ class ServerLimits:
     max_connections: int = 512  # open connections (uvicorn's limit_concurrency); more: its 503
     retry_after_s: int = 1  # what a 429 asks the client to wait
     allowed_origins: tuple[str, ...] = ("*",)  # web pages that may call the API from a browser (CORS), as vLLM's
-    api_key: str | None = None  # when set, /v1 requests must send "Authorization: Bearer KEY" (as vLLM's --api-key)
+    api_key: str | None = None  # when set, requests must send "Authorization: Bearer KEY" (as vLLM's --api-key)
 
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)  # a JSON string: its brackets are no nesting
@@ -40,14 +40,15 @@ def _error(status: int, message: str, code: str) -> tuple[dict, bytes]:
 
 
 class RequireApiKey:
-    """ASGI wrapper: a request to the API (/v1/...) without "Authorization: Bearer `key`" gets a 401, before its
-    body is read; /health and /metrics stay open to probes and scrapers, and CORS preflights pass, as vLLM's do."""
+    """ASGI wrapper: a request without "Authorization: Bearer `key`" gets a 401, before its body is read; /health
+    and /metrics stay open to probes and scrapers, and CORS preflights pass, as vLLM's do."""
+    OPEN = ("/health", "/metrics")
 
     def __init__(self, app, key: str):
         self.app, self.key = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in self.OPEN and scope["method"] != "OPTIONS":
             sent = dict(scope.get("headers", ())).get(b"authorization", b"")
             if not hmac.compare_digest(sent, self.key):  # in constant time: the key is not guessed byte by byte
                 start, body = _error(401, "the API key is missing or wrong; send Authorization: Bearer KEY with "

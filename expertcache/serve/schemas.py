@@ -116,6 +116,33 @@ class ChatBody(SamplingFields):
         return {**effort, **(self.chat_template_kwargs or {})}
 
 
+class TokenizeBody(BaseModel):
+    """A /tokenize request, as vLLM's: a prompt's token ids (with the tokenizer's special tokens, as a completion
+    encodes it, unless add_special_tokens is false), or a conversation's through the chat template, as a chat
+    completion renders it."""
+    model_config = ConfigDict(extra="forbid")  # a misspelt field would tokenize something else silently
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt (a text) or messages (a conversation)")
+        return self
+
+
+class DetokenizeBody(BaseModel):
+    """A /detokenize request, as vLLM's: token ids -> their text."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 # Extra fields of OpenAI's, vLLM's and llama.cpp's APIs that would change the answer, with the value that would
 # not: sent with another, they are refused rather than ignored.
 UNIMPLEMENTED = {"function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "min_tokens": (0,),
