@@ -502,6 +502,9 @@ def test_an_api_key_is_required_where_one_is_set():
             assert e.value.code == 401 and e.value.headers["www-authenticate"] == "Bearer"
         assert json.loads(get(f"{s.url}/health")) == {"status": "ok"} and "expertcache" in get(f"{s.url}/metrics")
         assert call(s, "/tokenize", {"prompt": "a"})[0] == 401
+        asked = urllib.request.Request(f"{s.url}/tokenize", data=b'{"prompt": "a"}', headers={
+            "content-type": "application/json", "authorization": "bearer s3cret"})  # the scheme in any case
+        assert urllib.request.urlopen(asked).status == 200
         preflight = urllib.request.Request(f"{s.base_url}/chat/completions", method="OPTIONS", headers={
             "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "content-type, authorization"})

@@ -67,8 +67,8 @@ def add_arguments(p):
                    help="web origins a browser may call the API from (CORS; default: any, as vLLM's and llama.cpp's "
                         "servers; none: no CORS headers)")
     p.add_argument("--api-key", type=api_key, default=os.environ.get("EXPERTCACHE_API_KEY"),
-                   help="requests to /v1 must send 'Authorization: Bearer KEY', else 401 (/health and /metrics stay "
-                        "open); default: $EXPERTCACHE_API_KEY, which keeps the key out of the process list")
+                   help="requests must send 'Authorization: Bearer KEY', else 401 (/health and /metrics stay open); "
+                        "default: $EXPERTCACHE_API_KEY, which keeps the key out of the process list")
     p.add_argument("--shutdown-timeout", type=bounded(float, 0, what="give seconds >= 0, e.g. 5"), default=5.0,
                    help="seconds that requests still running may take to end after SIGTERM or Ctrl-C; then they are "
                         "ended (within the 10 s a container runtime waits before it kills; inf: wait for them)")

@@ -45,12 +45,13 @@ class RequireApiKey:
     OPEN = ("/health", "/metrics")
 
     def __init__(self, app, key: str):
-        self.app, self.key = app, f"Bearer {key}".encode()
+        self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in self.OPEN and scope["method"] != "OPTIONS":
-            sent = dict(scope.get("headers", ())).get(b"authorization", b"")
-            if not hmac.compare_digest(sent, self.key):  # in constant time: the key is not guessed byte by byte
+            scheme, _, sent = dict(scope.get("headers", ())).get(b"authorization", b"").partition(b" ")
+            # in constant time: the key is not guessed byte by byte (the scheme's name is case-insensitive in HTTP)
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(sent.strip(), self.key):
                 start, body = _error(401, "the API key is missing or wrong; send Authorization: Bearer KEY with "
                                      "the key the server was started with (--api-key)", "invalid_api_key")
                 start["headers"].append((b"www-authenticate", b"Bearer"))
