@@ -255,14 +255,20 @@ def _dot_kernel(isa: str, small: bool):
 @pytest.mark.parametrize("small", [False, True])
 def test_each_dot_product_path_sums_each_lanes_own_four_products(isa, small):
     """Every integer dot-product path this CPU can run (the portable one always) gives lane i the sum of codes
-    4i..4i+3 times their activations, for 8-bit codes and for codes below 128: no lane takes another row's."""
-    from expertcache.kernel.simd import ISA
+    4i..4i+3 times their activations, for 8-bit codes and for codes below 128: no lane takes another row's.
+    Without VNNI, 8-bit codes are centred (code - 128) so that VPMADDUBSW's pair sums cannot saturate, for
+    activations in [-127, 127] as they are quantized; the extremes are among the codes and activations."""
+    from expertcache.kernel.simd import INT8, ISA, centres_codes
     order = ["generic", "avx2", "avx512bw", "avx512-vnni"]  # each CPU runs its own path and those before it
     if order.index(isa) > order.index(ISA):
         pytest.skip(f"this CPU runs {ISA}")
+    centred = not small and centres_codes(isa, INT8)
     rng = np.random.default_rng(4)
     codes = rng.integers(0, 128 if small else 256, 64).astype(np.uint8)
-    x = rng.integers(-128, 128, 64).astype(np.int8)
+    x = rng.integers(-127 if centred else -128, 128, 64).astype(np.int8)
+    top = 127 if small else 255
+    codes[:8] = (0, 0, top, top, 0, top, 1, top)  # the largest pair sums of either sign, and a zero activation
+    x[:8] = (127, 127, -127, -127, -127, 127, 0, 127)
     out = np.zeros(16, np.int32)
     _dot_kernel(isa, small)(codes, x, out)
-    np.testing.assert_array_equal(out, (codes.astype(np.int32) * x).reshape(16, 4).sum(1))
+    np.testing.assert_array_equal(out, ((codes.astype(np.int32) - 128 * centred) * x).reshape(16, 4).sum(1))

@@ -112,6 +112,8 @@ def _dot_u8s8(b: ir.IRBuilder, module, isa: str, acc, codes, x, small: bool):
         (c0, c1), (x0, x1) = _halves(b, codes, 64), _halves(b, x, 64)
         return b.add(acc, _join(b, b.call(wd, [b.call(mad, [c0, x0]), ones]), b.call(wd, [b.call(mad, [c1, x1]), ones]),
                                 16))
+    if isa in ("avx512bw", "avx2"):
+        return _dot_centred_avx2(b, module, acc, codes, x)
     # the portable form: each lane adds its own four products. (llvm.vector.partial.reduce.add defines only the
     # whole vector's sum, not which products meet in which lane: on an AVX2 target it put other rows' products
     # in a row's lane)
@@ -119,6 +121,31 @@ def _dot_u8s8(b: ir.IRBuilder, module, isa: str, acc, codes, x, small: bool):
     for j in range(4):
         acc = b.add(acc, b.shuffle_vector(prod, prod, ir.Constant(_vec(I32, 16), [4 * i + j for i in range(16)])))
     return acc
+
+
+def centres_codes(isa: str, encoding: int) -> bool:
+    """Whether `_dot_u8s8` sums (code - 128) x activation for this encoding on this ISA, not code x activation:
+    8-bit codes without VNNI, whose unsigned products VPMADDUBSW's 16-bit pair sums would saturate."""
+    return encoding == INT8 and isa in ("avx512bw", "avx2")
+
+
+def _dot_centred_avx2(b: ir.IRBuilder, module, acc, codes, x):
+    """acc <16 x i32> + each 32-bit lane's four (code - 128) x (signed byte of x) products, through AVX2's
+    VPMADDUBSW as llama.cpp multiplies its 8-bit blocks: |code - 128| (at most 128, unsigned) times x with the
+    sign of code - 128 (at most 127: activations are quantized to [-127, 127]), so that a pair's sum is at most
+    2 x 128 x 127 < 2^15 and never saturates. 256-bit halves: every CPU with AVX-512BW runs them too."""
+    v32i8, v16i16, v8i32 = _vec(I8, 32), _vec(I16, 16), _vec(I32, 8)
+    mad = _intrinsic_fn(module, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+    wd = _intrinsic_fn(module, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+    sign = _intrinsic_fn(module, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
+    absolute = _intrinsic_fn(module, "llvm.abs.v32i8", v32i8, [v32i8, I1])
+    ones = _const_vec(I16, 16, 1)
+    centred = b.xor(codes, _const_vec(I8, 64, 0x80))  # code - 128, as a signed byte
+    halves = []
+    for w, xh in zip(_halves(b, centred, 64), _halves(b, x, 64)):
+        magnitude = b.call(absolute, [w, ir.Constant(I1, 0)])  # -128's magnitude reads as 128 unsigned
+        halves.append(b.call(wd, [b.call(mad, [magnitude, b.call(sign, [xh, w])]), ones]))
+    return b.add(acc, _join(b, *halves, 16))
 
 
 def _mx_bytes(b: ir.IRBuilder, module, isa: str, nibbles):
@@ -249,7 +276,9 @@ def _qblock_function(module, isa: str, encoding: int, asym: bool, tokens: int):
         at = b.add(b.mul(ir.Constant(I64, t), gstride), g)
         s = b.sitofp(new_iacc[t], V16F32)
         qsum = b.sitofp(b.load(_gep(b, xqs, at)), F32)
-        s = b.fsub(s, _broadcast(b, b.fmul(qsum, ir.Constant(F32, zero_point)), 16))
+        # the codes' zero point comes off with the activations' sum (less the 128 that centred codes took off)
+        offset = zero_point - (128 if centres_codes(isa, encoding) else 0)
+        s = b.fsub(s, _broadcast(b, b.fmul(qsum, ir.Constant(F32, offset)), 16))
         f = b.call(fma, [s, b.fmul(scale, _broadcast(b, b.load(_gep(b, xd, at)), 16)), facc[t]])
         if encoding != MXFP4 and asym:
             f = b.call(fma, [minimum, _broadcast(b, b.load(_gep(b, xs, at)), 16), f])
