@@ -161,6 +161,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("generate --temperature -1", ["generate", "--store", "ram", "--temperature", "-1", "hi"]),
         ("generate --top-p 2", ["generate", "--store", "ram", "--top-p", "2", "hi"]),
         ("generate --presence-penalty 3", ["generate", "--store", "ram", "--presence-penalty", "3", "hi"]),
+        ("generate --min-new-tokens over -n", ["generate", "--store", "ram", "-n", "4", "--min-new-tokens", "5", "hi"]),
         ("generate --logit-bias without a bias", ["generate", "--store", "ram", "--logit-bias", "42", "hi"]),
         ("generate --logit-bias on no token", ["generate", "--store", "ram", "--logit-bias", "99999999=1", "hi"]),
         ("convert --out under a file", ["convert", "--out", str(png / "store")]),

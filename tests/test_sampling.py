@@ -16,7 +16,7 @@ def tokenizer():
                                          ("min_p", 2.0), ("repetition_penalty", 0.0), ("max_tokens", 0),
                                          ("stop", ("",)), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
                                          ("frequency_penalty", float("nan")), ("logit_bias", ((-1, 1.0),)),
-                                         ("logit_bias", ((3, 101.0),))])
+                                         ("logit_bias", ((3, 101.0),)), ("min_tokens", 17), ("min_tokens", -1)])
 def test_bad_sampling_values_name_the_field(field, value):
     with pytest.raises(SamplingError, match=field) as e:
         SamplingParams(**{field: value})

@@ -187,6 +187,29 @@ def test_penalties_and_logit_bias_sample_as_the_engine_does(client, reference):
     assert forced.choices[0].text == engine.decode([token] * 4)
 
 
+def test_min_tokens_hold_off_every_end(client, reference):
+    """vLLM's min_tokens, as benchmark clients send it to fix an output's length: before that many tokens no stop
+    token or stop string ends the output; after, they do again. The tokens are the engine's own under the same
+    SamplingParams."""
+    engine = reference.engine
+    prompt = engine.encode("ROMEO.\n")
+    plain = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=12, temperature=0)
+    first = engine.encode(plain.choices[0].text, special=False)[0]
+    kw = dict(model=MODEL, prompt="ROMEO.\n", max_tokens=12, temperature=0)
+    ended = client.completions.create(**kw, extra_body={"stop_token_ids": [first]})
+    assert ended.choices[0].text == "" and ended.choices[0].finish_reason == "stop"
+    held = client.completions.create(**kw, extra_body={"stop_token_ids": [first], "min_tokens": 3})
+    gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=12, min_tokens=3, stop_token_ids=(first,)))
+    assert held.choices[0].text == "".join(step.text for step in gen) and held.usage.completion_tokens >= 3
+    stop = plain.choices[0].text[:2]  # a stop string the first tokens hold
+    assert client.completions.create(**kw, stop=[stop]).choices[0].text == ""
+    late = client.completions.create(**kw, stop=[stop], extra_body={"min_tokens": 4}).choices[0].text
+    gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=12, min_tokens=4, stop=(stop,)))
+    assert late == "".join(step.text for step in gen) and late.startswith(stop)  # read again from the 5th token
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.completions.create(**{**kw, "max_tokens": 2}, extra_body={"min_tokens": 3})
+
+
 def test_logprobs_are_the_models_own(client, reference):
     """Each token's logprob, and its alternatives', are the model's log-softmax at that position, whole and
     streamed, in chat's and completions' layouts."""
@@ -252,7 +275,7 @@ def test_fields_not_implemented_are_refused_not_ignored(client, fields, param):
 
 
 @pytest.mark.parametrize("fields", [{"function_call": {"name": "f"}}, {"modalities": ["text", "audio"]},
-                                    {"guided_json": {"type": "object"}}, {"min_tokens": 4}, {"grammar": "root ::= x"},
+                                    {"guided_json": {"type": "object"}}, {"bad_words": ["a"]}, {"grammar": "root ::= x"},
                                     {"include_stop_str_in_output": True}, {"typical_p": 0.5}])
 def test_other_apis_fields_that_change_the_answer_are_refused(client, fields):
     """Fields of OpenAI's legacy API, vLLM's and llama.cpp's that this server does not implement: a 400, not an

@@ -16,14 +16,17 @@ DEFAULT_PROMPT = "ROMEO.\n"
 
 
 # the CLI flag of each SamplingParams field, for errors raised from the command line
-FLAGS = {"max_tokens": "-n/--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
-         "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
-         "frequency_penalty": "--frequency-penalty", "logit_bias": "--logit-bias", "seed": "--seed", "stop": "--stop"}
+FLAGS = {"max_tokens": "-n/--max-new-tokens", "min_tokens": "--min-new-tokens", "temperature": "--temperature",
+         "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
+         "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+         "logit_bias": "--logit-bias", "seed": "--seed", "stop": "--stop"}
 
 
 def add_sampling_arguments(p, max_tokens: int = 64) -> None:
     """The sampling flags shared by generate and chat."""
     p.add_argument("-n", "--max-new-tokens", type=int, default=max_tokens, help="most tokens to generate")
+    p.add_argument("--min-new-tokens", type=int, default=0,
+                   help="fewest tokens to generate: no end-of-sequence token or stop string ends the text before")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this mass")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0: no limit")
@@ -47,10 +50,12 @@ def sampling_from_args(a) -> SamplingParams:
         return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                               repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
                               frequency_penalty=a.frequency_penalty, logit_bias=logit_bias_flags(a.logit_bias),
-                              seed=a.seed, max_tokens=a.max_new_tokens, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
+                              seed=a.seed, max_tokens=a.max_new_tokens, min_tokens=a.min_new_tokens,
+                              stop=tuple(a.stop), ignore_eos=a.ignore_eos)
     except SamplingError as e:
         flag = FLAGS.get(e.param, e.param)
-        message = str(e).replace(f"{e.param}=", f"{flag} ", 1).replace(" (0 only when scoring the prompt)", "")
+        message = str(e).replace(f"{e.param}=", f"{flag} ", 1).replace(" (0 only when scoring the prompt)", "") \
+            .replace("max_tokens (", "-n (")
         raise BadInput(message) from None
 
 

@@ -104,6 +104,8 @@ class TextGeneration:
         self.prefill_policy = prefill_policy and engine.bind_policy(prefill_policy)  # refused here, not mid-step
         self.sampler = Sampler(params)
         self.eos = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids(engine))
+        self.eos_ids = torch.tensor(sorted(t for t in self.eos if t < vocab), dtype=torch.long)  # barred before
+        # min_tokens (a config's end id past the vocabulary is never sampled anyway)
         self.detok = IncrementalDetokenizer(engine.tokenizer, prompt) if engine.tokenizer is not None else None
         self.stops = StopStrings(params.stop)
         self.tokens: list[int] = []
@@ -160,7 +162,9 @@ class TextGeneration:
 
     def advance(self, logits: torch.Tensor) -> StepOutput:
         """Sample the next token from this sequence's logits [V] and apply EOS, max_tokens and stop strings."""
-        token = self.sampler(logits, self.seen, self.counts)
+        early = len(self.tokens) < self.params.min_tokens  # min_tokens: no end token yet, no stop string read
+        barred = logits.index_fill(0, self.eos_ids.to(logits.device), float("-inf")) if early else logits
+        token = self.sampler(barred, self.seen, self.counts)
         if self.seen is not None:
             self.seen[token] = True
         if self.counts is not None:
@@ -176,7 +180,7 @@ class TextGeneration:
             text = self.detok.push(token) if token not in self.eos else ""
             if self.finish_reason is not None:
                 text += self.detok.flush()
-        text, stopped = self.stops.feed(text)
+        text, stopped = (text, False) if early else self.stops.feed(text)
         if stopped:
             self.finish_reason = "stop"
         elif self.finish_reason is not None:

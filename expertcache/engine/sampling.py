@@ -25,6 +25,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to that token's logit before sampling
     seed: int | None = None  # None: a fresh random seed per request
     max_tokens: int = 16
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends the output before this many tokens
     stop: tuple[str, ...] = ()  # stop strings: the output ends before the first occurrence
     stop_token_ids: tuple[int, ...] = ()  # ids that end the output as EOS does (also with ignore_eos)
     ignore_eos: bool = False
@@ -44,6 +45,7 @@ class SamplingParams:
             (self.seed is None or -2**63 <= self.seed < 2**64, "seed", "must be a whole number in [-2**63, 2**64)"),
             (self.max_tokens >= (0 if self.prompt_logprobs is not None else 1), "max_tokens",
              "must be >= 1 (0 only when scoring the prompt)"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be >= 0 and at most max_tokens ({self.max_tokens})"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
              f"must be in [0, {MAX_LOGPROBS}] alternatives a token"),

@@ -115,7 +115,8 @@ class Server:
                                   min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   logit_bias=logit_bias_pairs(body, vocab), seed=body.seed,
-                                  max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
+                                  max_tokens=max_tokens, min_tokens=body.min_tokens, stop=stop,
+                                  stop_token_ids=tuple(body.stop_token_ids or ()),
                                   ignore_eos=body.ignore_eos, logprobs=logprobs,
                                   prompt_logprobs=(logprobs or 0) if echo else None)
         except SamplingError as e:

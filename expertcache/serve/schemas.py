@@ -48,6 +48,7 @@ class SamplingFields(BaseModel):
     model: str | None = None  # left out: the model served, as vLLM and llama-server take it (OpenAI requires it)
     max_tokens: StrictInt | None = None  # strict: a bool or a string is refused, not read as a number
     max_completion_tokens: StrictInt | None = None
+    min_tokens: StrictInt = 0  # vLLM's: no end before this many tokens (benchmark clients fix output lengths with it)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: StrictInt = 0
@@ -145,7 +146,7 @@ class DetokenizeBody(BaseModel):
 
 # Extra fields of OpenAI's, vLLM's and llama.cpp's APIs that would change the answer, with the value that would
 # not: sent with another, they are refused rather than ignored.
-UNIMPLEMENTED = {"function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "min_tokens": (0,),
+UNIMPLEMENTED = {"function_call": ("none", "auto"), "modalities": (["text"],), "audio": (),
                  "include_stop_str_in_output": (False,), "continue_final_message": (False,), "bad_words": ([],),
                  "allowed_token_ids": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
                  "guided_grammar": (), "structured_outputs": (), "grammar": ("",), "json_schema": (),
