@@ -104,8 +104,8 @@ class TextGeneration:
         self.prefill_policy = prefill_policy and engine.bind_policy(prefill_policy)  # refused here, not mid-step
         self.sampler = Sampler(params)
         self.eos = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids(engine))
-        self.eos_ids = torch.tensor(sorted(t for t in self.eos if t < vocab), dtype=torch.long)  # barred before
-        # min_tokens (a config's end id past the vocabulary is never sampled anyway)
+        # barred before min_tokens (an end id of a config's past the vocabulary is never sampled anyway)
+        self.eos_ids = torch.tensor(sorted(t for t in self.eos if t < vocab), dtype=torch.long)
         self.detok = IncrementalDetokenizer(engine.tokenizer, prompt) if engine.tokenizer is not None else None
         self.stops = StopStrings(params.stop)
         self.tokens: list[int] = []
