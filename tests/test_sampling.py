@@ -80,6 +80,10 @@ def test_stop_strings_cut_before_the_stop_across_pieces():
     assert hit and "".join(shown) == "Hello world "
     stops = StopStrings(("END",))
     assert stops.feed("abcdE")[0] + stops.flush() == "abcdE"  # a held prefix comes out at the end
+    stops = StopStrings(("ab", "abc", "x"), include=True)  # vLLM's include_stop_str_in_output
+    assert stops.feed("1abcde") == ("1abc", True)  # of the stop strings in the text, the first to start, the longest
+    stops = StopStrings(("ab",), include=True)
+    assert stops.feed("1a") == ("1", False) and stops.feed("bc") == ("ab", True)  # across pieces
 
 
 def test_generation_stops_at_eos_and_reads_prompt_from_stdin(monkeypatch, capsys):

@@ -152,6 +152,9 @@ def test_stop_strings_and_seeded_sampling(client):
     first_line = whole.text.split("\n")[0]
     got = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, temperature=0, stop=["\n"])
     assert got.choices[0].text == first_line and got.choices[0].finish_reason == "stop"
+    kept = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, temperature=0, stop=["\n"],
+                                     extra_body={"include_stop_str_in_output": True})  # vLLM's
+    assert kept.choices[0].text == first_line + "\n" and kept.choices[0].finish_reason == "stop"
     kw = dict(model=MODEL, prompt="JULIET.\n", max_tokens=16, temperature=0.9, top_p=0.9, seed=3,
               extra_body={"top_k": 50, "min_p": 0.02, "repetition_penalty": 1.1})
     text = lambda **over: client.completions.create(**{**kw, **over}).choices[0].text  # noqa: E731
@@ -276,7 +279,7 @@ def test_fields_not_implemented_are_refused_not_ignored(client, fields, param):
 
 @pytest.mark.parametrize("fields", [{"function_call": {"name": "f"}}, {"modalities": ["text", "audio"]},
                                     {"guided_json": {"type": "object"}}, {"bad_words": ["a"]}, {"grammar": "root ::= x"},
-                                    {"include_stop_str_in_output": True}, {"typical_p": 0.5}])
+                                    {"allowed_token_ids": [1, 2]}, {"typical_p": 0.5}])
 def test_other_apis_fields_that_change_the_answer_are_refused(client, fields):
     """Fields of OpenAI's legacy API, vLLM's and llama.cpp's that this server does not implement: a 400, not an
     answer that ignores them; their neutral values pass."""

@@ -107,7 +107,7 @@ class TextGeneration:
         # barred before min_tokens (an end id of a config's past the vocabulary is never sampled anyway)
         self.eos_ids = torch.tensor(sorted(t for t in self.eos if t < vocab), dtype=torch.long)
         self.detok = IncrementalDetokenizer(engine.tokenizer, prompt) if engine.tokenizer is not None else None
-        self.stops = StopStrings(params.stop)
+        self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.scored: tuple[StepOutput, ...] | None = None  # the prompt's tokens with their logprobs, once prefilled

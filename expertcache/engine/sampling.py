@@ -27,6 +27,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends the output before this many tokens
     stop: tuple[str, ...] = ()  # stop strings: the output ends before the first occurrence
+    include_stop_str_in_output: bool = False  # vLLM's: the output ends after the stop string instead
     stop_token_ids: tuple[int, ...] = ()  # ids that end the output as EOS does (also with ignore_eos)
     ignore_eos: bool = False
     logprobs: int | None = None  # report each token's log-probability and this many most likely alternatives
@@ -161,10 +162,10 @@ class IncrementalDetokenizer:
 
 class StopStrings:
     """Cuts streamed text at the first stop string, holding back a tail that could be the
-    start of one so no stop text is ever emitted."""
+    start of one so no stop text is ever emitted (with `include`, the text ends with the stop string)."""
 
-    def __init__(self, stop: tuple[str, ...]):
-        self.stop = stop
+    def __init__(self, stop: tuple[str, ...], include: bool = False):
+        self.stop, self.include = stop, include
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.pending = ""
 
@@ -173,9 +174,10 @@ class StopStrings:
         if not self.stop:
             return text, False
         self.pending += text
-        cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.pending = self.pending[:cut], ""
+        found = [(i, -len(s)) for s in self.stop if (i := self.pending.find(s)) >= 0]
+        if found:
+            cut, minus_length = min(found)  # the first to start; of those, the longest
+            out, self.pending = self.pending[:cut - minus_length if self.include else cut], ""
             return out, True
         keep = len(self.pending) - self.hold
         if keep <= 0:

@@ -116,6 +116,7 @@ class Server:
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   logit_bias=logit_bias_pairs(body, vocab), seed=body.seed,
                                   max_tokens=max_tokens, min_tokens=body.min_tokens, stop=stop,
+                                  include_stop_str_in_output=body.include_stop_str_in_output,
                                   stop_token_ids=tuple(body.stop_token_ids or ()),
                                   ignore_eos=body.ignore_eos, logprobs=logprobs,
                                   prompt_logprobs=(logprobs or 0) if echo else None)

@@ -56,6 +56,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = 1.0
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string it reached
     n: StrictInt = 1
     stream: bool = False
     stream_options: dict | None = None  # {"include_usage": true}: a last chunk carries the usage
@@ -147,7 +148,7 @@ class DetokenizeBody(BaseModel):
 # Extra fields of OpenAI's, vLLM's and llama.cpp's APIs that would change the answer, with the value that would
 # not: sent with another, they are refused rather than ignored.
 UNIMPLEMENTED = {"function_call": ("none", "auto"), "modalities": (["text"],), "audio": (),
-                 "include_stop_str_in_output": (False,), "continue_final_message": (False,), "bad_words": ([],),
+                 "continue_final_message": (False,), "bad_words": ([],),
                  "allowed_token_ids": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
                  "guided_grammar": (), "structured_outputs": (), "grammar": ("",), "json_schema": (),
                  "typical_p": (1, 1.0), "mirostat": (0,), "repeat_penalty": (1, 1.0), "tfs_z": (1, 1.0),
