@@ -33,10 +33,12 @@ def json_depth(body: bytes) -> int:
     return int(np.cumsum(step).max(initial=0))
 
 
-def _error(status: int, message: str, code: str) -> tuple[dict, bytes]:
+async def refuse(send, status: int, message: str, code: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """Answer with `status` and an OpenAI-style error body, before the app sees the request."""
     body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-    return {"type": "http.response.start", "status": status,
-            "headers": [(b"content-type", b"application/json")]}, json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *headers]})
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
 class RequireApiKey:
@@ -52,11 +54,9 @@ class RequireApiKey:
             scheme, _, sent = dict(scope.get("headers", ())).get(b"authorization", b"").partition(b" ")
             # in constant time: the key is not guessed byte by byte (the scheme's name is case-insensitive in HTTP)
             if scheme.lower() != b"bearer" or not hmac.compare_digest(sent.strip(), self.key):
-                start, body = _error(401, "the API key is missing or wrong; send Authorization: Bearer KEY with "
-                                     "the key the server was started with (--api-key)", "invalid_api_key")
-                start["headers"].append((b"www-authenticate", b"Bearer"))
-                await send(start)
-                return await send({"type": "http.response.body", "body": body})
+                return await refuse(send, 401, "the API key is missing or wrong; send Authorization: Bearer KEY with "
+                                    "the key the server was started with (--api-key)", "invalid_api_key",
+                                    ((b"www-authenticate", b"Bearer"),))
         await self.app(scope, receive, send)
 
 
@@ -74,7 +74,7 @@ class BodyLimits:
         declared = dict(scope.get("headers", ())).get(b"content-length", b"0")
         too_big = f"the request body is over {limit} bytes; send a smaller one (the server's --max-body-bytes)"
         if declared.isdigit() and int(declared) > limit:
-            return await self._refuse(send, 413, too_big, "body_too_large")
+            return await refuse(send, 413, too_big, "body_too_large")
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -84,11 +84,11 @@ class BodyLimits:
             size += len(chunks[-1])
             more = message.get("more_body", False)
             if size > limit:
-                return await self._refuse(send, 413, too_big, "body_too_large")
+                return await refuse(send, 413, too_big, "body_too_large")
         body = b"".join(chunks)
         if json_depth(body) > self.limits.max_json_depth:
-            return await self._refuse(send, 400, f"the body nests arrays and objects more than "
-                                      f"{self.limits.max_json_depth} deep; flatten it", "body_too_deep")
+            return await refuse(send, 400, f"the body nests arrays and objects more than "
+                                f"{self.limits.max_json_depth} deep; flatten it", "body_too_deep")
         sent = False
 
         async def replay():
@@ -98,9 +98,3 @@ class BodyLimits:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
         await self.app(scope, replay, send)
-
-    @staticmethod
-    async def _refuse(send, status: int, message: str, code: str) -> None:
-        start, body = _error(status, message, code)
-        await send(start)
-        await send({"type": "http.response.body", "body": body})
