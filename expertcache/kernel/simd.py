@@ -97,22 +97,18 @@ def _join(b, lo, hi, n):
 def _dot_u8s8(b: ir.IRBuilder, module, isa: str, acc, codes, x, small: bool):
     """acc <16 x i32> + the sums of each 32-bit lane's four unsigned codes (<64 x i8>) times the four
     signed bytes of x (<64 x i8>) beside them. `small`: every code is below 128 (4-bit codes), so that
-    VPMADDUBSW's 16-bit pair sums cannot saturate."""
+    VPMADDUBSW's 16-bit pair sums cannot saturate; 8-bit codes on such a CPU are centred instead
+    (`centres_codes`: the lanes then hold (code - 128) x x)."""
     if isa == "avx512-vnni":
         fn = _intrinsic_fn(module, "llvm.x86.avx512.vpdpbusd.512", V16I32, [V16I32, V16I32, V16I32])
         return b.call(fn, [acc, b.bitcast(codes, V16I32), b.bitcast(x, V16I32)])
-    if small and isa in ("avx512bw", "avx2"):
-        if isa == "avx512bw":
-            mad = _intrinsic_fn(module, "llvm.x86.avx512.pmaddubs.w.512", V32I16, [V64I8, V64I8])
-            wd = _intrinsic_fn(module, "llvm.x86.avx512.pmaddw.d.512", V16I32, [V32I16, V32I16])
-            return b.add(acc, b.call(wd, [b.call(mad, [codes, x]), _const_vec(I16, 32, 1)]))
-        mad = _intrinsic_fn(module, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [_vec(I8, 32), _vec(I8, 32)])
-        wd = _intrinsic_fn(module, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [_vec(I16, 16), _vec(I16, 16)])
-        ones = _const_vec(I16, 16, 1)
-        (c0, c1), (x0, x1) = _halves(b, codes, 64), _halves(b, x, 64)
-        return b.add(acc, _join(b, b.call(wd, [b.call(mad, [c0, x0]), ones]), b.call(wd, [b.call(mad, [c1, x1]), ones]),
-                                16))
-    if isa in ("avx512bw", "avx2"):
+    if small and isa == "avx512bw":
+        mad = _intrinsic_fn(module, "llvm.x86.avx512.pmaddubs.w.512", V32I16, [V64I8, V64I8])
+        wd = _intrinsic_fn(module, "llvm.x86.avx512.pmaddw.d.512", V16I32, [V32I16, V32I16])
+        return b.add(acc, b.call(wd, [b.call(mad, [codes, x]), _const_vec(I16, 32, 1)]))
+    if small and isa == "avx2":
+        return _madd_avx2(b, module, acc, zip(_halves(b, codes, 64), _halves(b, x, 64)))
+    if not small and centres_codes(isa, INT8):
         return _dot_centred_avx2(b, module, acc, codes, x)
     # the portable form: each lane adds its own four products. (llvm.vector.partial.reduce.add defines only the
     # whole vector's sum, not which products meet in which lane: on an AVX2 target it put other rows' products
@@ -129,23 +125,28 @@ def centres_codes(isa: str, encoding: int) -> bool:
     return encoding == INT8 and isa in ("avx512bw", "avx2")
 
 
+def _madd_avx2(b: ir.IRBuilder, module, acc, halves):
+    """acc <16 x i32> + AVX2's VPMADDUBSW then VPMADDWD of two (unsigned bytes, signed bytes) pairs of 256-bit
+    halves: each 32-bit lane the sum of its four products."""
+    mad = _intrinsic_fn(module, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [_vec(I8, 32), _vec(I8, 32)])
+    wd = _intrinsic_fn(module, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [_vec(I16, 16), _vec(I16, 16)])
+    ones = _const_vec(I16, 16, 1)
+    return b.add(acc, _join(b, *(b.call(wd, [b.call(mad, [u, v]), ones]) for u, v in halves), 16))
+
+
 def _dot_centred_avx2(b: ir.IRBuilder, module, acc, codes, x):
     """acc <16 x i32> + each 32-bit lane's four (code - 128) x (signed byte of x) products, through AVX2's
     VPMADDUBSW as llama.cpp multiplies its 8-bit blocks: |code - 128| (at most 128, unsigned) times x with the
     sign of code - 128 (at most 127: activations are quantized to [-127, 127]), so that a pair's sum is at most
     2 x 128 x 127 < 2^15 and never saturates. 256-bit halves: every CPU with AVX-512BW runs them too."""
-    v32i8, v16i16, v8i32 = _vec(I8, 32), _vec(I16, 16), _vec(I32, 8)
-    mad = _intrinsic_fn(module, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
-    wd = _intrinsic_fn(module, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+    v32i8 = _vec(I8, 32)
     sign = _intrinsic_fn(module, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
     absolute = _intrinsic_fn(module, "llvm.abs.v32i8", v32i8, [v32i8, I1])
-    ones = _const_vec(I16, 16, 1)
     centred = b.xor(codes, _const_vec(I8, 64, 0x80))  # code - 128, as a signed byte
-    halves = []
-    for w, xh in zip(_halves(b, centred, 64), _halves(b, x, 64)):
-        magnitude = b.call(absolute, [w, ir.Constant(I1, 0)])  # -128's magnitude reads as 128 unsigned
-        halves.append(b.call(wd, [b.call(mad, [magnitude, b.call(sign, [xh, w])]), ones]))
-    return b.add(acc, _join(b, *halves, 16))
+    # -128's magnitude reads as 128 unsigned
+    halves = [(b.call(absolute, [w, ir.Constant(I1, 0)]), b.call(sign, [xh, w]))
+              for w, xh in zip(_halves(b, centred, 64), _halves(b, x, 64))]
+    return _madd_avx2(b, module, acc, halves)
 
 
 def _mx_bytes(b: ir.IRBuilder, module, isa: str, nibbles):
