@@ -130,10 +130,13 @@ def test_missing_text_file(capsys, ckpt, tmp_path):
 
 
 def test_a_text_is_scored_as_it_is(tmp_path):
-    """\r\n line ends stay in the text that ppl scores (as a tokenizer or a server sees them)."""
+    """\r\n line ends stay in the text that ppl scores (as a tokenizer or a server sees them); a leading
+    byte-order mark does not."""
     from expertcache.lab.texts import read_text
     (tmp_path / "crlf.txt").write_bytes(b"ROMEO.\r\nWhat light\r\n")
     assert read_text(tmp_path / "crlf.txt") == "ROMEO.\r\nWhat light\r\n"
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfROMEO.\r\n\xef\xbb\xbf")  # a leading mark is no text
+    assert read_text(tmp_path / "bom.txt") == "ROMEO.\r\n\ufeff"
 
 
 def test_bad_input_is_typed_and_programming_errors_are_not_bad_input(capsys, ckpt, monkeypatch):

@@ -19,10 +19,12 @@ class Segment:
 
 
 def read_text(path: Path) -> str:
-    """The text of a UTF-8 file as it is (line ends included: \r\n stays, as a tokenizer or a server sees it);
-    BadInput naming the file when it is missing, unreadable, not UTF-8 or blank."""
+    """The text of a UTF-8 file as it is (line ends included: \r\n stays, as a tokenizer or a server sees it),
+    less a leading byte-order mark, which editors write and do not show (it would be scored as a token, and
+    shift the character offsets a user counts for --domains); BadInput naming the file when it is missing,
+    unreadable, not UTF-8 or blank."""
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        text = Path(path).read_bytes().decode("utf-8-sig")
     except FileNotFoundError:
         raise BadInput(f"{path}: no such text file; give a UTF-8 text file") from None
     except OSError as e:  # a folder, no permission
