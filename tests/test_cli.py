@@ -205,3 +205,17 @@ def test_a_first_runs_compiling_is_not_counted_as_the_models_time(capsys):
     assert engine.stats.wall_s <= took - compiling + 1e-4
     assert "not counted" in engine.stats.line()
     engine.close()
+
+
+def test_predict_writes_its_table_as_json_and_a_plot(tmp_path, capsys):
+    """`predict --plot --json`: the printed table's recalls, per predictor and layer transition, and a PNG of them."""
+    png, js = tmp_path / "recall.png", tmp_path / "recall.json"
+    assert cli.main(["predict", "--max-tokens", "64", "--predictors", "router-ahead", "quasi-hidden",
+                     "--plot", str(png), "--json", str(js)]) == 0
+    import json
+    table = json.loads(js.read_text())
+    assert list(table) == ["router-ahead", "quasi-hidden"]
+    assert all(len(rec) == 5 and all(0 <= r <= 1 for r in rec) for rec in table.values())
+    out = capsys.readouterr().out
+    assert f"| quasi-hidden | {table['quasi-hidden'][0]:.1%} |" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

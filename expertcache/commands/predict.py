@@ -83,7 +83,8 @@ def run(a) -> int:
     for name, rec in table.items():
         print(f"| {name} | " + " | ".join(f"{r:.1%}" for r in rec) + f" | {sum(rec) / len(rec):.1%} |")
     if a.plot:
-        lines(table, [f"{l}->{l + 1}" for l in range(layers)], "layer transition", "recall@k", a.plot)
+        lines(table, [f"{l}->{l + 1}" for l in range(layers)], "layer transition (MoE layers)", "recall@k", a.plot,
+              title=f"Next layer's experts predicted: recall@k on {len(ids):,} tokens", percent=True)
     write_json(a.json, table)
     return 0
 

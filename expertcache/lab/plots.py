@@ -79,17 +79,27 @@ def scatter(points: dict[str, tuple[float, float]], xlabel: str, ylabel: str, ti
     return path
 
 
-def lines(series: dict[str, list[float]], xticks: list[str], xlabel: str, ylabel: str, path: Path) -> Path:
-    """One line per series over the same x positions (e.g. recall per layer transition)."""
+def lines(series: dict[str, list[float]], xticks: list[str], xlabel: str, ylabel: str, path: Path,
+          title: str = "", percent: bool = False) -> Path:
+    """One line per series over the same x positions (e.g. recall per layer transition); each series has a
+    marker and dash of its own, so that two that coincide (a hybrid equal to the estimator) both show.
+    percent: the values are fractions, labelled as percentages."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, ys in series.items():
-        ax.plot(range(len(ys)), ys, "o-", ms=3, label=name)
+    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--"), ("X", "-.")]
+    for i, (name, ys) in enumerate(series.items()):
+        marker, dash = styles[i % len(styles)]
+        ax.plot(range(len(ys)), ys, marker=marker, ls=dash, ms=4, lw=1, mfc="none" if i % 2 else None, label=name)
     ax.set_xticks(range(len(xticks)), xticks)
+    if percent:
+        from matplotlib.ticker import PercentFormatter
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
     ax.grid(alpha=0.3, lw=0.5)
-    ax.legend(frameon=False)
+    ax.legend(frameon=False, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)
