@@ -280,7 +280,7 @@ def test_fields_not_implemented_are_refused_not_ignored(client, fields, param):
 @pytest.mark.parametrize("fields", [{"function_call": {"name": "f"}}, {"modalities": ["text", "audio"]},
                                     {"guided_json": {"type": "object"}}, {"bad_words": ["a"]},
                                     {"grammar": "root ::= x"},
-                                    {"allowed_token_ids": [1, 2]}, {"typical_p": 0.5}])
+                                    {"allowed_token_ids": [1, 2]}, {"typical_p": 0.5}, {"echo": True}])
 def test_other_apis_fields_that_change_the_answer_are_refused(client, fields):
     """Fields of OpenAI's legacy API, vLLM's and llama.cpp's that this server does not implement: a 400, not an
     answer that ignores them; their neutral values pass."""
@@ -291,7 +291,7 @@ def test_other_apis_fields_that_change_the_answer_are_refused(client, fields):
     assert e.value.body["param"] == name
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
                                    extra_body={"min_tokens": 0, "modalities": ["text"], "function_call": "auto",
-                                               "logprobs": False, "top_logprobs": 0})
+                                               "logprobs": False, "top_logprobs": 0, "echo": False})
 
 
 def test_nulls_stop_ids_and_the_generation_prompt(client, reference):
@@ -565,6 +565,17 @@ def test_unknown_paths_get_openai_errors(server):
     assert e.value.code == 404 and json.loads(e.value.read())["error"]["message"] == "Not Found"
 
 
+def test_a_wrong_method_gets_405_with_the_allowed_ones():
+    """HTTP requires a 405 to say which methods the path takes (Allow); the error body stays OpenAI's."""
+    from fastapi.testclient import TestClient
+    engine = Engine(None, EngineConfig(store="ram", max_seq=64))
+    app = create_app(Scheduler(engine), MODEL)  # its worker is not started: no request reaches it
+    r = TestClient(app).get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["message"] == "Method Not Allowed"
+    engine.close()
+
+
 def test_disconnect_stops_generation_and_metrics(server):
     before = metric(server, 'expertcache_requests_total{outcome="cancelled"}')
     body = {"model": MODEL, "prompt": "ROMEO.\n", "max_tokens": 400, "temperature": 0, "stream": True}
@@ -610,6 +621,35 @@ def test_server_doc_python_example_prints_the_servers_answers(server):
                                          seed=1).choices[0].text
     assert reply.strip() and streamed.strip()
     assert out.getvalue() == f"{reply}\n{streamed}"
+
+
+def test_a_stream_keeps_one_created_and_ends_with_done_after_an_error(monkeypatch):
+    """Every chunk of a stream carries the same `created`, as OpenAI's and vLLM's; a generation that fails sends
+    its error event and then [DONE], as vLLM's stream does (no usage chunk after the error)."""
+    import asyncio
+    import types
+    from expertcache.engine.generate import StepOutput
+    from expertcache.serve import app as app_module
+    from expertcache.serve.metrics import ServerMetrics
+    from expertcache.serve.scheduler import Request
+    engine = Engine(None, EngineConfig(store="ram", max_seq=64))
+    scheduler = Scheduler(engine)  # not started: the stream's items are put by hand
+    server = app_module.Server(scheduler, MODEL, ServerMetrics(scheduler))
+    clock = iter(range(10**9, 10**9 + 100))  # a second passes between any two readings
+    monkeypatch.setattr(app_module, "time", types.SimpleNamespace(time=lambda: next(clock)))
+
+    async def events():
+        merged = asyncio.Queue()
+        for item in (StepOutput(5, "a", None), StepOutput(6, "b", None), RuntimeError("boom")):
+            merged.put_nowait((0, item))
+        request = Request([1, 2], SamplingParams(max_tokens=4), lambda item: None)
+        return [e async for e in server._stream([request], merged, "cmpl-x", False, True, 2)]
+    got = asyncio.run(events())
+    chunks = [json.loads(e.removeprefix("data: ")) for e in got[:2]]
+    assert [c["choices"][0]["text"] for c in chunks] == ["a", "b"]
+    assert chunks[0]["created"] == chunks[1]["created"]
+    assert "boom" in json.loads(got[2].removeprefix("data: "))["error"]["message"] and got[3:] == ["data: [DONE]\n\n"]
+    engine.close()
 
 
 def test_failed_fetch_ends_the_request_and_the_server_keeps_serving(tmp_path, reference):
@@ -858,6 +898,18 @@ def test_a_full_queue_answers_429_with_retry_after(tiny):
                                      json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 1}).encode())
         assert status == 429 and headers.get("retry-after") == "1" and body["error"]["code"] == "queue_full"
         running.cancel(), waiting.cancel()
+    engine.close()
+
+
+def test_a_call_larger_than_the_queue_gets_400_not_a_429_to_retry_forever(tiny):
+    from expertcache.serve.limits import ServerLimits
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL, ServerLimits(max_waiting=2))) as s:
+        url = f"{s.base_url}/completions"
+        for body in ({"prompt": [[1, 2], [3], [4]], "max_tokens": 1}, {"prompt": [1, 2], "n": 3, "max_tokens": 1}):
+            status, headers, error = post(url, json.dumps(body).encode())  # the queue is empty: it can never fit
+            assert status == 400 and "retry-after" not in headers and "--max-waiting" in error["error"]["message"]
+        assert post(url, json.dumps({"prompt": [1, 2], "n": 2, "max_tokens": 1}).encode())[0] == 200
     engine.close()
 
 

@@ -94,7 +94,7 @@ class Server:
         logprobs = logprobs_count(body, chat)
         room = self.engine.model.max_seq - prompt_len
         asked = [m for m in (body.max_completion_tokens, body.max_tokens) if m is not None]
-        echo = getattr(body, "echo", False)
+        echo = isinstance(body, CompletionBody) and body.echo  # chat's (vLLM's) was refused above
         if room < (0 if echo and asked[:1] == [0] else 1):  # scoring a prompt needs no position after it
             raise APIError(400, f"the prompt has {prompt_len} tokens, the context is {self.engine.model.max_seq}; "
                            "shorten the prompt", "prompt", "context_length_exceeded")
@@ -187,6 +187,10 @@ class Server:
         if self.scheduler.failure is not None:
             raise APIError(503, f"the engine has stopped ({self.scheduler.state}); the server must be restarted",
                            code="engine_failed", kind="server_error")
+        if len(prompts) * n > self.limits.max_waiting:  # a 429 would have the client retry forever
+            raise APIError(400, f"{len(prompts)} prompts x n={n} ask for more generations than the server queues "
+                           f"({self.limits.max_waiting}, its --max-waiting); send them in several requests",
+                           "n" if len(prompts) == 1 else "prompt")
         if self.scheduler.queue_length + len(prompts) * n > self.limits.max_waiting:
             raise APIError(429, f"the server has {self.scheduler.queue_length} requests waiting (at most "
                            f"{self.limits.max_waiting}); retry shortly", None, "queue_full", "server_error",
@@ -286,9 +290,10 @@ class Server:
         """The SSE chunks of `requests` (choice i is requests[i]) as their tokens arrive on `merged`."""
         logprobs = requests[0].params.logprobs is not None
         usage = {"usage": None} if include_usage else {}
+        head = self._envelope(rid, chat, True)  # one `created` for every chunk, as OpenAI's and vLLM's streams
 
         def chunk(choice: dict) -> str:
-            return f"data: {json.dumps({**self._envelope(rid, chat, True), 'choices': [choice], **usage})}\n\n"
+            return f"data: {json.dumps({**head, 'choices': [choice], **usage})}\n\n"
         try:
             if chat:
                 for i in range(len(requests)):
@@ -302,8 +307,9 @@ class Server:
                 if item is None:
                     running -= 1
                     continue
-                if isinstance(item, Exception):
+                if isinstance(item, Exception):  # [DONE] still ends it, as vLLM ends a stream that failed
                     yield f"data: {json.dumps(self._error(item).body())}\n\n"
+                    yield "data: [DONE]\n\n"
                     return
                 if item.logprob is not None:
                     held[i].append(item)
@@ -320,7 +326,7 @@ class Server:
                 held[i] = []
                 yield chunk(choice)
             if include_usage:
-                last = {**self._envelope(rid, chat, True), "choices": [],
+                last = {**head, "choices": [],
                         "usage": self._usage(prompt_tokens, sum(r.completion_tokens for r in requests))}
                 yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
@@ -452,7 +458,9 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, e: StarletteHTTPException):  # an unknown path or method, an unreadable body
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        # with its headers: a 405 must name the methods the path takes (Allow), as HTTP requires
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # probes that ask with HEAD
     async def health():  # 'ok', or what stopped the worker ('failed: ...', 'stopped'), with a 503

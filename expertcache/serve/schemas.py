@@ -146,14 +146,15 @@ class DetokenizeBody(BaseModel):
 
 
 # Extra fields of OpenAI's, vLLM's and llama.cpp's APIs that would change the answer, with the value that would
-# not: sent with another, they are refused rather than ignored.
+# not: sent with another, they are refused rather than ignored. (echo is chat's here, vLLM's: it prepends the last
+# message; completions declare their own.)
 UNIMPLEMENTED = {"function_call": ("none", "auto"), "modalities": (["text"],), "audio": (),
                  "continue_final_message": (False,), "bad_words": ([],),
                  "allowed_token_ids": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
                  "guided_grammar": (), "structured_outputs": (), "grammar": ("",), "json_schema": (),
                  "typical_p": (1, 1.0), "mirostat": (0,), "repeat_penalty": (1, 1.0), "tfs_z": (1, 1.0),
                  "prompt_logprobs": (), "truncate_prompt_tokens": (), "length_penalty": (1, 1.0),
-                 "use_beam_search": (False,)}
+                 "use_beam_search": (False,), "echo": (False,)}
 
 
 def refuse_unsupported(body: SamplingFields) -> None:
