@@ -86,6 +86,41 @@ def test_stop_strings_cut_before_the_stop_across_pieces():
     assert stops.feed("1a") == ("1", False) and stops.feed("bc") == ("ab", True)  # across pieces
 
 
+def test_a_stop_string_must_end_after_min_tokens_text():
+    """Text fed unmatched (the tokens before vLLM's min_tokens) ends no stop string, but a stop string that starts
+    in it and ends after it does, as vLLM reads stop strings over the text before each new token's."""
+    stops = StopStrings(("my lord",))
+    assert stops.feed("ROMEO. my lord, my", match=False) == ("ROMEO. my lo", False)  # the tail is held back
+    assert stops.feed(" lord", match=True) == ("rd, ", True)  # the second one: the first ended early
+    stops = StopStrings(("my lord",))
+    assert stops.feed("ROMEO. my", match=False) == ("ROM", False)
+    assert stops.feed(" lord, my lord") == ("EO. ", True)  # it started early and ends now
+    stops = StopStrings(("ab",), include=True)
+    assert stops.feed("xab", match=False) == ("xa", False) and stops.feed("cab") == ("bcab", True)
+
+
+def test_min_tokens_reads_a_stop_string_that_ends_on_its_last_token(monkeypatch):
+    """The min_tokens-th token's text is read for stop strings (vLLM checks from the output's min_tokens-th token),
+    and one that began before it counts."""
+    from expertcache.engine.engine import Engine, EngineConfig
+    from expertcache.engine.generate import TextGeneration
+    engine = Engine(None, EngineConfig(store="ram", max_seq=64))
+    prompt = engine.encode("ROMEO.\n")
+    steps = list(TextGeneration(engine, prompt, SamplingParams(max_tokens=24)))
+    text, ends = "", []
+    for step in steps:  # the text after each token
+        text += step.text
+        ends.append(len(text))
+    stop = text[ends[2] - 2:ends[3]]  # a stop string that starts in token 3's text and ends with token 4's
+    assert stop and text.find(stop) == ends[2] - 2
+    for min_tokens, want in ((3, text[:ends[2] - 2]), (4, text[:ends[2] - 2])):
+        gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=24, min_tokens=min_tokens, stop=(stop,)))
+        out = list(gen)
+        assert "".join(s.text for s in out) == want and gen.finish_reason == "stop" and len(out) == 4
+    gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=24, min_tokens=5, stop=(stop,)))
+    assert "".join(s.text for s in gen).startswith(text[:ends[3]])  # it ended with token 4's text: not read
+
+
 def test_generation_stops_at_eos_and_reads_prompt_from_stdin(monkeypatch, capsys):
     import io
 

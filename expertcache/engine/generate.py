@@ -162,7 +162,7 @@ class TextGeneration:
 
     def advance(self, logits: torch.Tensor) -> StepOutput:
         """Sample the next token from this sequence's logits [V] and apply EOS, max_tokens and stop strings."""
-        early = len(self.tokens) < self.params.min_tokens  # min_tokens: no end token yet, no stop string read
+        early = len(self.tokens) < self.params.min_tokens  # min_tokens: no end token yet
         barred = logits.index_fill(0, self.eos_ids.to(logits.device), float("-inf")) if early else logits
         token = self.sampler(barred, self.seen, self.counts)
         if self.seen is not None:
@@ -180,7 +180,8 @@ class TextGeneration:
             text = self.detok.push(token) if token not in self.eos else ""
             if self.finish_reason is not None:
                 text += self.detok.flush()
-        text, stopped = (text, False) if early else self.stops.feed(text)
+        # nor a stop string that ends before the min_tokens-th token's text (vLLM reads them from that token on)
+        text, stopped = self.stops.feed(text, match=len(self.tokens) >= self.params.min_tokens)
         if stopped:
             self.finish_reason = "stop"
         elif self.finish_reason is not None:

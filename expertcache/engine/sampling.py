@@ -169,21 +169,27 @@ class StopStrings:
         self.stop, self.include = stop, include
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.pending = ""
+        self.barred = 0  # a stop string must end past this many characters of `pending` (text fed unmatched)
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a stop string was reached)."""
+    def feed(self, text: str, match: bool = True) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was reached). With `match` False (the tokens before
+        vLLM's min_tokens) no stop string may end in `text`; one that starts in it and ends in later text still
+        counts, as vLLM reads stop strings over the text before the new token's too."""
         if not self.stop:
             return text, False
         self.pending += text
-        found = [(i, -len(s)) for s in self.stop if (i := self.pending.find(s)) >= 0]
+        if not match:
+            self.barred = len(self.pending)
+        found = [(i, -len(s)) for s in self.stop
+                 if (i := self.pending.find(s, max(0, self.barred - len(s) + 1))) >= 0] if match else []
         if found:
             cut, minus_length = min(found)  # the first to start; of those, the longest
-            out, self.pending = self.pending[:cut - minus_length if self.include else cut], ""
+            out, self.pending, self.barred = self.pending[:cut - minus_length if self.include else cut], "", 0
             return out, True
         keep = len(self.pending) - self.hold
         if keep <= 0:
             return "", False
-        out, self.pending = self.pending[:keep], self.pending[keep:]
+        out, self.pending, self.barred = self.pending[:keep], self.pending[keep:], max(0, self.barred - keep)
         return out, False
 
     def flush(self) -> str:
