@@ -315,6 +315,26 @@ def test_nulls_stop_ids_and_the_generation_prompt(client, reference):
     got = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=6, temperature=0,
                                          extra_body={"add_generation_prompt": False})
     assert got.choices[0].message.content == want
+    refused = [*messages, {"role": "assistant", "content": [{"type": "refusal", "refusal": "Nay"}]},
+               {"role": "user", "content": [{"type": "text", "text": "Why?"}]}]
+    said = [*messages, {"role": "assistant", "content": "Nay"}, {"role": "user", "content": "Why?"}]
+    assert client.chat.completions.create(model=MODEL, messages=refused, max_tokens=6, temperature=0) \
+        .choices[0].message.content == reference(engine.encode(template.render(said), special=False), 6)
+
+
+def test_a_template_that_renders_nothing_gets_a_400(monkeypatch):
+    """A chat template may render a conversation as no text at all: a 400 naming it, not the engine's error."""
+    from expertcache.serve import app as app_module
+    from expertcache.serve.metrics import ServerMetrics
+    engine = Engine(None, EngineConfig(store="ram", max_seq=64))
+    scheduler = Scheduler(engine)  # not started: no request reaches it
+    server = app_module.Server(scheduler, MODEL, ServerMetrics(scheduler))
+    monkeypatch.setattr(server.template, "render", lambda *a, **k: "")
+    body = app_module.ChatBody(messages=[{"role": "user", "content": ""}], add_generation_prompt=False)
+    with pytest.raises(app_module.APIError, match="empty prompt") as e:
+        server.chat_prompt(body)
+    assert e.value.status == 400
+    engine.close()
 
 
 def test_bodies_that_once_failed_inside_the_server_get_400s(server, client):

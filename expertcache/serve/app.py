@@ -160,7 +160,11 @@ class Server:
                                         body.tools, body.template_kwargs())
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
-        return self.encode(text, "messages", special=False)
+        ids = self.encode(text, "messages", special=False)
+        if not ids:  # a template may render nothing (a conversation of empty messages, no generation prompt)
+            raise APIError(400, "the chat template renders these messages as an empty prompt; send some text",
+                           "messages")
+        return ids
 
     def encode(self, text: str, param: str, special: bool = True) -> list[int]:
         """A prompt's token ids; APIError for text that is not Unicode (a lone surrogate escape) or so long that

@@ -215,16 +215,22 @@ def logprobs_count(body: SamplingFields, chat: bool) -> int | None:
     return n
 
 
+# content parts read as text, by the field that holds it: an assistant's refusal comes back so when a client sends
+# the conversation again (the openai client's types allow it), and vLLM reads it as text
+TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
 def message_text(message: ChatMessage) -> dict:
     """A message as the template sees it: its fields as sent (a tool call's, a name), content parts of type text
-    joined."""
+    (or an assistant's refusal) joined."""
     content = message.content
     if isinstance(content, list):
-        if any(part.get("type") != "text" for part in content):
+        if any(part.get("type") not in TEXT_PARTS for part in content):
             raise APIError(400, "only text content parts are supported", "messages")
-        if any(not isinstance(part.get("text", ""), str) for part in content):
+        texts = [part.get(TEXT_PARTS[part["type"]], "") for part in content]
+        if any(not isinstance(t, str) for t in texts):
             raise APIError(400, "a text content part's text must be a string", "messages")
-        content = "".join(part.get("text", "") for part in content)
+        content = "".join(texts)
     return {**(message.model_extra or {}), "role": message.role, "content": content or ""}
 
 
