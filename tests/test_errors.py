@@ -172,6 +172,7 @@ def test_os_errors_are_one_line(capsys, ckpt, tmp_path, monkeypatch):
     home.write_text("a file where the cache folder should be")
     monkeypatch.setenv("EXPERTCACHE_HOME", str(home))
     expect_cli_error(capsys, ckpt, "Not a directory", "--store", "disk")
+    expect_cli_error(capsys, ckpt, "choose another folder (--store-dir", "--store", "disk")  # the fix named
     store = tmp_path / "store"
     store.mkdir()
     (store / "experts.bin.partial").symlink_to("/dev/full")  # every write: no space left on device
