@@ -247,3 +247,46 @@ def test_each_config_option_computes_what_hf_computes(family, over, tmp_path):
     out = torch.cat([engine.forward(ids[:8], 0)] + [engine.forward(ids[p:p + 1], p) for p in range(8, 14)])
     torch.testing.assert_close(out, hf_logits(hf, ids), **TOL)
     engine.close()
+
+
+GPT_OSS_ROPE = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=4096)
+OMITTED_KEYS = [  # (family, the tiny model with the key at HF's default, the key config.json then omits)
+    ("deepseek_v3", {}, "routed_scaling_factor"), ("deepseek_v3", {}, "n_shared_experts"),  # tiny: 2.5, 1
+    ("deepseek_v3", dict(n_group=8, topk_group=4), "topk_group"),
+    ("deepseek_v3", dict(n_group=8, topk_group=4), "n_group"),
+    ("deepseek_v3", dict(num_hidden_layers=4, first_k_dense_replace=3), "first_k_dense_replace"),
+    ("deepseek_v3", dict(q_lora_rank=1536), "q_lora_rank"),
+    ("deepseek_v2", dict(n_shared_experts=2), "n_shared_experts"),
+    ("deepseek_v2", dict(q_lora_rank=1536), "q_lora_rank"),
+    ("glm4_moe", {}, "n_shared_experts"), ("glm4_moe", {}, "first_k_dense_replace"),  # tiny: 1, 1
+    ("qwen2_moe", dict(shared_expert_intermediate_size=5632), "shared_expert_intermediate_size"),
+    ("qwen3_next", dict(shared_expert_intermediate_size=512), "shared_expert_intermediate_size"),
+    ("qwen3_next", dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
+     "rope_parameters.partial_rotary_factor"),
+    ("qwen3_next", dict(head_dim=256), "head_dim"),
+    ("gpt_oss", dict(head_dim=64), "head_dim"), ("gpt_oss", dict(sliding_window=128), "sliding_window"),
+    ("gpt_oss", dict(rope_parameters=GPT_OSS_ROPE), "rope_parameters"),
+]
+
+
+@pytest.mark.parametrize("family,over,key", OMITTED_KEYS, ids=[f"{f}-{k}" for f, _, k in OMITTED_KEYS])
+def test_a_key_the_config_omits_reads_as_hfs_default(family, over, key, tmp_path):
+    """A config.json without a key (hand-written, or older tooling's) runs as transformers runs it, with the key at
+    its HF config class's default: the engine's own defaults were other numbers (DeepSeek-V3's routed_scaling_factor
+    1.0 for HF's 2.5, no shared experts for HF's one, Qwen3-Next's full RoPE for HF's 0.25, GPT-OSS's plain RoPE for
+    HF's YaRN) or a refusal of a checkpoint HF runs."""
+    from hf_models import save_tiny
+    from transformers import AutoModelForCausalLM
+    save_tiny(family, tmp_path, **over)
+    config = json.loads((tmp_path / "config.json").read_text())
+    where, name = (config["rope_parameters"], key.split(".")[1]) if "." in key else (config, key)
+    del where[name]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]  # HF's default fits the weights
+    ids = torch.randint(0, 96, (14,), generator=torch.Generator().manual_seed(5))
+    engine = Engine(tmp_path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.5), initial="cold"))
+    out = torch.cat([engine.forward(ids[:8], 0)] + [engine.forward(ids[p:p + 1], p) for p in range(8, 14)])
+    torch.testing.assert_close(out, hf_logits(hf.eval(), ids), **TOL)
+    engine.close()

@@ -106,9 +106,10 @@ def rope_theta(config: dict, default: float) -> float:
     return float(params.get("rope_theta", config.get("rope_theta", default)))
 
 
-def head_dim(config: dict) -> int:
-    """The attention head size: head_dim if the config gives it, else hidden_size / num_attention_heads."""
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+def head_dim(config: dict, default: int | None = None) -> int:
+    """The attention head size: head_dim if the config gives it, else `default` if the key is absent (a family
+    whose HF config has one: transformers reads the omitted key as that), else hidden_size / num_attention_heads."""
+    return config.get("head_dim", default) or config["hidden_size"] // config["num_attention_heads"]
 
 
 def num_experts(config: dict) -> int:

@@ -32,8 +32,9 @@ def args_from_config(c: dict) -> ModelArgs:
         norm_topk_prob=False, rope_theta=rope_theta(c, 10000.0), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=c.get("tie_word_embeddings", False), attention_bias=c.get("attention_bias", False),
         max_position_embeddings=c.get("max_position_embeddings", 2048), attention="mla",
-        q_lora_rank=c.get("q_lora_rank"), kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
+        q_lora_rank=c.get("q_lora_rank", 1536),  # HF: omitted means 1536; null, q projected directly
+        kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
         qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"], rope_interleave=True,
         rope_scaling=rope_scaling(c), routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
         first_dense_layers=c.get("first_k_dense_replace") or 0, dense_dim=c["intermediate_size"],
-        shared_expert_dim=(c.get("n_shared_experts") or 0) * c["moe_intermediate_size"], shared_expert_gate=False)
+        shared_expert_dim=(c.get("n_shared_experts", 2) or 0) * c["moe_intermediate_size"], shared_expert_gate=False)

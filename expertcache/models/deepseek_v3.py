@@ -18,9 +18,12 @@ def args_from_config(c: dict) -> ModelArgs:
         rope_theta=rope_theta(c, 10000.0), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=c.get("tie_word_embeddings", False), attention_bias=c.get("attention_bias", False),
         max_position_embeddings=c.get("max_position_embeddings", 4096), attention="mla",
-        q_lora_rank=c.get("q_lora_rank"), kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
+        q_lora_rank=c.get("q_lora_rank", 1536),  # HF: omitted means 1536; null, q projected directly
+        kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
         qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
-        rope_interleave=c.get("rope_interleave", True), rope_scaling=rope_scaling(c), **sigmoid_router_fields(c))
+        rope_interleave=c.get("rope_interleave", True), rope_scaling=rope_scaling(c),
+        **sigmoid_router_fields(c, n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=3,
+                                n_shared_experts=1))  # HF's defaults for keys config.json omits
 
 
 def layer_names(i: int, a: ModelArgs) -> dict:

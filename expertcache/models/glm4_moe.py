@@ -19,7 +19,8 @@ def args_from_config(c: dict) -> ModelArgs:
         attention_bias=c.get("attention_bias", False), qk_norm="head" if c.get("use_qk_norm") else None,
         partial_rotary_factor=partial_rotary_factor(c, 0.5), rope_scaling=rope_scaling(c),
         max_position_embeddings=c.get("max_position_embeddings", 4096),
-        **sigmoid_router_fields(c))
+        **sigmoid_router_fields(c, n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=1,
+                                n_shared_experts=1))  # HF's defaults for keys config.json omits
 
 
 def layer_names(i: int, a: ModelArgs) -> dict:

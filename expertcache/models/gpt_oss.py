@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 ARCHITECTURE = "GptOssForCausalLM"
 
+# HF's GptOssConfig gives a config without rope_parameters (or rope_scaling) this YaRN, not plain RoPE
+DEFAULT_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=4096)
 
 
 def args_from_config(c: dict) -> ModelArgs:
@@ -36,13 +39,14 @@ def args_from_config(c: dict) -> ModelArgs:
     types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     return ModelArgs(
         family="gpt_oss", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=layers,
-        num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"], head_dim=head_dim(c),
+        num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"], head_dim=head_dim(c, 64),
         num_experts=num_experts(c), top_k=c.get("num_experts_per_tok", c.get("experts_per_token", 4)),
         expert_dim=c["intermediate_size"], norm_topk_prob=True, rope_theta=rope_theta(c, 150000.0),
         rms_norm_eps=c.get("rms_norm_eps", 1e-5), tie_word_embeddings=c.get("tie_word_embeddings", False),
         attention_bias=c.get("attention_bias", True), max_position_embeddings=c.get("max_position_embeddings", 131072),
-        layer_types=tuple(types), sliding_window=c.get("sliding_window"), attention_sinks=True,
-        rope_scaling=rope_scaling(c), router_bias=True,
+        layer_types=tuple(types), sliding_window=c.get("sliding_window", 128), attention_sinks=True,  # HF defaults
+        rope_scaling=rope_scaling(c) if c.get("rope_parameters") or c.get("rope_scaling") else dict(DEFAULT_ROPE),
+        router_bias=True,
         expert_bias=True, swiglu_limit=float(c.get("swiglu_limit", 7.0)),
         swiglu_alpha=float(c.get("swiglu_alpha", 1.702)))
 

@@ -72,12 +72,17 @@ def deepseek_mlp_names(i: int, a: ModelArgs) -> dict:
     return names
 
 
-def sigmoid_router_fields(c: dict) -> dict:
-    """ModelArgs fields of the DeepSeek-V3 / GLM-4.5 router, dense layers and shared experts."""
-    return dict(router="sigmoid", router_bias=True, n_group=c.get("n_group") or 1, topk_group=c.get("topk_group") or 1,
-                routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+def sigmoid_router_fields(c: dict, n_group: int, topk_group: int, routed_scaling_factor: float,
+                          first_k_dense_replace: int, n_shared_experts: int) -> dict:
+    """ModelArgs fields of the DeepSeek-V3 / GLM-4.5 router, dense layers and shared experts. The keyword
+    arguments are the family's HF config defaults: transformers reads a key config.json omits as its default,
+    and the families' differ (DeepSeek-V3's 2.5 scaling, 8 groups, 3 dense layers)."""
+    return dict(router="sigmoid", router_bias=True, n_group=c.get("n_group", n_group) or 1,
+                topk_group=c.get("topk_group", topk_group) or 1,
+                routed_scaling_factor=float(c.get("routed_scaling_factor", routed_scaling_factor)),
                 norm_topk_prob=bool(c.get("norm_topk_prob", True)),
-                first_dense_layers=c.get("first_k_dense_replace") or 0, dense_dim=c["intermediate_size"],
-                shared_expert_dim=(c.get("n_shared_experts") or 0) * c["moe_intermediate_size"],
+                first_dense_layers=c.get("first_k_dense_replace", first_k_dense_replace) or 0,
+                dense_dim=c["intermediate_size"],
+                shared_expert_dim=(c.get("n_shared_experts", n_shared_experts) or 0) * c["moe_intermediate_size"],
                 shared_expert_gate=False)
 
