@@ -419,6 +419,20 @@ def test_n_choices_sample_with_successive_seeds(client):
         assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
         assert "".join(x.delta.content or "" for x in mine) == chat.choices[i].message.content
     assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+    continuous = list(client.chat.completions.create(  # vLLM's: every chunk with its choice's usage so far
+        model=MODEL, messages=[{"role": "user", "content": "Hail"}], n=2, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    for i in range(2):
+        mine = [c for c in continuous if c.choices and c.choices[0].index == i]
+        made = [c.usage.completion_tokens for c in mine]
+        assert made[0] == 0 and made == sorted(made) and made[-1] == 4 and mine[-1].choices[0].finish_reason
+        assert all(c.usage.prompt_tokens == chat.usage.prompt_tokens for c in mine)
+    assert continuous[-1].usage.completion_tokens == 8
+    for options, words in (({"include_usage": "yes"}, "include_usage"), ({"include_usage": True, "every": 1},
+                                                                        "every")):
+        with pytest.raises(openai.BadRequestError, match=words):  # refused, not read as true or ignored
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hail"}], max_tokens=2,
+                                           stream=True, stream_options=options)
     texts = {}  # a prompt list streamed: choice p * n + i
     for c in client.completions.create(model=MODEL, prompt=["JULIET.\n", "ROMEO.\n"], n=2, max_tokens=4,
                                        temperature=0, stream=True):

@@ -27,7 +27,8 @@ from ..errors import BadInput, CheckpointError
 from .metrics import ServerMetrics
 from .limits import BodyLimits, RequireApiKey, ServerLimits
 from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, CompletionBody, DetokenizeBody, SamplingFields,
-                      TokenizeBody, checked_stop, logit_bias_pairs, logprobs_count, message_text, refuse_unsupported)
+                      StreamOptions, TokenizeBody, checked_stop, logit_bias_pairs, logprobs_count, message_text,
+                      refuse_unsupported)
 from .scheduler import Request, Scheduler
 
 DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
@@ -183,10 +184,11 @@ class Server:
                            "\\ud800); send valid UTF-8", param) from None
 
     async def run(self, http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, chat: bool,
-                  stream: bool, n: int = 1, include_usage: bool = False, echo: list[str] | None = None) -> Response:
+                  stream: bool, n: int = 1, options: StreamOptions | None = None,
+                  echo: list[str] | None = None) -> Response:
         """Submit one scheduler request per choice (n per prompt, the i-th with seed + i when the body gives a
-        seed); returns an SSE stream of chunks, each of one choice by its index (with `include_usage`, a last
-        chunk carries the usage), or the whole response once every generation has ended; choice prompt * n + i.
+        seed); returns an SSE stream of chunks, each of one choice by its index (`options`: the body's
+        stream_options), or the whole response once every generation has ended; choice prompt * n + i.
         `echo`: the prompts' texts, to put before their completions."""
         if self.scheduler.failure is not None:
             raise APIError(503, f"the engine has stopped ({self.scheduler.state}); the server must be restarted",
@@ -220,8 +222,9 @@ class Server:
             raise
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if stream:
-            return StreamingResponse(self._stream([r for r, _ in submitted], merged, rid, chat, include_usage,
-                                                  sum(len(p) for p in prompts)), media_type="text/event-stream")
+            return StreamingResponse(self._stream([r for r, _ in submitted], merged, rid, chat,
+                                                  options or StreamOptions(), sum(len(p) for p in prompts)),
+                                     media_type="text/event-stream")
         try:
             outcomes = await asyncio.gather(*(self._collect(http, *s) for s in submitted))
         finally:
@@ -290,13 +293,18 @@ class Server:
                 "text_offset": offsets}
 
     async def _stream(self, requests: list[Request], merged: asyncio.Queue, rid: str, chat: bool,
-                      include_usage: bool, prompt_tokens: int):
+                      options: StreamOptions, prompt_tokens: int):
         """The SSE chunks of `requests` (choice i is requests[i]) as their tokens arrive on `merged`."""
         logprobs = requests[0].params.logprobs is not None
-        usage = {"usage": None} if include_usage else {}
+        include_usage = bool(options.include_usage)
+        continuous = include_usage and bool(options.continuous_usage_stats)  # vLLM's: only with include_usage
         head = self._envelope(rid, chat, True)  # one `created` for every chunk, as OpenAI's and vLLM's streams
+        made = [0] * len(requests)  # each choice's output tokens so far
 
         def chunk(choice: dict) -> str:
+            i = choice["index"]
+            usage = {"usage": self._usage(len(requests[i].prompt), made[i]) if continuous else None} \
+                if include_usage else {}
             return f"data: {json.dumps({**head, 'choices': [choice], **usage})}\n\n"
         try:
             if chat:
@@ -317,6 +325,8 @@ class Server:
                     return
                 if item.logprob is not None:
                     held[i].append(item)
+                if item.token is not None:  # the last may be an end token, which the usage does not count
+                    made[i] = requests[i].completion_tokens if item.finish_reason else made[i] + 1
                 if not item.text and item.finish_reason is None:
                     continue
                 choice: dict[str, Any] = {"index": i, "finish_reason": item.finish_reason}
@@ -415,15 +425,14 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
         prompts = await asyncio.to_thread(server.completion_prompts, body)  # a long prompt would stall the loop
         params = server.params(body, max(len(ids) for ids, _ in prompts), default_max=16, chat=False)
         return await server.run(http, [ids for ids, _ in prompts], params, chat=False, stream=body.stream, n=body.n,
-                                include_usage=bool((body.stream_options or {}).get("include_usage")),
-                                echo=[text for _, text in prompts] if body.echo else None)
+                                options=body.stream_options, echo=[text for _, text in prompts] if body.echo else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
         prompt = await asyncio.to_thread(server.chat_prompt, body)
         params = server.params(body, len(prompt), default_max=None, chat=True)
         return await server.run(http, [prompt], params, chat=True, stream=body.stream, n=body.n,
-                                include_usage=bool((body.stream_options or {}).get("include_usage")))
+                                options=body.stream_options)
 
     card = lambda: {"id": model_name, "object": "model", "created": server.created,  # noqa: E731
                     "owned_by": "expertcache"}

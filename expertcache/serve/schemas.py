@@ -27,6 +27,17 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class StreamOptions(BaseModel):
+    """stream_options: include_usage (a last chunk carries the usage); vLLM's continuous_usage_stats (with
+    include_usage, every chunk also carries its choice's usage so far); OpenAI's include_obfuscation, which pads
+    chunks against a size side channel and changes no answer (no padding is added here). Another key is refused,
+    not ignored."""
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False
+    include_obfuscation: StrictBool | None = None
+
+
 NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -59,7 +70,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string it reached
     n: StrictInt = 1
     stream: bool = False
-    stream_options: dict | None = None  # {"include_usage": true}: a last chunk carries the usage
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     logprobs: StrictBool | StrictInt | None = None  # chat: true or false; completions: alternatives a token (0-20)
     top_logprobs: StrictInt | None = None  # chat, with logprobs true: alternatives a token (0-20)
