@@ -16,6 +16,9 @@ def replaced(path: Path) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.partial")
     try:
         yield tmp
+        # a writer may make its file private (safetensors' save_file: 0600); the file takes the mode it replaces, or
+        # a new file's under the umask, so that others who share the folder can read it as before
+        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -26,3 +29,14 @@ def write_text(path: Path, text: str) -> None:
     """Path.write_text, whole or not at all."""
     with replaced(path) as tmp:
         tmp.write_text(text)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask sets it, which races with other threads' files)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022

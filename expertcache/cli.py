@@ -27,6 +27,8 @@ class HelpFormatter(argparse.HelpFormatter):
         default = action.default
         if "default" in text or default in (None, False, argparse.SUPPRESS) or default == [] or action.required:
             return text
+        if isinstance(action, argparse._StoreFalseAction):  # a --no-X flag: its default True reads as if it were set
+            return text
         if isinstance(default, Path) and default.is_relative_to(DATA):  # the built-in model's or texts
             default = Path("expertcache") / default.relative_to(DATA.parent)
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
@@ -58,12 +60,15 @@ def _run(argv: list[str] | None) -> int:
     parser = Parser(prog="expertcache", description="MoE inference with a policy-driven expert cache")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="verb", required=True, parser_class=Parser)
-    modules = {}
+    modules, parsers = {}, {}
     for verb in VERBS:
         mod = importlib.import_module(f".commands.{verb.replace('-', '_')}", __package__)
-        mod.add_arguments(sub.add_parser(verb, help=mod.HELP, description=mod.HELP))
+        parsers[verb] = sub.add_parser(verb, help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(parsers[verb])
         modules[verb] = mod
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the verb's parser, whose --help lists what it takes
+        parsers[args.verb].error(f"unrecognized arguments: {' '.join(unknown)}")
     json_to_stdout = getattr(args, "json", None) == "-"
     if json_to_stdout:  # stdout carries the JSON alone, so that it pipes into a parser
         args.json = io.StringIO()

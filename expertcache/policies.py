@@ -380,7 +380,7 @@ def make_policy(spec: str) -> MissPolicy:
         raise UnknownName(f"unknown policy {name!r}; choose one of {', '.join([*POLICIES, *PRESETS])}")
     for key in params:
         if key not in cls.parameters:
-            takes = f"it takes {', '.join(cls.parameters)}" if cls.parameters else "it takes none"
+            takes = f"it takes {', '.join((*cls.parameters, 'eviction'))}"  # eviction: every policy's
             raise UnknownName(f"policy {name!r} has no parameter {key!r}; {takes}")
     try:
         policy = cls(**params)

@@ -33,7 +33,8 @@ def test_every_option_says_its_default():
             if isinstance(action, argparse._HelpAction):
                 continue
             assert action.help, (verb, action.dest)
-            if action.default not in (None, False, []) and not action.required:
+            if action.default not in (None, False, []) and not action.required and \
+                    not isinstance(action, argparse._StoreFalseAction):  # --no-X: "default: True" would mislead
                 assert "default" in formatter._get_help_string(action), (verb, action.dest)
 
 

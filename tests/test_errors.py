@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -254,7 +255,11 @@ def test_bad_cli_values_are_one_line(capsys, ckpt, tmp_path):
                         (["generate", "--model", str(ckpt), "--temperature", "inf", "hi"], "--temperature inf"),
                         (["serve", "--model", str(ckpt), "--port", "70000"], "not a port"),
                         (["ppl", "--model", str(ckpt), "--json", str(tmp_path / "no" / "x.json")], "does not exist"),
-                        (["convert", "--model", str(ckpt), "--dtype", "int4", "--group-size", "1"], "multiple of 8")):
+                        (["convert", "--model", str(ckpt), "--dtype", "int4", "--group-size", "1"], "multiple of 8"),
+                        (["chat", "--model", str(ckpt), "--max-tokens", "16"],  # the verb's own help is named
+                         "unrecognized arguments: --max-tokens 16; see `expertcache chat --help`"),
+                        (["study", "--model", str(ckpt), "--tokens-per-domain", "256", "--out", str(tmp_path / "s")],
+                         "holds no window of --context 512")):
         try:
             code, err = run_cli(capsys, *argv)
         except SystemExit as e:  # argparse's own check of the value
@@ -278,6 +283,21 @@ def unwritable(tmp_path):
         pytest.skip("cannot mount a read-only tmpfs here")
     yield path
     subprocess.run(["umount", str(path)])
+
+
+def test_plots_without_matplotlib_are_refused_before_the_run(capsys, ckpt, tmp_path, monkeypatch):
+    """Where matplotlib is not installed (the plain install leaves it out), a verb that would plot ends in one line
+    naming the extra to install, before its run: not with a traceback once the run is done."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails; find_spec finds none
+    png = str(tmp_path / "x.png")
+    for argv in (["predict", "--model", str(ckpt), "--plot", png], ["study", "--model", str(ckpt), "--out",
+                                                                   str(tmp_path / "s")]):
+        try:
+            code, err = run_cli(capsys, *argv)
+        except SystemExit as e:  # argparse's own check of the value
+            code, err = e.code, capsys.readouterr().err.strip().splitlines()[-1]
+        assert code == 2 and err.count("\n") == 0 and "pip install 'expertcache[study]'" in err, (argv, err)
+        assert not (tmp_path / "s").exists()
 
 
 def test_outputs_that_cannot_be_written_are_refused_before_the_run(capsys, ckpt, unwritable):
@@ -425,7 +445,7 @@ def test_a_file_whose_write_is_interrupted_is_left_as_it_was(tmp_path, ckpt):
     """calibrate's and predict --train's files beside the model, profiles and --json outputs are written whole or
     not at all: an interrupt (or a full disk) mid-write leaves the earlier file, not a cut one that the next run
     (or a server loading it meanwhile) would refuse."""
-    from expertcache.atomic import replaced, write_text
+    from expertcache.atomic import _umask, replaced, write_text
     from expertcache.lab.calibrate import Calibration, save_calibration
     f = tmp_path / "out.json"
     write_text(f, "earlier")
@@ -440,6 +460,9 @@ def test_a_file_whose_write_is_interrupted_is_left_as_it_was(tmp_path, ckpt):
     save_calibration(c, ckpt, "text")
     assert json.loads((ckpt / "routing_counts.json").read_text())["tokens"] == 5
     assert not list(ckpt.glob(".*.partial"))
+    # readable by whoever could read the folder's other files: safetensors writes its own files 0600
+    assert (ckpt / "default_vectors.safetensors").stat().st_mode & 0o777 == \
+        (ckpt / "routing_counts.json").stat().st_mode & 0o777 == 0o666 & ~_umask()
 
 
 def test_the_first_tokens_of_a_large_text_are_the_whole_texts_without_tokenizing_it_all():

@@ -6,7 +6,8 @@ from pathlib import Path
 from ..choices import BUILTIN_MODEL, CALIB_TEXT
 from .options import add_model_argument, byte_size, positive_int
 
-HELP = "compute routing counts (warm cache) and per-expert default vectors on calibration text"
+HELP = ("compute routing counts (warm cache) and per-expert default vectors on calibration text, written into the "
+        "model's folder (routing_counts.json, default_vectors.safetensors)")
 
 
 def add_arguments(p):

@@ -78,6 +78,6 @@ def run(a) -> int:
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
     if engine.stats.tokens:  # a session that said nothing has no statistics to report
-        print(f"[{engine.variant}] {engine.stats.line()}", file=sys.stderr)
+        print(f"[{engine.variant}] the session, prompts and replies: {engine.stats.line()}", file=sys.stderr)
     engine.close()
     return 0

@@ -107,8 +107,13 @@ def size_config(config: dict, budget_mib: float | None = None, slot: str = "fp16
     return out
 
 
+def params_text(n: int) -> str:
+    """A parameter count as model cards write it: 30.5B, or 12.3M for a small model (not 0.0B)."""
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def _print_config(path: Path, s: dict) -> None:
-    print(f"{s['family']} from {path}: {s['params'] / 1e9:.1f}B parameters, {s['moe_layers']} MoE layers x "
+    print(f"{s['family']} from {path}: {params_text(s['params'])} parameters, {s['moe_layers']} MoE layers x "
           f"{s['experts']} experts, top-{s['top_k']}")
     print("  one expert: " + ", ".join(f"{f} {b / 2**20:.2f} MiB" for f, b in s["expert_bytes"].items()))
     print(f"  dense weights (bf16): {s['dense_bytes'] / 2**30:.2f} GiB; KV cache: "

@@ -87,6 +87,16 @@ def output_path(text: str) -> Path:
     return path
 
 
+def plot_path(text: str) -> Path:
+    """A PNG the verb will write (`output_path`), and matplotlib to draw it with, checked before the run
+    (argparse type)."""
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError("plots need matplotlib, which this install lacks: pip install "
+                                         "'expertcache[study]', or leave out --plot")
+    return output_path(text)
+
+
 def output_dir(text: str) -> Path:
     """A folder the verb will write into (made if missing): not an existing file, checked before any work
     (argparse type)."""
@@ -168,7 +178,8 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-bytes", type=byte_size, default=None, help="expert cache size in bytes, e.g. 32M "
                    "(overrides --cache)")
     p.add_argument("--memory-budget", type=byte_size, default=None, help="bytes of the whole fast tier (dense "
-                   "weights, KV cache at --max-seq, transfer buffers, expert slots), e.g. 64M; sizes the cache")
+                   "weights, KV cache at --max-seq (serve: --kv-positions), transfer buffers, expert slots), e.g. 64M; sizes the "
+                   "cache")
     p.add_argument("--quota", default="layer", choices=["layer", "global"], help="per-layer slots or one pool")
 
 

@@ -19,7 +19,7 @@ from .options import (
     add_model_argument,
     fraction,
     non_negative_int,
-    output_path,
+    plot_path,
     positive_int,
     write_json,
 )
@@ -50,7 +50,7 @@ def add_arguments(p):
     p.add_argument("--hybrid-below", type=fraction, default=0.85,
                    help="hybrid: estimator where quasi-hidden recall is below")
     p.add_argument("--predictors", nargs="+", default=list(PREDICTORS), choices=PREDICTORS, help="predictors to score")
-    p.add_argument("--plot", type=output_path, default=None, help="per-layer recall PNG")
+    p.add_argument("--plot", type=plot_path, default=None, help="per-layer recall PNG")
     add_json_argument(p)
 
 
@@ -78,6 +78,8 @@ def run(a) -> int:
     with progress_bar() as bar:
         table = recall_table(path, ids, a.predictors, _stages(bar))
     layers = len(next(iter(table.values())))
+    print(f"recall@k of layer l+1's routed experts, predicted at layer l (k: the model's top-k), over {len(ids):,} "
+          f"tokens of {a.text or EVAL_TEXT}\n")
     print("| predictor | " + " | ".join(f"{l}->{l + 1}" for l in range(layers)) + " | mean |")
     print("|---|" + "---:|" * (layers + 1))
     for name, rec in table.items():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..choices import BENCH_POLICIES
 from ..errors import BadInput, CheckpointError
-from .options import add_json_argument, announce_compile, fraction, output_path, positive_int, write_json
+from .options import add_json_argument, announce_compile, fraction, plot_path, positive_int, write_json
 
 HELP = "replay miss policies on a router-logit trace: hits, fetches, substitutions per cache size"
 
@@ -28,7 +28,7 @@ def add_arguments(p):
                    help="replay the sweep in this many local processes, or 'ray' for a Ray cluster")
     p.add_argument("--ray-address", default=None,
                    help="with --jobs ray: the cluster to join, e.g. ray://head:10001 or auto (default: a local Ray)")
-    p.add_argument("--plot", type=output_path, default=None, help="time vs substituted-mass frontier PNG")
+    p.add_argument("--plot", type=plot_path, default=None, help="time vs substituted-mass frontier PNG")
     add_json_argument(p)
 
 

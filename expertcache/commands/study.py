@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from ..choices import EVAL_TEXT
+from ..errors import BadInput
 from .options import (
     add_json_argument,
     add_model_argument,
@@ -35,11 +36,15 @@ def add_arguments(p):
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     announce_compile()
+    from ..lab.plots import require
     from ..lab.report import write_report
     from ..lab.study import StudyConfig, run_study
     from ..lab.texts import text_segments
     from ..policies import make_policy
     from ..progress import phases, progress_bar
+    if a.tokens_per_domain < a.context:  # before the model loads
+        raise BadInput(f"--tokens-per-domain {a.tokens_per_domain} holds no window of --context {a.context} tokens; "
+                       "raise the one or lower the other")
     cfg = StudyConfig(cache_fraction=a.cache, tokens_per_domain=a.tokens_per_domain, context=a.context,
                       text=str(a.text) if a.text else None, domains=a.domains or ())
     if a.policies:
@@ -48,6 +53,7 @@ def run(a) -> int:
         chosen = tuple(dict.fromkeys(["fetch-all", *a.policies]))  # the generation test too runs only these
         cfg = StudyConfig(**{**cfg.__dict__, "policies": chosen, "generation_policies": chosen})
     text_segments(a.text or EVAL_TEXT, a.domains or None)  # a bad text fails here, before the progress bar
+    require()  # the report's plots: before the run, not after it
     with progress_bar(unit="tok") as bar:  # phases: perplexity of every policy, then the generation test
         res = run_study(a.model, cfg, phases(bar))
     files = write_report(res, a.out)

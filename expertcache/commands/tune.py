@@ -11,7 +11,7 @@ from .options import (
     announce_compile,
     byte_size,
     fraction,
-    output_path,
+    plot_path,
     positive_int,
     write_json,
 )
@@ -60,7 +60,7 @@ def add_arguments(p):
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="leave out prefetching (in decode, the frontier's policies are also tried with each predictor "
                         "the model has: quasi-hidden, estimator, lookahead)")
-    p.add_argument("--plot", type=output_path, default=None, help="frontier PNG: ppl increase vs estimated ms/token")
+    p.add_argument("--plot", type=plot_path, default=None, help="frontier PNG: ppl increase vs estimated ms/token")
     add_json_argument(p)
 
 

@@ -318,7 +318,7 @@ def _time_engines(engines, model, runs, ids, mode, repeats, store, device, store
             if rep:
                 samples[i].append(sample)
             if progress:
-                progress(f"rep {rep} {runs[i][1]} @{runs[i][0]:g}")
+                progress(f"{f'rep {rep}' if rep else 'warm-up'} {runs[i][1]} @{runs[i][0]:g}")
     out = []
     for (fraction, variant), reps in zip(runs, samples):
         reps.sort(key=lambda r: r[0])

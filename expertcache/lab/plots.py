@@ -10,7 +10,18 @@ from pathlib import Path
 OUTLIER_SPREAD = 8.0
 
 
+def require() -> None:
+    """BadInput naming the fix where matplotlib is not installed: called before a run that ends in a plot, so that
+    the run is not lost to it."""
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        from ..errors import BadInput
+        raise BadInput("plots need matplotlib, which this install lacks: pip install 'expertcache[study]' (or leave "
+                       "out --plot)")
+
+
 def _pyplot():
+    require()
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

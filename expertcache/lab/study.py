@@ -64,6 +64,9 @@ def study_sequences(engine: Engine, cfg: StudyConfig) -> StudySequences:
     """Each domain of the text (`cfg.text`, split at `cfg.domains`; default: the evaluation text and
     its segments) cut to whole windows of `cfg.context`, and prompts from the rest of it (of its first
     PREFIX_FACTOR times the tokens the domain's windows and prompts take: a large file is not tokenized whole)."""
+    if cfg.tokens_per_domain < cfg.context:  # no domain could hold a window, whatever the text
+        raise BadInput(f"tokens_per_domain={cfg.tokens_per_domain} holds no window of context={cfg.context} tokens; "
+                       "raise the one or lower the other")
     ids, domains, starts, prompts = [], [], [], []
     for_prompts = cfg.prompts_per_domain * (cfg.prompt_tokens + 8)
     for domain, text in domain_texts(Path(cfg.text or EVAL_TEXT), cfg.domains or None):
