@@ -73,6 +73,9 @@ def model_report(model_path: Path = BUILTIN_MODEL, train_tokens: Path | None = N
 
 
 if __name__ == "__main__":
-    import sys
-    r = model_report(train_tokens=Path(sys.argv[1]) if len(sys.argv) > 1 else None)
-    print(json.dumps(r, indent=1))
+    import argparse
+    p = argparse.ArgumentParser(description="the model card's figures: perplexity, unigram baseline, router")
+    p.add_argument("train_tokens", type=Path, nargs="?", help="the training tokens (.npy), for the unigram baseline")
+    p.add_argument("--model", type=Path, default=BUILTIN_MODEL, help="the model folder (default: the built-in model)")
+    a = p.parse_args()
+    print(json.dumps(model_report(a.model, a.train_tokens), indent=1))
