@@ -356,6 +356,8 @@ def test_bodies_that_once_failed_inside_the_server_get_400s(server, client):
     start = time.monotonic()
     code, out = post({**chat, "prompt": "word " * 300_000}, "/completions")  # within the body bound
     assert code == 400 and "characters" in out["error"]["message"] and time.monotonic() - start < 5
+    code, out = post(b'{"prompt": "caf\xe9"}', "/completions")  # latin-1, not UTF-8
+    assert code == 400 and "not UTF-8" in out["error"]["message"], out
     code, out = post(b"model=x", "/completions", "application/x-www-form-urlencoded")
     assert code == 400 and "Content-Type: application/json" in out["error"]["message"]
     got = client.completions.create(model=MODEL, prompt="a", max_tokens=2, n=2, seed=2**64 - 1)

@@ -471,9 +471,11 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, e: StarletteHTTPException):  # an unknown path or method, an unreadable body
+        message = str(e.detail)
+        if e.status_code == 400 and message == "There was an error parsing the body":  # FastAPI's, for bytes
+            message = "the body is not UTF-8 text (JSON is sent as UTF-8); send valid UTF-8 JSON"  # json cannot decode
         # with its headers: a 405 must name the methods the path takes (Allow), as HTTP requires
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
-                            headers=e.headers)
+        return JSONResponse(APIError(e.status_code, message).body(), status_code=e.status_code, headers=e.headers)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # probes that ask with HEAD
     async def health():  # 'ok', or what stopped the worker ('failed: ...', 'stopped'), with a 503
