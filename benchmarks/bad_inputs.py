@@ -25,6 +25,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     """(what, argv) pairs; files they need are made under tmp."""
     bad_text = tmp / "latin1.txt"
     bad_text.write_bytes("caf\xe9 na\xefve".encode("latin-1"))
+    bom_only = tmp / "bom.txt"
+    bom_only.write_bytes(b"\xef\xbb\xbf")
     short = tmp / "short.txt"
     short.write_text("a")
     no_config = tmp / "no_config"
@@ -206,6 +208,10 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("serve --shutdown-timeout -1", ["serve", "--store", "ram", "--port", "0", "--shutdown-timeout", "-1"]),
         ("serve --api-key with a space", ["serve", "--store", "ram", "--port", "0", "--api-key", "my key"]),
         ("an unknown verb", ["nope"]),
+        ("a flag of another verb (chat --max-tokens)", ["chat", "--max-tokens", "16"]),
+        ("study --tokens-per-domain below --context", ["study", "--tokens-per-domain", "256", "--out",
+                                                       str(tmp / "study")]),
+        ("a text file of a byte-order mark alone", ["ppl", "--text", str(bom_only)]),
     ]
 
 

@@ -135,4 +135,6 @@ def plot_frontier(rows: list[dict], path: Path) -> None:
     y = "estimated_ms_per_token" if timed else "fetches_per_token"
     scatter({f"{r['policy']} @{r['cache']:g}": (r["substituted_mass_per_call"], r[y]) for r in rows},
             "substituted gate mass per MoE call", "estimated ms/token" if timed else "synchronous fetches/token",
-            "Replayed policies: time vs substituted mass", path, frontier=True)
+            "Replayed policies: time vs substituted mass", path, frontier=True,
+            short={f"{r['policy']} @{r['cache']:g}": r["policy"] for r in rows},
+            groups={f"{r['policy']} @{r['cache']:g}": f"cache {r['cache']:g}" for r in rows})

@@ -59,23 +59,34 @@ def _place_labels(ax, texts) -> None:
 
 def scatter(points: dict[str, tuple[float, float]], xlabel: str, ylabel: str, title: str, path: Path,
             errors: dict[str, tuple[float, float]] | None = None, frontier: bool = False,
-            highlight: str | None = None, short: dict[str, str] | None = None) -> Path:
+            highlight: str | None = None, short: dict[str, str] | None = None,
+            groups: dict[str, str] | None = None) -> Path:
     """One point per label at (x, y); errors: label -> (below, above) for error bars on y;
     frontier: draw the Pareto frontier (lower is better on both axes) as a line; highlight:
-    a label drawn as a star (a chosen policy); short: display names for long labels."""
+    a label drawn as a star (a chosen policy); short: display names for long labels; groups: label -> the
+    group it belongs to (e.g. a cache size), each group in a colour of its own with a frontier of its own, since
+    points of different groups (memory) do not compete."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
+    group_of = groups or dict.fromkeys(points, "")
+    names = list(dict.fromkeys(group_of[label] for label in points))
+    colour = {g: f"C{i}" if groups else "C0" for i, g in enumerate(names)}
     texts = []
     for label, (x, y) in points.items():
         yerr = [[errors[label][0]], [errors[label][1]]] if errors and label in errors else None
         star = label == highlight
         ax.errorbar(x, y, yerr=yerr, fmt="*" if star else "o", ms=11 if star else 4, capsize=2, lw=0.8,
-                    color="C3" if star else "C0", zorder=3)
+                    color="C3" if star else colour[group_of[label]], zorder=3)
         texts.append(ax.text(x, y, (short or {}).get(label, label), fontsize=6))
-    if frontier and len(points) > 1:
-        front = pareto_front(points)
-        ax.plot([points[k][0] for k in front], [points[k][1] for k in front], "-", color="C1", lw=1,
-                zorder=2, label="Pareto frontier")
+    for g in names:
+        members = {k: v for k, v in points.items() if group_of[k] == g}
+        if frontier and len(members) > 1:
+            front = pareto_front(members)
+            ax.plot([members[k][0] for k in front], [members[k][1] for k in front], "-", lw=1, zorder=2,
+                    color=colour[g] if groups else "C1", label=f"{g}: Pareto frontier" if groups else "Pareto frontier")
+        elif groups:
+            ax.plot([], [], "o", color=colour[g], label=g)
+    if (frontier and len(points) > 1) or groups:
         ax.legend(loc="best", frameon=False)
     if _needs_symlog([y for _, y in points.values()]):
         ax.set_yscale("symlog", linthresh=1.0)
