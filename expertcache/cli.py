@@ -120,7 +120,8 @@ def os_error_fix(e: OSError) -> str:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return "free disk space, or choose a folder on another disk (--store-dir or --out, or EXPERTCACHE_HOME)"
     if e.errno in (errno.ENOTDIR, errno.EEXIST):  # a file where a folder must go ($HOME unset, or /dev/null)
-        return "a file stands where a folder must go: choose another folder (--store-dir or --out, or EXPERTCACHE_HOME)"
+        return ("a file stands where a folder must go: choose another folder (--store-dir or --out, or "
+                "EXPERTCACHE_HOME)")
     if e.errno == errno.EINVAL:
         return "the filesystem refused the operation; choose a folder on another filesystem (--store-dir)"
     return "check the path and the disk"

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from ..choices import DENSE_DTYPES, DTYPES, IO_BACKENDS, SCHEMES, SLOT_DTYPES
+from ..errors import BadInput
 
 if TYPE_CHECKING:  # the verbs import the engine when they run, so that --help starts without torch
     from ..engine.engine import Engine
@@ -90,10 +91,11 @@ def output_path(text: str) -> Path:
 def plot_path(text: str) -> Path:
     """A PNG the verb will write (`output_path`), and matplotlib to draw it with, checked before the run
     (argparse type)."""
-    import importlib.util
-    if importlib.util.find_spec("matplotlib") is None:
-        raise argparse.ArgumentTypeError("plots need matplotlib, which this install lacks: pip install "
-                                         "'expertcache[study]', or leave out --plot")
+    from ..lab.plots import require  # imports nothing heavy: --help stays free of torch
+    try:
+        require()
+    except BadInput as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return output_path(text)
 
 
@@ -178,8 +180,8 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-bytes", type=byte_size, default=None, help="expert cache size in bytes, e.g. 32M "
                    "(overrides --cache)")
     p.add_argument("--memory-budget", type=byte_size, default=None, help="bytes of the whole fast tier (dense "
-                   "weights, KV cache at --max-seq (serve: --kv-positions), transfer buffers, expert slots), e.g. 64M; sizes the "
-                   "cache")
+                   "weights, KV cache at --max-seq (serve: --kv-positions), transfer buffers, expert slots), e.g. "
+                   "64M; sizes the cache")
     p.add_argument("--quota", default="layer", choices=["layer", "global"], help="per-layer slots or one pool")
 
 

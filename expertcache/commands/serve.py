@@ -46,8 +46,8 @@ def add_arguments(p):
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=port, default=8000, help="TCP port (0: any free one)")
     p.add_argument("--served-model-name", type=model_name, default=None,
-                   help="the model id clients send (default: expertcache-builtin for the built-in model, else the checkpoint "
-                        "folder's name)")
+                   help="the model id clients send (default: expertcache-builtin for the built-in model, else the "
+                        "checkpoint folder's name)")
     p.add_argument("--schedule", default="batch",
                    help="batch: the decode steps of active requests run as one batched forward; interleave: they "
                         "take turns, one forward each; serial: one request at a time")

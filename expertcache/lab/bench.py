@@ -215,8 +215,8 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
                     e.set_prefetch(prefetch)
                 d, st, f, nll, c = _timed(e, prompt, forced, stream, cfg)
                 if progress:
-                    progress(f"{f'rep {rep}' if rep else 'warm-up'} {v}: decode {d:.2f} ms/token, fetch-all's tokens {st:.2f} ms/token, "
-                             f"teacher-forced {f:.2f} ms/token")
+                    progress(f"{f'rep {rep}' if rep else 'warm-up'} {v}: decode {d:.2f} ms/token, fetch-all's "
+                             f"tokens {st:.2f} ms/token, teacher-forced {f:.2f} ms/token")
                 if rep:
                     res.decode_ms.setdefault(v, []).append(d)
                     res.stream_ms.setdefault(v, []).append(st)
