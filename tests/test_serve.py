@@ -679,7 +679,8 @@ def test_a_stream_keeps_one_created_and_ends_with_done_after_an_error(monkeypatc
         for item in (StepOutput(5, "a", None), StepOutput(6, "b", None), RuntimeError("boom")):
             merged.put_nowait((0, item))
         request = Request([1, 2], SamplingParams(max_tokens=4), lambda item: None)
-        return [e async for e in server._stream([request], merged, "cmpl-x", False, True, 2)]
+        return [e async for e in server._stream([request], merged, "cmpl-x", False,
+                                                app_module.StreamOptions(include_usage=True), 2)]
     got = asyncio.run(events())
     chunks = [json.loads(e.removeprefix("data: ")) for e in got[:2]]
     assert [c["choices"][0]["text"] for c in chunks] == ["a", "b"]
