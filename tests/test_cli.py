@@ -2,6 +2,7 @@
 in errors, generate's statistics, ppl's Ctrl-C."""
 import argparse
 import importlib
+import json
 import subprocess
 import sys
 
@@ -68,7 +69,6 @@ def test_sampling_errors_name_the_cli_flags(capsys):
                                   ["generate", "--store", "ram", "-n", "3", "-p", "ROMEO."]])
 def test_json_dash_puts_the_json_alone_on_stdout(argv, capsys, tmp_path, monkeypatch):
     """`--json -` is stdout, as the tools it pipes into expect: not a file named "-", and no other line in it."""
-    import json
     monkeypatch.chdir(tmp_path)
     assert cli.main([*argv, "--json", "-"]) == 0
     out, err = capsys.readouterr()
@@ -110,7 +110,6 @@ def test_study_policies_restrict_the_generation_test_too(tmp_path, capsys):
     out = tmp_path / "study.json"
     assert cli.main(["study", "--policies", "substitute-all", "--tokens-per-domain", "64", "--context", "64",
                      "--out", str(tmp_path / "report"), "--json", str(out)]) == 0
-    import json
     res = json.loads(out.read_text())
     assert set(res["runs"]) == {"fetch-all", "substitute-all"}
     assert set(res["generation"]) - {"samples", "prompt0"} == {"fetch-all", "substitute-all"}
@@ -213,7 +212,6 @@ def test_predict_writes_its_table_as_json_and_a_plot(tmp_path, capsys):
     png, js = tmp_path / "recall.png", tmp_path / "recall.json"
     assert cli.main(["predict", "--max-tokens", "64", "--predictors", "router-ahead", "quasi-hidden",
                      "--plot", str(png), "--json", str(js)]) == 0
-    import json
     table = json.loads(js.read_text())
     assert list(table) == ["router-ahead", "quasi-hidden"]
     assert all(len(rec) == 5 and all(0 <= r <= 1 for r in rec) for rec in table.values())

@@ -99,7 +99,7 @@ def test_a_stop_string_must_end_after_min_tokens_text():
     assert stops.feed("xab", match=False) == ("xa", False) and stops.feed("cab") == ("bcab", True)
 
 
-def test_min_tokens_reads_a_stop_string_that_ends_on_its_last_token(monkeypatch):
+def test_min_tokens_reads_a_stop_string_that_ends_on_its_last_token():
     """The min_tokens-th token's text is read for stop strings (vLLM checks from the output's min_tokens-th token),
     and one that began before it counts."""
     from expertcache.engine.engine import Engine, EngineConfig
@@ -113,10 +113,10 @@ def test_min_tokens_reads_a_stop_string_that_ends_on_its_last_token(monkeypatch)
         ends.append(len(text))
     stop = text[ends[2] - 2:ends[3]]  # a stop string that starts in token 3's text and ends with token 4's
     assert stop and text.find(stop) == ends[2] - 2
-    for min_tokens, want in ((3, text[:ends[2] - 2]), (4, text[:ends[2] - 2])):
+    for min_tokens in (3, 4):  # the stop ends with token 4's text: read
         gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=24, min_tokens=min_tokens, stop=(stop,)))
         out = list(gen)
-        assert "".join(s.text for s in out) == want and gen.finish_reason == "stop" and len(out) == 4
+        assert "".join(s.text for s in out) == text[:ends[2] - 2] and gen.finish_reason == "stop" and len(out) == 4
     gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=24, min_tokens=5, stop=(stop,)))
     assert "".join(s.text for s in gen).startswith(text[:ends[3]])  # it ended with token 4's text: not read
 
