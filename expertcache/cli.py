@@ -8,7 +8,9 @@ import importlib
 import io
 import json
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .choices import DATA
@@ -47,13 +49,33 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 
+class Terminated(BaseException):
+    """SIGTERM (a supervisor, `timeout`, a container stopping), raised where the main thread is so that the verb
+    unwinds as from Ctrl-C: a store conversion's partial file (tens of GB under ~/.cache) is removed, and a file
+    written whole or not at all leaves no partial one. Not a KeyboardInterrupt: chat's and ppl's Ctrl-C (stop a
+    reply, report the windows so far) would catch it and go on."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one verb; returns its exit code (2 on bad input, with one line on stderr; 130 on Ctrl-C,
-    also while the verbs' modules load)."""
+    also while the verbs' modules load). On SIGTERM the verb unwinds, then the process dies of the signal."""
+    here = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
+    previous = (signal.signal(signal.SIGTERM, _terminated) or signal.SIG_DFL) if here else None  # None: set in C
     try:
         return _run(argv)
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        signal.signal(signal.SIGTERM, previous)
+        signal.raise_signal(signal.SIGTERM)  # dies of it, as its supervisor expects (the default handler)
+        return 128 + signal.SIGTERM
+    finally:
+        if here:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _run(argv: list[str] | None) -> int:

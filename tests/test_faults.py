@@ -405,3 +405,66 @@ def test_io_worker_threads_start_only_for_a_read_that_needs_one(paged_model):
     assert len(threads.cache.transfers.workers) == 4 and len(io_threads()) == before + 4
     threads.close()
     assert len(io_threads()) == before
+
+
+def test_a_reconversion_counts_the_space_of_what_it_replaces(model, monkeypatch):
+    """A store converted again (into the same folder, or after a conversion killed midway left its partial file) on
+    a disk with less free than a store gets back the space of the files it replaces, instead of being refused; one
+    refused leaves the earlier store as it was, not without its experts.json."""
+    import expertcache.engine.stores.convert as convert
+    from expertcache.errors import NotEnoughDisk
+    path, store = model
+    ckpt = open_checkpoint(path)
+    args = model_args(ckpt.config)
+    size = (store / "experts.bin").stat().st_size
+    free = [size // 2]
+    monkeypatch.setattr(convert.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(0, 0, free[0]))
+    convert_to_disk(ckpt, args, store)  # its own experts.bin, replaced
+    os.replace(store / "experts.bin", store / "experts.bin.partial")  # as a conversion killed near its end leaves it
+    (store / "experts.json").unlink()
+    convert_to_disk(ckpt, args, store)
+    DiskStore(store, args).close()
+    small = convert_to_disk(ckpt, args, store.with_name("int4"), fmt=ExpertFormat.parse("int4"))
+    free[0] = 0
+    with pytest.raises(NotEnoughDisk, match="free disk space"):
+        convert_to_disk(ckpt, args, small)  # fp32 experts: larger than the int4 store it would replace
+    assert DiskStore(small, args).format == ExpertFormat.parse("int4")
+
+
+@pytest.mark.parametrize("edit", [lambda m: [m], lambda m: {k: v for k, v in m.items() if k != "num_layers"},
+                                  lambda m: {**m, "w13": 5}, lambda m: {**m, "checksums": ["a"] * len(m["checksums"])},
+                                  lambda m: {**m, "dtype": ["fp16"]}])
+def test_an_experts_json_of_another_shape_is_one_line(capsys, model, edit):
+    """An experts.json that is valid JSON but not a store's header (a list, a field missing or of another type) is
+    refused naming the file and the fix, not a traceback."""
+    path, store = model
+    header = store / "experts.json"
+    header.write_text(json.dumps(edit(json.loads(header.read_text()))))
+    code = cli.main(["ppl", "--model", str(path), "--store", "disk", "--store-dir", str(store), "--text", __file__])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "experts.json is corrupted" in err and "expertcache convert" in err
+
+
+def test_sigterm_during_a_conversion_removes_its_partial_file(tiny, tmp_path):
+    """SIGTERM (a supervisor, `timeout`, a container stopping) midway through a conversion unwinds it as Ctrl-C
+    does, removing the partial file (tens of GB of a real model's), and the process still dies of the signal."""
+    import signal
+    import subprocess
+    import sys
+    script = """if True:
+        import os, signal, sys
+        import expertcache.engine.stores.convert as convert
+        from expertcache import cli
+        real, calls = convert.encode, []
+        def encode(*a, **k):
+            calls.append(1)
+            if len(calls) == 4:  # three experts written: the signal lands midway
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real(*a, **k)
+        convert.encode = encode
+        sys.exit(cli.main(["convert", "--model", sys.argv[1], "--out", sys.argv[2]]))"""
+    out = tmp_path / "store"
+    proc = subprocess.run([sys.executable, "-c", script, str(tiny[FAMILY][0]), str(out)], capture_output=True,
+                          text=True)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert out.is_dir() and not list(out.glob("experts.*")), list(out.iterdir())

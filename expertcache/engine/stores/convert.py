@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -62,12 +63,16 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     terminal, as a model's first run converts it)."""
     shape = ExpertShape.of(args)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
     tmp = out_dir / "experts.bin.partial"
     checksums, flushed = [], 0
     fmt = fmt or ExpertFormat.of_dtype(dtype if dtype is not None else expert_dtype(ckpt, args))
     blob = blob_bytes(shape, fmt)
-    _check_space(out_dir, shape.num_layers * shape.num_experts * blob)
+    # checked before anything is removed, so that a refused conversion leaves an earlier store as it was; the files
+    # this one replaces (an earlier store, a partial file a killed conversion left) are space it gets back
+    _check_space(out_dir, shape.num_layers * shape.num_experts * blob,
+                 _file_bytes(out_dir / "experts.bin") + _file_bytes(tmp))
+    (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
+    (out_dir / "experts.bin").unlink(missing_ok=True)  # its space, counted above (a reader keeps its open file)
     try:
         bar_args = dict(total=args.num_moe_layers, unit="layer", desc=f"convert to {out_dir.name}")
         with progress_bar(progress, **bar_args) as bar, open(tmp, "wb") as f:
@@ -103,13 +108,23 @@ def blob_checksum(ckpt: Checkpoint, args: ModelArgs, layer: int, expert: int, fm
     return crc32c.crc32c(encode(parts, shape.parts, fmt, blob_bytes(shape, fmt)))
 
 
-def _check_space(out_dir: Path, need: int) -> None:
-    """NotEnoughDisk unless the folder's filesystem has `need` bytes free (a store of a real model is tens of GB,
-    and a conversion that ran out of space would fail near its end)."""
-    free = shutil.disk_usage(out_dir).free
+def _check_space(out_dir: Path, need: int, reclaimed: int = 0) -> None:
+    """NotEnoughDisk unless the folder's filesystem has `need` bytes free, counting `reclaimed` bytes of files the
+    conversion removes or overwrites (a store of a real model is tens of GB, and a conversion that ran out of space
+    would fail near its end)."""
+    free = shutil.disk_usage(out_dir).free + reclaimed
     if need > free:
         raise NotEnoughDisk(f"the disk store needs {size_text(need)} and {out_dir} has {size_text(free)} free; free "
                             "disk space or choose a folder on another disk (--store-dir or --out, or EXPERTCACHE_HOME)")
+
+
+def _file_bytes(path: Path) -> int:
+    """The disk space a regular file at `path` takes (0 for none, or for a link: removing it frees nothing)."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return 0
+    return st.st_blocks * 512 if stat.S_ISREG(st.st_mode) else 0
 
 
 def _written(f, start: int) -> int:

@@ -69,27 +69,32 @@ class DiskStore(ExpertStore):
             meta = json.loads((store_dir / "experts.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{store_dir}: no valid experts.json ({e}); run `expertcache convert`") from None
+        if not isinstance(meta, dict):  # valid JSON of another shape: a corrupt or foreign file, not a traceback
+            raise CheckpointError(f"{store_dir}: experts.json is corrupted (a JSON {type(meta).__name__}, not an "
+                                  "object); rerun `expertcache convert`")
         if meta.get("format_version") != DISK_FORMAT_VERSION:
             raise CheckpointError(f"{store_dir}: disk store format {meta.get('format_version')}, expected "
                                   f"{DISK_FORMAT_VERSION}; rerun `expertcache convert`")
         shape = ExpertShape.of(args)
-        if (meta["num_layers"], meta["num_experts"], tuple(meta["w13"]), tuple(meta["w2"]), meta.get("bias", False)) \
-                != (shape.num_layers, shape.num_experts, shape.w13, shape.w2, shape.bias) or \
-                len(meta["checksums"]) != shape.num_layers * shape.num_experts:
-            raise CheckpointError(f"{store_dir}: disk store does not match the model's shape; "
-                                  "rerun `expertcache convert`")
         try:
+            if (meta["num_layers"], meta["num_experts"], tuple(meta["w13"]), tuple(meta["w2"]),
+                    meta.get("bias", False)) != (shape.num_layers, shape.num_experts, shape.w13, shape.w2, shape.bias) \
+                    or len(meta["checksums"]) != shape.num_layers * shape.num_experts:
+                raise CheckpointError(f"{store_dir}: disk store does not match the model's shape; "
+                                      "rerun `expertcache convert`")
             self.format = ExpertFormat.from_meta(meta)
             if meta.get("blob_bytes") != blob_bytes(shape, self.format):
                 raise ValueError(f"blob_bytes {meta.get('blob_bytes')} is not the format's "
                                  f"{blob_bytes(shape, self.format)}")
-        except ValueError as e:
-            raise CheckpointError(f"{store_dir}: experts.json is corrupted ({e}); rerun `expertcache convert`") \
+            checksums = np.array(meta["checksums"], dtype=np.uint32)  # [L * E]
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # a field missing or of another type
+            detail = f"no field {e}" if isinstance(e, KeyError) else str(e)
+            raise CheckpointError(f"{store_dir}: experts.json is corrupted ({detail}); rerun `expertcache convert`") \
                 from None
         quantized = self.format.quantized
         super().__init__(shape, torch.uint8 if quantized else getattr(torch, meta["dtype"]))
         self.blob = meta["blob_bytes"]
-        self.checksums = np.array(meta["checksums"], dtype=np.uint32)  # [L * E]
+        self.checksums = checksums
         self.verify = verify
         self.path = store_dir / "experts.bin"
         expected = self.blob * shape.num_layers * shape.num_experts
