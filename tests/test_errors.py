@@ -43,6 +43,16 @@ def test_missing_folder(capsys, tmp_path):
 
 
 def test_missing_and_corrupt_config(capsys, ckpt):
+    config = (ckpt / "config.json").read_text()
+    for text in ("[]", '"qwen3_moe"'):  # valid JSON, no object: one line too, from a checkpoint or --config
+        (ckpt / "config.json").write_text(text)
+        expect_cli_error(capsys, ckpt, "not an object")
+        assert run_cli(capsys, "info", "--config", str(ckpt / "config.json"))[0] == 2
+    (ckpt / "config.json").write_text(config)
+    for index in ("[]", '{"weight_map": []}', '{"weight_map": {"a": 5}}'):
+        (ckpt / "model.safetensors.index.json").write_text(index)
+        expect_cli_error(capsys, ckpt, "not a safetensors index")
+    (ckpt / "model.safetensors.index.json").unlink()
     (ckpt / "config.json").write_text("{not json")
     expect_cli_error(capsys, ckpt, "not valid JSON")
     (ckpt / "config.json").unlink()

@@ -134,6 +134,9 @@ def run(a) -> int:
             config = json.loads(a.config.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{a.config} is not valid JSON ({e}); give a model's config.json") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{a.config} is a JSON {type(config).__name__}, not an object; give a model's "
+                                  "config.json")
         slot = "fp16" if a.slot_dtype == "auto" else a.slot_dtype
         if a.dtype_bytes is not None:
             raise BadInput("--dtype-bytes sizes a loaded model; with --config give --slot-dtype instead")

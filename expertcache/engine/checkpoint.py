@@ -208,13 +208,18 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{path}: config.json is missing; copy it from the model's release") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}/config.json is not valid JSON ({e}); restore it from the release") from None
+    if not isinstance(config, dict):  # valid JSON of another shape: every reader below takes keys from it
+        raise CheckpointError(f"{path}/config.json is a JSON {type(config).__name__}, not an object; restore it from "
+                              "the release")
     fp8_block = quantization(path, config)
     index = path / "model.safetensors.index.json"
     files: dict[str, Path] = {}
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("its weight_map is no object of tensor names to shard files")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:  # TypeError: an index that is no object
             raise CheckpointError(f"{index}: not a safetensors index ({e}); restore it from the release") from None
         for name, shard in weight_map.items():
             if not (path / shard).exists():
