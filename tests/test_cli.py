@@ -178,8 +178,11 @@ def test_first_runs_compile_notice_comes_with_the_first_compile(tmp_path):
                               check=True).stderr.splitlines()
     assert run("nothing") == ["before"]
     err = run("compile")
-    assert err[0] == "before" and len(err) == 2 and "compiling the kernels" in err[1]
+    assert err[0] == "before" and len(err) == 2 and "compiling the kernels" in err[1] and "cached in" in err[1]
     assert run("compile") == ["before"]  # the mark was left
+    env["XDG_CACHE_HOME"] = "/proc/expertcache"  # a folder that cannot be made: every run compiles, and says why
+    err = run("compile")
+    assert "cannot be written, so every run compiles again" in err[1] and "NUMBA_CACHE_DIR" in err[1]
 
 
 def test_a_first_runs_compiling_is_not_counted_as_the_models_time(capsys):

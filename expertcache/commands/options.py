@@ -225,8 +225,17 @@ def announce_compile() -> None:
         def on_start(self, ev):
             if not self.said:
                 self.said = True
-                print(f"expertcache: compiling the kernels for this CPU (once, a few minutes; cached in "
-                      f"{cache_dir().parent})", file=sys.stderr, flush=True)
+                folder = cache_dir().parent
+                try:  # made now, as numba would make it: modes do not stop root, a read-only mount does
+                    folder.mkdir(parents=True, exist_ok=True)
+                    writable = os.access(folder, os.W_OK)
+                except OSError:
+                    writable = False
+                where = f"cached in {folder}" if writable else (
+                    f"{folder} cannot be written, so every run compiles again: set NUMBA_CACHE_DIR or "
+                    "XDG_CACHE_HOME to a writable folder")
+                print(f"expertcache: compiling the kernels for this CPU (once, a few minutes; {where})",
+                      file=sys.stderr, flush=True)
 
         def on_end(self, ev):
             pass
