@@ -34,8 +34,10 @@ def json_depth(body: bytes) -> int:
 
 
 async def refuse(send, status: int, message: str, code: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    """Answer with `status` and an OpenAI-style error body, before the app sees the request."""
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    """Answer with `status` and the endpoints' OpenAI-style error body (APIError's), before the app sees the
+    request."""
+    from .schemas import APIError  # here: `serve --help` reads this module's defaults without torch
+    body = APIError(status, message, code=code).body()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), *headers]})
     await send({"type": "http.response.body", "body": json.dumps(body).encode()})
