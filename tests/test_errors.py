@@ -196,6 +196,7 @@ def test_os_errors_are_one_line(capsys, ckpt, tmp_path, monkeypatch):
                                              ("num_experts_per_tok", 100, "experts of only"),
                                              ("num_hidden_layers", 0, "whole number >= 1"),
                                              ("num_key_value_heads", 3, "that divides them"),
+                                             ("max_position_embeddings", None, "whole number >= 1"),
                                              ("hidden_act", "gelu", "supported: silu")])
 def test_impossible_config_values_are_one_line(capsys, ckpt, key, value, words):
     cfg = json.loads((ckpt / "config.json").read_text())

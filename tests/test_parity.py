@@ -9,6 +9,7 @@ from hf_models import FAMILIES
 
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.models import model_args
 
 TOL = dict(atol=1e-4, rtol=0)
 
@@ -156,7 +157,6 @@ def test_dense_layers_of_the_qwen_families_match_hf(family, over, tmp_path):
     from hf_models import save_tiny
 
     from expertcache.engine.moe import PrefetchConfig
-    from expertcache.models import model_args
     hf = save_tiny(family, tmp_path, **over)
     a = model_args(json.loads((tmp_path / "config.json").read_text()))
     assert a.dense_layers and a.num_moe_layers == sum(hasattr(layer.mlp, "experts") for layer in hf.model.layers)
@@ -268,6 +268,23 @@ OMITTED_KEYS = [  # (family, the tiny model with the key at HF's default, the ke
     ("gpt_oss", dict(head_dim=64), "head_dim"), ("gpt_oss", dict(sliding_window=128), "sliding_window"),
     ("gpt_oss", dict(rope_parameters=GPT_OSS_ROPE), "rope_parameters"),
 ]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "qwen3_next", "glm4_moe",
+                                    "deepseek_v3", "deepseek_v2"])
+def test_omitted_head_and_context_sizes_read_as_hfs_defaults(family):
+    """Key-value heads and the context length that config.json leaves out are HF's config class defaults (Mixtral's
+    8 key-value heads, Qwen3-MoE's 32,768 positions), not the engine's own: those refused such a config, or capped
+    its sequences below HF's. 16 attention heads, so that every family's default divides them."""
+    from hf_models import hf_config
+    from transformers import AutoConfig
+    config = {**hf_config(family).to_dict(), "num_attention_heads": 16}
+    for key in ("num_key_value_heads", "max_position_embeddings"):
+        del config[key]
+    hf, a = AutoConfig.for_model(**config), model_args(config)
+    assert a.max_position_embeddings == hf.max_position_embeddings
+    if a.attention != "mla":  # MLA has no key-value heads to share
+        assert a.num_kv_heads == hf.num_key_value_heads
 
 
 @pytest.mark.parametrize("family,over,key", OMITTED_KEYS, ids=[f"{f}-{k}" for f, _, k in OMITTED_KEYS])

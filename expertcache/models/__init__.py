@@ -47,7 +47,8 @@ def model_args(config: dict) -> ModelArgs:
                               "config from the model's release") from None
     sizes = {"vocab_size": a.vocab_size, "hidden_size": a.hidden_size, "num_hidden_layers": a.num_layers,
              "num_attention_heads": a.num_heads, "number of experts": a.num_experts,
-             "experts per token (top-k)": a.top_k, "expert intermediate size": a.expert_dim}
+             "experts per token (top-k)": a.top_k, "expert intermediate size": a.expert_dim,
+             "max_position_embeddings": a.max_position_embeddings}
     if "linear_attention" in a.layer_types:
         sizes |= {"linear_num_key_heads": a.linear_num_key_heads, "linear_num_value_heads": a.linear_num_value_heads,
                   "linear_key_head_dim": a.linear_key_head_dim, "linear_value_head_dim": a.linear_value_head_dim,

@@ -13,12 +13,12 @@ def args_from_config(c: dict) -> ModelArgs:
     return ModelArgs(
         family="glm4_moe", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
-        num_kv_heads=c["num_key_value_heads"], head_dim=hd, num_experts=c["n_routed_experts"],
+        num_kv_heads=c.get("num_key_value_heads", 8), head_dim=hd, num_experts=c["n_routed_experts"],
         top_k=c["num_experts_per_tok"], expert_dim=c["moe_intermediate_size"], rope_theta=rope_theta(c, 10000.0),
         rms_norm_eps=c.get("rms_norm_eps", 1e-5), tie_word_embeddings=c.get("tie_word_embeddings", False),
         attention_bias=c.get("attention_bias", False), qk_norm="head" if c.get("use_qk_norm") else None,
         partial_rotary_factor=partial_rotary_factor(c, 0.5), rope_scaling=rope_scaling(c),
-        max_position_embeddings=c.get("max_position_embeddings", 4096),
+        max_position_embeddings=c.get("max_position_embeddings", 131072),
         **sigmoid_router_fields(c, n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=1,
                                 n_shared_experts=1))  # HF's defaults for keys config.json omits
 

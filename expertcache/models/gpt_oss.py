@@ -39,7 +39,7 @@ def args_from_config(c: dict) -> ModelArgs:
     types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     return ModelArgs(
         family="gpt_oss", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=layers,
-        num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"], head_dim=head_dim(c, 64),
+        num_heads=c["num_attention_heads"], num_kv_heads=c.get("num_key_value_heads", 8), head_dim=head_dim(c, 64),
         num_experts=num_experts(c), top_k=c.get("num_experts_per_tok", c.get("experts_per_token", 4)),
         expert_dim=c["intermediate_size"], norm_topk_prob=True, rope_theta=rope_theta(c, 150000.0),
         rms_norm_eps=c.get("rms_norm_eps", 1e-5), tie_word_embeddings=c.get("tie_word_embeddings", False),

@@ -10,13 +10,13 @@ def args_from_config(c: dict) -> ModelArgs:
     return ModelArgs(
         family="qwen2_moe", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
-        num_kv_heads=c["num_key_value_heads"], head_dim=head_dim(c), num_experts=num_experts(c),
+        num_kv_heads=c.get("num_key_value_heads", 16), head_dim=head_dim(c), num_experts=num_experts(c),
         top_k=c["num_experts_per_tok"], expert_dim=c["moe_intermediate_size"],
         norm_topk_prob=bool(c.get("norm_topk_prob", False)), rope_theta=rope_theta(c, 10000.0),
         rms_norm_eps=c.get("rms_norm_eps", 1e-6), tie_word_embeddings=c.get("tie_word_embeddings", False),
         attention_bias=c.get("qkv_bias", True),
         shared_expert_dim=c.get("shared_expert_intermediate_size", 5632),  # HF's default where config.json omits it
-        rope_scaling=rope_scaling(c), max_position_embeddings=c.get("max_position_embeddings", 4096),
+        rope_scaling=rope_scaling(c), max_position_embeddings=c.get("max_position_embeddings", 32768),
         **qwen_dense_fields(c), **sliding_fields(c.get("sliding_window") if c.get("use_sliding_window") else None,
                                                  sliding_layers(c)))
 

@@ -23,14 +23,14 @@ def args_from_config(c: dict) -> ModelArgs:
                                      for i in range(layers)]
     return ModelArgs(
         family="qwen3_next", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=layers,
-        num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"], head_dim=head_dim(c, 256),
+        num_heads=c["num_attention_heads"], num_kv_heads=c.get("num_key_value_heads", 2), head_dim=head_dim(c, 256),
         num_experts=num_experts(c), top_k=c["num_experts_per_tok"], expert_dim=c["moe_intermediate_size"],
         norm_topk_prob=bool(c.get("norm_topk_prob", True)), rope_theta=rope_theta(c, 10000.0),
         rms_norm_eps=c.get("rms_norm_eps", 1e-6), tie_word_embeddings=c.get("tie_word_embeddings", False),
         attention_bias=c.get("attention_bias", False), o_proj_bias=c.get("attention_bias", False),  # HF: o_proj too
         qk_norm="head",
         shared_expert_dim=c.get("shared_expert_intermediate_size", 512),  # HF's defaults where config.json omits
-        max_position_embeddings=c.get("max_position_embeddings", 4096), layer_types=tuple(types),
+        max_position_embeddings=c.get("max_position_embeddings", 32768), layer_types=tuple(types),
         attention_gate=True, partial_rotary_factor=partial_rotary_factor(c, 0.25), rope_scaling=rope_scaling(c),
         linear_num_key_heads=c["linear_num_key_heads"], linear_num_value_heads=c["linear_num_value_heads"],
         linear_key_head_dim=c["linear_key_head_dim"], linear_value_head_dim=c["linear_value_head_dim"],
