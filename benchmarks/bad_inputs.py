@@ -178,7 +178,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("generate two prompts", ["generate", "--store", "ram", "-p", "a", "b"]),
         ("generate --temperature inf", ["generate", "--store", "ram", "--temperature", "inf", "hi"]),
         ("serve --port 70000", ["serve", "--port", "70000"]),
-        ("ppl --json into a missing folder", [*ppl, "--json", str(tmp / "nope" / "out.json")]),
+        ("ppl --json into a folder under a file", [*ppl, "--json", str(png / "out.json")]),
         ("simulate --policies with none", ["simulate", str(png), "--policies"]),
         ("generate --device mps", ["generate", "--store", "ram", "--device", "mps", "hi"]),
         ("generate --max-seq 1000000000", ["generate", "--store", "ram", "--max-seq", "1000000000", "hi"]),

@@ -107,7 +107,9 @@ def test_perplexity_interrupted_keeps_the_windows_scored():
 
 
 def test_study_policies_restrict_the_generation_test_too(tmp_path, capsys):
-    out = tmp_path / "study.json"
+    """A study of some policies runs only those in its generation test too; its --json may go into the folder that
+    its --out makes (refused before: that folder did not exist yet)."""
+    out = tmp_path / "report" / "study.json"
     assert cli.main(["study", "--policies", "substitute-all", "--tokens-per-domain", "64", "--context", "64",
                      "--out", str(tmp_path / "report"), "--json", str(out)]) == 0
     res = json.loads(out.read_text())

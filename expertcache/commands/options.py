@@ -76,10 +76,16 @@ def add_text_arguments(p: argparse.ArgumentParser, default: Path | None = None) 
 
 
 def output_path(text: str) -> Path:
-    """A file the verb will write: its folder must exist, checked before any work (argparse type)."""
+    """A file the verb will write, checked before any work: its folder is made if missing, as another option's
+    folder may be (`study --out runs --json runs/study.json`) (argparse type)."""
     path = Path(text)
     if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: folder {path.parent} does not exist; create it or give another path")
+        output_dir(str(path.parent))  # a file where it would go, or nothing writable to make it in: refused
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"{text}: folder {path.parent} cannot be made ({e.strerror}); give "
+                                             "another path") from None
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
     if not os.access(path if path.exists() else path.parent, os.W_OK):  # found at the end of the run: too late
