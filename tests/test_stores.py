@@ -118,6 +118,20 @@ def test_each_blob_has_its_checksum(tiny, tmp_path):
     DiskStore(tmp_path, args, verify=False).read_into(args.num_layers - 1, args.num_experts - 1, w13, w2)
 
 
+def test_a_finished_store_is_on_disk_names_and_all(tiny, tmp_path, monkeypatch):
+    """A conversion ends with its header's bytes and both files' names in the folder synced to the disk: renames
+    that only the page cache held, lost to a power cut, would take away a store that took hours to write."""
+    real, synced = os.fsync, []
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    ckpt = open_checkpoint(tiny["olmoe"][0])
+    convert_to_disk(ckpt, model_args(ckpt.config), tmp_path)
+    assert synced[-2:] == [str(tmp_path / "experts.json.partial"), str(tmp_path)]
+
+
 def test_older_store_refused_or_reconverted(tiny, tmp_path):
     ckpt = open_checkpoint(tiny["mixtral"][0])
     args = model_args(ckpt.config)

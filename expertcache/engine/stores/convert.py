@@ -95,8 +95,12 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
             "num_layers": shape.num_layers, "num_experts": shape.num_experts, "w13": list(shape.w13),
             "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": blob, "align": ALIGN,
             "checksum": "crc32c", "checksums": checksums}
-    (out_dir / "experts.json.partial").write_text(json.dumps(meta))
+    with open(out_dir / "experts.json.partial", "w") as f:
+        f.write(json.dumps(meta))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(out_dir / "experts.json.partial", out_dir / "experts.json")
+    _fsync_folder(out_dir)  # the two renames too: a power loss after a conversion of hours keeps the store
     return out_dir
 
 
@@ -125,6 +129,15 @@ def _file_bytes(path: Path) -> int:
     except FileNotFoundError:
         return 0
     return st.st_blocks * 512 if stat.S_ISREG(st.st_mode) else 0
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the renames into `folder` durable (a file's fsync does not cover its name in the folder)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _written(f, start: int) -> int:
