@@ -101,6 +101,23 @@ def test_trace_format_version_is_checked(traced, tmp_path):
         read_trace(tmp_path / "junk")
 
 
+def test_a_trace_write_cut_short_keeps_the_trace_it_replaces(traced, monkeypatch):
+    """A trace is written whole or not at all: a write that fails (a full disk, Ctrl-C) left a truncated file in
+    place of the trace recorded before."""
+    import numpy as np
+
+    from expertcache.lab import trace as trace_module
+    _, ids, trace, out = traced
+    before = out.read_bytes()
+
+    def cut(*_, **__):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(np, "ascontiguousarray", cut)  # after the header is written
+    with pytest.raises(KeyboardInterrupt):
+        trace_module.write_trace(out, trace.header, trace.tokens, trace.logits)
+    assert out.read_bytes() == before and [p.name for p in out.parent.iterdir() if ".partial" in p.name] == []
+
+
 def test_cost_fit_recovers_known_costs():
     from expertcache.lab.costmodel import fit_terms
     rng = np.random.default_rng(0)

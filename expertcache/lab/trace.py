@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import replaced
 from ..errors import BadInput, CheckpointError
 
 MAGIC = b"ECTRACE\0"
@@ -45,7 +46,7 @@ def write_trace(path: Path, header: dict, tokens: np.ndarray, logits: np.ndarray
               "dtype": str(logits.dtype), "shape": list(logits.shape)}
     raw = json.dumps(header).encode()
     pad = (-(len(MAGIC) + 8 + len(raw))) % 64
-    with open(path, "wb") as f:
+    with replaced(path) as tmp, open(tmp, "wb") as f:  # an interrupted write keeps the trace it replaces
         f.write(MAGIC + struct.pack("<II", FORMAT_VERSION, len(raw) + pad) + raw + b" " * pad)
         f.write(np.ascontiguousarray(tokens, dtype="<i4").tobytes())
         f.write(np.ascontiguousarray(logits).tobytes())
