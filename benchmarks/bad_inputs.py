@@ -27,6 +27,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     bad_text.write_bytes("caf\xe9 na\xefve".encode("latin-1"))
     bom_only = tmp / "bom.txt"
     bom_only.write_bytes(b"\xef\xbb\xbf")
+    utf16 = tmp / "utf16.txt"  # its ASCII decodes as UTF-8, a NUL after each character
+    utf16.write_text("ROMEO.\nWhat light\n", encoding="utf-16-le")
     short = tmp / "short.txt"
     short.write_text("a")
     no_config = tmp / "no_config"
@@ -212,6 +214,11 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("study --tokens-per-domain below --context", ["study", "--tokens-per-domain", "256", "--out",
                                                        str(tmp / "study")]),
         ("a text file of a byte-order mark alone", ["ppl", "--text", str(bom_only)]),
+        ("a text file in UTF-16 without a byte-order mark", [*ppl, "--text", str(utf16)]),
+        ("ppl --context past the model's context", ["ppl", "--store", "ram", "--context", "4096", "--max-tokens",
+                                                    "4096"]),
+        ("trace --context past the model's context", ["trace", "--context", "4096", "--max-tokens", "4096", "--out",
+                                                      str(tmp / "long.ectrace")]),
     ]
 
 

@@ -7,6 +7,7 @@ import errno
 import importlib
 import io
 import json
+import os
 import re
 import signal
 import sys
@@ -104,6 +105,10 @@ def _run(argv: list[str] | None) -> int:
         return code
     except (ExpertCacheError, UnicodeDecodeError, json.JSONDecodeError) as e:  # bad input or a corrupt file
         print(f"expertcache: error: {e}", file=sys.stderr)
+    except BrokenPipeError:  # stdout's reader left (`| head`): end quietly, as a tool that SIGPIPE kills does
+        with contextlib.suppress(OSError, ValueError):  # and Python's flush of stdout at exit finds no pipe to fail
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as e:
         print(f"expertcache: error: {e}; {os_error_fix(e)}", file=sys.stderr)
     except (MemoryError, RuntimeError) as e:  # torch's out-of-memory errors are RuntimeErrors

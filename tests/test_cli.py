@@ -65,6 +65,14 @@ def test_sampling_errors_name_the_cli_flags(capsys):
     assert "-n 8 exceed --max-seq 8" in err and "max_tokens" not in err
 
 
+def test_chat_names_its_flags_when_a_reply_cannot_fit(monkeypatch, capsys):
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who goes there?\n"))
+    assert cli.main(["chat", "--store", "ram", "--max-seq", "16", "-n", "8"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "-n 8 exceed --max-seq 16" in err and "max_tokens" not in err, err
+
+
 @pytest.mark.parametrize("argv", [["ppl", "--store", "ram", "--max-tokens", "32"],
                                   ["generate", "--store", "ram", "-n", "3", "-p", "ROMEO."]])
 def test_json_dash_puts_the_json_alone_on_stdout(argv, capsys, tmp_path, monkeypatch):
@@ -223,3 +231,14 @@ def test_predict_writes_its_table_as_json_and_a_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"| quasi-hidden | {table['quasi-hidden'][0]:.1%} |" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_reader_that_leaves_the_pipe_ends_the_run_quietly():
+    """`expertcache generate | head -c 1`: no traceback and no error blaming the disk, but SIGPIPE's exit status,
+    as a shell tool ends when its reader has left."""
+    p = subprocess.Popen([sys.executable, "-m", "expertcache.cli", "generate", "--store", "ram", "-n", "256",
+                          "--ignore-eos"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.read(1)
+    p.stdout.close()  # the reader leaves after the first token
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141 and "error" not in err and "Traceback" not in err, err

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..engine.chat import ChatTemplate
 
-from .generate import add_sampling_arguments, sampling_from_args
+from .generate import add_sampling_arguments, check_fits, sampling_from_args
 from .options import add_engine_arguments, engine_from_args
 
 EXIT = ("/exit", "/quit")
@@ -66,7 +66,9 @@ def run(a) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\r\n")})  # a Windows line ends in \r\n
-        gen = TextGeneration(engine, fitting_prompt(engine, template, messages, params.max_tokens), params)
+        prompt = fitting_prompt(engine, template, messages, params.max_tokens)
+        check_fits(engine, len(prompt), params.max_tokens)  # refused naming -n and --max-seq, not max_tokens
+        gen = TextGeneration(engine, prompt, params)
         reply = []
         try:
             for out in gen:

@@ -28,13 +28,14 @@ from ..engine.checkpoint import (
     encode_prefix,
     open_checkpoint,
 )
+from ..engine.engine import max_seq_limit
 from ..engine.experts import SWIGLU, ExpertKind, expert_groups, swiglu
 from ..engine.moe import route
 from ..engine.perplexity import windows
 from ..engine.threads import kernels_own_the_cores
 from ..engine.transformer import Transformer
 from ..engine.weights import dense_weights, expert_parts, router_of
-from ..errors import CacheTooSmall, CheckpointError
+from ..errors import BadInput, CacheTooSmall, CheckpointError
 from ..kernel.routing import Router
 from ..models import model_args
 from ..models.args import ModelArgs
@@ -109,6 +110,9 @@ def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[Checkpoint, 
     windows)` sees each decoder layer's input, window by window, before its attention runs."""
     ckpt = open_checkpoint(model_path)
     args = model_args(ckpt.config)
+    if min(context, len(ids)) > max_seq_limit(args):  # positions the model never saw: routing it never learned
+        raise BadInput(f"--context {context} is longer than the model's context of {max_seq_limit(args)} positions; "
+                       "lower --context")
     weights = dense_weights(ckpt, args)
     moe = make_moe(ckpt, args, router_of(args, weights))
     model = Transformer(args, weights, moe, torch.device("cpu"), context)

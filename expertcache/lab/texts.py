@@ -24,11 +24,16 @@ def read_text(path: Path) -> str:
     shift the character offsets a user counts for --domains); BadInput naming the file when it is missing,
     unreadable, not UTF-8 or blank."""
     try:
-        text = Path(path).read_bytes().decode("utf-8-sig")
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         raise BadInput(f"{path}: no such text file; give a UTF-8 text file") from None
     except OSError as e:  # a folder, no permission
         raise BadInput(f"cannot read text {path} ({e.strerror}); give a UTF-8 text file") from None
+    if b"\0" in data or data[:2] in (b"\xff\xfe", b"\xfe\xff"):  # UTF-16's ASCII decodes as UTF-8, NULs between
+        raise BadInput(f"{path} is UTF-16 or binary, not UTF-8 text (NUL bytes, or a UTF-16 byte-order mark); "
+                       "convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8")
+    try:
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise BadInput(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
     if not text.strip():
