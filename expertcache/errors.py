@@ -1,4 +1,6 @@
 """Typed errors. Each message is one line that names the problem and the fix."""
+import numbers
+import operator
 
 
 class ExpertCacheError(Exception):
@@ -48,3 +50,21 @@ class NonFiniteOutput(ExpertCacheError):
 def size_text(nbytes: int) -> str:
     """A byte count as the messages give it: GiB from one GiB up, else MiB."""
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
+def whole_number(value, what: str) -> int:
+    """`value` as an int where it is one (a Python or NumPy integer, not a bool); BadInput naming `what` otherwise:
+    a float, a string or None would fail far from the mistake, inside torch or the compiled kernels."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise BadInput(f"{what}={value!r} must be a whole number (an int), not {type(value).__name__}")
+
+
+def real_number(value, what: str) -> float:
+    """`value` as a float where it is a real number (not a bool); BadInput naming `what` otherwise."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise BadInput(f"{what}={value!r} must be a number, not {type(value).__name__}")

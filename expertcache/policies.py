@@ -80,6 +80,27 @@ def checked_number(policy: str, key: str, value, low: float, high: float = math.
     return int(x) if whole else x
 
 
+def check_params(policy: MissPolicy, p, top_k: int) -> None:
+    """BadInput unless `p`, the policy's params(), is a vector the compiled `decide` can trust (it checks no bounds;
+    a vector of another length or type read past its end or compiled anew, unknown codes decided nonsense): float64
+    [N_PARAMS] (after them, taus a layer), finite, its codes known, tau-like weights in [0, 1], j <= top-k. The
+    built-in policies build it so; a subclass's own params() may not."""
+    fix = "build it on MissPolicy.params() (kernel/policy.py names its entries)"
+    if not isinstance(p, np.ndarray) or p.dtype != np.float64 or p.ndim != 1 or len(p) < N_PARAMS:
+        got = f"{p.dtype} {p.shape}" if isinstance(p, np.ndarray) else type(p).__name__
+        raise BadInput(f"policy {policy!r}: params() must be a float64 vector of {N_PARAMS} entries, not {got}; {fix}")
+    codes = {"kind": (KIND, (FETCH_ALL, SUBSTITUTING, CONDITIONAL)), "rule": (RULE, (NEVER, THRESHOLD, FIRST_CHOICE,
+             BAND, LOWBIT)), "sub": (SUB, range(len(SUBSTITUTES)))}
+    weights = [TAU, LO, *range(N_PARAMS, len(p))]  # weights the rules compare gate weights with
+    for name, (i, known) in codes.items():
+        if p[i] not in known:
+            raise BadInput(f"policy {policy!r}: params() has {name} {p[i]:g}, not one of {list(known)}; {fix}")
+    if not np.isfinite(p).all() or not ((0 <= p[weights]) & (p[weights] <= 1)).all() or p[BETA] < 0 or \
+            (p[KIND] == CONDITIONAL and not (0 <= p[TOP_J] <= top_k and p[TOP_J] == int(p[TOP_J]))):
+        raise BadInput(f"policy {policy!r}: params() {p.tolist()} has a value out of range (finite; tau and lo in "
+                       f"[0, 1], beta >= 0, j a whole number <= top-k={top_k}); {fix}")
+
+
 EXAMPLES = {"tau": "0.15", "lo": "0.1", "hi": "0.3", "beta": "0.5", "window": "16", "j": "2", "m": "16",
             "upgrade": "1"}
 
@@ -92,6 +113,7 @@ class MissPolicy:
     parameters: tuple[str, ...] = ()  # the keys its spec takes
     fetches_small = False  # some misses fetch the expert's low-precision copy (a second store)
     spec = ""  # the spec make_policy read, every option in it (what statistics lines name the policy by)
+    engine = None  # a weak reference to the Engine that bound it (Engine._fit): its `account` is that engine's run's
 
     def __init__(self):
         self.account: np.ndarray | None = None  # [L, E] substituted mass towards admission
@@ -113,14 +135,22 @@ class MissPolicy:
         """Check the parameters against the model's router and take up its gate normalisation
         (`norm_topk`: the top-k weights renormalised to 1, or probabilities over all experts);
         returns self. The engine and the replay call it before the first decision."""
+        if type(self).decide is not MissPolicy.decide:  # a subclass's own would be silently ignored
+            raise BadInput(f"policy {self!r} overrides decide(), which the engine never calls: it runs the compiled "
+                           "decision on params(); give the policy as its params() vector instead")
         self.check(top_k, num_experts)
         self.norm_topk = bool(norm_topk)
+        check_params(self, self.params(), top_k)
         self.fitted = (top_k, num_experts)
         return self
 
     def bind(self, num_layers: int, num_experts: int) -> np.ndarray:
-        """The per-expert state `decide` carries between calls, sized for a model."""
+        """The per-expert state `decide` carries between calls, sized for a model (BadInput when params() carries
+        per-layer taus for another depth)."""
         if self.account is None or self.account.shape != (num_layers, num_experts):
+            if len(self.params()) not in (N_PARAMS, N_PARAMS + num_layers):  # the kernel would read past them
+                raise BadInput(f"policy {self!r}: params() has {len(self.params()) - N_PARAMS} per-layer taus for a "
+                               f"model of {num_layers} MoE layers; give none, or one a layer")
             self.account = np.zeros((num_layers, num_experts))
         return self.account
 
@@ -360,11 +390,23 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name.strip(), params
 
 
+def as_policy(policy: MissPolicy | str) -> MissPolicy:
+    """`policy` itself, or the policy its spec names; BadInput for anything else (a class, None)."""
+    if isinstance(policy, MissPolicy):
+        return policy
+    if isinstance(policy, type) and issubclass(policy, MissPolicy):
+        raise BadInput(f"policy {policy.__name__} is a class; give an instance, {policy.__name__}(), or a spec string")
+    return make_policy(policy)
+
+
 def make_policy(spec: str) -> MissPolicy:
     """The policy a spec names, its parameters checked (those that depend on the model's
     router are checked by `MissPolicy.fit`). A preset's parameters can be overridden. Every
     spec also takes `eviction=ORDER` (lru, lfu, freq, halving, demand): the order the policy
     runs with unless the engine or replay is given one, so that one string names a tuned policy."""
+    if not isinstance(spec, str):
+        raise BadInput(f"a policy spec is a string such as 'threshold:tau=0.15', not {type(spec).__name__}; a "
+                       "MissPolicy object itself goes to Engine(policy=...) or Engine.set_policy")
     name, params = parse_spec(spec)
     chosen_eviction = params.pop("eviction", None)  # any policy: the eviction order it runs with
     if chosen_eviction is not None:

@@ -150,11 +150,26 @@ def test_a_text_is_scored_as_it_is(tmp_path):
     assert read_text(tmp_path / "bom.txt") == "ROMEO.\r\n\ufeff"
 
 
-def test_bad_input_is_typed_and_programming_errors_are_not_bad_input(capsys, ckpt, monkeypatch):
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-16"])
+def test_a_utf16_text_is_refused_not_scored(tmp_path, encoding):
+    """UTF-16 of ASCII decodes as UTF-8 with a NUL after each character: scored, it gave a perplexity of tens of
+    thousands; without a byte-order mark only its NULs tell."""
+    from expertcache.lab.texts import read_text
+    (tmp_path / "t.txt").write_bytes("ROMEO.\nWhat light\n".encode(encoding))
+    with pytest.raises(BadInput, match="UTF-16 or binary.*iconv"):
+        read_text(tmp_path / "t.txt")
+
+
+def test_bad_input_is_typed_and_programming_errors_are_not_bad_input(capsys, ckpt, monkeypatch, tmp_path):
     code, err = run_cli(capsys, "generate", "--store", "ram", "--max-seq", "8", "-n", "16", "ROMEO.")
     assert code == 2 and "exceed --max-seq 8" in err and err.count("\n") == 0, err
     with pytest.raises(BadInput, match="at least 2 tokens"):
         perplexity(Engine(ckpt), [1])
+    with pytest.raises(BadInput, match="--context 16 is longer than --max-seq 8; lower --context"):
+        perplexity(Engine(ckpt, EngineConfig(max_seq=8)), list(range(20)), context=16)
+    from expertcache.lab.trace import record_trace
+    with pytest.raises(BadInput, match="--context 2100 is longer than the model's context of 2048 positions"):
+        record_trace(ckpt, [0] * 2100, tmp_path / "t.ectrace", context=2100)  # was recorded past the positions
     from expertcache.commands import info
 
     def broken(a):
@@ -252,7 +267,7 @@ def test_unreadable_side_files_are_one_line(capsys, ckpt):
 
 def test_bad_cli_values_are_one_line(capsys, ckpt, tmp_path):
     """An unknown device, a prompt that is not UTF-8, two prompts, a port out of range, an infinite
-    temperature, an output folder that does not exist: one line each, before any work."""
+    temperature, an output folder under a file: one line each, before any work."""
     for argv, words in ((["generate", "--model", str(ckpt), "--device", "tpu", "hi"], "unknown device 'tpu'"),
                         (["generate", "--model", str(ckpt), "--device", "mps", "hi"], "unknown device 'mps'"),
                         (["generate", "--model", str(ckpt), "--device", "cpu:5", "hi"], "unknown device 'cpu:5'"),
@@ -265,7 +280,8 @@ def test_bad_cli_values_are_one_line(capsys, ckpt, tmp_path):
                         (["generate", "--model", str(ckpt), "-p", "a", "b"], "two prompts"),
                         (["generate", "--model", str(ckpt), "--temperature", "inf", "hi"], "--temperature inf"),
                         (["serve", "--model", str(ckpt), "--port", "70000"], "not a port"),
-                        (["ppl", "--model", str(ckpt), "--json", str(tmp_path / "no" / "x.json")], "does not exist"),
+                        (["ppl", "--model", str(ckpt), "--json", str(ckpt / "config.json" / "x.json")],
+                         "is a file; give a folder"),
                         (["convert", "--model", str(ckpt), "--dtype", "int4", "--group-size", "1"], "multiple of 8"),
                         (["chat", "--model", str(ckpt), "--max-tokens", "16"],  # the verb's own help is named
                          "unrecognized arguments: --max-tokens 16; see `expertcache chat --help`"),
@@ -348,6 +364,88 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(ckpt):
     engine.close()
 
 
+def test_token_ids_of_any_form_are_checked_once_on_every_road(ckpt):
+    """Token ids as a list, an array or a tensor are taken by forward, generate, perplexity and decode; anything
+    else is one BadInput naming it. A prompt as an array or a tensor failed on its truth value, text or None with a
+    TypeError; float ids were truncated (1.5 scored as 1); uint8 ids indexed the embeddings as a mask; perplexity's
+    last id, a target only, reached cross_entropy unchecked (an IndexError); a float position failed inside RoPE."""
+    import numpy as np
+    from expertcache import generate
+    engine = Engine(ckpt, EngineConfig(store="ram"))
+    ids = [5, 17, 3, 40]
+    want = list(generate(engine, ids, 2))
+    for form in (np.array(ids), torch.tensor(ids), tuple(np.int64(i) for i in ids)):
+        assert list(generate(engine, form, 2)) == want
+    assert torch.equal(engine.forward(torch.tensor(ids, dtype=torch.uint8), 0), engine.forward(torch.tensor(ids), 0))
+    assert engine.decode(torch.tensor(ids)) == engine.decode(ids)
+    ppl = perplexity(engine, ids, context=2).ppl
+    for bad, words in [("ROMEO.", "Engine.encode"), (None, "Engine.encode"), ([1.5, 2.0, 3.0], "integer tensor"),
+                       ([[1, 2], [3, 4]], "1-D integer"), ([1, 2, 96], "token id 96 is outside"),
+                       ([1, 2, -1], "token id -1 is outside")]:
+        with pytest.raises(BadInput, match=words):
+            perplexity(engine, bad)
+        with pytest.raises(BadInput, match=words):
+            list(generate(engine, bad, 2))
+    with pytest.raises(BadInput, match="token id -1"):
+        engine.decode([-1])
+    for pos in (1.5, "1", None):
+        with pytest.raises(BadInput, match="position"):
+            engine.forward(torch.tensor(ids), pos)
+    for context in (2.5, "2", None, float("inf")):
+        with pytest.raises(BadInput, match="context"):
+            perplexity(engine, ids, context=context)
+    for text in (None, b"ROMEO.", 5):
+        with pytest.raises(BadInput, match="encode takes text"):
+            engine.encode(text)
+    for n in (-1, 1.5):  # -1 dropped the last token
+        with pytest.raises(BadInput, match="max_tokens"):
+            engine.encode("ROMEO. What light", max_tokens=n)
+    with pytest.raises(BadInput, match="prefetch must be a PrefetchConfig"):
+        engine.set_prefetch("lookahead")
+    assert perplexity(engine, ids, context=2).ppl == ppl  # nothing refused left the engine changed
+    engine.close()
+
+
+def test_a_forward_past_max_seq_is_refused_before_any_pass_runs(ckpt, monkeypatch):
+    """A forward longer than max_seq is refused whole, naming its length; it ran the passes before the one that
+    crossed max_seq (their decisions and fetches) and named that pass's end."""
+    from expertcache.engine import engine as engine_module
+    monkeypatch.setattr(engine_module, "FORWARD_CHUNK", 4)
+    engine = Engine(ckpt, EngineConfig(store="ram", max_seq=8))
+    with pytest.raises(BadInput, match="sequence of 13 tokens exceeds max_seq=8"):
+        engine.forward(torch.arange(1, 14), 0)
+    assert engine.stats.moe_calls == 0
+    engine.close()
+
+
+def test_config_values_of_the_wrong_type_are_one_line():
+    """EngineConfig, CacheConfig and PrefetchConfig refuse a value of the wrong type when made, whichever road
+    makes them: a float max_seq or cache bytes failed inside torch, a string inside a comparison, a string
+    confidence inside the compiled prefetch mid-decode, a negative io_workers in the reads."""
+    from expertcache.engine.moe import PrefetchConfig
+    for kw in [dict(max_seq=64.0), dict(max_seq="64"), dict(max_seq=None), dict(kv_positions=4096.5),
+               dict(memory_budget="64M"), dict(memory_budget=float("nan")), dict(cache=0.25),
+               dict(prefetch="lookahead")]:
+        with pytest.raises(BadInput, match=next(iter(kw))):
+            EngineConfig(**kw)
+    for kw in [dict(fraction="0.25"), dict(fraction=True), dict(bytes=1.5e7), dict(bytes="1M"), dict(io_workers=-1),
+               dict(io_workers=1.5), dict(io_workers=None)]:
+        with pytest.raises(BadInput, match=f"{'io_workers' if 'io_workers' in kw else 'cache'}"):
+            CacheConfig(**kw)
+    for kw in [dict(budget=2.5), dict(budget="2"), dict(confidence="0.1"), dict(confidence=float("nan")),
+               dict(confidence=-1), dict(confidence=2)]:
+        with pytest.raises(BadInput, match=f"prefetch {next(iter(kw))}"):
+            PrefetchConfig(**kw)
+    assert EngineConfig(max_seq=torch.tensor(64).numpy()[()]).max_seq == 64  # a NumPy integer is an int
+    assert CacheConfig(fraction=0.5, io_workers=0).io_workers == 0
+    with pytest.raises(UnknownName, match="device None"):
+        Engine(config=EngineConfig(device=None))
+    with pytest.raises(BadInput, match="config must be an EngineConfig"):
+        Engine(config={"store": "ram"})
+    with pytest.raises(BadInput, match="model_path must be"):
+        Engine(123)
+
+
 def test_truncated_trace_is_one_line(capsys, tmp_path):
     from expertcache.engine.engine import BUILTIN_MODEL
     from expertcache.lab.trace import record_trace
@@ -418,6 +516,22 @@ def test_an_engine_that_fails_to_load_leaves_no_file_or_thread_open(tiny, tmp_pa
         with pytest.raises(RuntimeError, match="later step"):
             Engine(tiny["qwen3_moe"][0], cfg)
     assert len(os.listdir("/proc/self/fd")) == fds and threading.active_count() == threads
+
+
+def test_a_closed_engine_refuses_to_run_and_closes_once(tiny, tmp_path):
+    """An engine used after close() is refused in one line (its forward, a perplexity's reset, set_policy), not a
+    TypeError from the ring it released; a second close() does nothing (it failed the same way)."""
+    import os
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(store="disk", store_dir=tmp_path / "store", initial="cold"))
+    engine.forward(torch.tensor([1, 2, 3]), 0)
+    fds = len(os.listdir("/proc/self/fd"))
+    engine.close()
+    assert len(os.listdir("/proc/self/fd")) < fds
+    for use in (lambda: engine.forward(torch.tensor([1, 2, 3]), 0), lambda: perplexity(engine, [1, 2, 3]),
+                lambda: engine.set_policy("lowbit")):  # refused before it opened the small copies' store
+        with pytest.raises(BadInput, match="engine is closed"):
+            use()
+    engine.close()
 
 
 def test_time_runs_closes_its_engines_when_a_run_fails(tiny, tmp_path):

@@ -291,3 +291,83 @@ def test_serve_refuses_a_prefill_policy_the_model_cannot_take(capsys):
     code = cli.main(["serve", "--store", "ram", "--port", "0", "--prefill-policy", "conditional:j=16,m=16"])
     err = capsys.readouterr().err
     assert code == 2 and "j=16" in err and err.strip().count("\n") == 0, err
+
+
+def test_a_custom_policys_params_are_checked_before_the_kernel_sees_them(tiny):
+    """A MissPolicy subclass's own params() reaches the compiled decision (which checks no bounds) only as a vector
+    it can trust: a short one was read past its end, an int or float32 one compiled anew for minutes, an unknown
+    kind decided nonsense, j past top-k wrote past the scratch arrays. A subclass's decide(), which the engine never
+    calls, is refused rather than silently ignored; a policy given as None or a class is one line."""
+    import numpy as np
+    from expertcache.kernel.policy import CONDITIONAL, KIND, N_PARAMS, RULE, SUBSTITUTING, TAU, THRESHOLD, TOP_J
+    from expertcache.policies import MissPolicy
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))  # top-2 of 8
+    L = engine.args.num_moe_layers
+
+    def custom(edit):
+        class Custom(MissPolicy):
+            name = "custom"
+
+            def params(self):
+                return edit(super().params())
+        return Custom()
+
+    def with_entries(**entries):
+        def edit(p):
+            for key, value in entries.items():
+                p[{"kind": KIND, "rule": RULE, "tau": TAU, "j": TOP_J}[key]] = value
+            return p
+        return edit
+    for edit, words in [(lambda p: p[:5], "12 entries"), (lambda p: p.astype(np.float32), "float32"),
+                        (lambda p: list(p), "not list"), (lambda p: None, "NoneType"),
+                        (with_entries(kind=7), "kind 7"), (with_entries(kind=SUBSTITUTING, rule=9), "rule 9"),
+                        (with_entries(kind=SUBSTITUTING, rule=THRESHOLD, tau=np.nan), "out of range"),
+                        (with_entries(kind=CONDITIONAL, j=5), "out of range"),
+                        (lambda p: np.concatenate([p, [0.1] * (L + 1)]), f"{L + 1} per-layer taus")]:
+        with pytest.raises(BadInput, match=words):
+            engine.set_policy(custom(edit))
+    threshold = with_entries(kind=SUBSTITUTING, rule=THRESHOLD, tau=0.3)
+    engine.set_policy(custom(lambda p: np.concatenate([threshold(p), [0.3] * L])))  # one tau a layer: taken
+    assert len(engine.policy.params()) == N_PARAMS + L and engine.forward(torch.tensor([1, 2, 3]), 0).isfinite().all()
+
+    class OwnDecide(MissPolicy):
+        def decide(self, route, cache):
+            raise AssertionError("never called")
+    for policy, words in [(OwnDecide(), "overrides decide"), (None, "policy spec is a string"),
+                          (MissPolicy, "is a class")]:
+        with pytest.raises(BadInput, match=words):
+            engine.set_policy(policy)
+    with pytest.raises(BadInput, match="policy spec is a string"):
+        Engine(tiny["qwen3_moe"][0], EngineConfig(policy=MissPolicy()))
+    other = Engine(tiny["qwen3_moe"][0], policy="threshold:tau=0.2")  # a spec string is taken too
+    assert str(other.policy) == "threshold:tau=0.2"
+    other.close()
+    engine.close()
+
+
+def test_a_refused_eviction_leaves_the_engine_as_it_was(tiny):
+    """set_policy with an unknown eviction order changes nothing: it switched the policy and left the unknown name
+    in the cache's config, so that every later run (its reset) failed again."""
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    engine.set_policy("threshold:tau=0.2", eviction="lfu")
+    with pytest.raises(UnknownName, match="lruu"):
+        engine.set_policy("fetch-all", eviction="lruu")
+    assert str(engine.policy) == "threshold:tau=0.2" and engine.cache.cfg.eviction == "lfu"
+    assert perplexity(engine, list(range(1, 20)), context=8).ppl > 0
+    engine.close()
+
+
+def test_one_policy_object_runs_one_engine_at_a_time(tiny):
+    """A policy object carries its run's state (the substituted mass towards admission): handed to a second open
+    engine it is refused, where both engines counted each other's substitutions (more admissions, silently). Once
+    its engine is closed, or failed to load, another may take it; one engine may bind it again (a prefill policy)."""
+    path = tiny["qwen3_moe"][0]
+    policy = make_policy("quality-first")
+    first = Engine(path, EngineConfig(initial="cold"), policy=policy)
+    first.bind_policy(policy)
+    with pytest.raises(BadInput, match="bound to another open Engine"):
+        Engine(path, EngineConfig(initial="cold"), policy=policy)
+    first.close()
+    with pytest.raises(UnknownName):
+        Engine(path, EngineConfig(initial="cold", eviction="nope"), policy=policy)
+    Engine(path, EngineConfig(initial="cold"), policy=policy).close()

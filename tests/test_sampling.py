@@ -16,7 +16,11 @@ def tokenizer():
                                          ("min_p", 2.0), ("repetition_penalty", 0.0), ("max_tokens", 0),
                                          ("stop", ("",)), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
                                          ("frequency_penalty", float("nan")), ("logit_bias", ((-1, 1.0),)),
-                                         ("logit_bias", ((3, 101.0),)), ("min_tokens", 17), ("min_tokens", -1)])
+                                         ("logit_bias", ((3, 101.0),)), ("min_tokens", 17), ("min_tokens", -1),
+                                         # types, which failed the range checks with a TypeError, or ran: 2.5 tokens
+                                         ("max_tokens", 2.5), ("max_tokens", "3"), ("max_tokens", None),
+                                         ("temperature", "1"), ("top_p", None), ("seed", 1.5), ("seed", "a"),
+                                         ("top_k", 2.0), ("logprobs", True), ("logit_bias", ((3, "1"),))])
 def test_bad_sampling_values_name_the_field(field, value):
     with pytest.raises(SamplingError, match=field) as e:
         SamplingParams(**{field: value})
@@ -231,6 +235,12 @@ def test_tiny_temperatures_and_vllm_top_k_sample(monkeypatch, capsys):
     for t in (1e-45, 1e-38):
         assert Sampler(SamplingParams(temperature=t, seed=0))(logits, torch.tensor([], dtype=torch.long)) == 1
     assert SamplingParams(top_k=-1).top_k == -1
+    # 1e-300 rounds to 0 and 1e300 to inf in float32; a tiny repetition penalty sends seen logits to +inf; an -inf
+    # (an end token barred before min_tokens) stays barred: none of them may make NaN
+    barred, seen = torch.cat([logits, torch.tensor([float("-inf")])]), torch.tensor([0, 1])
+    for t, rep, want in [(1e-300, 1.0, {1}), (1e300, 1.0, {0, 1, 2, 3}), (1.0, 1e-40, {0, 1})]:
+        sampler = Sampler(SamplingParams(temperature=t, repetition_penalty=rep, seed=0))
+        assert {sampler(barred, seen) for _ in range(100)} == want
     with pytest.raises(SamplingError, match="top_k"):
         SamplingParams(top_k=-2)
     assert cli.main(["generate", "--store", "ram", "-p", ""]) == 2

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import BadInput, CacheTooSmall, UnknownName
+from ..errors import BadInput, CacheTooSmall, UnknownName, real_number, whole_number
 from ..kernel import decisions as kernel
 from ..kernel.cache_state import LOGGING, N_LOG, PREFETCHES, CacheState
 from ..kernel.policy import Scratch
@@ -37,6 +37,16 @@ class CacheConfig:
     io_workers: int = 4
     io: str = "auto"  # auto: io_uring for O_DIRECT reads where the system has it; uring (or an error); threads
     caller_reads: bool = True  # a token's only synchronous fetch of a layer is read by the waiting thread
+
+    def __post_init__(self):
+        # the types, which every road checks nowhere else (a float or a string failed inside torch, a negative
+        # io_workers in the reads); the sizes' ranges where the model is known (`slots_per_layer`)
+        if self.fraction is not None:
+            real_number(self.fraction, "cache fraction")
+        if self.bytes is not None:
+            object.__setattr__(self, "bytes", whole_number(self.bytes, "cache bytes"))
+        if whole_number(self.io_workers, "io_workers") < 0:
+            raise BadInput(f"io_workers={self.io_workers} must be >= 0 transfer worker threads, e.g. 4")
 
 
 DEFAULT_FRACTION = 0.25  # a model with few experts (a tiny test model's 4, top-2) is given its top-k instead

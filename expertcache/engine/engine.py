@@ -6,6 +6,7 @@ import math
 import resource
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -20,10 +21,12 @@ from ..errors import (
     NotEnoughMemory,
     UnknownName,
     size_text,
+    whole_number,
 )
+from ..kernel.eviction import eviction_code
 from ..models import model_args
 from ..models.args import ModelArgs
-from ..policies import MissPolicy, make_policy
+from ..policies import MissPolicy, as_policy, make_policy
 from .cache import CacheConfig, ExpertCache, least_slots_per_layer, slots_per_layer
 from .compile_clock import compile_seconds
 from .slots import slot_bytes, slot_format
@@ -64,6 +67,19 @@ class EngineConfig:
     memory_budget: int | None = None  # bytes of the whole fast tier; sizes the expert cache (overrides cache size)
     slot_dtype: str = "auto"  # the fast tier's expert format: auto, fp32, fp16, bf16, int8, int4 (slots.slot_format)
     dense_dtype: str = "auto"  # the dense weights' format: auto (the checkpoint's 16 bits), fp32, fp16, bf16, int8, int4
+
+    def __post_init__(self):
+        # the types, which every road checks nowhere else (a float max_seq or a string budget failed inside torch);
+        # the ranges where the model is known (Engine._load)
+        for name in ("max_seq", "kv_positions", "memory_budget"):
+            if getattr(self, name) is not None or name == "max_seq":
+                object.__setattr__(self, name, whole_number(getattr(self, name), name))
+        if not isinstance(self.cache, CacheConfig):
+            raise BadInput(f"cache must be a CacheConfig, e.g. CacheConfig(fraction=0.25), not "
+                           f"{type(self.cache).__name__}")
+        if self.prefetch is not None and not isinstance(self.prefetch, PrefetchConfig):
+            raise BadInput(f"prefetch must be a PrefetchConfig, e.g. PrefetchConfig('lookahead'), not "
+                           f"{type(self.prefetch).__name__}")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -109,28 +125,36 @@ class Engine:
     """A checkpoint run with its experts in a slow tier and an expert cache in the fast tier, under one
     miss policy; `forward(ids [T], pos) -> logits [T, V]`."""
     def __init__(self, model_path: str | Path | None = None, config: EngineConfig = EngineConfig(),
-                 policy: MissPolicy | None = None):
+                 policy: MissPolicy | str | None = None):
         try:
             self._load(model_path, config, policy)
         except BaseException:  # what was opened before the failing step: the stores' files, the ring, threads
+            self.closed = True  # nor does it hold the policy it bound
             for part in ("cache", "small_store", "store"):
                 if getattr(self, part, None) is not None:
                     getattr(self, part).close()
             raise
 
-    def _load(self, model_path: str | Path | None, config: EngineConfig, policy: MissPolicy | None) -> None:
+    def _load(self, model_path: str | Path | None, config: EngineConfig, policy: MissPolicy | str | None) -> None:
+        self.closed = False
+        if not isinstance(config, EngineConfig):
+            raise BadInput(f"config must be an EngineConfig, e.g. EngineConfig(store='disk'), not "
+                           f"{type(config).__name__}")
+        if model_path is not None and not isinstance(model_path, (str, Path)):
+            raise BadInput(f"model_path must be a checkpoint folder or a Hub id (a str or Path), not "
+                           f"{type(model_path).__name__}")
         self.path = Path(model_path) if model_path else BUILTIN_MODEL
         self.config = config
         try:
             self.device = torch.device(config.device)
-        except RuntimeError:
+        except (RuntimeError, TypeError):  # an unknown name; None or another type
             self.device = None
         if self.device is None or self.device.type not in ("cpu", "cuda") or \
                 (self.device.type == "cpu" and self.device.index not in (None, 0)):
             raise UnknownName(f"unknown device {config.device!r}; use cpu, cuda or cuda:N") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UnknownName("device 'cuda' asked for but torch sees no CUDA device; use --device cpu")
-        policy = policy or make_policy(config.policy)
+        policy = make_policy(config.policy) if policy is None else as_policy(policy)
         if config.read_mode != "auto" and config.store != "disk":
             raise BadInput(f"--read-mode {config.read_mode} is how the disk store reads; the {config.store} store "
                            "reads none: drop it, or use --store disk")
@@ -273,6 +297,7 @@ class Engine:
     # -- residency -----------------------------------------------------------------------
     def reset(self) -> None:
         """Start of a run: empty or warm cache, fresh statistics and policy state."""
+        self._check_open()
         initial = self.config.initial
         counts = self.routing_counts if initial in ("warm", "auto") else None
         if initial == "warm" and counts is None:
@@ -297,6 +322,8 @@ class Engine:
     def set_policy(self, policy: MissPolicy | str, eviction: str | None = None) -> None:
         """Switch the miss policy (and the eviction it prefers, unless the config names one);
         starts a new run."""
+        if eviction is not None:
+            eviction_code(eviction)  # refused before anything changes: the engine keeps its policy and cache
         self.policy = self.runner.policy = self.bind_policy(policy)
         self.cache.cfg = replace(self.cache.cfg, eviction=eviction or self.config.eviction or self.policy.eviction)
         self.reset()
@@ -333,14 +360,22 @@ class Engine:
         model's router and depth, and the low-precision copies it fetches opened and attached. The one check on
         every road to the compiled kernel (which trusts its parameters): the engine's policy, set_policy, a
         prefill policy; the cache refuses a policy that did not come through here (ExpertCache.decide_routed)."""
-        policy = self._fit(make_policy(policy) if isinstance(policy, str) else policy)
+        self._check_open()  # before a lowbit policy opens its small copies' store
+        policy = self._fit(as_policy(policy))
         self._attach_small(policy)
         return policy
 
     def _fit(self, policy: MissPolicy) -> MissPolicy:
-        """`policy` checked against the model's router and depth, with its gate normalisation."""
+        """`policy` checked against the model's router and depth, with its gate normalisation, and bound to this
+        engine: BadInput while another open engine has it (each would count the other's substitutions towards its
+        admissions, and its resets clear them)."""
+        other = policy.engine and policy.engine()
+        if other is not None and other is not self and not other.closed:
+            raise BadInput(f"policy {policy!r} is bound to another open Engine, whose run state it carries; give "
+                           "each engine its own policy (make_policy(spec) again)")
         policy.fit(self.args.top_k, self.args.num_experts, self.args.norm_topk_prob)
         policy.bind(self.args.num_moe_layers, self.args.num_experts)  # per-layer parameters fit the depth
+        policy.engine = weakref.ref(self)
         return policy
 
     @property
@@ -351,6 +386,9 @@ class Engine:
 
     def set_prefetch(self, prefetch: PrefetchConfig | None) -> None:
         """Attach a predictor (or detach with None); starts a new run."""
+        if prefetch is not None and not isinstance(prefetch, PrefetchConfig):
+            raise BadInput(f"prefetch must be a PrefetchConfig, e.g. PrefetchConfig('lookahead'), or None, not "
+                           f"{type(prefetch).__name__}")
         if prefetch is not None and prefetch.mode not in ("prefetch", "speculative"):
             raise UnknownName(f"unknown prefetch mode {prefetch.mode!r}; choose prefetch or speculative")
         if prefetch is not None and prefetch.budget is not None and not 1 <= prefetch.budget <= self.args.top_k:
@@ -373,26 +411,44 @@ class Engine:
         """ids [T] -> logits [T, V] (fp32; with `last`, [1, V]: the last position's only, as a prefill
         needs), counting tokens and wall time. Raises NonFiniteOutput rather than return a NaN or
         infinite logit."""
-        self._check_ids(ids)
+        self._check_open()
+        ids, pos = self.token_ids(ids), whole_number(pos, "position")
         if pos < 0:  # the rotary angles and the cache's slice would silently take it
             raise BadInput(f"position {pos} is negative; a sequence's first token is at position 0")
         T = ids.shape[0]
+        if pos + T > self.model.max_seq:  # refused whole, not after the passes before the one that crosses it ran
+            raise BadInput(f"sequence of {pos + T} tokens exceeds max_seq={self.model.max_seq}; raise --max-seq")
         self.runner.start_forward(id(self.model.k_cache), pos, T)  # a swapped-in sequence has other keys
         logits = self._timed(lambda: self._passes(ids.to(self.device), pos, last), T)
         self.runner.end_forward(id(self.model.k_cache), pos + T)  # the keys as they may have grown
         self._check_finite(logits, lambda t: f"at position {pos + (T - 1 if last else t)}")
         return logits
 
-    def _check_ids(self, ids: torch.Tensor) -> None:
-        """BadInput unless ids is a non-empty 1-D tensor of token ids in the vocabulary: a negative id would index
-        the embeddings from their end (another token's output), one past them fail inside the forward."""
-        if ids.dim() != 1 or not ids.numel() or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise BadInput(f"token ids must be a non-empty 1-D integer tensor, not {ids.dtype} of shape "
-                           f"{tuple(ids.shape)}")
-        lo, hi = (int(ids[0]),) * 2 if ids.numel() == 1 else (int(ids.min()), int(ids.max()))  # decode: one id
-        if lo < 0 or hi >= self.args.vocab_size:
-            raise BadInput(f"token id {lo if lo < 0 else hi} is outside the model's vocabulary [0, "
-                           f"{self.args.vocab_size}); give ids its tokenizer made")
+    def token_ids(self, ids: torch.Tensor | list[int], empty: bool = False) -> torch.Tensor:
+        """`ids` (a 1-D tensor, array, list or tuple of token ids; with `empty`, maybe none) as an int64 tensor [T];
+        BadInput unless they are integers in the vocabulary: a negative id would index the embeddings from their end
+        (another token's output), one past them fail inside the forward, a float id be truncated, uint8 ids read as
+        a mask."""
+        if not isinstance(ids, torch.Tensor):
+            try:
+                ids = torch.as_tensor(ids) if not isinstance(ids, (str, bytes)) else None
+            except (TypeError, ValueError, RuntimeError, OverflowError):
+                ids = None
+            if ids is None:  # text, None, ragged lists, mixed types
+                raise BadInput("token ids must be a non-empty 1-D integer tensor or list of ints; text becomes ids "
+                               "through Engine.encode")
+            if not ids.numel():  # [] is float32 to torch
+                ids = ids.long()
+        if ids.dim() != 1 or not (ids.numel() or empty) or ids.dtype.is_floating_point or ids.dtype.is_complex or \
+                ids.dtype == torch.bool:
+            raise BadInput(f"token ids must be a {'' if empty else 'non-empty '}1-D integer tensor, not {ids.dtype} "
+                           f"of shape {tuple(ids.shape)}")
+        if ids.numel():
+            lo, hi = (int(ids[0]),) * 2 if ids.numel() == 1 else (int(ids.min()), int(ids.max()))  # decode: one id
+            if lo < 0 or hi >= self.args.vocab_size:
+                raise BadInput(f"token id {lo if lo < 0 else hi} is outside the model's vocabulary [0, "
+                               f"{self.args.vocab_size}); give ids its tokenizer made")
+        return ids.long()
 
     def _passes(self, ids: torch.Tensor, pos: int, last: bool) -> torch.Tensor:
         """The model over ids [T] in passes of at most FORWARD_CHUNK tokens (the workspace the budget counts; the
@@ -412,7 +468,8 @@ class Engine:
                       kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Decode B sequences one token each (Transformer.forward_batch): ids [B] at `positions`, keys and
         values in kv[b] -> logits [B, V] (fp32); the B tokens count as B decode tokens."""
-        self._check_ids(ids)
+        self._check_open()
+        ids = self.token_ids(ids)
         self.runner.decoding = True
         self.runner.start_forward(None, 0, ids.shape[0])
         try:
@@ -459,6 +516,11 @@ class Engine:
         """The token ids of `text` by the checkpoint's tokenizer (with `special`, the tokens its post-processor
         adds, such as a BOS), its first `max_tokens` when given (encode_prefix: without tokenizing the rest);
         CheckpointError when it has none, BadInput for text that is not UTF-8."""
+        if not isinstance(text, str):
+            raise BadInput(f"encode takes text (a str), not {type(text).__name__}" +
+                           ("; decode bytes first (data.decode('utf-8'))" if isinstance(text, bytes) else ""))
+        if max_tokens is not None and whole_number(max_tokens, "max_tokens") < 0:  # -1 would drop the last token
+            raise BadInput(f"max_tokens={max_tokens} must be >= 0, or None for every token")
         if self.tokenizer is None:
             raise CheckpointError(f"{self.path}: no tokenizer.json; text input needs the model's tokenizer")
         try:
@@ -470,6 +532,7 @@ class Engine:
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`, or the ids joined by spaces when the checkpoint has no tokenizer."""
+        ids = self.token_ids(ids, empty=True).tolist()
         return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
 
     def budget(self) -> dict:
@@ -489,6 +552,14 @@ class Engine:
                 "expert_bytes_fast": self.cache.expert_bytes}
 
     def close(self) -> None:
-        """Land the transfers in flight, stop the transfer workers and close the stores."""
-        self.cache.close()
-        self.store.close()
+        """Land the transfers in flight, stop the transfer workers and close the stores; once (a second call does
+        nothing)."""
+        if not self.closed:
+            self.closed = True
+            self.cache.close()
+            self.store.close()
+
+    def _check_open(self) -> None:
+        """BadInput once the engine is closed: its stores' files and its reads are gone (a TypeError inside them)."""
+        if self.closed:
+            raise BadInput("this engine is closed (Engine.close); make a new Engine to run the model again")

@@ -93,6 +93,7 @@ class TextGeneration:
 
     def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, own_kv: bool = False,
                  prefill_policy: MissPolicy | None = None):
+        prompt = engine.token_ids(prompt, empty=True).tolist()  # a tensor, an array or a list, checked once
         check_length(engine, len(prompt), params.max_tokens)
         vocab = engine.args.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):  # never sampled: a stop that silently never ends

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..errors import BadInput, real_number, whole_number
 from ..kernel.cache_state import N_LOG
 from ..kernel.dense_decode import EMPTY, gemv, gemv_pair
 from ..kernel.policy import would_fetch
@@ -114,6 +115,14 @@ class PrefetchConfig:
     drop: bool = True  # drop queued prefetches that the layer's routes turn out not to need, unread
     fetched: bool = False  # only the predicted experts the policy would fetch were they misses (by rank and weight)
     confidence: float = 0.0  # only the predicted experts of at least this predicted gate weight (the sure ones)
+
+    def __post_init__(self):
+        # the compiled prefetch takes them as they are (a string failed there mid-decode, NaN prefetched nothing);
+        # the budget's range against the model's top-k in Engine.set_prefetch
+        if self.budget is not None:
+            whole_number(self.budget, "prefetch budget")
+        if not 0 <= real_number(self.confidence, "prefetch confidence") <= 1:
+            raise BadInput(f"prefetch confidence={self.confidence} must be a gate weight in [0, 1], e.g. 0.1")
 
     def __str__(self) -> str:
         """As a policy spec writes it after its '+': mode/predictor, then the options that are not the defaults."""

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from ..choices import EVAL_TEXT  # noqa: F401 (re-exported)
-from ..errors import BadInput
-from .engine import Engine
+from ..errors import BadInput, whole_number
+from .engine import Engine, max_seq_limit
 
 
 @dataclass
@@ -37,7 +37,7 @@ class PerplexityResult:
 
 def windows(n_tokens: int, context: int) -> list[tuple[int, int]]:
     """Non-overlapping [start, end) spans of at most context+1 tokens sharing one boundary token."""
-    if context < 1:
+    if whole_number(context, "context") < 1:
         raise BadInput(f"context {context} must be at least 1 token; e.g. --context 512")
     return [(s, min(s + context + 1, n_tokens)) for s in range(0, n_tokens - 1, context)]
 
@@ -65,8 +65,13 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
     (reset first unless `reset` is False: then the cache carries over from earlier runs). With
     `partial_on_interrupt`, a Ctrl-C after the first window returns the windows scored so far
     (`interrupted` set) instead of raising."""
+    ids = engine.token_ids(ids, empty=True)  # every id: the last is only a target, which no forward checks
+    context = whole_number(context, "context")
     if len(ids) < 2:
         raise BadInput(f"perplexity needs at least 2 tokens of text, got {len(ids)}; give a longer text")
+    if min(context, len(ids) - 1) > engine.model.max_seq:  # the forward's refusal would name --max-seq alone
+        raise BadInput(f"--context {context} is longer than --max-seq {engine.model.max_seq}; lower --context, or "
+                       f"raise --max-seq (at most {max_seq_limit(engine.args)}, the model's context)")
     if reset:
         engine.reset()
     nll_parts, window_nll, window_stats = [], [], []

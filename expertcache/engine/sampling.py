@@ -3,6 +3,7 @@ whose work per token is bounded, so streaming costs time linear in the output le
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,9 @@ import torch
 from ..errors import BadInput
 
 MAX_LOGPROBS = 20  # alternatives a token, as OpenAI's top_logprobs allows
+NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+WHOLE = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+OPTIONAL = ("seed", "logprobs", "prompt_logprobs")  # None: no seed, no log-probabilities
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (scoring); then max_tokens may be 0
 
     def __post_init__(self):
+        for name in NUMBERS + WHOLE:  # a string or None would fail the range checks below with a TypeError
+            value, whole = getattr(self, name), name in WHOLE
+            kind = numbers.Integral if whole else numbers.Real
+            if not (value is None and name in OPTIONAL) and (isinstance(value, bool) or not isinstance(value, kind)):
+                raise SamplingError(name, f"{name}={value!r} must be a {'whole ' * whole}number, "
+                                          f"not {type(value).__name__}")
         checks = [
             (0 <= self.temperature < math.inf, "temperature", "must be a finite number >= 0 (0 is greedy)"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
@@ -58,7 +68,8 @@ class SamplingParams:
             if not ok:
                 raise SamplingError(name, f"{name}={getattr(self, name)!r} {rule}")
         for token, bias in self.logit_bias:
-            if type(token) is not int or token < 0 or not -100 <= bias <= 100:
+            if type(token) is not int or token < 0 or not isinstance(bias, numbers.Real) or \
+                    not -100 <= bias <= 100:
                 raise SamplingError("logit_bias", f"logit_bias={token}:{bias} must give a token id >= 0 a bias in "
                                                   "[-100, 100]")
 
@@ -112,7 +123,11 @@ class Sampler:
             logits = logits.index_add(0, ids.to(logits.device), bias.to(logits.device, logits.dtype))
         if p.greedy:
             return int(logits.argmax())
-        logits = (logits - logits.max()) / p.temperature  # shifted first: a tiny temperature gives -inf, not inf - inf
+        # within float32's range, or inf - inf and -inf / inf make NaN: a logit that a tiny repetition penalty sent to
+        # +inf, a temperature that rounds to 0 or to inf. Shifted first: a tiny temperature gives -inf, not inf - inf
+        f32 = torch.finfo(torch.float32)
+        logits = logits.float().clamp(max=f32.max)
+        logits = (logits - logits.max()) / min(max(p.temperature, f32.tiny), f32.max)
         if 0 < p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
