@@ -534,6 +534,18 @@ def test_a_closed_engine_refuses_to_run_and_closes_once(tiny, tmp_path):
     engine.close()
 
 
+def test_an_engine_closes_every_file_it_opened_and_serves_a_with_block(tiny, tmp_path):
+    """close() closes the low-precision copies' store a lowbit policy opened, which it left open (a file and its
+    reads a closed engine, kept for as long as the process ran); `with Engine(...)` closes the engine at its end."""
+    import os
+    fds = len(os.listdir("/proc/self/fd"))
+    with Engine(tiny["qwen3_moe"][0], EngineConfig(store="disk", store_dir=tmp_path / "store", initial="cold",
+                                                  policy="lowbit:tau=0.3")) as engine:
+        assert engine.small_store is not None
+        engine.forward(torch.tensor([1, 2, 3]), 0)
+    assert engine.closed and len(os.listdir("/proc/self/fd")) == fds
+
+
 def test_time_runs_closes_its_engines_when_a_run_fails(tiny, tmp_path):
     import os
     import threading

@@ -557,7 +557,15 @@ class Engine:
         if not self.closed:
             self.closed = True
             self.cache.close()
-            self.store.close()
+            for store in (self.store, self.small_store):  # a lowbit policy's small copies have their own files
+                if store is not None:
+                    store.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _check_open(self) -> None:
         """BadInput once the engine is closed: its stores' files and its reads are gone (a TypeError inside them)."""
