@@ -120,6 +120,11 @@ class MissPolicy:
         self.norm_topk = True  # the model's gate normalisation (`fit`): top-k renormalised or not
         self.fitted: tuple[int, int] | None = None  # (top_k, experts) of the router `fit` checked it against
 
+    def __getstate__(self) -> dict:
+        """Pickled without the engine that bound it (a weak reference, which pickle refuses): another process's
+        copy belongs to no engine there."""
+        return {k: v for k, v in self.__dict__.items() if k != "engine"}
+
     def params(self) -> np.ndarray:
         """The parameter vector [N_PARAMS] float64 the compiled `decide` reads."""
         p = np.zeros(N_PARAMS)

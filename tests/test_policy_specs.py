@@ -3,6 +3,7 @@
 and exit code 2; good ones run to a finite perplexity. Seeded fuzzing over names, keys,
 values and ranges, through the library on tiny models and through the CLI on the built-in one."""
 import math
+import pickle
 import random
 
 import pytest
@@ -367,6 +368,8 @@ def test_one_policy_object_runs_one_engine_at_a_time(tiny):
     first.bind_policy(policy)
     with pytest.raises(BadInput, match="bound to another open Engine"):
         Engine(path, EngineConfig(initial="cold"), policy=policy)
+    # pickled as unbound: the weak reference to its engine cannot be pickled
+    assert pickle.loads(pickle.dumps(policy)).params().tolist() == policy.params().tolist()
     first.close()
     with pytest.raises(UnknownName):
         Engine(path, EngineConfig(initial="cold", eviction="nope"), policy=policy)
