@@ -265,6 +265,20 @@ def test_unreadable_side_files_are_one_line(capsys, ckpt):
     expect_cli_error(capsys, ckpt, f"tensor {name} has shape")
 
 
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.gate.weight", "model.layers.1.self_attn.o_proj.weight",
+                                  "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.k_norm.weight",
+                                  "model.norm.weight", "lm_head.weight"])
+def test_a_dense_tensor_of_another_shape_in_any_layer_is_refused_at_load(ckpt, name):
+    """Only the first layer's dense tensors were checked: a later layer's of another shape failed inside the first
+    forward with a traceback, or (a router of more experts) crashed the process in the compiled kernels."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(ckpt / "model.safetensors")
+    sd[name] = torch.cat([sd[name], sd[name][:1]])
+    save_file(sd, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"tensor {name} has shape \({sd[name].shape[0]},.*config.json implies"):
+        Engine(ckpt)
+
+
 def test_bad_cli_values_are_one_line(capsys, ckpt, tmp_path):
     """An unknown device, a prompt that is not UTF-8, two prompts, a port out of range, an infinite
     temperature, an output folder under a file: one line each, before any work."""

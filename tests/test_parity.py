@@ -307,3 +307,21 @@ def test_a_key_the_config_omits_reads_as_hfs_default(family, over, key, tmp_path
     out = torch.cat([engine.forward(ids[:8], 0)] + [engine.forward(ids[p:p + 1], p) for p in range(8, 14)])
     torch.testing.assert_close(out, hf_logits(hf.eval(), ids), **TOL)
     engine.close()
+
+
+def test_a_saved_output_matrix_is_used_where_the_config_ties_it(tiny, tmp_path):
+    """tie_word_embeddings true beside an lm_head.weight of its own: HF transformers 5 keeps the saved matrix (it
+    unties one that differs from the embedding); the engine took the embedding, another model's logits."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+    path = tmp_path / "model"
+    shutil.copytree(tiny["qwen3_moe"][0], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path).eval()(ids[None]).logits[0]
+    engine = Engine(path)
+    torch.testing.assert_close(engine.forward(ids, 0), ref, **TOL)
+    engine.close()

@@ -68,8 +68,9 @@ def dense_bytes(ckpt: Checkpoint, args: ModelArgs, compute: torch.dtype, held: t
             if (held or stored) != info.dtype:
                 largest = max(largest, 2 * n * 4)
         total += size
-    if args.tie_word_embeddings and quantized is not None:  # the output matrix quantized beside the embedding
-        embed = ckpt.info(dense_names(ckpt, args)["embed"])
+    names = dense_names(ckpt, args)
+    if "lm_head" not in names and quantized is not None:  # tied: the output matrix quantized beside the embedding
+        embed = ckpt.info(names["embed"])
         total += encoded_bytes([tuple(embed.shape)], quantized)
     return total, largest
 

@@ -56,8 +56,7 @@ class Transformer:
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, bias, dense, held if device.type == "cpu" else dtype, self.scratch_activations)
-        tied = a.tie_word_embeddings
-        self.lm_head = linear(w["embed"] if tied else w["lm_head"])
+        self.lm_head = linear(w["lm_head"] if "lm_head" in w else w["embed"])  # tied: no lm_head in the checkpoint
         self.layers = []
         for i in range(a.num_layers):
             p = f"layers.{i}."

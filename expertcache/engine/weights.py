@@ -29,7 +29,8 @@ def dense_names(ckpt: Checkpoint, args: ModelArgs) -> dict[str, str]:
     """Our name -> checkpoint name of every non-expert tensor."""
     family = family_of(ckpt.config)
     wanted = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
-    if not args.tie_word_embeddings:
+    # a saved output matrix is used even where config.json ties it, as HF transformers 5 unties one that differs
+    if not args.tie_word_embeddings or "lm_head.weight" in ckpt.files:
         wanted["lm_head"] = "lm_head.weight"
     for i in range(args.num_layers):
         for ours, theirs in family.layer_names(i, args).items():
@@ -70,43 +71,47 @@ def dense_weights(ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32,
     out = {ours: held(ours, loaded[theirs]) for ours, theirs in wanted.items()}
     if hasattr(family, "adapt_dense"):  # a family's own conventions, e.g. RMSNorm weights stored as w - 1
         out = family.adapt_dense(out, args)
-    _check_shapes(out, args)
+    _check_shapes(out, args, wanted)
     return out
 
 
-def _check_shapes(w: dict[str, torch.Tensor], a: ModelArgs) -> None:
-    first = a.moe_layers[0]
-    attn = next((i for i in range(a.num_layers) if a.layer_type(i) != "linear_attention"), None)
-    expect = {"embed": (a.vocab_size, a.hidden_size), f"layers.{first}.router": (a.num_experts, a.hidden_size)}
-    if a.router_bias:
-        expect[f"layers.{first}.router_bias"] = (a.num_experts,)
-    H, nh = a.hidden_size, a.num_heads
-    if attn is not None and a.attention == "gqa":  # a gated attention's q_proj also yields the gate
-        kv = (a.num_kv_heads * a.head_dim, H)
-        expect |= {f"layers.{attn}.wq": ((2 if a.attention_gate else 1) * nh * a.head_dim, H),
-                   f"layers.{attn}.wk": kv, f"layers.{attn}.wv": kv, f"layers.{attn}.wo": (H, nh * a.head_dim)}
-    if attn is not None and a.attention == "mla":  # the latent's and the heads' dimensions, each its own key
+def dense_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The shape config.json implies for each dense tensor, by our name's last part ('wq', 'router', ...); the
+    top-level 'embed', 'lm_head' and 'norm' too."""
+    H, nh, nkv, hd = a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim
+    q = (2 if a.attention_gate else 1) * nh * hd  # a gated attention's q_proj also yields the gate
+    heads = {"head": (hd, hd), "full": (nh * hd, nkv * hd)}.get(a.qk_norm, (hd, hd))
+    S, D, E = a.shared_expert_dim, a.dense_dim, a.num_experts
+    out = {"embed": (a.vocab_size, H), "lm_head": (a.vocab_size, H), "norm": (H,), "attn_norm": (H,),
+           "moe_norm": (H,), "router": (E, H), "router_bias": (E,), "shared_w1": (S, H), "shared_w3": (S, H),
+           "shared_w2": (H, S), "shared_gate": (1, H), "dense_w1": (D, H), "dense_w3": (D, H), "dense_w2": (H, D),
+           "sinks": (nh,), "q_norm": (heads[0],), "k_norm": (heads[1],)}
+    if a.attention == "gqa":
+        out |= {"wq": (q, H), "wk": (nkv * hd, H), "wv": (nkv * hd, H), "wo": (H, nh * hd), "bq": (q,),
+                "bk": (nkv * hd,), "bv": (nkv * hd,), "bo": (H,)}
+    else:  # mla: the latent's and the heads' dimensions
         nope, rope, vd, rank = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
-        p = f"layers.{attn}."
-        expect |= {p + "wkv_a": (rank + rope, H), p + "kv_a_norm": (rank,), p + "wkv_b": (nh * (nope + vd), rank),
-                   p + "wo": (H, nh * vd)}
-        if a.q_lora_rank:
-            expect |= {p + "wq_a": (a.q_lora_rank, H), p + "q_a_norm": (a.q_lora_rank,),
-                       p + "wq_b": (nh * (nope + rope), a.q_lora_rank)}
-        else:
-            expect[p + "wq"] = (nh * (nope + rope), H)
-    linear = next((i for i in range(a.num_layers) if a.layer_type(i) == "linear_attention"), None)
-    if linear is not None:  # Gated DeltaNet: keys and values of their own head counts and sizes
+        out |= {"wkv_a": (rank + rope, H), "kv_a_norm": (rank,), "wkv_b": (nh * (nope + vd), rank),
+                "wo": (H, nh * vd), "wq_a": (a.q_lora_rank, H), "q_a_norm": (a.q_lora_rank,),
+                "wq_b": (nh * (nope + rope), a.q_lora_rank), "wq": (nh * (nope + rope), H)}
+    if "linear_attention" in a.layer_types:  # Gated DeltaNet: keys and values of their own head counts and sizes
         nk, nv = a.linear_num_key_heads, a.linear_num_value_heads
         dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
-        p = f"layers.{linear}."
-        expect |= {p + "lin_qkvz": (2 * nk * dk + 2 * nv * dv, H), p + "lin_ba": (2 * nv, H),
-                   p + "lin_conv": (2 * nk * dk + nv * dv, a.linear_conv_kernel), p + "lin_dt_bias": (nv,),
-                   p + "lin_A_log": (nv,), p + "lin_norm": (dv,), p + "lin_out": (H, nv * dv)}
-    for name, shape in expect.items():
-        if name in w and tuple(w[name].shape) != shape:
-            raise CheckpointError(f"tensor {name} has shape {tuple(w[name].shape)}, config.json implies {shape}; "
-                                  "the config does not belong to these weights")
+        out |= {"lin_qkvz": (2 * nk * dk + 2 * nv * dv, H), "lin_ba": (2 * nv, H),
+                "lin_conv": (2 * nk * dk + nv * dv, a.linear_conv_kernel), "lin_dt_bias": (nv,), "lin_A_log": (nv,),
+                "lin_norm": (dv,), "lin_out": (H, nv * dv)}
+    return out
+
+
+def _check_shapes(w: dict[str, torch.Tensor], a: ModelArgs, names: dict[str, str]) -> None:
+    # every layer's, not only the first's: a tensor of another shape in a later layer crashed inside the first
+    # forward, or (a router of more experts) read past its buffers in the compiled kernels
+    expect = dense_shapes(a)
+    for name, t in w.items():
+        want = expect.get(name.rsplit(".", 1)[-1])
+        if want is not None and tuple(t.shape) != want:
+            raise CheckpointError(f"tensor {names.get(name, name)} has shape {tuple(t.shape)}, config.json implies "
+                                  f"{want}; the config does not belong to these weights")
 
 
 def layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int) -> LayerExperts:
