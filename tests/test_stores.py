@@ -396,3 +396,19 @@ def test_two_processes_converting_one_store_at_once(tmp_path, monkeypatch):
         for e in range(args.num_experts):
             store.read_into(layer, e, torch.empty(store.shape.w13), torch.empty(store.shape.w2))
     store.close()
+
+
+def test_a_store_of_this_checkpoint_before_an_edit_is_refused(tiny, tmp_path):
+    """A --store-dir converted before an expert of its checkpoint changed (one past the first, which the match
+    above encodes again) served the old expert silently: refused in one line naming the file and the command."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    src = tmp_path / "model"
+    shutil.copytree(tiny["qwen3_moe"][0], src)
+    Engine(src, EngineConfig(store="disk", store_dir=tmp_path / "store")).close()
+    sd = load_file(src / "model.safetensors")
+    sd["model.layers.1.mlp.experts.5.up_proj.weight"] += 0.5
+    save_file(sd, src / "model.safetensors")
+    with pytest.raises(CheckpointError, match="before model.safetensors changed.*`expertcache convert --model"):
+        Engine(src, EngineConfig(store="disk", store_dir=tmp_path / "store"))

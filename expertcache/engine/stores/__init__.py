@@ -20,8 +20,8 @@ from ...models.args import ModelArgs
 from ..checkpoint import Checkpoint
 from ..quant import ExpertFormat
 from .base import ALIGN, DISK_FORMAT_VERSION, ExpertShape, ExpertStore, blob_bytes, staging_bytes
-from .convert import (blob_checksum, conversion_lock, convert_to_disk, default_store_dir, format_store_dir,
-                      store_format)
+from .convert import (blob_checksum, checkpoint_stamp, conversion_lock, convert_to_disk, default_store_dir,
+                      format_store_dir, store_format)
 from .disk import F_NOCACHE, READ_MODES, DiskStore, open_blob_file
 from .ram import PinnedStore, RamStore
 
@@ -67,5 +67,12 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
             raise CheckpointError(f"{store_dir} holds another checkpoint's experts (expert 0 of layer 0 differs from "
                                   f"{ckpt.path}'s); convert this model into another folder (`expertcache convert "
                                   "--out DIR`), or leave out --store-dir")
+        now, then = checkpoint_stamp(ckpt), store.checkpoint
+        if given and then is not None and then != now:
+            store.close()  # the checkpoint changed after the conversion: an edited expert past the first is not seen
+            changed = next(n for n in sorted(now.keys() | then.keys()) if now.get(n) != then.get(n))
+            raise CheckpointError(f"{store_dir} was converted from {ckpt.path} before {changed} changed (its size or "
+                                  f"time differs); convert it again (`expertcache convert --model {ckpt.path} --out "
+                                  f"{store_dir}`), or leave out --store-dir")
         return store
     raise UnknownName(f"unknown store {name!r}; choose one of {', '.join(STORES)}")

@@ -37,6 +37,12 @@ def default_store_dir(ckpt: Checkpoint) -> Path:
     return root / "stores" / f"{ckpt.path.resolve().name}-{h.hexdigest()[:12]}"
 
 
+def checkpoint_stamp(ckpt: Checkpoint) -> dict[str, list[int]]:
+    """Each weight file's size and modification time, by name: what a store records of the checkpoint it was
+    converted from, so that a store of the checkpoint as it was before an edit is not used with it."""
+    return {f.name: [st.st_size, st.st_mtime_ns] for f in sorted(set(ckpt.files.values())) for st in [f.stat()]}
+
+
 def format_store_dir(ckpt: Checkpoint, fmt: ExpertFormat | None) -> Path:
     """The default folder of a store in `fmt`: `default_store_dir`, suffixed by the format's tag
     unless it is None (the checkpoint's own dtype)."""
@@ -94,7 +100,7 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     meta = {"format_version": DISK_FORMAT_VERSION, **fmt.meta(),
             "num_layers": shape.num_layers, "num_experts": shape.num_experts, "w13": list(shape.w13),
             "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": blob, "align": ALIGN,
-            "checksum": "crc32c", "checksums": checksums}
+            "checksum": "crc32c", "checksums": checksums, "checkpoint": checkpoint_stamp(ckpt)}
     with open(out_dir / "experts.json.partial", "w") as f:
         f.write(json.dumps(meta))
         f.flush()

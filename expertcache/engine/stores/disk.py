@@ -87,6 +87,9 @@ class DiskStore(ExpertStore):
                 raise ValueError(f"blob_bytes {meta.get('blob_bytes')} is not the format's "
                                  f"{blob_bytes(shape, self.format)}")
             checksums = np.array(meta["checksums"], dtype=np.uint32)  # [L * E]
+            stamp = meta.get("checkpoint")
+            if not isinstance(stamp, (dict, type(None))):
+                raise TypeError(f"checkpoint is a {type(stamp).__name__}, not an object")
         except (KeyError, TypeError, ValueError, OverflowError) as e:  # a field missing or of another type
             detail = f"no field {e}" if isinstance(e, KeyError) else str(e)
             raise CheckpointError(f"{store_dir}: experts.json is corrupted ({detail}); rerun `expertcache convert`") \
@@ -95,6 +98,7 @@ class DiskStore(ExpertStore):
         super().__init__(shape, torch.uint8 if quantized else getattr(torch, meta["dtype"]))
         self.blob = meta["blob_bytes"]
         self.checksums = checksums
+        self.checkpoint = stamp  # the weight files converted (convert.checkpoint_stamp; None: an older store)
         self.verify = verify
         self.path = store_dir / "experts.bin"
         expected = self.blob * shape.num_layers * shape.num_experts
