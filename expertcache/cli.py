@@ -96,6 +96,9 @@ def _run(argv: list[str] | None) -> int:
     if json_to_stdout:  # stdout carries the JSON alone, so that it pipes into a parser
         args.json = io.StringIO()
     try:
+        if getattr(args, "model", None) is not None:
+            from .engine.checkpoint import model_folder
+            args.model = model_folder(args.model)  # a Hub id's snapshot, where verbs write beside it (not ./org/name)
         with contextlib.redirect_stdout(sys.stderr) if json_to_stdout else contextlib.nullcontext():
             code = modules[args.verb].run(args)
         if json_to_stdout:

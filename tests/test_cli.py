@@ -242,3 +242,41 @@ def test_a_reader_that_leaves_the_pipe_ends_the_run_quietly():
     p.stdout.close()  # the reader leaves after the first token
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == 141 and "error" not in err and "Traceback" not in err, err
+
+
+def test_a_hub_id_is_its_snapshot_folder_for_every_verb(tmp_path, monkeypatch):
+    """A Hub id is read from, and written beside, its snapshot in huggingface_hub's cache, chat_template.jinja
+    included: calibrate wrote into ./org/name (failing after the whole run), a warm start never found the counts,
+    and the template was not downloaded. A folder given with ~ is the user's home's."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+    from hf_models import save_tiny
+
+    from expertcache.engine.chat import ChatTemplate
+    from expertcache.engine.engine import BUILTIN_MODEL, Engine
+    src, snapshot = tmp_path / "release", tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
+    save_tiny("qwen3_moe", src, vocab_size=json.loads((BUILTIN_MODEL / "config.json").read_text())["vocab_size"])
+    shutil.copy(BUILTIN_MODEL / "tokenizer.json", src)
+    (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+    def snapshot_download(repo_id, allow_patterns):  # huggingface_hub's, offline: the release's files it would fetch
+        assert repo_id == "org/tiny"
+        snapshot.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, snapshot)
+        return str(snapshot)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["calibrate", "--model", "org/tiny", "--max-tokens", "64"]) == 0
+    assert (snapshot / "routing_counts.json").exists() and not (tmp_path / "org").exists()
+    engine = Engine("org/tiny")
+    assert engine.routing_counts is not None
+    assert ChatTemplate.of(engine).render([{"role": "user", "content": "hi"}]) == "hi"
+    from expertcache.engine.checkpoint import model_name
+    assert model_name(engine.path) == "tiny"  # what chat and serve call it, not the snapshot's commit
+    engine.close()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    Engine("~/release").close()

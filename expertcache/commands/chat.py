@@ -42,13 +42,14 @@ def fitting_prompt(engine, template: ChatTemplate, messages: list[dict], max_tok
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     from ..engine.chat import ChatTemplate
+    from ..engine.checkpoint import model_name
     from ..engine.generate import TextGeneration
     params = sampling_from_args(a)
     engine = engine_from_args(a)
     template = ChatTemplate.of(engine)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     interactive = sys.stdin.isatty()
-    name = engine.path.name if a.model else "the built-in model"
+    name = model_name(engine.path) if a.model else "the built-in model"
     print(f"expertcache chat: {name} ({engine.config.store} store, cache {engine.cache.per_layer}/"
           f"{engine.args.num_experts} per layer, {engine.variant}); /exit, /quit, Ctrl-D or Ctrl-C at the prompt to "
           "leave, Ctrl-C during a reply to stop it", file=sys.stderr)

@@ -80,6 +80,7 @@ def add_arguments(p):
 
 def build_app(a):
     """The engine, scheduler and ASGI app for parsed serve arguments."""
+    from ..engine.checkpoint import model_name
     from ..policies import make_policy
     from ..serve.access_log import AccessLog
     from ..serve.app import create_app
@@ -90,7 +91,7 @@ def build_app(a):
     if a.kv_positions is None:
         a.kv_positions = a.max_seq * (1 if a.schedule == "serial" else a.max_active)
     engine = engine_from_args(a)
-    name = a.served_model_name or (a.model.resolve().name if a.model else "expertcache-builtin")
+    name = a.served_model_name or (model_name(engine.path) if a.model else "expertcache-builtin")
     limits = ServerLimits(max_body_bytes=a.max_body_bytes, max_waiting=a.max_waiting,
                           max_connections=a.max_connections, allowed_origins=tuple(a.allowed_origins),
                           api_key=a.api_key)

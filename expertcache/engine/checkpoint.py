@@ -140,7 +140,7 @@ class Checkpoint:
         return sum(f.stat().st_size for f in set(self.files.values()))
 
 
-HUB_FILES = ["*.json", "*.safetensors", "tokenizer*"]
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]  # *.jinja: the chat template transformers 5 saves
 
 
 def is_hub_id(name: str) -> bool:
@@ -195,10 +195,23 @@ def check_token_ids(ids: list[int], vocab_size: int, path: str | Path) -> list[i
     return ids
 
 
+def model_folder(path: str | Path) -> Path:
+    """The local folder of a checkpoint given as a folder (`~` expanded) or a Hub id (downloaded into
+    huggingface_hub's cache): where its weights are read, and the files `calibrate` writes beside them."""
+    return download(str(path)) if is_hub_id(str(path)) else Path(path).expanduser()
+
+
+def model_name(folder: Path) -> str:
+    """A checkpoint's name: its folder's, or a Hub snapshot's (models--org--name/snapshots/<commit>) repository's."""
+    folder = Path(folder).resolve()
+    hub = folder.parent.parent.name
+    return hub.split("--")[-1] if folder.parent.name == "snapshots" and hub.startswith("models--") else folder.name
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Open a checkpoint folder (single or sharded safetensors), or a Hub id (`org/name`, downloaded
     into huggingface_hub's cache); raises CheckpointError naming the fix."""
-    path = download(str(path)) if is_hub_id(str(path)) else Path(path)
+    path = model_folder(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder; pass --model a folder with config.json "
                               "and *.safetensors")

@@ -163,6 +163,7 @@ class Engine:
                            "the pinned store does not hold (it keeps float experts only); use --store disk or "
                            "--store ram, or a policy that fetches no low-precision copies")
         ckpt = open_checkpoint(self.path)
+        self.path = ckpt.path  # a Hub id's snapshot folder: routing counts and predictors are read beside its weights
         self.args = model_args(ckpt.config)
         limit = max_seq_limit(self.args)
         if not 1 <= config.max_seq <= limit:
