@@ -737,6 +737,7 @@ def test_sigterm_ends_running_streams_after_the_shutdown_timeout(tmp_path):
     import signal
     import subprocess
     import sys
+    import types
     proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli", "serve", "--store", "ram", "--port", "0",
                              "--shutdown-timeout", "1"], stderr=subprocess.PIPE, text=True)
     try:
@@ -749,6 +750,12 @@ def test_sigterm_ends_running_streams_after_the_shutdown_timeout(tmp_path):
         stream = urllib.request.urlopen(urllib.request.Request(
             f"{url}/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}))
         assert stream.readline().startswith(b"data: ")  # generating
+        whole = []  # a whole request's answer: an OpenAI 503, not uvicorn's bare 500 of a cancelled task
+        asking = threading.Thread(target=lambda: whole.append(post(f"{url}/completions", json.dumps(
+            {**body, "stream": False}).encode())))
+        asking.start()
+        while metric(types.SimpleNamespace(url=url.removesuffix("/v1")), "expertcache_active_requests") < 2:
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         start = time.monotonic()
         assert proc.wait(timeout=30) == -signal.SIGTERM  # uvicorn's shutdown done, it dies of the signal it caught
@@ -756,6 +763,9 @@ def test_sigterm_ends_running_streams_after_the_shutdown_timeout(tmp_path):
         with pytest.raises(http.client.IncompleteRead) as cut:  # the stream ended, not finished
             stream.read()
         assert b"[DONE]" not in cut.value.partial
+        asking.join(30)
+        status, _, error = whole[0]
+        assert status == 503 and error["error"]["code"] == "shutting_down"
     finally:
         proc.kill()
         proc.stderr.close()
@@ -924,6 +934,31 @@ def test_bodies_past_the_servers_bounds_get_4xx_not_500(server):
     assert post(url, json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode())[0] == 200
 
 
+def test_a_client_that_sends_no_request_or_no_body_frees_its_connection(tiny):
+    """uvicorn waits for a request's head forever, and the app waited for its body: --max-connections silent
+    clients (or clients gone without a FIN) left every other client a 503. A head late by read_timeout_s closes
+    its connection; a body that late gets a 408 (and the connection closes); a slow but timely one is served."""
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    body = json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 2}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" \
+        % len(body)
+    with BackgroundServer(create_app(Scheduler(engine), MODEL, ServerLimits(read_timeout_s=2))) as s:
+        silent, partial, bodyless, slow = (socket.create_connection((s.host, s.port), timeout=20) for _ in range(4))
+        partial.sendall(head[:10])
+        bodyless.sendall(head)
+        time.sleep(1)
+        slow.sendall(head)
+        time.sleep(1)
+        slow.sendall(body)
+        assert silent.recv(100) == b"" and partial.recv(100) == b""  # closed
+        answer = bodyless.makefile("rb").read()
+        assert answer.startswith(b"HTTP/1.1 408 ") and b'"code": "request_timeout"' in answer
+        assert slow.recv(100).startswith(b"HTTP/1.1 200 ")
+        for c in (silent, partial, bodyless, slow):
+            c.close()
+    engine.close()
+
+
 def test_a_full_queue_answers_429_with_retry_after(tiny):
     from expertcache.serve.limits import ServerLimits
     from expertcache.serve.scheduler import SchedulerConfig
@@ -964,6 +999,23 @@ def test_one_call_holds_at_most_its_share_of_the_active_slots(tiny):
         scheduler.submit(r)
     assert scheduler._admit()
     assert scheduler.active == [*choices[:2], other] and list(scheduler.waiting) == choices[2:]
+    engine.close()
+
+
+def test_a_request_whose_client_left_while_waiting_leaves_the_queue_though_every_slot_is_taken(tiny):
+    """It held its place (and counted toward --max-waiting's 429s for live clients) until a slot freed."""
+    from expertcache.serve.scheduler import Request, SchedulerConfig
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    scheduler = Scheduler(engine, SchedulerConfig(max_active=1))  # not started: rounds by hand
+    items = []
+    running, gone, live = (Request([1, 2], SamplingParams(max_tokens=4), items.append) for _ in range(3))
+    for r in (running, gone, live):
+        scheduler.submit(r)
+    assert scheduler._admit() and scheduler.active == [running]
+    gone.cancel()
+    assert scheduler._admit() and list(scheduler.waiting) == [live] and scheduler.queue_length == 1
+    scheduler._round()
+    assert scheduler.active == [running] and gone.finished is not None and items.count(None) == 1
     engine.close()
 
 

@@ -162,6 +162,11 @@ class Scheduler:
                 self.lock.wait()
             if self.stopping:
                 return False
+            # their clients left while they waited: they take no slot and end at their first step, not hold the
+            # queue (and its 429s for live clients) until slots free
+            gone = [r for r in self.waiting if r.cancelled.is_set()]
+            for request in gone:
+                self.waiting.remove(request)
             held = Counter(r.group for r in self.active if r.group is not None)
             for request in list(self.waiting):  # in order, past a call that holds its share
                 if len(self.active) == self.max_active:
@@ -173,6 +178,7 @@ class Scheduler:
                 self.waiting.remove(request)
                 self.active.append(request)
                 held[request.group] += 1
+            self.active.extend(gone)
         return True
 
     def _finish(self, request: Request, outcome: StepOutput | Exception | None, reason: str) -> None:
