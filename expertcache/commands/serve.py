@@ -7,7 +7,7 @@ import socket
 import sys
 
 from ..errors import ExpertCacheError
-from ..serve.limits import ServerLimits
+from ..serve.limits import ServerLimits, http_protocol
 from .options import add_engine_arguments, bounded, engine_from_args, positive_int
 
 HELP = "serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"
@@ -132,7 +132,7 @@ def run(a) -> int:
     limits = app.state.server.limits
     grace = None if a.shutdown_timeout == float("inf") else a.shutdown_timeout
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", limit_concurrency=limits.max_connections,
-                                           timeout_graceful_shutdown=grace))
+                                           timeout_graceful_shutdown=grace, http=http_protocol(limits)))
     scheduler.on_fatal = lambda e: setattr(server, "should_exit", True)
     bound = sock.getsockname()[1]  # the port the system chose for --port 0
     keyed = " (requests need the API key)" if limits.api_key is not None else ""

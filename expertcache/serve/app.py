@@ -227,6 +227,9 @@ class Server:
                                      media_type="text/event-stream")
         try:
             outcomes = await asyncio.gather(*(self._collect(http, *s) for s in submitted))
+        except asyncio.CancelledError:  # uvicorn's shutdown ended its grace: an OpenAI 503, not its bare 500
+            raise APIError(503, "the server is shutting down; send the request again", None, "shutting_down",
+                           "server_error") from None
         finally:
             for request, _ in submitted:
                 request.cancel()

@@ -8,6 +8,8 @@ import time
 
 import uvicorn
 
+from .limits import http_protocol
+
 
 class BackgroundServer:
     """with BackgroundServer(app) as s: s.base_url -> http://127.0.0.1:PORT/v1"""
@@ -17,7 +19,8 @@ class BackgroundServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, 0))  # a free port, held from here on: no race with other processes
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    http=http_protocol(app.state.server.limits)))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property

@@ -1,9 +1,11 @@
 """Bounds on what one client can send before its body reaches an endpoint: who may call the API at all (its
-key, 401), the body's size (413) and its JSON nesting (400), checked by ASGI wrappers; the body's is read once
-and handed on. The other bounds (the waiting queue, a request's share of the active slots, stop strings,
-connections) are applied where their objects live: the scheduler, the schemas, uvicorn's limit_concurrency."""
+key, 401), the body's size (413), its JSON nesting (400) and how long it takes to come (408), checked by ASGI
+wrappers; the body's is read once and handed on. The other bounds (the waiting queue, a request's share of the
+active slots, stop strings, connections, the time a request's head takes) are applied where their objects live:
+the scheduler, the schemas, uvicorn's limit_concurrency and its protocol (`http_protocol`)."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import re
@@ -20,6 +22,8 @@ class ServerLimits:
     retry_after_s: int = 1  # what a 429 asks the client to wait
     allowed_origins: tuple[str, ...] = ("*",)  # web pages that may call the API from a browser (CORS), as vLLM's
     api_key: str | None = None  # when set, requests must send "Authorization: Bearer KEY" (as vLLM's --api-key)
+    read_timeout_s: float = 30.0  # a request's head must arrive this soon after its connection opens (or its last
+    # response ends), else the connection is closed; its body this soon after its head, else 408
 
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)  # a JSON string: its brackets are no nesting
@@ -41,6 +45,38 @@ async def refuse(send, status: int, message: str, code: str, headers: tuple[tupl
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), *headers]})
     await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+
+def http_protocol(limits: ServerLimits) -> type:
+    """uvicorn's h11 protocol with a deadline for each request's head (`limits.read_timeout_s`): uvicorn waits for
+    one forever, so clients that connect and send nothing (or leave without a FIN) held every --max-connections
+    slot, and every other client got a 503 until they closed."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadDeadline(H11Protocol):
+        deadline = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.arm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self.arm()
+
+        def connection_lost(self, exc):
+            super().connection_lost(exc)
+            self.deadline.cancel()
+
+        def arm(self):
+            if self.deadline is not None:
+                self.deadline.cancel()
+            self.deadline = self.loop.call_later(limits.read_timeout_s, self.late)
+
+        def late(self):
+            if self.cycle is None or self.cycle.response_complete:  # no request under way: its head never came
+                self.timeout_keep_alive_handler()  # closes the connection, as uvicorn closes an idle kept-alive one
+    return HeadDeadline
 
 
 class RequireApiKey:
@@ -78,15 +114,20 @@ class BodyLimits:
         if declared.isdigit() and int(declared) > limit:
             return await refuse(send, 413, too_big, "body_too_large")
         chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > limit:
-                return await refuse(send, 413, too_big, "body_too_large")
+        try:
+            async with asyncio.timeout(self.limits.read_timeout_s):  # a client that stalls frees its connection
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    more = message.get("more_body", False)
+                    if size > limit:
+                        return await refuse(send, 413, too_big, "body_too_large")
+        except TimeoutError:
+            return await refuse(send, 408, f"the request body did not arrive within {self.limits.read_timeout_s:g} s; "
+                                "send it whole", "request_timeout", ((b"connection", b"close"),))
         body = b"".join(chunks)
         if json_depth(body) > self.limits.max_json_depth:
             return await refuse(send, 400, f"the body nests arrays and objects more than "
