@@ -212,6 +212,8 @@ def test_side_files_where_releases_put_them(tmp_path, capsys):
     prompt = engine.encode("ROMEO.\n")
     first = TextGeneration(engine, prompt, SamplingParams(max_tokens=4)).step().token
     assert first not in eos_token_ids(engine)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [True, first]}))
+    assert eos_token_ids(engine) == {0, first}  # true is no token id (it was read as token 1)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, first]}))
     gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=4))
     assert gen.eos == eos_token_ids(engine) == {0, first}

@@ -21,7 +21,8 @@ def eos_token_ids(engine: Engine) -> frozenset[int]:
     found = set()
     for config in (engine.checkpoint.config, engine.checkpoint.side_json("generation_config.json")):
         ids = config.get("eos_token_id")
-        found.update(i for i in (ids if isinstance(ids, list) else [ids]) if isinstance(i, int))
+        found.update(i for i in (ids if isinstance(ids, list) else [ids])  # a bool is no id: true is not token 1
+                     if isinstance(i, int) and not isinstance(i, bool))
     token = tokenizer_config(engine).get("eos_token")
     token = token.get("content") if isinstance(token, dict) else token
     if token and engine.tokenizer is not None and engine.tokenizer.token_to_id(token) is not None:
