@@ -1030,3 +1030,11 @@ def test_completions_refuse_chats_top_logprobs(server):
     status, _, body = post(f"{server.base_url}/completions",
                            json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1, "top_logprobs": 3}).encode())
     assert status == 400 and body["error"]["param"] == "top_logprobs"
+
+
+def test_a_prompt_list_without_max_tokens_gives_each_prompt_its_own_room(client):
+    """A completion's default of 16 new tokens is capped by each prompt's own room in the context, as vLLM caps it:
+    the room after the longest prompt capped every prompt."""
+    got = client.completions.create(model=MODEL, prompt=[[5] * 505, [5, 6]], temperature=0, logprobs=0,
+                                    extra_body={"ignore_eos": True})
+    assert [len(c.logprobs.tokens) for c in sorted(got.choices, key=lambda c: c.index)] == [7, 16]

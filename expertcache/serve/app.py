@@ -185,11 +185,12 @@ class Server:
 
     async def run(self, http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, chat: bool,
                   stream: bool, n: int = 1, options: StreamOptions | None = None,
-                  echo: list[str] | None = None) -> Response:
+                  echo: list[str] | None = None, max_tokens: list[int] | None = None) -> Response:
         """Submit one scheduler request per choice (n per prompt, the i-th with seed + i when the body gives a
         seed); returns an SSE stream of chunks, each of one choice by its index (`options`: the body's
         stream_options), or the whole response once every generation has ended; choice prompt * n + i.
-        `echo`: the prompts' texts, to put before their completions."""
+        `echo`: the prompts' texts, to put before their completions; `max_tokens`: each prompt's own, in place of
+        params'."""
         if self.scheduler.failure is not None:
             raise APIError(503, f"the engine has stopped ({self.scheduler.state}); the server must be restarted",
                            code="engine_failed", kind="server_error")
@@ -205,12 +206,13 @@ class Server:
         submitted, group = [], object()  # the call's generations share its slots (Scheduler.max_per_group)
         merged: asyncio.Queue = asyncio.Queue()  # a stream's items of every choice, as (choice, item)
         try:
-            for prompt in prompts:
+            for p, prompt in enumerate(prompts):
+                own = params if max_tokens is None else replace(params, max_tokens=max_tokens[p])
                 for i in range(n):
                     queue: asyncio.Queue = asyncio.Queue()
-                    seed = None if params.seed is None else params.seed + i
-                    seeded = params if not i or seed is None else \
-                        replace(params, seed=seed if seed < 2**64 else seed - 2**64)  # wrapped, as torch takes seeds
+                    seed = None if own.seed is None else own.seed + i
+                    seeded = own if not i or seed is None else \
+                        replace(own, seed=seed if seed < 2**64 else seed - 2**64)  # wrapped, as torch takes seeds
                     put = (lambda item, c=len(submitted): merged.put_nowait((c, item))) if stream else queue.put_nowait
                     request = Request(prompt, seeded, lambda item, f=put: loop.call_soon_threadsafe(f, item),
                                       group=group)
@@ -426,9 +428,14 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
         prompts = await asyncio.to_thread(server.completion_prompts, body)  # a long prompt would stall the loop
-        params = server.params(body, max(len(ids) for ids, _ in prompts), default_max=16, chat=False)
+        default = 16  # OpenAI's max_tokens for a completion whose body gives none
+        params = server.params(body, max(len(ids) for ids, _ in prompts), default_max=default, chat=False)
+        context = server.engine.model.max_seq
+        own = None if body.max_tokens is not None or body.max_completion_tokens is not None else \
+            [min(default, context - len(ids)) for ids, _ in prompts]  # each prompt's own room, as vLLM caps it
         return await server.run(http, [ids for ids, _ in prompts], params, chat=False, stream=body.stream, n=body.n,
-                                options=body.stream_options, echo=[text for _, text in prompts] if body.echo else None)
+                                options=body.stream_options, echo=[text for _, text in prompts] if body.echo else None,
+                                max_tokens=own)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
