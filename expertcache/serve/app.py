@@ -183,14 +183,14 @@ class Server:
             raise APIError(400, f"the {param} is not Unicode text (it holds a lone surrogate escape such as "
                            "\\ud800); send valid UTF-8", param) from None
 
-    async def run(self, http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, chat: bool,
+    async def run(self, http: HTTPRequest, prompts: list[list[int]], params: list[SamplingParams], chat: bool,
                   stream: bool, n: int = 1, options: StreamOptions | None = None,
-                  echo: list[str] | None = None, max_tokens: list[int] | None = None) -> Response:
+                  echo: list[str] | None = None) -> Response:
         """Submit one scheduler request per choice (n per prompt, the i-th with seed + i when the body gives a
         seed); returns an SSE stream of chunks, each of one choice by its index (`options`: the body's
         stream_options), or the whole response once every generation has ended; choice prompt * n + i.
-        `echo`: the prompts' texts, to put before their completions; `max_tokens`: each prompt's own, in place of
-        params'."""
+        `params`: each prompt's (their max_tokens may differ); `echo`: the prompts' texts, to put before their
+        completions."""
         if self.scheduler.failure is not None:
             raise APIError(503, f"the engine has stopped ({self.scheduler.state}); the server must be restarted",
                            code="engine_failed", kind="server_error")
@@ -206,8 +206,7 @@ class Server:
         submitted, group = [], object()  # the call's generations share its slots (Scheduler.max_per_group)
         merged: asyncio.Queue = asyncio.Queue()  # a stream's items of every choice, as (choice, item)
         try:
-            for p, prompt in enumerate(prompts):
-                own = params if max_tokens is None else replace(params, max_tokens=max_tokens[p])
+            for prompt, own in zip(prompts, params, strict=True):
                 for i in range(n):
                     queue: asyncio.Queue = asyncio.Queue()
                     seed = None if own.seed is None else own.seed + i
@@ -243,7 +242,7 @@ class Server:
             if echo:
                 text, scored = echo[i // n] + text, [*(prompt_scored or ()), *scored]
             logprobs = None
-            if params.logprobs is not None:
+            if params[0].logprobs is not None:
                 where = None if chat else self.offsets([] if echo else prompts[i // n]).of([s.token for s in scored])
                 logprobs = self._logprobs(scored, chat, where)
             if chat:
@@ -428,20 +427,16 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
         prompts = await asyncio.to_thread(server.completion_prompts, body)  # a long prompt would stall the loop
-        default = 16  # OpenAI's max_tokens for a completion whose body gives none
-        params = server.params(body, max(len(ids) for ids, _ in prompts), default_max=default, chat=False)
-        context = server.engine.model.max_seq
-        own = None if body.max_tokens is not None or body.max_completion_tokens is not None else \
-            [min(default, context - len(ids)) for ids, _ in prompts]  # each prompt's own room, as vLLM caps it
+        # each prompt's own: without max_tokens, OpenAI's 16 capped by that prompt's room, as vLLM caps it
+        params = [server.params(body, len(ids), default_max=16, chat=False) for ids, _ in prompts]
         return await server.run(http, [ids for ids, _ in prompts], params, chat=False, stream=body.stream, n=body.n,
-                                options=body.stream_options, echo=[text for _, text in prompts] if body.echo else None,
-                                max_tokens=own)
+                                options=body.stream_options, echo=[text for _, text in prompts] if body.echo else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
         prompt = await asyncio.to_thread(server.chat_prompt, body)
         params = server.params(body, len(prompt), default_max=None, chat=True)
-        return await server.run(http, [prompt], params, chat=True, stream=body.stream, n=body.n,
+        return await server.run(http, [prompt], [params], chat=True, stream=body.stream, n=body.n,
                                 options=body.stream_options)
 
     card = lambda: {"id": model_name, "object": "model", "created": server.created,  # noqa: E731
