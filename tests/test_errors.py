@@ -49,10 +49,12 @@ def test_missing_and_corrupt_config(capsys, ckpt):
         expect_cli_error(capsys, ckpt, "not an object")
         assert run_cli(capsys, "info", "--config", str(ckpt / "config.json"))[0] == 2
     (ckpt / "config.json").write_text(config)
+    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00001.safetensors")  # an index is read without it
     for index in ("[]", '{"weight_map": []}', '{"weight_map": {"a": 5}}'):
         (ckpt / "model.safetensors.index.json").write_text(index)
         expect_cli_error(capsys, ckpt, "not a safetensors index")
     (ckpt / "model.safetensors.index.json").unlink()
+    (ckpt / "model-00001-of-00001.safetensors").rename(ckpt / "model.safetensors")
     (ckpt / "config.json").write_text("{not json")
     expect_cli_error(capsys, ckpt, "not valid JSON")
     (ckpt / "config.json").unlink()
@@ -483,6 +485,23 @@ def test_an_index_that_misplaces_a_tensor_is_one_line(capsys, ckpt):
     weight_map["model.embed_tokens.weight"] = f"model-0000{other}-of-00002.safetensors"
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     expect_cli_error(capsys, ckpt, "has no tensor 'model.embed_tokens.weight', where the index puts it")
+
+
+def test_a_single_file_beside_an_index_is_read_as_hf_reads_it(ckpt):
+    """A folder holding model.safetensors and an index of other shards (a re-save beside the release, or the
+    reverse): HF transformers loads the single file, and so does the engine, on every road."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(ckpt / "model.safetensors")
+    ids = [3, 1, 4, 1, 5]
+    with Engine(ckpt, EngineConfig(store="ram")) as engine:
+        want = engine.forward(torch.tensor(ids), 0)
+    other = {n: t * 2 if "experts" in n else t for n, t in sd.items()}
+    save_file(other, ckpt / "model-00001-of-00001.safetensors")
+    weight_map = {n: "model-00001-of-00001.safetensors" for n in other}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (ckpt / "stray.safetensors").write_bytes(b"not weights")  # neither does a stray file beside it count
+    with Engine(ckpt, EngineConfig(store="ram")) as engine:
+        assert torch.equal(engine.forward(torch.tensor(ids), 0), want)
 
 
 def test_a_failed_conversion_leaves_no_partial_file(tiny, tmp_path, monkeypatch):

@@ -227,7 +227,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     fp8_block = quantization(path, config)
     index = path / "model.safetensors.index.json"
     files: dict[str, Path] = {}
-    if index.exists():
+    # HF transformers reads a single model.safetensors before an index beside it; the same file runs here
+    if index.exists() and not (path / "model.safetensors").is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -241,7 +242,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     else:
         # the model's weights, not the files `calibrate` and `predict --train` write beside them
         beside = (DEFAULT_VECTORS, ESTIMATOR_FILE, LOOKAHEAD_FILE)
-        shards = sorted(f for f in path.glob("*.safetensors") if f.name not in beside)
+        single = path / "model.safetensors"
+        shards = [single] if single.is_file() else sorted(f for f in path.glob("*.safetensors") if f.name not in beside)
         if not shards:
             raise CheckpointError(f"{path}: no *.safetensors weights; convert the checkpoint to safetensors")
         headers = {}
