@@ -27,6 +27,12 @@ def test_bad_sampling_values_name_the_field(field, value):
     assert e.value.param == field
 
 
+def test_an_empty_stop_string_is_named_alone():
+    """The message shows the string at fault, as `--stop ""` or a request's list gave it, not the tuple it is kept in."""
+    with pytest.raises(SamplingError, match=r"^stop='' must be a non-empty string$"):
+        SamplingParams(stop=("end", ""))
+
+
 def test_sampler_filters():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
     none = torch.zeros(4, dtype=torch.bool)

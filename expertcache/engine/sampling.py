@@ -58,7 +58,6 @@ class SamplingParams:
              "must be >= 1 (0 only when scoring the prompt)"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"must be >= 0 and at most max_tokens ({self.max_tokens})"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
              f"must be in [0, {MAX_LOGPROBS}] alternatives a token"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
@@ -67,6 +66,9 @@ class SamplingParams:
         for ok, name, rule in checks:
             if not ok:
                 raise SamplingError(name, f"{name}={getattr(self, name)!r} {rule}")
+        for s in self.stop:  # named alone: the tuple the field holds is no form a user wrote
+            if not (isinstance(s, str) and s):
+                raise SamplingError("stop", f"stop={s!r} must be a non-empty string")
         for token, bias in self.logit_bias:
             if type(token) is not int or token < 0 or not isinstance(bias, numbers.Real) or \
                     not -100 <= bias <= 100:
