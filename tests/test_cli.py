@@ -133,6 +133,8 @@ def test_a_text_of_one_domain_reports_no_interval_where_it_has_no_windows(tmp_pa
     assert paired_increase([], [], 100, 0) == {"pct": None, "ci": None}
     one = paired_increase([2.0], [2.01], 100, 0)
     assert one["ci"] is None and increase_text(one) == "+1.01% [n/a (one window)]"
+    # a change that rounds to none reads +0.00, as bench, study and tune print it, not -0.00
+    assert increase_text({"pct": -0.001, "ci": [-0.004, 0.003]}) == "+0.00% [+0.00, +0.00]"
     two = paired_increase([2.0, 2.1], [2.01, 2.2], 100, 0)
     assert two["ci"][0] <= two["pct"] <= two["ci"][1]
     text = tmp_path / "one_domain.txt"  # no segments file beside it: one domain

@@ -70,6 +70,7 @@ def run(a) -> int:
     from ..engine.cache import CacheConfig
     from ..errors import BadInput
     from ..lab.costmodel import calibration_ids, load_profile, measure_profile, runs_for_slots
+    from ..lab.study import signed
     from ..lab.texts import read_text
     from ..lab.tune import (
         PREFETCH_PREDICTORS,
@@ -125,15 +126,15 @@ def run(a) -> int:
     est = {r["label"]: r["estimated_ms"] for r in res.candidates}
     for spec, f in sorted(res.finalists.items(), key=lambda kv: est[kv[0]]):
         mark = " **winner**" if spec == res.winner else ""
-        print(f"| `{spec}`{mark} | {est[spec]:.2f} | {res.baseline_ms / est[spec]:.2f}x | {f['pct']:+.2f}% | "
-              f"[{f['ci'][0]:+.2f}, {f['ci'][1]:+.2f}] |")
+        print(f"| `{spec}`{mark} | {est[spec]:.2f} | {res.baseline_ms / est[spec]:.2f}x | {signed(f['pct'])}% | "
+              f"[{signed(f['ci'][0])}, {signed(f['ci'][1])}] |")
     print(f"\nheld-out validation ({a.text.name}):\n\n| policy | est. ms/token | est. speed-up | ppl increase | "
           f"95% CI | within {a.budget:g}% |\n|---|---:|---:|---:|---|---|")
     for spec, v in res.validation.items():
         if spec == "fetch-all":
             continue
-        print(f"| `{spec}` | {v['estimated_ms']:.2f} | {v['estimated_speedup']:.2f}x | {v['pct']:+.2f}% | "
-              f"[{v['ci'][0]:+.2f}, {v['ci'][1]:+.2f}] | {'yes' if v['within_budget'] else 'no'} |")
+        print(f"| `{spec}` | {v['estimated_ms']:.2f} | {v['estimated_speedup']:.2f}x | {signed(v['pct'])}% | "
+              f"[{signed(v['ci'][0])}, {signed(v['ci'][1])}] | {'yes' if v['within_budget'] else 'no'} |")
     if res.winner is None:
         print(f"\nno finalist stays within {a.budget:g}% on the calibration text; fetch-all is the policy "
               "(raise --budget or the cache size)")
@@ -144,7 +145,7 @@ def run(a) -> int:
             print(f"\nslots: {slots} (run with --slot-dtype {slots} --store-dtype {slots})", end="")
         print(f"\npolicy: {spec}\nestimated speed-up over fetch-every-miss: {v['estimated_speedup']:.2f}x "
               f"({v['estimated_ms']:.2f} vs {res.baseline_ms:.2f} ms/token)\nvalidated perplexity increase: "
-              f"{v['pct']:+.2f}% (95% CI {v['ci'][0]:+.2f} to {v['ci'][1]:+.2f}) on held-out text")
+              f"{signed(v['pct'])}% (95% CI {signed(v['ci'][0])} to {signed(v['ci'][1])}) on held-out text")
         if not v["within_budget"]:  # chosen on the calibration text; the held-out text is the honest check
             print(f"warning: on held-out text the winner is outside the {a.budget:g}% budget; raise --budget, "
                   "tune on more --calib-tokens, or prefer a finalist marked within it above")

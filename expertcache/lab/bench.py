@@ -27,6 +27,7 @@ from ..engine.predictors import predictor_bytes
 from ..engine.quant import ExpertFormat
 from ..errors import BadInput
 from ..models import model_args
+from .study import signed
 
 FLOOR = "all resident"
 
@@ -255,7 +256,7 @@ def markdown(res: BenchResult) -> str:
                  + ("-" if math.isnan(r[f"{n}_vs_floor"]) else f"{r[f'{n}_vs_floor']:.2f}x")
                  for n in ("decode", "stream", "forced")]
         lines.append(f"| `{k}` | {' | '.join(cells)} | "
-                     f"{round(r['ppl_increase_pct'], 2) + 0.0:+.2f}% | {r['fetches_per_token']:.2f} | "
+                     f"{signed(r['ppl_increase_pct'])}% | {r['fetches_per_token']:.2f} | "
                      f"{r['fetched_kib_per_token']:.1f} | {r['stall_ms_per_token']:.2f} |")
     return "\n".join(lines)
 
@@ -266,7 +267,7 @@ def table(res: BenchResult) -> str:
     rest of `markdown`'s columns are in the JSON)."""
     head = ("policy", "decode ms/tok", "x f-all", "forced ms/tok", "x f-all", "ppl +%", "fetch/tok")
     rows = [(k, f"{r['decode_ms']:.2f}", f"{r['decode_speedup_vs_fetch_all']:.2f}x", f"{r['forced_ms']:.2f}",
-             f"{r['forced_speedup_vs_fetch_all']:.2f}x", f"{round(r['ppl_increase_pct'], 2) + 0.0:+.2f}",
+             f"{r['forced_speedup_vs_fetch_all']:.2f}x", f"{signed(r['ppl_increase_pct'])}",
              f"{r['fetches_per_token']:.2f}") for k, r in res.summary().items()]
     width = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
     width[0] = min(width[0], 100 - sum(w + 2 for w in width[1:]))

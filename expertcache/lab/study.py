@@ -104,12 +104,17 @@ def paired_increase(base: list[float], other: list[float], n_boot: int, seed: in
     return {"pct": pct(d.mean()), "ci": [pct(lo), pct(hi)]}
 
 
+def signed(x: float) -> str:
+    """A change in percent to two places with its sign: +0.00, never -0.00 for a change that rounds to none."""
+    return f"{round(x, 2) + 0.0:+.2f}"
+
+
 def increase_text(r: dict) -> str:
     """A `paired_increase` as text: '+1.23% [+0.45, +2.01]', the CI 'n/a' from fewer than two windows."""
     if r["pct"] is None:
         return "n/a (no window)"
-    ci = "n/a (one window)" if r["ci"] is None else f"{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}"
-    return f"{r['pct']:+.2f}% [{ci}]"
+    ci = "n/a (one window)" if r["ci"] is None else f"{signed(r['ci'][0])}, {signed(r['ci'][1])}"
+    return f"{signed(r['pct'])}% [{ci}]"
 
 
 def pearson(x, y) -> float:
