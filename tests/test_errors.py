@@ -251,6 +251,16 @@ def test_config_dimensions_that_do_not_fit_the_weights_or_each_other_are_one_lin
     expect_cli_error(capsys, path, words)
 
 
+@pytest.mark.parametrize("family,over", [("mixtral", dict(hidden_size=100)), ("deepseek_v3", dict(qk_rope_head_dim=3))])
+def test_an_odd_number_of_rotary_channels_is_refused_at_load(tmp_path, family, over):
+    """A checkpoint whose weights fit its config but whose heads rotate an odd number of channels (hidden_size 100
+    over 4 heads, MLA's rope part): RoPE turns pairs, so HF's forward fails on it, and the engine's failed inside its
+    first forward with a traceback. (An odd partial rotary, GLM-4.5's head_dim 6 x 0.5, runs as HF's: rounded up.)"""
+    save_tiny(family, tmp_path, **over)
+    with pytest.raises(CheckpointError, match="an odd number of rotary channels per head"):
+        Engine(tmp_path, EngineConfig(store="ram")).forward(torch.arange(4), 0)
+
+
 def test_unreadable_side_files_are_one_line(capsys, ckpt):
     """A garbage tokenizer, a routing-counts file without its table, one expert of another shape."""
     from safetensors.torch import load_file, save_file

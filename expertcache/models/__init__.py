@@ -109,6 +109,16 @@ def model_args(config: dict) -> ModelArgs:
         needs = "a factor > 0" + (" and original_max_position_embeddings >= 1" if kind == "yarn" else "")
         raise CheckpointError(f"config.json's {kind} RoPE scaling needs {needs} (it gives {rope}): restore the "
                               "config from the model's release")
+    # RoPE turns pairs of channels: an odd count rounds up to the next pair (HF's tables too), which a partial
+    # rotary (GLM-4.5, Qwen3-Next) has beside it, but a whole head or MLA's rope part has not: it failed inside the
+    # first forward pass, as it fails in HF's
+    rotated, channels = ((a.qk_rope_head_dim, a.qk_rope_head_dim) if a.attention == "mla"
+                         else (int(a.head_dim * a.partial_rotary_factor), a.head_dim))
+    roped = any(a.layer_type(i) != "linear_attention" for i in range(a.num_layers))
+    if roped and rotated % 2 and rotated == channels:
+        what = "qk_rope_head_dim" if a.attention == "mla" else "head_dim"
+        raise CheckpointError(f"config.json gives {what} {rotated}, an odd number of rotary channels per head, but "
+                              "RoPE rotates pairs of channels: restore the config from the model's release")
     if a.num_moe_layers < 1:
         raise CheckpointError("config.json describes no MoE layer (every layer dense); expertcache runs "
                               "Mixture-of-Experts models")
