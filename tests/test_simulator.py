@@ -421,3 +421,133 @@ def test_admission_with_top_k_slots_is_skipped_not_fatal(traced, policy):
     fields = ("hits", "misses", "sync_fetches", "substitutions", "background_fetches", "moe_calls")
     assert [getattr(sim, f) for f in fields] == [getattr(engine.stats, f) for f in fields]
     engine.close()
+
+
+def rewritten(out, dest, header=None, logits=None, raw_header=None):
+    """The trace at `out` written to `dest` with `header` fields changed (a key given None: left out) and its logits
+    replaced, byte for byte as write_trace lays it out but with no field recomputed; or with `raw_header` bytes."""
+    import json
+
+    from expertcache.lab.trace import FORMAT_VERSION
+    t = read_trace(out)
+    h = {k: v for k, v in {**t.header, **(header or {})}.items() if v is not None}
+    raw = raw_header if raw_header is not None else json.dumps(h).encode()
+    pad = (-(len(MAGIC) + 8 + len(raw))) % 64
+    body = np.asarray(t.tokens).tobytes() + np.asarray(t.logits if logits is None else logits).tobytes()
+    dest.write_bytes(MAGIC + struct.pack("<II", FORMAT_VERSION, len(raw) + pad) + raw + b" " * pad + body)
+    return dest
+
+
+@pytest.mark.parametrize("case, words", [
+    ("context='abc'", "context='abc', which must be a whole number"),
+    ("hidden_size=0", "hidden_size=0, which must be a whole number >= 1"),
+    ("no expert_params", "no field 'expert_params'"),
+    ("top_k=2.5", "top_k=2.5"),
+    ("shape of fewer tokens", "logits of shape [100, 2, 8], not"),
+    ("int8 logits", "dtype='int8', which must be one of float16, float32"),
+    ("a NaN logit", "router logit nan of token 5, MoE layer 1, expert 3 is not finite"),
+    ("an infinite logit", "router logit -inf of token 7"),
+    ("header not JSON", "unreadable trace header"),
+    ("header a list", "a JSON list, not an object"),
+    ("header length past the end", "is truncated (its header runs to byte"),
+    ("a folder", "is a folder, not a trace"),
+])
+def test_a_corrupt_trace_is_one_line_not_a_traceback_or_a_replay(traced, tmp_path, capsys, case, words):
+    """Every field of a trace's header is checked as it loads, and its logits before they are routed: a field of the
+    wrong type or missing failed deep in the replay with a traceback, a header whose shape disagreed with its
+    token count or whose dtype was not float replayed other numbers than the logits', NaN or infinite logits
+    replayed routes no model made, and a corrupt header failed with a JSON message naming no file."""
+    from expertcache import cli
+    _, _, trace, out = traced
+    bad = tmp_path / "bad.ectrace"
+    logits = np.asarray(trace.logits).copy()
+    if case == "context='abc'":
+        rewritten(out, bad, {"context": "abc"})
+    elif case == "hidden_size=0":
+        rewritten(out, bad, {"hidden_size": 0})
+    elif case == "no expert_params":
+        rewritten(out, bad, {"expert_params": None})
+    elif case == "top_k=2.5":
+        rewritten(out, bad, {"top_k": 2.5})
+    elif case == "shape of fewer tokens":
+        rewritten(out, bad, {"shape": [100, 2, 8]})
+    elif case == "int8 logits":
+        rewritten(out, bad, {"dtype": "int8", "shape": [300, 2, 8]}, logits.astype(np.int8))
+    elif case in ("a NaN logit", "an infinite logit"):
+        logits[5, 1, 3], logits[7, 0, 2] = (np.nan, 0) if case == "a NaN logit" else (0, -np.inf)
+        rewritten(out, bad, logits=logits)
+    elif case == "header not JSON":
+        rewritten(out, bad, raw_header=b"\xff{not json")
+    elif case == "header a list":
+        rewritten(out, bad, raw_header=b"[1, 2]")
+    elif case == "header length past the end":
+        raw = bytearray(out.read_bytes())
+        raw[len(MAGIC) + 4:len(MAGIC) + 8] = struct.pack("<I", 2**31)
+        bad.write_bytes(bytes(raw))
+    else:
+        bad.mkdir()
+    assert cli.main(["simulate", str(bad), "--policies", "fetch-all", "--initial", "cold"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(bad) in err and words in err and "expertcache trace" in err, err
+
+
+def test_a_trace_names_its_model_by_an_absolute_path(tiny, tmp_path, monkeypatch):
+    """A trace recorded with a relative --model kept that relative path: replayed from another folder, `simulate`
+    warm-started from another folder's routing counts of that name, or from none (cold), printing other numbers
+    for the same trace and command."""
+    path = tiny["olmoe"][0]
+    monkeypatch.chdir(path.parent)
+    t = record_trace(type(path)(path.name), list(range(1, 20)), tmp_path / "t.ectrace", 8, "float32")
+    assert t.header["model"] == str(path.resolve())
+
+
+def test_logits_of_any_float_dtype_replay_as_their_float32_values(traced):
+    """The compiled routing read a caller's float64 logits into other routes than the same values' in float32."""
+    from expertcache.lab.trace import Trace
+    _, _, trace, _ = traced
+    runs = [replay(Trace(trace.header, trace.tokens, np.asarray(trace.logits).astype(dtype)), "fetch-all",
+                   CacheConfig(fraction=0.5)).stats for dtype in (np.float32, np.float64)]
+    assert runs[0].sync_fetches == runs[1].sync_fetches and runs[0].hits == runs[1].hits
+
+
+@pytest.mark.parametrize("field, value, words", [("calibration", 5, "calibration=5, which must be a list"),
+                                                 ("unfitted", 5, "unfitted=5, which must be a list"),
+                                                 ("overlap", "no", "overlap='no', which must be true or false"),
+                                                 ("layers", 6.5, "layers=6.5, which must be a whole number"),
+                                                 ("version", True, "of version True")])
+def test_a_profile_field_of_another_type_is_one_line(traced, tmp_path, capsys, field, value, words):
+    """A list that is a number failed with a traceback; overlap "no" was read as true (transfers priced as
+    hidden); half a layer priced half a layer more; version true was read as version 1."""
+    import json
+    from dataclasses import asdict
+
+    from expertcache import cli
+    from expertcache.lab.costmodel import DATASHEET
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**asdict(DATASHEET["a6000-qwen3-30b"]), field: value}))
+    assert cli.main(["simulate", str(traced[3]), "--policies", "fetch-all", "--initial", "cold", "--profile",
+                     str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert words in err and str(path) in err and "calibrate-hw" in err, err
+
+
+def test_a_profile_measured_on_another_model_is_refused(traced, tmp_path, capsys):
+    """A calibrate-hw profile prices the model it was measured on: one of 48 layers and top-8 priced a 2-layer,
+    top-2 trace's replay as if it were that model and printed the number. A datasheet profile projects onto its
+    own model by design, and a measured one of the trace's model runs."""
+    import json
+    from dataclasses import asdict, replace
+
+    from expertcache import cli
+    from expertcache.lab.costmodel import DATASHEET
+    _, _, _, out = traced
+    measured = replace(DATASHEET["a6000-qwen3-30b"], calibration=({"cache": 0.25, "policy": "fetch-all"},))
+    for name, profile in (("other", measured), ("same", replace(measured, layers=2, top_k=2))):
+        (tmp_path / f"{name}.json").write_text(json.dumps(asdict(profile)))
+    run = ["simulate", str(out), "--policies", "fetch-all", "--initial", "cold", "--profile"]
+    assert cli.main([*run, str(tmp_path / "other.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "measured on a model of 48 MoE layers, top-8" in err and str(out) in err, err
+    assert "has 2, top-2" in err and "calibrate-hw --model" in err
+    assert cli.main([*run, str(tmp_path / "same.json")]) == 0
+    assert cli.main([*run, "a6000-qwen3-30b"]) == 0

@@ -68,8 +68,10 @@ def task(trace_path: str, policy: str, fraction: float, eviction: str | None, in
     from ..lab.costmodel import load_profile
     from ..lab.simulator import replay
     trace, routes, counts = _load(trace_path, initial)
+    h = trace.header
+    cost = load_profile(profile, (h["num_layers"], h["top_k"], f"trace {trace_path}")) if profile else None
     r = replay(trace, policy, CacheConfig(fraction=fraction), eviction, counts, routes=routes, window=window)
-    est = load_profile(profile).ms_per_token(r.stats) if profile else None  # no profile, no estimate
+    est = cost.ms_per_token(r.stats) if cost else None  # no profile, no estimate
     return {"policy": policy, "cache": fraction, "events_per_second": r.events_per_second,
             "routing_seconds": routes.seconds, "estimated_ms_per_token": est, **r.stats.to_dict()}
 

@@ -126,6 +126,14 @@ class HardwareProfile:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf if positive
                                                                                 else 0 <= v < math.inf):
                 return f"{name}={v!r}, which must be a finite number {'> 0' if positive else '>= 0'}"
+        for name in ("expert_bytes", "layers", "top_k"):  # counts: 6.5 layers priced half a layer more
+            if not isinstance(data.get(name), int):
+                return f"{name}={data.get(name)!r}, which must be a whole number"
+        if not isinstance(data.get("overlap", True), bool):  # "no" read as true: transfers priced as hidden
+            return f"overlap={data['overlap']!r}, which must be true or false"
+        for name in ("calibration", "unfitted"):
+            if not isinstance(data.get(name, ()), (list, tuple)):
+                return f"{name}={data[name]!r}, which must be a list"
         return None
 
     @classmethod
@@ -145,16 +153,17 @@ class HardwareProfile:
         known = {f.name for f in fields(cls)}
         missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
         unknown = sorted(set(data) - known)
-        problem = (f"of version {version} (this expertcache reads 1 to {PROFILE_VERSION})"
-                   if version not in range(1, PROFILE_VERSION + 1) else f"with unknown fields {unknown}" if unknown
+        problem = (f"of version {version!r} (this expertcache reads 1 to {PROFILE_VERSION})"
+                   if type(version) is not int or version not in range(1, PROFILE_VERSION + 1)  # true is no 1
+                   else f"with unknown fields {unknown}" if unknown
                    else f"without {', '.join(missing)}" if missing else "")
         if problem:
             raise BadInput(f"{path}: hardware profile {problem}; measure it again with `expertcache calibrate-hw "
                            "--out FILE`")
-        data["calibration"], data["unfitted"] = tuple(data.get("calibration", ())), tuple(data.get("unfitted", ()))
         if (problem := cls.invalid_field(data)) is not None:
             raise BadInput(f"{path}: hardware profile has {problem}; measure it again with `expertcache "
                            "calibrate-hw --out FILE`")
+        data["calibration"], data["unfitted"] = tuple(data.get("calibration", ())), tuple(data.get("unfitted", ()))
         return cls(**data)
 
 
@@ -177,15 +186,33 @@ DATASHEET = {
 }
 
 
-def load_profile(name_or_path: str) -> HardwareProfile:
-    """A datasheet profile by name, or a profile file from `expertcache calibrate-hw`."""
+def load_profile(name_or_path: str, model: tuple[int, int, str] | None = None) -> HardwareProfile:
+    """A datasheet profile by name, or a profile file from `expertcache calibrate-hw`; with `model` (MoE layers,
+    top-k, what it is), checked to be able to price that model (`check_model`)."""
     if name_or_path in DATASHEET:
         return DATASHEET[name_or_path]
     from ..errors import UnknownName
     if not Path(name_or_path).exists():
         raise UnknownName(f"unknown hardware profile {name_or_path!r}; give a file from `expertcache calibrate-hw` "
                           f"or one of {', '.join(DATASHEET)}")
-    return HardwareProfile.load(Path(name_or_path))
+    profile = HardwareProfile.load(Path(name_or_path))
+    if model is not None:
+        check_model(profile, *model, name_or_path)
+    return profile
+
+
+def check_model(profile: HardwareProfile, layers: int, top_k: int, what: str, name: str | None = None) -> None:
+    """BadInput when `profile` was measured (it keeps its calibration runs) on a model of other MoE layers or top-k
+    than `what` has: its dense time, expert costs and depth are that model's, and the estimates priced another
+    model's routing as if it were that one, silently. A datasheet profile (no runs) projects any model's per-layer
+    rates onto the model it describes, by design."""
+    if not profile.calibration or (profile.layers, profile.top_k) == (layers, top_k):
+        return
+    from ..errors import BadInput
+    raise BadInput(f"hardware profile {name or profile.name} was measured on a model of {profile.layers} MoE layers, "
+                   f"top-{profile.top_k}; {what} has {layers}, top-{top_k}: measure one on that model with "
+                   f"`expertcache calibrate-hw --model MODEL --out FILE` (or give a datasheet profile, "
+                   f"{', '.join(DATASHEET)}, to project onto the model it describes)")
 
 
 # Calibration runs: (cache fraction, variant). Together they vary every term independently: cache

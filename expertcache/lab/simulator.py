@@ -27,7 +27,7 @@ from ..kernel.policy import Scratch
 from ..kernel.replay import replay_window, route_all, route_all_biased, route_all_sigmoid
 from ..kernel.routing import HALF_TO_FLOAT, Router
 from ..policies import make_policy
-from .trace import Trace
+from .trace import Trace, header_problem
 
 
 @dataclass
@@ -59,13 +59,17 @@ def logit_rows(trace: Trace) -> tuple[np.ndarray, np.ndarray | None]:
     logits = np.asarray(trace.logits)
     if logits.dtype == np.float16:
         return logits.view(np.uint16), HALF_TO_FLOAT
-    return logits, None
+    # float32 as it is; any other dtype (a caller's float64 array) as float32: the compiled routing read float64
+    # rows into other routes than the same logits' in float32, and the replay counted those
+    return np.asarray(logits, np.float32), None
 
 
 def check_trace(trace: Trace) -> tuple[int, int, int]:
     """(L, E, k) of a trace whose logits [N, L, E] fit its header, 1 <= k <= E; BadInput
     otherwise (the compiled routing and replay check no bounds)."""
     h = trace.header
+    if (problem := header_problem(h)) is not None:
+        raise BadInput(f"the trace header {problem}; record the trace again with `expertcache trace`")
     L, E, k = h["num_layers"], h["num_experts"], h["top_k"]
     shape = np.shape(trace.logits)
     if len(shape) != 3 or shape[1:] != (L, E) or not 1 <= k <= E:
@@ -88,10 +92,26 @@ def trace_router(trace: Trace) -> Router:
     return router
 
 
+def check_finite(trace: Trace, chunk: int = 2**24) -> None:
+    """BadInput naming the first router logit of the trace that is NaN or infinite (a corrupt file: the exact
+    model's router gives none), read `chunk` logits at a time: the compiled routing ranks such a row into
+    whatever order its comparisons give, and the replay printed counts of routes no model made."""
+    logits = trace.logits
+    step = max(1, chunk // max(1, int(np.prod(np.shape(logits)[1:]))))
+    for t0 in range(0, len(logits), step):
+        bad = ~np.isfinite(np.asarray(logits[t0:t0 + step]))
+        if bad.any():
+            t, layer, e = (int(i) for i in np.argwhere(bad)[0])
+            value = logits[t0 + t, layer, e]
+            raise BadInput(f"{trace.path or 'the trace'}: router logit {value} of token {t0 + t}, MoE layer {layer}, "
+                           f"expert {e} is not finite (a corrupt trace); record it again with `expertcache trace`")
+
+
 def route_trace(trace: Trace, ranks: int = 32) -> Routes:
     """Route every token at every layer, ranking `ranks` experts (at least the top-k): the
     ranks past the top-k are where substitutes and cache-conditional choices come from."""
     L, E, k = check_trace(trace)
+    check_finite(trace)
     logits, table = logit_rows(trace)
     N = logits.shape[0]
     R = min(E, max(ranks, k))

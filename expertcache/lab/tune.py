@@ -28,12 +28,14 @@ from pathlib import Path
 import numpy as np
 
 from ..engine.cache import CacheConfig
+from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL, Engine, EngineConfig
 from ..engine.perplexity import perplexity
 from ..errors import BadInput
+from ..models import model_args
 from ..policies import make_policy
 from .bench import parse_variant
-from .costmodel import HardwareProfile
+from .costmodel import HardwareProfile, check_model
 from .plots import pareto_front
 from .simulator import replay, route_trace
 from .study import BASELINE, paired_increase
@@ -377,6 +379,9 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
     missing = [s for s in searched if s not in profiles]
     if missing:
         raise BadInput(f"no cost profile for slots {', '.join(missing)}; give one profile per slot format")
+    args = model_args(open_checkpoint(model or BUILTIN_MODEL).config)
+    for p in profiles.values():  # before any engine loads: a profile measured on another model is refused
+        check_model(p, args.num_moe_layers, args.top_k, f"model {model or BUILTIN_MODEL}")
     engines: dict[str, Engine] = {}
     skipped: dict[str, str] = {}  # predictors left out of the search, and why
     note = (lambda label, n=0, total=None: progress(label, n, total)) if progress else None
