@@ -665,3 +665,18 @@ def test_the_first_tokens_of_a_large_text_are_the_whole_texts_without_tokenizing
             assert sum(read) <= 24 * max(n, 512) < len(text)
     assert engine.encode(text, max_tokens=500) == whole[:500]
     engine.close()
+
+
+@pytest.mark.parametrize("counts, words", [([[5] * 8, [-3] + [5] * 7], "a negative count, -3"),
+                                           ([[10**30] * 8] * 2, "OverflowError"), (None, "Is a directory")])
+def test_routing_counts_that_are_no_counts_are_one_line(capsys, ckpt, counts, words):
+    """A negative count reordered a warm start silently; one too large for 64 bits, or a folder in the file's place,
+    failed with a traceback."""
+    path = ckpt / "routing_counts.json"
+    if counts is None:
+        path.mkdir()
+    else:
+        path.write_text(json.dumps({"counts": counts}))
+    code, err = run_cli(capsys, "ppl", "--model", str(ckpt), "--text", __file__)
+    assert code == 2 and err.count("\n") == 0 and "not a routing-counts file" in err and words in err, err
+    assert "expertcache calibrate" in err

@@ -493,12 +493,17 @@ def test_expert_sketches_explain_more_of_a_layers_output_than_default_vectors():
         assert (sketched - true).norm() < 0.6 * (default - true).norm(), l
 
 
-@pytest.mark.parametrize("case", ["older", "another model", "corrupt", "truncated", "corrupt default vectors"])
+@pytest.mark.parametrize("case", ["older", "another model", "corrupt", "truncated", "corrupt default vectors",
+                                  "a NaN weight", "integer weights", "hybrid layers out of range",
+                                  "NaN default vectors", "integer default vectors", "another model's default vectors"])
 def test_an_estimator_that_does_not_fit_is_refused_in_one_line(calibrated, tmp_path, case):
     """An estimator.safetensors of the format before the per-transition nets, one trained for another model, or
     one that is not a safetensors file names the command that retrains it (and corrupt default vectors, the
-    command that recomputes them); the model itself still loads without a predictor."""
-    from safetensors.torch import save_file
+    command that recomputes them); the model itself still loads without a predictor. A NaN weight or vector, or
+    integer ones, predicted silently worse (or failed in a compiled call), and hybrid layers out of range were
+    ignored."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     from expertcache.engine.checkpoint import ESTIMATOR_FILE
     from expertcache.engine.predictors import EstimatorNet, save_estimator
@@ -514,11 +519,39 @@ def test_an_estimator_that_does_not_fit_is_refused_in_one_line(calibrated, tmp_p
         f.write_bytes(b"\x00" * 100)
     elif case == "truncated":
         f.write_bytes(f.read_bytes()[:1000])
-    else:
+    elif case in ("a NaN weight", "integer weights", "hybrid layers out of range"):
+        with safe_open(str(f), "pt") as h:
+            meta = h.metadata()
+        tensors = load_file(f)
+        if case == "a NaN weight":
+            tensors["transitions.0.fc2.weight"][3, 1] = float("nan")
+        elif case == "integer weights":
+            tensors = {k: v.long() for k, v in tensors.items()}
+        else:
+            meta["hybrid_layers"] = "[0, 9]"
+        save_file(tensors, str(f), metadata=meta)
+    elif case == "corrupt default vectors":
         (path / "default_vectors.safetensors").write_bytes(b"\x00" * 100)
+    else:
+        dv = path / "default_vectors.safetensors"
+        vectors = load_file(dv)
+        if case == "NaN default vectors":
+            vectors["default_vectors"][1, 2, 3] = float("inf")
+        elif case == "integer default vectors":
+            vectors["default_vectors"] = vectors["default_vectors"].long()
+        else:
+            vectors["default_vectors"] = vectors["default_vectors"][:, :, :-1].contiguous()
+        save_file(vectors, str(dv))
     message = {"older": r"older expertcache.*predict --train", "another model": r"another model.*predict --train",
                "corrupt": r"unreadable.*predict --train", "truncated": r"unreadable.*predict --train",
-               "corrupt default vectors": r"default_vectors.safetensors is unreadable.*calibrate"}[case]
+               "corrupt default vectors": r"default_vectors.safetensors is unreadable.*calibrate",
+               "a NaN weight": r"tensor transitions.0.fc2.weight holds NaN or infinite values.*predict --train",
+               "integer weights": r"holds int64, not floats.*predict --train",
+               "hybrid layers out of range": r"hybrid layers \[0, 9\] are not among its 1 layer transitions",
+               "NaN default vectors": r"default_vectors.safetensors holds default vectors with NaN.*calibrate",
+               "integer default vectors": r"default_vectors.safetensors holds default vectors of int64.*calibrate",
+               "another model's default vectors": r"default_vectors.safetensors\) of shape \(2, 8, 31\) do not fit "
+                                                  r"the model's 2 MoE layers x 8 experts x hidden size 32"}[case]
     with pytest.raises(CheckpointError, match=message) as e:
         Engine(path, EngineConfig(store="ram", prefetch=PrefetchConfig("estimator", "prefetch")))
     assert "\n" not in str(e.value)

@@ -284,7 +284,9 @@ def load_routing_counts(model_path: Path, shape: tuple[int, int] | None = None) 
         return None
     try:
         counts = np.array(json.loads(p.read_text())["counts"], dtype=np.int64)
-    except (KeyError, TypeError, ValueError) as e:  # no "counts", or not a table of whole numbers
+        if counts.size and counts.min() < 0:  # a warm start ranks by them: a negative one is no count
+            raise ValueError(f"a negative count, {counts.min()}")
+    except (KeyError, TypeError, ValueError, OverflowError, OSError) as e:  # not a table of whole numbers >= 0
         raise CheckpointError(f"{p}: not a routing-counts file ({type(e).__name__}: {e}); rerun `expertcache "
                               "calibrate` or delete the file") from None
     if shape is not None and counts.shape != shape:
@@ -299,7 +301,13 @@ def load_default_vectors(model_path: Path) -> torch.Tensor:
     if not p.exists():
         raise CheckpointError(f"{p} is missing; run `expertcache calibrate --model {model_path}`")
     try:
-        return load_file(str(p))["default_vectors"]
+        vectors = load_file(str(p))["default_vectors"]
     except (SafetensorError, OSError, KeyError) as e:
         raise CheckpointError(f"{p} is unreadable ({str(e).splitlines()[0][:200]}); run `expertcache calibrate "
                               f"--model {model_path}` again") from None
+    bad = f"of {str(vectors.dtype).removeprefix('torch.')}, not floats" if not vectors.dtype.is_floating_point \
+        else "with NaN or infinite values" if not torch.isfinite(vectors).all() else None
+    if bad:  # predictions from them were silently worse
+        raise CheckpointError(f"{p} holds default vectors {bad}; run `expertcache calibrate --model {model_path}` "
+                              "again")
+    return vectors

@@ -34,7 +34,7 @@ from ..choices import LOOKAHEAD_WIDTH, PREDICTORS, SKETCH_NEURONS, SKETCH_RANK  
 from ..errors import CheckpointError, UnknownName
 from ..kernel import dense_decode
 from ..kernel.routing import Router, Routing
-from .checkpoint import ESTIMATOR_FILE, LOOKAHEAD_FILE
+from .checkpoint import DEFAULT_VECTORS, ESTIMATOR_FILE, LOOKAHEAD_FILE
 from .experts import KERNEL_VIEWS, SWIGLU, ExpertKind, kernel_view
 from .moe import decode_router_logits, router_logits
 from .transformer import Transformer
@@ -112,8 +112,9 @@ class QuasiHidden(Predictor):
         super().__init__(model)
         a = model.args
         if tuple(default_vectors.shape) != (a.num_moe_layers, a.num_experts, a.hidden_size):
-            raise CheckpointError(f"default vectors of shape {tuple(default_vectors.shape)} do not fit the model; "
-                                  "rerun `expertcache calibrate`")
+            raise CheckpointError(f"the default vectors ({DEFAULT_VECTORS}) of shape {tuple(default_vectors.shape)} do "
+                                  f"not fit the model's {a.num_moe_layers} MoE layers x {a.num_experts} experts x "
+                                  f"hidden size {a.hidden_size}; rerun `expertcache calibrate` on it")
         self.default_vectors = default_vectors.to(model.device, model.dtype)
         self._decode: list[tuple] | None = None  # per layer, the compiled call's arrays (decode_logits)
 
@@ -483,11 +484,21 @@ def load_estimator(path: Path, model: Transformer | None = None, file: str = EST
             raise CheckpointError(f"{f} was trained for another model (hidden size, experts and layer transitions "
                                   f"{shape[:3]}); {retrain}")
         tensors = load_file(str(f))
+        # an integer tensor was read as numbers it is not (or failed in a compiled call), a NaN one predicted
+        # silently worse: both are a corrupt file
+        for name, t in tensors.items():
+            bad = f"{str(t.dtype).removeprefix('torch.')}, not floats" if not t.dtype.is_floating_point \
+                else "NaN or infinite values" if not torch.isfinite(t).all() else None
+            if bad:
+                raise CheckpointError(f"{f}: tensor {name} holds {bad} (a corrupt file); {retrain}")
         net = EstimatorNet(*shape)
         net.load_state_dict({k: v for k, v in tensors.items() if not k.startswith("sketch.")})
         sketch = None if want != LOOKAHEAD_VERSION else \
             ExpertSketch.from_tensors(tensors, SWIGLU if model is None else ExpertKind.of(model.args))
-        return net, [int(l) for l in json.loads(meta["hybrid_layers"])], sketch
+        hybrid = [int(l) for l in json.loads(meta["hybrid_layers"])]
+        if not all(0 <= l < shape[2] for l in hybrid):
+            raise ValueError(f"hybrid layers {hybrid} are not among its {shape[2]} layer transitions")
+        return net, hybrid, sketch
     except (SafetensorError, OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"{f} is unreadable ({str(e).splitlines()[0][:200]}); {retrain}") from None
 
