@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from expertcache.engine.engine import BUILTIN_MODEL
 
@@ -111,6 +111,23 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     bad_profile = tmp / "negative_profile.json"
     DATASHEET["a6000-qwen3-30b"].save(bad_profile)
     bad_profile.write_text(json.dumps({**json.loads(bad_profile.read_text()), "fetch_latency_s": -1}))
+    from dataclasses import replace
+    other_model_profile = tmp / "measured_profile.json"  # measured on a 48-layer, top-8 model
+    replace(DATASHEET["a6000-qwen3-30b"], calibration=({"cache": 0.25, "policy": "fetch-all"},)).save(
+        other_model_profile)
+    trace = tmp / "short.ectrace"
+    subprocess.run([sys.executable, "-m", "expertcache.cli", "trace", "--max-tokens", "128", "--context", "64",
+                    "--out", str(trace)], check=True, capture_output=True)
+    negative_counts = tmp / "negative_counts"
+    shutil.copytree(BUILTIN_MODEL, negative_counts)
+    counts = json.loads((negative_counts / "routing_counts.json").read_text())
+    counts["counts"][0][0] = -3
+    (negative_counts / "routing_counts.json").write_text(json.dumps(counts))
+    nan_vectors = tmp / "nan_vectors"
+    shutil.copytree(BUILTIN_MODEL, nan_vectors)
+    dv = load_file(str(nan_vectors / "default_vectors.safetensors"))
+    dv["default_vectors"][1, 2, 3] = float("nan")
+    save_file(dv, str(nan_vectors / "default_vectors.safetensors"))
     png = tmp / "plot.png"
     png.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
     ppl = ["ppl", "--store", "ram", "--max-tokens", "64"]
@@ -217,6 +234,11 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("a text file in UTF-16 without a byte-order mark", [*ppl, "--text", str(utf16)]),
         ("ppl --context past the model's context", ["ppl", "--store", "ram", "--context", "4096", "--max-tokens",
                                                     "4096"]),
+        ("simulate with a profile measured on another model", ["simulate", str(trace), "--policies", "fetch-all",
+                                                               "--profile", str(other_model_profile)]),
+        ("routing_counts.json with a negative count", [*ppl, "--model", str(negative_counts)]),
+        ("default_vectors.safetensors with a NaN", ["predict", "--model", str(nan_vectors), "--max-tokens", "64",
+                                                    "--predictors", "quasi-hidden"]),
         ("trace --context past the model's context", ["trace", "--context", "4096", "--max-tokens", "4096", "--out",
                                                       str(tmp / "long.ectrace")]),
     ]
