@@ -40,7 +40,7 @@ def add_arguments(p):
     p.add_argument("--profile", nargs="+", default=None,
                    help="cost model: a calibrate-hw file, rtx3090-qwen3-next or a6000-qwen3-30b, one per slot format "
                         "in the order auto, then --slot-dtypes (default: a quick profile of each measured now with "
-                        "the disk store, 8 runs, 10 where prefetching is searched, x 1 repetition)")
+                        "the disk store, 8 runs, 11 where prefetching is searched, x 1 repetition)")
     p.add_argument("--slot-dtypes", nargs="+", default=[], choices=["int8", "int4"],
                    help="also search fast tiers of these quantized slots (their `convert --dtype` store emulated); "
                         "with --cache-bytes they hold more experts in the same bytes, and their quantization error "
