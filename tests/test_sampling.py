@@ -33,6 +33,23 @@ def test_an_empty_stop_string_is_named_alone():
         SamplingParams(stop=("end", ""))
 
 
+def test_one_stop_string_is_taken_whole_and_other_types_are_named():
+    """A stop given as one string (as OpenAI's API and vLLM's SamplingParams take it) was iterated as stop strings of
+    one character each: the output ended at its first "e". None, or a logit_bias dict, failed with a TypeError."""
+    assert SamplingParams(stop="end").stop == ("end",)
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop_token_ids == (3,)
+    none = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None)  # vLLM's defaults
+    assert (none.stop, none.stop_token_ids, none.logit_bias) == ((), (), ())
+    assert SamplingParams(logit_bias={3: -100, 5: 2.5}).logit_bias == ((3, -100), (5, 2.5))  # OpenAI's form
+    for field, value in (("stop", ["a", 5]), ("stop_token_ids", "3"), ("stop_token_ids", [True]),
+                         ("stop_token_ids", 3)):
+        with pytest.raises(SamplingError, match=f"^{field}=.* must be a list of"):
+            SamplingParams(**{field: value})
+    for value in (3, [3], "ab"):
+        with pytest.raises(SamplingError, match="must map token ids to biases"):
+            SamplingParams(logit_bias=value)
+
+
 def test_sampler_filters():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
     none = torch.zeros(4, dtype=torch.bool)

@@ -38,6 +38,20 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (scoring); then max_tokens may be 0
 
     def __post_init__(self):
+        # the forms OpenAI's and vLLM's APIs take (one stop string, lists, a {token: bias} dict, None for none), held
+        # as tuples: a string was iterated as stop strings of one character each (the output ended at its first
+        # "e"), and a dict or None failed with a TypeError
+        bias = self.logit_bias
+        object.__setattr__(self, "logit_bias", () if bias is None else tuple(bias.items()) if isinstance(bias, dict)
+                           else bias)
+        for name, kind in (("stop", str), ("stop_token_ids", numbers.Integral)):
+            value = getattr(self, name)
+            items = ((value,) if isinstance(value, str) else () if value is None
+                     else tuple(value) if isinstance(value, (list, tuple)) else None)
+            if items is None or not all(isinstance(v, kind) and not isinstance(v, bool) for v in items):
+                raise SamplingError(name, f"{name}={value!r} must be a list of "
+                                          f"{'strings' if kind is str else 'token ids'}")
+            object.__setattr__(self, name, items)
         for name in NUMBERS + WHOLE:  # a string or None would fail the range checks below with a TypeError
             value, whole = getattr(self, name), name in WHOLE
             kind = numbers.Integral if whole else numbers.Real
@@ -69,6 +83,9 @@ class SamplingParams:
         for s in self.stop:  # named alone: the tuple the field holds is no form a user wrote
             if not (isinstance(s, str) and s):
                 raise SamplingError("stop", f"stop={s!r} must be a non-empty string")
+        if not isinstance(self.logit_bias, (list, tuple)) or \
+                not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in self.logit_bias):
+            raise SamplingError("logit_bias", f"logit_bias={self.logit_bias!r} must map token ids to biases")
         for token, bias in self.logit_bias:
             if type(token) is not int or token < 0 or not isinstance(bias, numbers.Real) or \
                     not -100 <= bias <= 100:
