@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from expertcache import cli
+from expertcache.commands import chat as cli_chat
 
 
 def test_help_and_version_load_neither_torch_nor_numba():
@@ -71,6 +72,26 @@ def test_chat_names_its_flags_when_a_reply_cannot_fit(monkeypatch, capsys):
     assert cli.main(["chat", "--store", "ram", "--max-seq", "16", "-n", "8"]) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert "-n 8 exceed --max-seq 16" in err and "max_tokens" not in err, err
+
+
+def test_chat_leaves_out_a_message_too_long_and_goes_on(monkeypatch, capsys):
+    """A message that cannot fit even alone ended the session (exit 2), and the exchanges before it had been dropped
+    for it: the conversation was lost. It is left out, named on stderr, and the next message is answered with the
+    conversation kept; the exit code still says a message was refused."""
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who goes there?\n" + "word " * 300 + "\nAnd you?\n"))
+    prompts = []
+    real = cli_chat.fitting_prompt
+
+    def recorded(engine, template, messages, max_tokens):
+        prompt = real(engine, template, messages, max_tokens)
+        prompts.append([m["content"] for m in messages])
+        return prompt
+    monkeypatch.setattr(cli_chat, "fitting_prompt", recorded)
+    assert cli.main(["chat", "--store", "ram", "--max-seq", "256", "-n", "4", "--ignore-eos"]) == 2
+    err = capsys.readouterr().err
+    assert "the message is left out; the conversation goes on" in err and "-n 4 exceed --max-seq 256" in err, err
+    assert len(prompts) == 2 and prompts[1][0] == "Who goes there?" and prompts[1][-1] == "And you?", prompts
 
 
 @pytest.mark.parametrize("argv", [["ppl", "--store", "ram", "--max-tokens", "32"],

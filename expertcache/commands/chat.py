@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..engine.chat import ChatTemplate
 
+from ..errors import BadInput
 from .generate import add_sampling_arguments, check_fits, sampling_from_args
 from .options import add_engine_arguments, engine_from_args
 
@@ -24,11 +25,13 @@ def add_arguments(p):
 
 def fitting_prompt(engine, template: ChatTemplate, messages: list[dict], max_tokens: int) -> list[int]:
     """The conversation's prompt ids; when it and a reply of max_tokens outgrow --max-seq, the oldest exchanges
-    (after a system message) are dropped from `messages` until it fits, and stderr says so. A last message too
-    long alone stays, for TextGeneration to refuse."""
+    (after a system message) are dropped from `messages` until it fits, and stderr says so. BadInput, `messages`
+    untouched, for a last message too long to fit even alone: dropping the others for it lost the conversation."""
     from ..engine.chat import encode_chat
     first = 1 if messages and messages[0]["role"] == "system" else 0
     prompt, dropped = encode_chat(engine, template, messages), 0
+    if len(prompt) + max_tokens > engine.model.max_seq:
+        check_fits(engine, len(encode_chat(engine, template, messages[:first] + messages[-1:])), max_tokens)
     while len(prompt) + max_tokens > engine.model.max_seq and len(messages) - first > 1:
         del messages[first:first + 2]  # a user message and its reply
         dropped += 1
@@ -48,7 +51,7 @@ def run(a) -> int:
     engine = engine_from_args(a)
     template = ChatTemplate.of(engine)
     messages = [{"role": "system", "content": a.system}] if a.system else []
-    interactive = sys.stdin.isatty()
+    interactive, refused = sys.stdin.isatty(), 0
     name = model_name(engine.path) if a.model else "the built-in model"
     print(f"expertcache chat: {name} ({engine.config.store} store, cache {engine.cache.per_layer}/"
           f"{engine.args.num_experts} per layer, {engine.variant}); /exit, /quit, Ctrl-D or Ctrl-C at the prompt to "
@@ -67,9 +70,15 @@ def run(a) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\r\n")})  # a Windows line ends in \r\n
-        prompt = fitting_prompt(engine, template, messages, params.max_tokens)
-        check_fits(engine, len(prompt), params.max_tokens)  # refused naming -n and --max-seq, not max_tokens
-        gen = TextGeneration(engine, prompt, params)
+        try:  # a message refused (too long, or by the template) is left out, and the conversation goes on
+            prompt = fitting_prompt(engine, template, messages, params.max_tokens)
+            check_fits(engine, len(prompt), params.max_tokens)  # refused naming -n and --max-seq, not max_tokens
+            gen = TextGeneration(engine, prompt, params)
+        except BadInput as e:
+            messages.pop()
+            refused += 1
+            print(f"expertcache: error: {e} (the message is left out; the conversation goes on)", file=sys.stderr)
+            continue
         reply = []
         try:
             for out in gen:
@@ -83,4 +92,4 @@ def run(a) -> int:
     if engine.stats.tokens:  # a session that said nothing has no statistics to report
         print(f"[{engine.variant}] the session, prompts and replies: {engine.stats.line()}", file=sys.stderr)
     engine.close()
-    return 0
+    return 2 if refused else 0  # a script piping messages in learns that one was not answered
