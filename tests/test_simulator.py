@@ -84,7 +84,9 @@ def test_warm_start_needs_the_routing_counts(traced, capsys):
     assert err.count("\n") == 1 and str(path / "routing_counts.json") in err and str(out) in err
     assert "expertcache calibrate" in err
     assert cli.main(["simulate", str(out), "--initial", "auto", "--policies", "fetch-all"]) == 0  # cold, as asked
-    assert "| `fetch-all` |" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "| `fetch-all` |" in out_text
+    assert f"start: cold (no routing counts beside {path.resolve()})" in out_text  # auto says which it took
 
 
 def test_trace_format_version_is_checked(traced, tmp_path):

@@ -72,8 +72,9 @@ def task(trace_path: str, policy: str, fraction: float, eviction: str | None, in
     cost = load_profile(profile, (h["num_layers"], h["top_k"], f"trace {trace_path}")) if profile else None
     r = replay(trace, policy, CacheConfig(fraction=fraction), eviction, counts, routes=routes, window=window)
     est = cost.ms_per_token(r.stats) if cost else None  # no profile, no estimate
-    return {"policy": policy, "cache": fraction, "events_per_second": r.events_per_second,
-            "routing_seconds": routes.seconds, "estimated_ms_per_token": est, **r.stats.to_dict()}
+    return {"policy": policy, "cache": fraction, "start": "cold" if counts is None else "warm",
+            "events_per_second": r.events_per_second, "routing_seconds": routes.seconds, "estimated_ms_per_token": est,
+            **r.stats.to_dict()}
 
 
 def run_tasks(tasks: list[tuple], jobs: int | str = 1, ray_address: str | None = None,
@@ -114,6 +115,10 @@ def run(a) -> int:
     if a.ray_address and a.jobs != "ray":
         raise BadInput("--ray-address applies with --jobs ray; add --jobs ray or leave --ray-address out")
     rows = run_tasks(tasks, a.jobs, a.ray_address)
+    model = Path(trace.header["model"])
+    # said, since --initial auto starts cold where the trace's model has no routing counts (or no longer exists)
+    print(f"start: warm, from {model / 'routing_counts.json'}" if rows and rows[0]["start"] == "warm" else
+          f"start: cold ({'as asked' if a.initial == 'cold' else f'no routing counts beside {model}'})")
     print("| policy | cache | hit rate | fetches/token | admissions + upgrades/token | slots subst. | mass/call "
           "| est. ms/token | events/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
