@@ -24,9 +24,10 @@ def add_arguments(p):
 
 
 def fitting_prompt(engine, template: ChatTemplate, messages: list[dict], max_tokens: int) -> list[int]:
-    """The conversation's prompt ids; when it and a reply of max_tokens outgrow --max-seq, the oldest exchanges
-    (after a system message) are dropped from `messages` until it fits, and stderr says so. BadInput, `messages`
-    untouched, for a last message too long to fit even alone: dropping the others for it lost the conversation."""
+    """The conversation's prompt ids, which leave room for a reply of max_tokens within --max-seq: when they would
+    not, the oldest exchanges (after a system message) are dropped from `messages` until they do, and stderr says
+    so. BadInput naming -n and --max-seq, `messages` untouched, for a last message too long to fit even alone:
+    dropping the others for it lost the conversation."""
     from ..engine.chat import encode_chat
     first = 1 if messages and messages[0]["role"] == "system" else 0
     prompt, dropped = encode_chat(engine, template, messages), 0
@@ -71,9 +72,7 @@ def run(a) -> int:
             continue
         messages.append({"role": "user", "content": line.rstrip("\r\n")})  # a Windows line ends in \r\n
         try:  # a message refused (too long, or by the template) is left out, and the conversation goes on
-            prompt = fitting_prompt(engine, template, messages, params.max_tokens)
-            check_fits(engine, len(prompt), params.max_tokens)  # refused naming -n and --max-seq, not max_tokens
-            gen = TextGeneration(engine, prompt, params)
+            gen = TextGeneration(engine, fitting_prompt(engine, template, messages, params.max_tokens), params)
         except BadInput as e:
             messages.pop()
             refused += 1

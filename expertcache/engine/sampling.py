@@ -80,9 +80,8 @@ class SamplingParams:
         for ok, name, rule in checks:
             if not ok:
                 raise SamplingError(name, f"{name}={getattr(self, name)!r} {rule}")
-        for s in self.stop:  # named alone: the tuple the field holds is no form a user wrote
-            if not (isinstance(s, str) and s):
-                raise SamplingError("stop", f"stop={s!r} must be a non-empty string")
+        if "" in self.stop:  # named alone: the tuple the field holds is no form a user wrote
+            raise SamplingError("stop", "stop='' must be a non-empty string")
         if not isinstance(self.logit_bias, (list, tuple)) or \
                 not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in self.logit_bias):
             raise SamplingError("logit_bias", f"logit_bias={self.logit_bias!r} must map token ids to biases")
