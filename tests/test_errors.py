@@ -122,7 +122,7 @@ def test_the_default_cache_runs_a_model_with_few_experts(tmp_path):
     engine = Engine(path, EngineConfig(store="ram"))
     assert engine.cache.per_layer == 2 and len(list(generate(engine, [1, 2, 3], 3))) == 3
     engine.close()
-    with pytest.raises(CacheTooSmall, match="a fraction of 0.25 gives 1 expert slots per layer"):
+    with pytest.raises(CacheTooSmall, match="a fraction of 0.25 gives 1 expert slot per layer"):
         Engine(path, EngineConfig(store="ram", cache=CacheConfig(fraction=0.25)))
     assert Engine(BUILTIN_MODEL, EngineConfig(store="ram")).cache.per_layer == 32  # 25% where that holds top-k
 
@@ -160,6 +160,22 @@ def test_a_utf16_text_is_refused_not_scored(tmp_path, encoding):
     (tmp_path / "t.txt").write_bytes("ROMEO.\nWhat light\n".encode(encoding))
     with pytest.raises(BadInput, match="UTF-16 or binary.*iconv"):
         read_text(tmp_path / "t.txt")
+
+
+@pytest.mark.parametrize("segment", [{"domain": "past", "start_char": 10, "chars": 30},
+                                     {"domain": "negative", "start_char": -1, "chars": 5},
+                                     {"domain": "empty", "start_char": 0, "chars": 0}])
+def test_a_segment_outside_its_text_is_refused(tmp_path, segment):
+    """A segments file whose segment lies past its text gave an empty domain, scored as nothing."""
+    import json
+    from expertcache.lab.texts import domain_texts
+    (tmp_path / "t.txt").write_text("ROMEO.\nWhat light\n")  # 18 characters
+    (tmp_path / "t.json").write_text(json.dumps({"segments": [{"domain": "a", "start_char": 0, "chars": 6}, segment]}))
+    with pytest.raises(BadInput, match=f"segment '{segment['domain']}'.*not inside the 18 characters"):
+        domain_texts(tmp_path / "t.txt")
+    (tmp_path / "t.json").write_text(json.dumps({"segments": []}))
+    with pytest.raises(BadInput, match="lists no segments"):
+        domain_texts(tmp_path / "t.txt")
 
 
 def test_bad_input_is_typed_and_programming_errors_are_not_bad_input(capsys, ckpt, monkeypatch, tmp_path):

@@ -229,7 +229,7 @@ def test_layers_sharing_their_slots_need_only_a_top_k_set_in_all():
     assert (shared.cache.per_layer, shared.cache.num_slots) == (2, 12)
     assert perplexity(shared, ids, 200).ppl == pytest.approx(perplexity(full, ids, 200).ppl, rel=1e-6)
     assert shared.stats.hit_rate < 0.5
-    with pytest.raises(CacheTooSmall, match=r"1 expert slots per layer, fewer than top-k=8.*--quota global"):
+    with pytest.raises(CacheTooSmall, match=r"1 expert slot per layer, fewer than top-k=8.*--quota global"):
         Engine(None, EngineConfig(store="ram", cache=CacheConfig(bytes=7 * full.cache.expert_bytes)))
     fixed = Engine(None, EngineConfig(store="ram", max_seq=64)).plan.total
     budget = fixed + 24 * full.cache.expert_bytes  # 4 slots a layer: enough shared, too few a layer's own

@@ -358,6 +358,25 @@ def test_a_refused_eviction_leaves_the_engine_as_it_was(tiny):
     engine.close()
 
 
+def test_the_cache_configs_eviction_is_taken(tiny):
+    """CacheConfig(eviction=...) was overridden by the policy's preferred order without a word; it now counts where
+    EngineConfig names none, and an unknown order is refused as the config is made."""
+    path = tiny["qwen3_moe"][0]
+    engine = Engine(path, EngineConfig(cache=CacheConfig(eviction="lfu"), initial="cold"), policy="quality-first")
+    assert engine.cache.cfg.eviction == "lfu"
+    engine.set_policy("fetch-all")
+    assert engine.cache.cfg.eviction == "lfu"
+    engine.close()
+    engine = Engine(path, EngineConfig(cache=CacheConfig(eviction="lfu"), eviction="freq", initial="cold"))
+    assert engine.cache.cfg.eviction == "freq"
+    engine.close()
+    engine = Engine(path, EngineConfig(initial="cold"), policy="quality-first")
+    assert engine.cache.cfg.eviction == engine.policy.eviction == "demand"  # the preset's own order
+    engine.close()
+    with pytest.raises(UnknownName, match="lruu"):
+        CacheConfig(eviction="lruu")
+
+
 def test_one_policy_object_runs_one_engine_at_a_time(tiny):
     """A policy object carries its run's state (the substituted mass towards admission): handed to a second open
     engine it is refused, where both engines counted each other's substitutions (more admissions, silently). Once

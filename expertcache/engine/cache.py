@@ -14,6 +14,7 @@ import torch
 from ..errors import BadInput, CacheTooSmall, UnknownName, real_number, whole_number
 from ..kernel import decisions as kernel
 from ..kernel.cache_state import LOGGING, N_LOG, PREFETCHES, CacheState
+from ..kernel.eviction import eviction_code
 from ..kernel.policy import Scratch
 from ..kernel.routing import Router, Routing, route_logits
 from ..policies import MissPolicy
@@ -33,7 +34,7 @@ class CacheConfig:
     fraction: float | None = None  # of each layer's experts; None: DEFAULT_FRACTION, at least a token's top-k
     bytes: int | None = None  # overrides fraction when given
     quota: str = "layer"  # "layer": each layer owns its slots; "global": any layer may take any slot
-    eviction: str = "lru"  # the engine overrides it with EngineConfig.eviction or the policy's choice
+    eviction: str | None = None  # None: EngineConfig.eviction, else the order the policy prefers (lru by itself)
     io_workers: int = 4
     io: str = "auto"  # auto: io_uring for O_DIRECT reads where the system has it; uring (or an error); threads
     caller_reads: bool = True  # a token's only synchronous fetch of a layer is read by the waiting thread
@@ -45,6 +46,8 @@ class CacheConfig:
             real_number(self.fraction, "cache fraction")
         if self.bytes is not None:
             object.__setattr__(self, "bytes", whole_number(self.bytes, "cache bytes"))
+        if self.eviction is not None:
+            eviction_code(str(self.eviction))
         if whole_number(self.io_workers, "io_workers") < 0:
             raise BadInput(f"io_workers={self.io_workers} must be >= 0 transfer worker threads, e.g. 4")
 
@@ -78,8 +81,9 @@ def slots_per_layer(cfg: CacheConfig, shape: ExpertShape, fast_expert_bytes: int
         if cfg.quota == "layer":
             shared = least_slots_per_layer("global", top_k, shape.num_layers)
             fix += f", or --quota global (the layers share their slots: {shared * layer_bytes} bytes)"
-        held = f"{per_layer} expert slots per layer" if cfg.quota == "layer" else \
-            f"{per_layer * shape.num_layers} expert slots shared by the layers"
+        slots = per_layer if cfg.quota == "layer" else per_layer * shape.num_layers
+        held = f"{slots} expert slot{'s' * (slots != 1)} " + ("per layer" if cfg.quota == "layer" else
+                                                               "shared by the layers")
         raise CacheTooSmall(f"{what} gives {held}, fewer than top-k={top_k}; {fix}")
     return min(per_layer, shape.num_experts)
 
@@ -159,7 +163,7 @@ class ExpertCache:
 
     def _new_state(self) -> CacheState:
         st = CacheState.make(self.shape.num_layers, self.shape.num_experts, self.per_layer, self.cfg.quota,
-                             self.cfg.eviction, self.top_k)
+                             self.cfg.eviction or "lru", self.top_k)
         st.misc[LOGGING] = 1
         return st.with_log(kernel.log_capacity(1, self.top_k, self.shape.num_experts))
 

@@ -52,7 +52,7 @@ class EngineConfig:
     store: str = "ram"  # ram | disk | pinned
     cache: CacheConfig = field(default_factory=CacheConfig)
     policy: str = "fetch-all"
-    eviction: str | None = None  # None: the policy's preferred order (lru, or freq for the presets)
+    eviction: str | None = None  # None: CacheConfig's, else the policy's preferred order (lru, or freq for the presets)
     initial: str = "auto"  # warm: most-routed experts first; cold: empty; auto: warm if counts exist
     store_dir: Path | None = None
     read_mode: str = "auto"  # disk store: direct (O_DIRECT or an error), buffered, auto (direct where allowed)
@@ -193,7 +193,7 @@ class Engine:
         stored = config.store_format or ExpertFormat.of_dtype(held_as or expert_dtype(ckpt, self.args))
         self.slot_format = slot_format(config.slot_dtype, self.device, stored, config.store)
         self.plan = self._memory_plan(stored, dtype, held_dense)
-        cache_cfg = replace(config.cache, eviction=config.eviction or self.policy.eviction)
+        cache_cfg = replace(config.cache, eviction=config.eviction or config.cache.eviction or self.policy.eviction)
         if config.memory_budget is not None:
             cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget))
         self._check_memory(cache_cfg, stored, held_dtype(ckpt, self.args, store_dtype, config.store_format))
@@ -326,7 +326,8 @@ class Engine:
         if eviction is not None:
             eviction_code(eviction)  # refused before anything changes: the engine keeps its policy and cache
         self.policy = self.runner.policy = self.bind_policy(policy)
-        self.cache.cfg = replace(self.cache.cfg, eviction=eviction or self.config.eviction or self.policy.eviction)
+        self.cache.cfg = replace(self.cache.cfg, eviction=eviction or self.config.eviction or self.config.cache.eviction
+                                 or self.policy.eviction)
         self.reset()
 
     def _open_small(self, policy: MissPolicy) -> None:

@@ -57,9 +57,17 @@ def text_segments(path: Path, offsets: tuple[int, ...] | None = None) -> tuple[s
     if segments_file.exists():
         try:
             segs = json.loads(segments_file.read_text())["segments"]
-            return text, [Segment(s["domain"], int(s["start_char"]), int(s["chars"])) for s in segs]
+            segments = [Segment(str(s["domain"]), int(s["start_char"]), int(s["chars"])) for s in segs]
         except (ValueError, KeyError, TypeError) as e:
             raise BadInput(f"{segments_file}: not a segments file ({e}); remove it or pass --domains") from None
+        for s in segments:  # a segment past the text would be an empty domain, scored as nothing
+            if s.start_char < 0 or s.chars <= 0 or s.start_char + s.chars > len(text):
+                raise BadInput(f"{segments_file}: segment {s.domain!r} (start_char {s.start_char}, chars {s.chars}) "
+                               f"is not inside the {len(text)} characters of {path}; correct it, remove the file "
+                               f"or pass --domains")
+        if not segments:
+            raise BadInput(f"{segments_file} lists no segments; remove it or pass --domains")
+        return text, segments
     return text, [Segment(path.stem, 0, len(text))]
 
 
