@@ -97,6 +97,24 @@ def test_tune_verb_writes_the_search_and_the_plot(tmp_path, capsys):
     assert len(data["candidates"]) >= len(search_space()) and png.stat().st_size > 10_000
 
 
+def test_a_profile_given_for_other_slots_or_mode_is_refused():
+    """tune's --profile files go in the order auto, then --slot-dtypes: given in another order, an int4 profile
+    priced the auto slots, silently. A profile records its slots and mode; a datasheet's (none recorded) is taken."""
+    from dataclasses import replace
+
+    from expertcache.errors import BadInput
+    sheet = DATASHEET["rtx3090-qwen3-next"]
+    cfg = TuneConfig(cache=CacheConfig(fraction=0.25), calib_tokens=600, tokens=600, context=256,
+                     slot_dtypes=("auto", "int4"))
+    ids = tune_ids(None, CALIB_TEXT.read_text(encoding="utf-8"), EVAL_TEXT.read_text(encoding="utf-8"), cfg)
+    swapped = {"auto": replace(sheet, slot_dtype="int4", mode="decode"), "int4": replace(sheet, slot_dtype="auto")}
+    with pytest.raises(BadInput, match="given for --slot-dtype auto, --mode decode was measured with --slot-dtype int4"):
+        tune(None, ids, swapped, cfg)
+    forced = {"auto": replace(sheet, slot_dtype="auto", mode="forced"), "int4": sheet}
+    with pytest.raises(BadInput, match="was measured with --mode forced.*calibrate-hw --mode decode"):
+        tune(None, ids, forced, cfg)
+
+
 def test_tune_bad_budget_is_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["tune", "--budget", "lots"])

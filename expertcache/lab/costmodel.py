@@ -40,9 +40,9 @@ import numpy as np
 from ..atomic import write_text
 from ..engine.stats import RunStats
 
-PROFILE_VERSION = 5  # 1: no lowbit_fetch_s, prefetch_s, prediction_s, unfitted; 2: no exposed_prefetch_s;
+PROFILE_VERSION = 6  # 1: no lowbit_fetch_s, prefetch_s, prediction_s, unfitted; 2: no exposed_prefetch_s;
 # 3: no flushed_s, and expert runs counted a window's every split; 4: no prediction_compute_s (older versions
-# load with those terms unmeasured)
+# load with those terms unmeasured); 5: no slot_dtype, mode (older versions load with them unrecorded)
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ class HardwareProfile:
     exposed_prefetch_s: float = 0.0  # a prefetch's cost beyond prefetch_s when no wait of its call hides it
     flushed_s: float = 0.0  # one entry a window runs before its slot changes hands (one token through one expert)
     unfitted: tuple = ()  # terms the calibration runs did not vary (folded into dense or left at 0)
+    slot_dtype: str = ""  # the slots its runs had (calibrate-hw's --slot-dtype); "": not recorded (a datasheet)
+    mode: str = ""  # what its runs timed: decode or forced; "": not recorded
     version: int = PROFILE_VERSION
 
     @property
@@ -134,6 +136,9 @@ class HardwareProfile:
         for name in ("calibration", "unfitted"):
             if not isinstance(data.get(name, ()), (list, tuple)):
                 return f"{name}={data[name]!r}, which must be a list"
+        for name in ("slot_dtype", "mode"):
+            if not isinstance(data.get(name, ""), str):
+                return f"{name}={data[name]!r}, which must be a string"
         return None
 
     @classmethod
@@ -355,10 +360,11 @@ def _time_engines(engines, model, runs, ids, mode, repeats, store, device, store
 
 
 def fit_profile(timed: list[TimedRun], store, layers: int, top_k: int, mode: str, label: str = "",
-                read_s: float | None = None) -> HardwareProfile:
+                read_s: float | None = None, slot_dtype: str = "") -> HardwareProfile:
     """The profile whose costs fit `timed` best: fit_terms over the TERMS the runs identify (see
     `identifiable`; the others are listed in `unfitted`). `store`: the runs' slow tier (its
-    expert_bytes); `read_s`: one raw read's time, reported in `source`. The condition number of the
+    expert_bytes); `read_s`: one raw read's time, reported in `source`; `slot_dtype`: the runs' slots, recorded
+    (with `mode`) so that `tune` can refuse a profile given for other slots. The condition number of the
     scaled count matrix goes into `source`: large means the runs barely separate two terms."""
     counts = np.array([term_counts(r.stats, layers) for r in timed])
     seconds = np.array([r.seconds for r in timed])
@@ -387,6 +393,7 @@ def fit_profile(timed: list[TimedRun], store, layers: int, top_k: int, mode: str
     return HardwareProfile(f"this-machine-{label or 'store'}-{mode}", **costs, prediction_compute_s=compute_s,
                            fetch_bandwidth=store.expert_bytes / transfer if transfer else float("inf"),
                            overlap=True, expert_bytes=store.expert_bytes, layers=layers, top_k=top_k,
+                           slot_dtype=slot_dtype, mode=mode,
                            source=f"measured by calibrate-hw ({label} store, {mode}, {len(timed)} runs, condition "
                                   f"number {cond:.0f}){read}", calibration=calibration, unfitted=tuple(unfitted))
 
@@ -461,4 +468,5 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
         read_s.append(time.perf_counter() - start)
     if hasattr(st, "close"):
         st.close()
-    return fit_profile(timed, st, a.num_moe_layers, a.top_k, mode, store, statistics.median(read_s))
+    return fit_profile(timed, st, a.num_moe_layers, a.top_k, mode, store, statistics.median(read_s),
+                       options.get("slot_dtype", "auto"))

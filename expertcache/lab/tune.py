@@ -367,6 +367,16 @@ def tune_ids(model: Path | None, calib_text: str, eval_text: str, cfg: TuneConfi
     return calib, held
 
 
+def check_profile_for(profile: HardwareProfile, slots: str, mode: str) -> None:
+    """BadInput when `profile` records that its runs had other slots than `slots` or timed another mode than
+    `mode` (a profile without the record, a datasheet's or an older one's, is taken)."""
+    for what, recorded, given in (("--slot-dtype", profile.slot_dtype, slots), ("--mode", profile.mode, mode)):
+        if recorded and recorded != given:
+            raise BadInput(f"the hardware profile given for --slot-dtype {slots}, --mode {mode} was measured with "
+                           f"{what} {recorded}: give the --profile files in the order auto, then --slot-dtypes, "
+                           f"each measured by `expertcache calibrate-hw --mode {mode} --slot-dtype SLOTS --out FILE`")
+
+
 def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: HardwareProfile | dict[str, HardwareProfile],
          cfg: TuneConfig, progress: Callable[..., None] | None = None) -> TuneResult:
     """Search the policy space for the fastest policy within `cfg.budget_pct` (see the module's steps); ids: the
@@ -380,8 +390,10 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
     if missing:
         raise BadInput(f"no cost profile for slots {', '.join(missing)}; give one profile per slot format")
     args = model_args(open_checkpoint(model or BUILTIN_MODEL).config)
-    for p in profiles.values():  # before any engine loads: a profile measured on another model is refused
+    for slots, p in profiles.items():  # before any engine loads: a profile measured on another model is refused,
         check_model(p, args.num_moe_layers, args.top_k, f"model {model or BUILTIN_MODEL}")
+        if isinstance(profile, dict):  # and one that records other slots or mode than it is given for (in 'auto'
+            check_profile_for(p, slots, cfg.mode)  # order): the costs of other slots, priced silently
     engines: dict[str, Engine] = {}
     skipped: dict[str, str] = {}  # predictors left out of the search, and why
     note = (lambda label, n=0, total=None: progress(label, n, total)) if progress else None
