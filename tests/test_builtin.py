@@ -84,6 +84,20 @@ def test_study_and_bench_run(tmp_path):
     assert len(rows) == len(s) + 1 and max(map(len, rows)) <= 100  # the terminal's table fits 100 columns
 
 
+def test_a_policy_too_long_for_the_terminal_table_keeps_its_whole_name():
+    """Cut to its column, quality-first+prefetch/lookahead:fetched=1 and :fetched=1,confidence=0.1 read the same."""
+    from types import SimpleNamespace
+
+    from expertcache.lab.bench import table
+    figures = dict(decode_ms=2.5, decode_speedup_vs_fetch_all=1.2, forced_ms=1.5, forced_speedup_vs_fetch_all=2.0,
+                   ppl_increase_pct=6.1, fetches_per_token=4.4)
+    names = ["fetch-all", "quality-first+prefetch/lookahead:fetched=1",
+             "quality-first+prefetch/lookahead:fetched=1,confidence=0.1"]
+    rows = table(SimpleNamespace(summary=lambda: {n: figures for n in names})).splitlines()
+    assert rows[1].startswith("fetch-all ") and rows[2] == names[1] and rows[4] == names[2]  # whole, on their own
+    assert all(len(r) <= 100 for r in rows) and rows[3].split() == rows[5].split() == rows[1].split()[1:]
+
+
 def test_trace_and_simulate_verbs(capsys, tmp_path):
     trace = tmp_path / "eval.ectrace"
     assert cli.main(["trace", "--max-tokens", "256", "--context", "128", "--out", str(trace)]) == 0

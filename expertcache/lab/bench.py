@@ -264,14 +264,17 @@ def markdown(res: BenchResult) -> str:
 def table(res: BenchResult) -> str:
     """The benchmark's headline figures, one policy a row, narrow enough for a 100-column terminal: decode and
     teacher-forced ms/token with speed-ups against fetch-all, perplexity increase and fetches per token (the
-    rest of `markdown`'s columns are in the JSON)."""
+    rest of `markdown`'s columns are in the JSON). A policy too long for its column has a line of its own above
+    its figures: cut, two policies that differ only past the cut read the same."""
     head = ("policy", "decode ms/tok", "x f-all", "forced ms/tok", "x f-all", "ppl +%", "fetch/tok")
     rows = [(k, f"{r['decode_ms']:.2f}", f"{r['decode_speedup_vs_fetch_all']:.2f}x", f"{r['forced_ms']:.2f}",
              f"{r['forced_speedup_vs_fetch_all']:.2f}x", f"{signed(r['ppl_increase_pct'])}",
              f"{r['fetches_per_token']:.2f}") for k, r in res.summary().items()]
     width = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
     width[0] = min(width[0], 100 - sum(w + 2 for w in width[1:]))
-    fmt = lambda row: "  ".join([row[0][:width[0]].ljust(width[0])]  # noqa: E731
-                                + [c.rjust(w) for c, w in zip(row[1:], width[1:])])
-    return "\n".join([fmt(head), *map(fmt, rows)])
+    fmt = lambda row: "  ".join([row[0].ljust(width[0])] + [c.rjust(w) for c, w in zip(row[1:], width[1:])])  # noqa
+    lines = [fmt(head)]
+    for row in rows:
+        lines += [row[0], fmt(("", *row[1:]))] if len(row[0]) > width[0] else [fmt(row)]
+    return "\n".join(lines)
 
