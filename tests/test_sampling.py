@@ -170,6 +170,81 @@ def test_generation_stops_at_eos_and_reads_prompt_from_stdin(monkeypatch, capsys
     assert "--top-p" in capsys.readouterr().err  # the CLI's flag, not the server's field
 
 
+def test_a_json_schema_is_held_as_canonical_json_and_checked_when_given():
+    """A dict or its JSON text; what llguidance cannot follow is refused as the params are made, naming the field,
+    not in the middle of a request."""
+    assert SamplingParams(json_schema={"type": "object"}).json_schema == '{"type": "object"}'
+    assert SamplingParams(json_schema=' {"type":"object"} ').json_schema == '{"type": "object"}'
+    for schema, words in (("{nope", "is not JSON"), ([1], "is a JSON list"), (True, "is a JSON bool"),
+                          ({"type": "bogus"}, "cannot be followed"),
+                          ({"x": float("nan")}, "is not JSON")):
+        with pytest.raises(SamplingError, match=words) as e:
+            SamplingParams(json_schema=schema)
+        assert e.value.param == "json_schema"
+    with pytest.raises(SamplingError, match="min_tokens=1 cannot be combined"):
+        SamplingParams(json_schema={"type": "object"}, min_tokens=1)
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_generation_with_a_json_schema_is_a_value_of_it(ignore_eos):
+    """Greedy and sampled, the output is a JSON value of the schema and ends where the value does (an end id the
+    grammar allows ends it even under ignore_eos, which would otherwise keep it as text); max_tokens cuts it."""
+    import json
+
+    from expertcache.engine.engine import Engine, EngineConfig
+    from expertcache.engine.generate import TextGeneration
+    engine = Engine(None, EngineConfig(store="ram", max_seq=256))
+    prompt = engine.encode("ROMEO.\n")
+    schemas = [{"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+               {"type": "object", "properties": {"who": {"enum": ["ROMEO", "JULIET"]}, "act": {"type": "integer"}},
+                "required": ["who", "act"], "additionalProperties": False},
+               {"type": "number"}]
+    for schema in schemas:
+        for temperature in (0.0, 1.0):
+            gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=60, json_schema=schema, seed=2,
+                                                                temperature=temperature, ignore_eos=ignore_eos))
+            text = "".join(out.text for out in gen)
+            if gen.finish_reason == "length":  # a number of 60 digits: cut where max_tokens ends it
+                assert schema == {"type": "number"} and len(gen.tokens) == 60
+                continue
+            value = json.loads(text)
+            assert gen.finish_reason == "stop" and engine.tokenizer.decode(gen.tokens) == text
+            if schema["type"] == "object":
+                assert value["who"] in ("ROMEO", "JULIET") and isinstance(value["act"], int)
+            else:
+                assert isinstance(value, list if schema["type"] == "array" else (int, float))
+    cut = TextGeneration(engine, prompt, SamplingParams(max_tokens=3, json_schema=schemas[1]))
+    assert "".join(out.text for out in cut).startswith('{"') and cut.finish_reason == "length"
+    engine.close()
+
+
+def test_a_json_schema_needs_the_models_tokenizer(tiny):
+    """A checkpoint without tokenizer.json (the tiny ones) gives no token's text for the grammar: refused."""
+    from expertcache.engine.engine import Engine, EngineConfig
+    from expertcache.engine.generate import TextGeneration
+    from expertcache.errors import BadInput
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    with pytest.raises(BadInput, match="has no tokenizer.json, which structured output needs"):
+        TextGeneration(engine, [1, 2, 3], SamplingParams(json_schema={"type": "object"}))
+    engine.close()
+
+
+def test_generate_takes_a_json_schema_as_text_or_file(tmp_path, capsys):
+    import json
+
+    from expertcache import cli
+    (tmp_path / "s.json").write_text('{"type": "array", "items": {"type": "integer"}, "maxItems": 2}')
+    for schema in (str(tmp_path / "s.json"), '{"type": "array", "items": {"type": "integer"}, "maxItems": 2}'):
+        assert cli.main(["generate", "--store", "ram", "-p", "ROMEO.", "--json-schema", schema]) == 0
+        value = json.loads(capsys.readouterr().out.removeprefix("ROMEO."))
+        assert isinstance(value, list) and len(value) <= 2 and all(isinstance(v, int) for v in value)
+    for schema, words in ((str(tmp_path / "none.json"), "neither a JSON schema nor a readable file"),
+                          ('{"type": "bogus"}', "--json-schema: the JSON schema cannot be followed")):
+        assert cli.main(["generate", "--store", "ram", "--json-schema", schema]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err
+
+
 def test_prompt_scoring_and_logprobs_of_every_output_token():
     """prompt_logprobs scores the prompt's tokens by the prefill's logits (max_tokens 0 samples nothing); logprobs
     scores every sampled token, an end token included (its text is not output)."""

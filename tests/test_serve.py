@@ -253,6 +253,50 @@ def test_logprobs_are_the_models_own(client, reference):
     assert plain.choices[0].logprobs is None
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "lines": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "lines"], "additionalProperties": False}
+
+
+def test_response_format_keeps_every_choice_to_its_json_schema(client):
+    """json_object and json_schema (OpenAI's structured outputs), sampled, streamed and batched with other
+    requests: every choice that ends is a JSON value of its schema; the built-in model, trained on plays, writes
+    no JSON by itself."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=60,
+                                           n=3, temperature=1.0, seed=5, response_format=fmt)
+    streamed = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "b"}], max_tokens=60,
+                                              stream=True, response_format=fmt)
+    texts = [c.message.content for c in whole.choices]
+    texts.append("".join(c.choices[0].delta.content or "" for c in streamed if c.choices))
+    assert all(c.finish_reason == "stop" for c in whole.choices)
+    for text in texts:
+        value = json.loads(text)
+        assert set(value) == {"name", "lines"} and 0 <= value["lines"] <= 99 and len(value["name"]) <= 12
+    anything = client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=200, temperature=0,
+                                         extra_body={"response_format": {"type": "json_object"}})
+    assert anything.choices[0].text.startswith("{")  # an object, cut or whole
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].text), dict)
+    free = client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=8, temperature=0)
+    assert not free.choices[0].text.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("fmt, words", [({"type": "json_schema"}, "needs its schema"),
+                                        ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
+                                         "needs its schema"),
+                                        ({"type": "json_schema", "json_schema": {"name": "x",
+                                                                                 "schema": {"type": "bogus"}}},
+                                         "cannot be followed"),
+                                        ({"type": "json_object", "min_tokens": 2}, "min_tokens=2 cannot")])
+def test_a_response_format_that_cannot_be_followed_is_a_400(client, fmt, words):
+    extra = {"min_tokens": fmt.pop("min_tokens")} if "min_tokens" in fmt else {}
+    with pytest.raises(openai.BadRequestError, match=words) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=4,
+                                       response_format=fmt, extra_body=extra)
+    assert e.value.body["param"] in ("response_format", "min_tokens")
+
+
 def test_logprob_bytes_are_the_tokens_own(reference):
     """A byte-level token that holds part of a character shows U+FFFD as text, but its bytes are exact: the
     tokens' bytes put together are the text's UTF-8."""
@@ -263,7 +307,7 @@ def test_logprob_bytes_are_the_tokens_own(reference):
     assert b"".join(bytes(server._bytes(t, server._token(t))) for t in ids) == text.encode()
 
 
-@pytest.mark.parametrize("fields, param", [({"response_format": {"type": "json_object"}}, "response_format"),
+@pytest.mark.parametrize("fields, param", [({"response_format": {"type": "xml"}}, "response_format"),
                                            ({"tool_choice": "required"}, "tool_choice"),
                                            ({"top_logprobs": 2}, "top_logprobs"),
                                            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import BadInput
@@ -19,7 +20,7 @@ DEFAULT_PROMPT = "ROMEO.\n"
 FLAGS = {"max_tokens": "-n/--max-new-tokens", "min_tokens": "--min-new-tokens", "temperature": "--temperature",
          "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
          "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-         "logit_bias": "--logit-bias", "seed": "--seed", "stop": "--stop"}
+         "logit_bias": "--logit-bias", "seed": "--seed", "stop": "--stop", "json_schema": "--json-schema"}
 
 
 def add_sampling_arguments(p, max_tokens: int = 64) -> None:
@@ -41,6 +42,9 @@ def add_sampling_arguments(p, max_tokens: int = 64) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    p.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="the output is a JSON value of this JSON schema (its JSON text, or a file holding it), e.g. "
+                        "'{\"type\": \"object\"}'; it ends where the value is complete")
 
 
 def sampling_from_args(a) -> SamplingParams:
@@ -51,12 +55,23 @@ def sampling_from_args(a) -> SamplingParams:
                               repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
                               frequency_penalty=a.frequency_penalty, logit_bias=logit_bias_flags(a.logit_bias),
                               seed=a.seed, max_tokens=a.max_new_tokens, min_tokens=a.min_new_tokens,
-                              stop=tuple(a.stop), ignore_eos=a.ignore_eos)
+                              stop=tuple(a.stop), ignore_eos=a.ignore_eos, json_schema=schema_flag(a.json_schema))
     except SamplingError as e:
         flag = FLAGS.get(e.param, e.param)
         message = str(e).replace(f"{e.param}=", f"{flag} ", 1).replace(" (0 only when scoring the prompt)", "") \
             .replace("max_tokens (", "-n (")
-        raise BadInput(message) from None
+        raise BadInput(f"--json-schema: {message}" if e.param == "json_schema" else message) from None
+
+
+def schema_flag(flag: str | None) -> str | None:
+    """--json-schema's JSON text, or the text of the file it names."""
+    if flag is None or flag.lstrip().startswith("{"):
+        return flag
+    try:
+        return Path(flag).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"--json-schema {flag!r} is neither a JSON schema nor a readable file ({e}); give the schema "
+                       "as JSON, e.g. '{\"type\": \"object\"}'") from None
 
 
 def logit_bias_flags(flags: list[str]) -> tuple[tuple[int, float], ...]:

@@ -13,6 +13,7 @@ from ..errors import BadInput
 from ..policies import MissPolicy
 from .engine import Engine
 from .sampling import IncrementalDetokenizer, Sampler, SamplingParams, StopStrings
+from .structured import JsonConstraint
 
 
 def eos_token_ids(engine: Engine) -> frozenset[int]:
@@ -110,6 +111,7 @@ class TextGeneration:
         self.eos_ids = torch.tensor(sorted(t for t in self.eos if t < vocab), dtype=torch.long)
         self.detok = IncrementalDetokenizer(engine.tokenizer, prompt) if engine.tokenizer is not None else None
         self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
+        self.constraint = JsonConstraint(engine, params.json_schema) if params.json_schema is not None else None
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.scored: tuple[StepOutput, ...] | None = None  # the prompt's tokens with their logprobs, once prefilled
@@ -166,16 +168,23 @@ class TextGeneration:
         """Sample the next token from this sequence's logits [V] and apply EOS, max_tokens and stop strings."""
         early = len(self.tokens) < self.params.min_tokens  # min_tokens: no end token yet
         barred = logits.index_fill(0, self.eos_ids.to(logits.device), float("-inf")) if early else logits
+        if self.constraint is not None:
+            barred = self.constraint.mask(barred)
         token = self.sampler(barred, self.seen, self.counts)
         if self.seen is not None:
             self.seen[token] = True
         if self.counts is not None:
             self.counts[token] += 1
-        if token in self.eos:
+        # a complete value ends at an end id of the grammar's even under ignore_eos, which would keep it as text
+        if token in self.eos or self.constraint is not None and token in self.constraint.ends:
             self.finish_reason = "stop"
         else:
             self.tokens.append(token)
-            if len(self.tokens) >= self.params.max_tokens:
+            if self.constraint is not None:
+                self.constraint.consume(token)
+            if self.constraint is not None and self.constraint.closed:  # nothing but an end id could follow
+                self.finish_reason = "stop"
+            elif len(self.tokens) >= self.params.max_tokens:
                 self.finish_reason = "length"
         text = ""
         if self.detok is not None:

@@ -36,6 +36,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # report each token's log-probability and this many most likely alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (scoring); then max_tokens may be 0
+    json_schema: str | None = None  # the output is a JSON value of this schema (a dict or its JSON text, held as
+    # canonical JSON; '{"type": "object"}' is OpenAI's json_object); it ends where the value is complete
 
     def __post_init__(self):
         # the forms OpenAI's and vLLM's APIs take (one stop string, lists, a {token: bias} dict, None for none), held
@@ -90,6 +92,16 @@ class SamplingParams:
                     not -100 <= bias <= 100:
                 raise SamplingError("logit_bias", f"logit_bias={token}:{bias} must give a token id >= 0 a bias in "
                                                   "[-100, 100]")
+        if self.json_schema is not None:
+            from .structured import schema_text
+            try:
+                object.__setattr__(self, "json_schema", schema_text(self.json_schema))
+            except ValueError as e:
+                raise SamplingError("json_schema", f"the JSON schema {e}; give a JSON schema such as "
+                                                   '{"type": "object"}') from None
+            if self.min_tokens:  # barring the end past a complete value would leave no token to sample
+                raise SamplingError("min_tokens", f"min_tokens={self.min_tokens} cannot be combined with a JSON "
+                                                  "schema, which decides where the output ends; leave one out")
 
     @property
     def greedy(self) -> bool:

@@ -28,7 +28,7 @@ from .metrics import ServerMetrics
 from .limits import BodyLimits, RequireApiKey, ServerLimits
 from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, CompletionBody, DetokenizeBody, SamplingFields,
                       StreamOptions, TokenizeBody, checked_stop, logit_bias_pairs, logprobs_count, message_text,
-                      refuse_unsupported)
+                      refuse_unsupported, response_schema)
 from .scheduler import Request, Scheduler
 
 DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
@@ -120,9 +120,10 @@ class Server:
                                   include_stop_str_in_output=body.include_stop_str_in_output,
                                   stop_token_ids=tuple(body.stop_token_ids or ()),
                                   ignore_eos=body.ignore_eos, logprobs=logprobs,
-                                  prompt_logprobs=(logprobs or 0) if echo else None)
+                                  prompt_logprobs=(logprobs or 0) if echo else None,
+                                  json_schema=response_schema(body))
         except SamplingError as e:
-            raise APIError(400, str(e), e.param) from None
+            raise APIError(400, str(e), "response_format" if e.param == "json_schema" else e.param) from None
 
     def check_model(self, model: str | None) -> None:
         """APIError 404 unless `model` is the one served (or left out, as vLLM and llama-server take it)."""

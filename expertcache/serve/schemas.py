@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validator
 
 from ..engine.sampling import MAX_LOGPROBS
+from ..engine.structured import JSON_OBJECT
 
 MAX_CHOICES = 16  # n: choices a prompt
 MAX_GENERATIONS = 2048  # prompts x n in one request: more would hold the server for a single client
@@ -175,8 +176,6 @@ def refuse_unsupported(body: SamplingFields) -> None:
         if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name]:
             raise APIError(400, f"{name} is not supported by this server; leave it out", name)
     unsupported = [
-        ((body.response_format or {}).get("type", "text") != "text", "response_format",
-         "this server generates free text; leave it out or use {\"type\": \"text\"}"),
         (body.tool_choice not in (None, "none", "auto"), "tool_choice",
          "the model's calls come back as its text; use tool_choice auto or none"),
         (getattr(body, "best_of", None) not in (None, 1), "best_of", "use best_of=1"),
@@ -185,6 +184,26 @@ def refuse_unsupported(body: SamplingFields) -> None:
     for refused, name, fix in unsupported:
         if refused:
             raise APIError(400, f"{name} is not supported; {fix}", name)
+
+
+def response_schema(body: SamplingFields) -> str | dict | None:
+    """The JSON schema that a body's response_format asks the output to follow (SamplingParams.json_schema), as
+    OpenAI's API takes it: none for {"type": "text"}, any JSON object for json_object, json_schema.schema for
+    json_schema (its name and strict flag change nothing: the schema is always followed); APIError for another."""
+    fmt = body.response_format
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT
+    spec = fmt.get("json_schema")
+    if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
+        return spec["schema"]
+    if kind == "json_schema":
+        raise APIError(400, 'response_format json_schema needs its schema: {"type": "json_schema", "json_schema": '
+                       '{"name": "...", "schema": {...}}}', "response_format")
+    raise APIError(400, f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
+                   "response_format")
 
 
 def logit_bias_pairs(body: SamplingFields, vocab: int) -> tuple[tuple[int, float], ...]:

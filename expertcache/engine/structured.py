@@ -1,0 +1,96 @@
+"""Structured output: a generation whose text is a JSON value of a given JSON schema (OpenAI's response_format
+json_object and json_schema), by masking each step's logits to the tokens the schema's grammar allows next. The
+grammar and its token masks are llguidance's, over the model's own tokenizer."""
+from __future__ import annotations
+
+import json
+import weakref
+
+import numpy as np
+import torch
+
+from ..errors import BadInput
+
+JSON_OBJECT = '{"type": "object"}'  # OpenAI's response_format json_object: any JSON object
+# written as json.dumps writes it: free whitespace let a model pad a value with newlines and tabs up to max_tokens
+LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar(schema: str) -> str:
+    """llguidance's grammar of the JSON values of `schema` (a schema's own x-guidance options win over LAYOUT)."""
+    from llguidance import LLMatcher
+    return LLMatcher.grammar_from_json_schema(schema, defaults=LAYOUT)
+
+
+def schema_text(schema) -> str:
+    """A JSON schema (a dict or its JSON text) as the canonical JSON text SamplingParams keeps; ValueError naming
+    what is wrong for anything llguidance cannot follow (a boolean schema neither: llguidance takes objects)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"is not JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"is a JSON {type(schema).__name__}, not a schema (an object such as {JSON_OBJECT})")
+    try:
+        text = json.dumps(schema, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:  # a dict of values JSON has no form for
+        raise ValueError(f"is not JSON ({e})") from None
+    from llguidance import LLMatcher
+    problem = LLMatcher.validate_grammar(grammar(text))
+    if problem:
+        raise ValueError(f"cannot be followed ({problem})")
+    return text
+
+
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its grammar tokenizer
+
+
+def grammar_tokenizer(engine):
+    """llguidance's view of the engine's tokenizer, made once an engine (its token masks span the model's
+    vocabulary; the model's end ids end a value)."""
+    if engine not in _TOKENIZERS:
+        if engine.tokenizer is None:
+            raise BadInput(f"{engine.path} has no tokenizer.json, which structured output needs to know each token's "
+                           "text; put the model's own beside it")
+        from llguidance import LLTokenizer
+
+        from .generate import eos_token_ids
+        _TOKENIZERS[engine] = LLTokenizer(engine.tokenizer.to_str(), n_vocab=engine.args.vocab_size,
+                                          eos_token=sorted(eos_token_ids(engine)) or None)
+    return _TOKENIZERS[engine]
+
+
+class JsonConstraint:
+    """One generation's place in its schema's grammar: `mask` leaves the logits of the tokens it allows next,
+    `consume` moves past a sampled one; `complete` once the value can end (an end id is then allowed), `closed`
+    once nothing but an end can follow."""
+
+    def __init__(self, engine, schema: str):
+        from llguidance import LLMatcher
+        tokenizer = grammar_tokenizer(engine)
+        self.matcher = LLMatcher(tokenizer, grammar(schema), log_level=0)
+        if self.matcher.is_error():  # schema_text checked it without the tokenizer
+            raise BadInput(f"the JSON schema cannot be followed with this model's tokenizer "
+                           f"({self.matcher.get_error()})")
+        self.ends = frozenset(tokenizer.eos_tokens)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] with every token the grammar does not allow next at -inf."""
+        allowed = torch.from_numpy(np.frombuffer(self.matcher.compute_logit_bias(), np.uint8)[:logits.numel()] > 0)
+        if not allowed.any():  # a matcher in error allows nothing: sampling would pick a token at random
+            raise RuntimeError(f"structured output's grammar allows no token ({self.matcher.get_error()})")
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+    def consume(self, token: int) -> None:
+        """Move past `token`, one that `mask` allowed."""
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"structured output's grammar refused token {token} ({self.matcher.get_error()})")
+
+    @property
+    def complete(self) -> bool:
+        return self.matcher.is_accepting()
+
+    @property
+    def closed(self) -> bool:
+        return self.matcher.is_stopped()
