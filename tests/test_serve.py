@@ -282,6 +282,19 @@ def test_response_format_keeps_every_choice_to_its_json_schema(client):
     assert not free.choices[0].text.lstrip().startswith("{")
 
 
+@pytest.mark.parametrize("extra", [{"guided_json": {"type": "array", "maxItems": 2}},
+                                   {"guided_json": '{"type": "array", "maxItems": 2}'},
+                                   {"structured_outputs": {"json": {"type": "array", "maxItems": 2}}},
+                                   {"json_schema": {"type": "array", "maxItems": 2}}])
+def test_vllms_and_llama_cpps_ways_of_asking_for_a_schema_are_taken(client, extra):
+    out = client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=40, extra_body=extra)
+    assert out.choices[0].finish_reason == "stop" and isinstance(json.loads(out.choices[0].text), list)
+    with pytest.raises(openai.BadRequestError, match=f"response_format and {next(iter(extra))} each ask") as e:
+        client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=4,
+                                  extra_body={**extra, "response_format": {"type": "json_object"}})
+    assert e.value.body["param"] == next(iter(extra))
+
+
 @pytest.mark.parametrize("fmt, words", [({"type": "json_schema"}, "needs its schema"),
                                         ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
                                          "needs its schema"),
@@ -322,7 +335,8 @@ def test_fields_not_implemented_are_refused_not_ignored(client, fields, param):
 
 
 @pytest.mark.parametrize("fields", [{"function_call": {"name": "f"}}, {"modalities": ["text", "audio"]},
-                                    {"guided_json": {"type": "object"}}, {"bad_words": ["a"]},
+                                    {"guided_regex": "a+"}, {"structured_outputs": {"regex": "a+"}},
+                                    {"bad_words": ["a"]},
                                     {"grammar": "root ::= x"},
                                     {"allowed_token_ids": [1, 2]}, {"typical_p": 0.5}, {"echo": True}])
 def test_other_apis_fields_that_change_the_answer_are_refused(client, fields):

@@ -162,18 +162,24 @@ class DetokenizeBody(BaseModel):
 # message; completions declare their own.)
 UNIMPLEMENTED = {"function_call": ("none", "auto"), "modalities": (["text"],), "audio": (),
                  "continue_final_message": (False,), "bad_words": ([],),
-                 "allowed_token_ids": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
-                 "guided_grammar": (), "structured_outputs": (), "grammar": ("",), "json_schema": (),
+                 "allowed_token_ids": (), "guided_regex": (), "guided_choice": (),
+                 "guided_grammar": (), "structured_outputs": (), "grammar": ("",),
                  "typical_p": (1, 1.0), "mirostat": (0,), "repeat_penalty": (1, 1.0), "tfs_z": (1, 1.0),
                  "prompt_logprobs": (), "truncate_prompt_tokens": (), "length_penalty": (1, 1.0),
                  "use_beam_search": (False,), "echo": (False,)}
+
+
+def json_outputs(value) -> bool:
+    """Whether vLLM's structured_outputs `value` asks for a JSON schema only ({"json": schema}), which is taken."""
+    return isinstance(value, dict) and set(value) == {"json"}
 
 
 def refuse_unsupported(body: SamplingFields) -> None:
     """APIError for a field this server does not implement and that would change the answer; fields that do not
     (user, tools the model may leave uncalled, ...) are accepted and ignored."""
     for name, value in (body.model_extra or {}).items():
-        if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name]:
+        if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name] and \
+                not (name == "structured_outputs" and json_outputs(value)):
             raise APIError(400, f"{name} is not supported by this server; leave it out", name)
     unsupported = [
         (body.tool_choice not in (None, "none", "auto"), "tool_choice",
@@ -187,9 +193,20 @@ def refuse_unsupported(body: SamplingFields) -> None:
 
 
 def response_schema(body: SamplingFields) -> str | dict | None:
-    """The JSON schema that a body's response_format asks the output to follow (SamplingParams.json_schema), as
-    OpenAI's API takes it: none for {"type": "text"}, any JSON object for json_object, json_schema.schema for
-    json_schema (its name and strict flag change nothing: the schema is always followed); APIError for another."""
+    """The JSON schema that a body asks the output to follow (SamplingParams.json_schema): OpenAI's response_format
+    (none for {"type": "text"}, any JSON object for json_object, json_schema.schema for json_schema, whose name and
+    strict flag change nothing: the schema is always followed), or as vLLM's guided_json or structured_outputs
+    {"json": ...}, or llama.cpp's json_schema field asks it; APIError for another format, or for two ways at once."""
+    extra = body.model_extra or {}
+    asked = {name: extra[name] for name in ("guided_json", "json_schema") if extra.get(name) is not None}
+    if json_outputs(extra.get("structured_outputs")):
+        asked["structured_outputs"] = extra["structured_outputs"]["json"]
+    if body.response_format not in (None, {"type": "text"}):
+        asked = {"response_format": None, **asked}
+    if len(asked) > 1:
+        raise APIError(400, f"{' and '.join(asked)} each ask for the output's format; give one", list(asked)[1])
+    if asked and "response_format" not in asked:
+        return next(iter(asked.values()))
     fmt = body.response_format
     kind = (fmt or {}).get("type", "text")
     if kind == "text":
