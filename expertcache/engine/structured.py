@@ -79,13 +79,18 @@ class JsonConstraint:
         """logits [V] with every token the grammar does not allow next at -inf."""
         allowed = torch.from_numpy(np.frombuffer(self.matcher.compute_logit_bias(), np.uint8)[:logits.numel()] > 0)
         if not allowed.any():  # a matcher in error allows nothing: sampling would pick a token at random
-            raise RuntimeError(f"structured output's grammar allows no token ({self.matcher.get_error()})")
+            self._failed()
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def consume(self, token: int) -> None:
         """Move past `token`, one that `mask` allowed."""
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"structured output's grammar refused token {token} ({self.matcher.get_error()})")
+            self._failed()
+
+    def _failed(self):
+        # the tokens are the mask's: what stops the matcher is the grammar's size against llguidance's parser limits
+        # (a schema of 2,000 properties passed its check and exceeded them at its first key)
+        raise BadInput(f"the JSON schema is too large to follow ({self.matcher.get_error()}); send a smaller one")
 
     @property
     def complete(self) -> bool:

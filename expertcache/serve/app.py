@@ -265,8 +265,11 @@ class Server:
 
     @staticmethod
     def _error(e: Exception) -> APIError:
-        """A failed generation's 500: the failure by its type and message, files named without their folders."""
+        """A failed generation's 500, or its 400 where the request was at fault (BadInput: a JSON schema too large
+        to follow): the failure by its type and message, files named without their folders."""
         message = re.sub(r"(?:/[^/\s'\"]+)+/", "", str(e))
+        if isinstance(e, BadInput):
+            return APIError(400, message, None, type(e).__name__)
         return APIError(500, f"generation failed: {message}", None, type(e).__name__, "server_error")
 
     @staticmethod
