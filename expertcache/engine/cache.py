@@ -137,6 +137,14 @@ class ExpertCache:
         if not virtual:
             self._compile()
 
+    def compile_prefetch(self) -> None:
+        """Compile the prefetch decision as `_compile` compiles the others, once a predictor is attached (a first run
+        without one is spared its ~12 s of compiling)."""
+        E, k, sc = self.shape.num_experts, self.top_k, self.scratch
+        kernel.prefetch_predicted(self._new_state(), MissPolicy().params(), 0, np.zeros(E, np.float32), True, 0,
+                                  False, 0.0, 0, np.empty(k, np.int64), np.empty(k, np.float32), sc.order_v, sc.comp,
+                                  sc.block_max, sc.fetch)
+
     def attach_small(self, store: ExpertStore) -> None:
         """The slow tier's low-precision copies, which `lowbit` transfers read (into the same float slots)."""
         self.small, self.lowbit_bytes = store, store.expert_bytes
@@ -151,10 +159,6 @@ class ExpertCache:
         route_logits(np.zeros((1, E), np.float32), k, True)
         Router(k, True, "sigmoid").route(np.zeros((1, E), np.float32), 0)
         ids = np.arange(k, dtype=np.int64)[None]
-        sc = self.scratch
-        kernel.prefetch_predicted(self._new_state(), MissPolicy().params(), 0, np.zeros(E, np.float32), True, 0,
-                                  False, 0.0, 0, np.empty(k, np.int64), np.empty(k, np.float32), sc.order_v, sc.comp,
-                                  sc.block_max, sc.fetch)
         for logits in (True, False):
             kernel.decide_layer(self._new_state(), MissPolicy().params(), np.zeros((L, E)), self.scratch, 0,
                                 np.zeros((1, E), np.float32), np.zeros((1, E), np.float32), logits, ids,

@@ -404,6 +404,8 @@ class Engine:
                                     "planned); make the engine with that prefetch (--policy POLICY+prefetch/"
                                     f"{prefetch.predictor}) so that the cache is sized around it")
         self.runner.predictor = make_predictor(prefetch.predictor, self.model, self.path) if prefetch else None
+        if prefetch is not None:
+            self.cache.compile_prefetch()
         self.runner.prefetch = prefetch or PrefetchConfig()
         self.model.prefetch = self.runner.observe_residual if prefetch else None
         self.reset()
