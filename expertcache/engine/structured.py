@@ -62,9 +62,9 @@ def grammar_tokenizer(engine):
 
 
 class JsonConstraint:
-    """One generation's place in its schema's grammar: `mask` leaves the logits of the tokens it allows next,
-    `consume` moves past a sampled one; `complete` once the value can end (an end id is then allowed), `closed`
-    once nothing but an end can follow."""
+    """One generation's place in its schema's grammar: `mask` leaves the logits of the tokens it allows next (an end
+    id, `ends`, once the value is complete), `consume` moves past a sampled one; `closed` once nothing but an end
+    can follow."""
 
     def __init__(self, engine, schema: str):
         from llguidance import LLMatcher
@@ -91,10 +91,6 @@ class JsonConstraint:
         # the tokens are the mask's: what stops the matcher is the grammar's size against llguidance's parser limits
         # (a schema of 2,000 properties passed its check and exceeded them at its first key)
         raise BadInput(f"the JSON schema is too large to follow ({self.matcher.get_error()}); send a smaller one")
-
-    @property
-    def complete(self) -> bool:
-        return self.matcher.is_accepting()
 
     @property
     def closed(self) -> bool:

@@ -272,7 +272,9 @@ def table(res: BenchResult) -> str:
              f"{r['fetches_per_token']:.2f}") for k, r in res.summary().items()]
     width = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
     width[0] = min(width[0], 100 - sum(w + 2 for w in width[1:]))
-    fmt = lambda row: "  ".join([row[0].ljust(width[0])] + [c.rjust(w) for c, w in zip(row[1:], width[1:])])  # noqa
+
+    def fmt(row):
+        return "  ".join([row[0].ljust(width[0])] + [c.rjust(w) for c, w in zip(row[1:], width[1:])])
     lines = [fmt(head)]
     for row in rows:
         lines += [row[0], fmt(("", *row[1:]))] if len(row[0]) > width[0] else [fmt(row)]

@@ -197,18 +197,17 @@ def response_schema(body: SamplingFields) -> str | dict | None:
     (none for {"type": "text"}, any JSON object for json_object, json_schema.schema for json_schema, whose name and
     strict flag change nothing: the schema is always followed), or as vLLM's guided_json or structured_outputs
     {"json": ...}, or llama.cpp's json_schema field asks it; APIError for another format, or for two ways at once."""
-    extra = body.model_extra or {}
+    fmt, extra = body.response_format or {}, body.model_extra or {}
+    kind = fmt.get("type", "text")
     asked = {name: extra[name] for name in ("guided_json", "json_schema") if extra.get(name) is not None}
     if json_outputs(extra.get("structured_outputs")):
         asked["structured_outputs"] = extra["structured_outputs"]["json"]
-    if body.response_format not in (None, {"type": "text"}):
+    if kind != "text":
         asked = {"response_format": None, **asked}
     if len(asked) > 1:
         raise APIError(400, f"{' and '.join(asked)} each ask for the output's format; give one", list(asked)[1])
-    if asked and "response_format" not in asked:
+    if asked and kind == "text":
         return next(iter(asked.values()))
-    fmt = body.response_format
-    kind = (fmt or {}).get("type", "text")
     if kind == "text":
         return None
     if kind == "json_object":
