@@ -229,6 +229,41 @@ def test_a_json_schema_needs_the_models_tokenizer(tiny):
     engine.close()
 
 
+def test_a_regex_or_a_choice_is_followed_and_checked_when_given():
+    """vLLM's guided_regex and guided_choice as SamplingParams' regex and choice: the output matches whole or is one
+    of the strings; one constraint at a time; a regex that does not parse is one line naming it; a regex whose
+    grammar exceeds llguidance's limits fails its request in one line, not with the parser's state."""
+    import re
+
+    from expertcache.engine.engine import Engine, EngineConfig
+    from expertcache.engine.generate import TextGeneration
+    from expertcache.errors import BadInput
+    assert SamplingParams(choice="yes").choice == ("yes",) and SamplingParams(choice=["a", "b"]).choice == ("a", "b")
+    unclosed = r"regex='\(' is not a regular expression .*\(unclosed group\)$"
+    for kw, param, words in ((dict(regex="("), "regex", unclosed),
+                             (dict(regex=""), "regex", "non-empty"), (dict(choice=[]), "choice", "non-empty strings"),
+                             (dict(choice=["a", 1]), "choice", "non-empty strings"),
+                             (dict(regex="a", json_schema={}), "regex", "json_schema and regex each constrain"),
+                             (dict(choice=["a"], min_tokens=1), "min_tokens", "cannot be combined with choice")):
+        with pytest.raises(SamplingError, match=words) as e:
+            SamplingParams(**kw)
+        assert e.value.param == param and "\n" not in str(e.value)
+    engine = Engine(None, EngineConfig(store="ram", max_seq=128))
+    prompt = engine.encode("ROMEO.\n")
+    for temperature in (0.0, 1.0):
+        gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=30, regex="[A-Z]{2,6}[.] [a-z]+!", seed=3,
+                                                            temperature=temperature))
+        text = "".join(out.text for out in gen)
+        assert gen.finish_reason == "stop" and re.fullmatch("[A-Z]{2,6}[.] [a-z]+!", text), text
+        gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=30, choice=("ROMEO", "JULIET", "NURSE"),
+                                                            temperature=temperature, seed=3))
+        assert "".join(out.text for out in gen) in ("ROMEO", "JULIET", "NURSE") and gen.finish_reason == "stop"
+    with pytest.raises(BadInput, match=r"^the structured output's grammar is too large to follow \(.*\); send") as e:
+        list(TextGeneration(engine, prompt, SamplingParams(max_tokens=4, regex="a{99999999}")))
+    assert "\n" not in str(e.value)
+    engine.close()
+
+
 def test_generate_takes_a_json_schema_as_text_or_file(tmp_path, capsys):
     import json
 

@@ -300,10 +300,37 @@ SMALL_LIST = {"type": "array", "items": {"type": "integer", "minimum": 0, "maxim
 def test_vllms_and_llama_cpps_ways_of_asking_for_a_schema_are_taken(client, extra):
     out = client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=40, temperature=0, extra_body=extra)
     assert out.choices[0].finish_reason == "stop" and isinstance(json.loads(out.choices[0].text), list)
-    with pytest.raises(openai.BadRequestError, match=f"response_format and {next(iter(extra))} each ask") as e:
+    with pytest.raises(openai.BadRequestError, match=f"response_format and {next(iter(extra))} each constrain") as e:
         client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=4,
                                   extra_body={**extra, "response_format": {"type": "json_object"}})
     assert e.value.body["param"] == next(iter(extra))
+
+
+@pytest.mark.parametrize("extra, check", [
+    ({"guided_regex": "[0-9]{2}-[A-Z]{3}"}, lambda text: re.fullmatch("[0-9]{2}-[A-Z]{3}", text)),
+    ({"structured_outputs": {"regex": "(yes|no), [a-z]{4}"}}, lambda text: re.fullmatch("(yes|no), [a-z]{4}", text)),
+    ({"guided_choice": ["ROMEO", "JULIET", "the NURSE"]}, lambda text: text in ("ROMEO", "JULIET", "the NURSE")),
+    ({"structured_outputs": {"choice": ["up", "down"]}}, lambda text: text in ("up", "down"))])
+def test_vllms_guided_regex_and_choice_are_followed(client, extra, check):
+    """vLLM's guided_regex and guided_choice (and their structured_outputs forms): each choice, sampled, is a whole
+    match or one of the strings, and ends there."""
+    out = client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=30, n=3, temperature=1.0, seed=4,
+                                    extra_body=extra)
+    for choice in out.choices:
+        assert choice.finish_reason == "stop" and check(choice.text), choice.text
+    with pytest.raises(openai.BadRequestError, match="each constrain the output") as e:
+        client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=4, extra_body={**extra, "guided_json": {}})
+    assert e.value.body["param"] in ("guided_json", *extra)
+
+
+@pytest.mark.parametrize("extra, words, param", [({"guided_regex": "("}, "unclosed group", "guided_regex"),
+                                                 ({"guided_choice": []}, "non-empty strings", "guided_choice"),
+                                                 ({"structured_outputs": {"choice": "a", "regex": "b"}},
+                                                  "structured_outputs is not supported", "structured_outputs")])
+def test_a_regex_or_choice_that_cannot_be_followed_is_a_400(client, extra, words, param):
+    with pytest.raises(openai.BadRequestError, match=words) as e:
+        client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=4, extra_body=extra)
+    assert e.value.body["param"] == param
 
 
 @pytest.mark.parametrize("fmt, words", [({"type": "json_schema"}, "needs its schema"),
@@ -346,7 +373,7 @@ def test_fields_not_implemented_are_refused_not_ignored(client, fields, param):
 
 
 @pytest.mark.parametrize("fields", [{"function_call": {"name": "f"}}, {"modalities": ["text", "audio"]},
-                                    {"guided_regex": "a+"}, {"structured_outputs": {"regex": "a+"}},
+                                    {"guided_grammar": "root ::= x"}, {"structured_outputs": {"grammar": "x"}},
                                     {"bad_words": ["a"]},
                                     {"grammar": "root ::= x"},
                                     {"allowed_token_ids": [1, 2]}, {"typical_p": 0.5}, {"echo": True}])

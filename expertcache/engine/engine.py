@@ -52,7 +52,7 @@ class EngineConfig:
     store: str = "ram"  # ram | disk | pinned
     cache: CacheConfig = field(default_factory=CacheConfig)
     policy: str = "fetch-all"
-    eviction: str | None = None  # None: CacheConfig's, else the policy's preferred order (lru, or freq for the presets)
+    eviction: str | None = None  # None: CacheConfig's, else the policy's preferred order (lru; freq for the presets)
     initial: str = "auto"  # warm: most-routed experts first; cold: empty; auto: warm if counts exist
     store_dir: Path | None = None
     read_mode: str = "auto"  # disk store: direct (O_DIRECT or an error), buffered, auto (direct where allowed)

@@ -13,7 +13,7 @@ from ..errors import BadInput
 from ..policies import MissPolicy
 from .engine import Engine
 from .sampling import IncrementalDetokenizer, Sampler, SamplingParams, StopStrings
-from .structured import JsonConstraint
+from .structured import Constraint, grammar_of
 
 
 def eos_token_ids(engine: Engine) -> frozenset[int]:
@@ -111,7 +111,8 @@ class TextGeneration:
         self.eos_ids = torch.tensor(sorted(t for t in self.eos if t < vocab), dtype=torch.long)
         self.detok = IncrementalDetokenizer(engine.tokenizer, prompt) if engine.tokenizer is not None else None
         self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
-        self.constraint = JsonConstraint(engine, params.json_schema) if params.json_schema is not None else None
+        grammar = grammar_of(params)
+        self.constraint = Constraint(engine, grammar) if grammar is not None else None
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.scored: tuple[StepOutput, ...] | None = None  # the prompt's tokens with their logprobs, once prefilled

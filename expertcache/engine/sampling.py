@@ -38,6 +38,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (scoring); then max_tokens may be 0
     json_schema: str | None = None  # the output is a JSON value of this schema (a dict or its JSON text, held as
     # canonical JSON; '{"type": "object"}' is OpenAI's json_object); it ends where the value is complete
+    regex: str | None = None  # the output matches this regular expression whole (vLLM's guided_regex)
+    choice: tuple[str, ...] | None = None  # the output is one of these strings (vLLM's guided_choice)
 
     def __post_init__(self):
         # the forms OpenAI's and vLLM's APIs take (one stop string, lists, a {token: bias} dict, None for none), held
@@ -92,16 +94,36 @@ class SamplingParams:
                     not -100 <= bias <= 100:
                 raise SamplingError("logit_bias", f"logit_bias={token}:{bias} must give a token id >= 0 a bias in "
                                                   "[-100, 100]")
+        self._check_structure()
+
+    def _check_structure(self) -> None:
+        """json_schema, regex and choice: at most one, each one llguidance can follow, and none with min_tokens."""
+        from .structured import regex_grammar, schema_text
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise SamplingError(given[1], f"{' and '.join(given)} each constrain the output; give one")
         if self.json_schema is not None:
-            from .structured import schema_text
             try:
                 object.__setattr__(self, "json_schema", schema_text(self.json_schema))
             except ValueError as e:
                 raise SamplingError("json_schema", f"the JSON schema {e}; give a JSON schema such as "
                                                    '{"type": "object"}') from None
-            if self.min_tokens:  # barring the end past a complete value would leave no token to sample
-                raise SamplingError("min_tokens", f"min_tokens={self.min_tokens} cannot be combined with a JSON "
-                                                  "schema, which decides where the output ends; leave one out")
+        if self.regex is not None:
+            try:
+                if not isinstance(self.regex, str) or not self.regex:
+                    raise ValueError("is no non-empty string")
+                regex_grammar(self.regex)
+            except ValueError as e:
+                raise SamplingError("regex", f"regex={self.regex!r} {e}") from None
+        if self.choice is not None:
+            choice = (self.choice,) if isinstance(self.choice, str) else self.choice
+            if not isinstance(choice, (list, tuple)) or not choice or \
+                    not all(isinstance(c, str) and c for c in choice):
+                raise SamplingError("choice", f"choice={self.choice!r} must be a list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(choice))
+        if given and self.min_tokens:  # barring the end past a complete text would leave no token to sample
+            raise SamplingError("min_tokens", f"min_tokens={self.min_tokens} cannot be combined with {given[0]}, "
+                                              "which decides where the output ends; leave one out")
 
     @property
     def greedy(self) -> bool:

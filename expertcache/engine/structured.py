@@ -1,6 +1,7 @@
 """Structured output: a generation whose text is a JSON value of a given JSON schema (OpenAI's response_format
-json_object and json_schema), by masking each step's logits to the tokens the schema's grammar allows next. The
-grammar and its token masks are llguidance's, over the model's own tokenizer."""
+json_object and json_schema), a match of a regular expression, or one of given strings (vLLM's guided_regex and
+guided_choice), by masking each step's logits to the tokens the grammar allows next. The grammars and their token
+masks are llguidance's, over the model's own tokenizer."""
 from __future__ import annotations
 
 import json
@@ -22,6 +23,41 @@ def grammar(schema: str) -> str:
     return LLMatcher.grammar_from_json_schema(schema, defaults=LAYOUT)
 
 
+def one_line(problem: str) -> str:
+    """llguidance's message on one line: a regex's parse error spans lines, a caret under the pattern."""
+    lines = [line.strip() for line in str(problem).splitlines() if line.strip()]
+    named = [line.removeprefix("error:").strip() for line in lines if line.startswith("error:")]
+    return named[0] if named else " ".join(lines)
+
+
+def regex_grammar(pattern: str) -> str:
+    """llguidance's grammar of the texts that match `pattern` whole (Rust's regex syntax, as vLLM's guided_regex);
+    ValueError naming what is wrong when it cannot be followed."""
+    from llguidance import LLMatcher
+    try:
+        text = LLMatcher.grammar_from_regex(pattern)
+    except ValueError as e:
+        raise ValueError(f"is not a regular expression ({one_line(e)})") from None
+    if problem := LLMatcher.validate_grammar(text):
+        raise ValueError(f"is not a regular expression llguidance can follow ({one_line(problem)})")
+    return text
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """llguidance's grammar of exactly one of `choices` (vLLM's guided_choice)."""
+    from llguidance import LLMatcher
+    return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+
+
+def grammar_of(params) -> str | None:
+    """The grammar that SamplingParams `params` keep the output to (json_schema, regex or choice), or None."""
+    if params.json_schema is not None:
+        return grammar(params.json_schema)
+    if params.regex is not None:
+        return regex_grammar(params.regex)
+    return choice_grammar(params.choice) if params.choice is not None else None
+
+
 def schema_text(schema) -> str:
     """A JSON schema (a dict or its JSON text) as the canonical JSON text SamplingParams keeps; ValueError naming
     what is wrong for anything llguidance cannot follow (a boolean schema neither: llguidance takes objects)."""
@@ -39,7 +75,7 @@ def schema_text(schema) -> str:
     from llguidance import LLMatcher
     problem = LLMatcher.validate_grammar(grammar(text))
     if problem:
-        raise ValueError(f"cannot be followed ({problem})")
+        raise ValueError(f"cannot be followed ({one_line(problem)})")
     return text
 
 
@@ -61,18 +97,18 @@ def grammar_tokenizer(engine):
     return _TOKENIZERS[engine]
 
 
-class JsonConstraint:
-    """One generation's place in its schema's grammar: `mask` leaves the logits of the tokens it allows next (an end
-    id, `ends`, once the value is complete), `consume` moves past a sampled one; `closed` once nothing but an end
-    can follow."""
+class Constraint:
+    """One generation's place in its grammar: `mask` leaves the logits of the tokens it allows next (an end id,
+    `ends`, once the text is complete), `consume` moves past a sampled one; `closed` once nothing but an end can
+    follow."""
 
-    def __init__(self, engine, schema: str):
+    def __init__(self, engine, grammar_text: str):
         from llguidance import LLMatcher
         tokenizer = grammar_tokenizer(engine)
-        self.matcher = LLMatcher(tokenizer, grammar(schema), log_level=0)
-        if self.matcher.is_error():  # schema_text checked it without the tokenizer
-            raise BadInput(f"the JSON schema cannot be followed with this model's tokenizer "
-                           f"({self.matcher.get_error()})")
+        self.matcher = LLMatcher(tokenizer, grammar_text, log_level=0)
+        if self.matcher.is_error():  # SamplingParams checked it without the tokenizer
+            raise BadInput(f"the structured output's grammar cannot be followed with this model's tokenizer "
+                           f"({one_line(self.matcher.get_error())})")
         self.ends = frozenset(tokenizer.eos_tokens)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
@@ -90,7 +126,8 @@ class JsonConstraint:
     def _failed(self):
         # the tokens are the mask's: what stops the matcher is the grammar's size against llguidance's parser limits
         # (a schema of 2,000 properties passed its check and exceeded them at its first key)
-        raise BadInput(f"the JSON schema is too large to follow ({self.matcher.get_error()}); send a smaller one")
+        error = (self.matcher.get_error().strip().splitlines() or ["no token allowed"])[0]  # then the parser's state
+        raise BadInput(f"the structured output's grammar is too large to follow ({error}); send a smaller one")
 
     @property
     def closed(self) -> bool:

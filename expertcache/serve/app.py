@@ -28,7 +28,7 @@ from .metrics import ServerMetrics
 from .limits import BodyLimits, RequireApiKey, ServerLimits
 from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, CompletionBody, DetokenizeBody, SamplingFields,
                       StreamOptions, TokenizeBody, checked_stop, logit_bias_pairs, logprobs_count, message_text,
-                      refuse_unsupported, response_schema)
+                      refuse_unsupported, structure)
 from .scheduler import Request, Scheduler
 
 DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
@@ -108,6 +108,7 @@ class Server:
                            f"{self.engine.model.max_seq} tokens; ask for at most {room}", "max_tokens",
                            "context_length_exceeded")
         stop = checked_stop(body.stop)
+        field, constraint = structure(body)
         vocab = self.engine.args.vocab_size
         if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):  # never generated: a client's mistake
             raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
@@ -120,10 +121,9 @@ class Server:
                                   include_stop_str_in_output=body.include_stop_str_in_output,
                                   stop_token_ids=tuple(body.stop_token_ids or ()),
                                   ignore_eos=body.ignore_eos, logprobs=logprobs,
-                                  prompt_logprobs=(logprobs or 0) if echo else None,
-                                  json_schema=response_schema(body))
+                                  prompt_logprobs=(logprobs or 0) if echo else None, **constraint)
         except SamplingError as e:
-            raise APIError(400, str(e), "response_format" if e.param == "json_schema" else e.param) from None
+            raise APIError(400, str(e), field if e.param in constraint else e.param) from None
 
     def check_model(self, model: str | None) -> None:
         """APIError 404 unless `model` is the one served (or left out, as vLLM and llama-server take it)."""

@@ -162,16 +162,22 @@ class DetokenizeBody(BaseModel):
 # message; completions declare their own.)
 UNIMPLEMENTED = {"function_call": ("none", "auto"), "modalities": (["text"],), "audio": (),
                  "continue_final_message": (False,), "bad_words": ([],),
-                 "allowed_token_ids": (), "guided_regex": (), "guided_choice": (),
-                 "guided_grammar": (), "structured_outputs": (), "grammar": ("",),
+                 "allowed_token_ids": (), "guided_grammar": (), "structured_outputs": (), "grammar": ("",),
                  "typical_p": (1, 1.0), "mirostat": (0,), "repeat_penalty": (1, 1.0), "tfs_z": (1, 1.0),
                  "prompt_logprobs": (), "truncate_prompt_tokens": (), "length_penalty": (1, 1.0),
                  "use_beam_search": (False,), "echo": (False,)}
 
 
-def json_outputs(value) -> bool:
-    """Whether vLLM's structured_outputs `value` asks for a JSON schema only ({"json": schema}), which is taken."""
-    return isinstance(value, dict) and set(value) == {"json"}
+# vLLM's structured_outputs keys, and its guided_* fields (and llama.cpp's json_schema), as SamplingParams' fields
+OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice"}
+GUIDED = {"guided_json": "json_schema", "json_schema": "json_schema", "guided_regex": "regex",
+          "guided_choice": "choice"}
+
+
+def taken_outputs(value) -> bool:
+    """Whether vLLM's structured_outputs `value` asks for one thing this server follows ({"json": schema},
+    {"regex": ...} or {"choice": [...]}); others (a grammar, a structural tag) are refused."""
+    return isinstance(value, dict) and len(value) == 1 and set(value) <= set(OUTPUTS)
 
 
 def refuse_unsupported(body: SamplingFields) -> None:
@@ -179,7 +185,7 @@ def refuse_unsupported(body: SamplingFields) -> None:
     (user, tools the model may leave uncalled, ...) are accepted and ignored."""
     for name, value in (body.model_extra or {}).items():
         if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name] and \
-                not (name == "structured_outputs" and json_outputs(value)):
+                not (name == "structured_outputs" and taken_outputs(value)):
             raise APIError(400, f"{name} is not supported by this server; leave it out", name)
     unsupported = [
         (body.tool_choice not in (None, "none", "auto"), "tool_choice",
@@ -192,29 +198,30 @@ def refuse_unsupported(body: SamplingFields) -> None:
             raise APIError(400, f"{name} is not supported; {fix}", name)
 
 
-def response_schema(body: SamplingFields) -> str | dict | None:
-    """The JSON schema that a body asks the output to follow (SamplingParams.json_schema): OpenAI's response_format
-    (none for {"type": "text"}, any JSON object for json_object, json_schema.schema for json_schema, whose name and
-    strict flag change nothing: the schema is always followed), or as vLLM's guided_json or structured_outputs
-    {"json": ...}, or llama.cpp's json_schema field asks it; APIError for another format, or for two ways at once."""
+def structure(body: SamplingFields) -> tuple[str | None, dict]:
+    """What a body asks the output to follow, as (the body's field that asks it, SamplingParams' fields): OpenAI's
+    response_format (nothing for {"type": "text"}, any JSON object for json_object, json_schema.schema for
+    json_schema, whose name and strict flag change nothing: the schema is always followed); vLLM's guided_json,
+    guided_regex, guided_choice and structured_outputs; llama.cpp's json_schema. APIError for another format, or for
+    two ways at once."""
     fmt, extra = body.response_format or {}, body.model_extra or {}
     kind = fmt.get("type", "text")
-    asked = {name: extra[name] for name in ("guided_json", "json_schema") if extra.get(name) is not None}
-    if json_outputs(extra.get("structured_outputs")):
-        asked["structured_outputs"] = extra["structured_outputs"]["json"]
+    asked = {name: {field: extra[name]} for name, field in GUIDED.items() if extra.get(name) is not None}
+    if taken_outputs(outputs := extra.get("structured_outputs")):
+        asked["structured_outputs"] = {OUTPUTS[key]: value for key, value in outputs.items()}
     if kind != "text":
-        asked = {"response_format": None, **asked}
+        asked = {"response_format": {}, **asked}
     if len(asked) > 1:
-        raise APIError(400, f"{' and '.join(asked)} each ask for the output's format; give one", list(asked)[1])
+        raise APIError(400, f"{' and '.join(asked)} each constrain the output; give one", list(asked)[1])
     if asked and kind == "text":
-        return next(iter(asked.values()))
+        return next(iter(asked.items()))
     if kind == "text":
-        return None
+        return None, {}
     if kind == "json_object":
-        return JSON_OBJECT
+        return "response_format", {"json_schema": JSON_OBJECT}
     spec = fmt.get("json_schema")
     if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
-        return spec["schema"]
+        return "response_format", {"json_schema": spec["schema"]}
     if kind == "json_schema":
         raise APIError(400, 'response_format json_schema needs its schema: {"type": "json_schema", "json_schema": '
                        '{"name": "...", "schema": {...}}}', "response_format")
