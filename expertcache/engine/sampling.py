@@ -109,9 +109,9 @@ class SamplingParams:
                 raise SamplingError("json_schema", f"the JSON schema {e}; give a JSON schema such as "
                                                    '{"type": "object"}') from None
         if self.regex is not None:
+            if not isinstance(self.regex, str) or not self.regex:
+                raise SamplingError("regex", f"regex={self.regex!r} must be a non-empty string")
             try:
-                if not isinstance(self.regex, str) or not self.regex:
-                    raise ValueError("is no non-empty string")
                 regex_grammar(self.regex)
             except ValueError as e:
                 raise SamplingError("regex", f"regex={self.regex!r} {e}") from None
