@@ -7,7 +7,7 @@ _EXPORTS = {"CacheConfig": ".engine.cache", "BUILTIN_MODEL": ".engine.engine", "
             "EngineConfig": ".engine.engine", "generate": ".engine.generate", "PrefetchConfig": ".engine.moe",
             "PerplexityResult": ".engine.perplexity", "perplexity": ".engine.perplexity",
             "RunStats": ".engine.stats", "ExpertCacheError": ".errors", "MissPolicy": ".policies",
-            "make_policy": ".policies"}
+            "make_policy": ".policies", "SamplingParams": ".engine.sampling", "TextGeneration": ".engine.generate"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -264,6 +264,18 @@ def test_a_regex_or_a_choice_is_followed_and_checked_when_given():
     engine.close()
 
 
+def test_the_documented_python_generation_runs(capsys):
+    """docs/architecture.md's text-generation example, as written, prints a JSON object that ends the output."""
+    import json
+    import re
+    from pathlib import Path
+    doc = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    example = next(block for block in re.findall(r"```python\n(.*?)```", doc, re.S) if "TextGeneration" in block)
+    exec(compile(example, "architecture.md", "exec"), {})
+    text, reason = capsys.readouterr().out.rstrip("\n").rsplit(" ", 1)
+    assert reason == "stop" and isinstance(json.loads(text), dict)
+
+
 def test_generate_takes_a_json_schema_as_text_or_file(tmp_path, capsys):
     import json
 
