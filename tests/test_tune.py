@@ -9,7 +9,8 @@ from expertcache.engine.cache import CacheConfig
 from expertcache.engine.perplexity import EVAL_TEXT
 from expertcache.lab.calibrate import CALIB_TEXT
 from expertcache.lab.costmodel import DATASHEET
-from expertcache.lab.tune import BETAS, EVICTIONS, RULES, TuneConfig, search_space, tune, tune_ids
+from expertcache.lab.tune import (BETAS, EVICTIONS, RULES, TuneConfig, check_profile_for, search_space, slot_engine,
+                                  tune, tune_ids)
 from expertcache.policies import make_policy
 
 SMALL = ("fetch-all", "threshold:tau=0.05,eviction=demand", "threshold:tau=0.15,beta=0.5,eviction=freq",
@@ -107,12 +108,16 @@ def test_a_profile_given_for_other_slots_or_mode_is_refused():
     cfg = TuneConfig(cache=CacheConfig(fraction=0.25), calib_tokens=600, tokens=600, context=256,
                      slot_dtypes=("auto", "int4"))
     ids = tune_ids(None, CALIB_TEXT.read_text(encoding="utf-8"), EVAL_TEXT.read_text(encoding="utf-8"), cfg)
-    swapped = {"auto": replace(sheet, slot_dtype="int4", mode="decode"), "int4": replace(sheet, slot_dtype="auto")}
-    with pytest.raises(BadInput, match="given for --slot-dtype auto, --mode decode was measured with --slot-dtype int4"):
+    swapped = {"auto": replace(sheet, slot_dtype="int4", mode="decode"), "int4": replace(sheet, slot_dtype="float16")}
+    with pytest.raises(BadInput, match=r"given for --slot-dtype auto \(float16 slots\), --mode decode was measured "
+                                       "with int4 slots"):
         tune(None, ids, swapped, cfg)
-    forced = {"auto": replace(sheet, slot_dtype="auto", mode="forced"), "int4": sheet}
-    with pytest.raises(BadInput, match="was measured with --mode forced.*calibrate-hw --mode decode"):
+    forced = {"auto": replace(sheet, slot_dtype="float16", mode="forced"), "int4": sheet}
+    with pytest.raises(BadInput, match="was measured with forced mode.*calibrate-hw --mode decode"):
         tune(None, ids, forced, cfg)
+    engine = slot_engine(None, cfg, "auto")  # auto's slots are the checkpoint's fp16: a profile of fp16 slots fits
+    check_profile_for(replace(sheet, slot_dtype="float16", mode="decode"), "auto", engine, "decode")
+    engine.close()
 
 
 def test_tune_bad_budget_is_one_line(capsys):

@@ -68,7 +68,7 @@ class HardwareProfile:
     exposed_prefetch_s: float = 0.0  # a prefetch's cost beyond prefetch_s when no wait of its call hides it
     flushed_s: float = 0.0  # one entry a window runs before its slot changes hands (one token through one expert)
     unfitted: tuple = ()  # terms the calibration runs did not vary (folded into dense or left at 0)
-    slot_dtype: str = ""  # the slots its runs had (calibrate-hw's --slot-dtype); "": not recorded (a datasheet)
+    slot_dtype: str = ""  # the format of its runs' slots (float16, int4, ...); "": not recorded (a datasheet)
     mode: str = ""  # what its runs timed: decode or forced; "": not recorded
     version: int = PROFILE_VERSION
 
@@ -285,6 +285,7 @@ class TimedRun:
     variant: str
     seconds: float
     stats: RunStats
+    slots: str = ""  # the engine's slot format (float16, int4, ...)
 
 
 def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", repeats: int = 5,
@@ -352,19 +353,19 @@ def _time_engines(engines, model, runs, ids, mode, repeats, store, device, store
             if progress:
                 progress(f"{f'rep {rep}' if rep else 'warm-up'} {runs[i][1]} @{runs[i][0]:g}")
     out = []
-    for (fraction, variant), reps in zip(runs, samples):
+    for (fraction, variant), reps, eng in zip(runs, samples, engines):
         reps.sort(key=lambda r: r[0])
         seconds, stats = reps[len(reps) // 2]
-        out.append(TimedRun(fraction, variant, seconds, stats))
+        out.append(TimedRun(fraction, variant, seconds, stats, eng.slot_format.dtype))
     return out
 
 
 def fit_profile(timed: list[TimedRun], store, layers: int, top_k: int, mode: str, label: str = "",
-                read_s: float | None = None, slot_dtype: str = "") -> HardwareProfile:
+                read_s: float | None = None) -> HardwareProfile:
     """The profile whose costs fit `timed` best: fit_terms over the TERMS the runs identify (see
     `identifiable`; the others are listed in `unfitted`). `store`: the runs' slow tier (its
-    expert_bytes); `read_s`: one raw read's time, reported in `source`; `slot_dtype`: the runs' slots, recorded
-    (with `mode`) so that `tune` can refuse a profile given for other slots. The condition number of the
+    expert_bytes); `read_s`: one raw read's time, reported in `source`. The runs' slot format is recorded (with
+    `mode`), so that `tune` can refuse a profile given for other slots. The condition number of the
     scaled count matrix goes into `source`: large means the runs barely separate two terms."""
     counts = np.array([term_counts(r.stats, layers) for r in timed])
     seconds = np.array([r.seconds for r in timed])
@@ -393,7 +394,7 @@ def fit_profile(timed: list[TimedRun], store, layers: int, top_k: int, mode: str
     return HardwareProfile(f"this-machine-{label or 'store'}-{mode}", **costs, prediction_compute_s=compute_s,
                            fetch_bandwidth=store.expert_bytes / transfer if transfer else float("inf"),
                            overlap=True, expert_bytes=store.expert_bytes, layers=layers, top_k=top_k,
-                           slot_dtype=slot_dtype, mode=mode,
+                           slot_dtype=timed[0].slots if timed else "", mode=mode,
                            source=f"measured by calibrate-hw ({label} store, {mode}, {len(timed)} runs, condition "
                                   f"number {cond:.0f}){read}", calibration=calibration, unfitted=tuple(unfitted))
 
@@ -468,5 +469,4 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
         read_s.append(time.perf_counter() - start)
     if hasattr(st, "close"):
         st.close()
-    return fit_profile(timed, st, a.num_moe_layers, a.top_k, mode, store, statistics.median(read_s),
-                       options.get("slot_dtype", "auto"))
+    return fit_profile(timed, st, a.num_moe_layers, a.top_k, mode, store, statistics.median(read_s))

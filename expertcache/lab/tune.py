@@ -367,14 +367,17 @@ def tune_ids(model: Path | None, calib_text: str, eval_text: str, cfg: TuneConfi
     return calib, held
 
 
-def check_profile_for(profile: HardwareProfile, slots: str, mode: str) -> None:
-    """BadInput when `profile` records that its runs had other slots than `slots` or timed another mode than
-    `mode` (a profile without the record, a datasheet's or an older one's, is taken)."""
-    for what, recorded, given in (("--slot-dtype", profile.slot_dtype, slots), ("--mode", profile.mode, mode)):
+def check_profile_for(profile: HardwareProfile, slots: str, engine: Engine, mode: str) -> None:
+    """BadInput when `profile` records that its runs had other slots than `engine` has for --slot-dtype `slots`
+    (their format: auto's is the checkpoint's), or timed another mode than `mode` (a profile without the record, a
+    datasheet's or an older one's, is taken)."""
+    held = engine.slot_format.dtype
+    for what, recorded, given in (("slots", profile.slot_dtype, held), ("mode", profile.mode, mode)):
         if recorded and recorded != given:
-            raise BadInput(f"the hardware profile given for --slot-dtype {slots}, --mode {mode} was measured with "
-                           f"{what} {recorded}: give the --profile files in the order auto, then --slot-dtypes, "
-                           f"each measured by `expertcache calibrate-hw --mode {mode} --slot-dtype SLOTS --out FILE`")
+            raise BadInput(f"the hardware profile given for --slot-dtype {slots} ({held} slots), --mode {mode} was "
+                           f"measured with {recorded} {what}: give the --profile files in the order auto, then "
+                           f"--slot-dtypes, each measured by `expertcache calibrate-hw --mode {mode} --slot-dtype "
+                           "SLOTS --out FILE`")
 
 
 def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: HardwareProfile | dict[str, HardwareProfile],
@@ -390,16 +393,16 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
     if missing:
         raise BadInput(f"no cost profile for slots {', '.join(missing)}; give one profile per slot format")
     args = model_args(open_checkpoint(model or BUILTIN_MODEL).config)
-    for slots, p in profiles.items():  # before any engine loads: a profile measured on another model is refused,
+    for p in profiles.values():  # before any engine loads: a profile measured on another model is refused
         check_model(p, args.num_moe_layers, args.top_k, f"model {model or BUILTIN_MODEL}")
-        if isinstance(profile, dict):  # and one that records other slots or mode than it is given for (in 'auto'
-            check_profile_for(p, slots, cfg.mode)  # order): the costs of other slots, priced silently
     engines: dict[str, Engine] = {}
     skipped: dict[str, str] = {}  # predictors left out of the search, and why
     note = (lambda label, n=0, total=None: progress(label, n, total)) if progress else None
     try:
         for slots in searched:
             engines[slots] = slot_engine(model, cfg, slots)
+            if isinstance(profile, dict):  # one of other slots or mode than it is given for (the files in another
+                check_profile_for(profiles[slots], slots, engines[slots], cfg.mode)  # order) priced them silently
         if note:
             note("trace", 0, 1)
         rows = []
