@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -15,8 +16,12 @@ from ..errors import BadInput
 JSON_OBJECT = '{"type": "object"}'  # OpenAI's response_format json_object: any JSON object
 # written as json.dumps writes it: free whitespace let a model pad a value with newlines and tabs up to max_tokens
 LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The grammar builders are cached: SamplingParams checks a request's grammar as it is made, and each of its
+# generations (n choices) builds it again; a large schema takes ~0.2 s each time.
+GRAMMARS = 32
 
 
+@lru_cache(GRAMMARS)
 def grammar(schema: str) -> str:
     """llguidance's grammar of the JSON values of `schema` (a schema's own x-guidance options win over LAYOUT)."""
     from llguidance import LLMatcher
@@ -30,6 +35,7 @@ def one_line(problem: str) -> str:
     return named[0] if named else " ".join(lines)
 
 
+@lru_cache(GRAMMARS)
 def regex_grammar(pattern: str) -> str:
     """llguidance's grammar of the texts that match `pattern` whole (Rust's regex syntax, as vLLM's guided_regex);
     ValueError naming what is wrong when it cannot be followed."""
@@ -43,6 +49,7 @@ def regex_grammar(pattern: str) -> str:
     return text
 
 
+@lru_cache(GRAMMARS)
 def choice_grammar(choices: tuple[str, ...]) -> str:
     """llguidance's grammar of exactly one of `choices` (vLLM's guided_choice)."""
     from llguidance import LLMatcher

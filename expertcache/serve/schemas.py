@@ -162,7 +162,7 @@ class DetokenizeBody(BaseModel):
 # message; completions declare their own.)
 UNIMPLEMENTED = {"function_call": ("none", "auto"), "modalities": (["text"],), "audio": (),
                  "continue_final_message": (False,), "bad_words": ([],),
-                 "allowed_token_ids": (), "guided_grammar": (), "structured_outputs": (), "grammar": ("",),
+                 "allowed_token_ids": (), "guided_grammar": (), "grammar": ("",),
                  "typical_p": (1, 1.0), "mirostat": (0,), "repeat_penalty": (1, 1.0), "tfs_z": (1, 1.0),
                  "prompt_logprobs": (), "truncate_prompt_tokens": (), "length_penalty": (1, 1.0),
                  "use_beam_search": (False,), "echo": (False,)}
@@ -174,18 +174,11 @@ GUIDED = {"guided_json": "json_schema", "json_schema": "json_schema", "guided_re
           "guided_choice": "choice"}
 
 
-def taken_outputs(value) -> bool:
-    """Whether vLLM's structured_outputs `value` asks for one thing this server follows ({"json": schema},
-    {"regex": ...} or {"choice": [...]}); others (a grammar, a structural tag) are refused."""
-    return isinstance(value, dict) and len(value) == 1 and set(value) <= set(OUTPUTS)
-
-
 def refuse_unsupported(body: SamplingFields) -> None:
     """APIError for a field this server does not implement and that would change the answer; fields that do not
     (user, tools the model may leave uncalled, ...) are accepted and ignored."""
     for name, value in (body.model_extra or {}).items():
-        if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name] and \
-                not (name == "structured_outputs" and taken_outputs(value)):
+        if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name]:
             raise APIError(400, f"{name} is not supported by this server; leave it out", name)
     unsupported = [
         (body.tool_choice not in (None, "none", "auto"), "tool_choice",
@@ -207,7 +200,10 @@ def structure(body: SamplingFields) -> tuple[str | None, dict]:
     fmt, extra = body.response_format or {}, body.model_extra or {}
     kind = fmt.get("type", "text")
     asked = {name: {field: extra[name]} for name, field in GUIDED.items() if extra.get(name) is not None}
-    if taken_outputs(outputs := extra.get("structured_outputs")):
+    if (outputs := extra.get("structured_outputs")) is not None:  # one of json, regex or choice; not a grammar
+        if not (isinstance(outputs, dict) and len(outputs) == 1 and set(outputs) <= set(OUTPUTS)):
+            raise APIError(400, "structured_outputs is not supported by this server but as one of json, regex or "
+                           "choice; leave it out", "structured_outputs")
         asked["structured_outputs"] = {OUTPUTS[key]: value for key, value in outputs.items()}
     if kind != "text":
         asked = {"response_format": {}, **asked}
