@@ -2,8 +2,8 @@
 greedily with every expert resident (or a smaller cache), stages timed with perf_counter by
 wrapping the engine's own functions in this process.
 
-    python benchmarks/decode_profile.py [--model DIR] [--store ram] [--cache 1.0] [--tokens 64] [--trials 5]
-        [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
+    python benchmarks/decode_profile.py [--model DIR] [--device cuda] [--store ram] [--cache 1.0] [--tokens 64]
+        [--trials 5] [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
 
 Stages (nested stages are subtracted from their parents): attention (the dense attention
 block, norms excluded; the compiled decode block includes its two norms), route (router
@@ -12,6 +12,10 @@ transfers, waits),
 absorb (counters), experts (the k experts' compute), lm_head (final norm and logits), and
 the rest of the forward (norms, residual adds, the MoE runner's Python, the engine's
 bookkeeping). The wrappers add ~0.3 us per call, which falls into the stage they wrap.
+
+On CUDA a stage's time is the host's: launching its kernels, and waiting where it syncs (route). One more
+trial then runs under PyTorch's profiler for what the device did in a token: its kernels' summed time, and
+the kernel launches, host-device copies and synchronizations the host made.
 """
 from __future__ import annotations
 
@@ -92,7 +96,7 @@ def profile(a) -> dict:
     from expertcache.engine.engine import Engine, EngineConfig
     from expertcache.engine.quant import ExpertFormat
     fmt = ExpertFormat.parse(a.store_dtype, 32) if a.store_dtype else None
-    engine = Engine(a.model, EngineConfig(store=a.store, cache=CacheConfig(fraction=a.cache), policy=a.policy,
+    engine = Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=CacheConfig(fraction=a.cache), policy=a.policy,
                                           store_format=fmt, slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype))
     if a.cache >= 1.0:  # every expert resident from the start, whatever routing counts the checkpoint has
         import numpy as np
@@ -102,31 +106,60 @@ def profile(a) -> dict:
     instrument(engine, timer)
     forward = timer.wrap("forward", engine.forward)
     prompt = engine.encode("KING HENRY.\nNow, lords, for France; the enterprise whereof")
-    per_trial, stage_trials = [], defaultdict(list)
-    for trial in range(a.trials + 1):  # trial 0 warms up
+
+    def decode() -> float:
+        """Greedy tokens after the prompt; wall seconds of the decode."""
         engine.reset()
         tok = int(forward(torch.tensor(prompt), 0)[-1].argmax())
         pos = len(prompt)
         timer.reset()
         start = time.perf_counter()
         for _ in range(a.tokens):
-            tok = int(forward(torch.tensor([tok]), pos)[-1].argmax())
+            tok = int(forward(torch.tensor([tok]), pos)[-1].argmax())  # argmax on the host: one sync a token
             pos += 1
-        wall = time.perf_counter() - start
+        return time.perf_counter() - start
+
+    per_trial, stage_trials = [], defaultdict(list)
+    for trial in range(a.trials + 1):  # trial 0 warms up
+        wall = decode()
         if trial:
             per_trial.append(1e3 * wall / a.tokens)
             stage_trials["outside forward"].append(1e3 * (wall - sum(timer.total.values())) / a.tokens)
             for name, s in timer.total.items():
                 stage_trials[name].append(1e3 * s / a.tokens)
     calls = {name: n / a.tokens for name, n in timer.calls.items()}
-    return {"ms_per_token": statistics.median(per_trial),
-            "stages_ms": {k: statistics.median(v) for k, v in stage_trials.items()}, "calls_per_token": calls}
+    result = {"ms_per_token": statistics.median(per_trial),
+              "stages_ms": {k: statistics.median(v) for k, v in stage_trials.items()}, "calls_per_token": calls}
+    if engine.device.type == "cuda":
+        result["device"] = device_counts(decode, a.tokens)
+    engine.close()
+    return result
+
+
+def device_counts(decode, tokens: int) -> dict:
+    """One decode under PyTorch's profiler: per token, the device's kernel time and the host's kernel launches,
+    copies and synchronizations (the runtime's calls, as the profiler names them)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decode()
+    rows = prof.key_averages()
+
+    def count(match) -> float:
+        return sum(r.count for r in rows if match(r.key)) / tokens
+    device_us = sum(r.self_device_time_total for r in rows if r.device_type == torch.autograd.DeviceType.CUDA)
+    return {"kernel_ms": device_us / 1e3 / tokens,
+            "launches": count(lambda k: k in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                                               "cuLaunchKernelEx")),
+            "copies": count(lambda k: k.startswith("cudaMemcpy")),
+            "syncs": count(lambda k: k.startswith("cuda") and "Synchronize" in k)}
 
 
 def main() -> None:
     from expertcache.engine.engine import BUILTIN_MODEL
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=BUILTIN_MODEL)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--store", default="ram")
     p.add_argument("--cache", type=float, default=1.0)
     p.add_argument("--policy", default="fetch-all")
@@ -146,6 +179,10 @@ def main() -> None:
         ms = r["stages_ms"][k]
         label = "rest of forward (norms, adds, runner, bookkeeping)" if k == "forward" else k
         print(f"| {label} | {ms:.3f} | {ms / r['ms_per_token']:.0%} | {r['calls_per_token'].get(k, 0):.0f} |")
+    if "device" in r:
+        d = r["device"]
+        print(f"\nper token on the device: kernels {d['kernel_ms']:.3f} ms; the host made {d['launches']:.0f} kernel "
+              f"launches, {d['copies']:.0f} copies and {d['syncs']:.0f} synchronizations")
 
 
 if __name__ == "__main__":

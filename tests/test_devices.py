@@ -10,9 +10,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from expertcache.engine.cache import CacheConfig
 from expertcache.engine.slots import slot_format
 from expertcache.engine.engine import Engine, EngineConfig, non_finite_cause
 from expertcache.engine.linear import float_dtype
+from expertcache.engine.moe import PrefetchConfig
 from expertcache.engine.perplexity import teacher_forced
 from expertcache.engine.quant import ExpertFormat
 from expertcache.engine.sampling import Sampler, SamplingParams
@@ -252,3 +254,37 @@ def test_cuda_perplexity_and_seeded_sampling_match_the_cpu():
     draws = {d: [Sampler(SamplingParams(temperature=1.0, seed=3))(logits.to(d), torch.zeros(64, dtype=torch.bool))
                  for _ in range(3)] for d in ("cpu", "cuda")}
     assert draws["cpu"] == draws["cuda"]
+
+
+def decoded_logits(config: EngineConfig, text: str = "The expert cache keeps some experts in fast memory."):
+    """Each token's logits, fed one at a time (the decode path, whose per-token expert sum has a fixed order), and
+    the run's statistics."""
+    e = Engine(None, config)
+    try:
+        ids = e.encode(text)
+        return torch.cat([e.forward(ids[p:p + 1], p).float().cpu() for p in range(len(ids))]), e.stats
+    finally:
+        e.close()
+
+
+@needs_cuda
+@pytest.mark.parametrize("store", ["pinned", "disk"])
+def test_cuda_fetch_all_through_a_quarter_cache_gives_the_resident_logits(store):
+    """Fetch-every-miss is exact on the GPU too: every expert copied into a slot on the copy stream computes
+    what the all-resident model computes, bit for bit."""
+    ref, _ = decoded_logits(EngineConfig(device="cuda", store="ram", cache=CacheConfig(fraction=1.0)))
+    got, stats = decoded_logits(EngineConfig(device="cuda", store=store, policy="fetch-all",
+                                             cache=CacheConfig(fraction=0.25)))
+    assert stats.sync_fetches > 0
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("predictor", ["router-ahead", "estimator"])
+def test_cuda_prefetch_keeps_fetch_all_exact(predictor):
+    ref, _ = decoded_logits(EngineConfig(device="cuda", store="ram", cache=CacheConfig(fraction=1.0)))
+    got, stats = decoded_logits(EngineConfig(device="cuda", store="disk", policy="fetch-all",
+                                             cache=CacheConfig(fraction=0.25),
+                                             prefetch=PrefetchConfig(predictor, "prefetch")))
+    assert stats.prefetch_fetches > 0
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
