@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from expertcache import cli
 from expertcache.commands import chat as cli_chat
@@ -265,6 +266,26 @@ def test_a_reader_that_leaves_the_pipe_ends_the_run_quietly():
     p.stdout.close()  # the reader leaves after the first token
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == 141 and "error" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["generate", "--policy", "fetch-most"], "fetch-most"),
+    (["serve", "--store", "tape"], "unknown store 'tape'"),
+    (["ppl", "--store", "ram", "--read-mode", "direct"], "--read-mode direct"),
+    (["chat", "--policy", "quality-first+prefetch/oracle"], "oracle"),
+    (["bench", "--policies", "quality-first", "speed-firts"], "speed-firts"),
+    (["ppl", "--device", "tpu"], "unknown device 'tpu'"),
+    *([] if torch.cuda.is_available() else [(["generate", "--device", "cuda"], "no CUDA device"),
+                                            (["generate", "--store", "pinned"], "needs a CUDA device")]),
+])
+def test_options_that_need_no_model_are_refused_before_a_hub_model_downloads(argv, said, monkeypatch, capsys):
+    """A Hub model is gigabytes: `--device cuda` on a machine without one, or a misspelt policy, was said after
+    the whole download."""
+    from expertcache.engine import checkpoint
+    monkeypatch.setattr(checkpoint, "download", lambda repo: pytest.fail(f"{repo} downloaded before the check"))
+    assert cli.main([argv[0], "--model", "org/some-moe", *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err
 
 
 def test_a_hub_id_is_its_snapshot_folder_for_every_verb(tmp_path, monkeypatch):

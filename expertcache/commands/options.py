@@ -11,7 +11,7 @@ from ..choices import DENSE_DTYPES, DTYPES, IO_BACKENDS, SCHEMES, SLOT_DTYPES
 from ..errors import BadInput
 
 if TYPE_CHECKING:  # the verbs import the engine when they run, so that --help starts without torch
-    from ..engine.engine import Engine
+    from ..engine.engine import Engine, EngineConfig
     from ..engine.quant import ExpertFormat
 
 
@@ -206,6 +206,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk") -> Non
     p.add_argument("--initial", default="auto", choices=["warm", "cold", "auto"],
                    help="initial residency: warm, cold or auto (warm when routing counts exist)")
     p.add_argument("--max-seq", type=positive_int, default=2048, help="longest sequence the KV cache holds")
+    p.set_defaults(engine_options=True)  # engine_config(a) applies
 
 
 COMPILE_MARKS: list[Path] = []  # marks to leave once the verb that announced compiling succeeds
@@ -259,19 +260,39 @@ def compiled_ok() -> None:
     COMPILE_MARKS.clear()
 
 
-def engine_from_args(a: argparse.Namespace) -> Engine:
-    """The Engine that add_engine_arguments' options describe."""
-    announce_compile()
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig that add_engine_arguments' options describe."""
     from ..engine.cache import CacheConfig
-    from ..engine.engine import Engine, EngineConfig
+    from ..engine.engine import EngineConfig
     from ..lab.bench import parse_variant
     cache = CacheConfig(fraction=a.cache, bytes=a.cache_bytes, quota=a.quota, io=a.io)
     policy, prefetch = parse_variant(a.policy)  # POLICY+prefetch/PREDICTOR[:budget=N,...] attaches a predictor
-    return Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=cache, policy=policy, prefetch=prefetch,
-                                        eviction=a.eviction, initial=a.initial, store_dir=a.store_dir,
-                                        max_seq=a.max_seq, memory_budget=a.memory_budget, read_mode=a.read_mode,
-                                        store_format=format_from_args(a, a.store_dtype), slot_dtype=a.slot_dtype,
-                                        dense_dtype=a.dense_dtype, kv_positions=getattr(a, "kv_positions", None)))
+    return EngineConfig(device=a.device, store=a.store, cache=cache, policy=policy, prefetch=prefetch,
+                        eviction=a.eviction, initial=a.initial, store_dir=a.store_dir, max_seq=a.max_seq,
+                        memory_budget=a.memory_budget, read_mode=a.read_mode,
+                        store_format=format_from_args(a, a.store_dtype), slot_dtype=a.slot_dtype,
+                        dense_dtype=a.dense_dtype, kv_positions=getattr(a, "kv_positions", None))
+
+
+def engine_from_args(a: argparse.Namespace) -> Engine:
+    """The Engine that add_engine_arguments' options describe."""
+    announce_compile()
+    from ..engine.engine import Engine
+    return Engine(a.model, engine_config(a))
+
+
+def check_before_download(a: argparse.Namespace) -> None:
+    """The options that need no model, checked before a Hub model downloads (gigabytes, minutes), so that --device
+    cuda on a machine without one, or a misspelt --policy, is said at once rather than after the download."""
+    from ..engine.engine import checked_device, checked_options
+    from ..lab.bench import parse_variant
+    from ..policies import make_policy
+    if hasattr(a, "device"):
+        checked_device(a.device)
+    if getattr(a, "engine_options", False):
+        checked_options(engine_config(a))
+    for spec in getattr(a, "policies", None) or ():  # bench's
+        make_policy(parse_variant(spec)[0])
 
 
 def write_json(path: Path | TextIO | None, data: dict) -> None:

@@ -38,7 +38,7 @@ from .moe import MoELayerRunner, PrefetchConfig
 from .predictors import make_predictor, predictor_bytes
 from .quant import FLOAT_DTYPES, SMALL_FORMAT, ExpertFormat
 from .stats import RunStats
-from .stores import ExpertShape, ExpertStore, open_store, staging_bytes
+from .stores import ExpertShape, ExpertStore, check_store, open_store, staging_bytes
 from .stores.ram import held_dtype
 from .transformer import Transformer
 from .weights import dense_names, dense_weights, expert_dtype
@@ -80,6 +80,34 @@ class EngineConfig:
         if self.prefetch is not None and not isinstance(self.prefetch, PrefetchConfig):
             raise BadInput(f"prefetch must be a PrefetchConfig, e.g. PrefetchConfig('lookahead'), not "
                            f"{type(self.prefetch).__name__}")
+
+
+def checked_device(name: object) -> torch.device:
+    """The device `name` names, where this engine can run on it (cpu, cuda or cuda:N, with CUDA present)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):  # an unknown name; None or another type
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
+        raise UnknownName(f"unknown device {name!r}; use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UnknownName("device 'cuda' asked for but torch sees no CUDA device; use --device cpu")
+    return device
+
+
+def checked_options(config: EngineConfig, policy: MissPolicy | str | None = None) -> MissPolicy:
+    """The run's policy (`policy`, else the config's), and the store and the options it must agree with: what needs
+    no model. The command line runs this and checked_device before a Hub model downloads."""
+    policy = make_policy(config.policy) if policy is None else as_policy(policy)
+    if config.read_mode != "auto" and config.store != "disk":
+        raise BadInput(f"--read-mode {config.read_mode} is how the disk store reads; the {config.store} store "
+                       "reads none: drop it, or use --store disk")
+    if policy.fetches_small and config.store == "pinned":
+        raise BadInput(f"policy {policy.name!r} fetches {config.small_format.tag} copies of the experts, which "
+                       "the pinned store does not hold (it keeps float experts only); use --store disk or "
+                       "--store ram, or a policy that fetches no low-precision copies")
+    check_store(config.store)
+    return policy
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -145,23 +173,8 @@ class Engine:
                            f"{type(model_path).__name__}")
         self.path = Path(model_path) if model_path else BUILTIN_MODEL
         self.config = config
-        try:
-            self.device = torch.device(config.device)
-        except (RuntimeError, TypeError):  # an unknown name; None or another type
-            self.device = None
-        if self.device is None or self.device.type not in ("cpu", "cuda") or \
-                (self.device.type == "cpu" and self.device.index not in (None, 0)):
-            raise UnknownName(f"unknown device {config.device!r}; use cpu, cuda or cuda:N") from None
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise UnknownName("device 'cuda' asked for but torch sees no CUDA device; use --device cpu")
-        policy = make_policy(config.policy) if policy is None else as_policy(policy)
-        if config.read_mode != "auto" and config.store != "disk":
-            raise BadInput(f"--read-mode {config.read_mode} is how the disk store reads; the {config.store} store "
-                           "reads none: drop it, or use --store disk")
-        if policy.fetches_small and config.store == "pinned":
-            raise BadInput(f"policy {policy.name!r} fetches {config.small_format.tag} copies of the experts, which "
-                           "the pinned store does not hold (it keeps float experts only); use --store disk or "
-                           "--store ram, or a policy that fetches no low-precision copies")
+        self.device = checked_device(config.device)
+        policy = checked_options(config, policy)
         ckpt = open_checkpoint(self.path)
         self.path = ckpt.path  # a Hub id's snapshot folder: routing counts and predictors are read beside its weights
         self.args = model_args(ckpt.config)
@@ -391,8 +404,6 @@ class Engine:
         if prefetch is not None and not isinstance(prefetch, PrefetchConfig):
             raise BadInput(f"prefetch must be a PrefetchConfig, e.g. PrefetchConfig('lookahead'), or None, not "
                            f"{type(prefetch).__name__}")
-        if prefetch is not None and prefetch.mode not in ("prefetch", "speculative"):
-            raise UnknownName(f"unknown prefetch mode {prefetch.mode!r}; choose prefetch or speculative")
         if prefetch is not None and prefetch.budget is not None and not 1 <= prefetch.budget <= self.args.top_k:
             raise BadInput(f"prefetch budget {prefetch.budget}: a predictor ranks the model's top-{self.args.top_k} "
                            f"experts of the next layer; give budget=1..{self.args.top_k}")

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..errors import BadInput, real_number, whole_number
+from ..choices import PREDICTORS
+from ..errors import BadInput, UnknownName, real_number, whole_number
 from ..kernel.cache_state import N_LOG
 from ..kernel.dense_decode import EMPTY, gemv, gemv_pair
 from ..kernel.policy import would_fetch
@@ -106,6 +107,12 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
     return LayerPlan(slots_h, exec_h, gates_h)
 
 
+def check_predictor(name: object) -> None:
+    """UnknownName unless `name` is one of the predictors (PREDICTORS)."""
+    if name not in PREDICTORS:
+        raise UnknownName(f"unknown predictor {name!r}; choose one of {', '.join(PREDICTORS)}")
+
+
 @dataclass(frozen=True)
 class PrefetchConfig:
     """How the next layer's experts are predicted and what the prediction does."""
@@ -117,6 +124,9 @@ class PrefetchConfig:
     confidence: float = 0.0  # only the predicted experts of at least this predicted gate weight (the sure ones)
 
     def __post_init__(self):
+        check_predictor(self.predictor)
+        if self.mode not in ("prefetch", "speculative"):
+            raise UnknownName(f"unknown prefetch mode {self.mode!r}; choose prefetch or speculative")
         # the compiled prefetch takes them as they are (a string failed there mid-decode, NaN prefetched nothing);
         # the budget's range against the model's top-k in Engine.set_prefetch
         if self.budget is not None:

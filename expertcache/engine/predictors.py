@@ -31,12 +31,12 @@ from torch import nn
 
 from ..atomic import replaced
 from ..choices import LOOKAHEAD_WIDTH, PREDICTORS, SKETCH_NEURONS, SKETCH_RANK  # noqa: F401 (re-exported)
-from ..errors import CheckpointError, UnknownName
+from ..errors import CheckpointError
 from ..kernel import dense_decode
 from ..kernel.routing import Router, Routing
 from .checkpoint import DEFAULT_VECTORS, ESTIMATOR_FILE, LOOKAHEAD_FILE
 from .experts import KERNEL_VIEWS, SWIGLU, ExpertKind, kernel_view
-from .moe import decode_router_logits, router_logits
+from .moe import check_predictor, decode_router_logits, router_logits
 from .transformer import Transformer
 
 
@@ -514,8 +514,7 @@ def predictor_bytes(name: str, model_path: Path, dtype: torch.dtype) -> int:
     from safetensors import SafetensorError, safe_open
 
     from .checkpoint import DEFAULT_VECTORS
-    if name not in PREDICTORS:
-        raise UnknownName(f"unknown predictor {name!r}; choose one of {', '.join(PREDICTORS)}")
+    check_predictor(name)
     files = {"router-ahead": (), "quasi-hidden": (DEFAULT_VECTORS,), "estimator": (DEFAULT_VECTORS, ESTIMATOR_FILE),
              "hybrid": (DEFAULT_VECTORS, ESTIMATOR_FILE), "lookahead": (DEFAULT_VECTORS, LOOKAHEAD_FILE)}[name]
     total = 0
@@ -539,6 +538,7 @@ def predictor_bytes(name: str, model_path: Path, dtype: torch.dtype) -> int:
 def make_predictor(name: str, model: Transformer, model_path: Path) -> Predictor:
     """The predictor named `name` (one of PREDICTORS) for `model`, loading its files from `model_path`."""
     from .checkpoint import load_default_vectors
+    check_predictor(name)
     if name == "router-ahead":
         return RouterAhead(model)
     if name == "quasi-hidden":
@@ -551,4 +551,4 @@ def make_predictor(name: str, model: Transformer, model_path: Path) -> Predictor
     if name == "lookahead":
         net, _, sketch = load_estimator(model_path, model, LOOKAHEAD_FILE)
         return Lookahead(model, load_default_vectors(model_path), net, sketch)
-    raise UnknownName(f"unknown predictor {name!r}; choose one of {', '.join(PREDICTORS)}")
+    raise AssertionError(name)  # check_predictor knows no other

@@ -19,17 +19,16 @@ from ...errors import CheckpointError, UnknownName
 from ...models.args import ModelArgs
 from ..checkpoint import Checkpoint
 from ..quant import ExpertFormat
-from .base import ALIGN, DISK_FORMAT_VERSION, ExpertShape, ExpertStore, blob_bytes, staging_bytes
+from .base import (ALIGN, DISK_FORMAT_VERSION, STORES, ExpertShape, ExpertStore, blob_bytes, check_store,
+                   staging_bytes)
 from .convert import (blob_checksum, checkpoint_stamp, conversion_lock, convert_to_disk, default_store_dir,
                       format_store_dir, store_format)
 from .disk import F_NOCACHE, READ_MODES, DiskStore, open_blob_file
 from .ram import PinnedStore, RamStore
 
 __all__ = ["ALIGN", "DISK_FORMAT_VERSION", "F_NOCACHE", "READ_MODES", "STORES", "DiskStore", "ExpertShape",
-           "ExpertStore", "PinnedStore", "RamStore", "blob_bytes", "conversion_lock", "convert_to_disk",
+           "ExpertStore", "PinnedStore", "RamStore", "blob_bytes", "check_store", "conversion_lock", "convert_to_disk",
            "default_store_dir", "format_store_dir", "open_blob_file", "open_store", "staging_bytes", "store_format"]
-STORES = ("ram", "disk", "pinned")
-
 
 def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | None = None,
                dtype: torch.dtype = torch.float32, fmt: ExpertFormat | None = None, read_mode: str = "auto",
@@ -38,6 +37,7 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
     the checkpoint's dtype). A disk store missing from `store_dir` is converted first; the default
     folder (`format_store_dir`, under ~/.cache) is also reconverted when it was written in an older
     format version; a store there in another format is refused."""
+    check_store(name)
     store_dir = Path(store_dir) if store_dir is not None else None  # a str from the Python API, too
     if name == "ram":
         return RamStore(ckpt, args, dtype, fmt)
@@ -75,4 +75,4 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
                                   f"time differs); convert it again (`expertcache convert --model {ckpt.path} --out "
                                   f"{store_dir}`), or leave out --store-dir")
         return store
-    raise UnknownName(f"unknown store {name!r}; choose one of {', '.join(STORES)}")
+    raise AssertionError(name)  # check_store knows no other

@@ -8,9 +8,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...errors import BadInput
+from ...errors import BadInput, UnknownName
 from ...models.args import ModelArgs
 from ..quant import FLOAT_DTYPES, ExpertFormat, encoded_bytes
+
+STORES = ("ram", "disk", "pinned")
+
+
+def check_store(name: object) -> None:
+    """UnknownName unless `name` is a store this machine can hold: `pinned` needs a CUDA device."""
+    if name not in STORES:
+        raise UnknownName(f"unknown store {name!r}; choose one of {', '.join(STORES)}")
+    if name == "pinned" and not torch.cuda.is_available():
+        raise UnknownName("store 'pinned' needs a CUDA device; use --store ram or --store disk on this machine")
 
 ALIGN = 4096
 DISK_FORMAT_VERSION = 3  # 2: a CRC32C per blob in experts.json; 3: quantized matrices in row blocks of 16 (quant.py)

@@ -6,12 +6,11 @@ import functools
 
 import torch
 
-from ...errors import UnknownName
 from ...models.args import ModelArgs
 from ..checkpoint import Checkpoint
 from ..quant import FLOAT_DTYPES, ExpertFormat, encode, encoded_bytes, roundtrip
 from ..weights import all_layer_experts, expert_dtype
-from .base import ExpertShape, ExpertStore
+from .base import ExpertShape, ExpertStore, check_store
 
 
 def held_dtype(ckpt: Checkpoint, args: ModelArgs, dtype: torch.dtype | None, fmt: ExpertFormat | None) -> torch.dtype:
@@ -106,8 +105,7 @@ class PinnedStore(RamStore):
     pinned_host = True
 
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float16):
-        if not torch.cuda.is_available():
-            raise UnknownName("store 'pinned' needs a CUDA device; use --store ram or --store disk on this machine")
+        check_store(self.name)
         super().__init__(ckpt, args, dtype)
         self.parts  # noqa: B018 -- page-locked at load, not at the first fetch
 
