@@ -276,6 +276,42 @@ def test_the_documented_python_generation_runs(capsys):
     assert reason == "stop" and isinstance(json.loads(text), dict)
 
 
+def test_a_grammar_is_followed_and_checked_when_given(tmp_path, capsys):
+    """A context-free grammar (llama.cpp's GBNF, or llguidance's Lark syntax), through SamplingParams and generate's
+    --grammar (its text or a file): the output is a sentence of it, whole; a grammar that does not parse is one line
+    naming the problem."""
+    import re
+
+    from expertcache import cli
+    from expertcache.engine.engine import Engine, EngineConfig
+    from expertcache.engine.generate import TextGeneration
+    gbnf = 'root ::= name ", " name "!"\nname ::= [A-Z] [a-z]{1,5}'
+    for kw, words in ((dict(grammar="root ::= name"), "Rule 'name' not found"), (dict(grammar=" "), "non-empty"),
+                      (dict(grammar='root ::= ("a"'), "is not a grammar"),
+                      (dict(grammar=gbnf, regex="a"), "regex and grammar each constrain")):
+        with pytest.raises(SamplingError, match=words) as e:
+            SamplingParams(**kw)
+        assert e.value.param == "grammar" and "\n" not in str(e.value)
+    engine = Engine(None, EngineConfig(store="ram", max_seq=128))
+    for grammar in (gbnf, 'start: NAME ", " NAME "!"\nNAME: /[A-Z][a-z]{1,5}/'):
+        for temperature in (0.0, 1.0):
+            gen = TextGeneration(engine, engine.encode("ROMEO.\n"), SamplingParams(max_tokens=30, grammar=grammar,
+                                                                                  temperature=temperature, seed=2))
+            text = "".join(out.text for out in gen)
+            assert gen.finish_reason == "stop" and re.fullmatch("[A-Z][a-z]{1,5}, [A-Z][a-z]{1,5}!", text), text
+    engine.close()
+    (tmp_path / "g.gbnf").write_text('root ::= "ay" | "nay"')
+    for grammar in (str(tmp_path / "g.gbnf"), 'root ::= "ay" | "nay"'):
+        assert cli.main(["generate", "--store", "ram", "-p", "Vote:", "--grammar", grammar]) == 0
+        assert capsys.readouterr().out.removeprefix("Vote:").rstrip("\n") in ("ay", "nay")
+    for argv, words in ((["--grammar", "root ::= x"], "--grammar 'root ::= x' is not a grammar (Rule 'x' not found)"),
+                        (["--grammar", 'root ::= "a"', "--json-schema", "{}"],
+                         "--json-schema and --grammar each constrain the output")):
+        assert cli.main(["generate", "--store", "ram", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+
+
 def test_generate_takes_a_json_schema_as_text_or_file(tmp_path, capsys):
     import json
 

@@ -306,14 +306,21 @@ def test_vllms_and_llama_cpps_ways_of_asking_for_a_schema_are_taken(client, extr
     assert e.value.body["param"] == next(iter(extra))
 
 
+ANSWER = 'root ::= ("yes" | "no") ", " count " times."\ncount ::= [1-9] [0-9]?'  # GBNF, as llama.cpp takes it
+
+
 @pytest.mark.parametrize("extra, check", [
     ({"guided_regex": "[0-9]{2}-[A-Z]{3}"}, lambda text: re.fullmatch("[0-9]{2}-[A-Z]{3}", text)),
     ({"structured_outputs": {"regex": "(yes|no), [a-z]{4}"}}, lambda text: re.fullmatch("(yes|no), [a-z]{4}", text)),
     ({"guided_choice": ["ROMEO", "JULIET", "the NURSE"]}, lambda text: text in ("ROMEO", "JULIET", "the NURSE")),
-    ({"structured_outputs": {"choice": ["up", "down"]}}, lambda text: text in ("up", "down"))])
-def test_vllms_guided_regex_and_choice_are_followed(client, extra, check):
-    """vLLM's guided_regex and guided_choice (and their structured_outputs forms): each choice, sampled, is a whole
-    match or one of the strings, and ends there."""
+    ({"structured_outputs": {"choice": ["up", "down"]}}, lambda text: text in ("up", "down")),
+    ({"guided_grammar": ANSWER}, lambda text: re.fullmatch(r"(yes|no), [0-9]+ times\.", text)),
+    ({"grammar": ANSWER}, lambda text: re.fullmatch(r"(yes|no), [0-9]+ times\.", text)),
+    ({"structured_outputs": {"grammar": 'start: ("ha")+ "!"'}}, lambda text: re.fullmatch("(ha)+!", text))])
+def test_vllms_guided_regex_choice_and_grammar_are_followed(client, extra, check):
+    """vLLM's guided_regex, guided_choice and guided_grammar (and their structured_outputs forms), llama.cpp's GBNF
+    grammar: each choice, sampled, is a whole match, one of the strings or a sentence of the grammar, and ends
+    there."""
     out = client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=30, n=3, temperature=1.0, seed=4,
                                     extra_body=extra)
     for choice in out.choices:
@@ -325,12 +332,22 @@ def test_vllms_guided_regex_and_choice_are_followed(client, extra, check):
 
 @pytest.mark.parametrize("extra, words, param", [({"guided_regex": "("}, "unclosed group", "guided_regex"),
                                                  ({"guided_choice": []}, "non-empty strings", "guided_choice"),
+                                                 ({"guided_grammar": "root ::= x"}, "Rule 'x' not found",
+                                                  "guided_grammar"),
+                                                 ({"grammar": "root ::= (\"a\""}, "is not a grammar", "grammar"),
                                                  ({"structured_outputs": {"choice": "a", "regex": "b"}},
                                                   "structured_outputs is not supported", "structured_outputs")])
-def test_a_regex_or_choice_that_cannot_be_followed_is_a_400(client, extra, words, param):
+def test_a_regex_choice_or_grammar_that_cannot_be_followed_is_a_400(client, extra, words, param):
     with pytest.raises(openai.BadRequestError, match=words) as e:
         client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=4, extra_body=extra)
     assert e.value.body["param"] == param
+    assert e.value.body["message"].count("\n") == 0
+
+
+def test_llama_cpps_empty_grammar_asks_nothing(client):
+    plain = client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=6, temperature=0)
+    assert client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=6, temperature=0,
+                                     extra_body={"grammar": ""}).choices[0].text == plain.choices[0].text
 
 
 @pytest.mark.parametrize("fmt, words", [({"type": "json_schema"}, "needs its schema"),
@@ -373,10 +390,7 @@ def test_fields_not_implemented_are_refused_not_ignored(client, fields, param):
 
 
 @pytest.mark.parametrize("fields", [{"function_call": {"name": "f"}}, {"modalities": ["text", "audio"]},
-                                    {"guided_grammar": "root ::= x"}, {"structured_outputs": {"grammar": "x"}},
-                                    {"bad_words": ["a"]},
-                                    {"grammar": "root ::= x"},
-                                    {"allowed_token_ids": [1, 2]}, {"typical_p": 0.5}, {"echo": True}])
+                                    {"bad_words": ["a"]}, {"allowed_token_ids": [1, 2]}, {"typical_p": 0.5}, {"echo": True}])
 def test_other_apis_fields_that_change_the_answer_are_refused(client, fields):
     """Fields of OpenAI's legacy API, vLLM's and llama.cpp's that this server does not implement: a 400, not an
     answer that ignores them; their neutral values pass."""

@@ -20,7 +20,8 @@ DEFAULT_PROMPT = "ROMEO.\n"
 FLAGS = {"max_tokens": "-n/--max-new-tokens", "min_tokens": "--min-new-tokens", "temperature": "--temperature",
          "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
          "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-         "logit_bias": "--logit-bias", "seed": "--seed", "stop": "--stop", "json_schema": "--json-schema"}
+         "logit_bias": "--logit-bias", "seed": "--seed", "stop": "--stop", "json_schema": "--json-schema",
+         "grammar": "--grammar"}
 
 
 def add_sampling_arguments(p, max_tokens: int = 64) -> None:
@@ -45,6 +46,9 @@ def add_sampling_arguments(p, max_tokens: int = 64) -> None:
     p.add_argument("--json-schema", default=None, metavar="SCHEMA",
                    help="the output is a JSON value of this JSON schema (its JSON text, or a file holding it), e.g. "
                         "'{\"type\": \"object\"}'; it ends where the value is complete")
+    p.add_argument("--grammar", default=None, metavar="GRAMMAR",
+                   help="the output is a sentence of this context-free grammar, in llama.cpp's GBNF or llguidance's "
+                        "Lark syntax (its text, or a file holding it), e.g. 'root ::= \"yes\" | \"no\"'")
 
 
 def sampling_from_args(a) -> SamplingParams:
@@ -55,11 +59,14 @@ def sampling_from_args(a) -> SamplingParams:
                               repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
                               frequency_penalty=a.frequency_penalty, logit_bias=logit_bias_flags(a.logit_bias),
                               seed=a.seed, max_tokens=a.max_new_tokens, min_tokens=a.min_new_tokens,
-                              stop=tuple(a.stop), ignore_eos=a.ignore_eos, json_schema=schema_flag(a.json_schema))
+                              stop=tuple(a.stop), ignore_eos=a.ignore_eos, json_schema=schema_flag(a.json_schema),
+                              grammar=grammar_flag(a.grammar))
     except SamplingError as e:
         flag = FLAGS.get(e.param, e.param)
         message = str(e).replace(f"{e.param}=", f"{flag} ", 1).replace(" (0 only when scoring the prompt)", "") \
             .replace("max_tokens (", "-n (")
+        if "each constrain the output" in message:  # two constraints, named by their fields
+            message = message.replace("json_schema", FLAGS["json_schema"]).replace("grammar", FLAGS["grammar"])
         raise BadInput(f"--json-schema: {message}" if e.param == "json_schema" else message) from None
 
 
@@ -72,6 +79,21 @@ def schema_flag(flag: str | None) -> str | None:
     except (OSError, UnicodeDecodeError) as e:
         raise BadInput(f"--json-schema {flag!r} is neither a JSON schema nor a readable file ({e}); give the schema "
                        "as JSON, e.g. '{\"type\": \"object\"}'") from None
+
+
+def grammar_flag(flag: str | None) -> str | None:
+    """--grammar's text, or the text of the file it names."""
+    try:
+        named = flag is not None and Path(flag).is_file()
+    except (OSError, ValueError):  # a grammar too long to be a file name, or one holding a NUL
+        named = False
+    if not named:
+        return flag
+    try:
+        return Path(flag).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"--grammar {flag!r} cannot be read ({e}); give the grammar itself or a readable file") \
+            from None
 
 
 def logit_bias_flags(flags: list[str]) -> tuple[tuple[int, float], ...]:

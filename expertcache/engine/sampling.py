@@ -16,6 +16,11 @@ WHOLE = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logpro
 OPTIONAL = ("seed", "logprobs", "prompt_logprobs")  # None: no seed, no log-probabilities
 
 
+def short(text: str, width: int = 60) -> str:
+    """`text` for an error's one line: its repr (newlines escaped), cut to about `width` characters."""
+    return repr(text if len(text) <= width else text[:width - 3] + "...")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request chooses its tokens and when it ends. temperature 0 is greedy."""
@@ -40,6 +45,8 @@ class SamplingParams:
     # canonical JSON; '{"type": "object"}' is OpenAI's json_object); it ends where the value is complete
     regex: str | None = None  # the output matches this regular expression whole (vLLM's guided_regex)
     choice: tuple[str, ...] | None = None  # the output is one of these strings (vLLM's guided_choice)
+    grammar: str | None = None  # the output is a sentence of this context-free grammar, in GBNF (llama.cpp's grammar,
+    # vLLM's guided_grammar) or llguidance's Lark syntax
 
     def __post_init__(self):
         # the forms OpenAI's and vLLM's APIs take (one stop string, lists, a {token: bias} dict, None for none), held
@@ -97,9 +104,10 @@ class SamplingParams:
         self._check_structure()
 
     def _check_structure(self) -> None:
-        """json_schema, regex and choice: at most one, each one llguidance can follow, and none with min_tokens."""
-        from .structured import regex_grammar, schema_text
-        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        """json_schema, regex, choice and grammar: at most one, each one llguidance can follow, and none with
+        min_tokens."""
+        from .structured import cfg_grammar, regex_grammar, schema_text
+        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
         if len(given) > 1:
             raise SamplingError(given[1], f"{' and '.join(given)} each constrain the output; give one")
         if self.json_schema is not None:
@@ -115,6 +123,14 @@ class SamplingParams:
                 regex_grammar(self.regex)
             except ValueError as e:
                 raise SamplingError("regex", f"regex={self.regex!r} {e}") from None
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str) or not self.grammar.strip():
+                raise SamplingError("grammar", f"grammar={self.grammar!r} must be a non-empty string, e.g. "
+                                               "'root ::= \"yes\" | \"no\"'")
+            try:
+                cfg_grammar(self.grammar)
+            except ValueError as e:
+                raise SamplingError("grammar", f"grammar={short(self.grammar)} {e}") from None
         if self.choice is not None:
             choice = (self.choice,) if isinstance(self.choice, str) else self.choice
             if not isinstance(choice, (list, tuple)) or not choice or \

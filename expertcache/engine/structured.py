@@ -1,7 +1,8 @@
 """Structured output: a generation whose text is a JSON value of a given JSON schema (OpenAI's response_format
-json_object and json_schema), a match of a regular expression, or one of given strings (vLLM's guided_regex and
-guided_choice), by masking each step's logits to the tokens the grammar allows next. The grammars and their token
-masks are llguidance's, over the model's own tokenizer."""
+json_object and json_schema), a match of a regular expression, one of given strings (vLLM's guided_regex and
+guided_choice), or a sentence of a context-free grammar (llama.cpp's GBNF grammar, vLLM's guided_grammar), by
+masking each step's logits to the tokens the grammar allows next. The grammars and their token masks are
+llguidance's, over the model's own tokenizer."""
 from __future__ import annotations
 
 import json
@@ -56,12 +57,31 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
     return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
 
 
+@lru_cache(GRAMMARS)
+def cfg_grammar(text: str) -> str:
+    """llguidance's grammar of a context-free grammar written in GBNF (llama.cpp's) or in llguidance's Lark syntax;
+    ValueError naming what is wrong when it cannot be followed."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+    try:
+        lark = any_to_lark(text)
+    except Exception as e:  # the converter raises plain Exceptions too (a rule used but never defined)
+        raise ValueError(f"is not a grammar ({one_line(e)})") from None
+    text = LLMatcher.grammar_from_lark(lark)
+    if problem := LLMatcher.validate_grammar(text):
+        raise ValueError(f"is not a grammar llguidance can follow ({one_line(problem)})")
+    return text
+
+
 def grammar_of(params) -> str | None:
-    """The grammar that SamplingParams `params` keep the output to (json_schema, regex or choice), or None."""
+    """The grammar that SamplingParams `params` keep the output to (json_schema, regex, choice or grammar), or
+    None."""
     if params.json_schema is not None:
         return grammar(params.json_schema)
     if params.regex is not None:
         return regex_grammar(params.regex)
+    if params.grammar is not None:
+        return cfg_grammar(params.grammar)
     return choice_grammar(params.choice) if params.choice is not None else None
 
 

@@ -162,16 +162,17 @@ class DetokenizeBody(BaseModel):
 # message; completions declare their own.)
 UNIMPLEMENTED = {"function_call": ("none", "auto"), "modalities": (["text"],), "audio": (),
                  "continue_final_message": (False,), "bad_words": ([],),
-                 "allowed_token_ids": (), "guided_grammar": (), "grammar": ("",),
+                 "allowed_token_ids": (),
                  "typical_p": (1, 1.0), "mirostat": (0,), "repeat_penalty": (1, 1.0), "tfs_z": (1, 1.0),
                  "prompt_logprobs": (), "truncate_prompt_tokens": (), "length_penalty": (1, 1.0),
                  "use_beam_search": (False,), "echo": (False,)}
 
 
-# vLLM's structured_outputs keys, and its guided_* fields (and llama.cpp's json_schema), as SamplingParams' fields
-OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice"}
+# vLLM's structured_outputs keys, and its guided_* fields (and llama.cpp's json_schema and grammar), as
+# SamplingParams' fields
+OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 GUIDED = {"guided_json": "json_schema", "json_schema": "json_schema", "guided_regex": "regex",
-          "guided_choice": "choice"}
+          "guided_choice": "choice", "guided_grammar": "grammar", "grammar": "grammar"}
 
 
 def refuse_unsupported(body: SamplingFields) -> None:
@@ -195,15 +196,16 @@ def structure(body: SamplingFields) -> tuple[str | None, dict]:
     """What a body asks the output to follow, as (the body's field that asks it, SamplingParams' fields): OpenAI's
     response_format (nothing for {"type": "text"}, any JSON object for json_object, json_schema.schema for
     json_schema, whose name and strict flag change nothing: the schema is always followed); vLLM's guided_json,
-    guided_regex, guided_choice and structured_outputs; llama.cpp's json_schema. APIError for another format, or for
-    two ways at once."""
+    guided_regex, guided_choice, guided_grammar and structured_outputs; llama.cpp's json_schema and grammar (whose
+    empty string asks nothing). APIError for another format, or for two ways at once."""
     fmt, extra = body.response_format or {}, body.model_extra or {}
     kind = fmt.get("type", "text")
-    asked = {name: {field: extra[name]} for name, field in GUIDED.items() if extra.get(name) is not None}
-    if (outputs := extra.get("structured_outputs")) is not None:  # one of json, regex or choice; not a grammar
+    asked = {name: {field: extra[name]} for name, field in GUIDED.items()
+             if extra.get(name) is not None and not (name == "grammar" and extra[name] == "")}
+    if (outputs := extra.get("structured_outputs")) is not None:  # one of json, regex, choice or grammar
         if not (isinstance(outputs, dict) and len(outputs) == 1 and set(outputs) <= set(OUTPUTS)):
-            raise APIError(400, "structured_outputs is not supported by this server but as one of json, regex or "
-                           "choice; leave it out", "structured_outputs")
+            raise APIError(400, "structured_outputs is not supported by this server but as one of json, regex, "
+                           "choice or grammar; leave it out", "structured_outputs")
         asked["structured_outputs"] = {OUTPUTS[key]: value for key, value in outputs.items()}
     if kind != "text":
         asked = {"response_format": {}, **asked}
