@@ -96,8 +96,9 @@ def profile(a) -> dict:
     from expertcache.engine.engine import Engine, EngineConfig
     from expertcache.engine.quant import ExpertFormat
     fmt = ExpertFormat.parse(a.store_dtype, 32) if a.store_dtype else None
-    engine = Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=CacheConfig(fraction=a.cache), policy=a.policy,
-                                          store_format=fmt, slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype))
+    engine = Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=CacheConfig(fraction=a.cache),
+                                          policy=a.policy, store_format=fmt, slot_dtype=a.slot_dtype,
+                                          dense_dtype=a.dense_dtype))
     if a.cache >= 1.0:  # every expert resident from the start, whatever routing counts the checkpoint has
         import numpy as np
         engine.routing_counts = np.ones((engine.args.num_moe_layers, engine.args.num_experts))

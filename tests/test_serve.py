@@ -390,7 +390,8 @@ def test_fields_not_implemented_are_refused_not_ignored(client, fields, param):
 
 
 @pytest.mark.parametrize("fields", [{"function_call": {"name": "f"}}, {"modalities": ["text", "audio"]},
-                                    {"bad_words": ["a"]}, {"allowed_token_ids": [1, 2]}, {"typical_p": 0.5}, {"echo": True}])
+                                    {"bad_words": ["a"]}, {"allowed_token_ids": [1, 2]}, {"typical_p": 0.5},
+                                    {"echo": True}])
 def test_other_apis_fields_that_change_the_answer_are_refused(client, fields):
     """Fields of OpenAI's legacy API, vLLM's and llama.cpp's that this server does not implement: a 400, not an
     answer that ignores them; their neutral values pass."""

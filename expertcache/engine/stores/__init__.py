@@ -30,6 +30,7 @@ __all__ = ["ALIGN", "DISK_FORMAT_VERSION", "F_NOCACHE", "READ_MODES", "STORES", 
            "ExpertStore", "PinnedStore", "RamStore", "blob_bytes", "check_store", "conversion_lock", "convert_to_disk",
            "default_store_dir", "format_store_dir", "open_blob_file", "open_store", "staging_bytes", "store_format"]
 
+
 def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | None = None,
                dtype: torch.dtype = torch.float32, fmt: ExpertFormat | None = None, read_mode: str = "auto",
                verify: bool = True) -> ExpertStore:
