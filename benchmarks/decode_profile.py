@@ -3,7 +3,7 @@ greedily with every expert resident (or a smaller cache), stages timed with perf
 wrapping the engine's own functions in this process.
 
     python benchmarks/decode_profile.py [--model DIR] [--device cuda] [--store ram] [--cache 1.0] [--tokens 64]
-        [--trials 5] [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
+        [--trials 5] [--store-dtype int4 --slot-dtype int4 --dense-dtype int4] [--json FILE]
 
 Stages (nested stages are subtracted from their parents): attention (the dense attention
 block, norms excluded; the compiled decode block includes its two norms), route (router
@@ -20,6 +20,7 @@ the kernel launches, host-device copies and synchronizations the host made.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections import defaultdict
@@ -169,9 +170,12 @@ def main() -> None:
     p.add_argument("--store-dtype", default=None, help="the disk store's format (default: the checkpoint's)")
     p.add_argument("--slot-dtype", default="auto")
     p.add_argument("--dense-dtype", default="auto")
+    p.add_argument("--json", type=Path, default=None, help="write the figures as JSON to FILE")
     a = p.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     r = profile(a)
+    if a.json:
+        a.json.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, **r}, indent=1))
     print(f"{a.store} store, cache {a.cache}, {a.policy}: {r['ms_per_token']:.3f} ms/token "
           f"(median of {a.trials} trials of {a.tokens} tokens; stage medians need not sum exactly)\n")
     print("| stage | ms/token | share | calls/token |\n|---|---:|---:|---:|")

@@ -83,8 +83,10 @@ check bench_q30_pinned 300 $py -m expertcache.cli bench --model "$q30" --device 
   --json "$out/bench_q30_pinned.json"
 check bench_q30_disk 300 $py -m expertcache.cli bench --model "$q30" --device cuda --store disk --cache 0.25 \
   --policies fetch-all quality-first --decode-tokens 16 --forced-tokens 64 --repeats 2 --json "$out/bench_q30_disk.json"
-check profile_q30 300 $py benchmarks/decode_profile.py --model "$q30" --device cuda --tokens 32 --trials 3
-check profile_builtin 300 $py benchmarks/decode_profile.py --device cuda --tokens 32 --trials 3
+check profile_q30 300 $py benchmarks/decode_profile.py --model "$q30" --device cuda --tokens 32 --trials 3 \
+  --json "$out/profile_q30.json"
+check profile_builtin 300 $py benchmarks/decode_profile.py --device cuda --tokens 32 --trials 3 \
+  --json "$out/profile_builtin.json"
 cat "$out/verdicts"
 failed=$(grep -c ^FAILED "$out/verdicts")
 echo "$failed check(s) failed; outputs in $out"
