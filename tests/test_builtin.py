@@ -126,6 +126,23 @@ def test_trained_tokenizer_keeps_the_chat_template(tmp_path):
     assert written["chat_template"] == shipped["chat_template"]
 
 
+def test_the_bench_floor_holds_every_expert_from_the_start_without_routing_counts(tmp_path):
+    """A model with no routing counts beside it (a new checkpoint, the real-shape one): the all-resident floor starts
+    with every expert resident all the same; it started empty each repetition and timed their loading (43 ms a token
+    against 8 at real shape from a disk store)."""
+    import shutil
+
+    from hf_models import save_tiny
+
+    from expertcache.lab.bench import FLOOR, BenchConfig, run_bench
+    save_tiny("qwen3_moe", tmp_path, vocab_size=json.loads((BUILTIN_MODEL / "config.json").read_text())["vocab_size"])
+    shutil.copy(BUILTIN_MODEL / "tokenizer.json", tmp_path)
+    res = run_bench(tmp_path, BenchConfig(store="ram", policies=("fetch-all",), repeats=1, decode_tokens=4,
+                                          forced_tokens=32, context=16))
+    assert not res.config["warm"] and res.fetches_per_token["fetch-all"] > 0  # the cache under test starts cold
+    assert res.fetches_per_token[FLOOR] == 0 and res.decode_counts[FLOOR]["sync_fetches"] == 0
+
+
 def test_bench_closes_its_first_engine_when_the_floor_fails_to_open(monkeypatch):
     """run_bench opens the engine under test, then the all-resident floor: a floor that fails to open leaves
     the first engine closed (its store, ring and threads), and the error propagates."""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -190,6 +191,10 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
         # the floor holds every expert: under a memory budget it would break the budget the run is measured at
         if cfg.memory_budget is None:
             floor = Engine(model, replace(engine.config, cache=CacheConfig(fraction=1.0, io=cfg.io)))
+            if floor.routing_counts is None:  # no counts beside the model: every expert resident from the start
+                # all the same, or each repetition of the floor timed the loading of every expert (6 fetches of
+                # a 9 MiB expert a token from a disk store, at real shape)
+                floor.routing_counts = np.ones((floor.args.num_moe_layers, floor.args.num_experts))
         need = cfg.prompt_tokens + cfg.forced_tokens + 1
         ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
         if len(ids) < need:
