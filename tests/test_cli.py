@@ -276,7 +276,9 @@ def test_a_reader_that_leaves_the_pipe_ends_the_run_quietly():
     (["bench", "--policies", "quality-first", "speed-firts"], "speed-firts"),
     (["ppl", "--device", "tpu"], "unknown device 'tpu'"),
     *([] if torch.cuda.is_available() else [(["generate", "--device", "cuda"], "no CUDA device"),
-                                            (["generate", "--store", "pinned"], "needs a CUDA device")]),
+                                            (["generate", "--store", "pinned"], "needs a CUDA device"),
+                                            (["calibrate-hw", "--store", "pinned", "--out", "hw.json"],
+                                             "needs a CUDA device")]),
 ])
 def test_options_that_need_no_model_are_refused_before_a_hub_model_downloads(argv, said, monkeypatch, capsys):
     """A Hub model is gigabytes: `--device cuda` on a machine without one, or a misspelt policy, was said after

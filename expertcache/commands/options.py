@@ -285,10 +285,13 @@ def check_before_download(a: argparse.Namespace) -> None:
     """The options that need no model, checked before a Hub model downloads (gigabytes, minutes), so that --device
     cuda on a machine without one, or a misspelt --policy, is said at once rather than after the download."""
     from ..engine.engine import checked_device, checked_options
+    from ..engine.stores import check_store
     from ..lab.bench import parse_variant
     from ..policies import make_policy
     if hasattr(a, "device"):
         checked_device(a.device)
+    if hasattr(a, "store"):
+        check_store(a.store)
     if getattr(a, "engine_options", False):
         checked_options(engine_config(a))
     for spec in getattr(a, "policies", None) or ():  # bench's
