@@ -2,7 +2,7 @@
 # The CUDA path's checks, for a machine with a GPU (none of them runs without one):
 #   1. the tests that skip without CUDA (exact fetch-all and prefetch through the copy stream, CPU parity);
 #   2. the verbs on the built-in model with --device cuda: decode from each store, sampled decode, a JSON
-#      schema, perplexity, a short bench, and the server answering two requests at once;
+#      schema, perplexity, a short bench, a chat turn, and the server answering two requests at once;
 #   3. bench on Qwen3-30B-A3B's expert shape (benchmarks/make_checkpoint.py, 4 layers): every expert
 #      resident against a quarter cache fed from pinned host memory and from the disk store; then where a
 #      decode token's time goes there and on the built-in model (benchmarks/decode_profile.py: host stages,
@@ -55,6 +55,11 @@ json.loads(json.load(open(sys.argv[3]))['choices'][0]['message']['content'])" \
 }
 export -f serve_two
 
+chat_turn() {  # one message and /exit through chat's stdin
+  printf "Who goes there?\n/exit\n" | $py -m expertcache.cli chat --device cuda --store pinned -n 16
+}
+export -f chat_turn
+
 builtin_checks() {
   check decode_ram 300 $py -m expertcache.cli generate --device cuda --store ram -n 16 "The expert cache"
   check decode_pinned 300 $py -m expertcache.cli generate --device cuda --store pinned --policy quality-first -n 16 \
@@ -67,6 +72,7 @@ builtin_checks() {
   check bench_builtin 300 $py -m expertcache.cli bench --device cuda --store pinned \
     --policies fetch-all quality-first quality-first+prefetch/estimator --decode-tokens 16 --forced-tokens 128 \
     --repeats 2 --json "$out/bench_builtin.json"
+  check chat 300 bash -c chat_turn
   check serve 300 bash -c serve_two
 }
 
