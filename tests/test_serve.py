@@ -147,6 +147,92 @@ def test_tools_calls_and_template_arguments_reach_the_template_as_in_hf(tmp_path
     engine.close()
 
 
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+               "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+               "additionalProperties": False}}},
+           {"type": "function", "function": {"name": "get_time", "parameters": {
+               "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+               "additionalProperties": False}}}]
+
+
+def test_a_forced_tool_choice_comes_back_as_a_call_of_its_tool(client):
+    """tool_choice required or a named function: a grammar over the tools' parameters keeps the output to one call,
+    whatever the chat template (the built-in model's writes no tools), and it comes back in tool_calls, whole and
+    streamed, with finish_reason tool_calls."""
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=WEATHER, max_tokens=60)
+    choice = client.chat.completions.create(**ask, tool_choice={"type": "function",
+                                                                "function": {"name": "get_weather"}}).choices[0]
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and set(arguments) == {"city"} and len(arguments["city"]) <= 10
+    for choice in client.chat.completions.create(**ask, tool_choice="required", n=3, temperature=1.0, seed=2).choices:
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and call.function.name in ("get_weather", "get_time")
+        assert isinstance(json.loads(call.function.arguments), dict)
+    chunks = [c for c in client.chat.completions.create(**ask, tool_choice="required", stream=True) if c.choices]
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time") and calls[0].index == 0
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+
+
+@pytest.mark.parametrize("fields, words, param", [
+    ({"tool_choice": {"type": "function", "function": {"name": "get_rain"}}}, "not among the tools", "tool_choice"),
+    ({"tool_choice": "sometimes"}, 'tool_choice is "none", "auto", "required"', "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "each constrain", "response_format"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": 5}}]},
+     r"tools\[0\] is not a function tool", "tool_choice"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "bogus"}}}]}, "the parameters of tool 'f': the JSON schema cannot be followed", "tool_choice")])
+def test_a_tool_choice_that_cannot_be_followed_is_a_400(client, fields, words, param):
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=4, tools=WEATHER)
+    with pytest.raises(openai.BadRequestError, match=words) as e:
+        client.chat.completions.create(**{**ask, **fields})
+    assert e.value.body["param"] == param
+
+
+CALL_TEMPLATE = """{% if tools %}TOOLS: {{ tools | tojson }}; call one as <tool_call>{"name": ..., "arguments": ...}\
+</tool_call>
+{% endif %}{% for m in messages %}{{ m.role | upper }}.
+{{ m.content }}
+
+{% endfor %}{% if add_generation_prompt %}ASSISTANT.
+{% endif %}"""
+
+
+def test_calls_written_in_the_templates_tags_come_back_as_tool_calls(tmp_path):
+    """A template that writes calls in <tool_call> tags (Qwen's, Hermes'): under tool_choice auto, the calls the
+    model writes come back in tool_calls, and the text around them as content, whole and streamed; a stream holds
+    back nothing of an answer without calls; without tools, or with tool_choice none, the tags stay text."""
+    path = tmp_path / "model"
+    shutil.copytree(BUILTIN_MODEL, path)
+    (path / "chat_template.jinja").write_text(CALL_TEMPLATE)
+    said = 'Let me look. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    writes = {"grammar": f"start: {json.dumps(said)}"}  # the model's text, as a model that calls would write it
+    engine = Engine(path, EngineConfig(store="ram", max_seq=512))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        ask = dict(model=MODEL, messages=[{"role": "user", "content": "Time?"}], max_tokens=120, temperature=0)
+        choice = client.chat.completions.create(**ask, tools=WEATHER, extra_body=writes).choices[0]
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+        assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"zone": "UTC"}
+        chunks = [c for c in client.chat.completions.create(**ask, tools=WEATHER, extra_body=writes, stream=True)
+                  if c.choices]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == "Let me look."
+        assert [t.function.name for c in chunks for t in c.choices[0].delta.tool_calls or []] == ["get_time"]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        for kw in ({}, {"tools": WEATHER, "tool_choice": "none"}):
+            choice = client.chat.completions.create(**ask, **kw, extra_body=writes).choices[0]
+            assert choice.message.content == said and not choice.message.tool_calls
+            assert choice.finish_reason == "stop"
+        plain = client.chat.completions.create(**ask, tools=WEATHER).choices[0].message.content
+        streamed = client.chat.completions.create(**ask, tools=WEATHER, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == plain
+    engine.close()
+
+
 def test_stop_strings_and_seeded_sampling(client):
     whole = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, temperature=0).choices[0]
     first_line = whole.text.split("\n")[0]

@@ -79,7 +79,7 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise CheckpointError(f"the chat template does not parse ({e}); fix it in chat_template.jinja or "
                                   "tokenizer_config.json, or use plain completions") from None
-        self.bos_token, self.eos_token = bos_token, eos_token
+        self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
 
     @classmethod
     def of(cls, engine: Engine) -> ChatTemplate:

@@ -30,6 +30,7 @@ from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, Completi
                       StreamOptions, TokenizeBody, checked_stop, logit_bias_pairs, logprobs_count, message_text,
                       refuse_unsupported, structure)
 from .scheduler import Request, Scheduler
+from .tools import OPEN, CallStream, call_grammar, split_calls
 
 DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
 
@@ -73,6 +74,8 @@ class Server:
             self.template = ChatTemplate.of(self.engine)
         except CheckpointError as e:
             self.no_template = str(e)
+        # the template writes a call in <tool_call> tags: the model's calls are read out of its text (tools.py)
+        self.tag_calls = self.template is not None and OPEN in self.template.source
         tokenizer = self.engine.tokenizer
         byte_level = tokenizer is not None and type(tokenizer.decoder).__name__ == "ByteLevel"
         self.byte_of = byte_level_alphabet() if byte_level else None  # a token's exact bytes, for logprobs
@@ -109,6 +112,14 @@ class Server:
                            "context_length_exceeded")
         stop = checked_stop(body.stop)
         field, constraint = structure(body)
+        try:
+            calls = call_grammar(body.tools, body.tool_choice) if chat else None
+        except ValueError as e:
+            raise APIError(400, str(e), "tool_choice") from None
+        if calls is not None and field is not None:
+            raise APIError(400, f"tool_choice and {field} each constrain the output; give one", field)
+        if calls is not None:
+            field, constraint = "tool_choice", {"grammar": calls}
         vocab = self.engine.args.vocab_size
         if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):  # never generated: a client's mistake
             raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
@@ -186,12 +197,12 @@ class Server:
 
     async def run(self, http: HTTPRequest, prompts: list[list[int]], params: list[SamplingParams], chat: bool,
                   stream: bool, n: int = 1, options: StreamOptions | None = None,
-                  echo: list[str] | None = None) -> Response:
+                  echo: list[str] | None = None, tool_calls: bool = False) -> Response:
         """Submit one scheduler request per choice (n per prompt, the i-th with seed + i when the body gives a
         seed); returns an SSE stream of chunks, each of one choice by its index (`options`: the body's
         stream_options), or the whole response once every generation has ended; choice prompt * n + i.
         `params`: each prompt's (their max_tokens may differ); `echo`: the prompts' texts, to put before their
-        completions."""
+        completions; `tool_calls`: a chat message's calls are read out of its text."""
         if self.scheduler.failure is not None:
             raise APIError(503, f"the engine has stopped ({self.scheduler.state}); the server must be restarted",
                            code="engine_failed", kind="server_error")
@@ -225,7 +236,8 @@ class Server:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if stream:
             return StreamingResponse(self._stream([r for r, _ in submitted], merged, rid, chat,
-                                                  options or StreamOptions(), sum(len(p) for p in prompts)),
+                                                  options or StreamOptions(), sum(len(p) for p in prompts),
+                                                  tool_calls),
                                      media_type="text/event-stream")
         try:
             outcomes = await asyncio.gather(*(self._collect(http, *s) for s in submitted))
@@ -247,8 +259,10 @@ class Server:
                 where = None if chat else self.offsets([] if echo else prompts[i // n]).of([s.token for s in scored])
                 logprobs = self._logprobs(scored, chat, where)
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "finish_reason": finish, "logprobs": logprobs})
+                content, called = split_calls(text) if tool_calls else (text, [])
+                message = {"role": "assistant", "content": content, **({"tool_calls": called} if called else {})}
+                finish = "tool_calls" if called and finish == "stop" else finish
+                choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs})
             else:
                 choices.append({"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs})
         usage = self._usage(sum(len(p) for p in prompts),  # a prompt counts once, whatever n
@@ -301,8 +315,9 @@ class Server:
                 "text_offset": offsets}
 
     async def _stream(self, requests: list[Request], merged: asyncio.Queue, rid: str, chat: bool,
-                      options: StreamOptions, prompt_tokens: int):
-        """The SSE chunks of `requests` (choice i is requests[i]) as their tokens arrive on `merged`."""
+                      options: StreamOptions, prompt_tokens: int, tool_calls: bool = False):
+        """The SSE chunks of `requests` (choice i is requests[i]) as their tokens arrive on `merged`; with
+        `tool_calls`, a chat choice's text from where a call may begin is held back, and its calls come last."""
         logprobs = requests[0].params.logprobs is not None
         include_usage = bool(options.include_usage)
         continuous = include_usage and bool(options.continuous_usage_stats)  # vLLM's: only with include_usage
@@ -320,6 +335,7 @@ class Server:
                     yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                                  **({"logprobs": None} if logprobs else {})})
             held = [[] for _ in requests]  # tokens whose logprobs wait for a chunk (their text may come later)
+            calls = [CallStream() if chat and tool_calls else None for _ in requests]
             offsets = [self.offsets(r.prompt) for r in requests]
             running = len(requests)
             while running:
@@ -335,11 +351,24 @@ class Server:
                     held[i].append(item)
                 if item.token is not None:  # the last may be an end token, which the usage does not count
                     made[i] = requests[i].completion_tokens if item.finish_reason else made[i] + 1
-                if not item.text and item.finish_reason is None:
+                text, called = item.text, []
+                if calls[i] is not None:
+                    text = calls[i].feed(text)
+                    if item.finish_reason:
+                        rest, called = calls[i].end()
+                        text += rest
+                if not text and item.finish_reason is None:
                     continue
                 choice: dict[str, Any] = {"index": i, "finish_reason": item.finish_reason}
-                if chat:
-                    choice["delta"] = {"content": item.text} if item.text else {}
+                if called:  # the content before the calls in a chunk of its own, then the calls
+                    if text:
+                        yield chunk({"index": i, "finish_reason": None, "delta": {"content": text}})
+                    choice["delta"] = {"tool_calls": [{"index": j, **c} for j, c in enumerate(called)]}
+                    choice["finish_reason"] = "tool_calls" if item.finish_reason == "stop" else item.finish_reason
+                    if logprobs:
+                        choice["logprobs"] = self._logprobs(held[i], chat)
+                elif chat:
+                    choice["delta"] = {"content": text} if text else {}
                     if logprobs:
                         choice["logprobs"] = self._logprobs(held[i], chat)
                 else:
@@ -440,8 +469,11 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
     async def chat_completions(body: ChatBody, http: HTTPRequest):
         prompt = await asyncio.to_thread(server.chat_prompt, body)
         params = server.params(body, len(prompt), default_max=None, chat=True)
+        # calls are read out of the text where the template writes them in tags, and a forced call always is
+        calling = bool(body.tools) and body.tool_choice != "none" and \
+            (server.tag_calls or body.tool_choice not in (None, "auto"))
         return await server.run(http, [prompt], [params], chat=True, stream=body.stream, n=body.n,
-                                options=body.stream_options)
+                                options=body.stream_options, tool_calls=calling)
 
     card = lambda: {"id": model_name, "object": "model", "created": server.created,  # noqa: E731
                     "owned_by": "expertcache"}

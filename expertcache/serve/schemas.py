@@ -115,7 +115,8 @@ class ChatMessage(BaseModel):
 class ChatBody(SamplingFields):
     """A /v1/chat/completions request: the sampling fields and the conversation so far; add_generation_prompt
     (vLLM's, default true) false renders the conversation without the assistant turn's opening. tools go to the
-    chat template, which writes them into the prompt (a call the model makes comes back as its text), and so do
+    chat template, which writes them into the prompt (a call the model makes comes back in tool_calls where the
+    template writes calls in <tool_call> tags, else as its text; serve/tools.py), and so do
     chat_template_kwargs (vLLM's: e.g. {"enable_thinking": false}), and reasoning_effort (OpenAI's), which
     GPT-OSS's template writes into its system message; chat_template_kwargs' own reasoning_effort wins."""
     messages: list[ChatMessage]
@@ -181,9 +182,9 @@ def refuse_unsupported(body: SamplingFields) -> None:
     for name, value in (body.model_extra or {}).items():
         if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name]:
             raise APIError(400, f"{name} is not supported by this server; leave it out", name)
-    unsupported = [
-        (body.tool_choice not in (None, "none", "auto"), "tool_choice",
-         "the model's calls come back as its text; use tool_choice auto or none"),
+    unsupported = [  # chat's tool_choice is taken (Server.params)
+        (body.tool_choice not in (None, "none", "auto") and not isinstance(body, ChatBody), "tool_choice",
+         "a completion has no tools; leave it out"),
         (getattr(body, "best_of", None) not in (None, 1), "best_of", "use best_of=1"),
         (bool(getattr(body, "suffix", None)), "suffix", "leave it out"),
     ]
