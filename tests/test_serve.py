@@ -192,6 +192,34 @@ def test_a_tool_choice_that_cannot_be_followed_is_a_400(client, fields, words, p
     assert e.value.body["param"] == param
 
 
+def test_calls_are_read_out_of_the_text_in_each_templates_form():
+    """Qwen's and Hermes' JSON in tags, GLM-4.5's name and argument pairs (a value JSON unless its tool declares it a
+    string); a tag that holds no call stays text; a stream cut anywhere sends the same content and calls."""
+    import random
+
+    from expertcache.serve.tools import CallStream, split_calls
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string"}, "depth": {"type": "integer"}}}}}]
+    hermes = 'Looking. <tool_call>\n{"name": "ls", "arguments": {"path": "src", "depth": 2}}\n</tool_call>'
+    glm = "Looking. <tool_call>ls\n<arg_key>path</arg_key>\n<arg_value>123</arg_value>\n<arg_key>depth</arg_key>\n" \
+          "<arg_value>2</arg_value>\n</tool_call>"
+    for text, arguments in ((hermes, {"path": "src", "depth": 2}), (glm, {"path": "123", "depth": 2})):
+        content, (call,) = split_calls(text, tools)
+        assert content == "Looking." and call["function"]["name"] == "ls" and call["type"] == "function"
+        assert json.loads(call["function"]["arguments"]) == arguments
+        for seed in range(20):  # the same, streamed in random pieces
+            cuts = sorted(random.Random(seed).sample(range(1, len(text)), 6))
+            stream = CallStream(tools)
+            sent = "".join(stream.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)]))
+            rest, calls = stream.end()
+            assert (sent + rest).strip() == "Looking." and [c["function"] for c in calls] == [call["function"]]
+    for text in ("<tool_call>not json</tool_call>", "<tool_call>rm\n</tool_call>", "a <tool_call> unclosed",
+                 "<tool_call>[1, 2]</tool_call>", "plain <tool"):
+        assert split_calls(text, tools) == (text, [])
+        stream = CallStream(tools)
+        assert stream.feed(text) + stream.end()[0] == text
+
+
 CALL_TEMPLATE = """{% if tools %}TOOLS: {{ tools | tojson }}; call one as <tool_call>{"name": ..., "arguments": ...}\
 </tool_call>
 {% endif %}{% for m in messages %}{{ m.role | upper }}.

@@ -197,12 +197,12 @@ class Server:
 
     async def run(self, http: HTTPRequest, prompts: list[list[int]], params: list[SamplingParams], chat: bool,
                   stream: bool, n: int = 1, options: StreamOptions | None = None,
-                  echo: list[str] | None = None, tool_calls: bool = False) -> Response:
+                  echo: list[str] | None = None, tools: list | None = None) -> Response:
         """Submit one scheduler request per choice (n per prompt, the i-th with seed + i when the body gives a
         seed); returns an SSE stream of chunks, each of one choice by its index (`options`: the body's
         stream_options), or the whole response once every generation has ended; choice prompt * n + i.
         `params`: each prompt's (their max_tokens may differ); `echo`: the prompts' texts, to put before their
-        completions; `tool_calls`: a chat message's calls are read out of its text."""
+        completions; `tools`: a chat message's calls of these tools are read out of its text (None: not)."""
         if self.scheduler.failure is not None:
             raise APIError(503, f"the engine has stopped ({self.scheduler.state}); the server must be restarted",
                            code="engine_failed", kind="server_error")
@@ -237,7 +237,7 @@ class Server:
         if stream:
             return StreamingResponse(self._stream([r for r, _ in submitted], merged, rid, chat,
                                                   options or StreamOptions(), sum(len(p) for p in prompts),
-                                                  tool_calls),
+                                                  tools),
                                      media_type="text/event-stream")
         try:
             outcomes = await asyncio.gather(*(self._collect(http, *s) for s in submitted))
@@ -259,7 +259,7 @@ class Server:
                 where = None if chat else self.offsets([] if echo else prompts[i // n]).of([s.token for s in scored])
                 logprobs = self._logprobs(scored, chat, where)
             if chat:
-                content, called = split_calls(text) if tool_calls else (text, [])
+                content, called = split_calls(text, tools) if tools is not None else (text, [])
                 message = {"role": "assistant", "content": content, **({"tool_calls": called} if called else {})}
                 finish = "tool_calls" if called and finish == "stop" else finish
                 choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs})
@@ -315,9 +315,9 @@ class Server:
                 "text_offset": offsets}
 
     async def _stream(self, requests: list[Request], merged: asyncio.Queue, rid: str, chat: bool,
-                      options: StreamOptions, prompt_tokens: int, tool_calls: bool = False):
-        """The SSE chunks of `requests` (choice i is requests[i]) as their tokens arrive on `merged`; with
-        `tool_calls`, a chat choice's text from where a call may begin is held back, and its calls come last."""
+                      options: StreamOptions, prompt_tokens: int, tools: list | None = None):
+        """The SSE chunks of `requests` (choice i is requests[i]) as their tokens arrive on `merged`; with `tools`,
+        a chat choice's text from where a call may begin is held back, and its calls come last."""
         logprobs = requests[0].params.logprobs is not None
         include_usage = bool(options.include_usage)
         continuous = include_usage and bool(options.continuous_usage_stats)  # vLLM's: only with include_usage
@@ -335,7 +335,7 @@ class Server:
                     yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                                  **({"logprobs": None} if logprobs else {})})
             held = [[] for _ in requests]  # tokens whose logprobs wait for a chunk (their text may come later)
-            calls = [CallStream() if chat and tool_calls else None for _ in requests]
+            calls = [CallStream(tools) if chat and tools is not None else None for _ in requests]
             offsets = [self.offsets(r.prompt) for r in requests]
             running = len(requests)
             while running:
@@ -473,7 +473,7 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
         calling = bool(body.tools) and body.tool_choice != "none" and \
             (server.tag_calls or body.tool_choice not in (None, "auto"))
         return await server.run(http, [prompt], [params], chat=True, stream=body.stream, n=body.n,
-                                options=body.stream_options, tool_calls=calling)
+                                options=body.stream_options, tools=body.tools if calling else None)
 
     card = lambda: {"id": model_name, "object": "model", "created": server.created,  # noqa: E731
                     "owned_by": "expertcache"}

@@ -1,15 +1,18 @@
-"""Tool calls in chat completions. A model whose chat template writes a call as <tool_call>{"name": ..., "arguments":
-{...}}</tool_call> (Qwen's and Hermes' way) has its calls parsed out of its text into OpenAI's `tool_calls`, whole and
-streamed; tool_choice "required" or a named function keeps the output to one such call by a grammar (llguidance's,
-over the tool's parameter schema), whatever the template."""
+"""Tool calls in chat completions. A model whose chat template writes a call in <tool_call> tags has its calls parsed
+out of its text into OpenAI's `tool_calls`, whole and streamed: as JSON, {"name": ..., "arguments": {...}} (Qwen's and
+Hermes' way), or as the name then <arg_key>/<arg_value> pairs (GLM-4.5's). tool_choice "required" or a named function
+keeps the output to one call, in the JSON form, by a grammar (llguidance's, over the tool's parameter schema),
+whatever the template."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 from ..engine.structured import LAYOUT, schema_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
 def functions(tools: list | None) -> dict[str, dict]:
@@ -58,13 +61,39 @@ def call_grammar(tools: list | None, choice) -> str | None:
     return f'start: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
 
 
-def _call(body: str) -> dict | None:
-    """One tag's JSON as an entry of OpenAI's tool_calls (its arguments as JSON text); None unless it is an object
-    with a string name."""
+def _names(tools: list) -> set:
+    """The names of the request's function tools, as sent."""
+    return {t["function"].get("name") for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)}
+
+
+def _string_arguments(tools: list | None, name: str) -> set[str]:
+    """The arguments of tool `name` that its schema declares strings (GLM-4.5 writes those as they are)."""
+    for tool in tools or ():
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and fn.get("name") == name and isinstance(fn.get("parameters"), dict):
+            properties = fn["parameters"].get("properties")
+            if isinstance(properties, dict):
+                return {k for k, v in properties.items() if isinstance(v, dict) and v.get("type") == "string"}
+    return set()
+
+
+def _call(body: str, tools: list | None) -> dict | None:
+    """One tag's call as an entry of OpenAI's tool_calls (its arguments as JSON text); None unless it is a JSON
+    object with a string name, or a name followed by GLM-4.5's argument pairs (each value JSON, unless it does not
+    parse or the tool declares it a string)."""
     try:
         value = json.loads(body)
     except json.JSONDecodeError:
-        return None
+        name = body.split("<arg_key>", 1)[0].strip()
+        if not name or any(c.isspace() for c in name) or "<" in name or (tools and name not in _names(tools)):
+            return None  # a word in tags is a call only where it names a tool the request gives
+        strings, arguments = _string_arguments(tools, name), {}
+        for key, text in GLM_ARGUMENT.findall(body):
+            try:
+                arguments[key.strip()] = text if key.strip() in strings else json.loads(text)
+            except json.JSONDecodeError:
+                arguments[key.strip()] = text
+        value = {"name": name, "arguments": arguments}
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -73,22 +102,22 @@ def _call(body: str) -> dict | None:
                          json.dumps(arguments, ensure_ascii=False)}}
 
 
-def _split(text: str) -> tuple[str, list[dict]]:
-    """(`text` without its calls' tags, the calls). A tag that holds no call (not JSON, no name) stays in the text
-    as the model wrote it."""
+def _split(text: str, tools: list | None) -> tuple[str, list[dict]]:
+    """(`text` without its calls' tags, the calls). A tag that holds no call stays in the text as the model wrote
+    it."""
     calls, kept, pos = [], [], 0
     while (start := text.find(OPEN, pos)) >= 0 and (end := text.find(CLOSE, start)) >= 0:
-        call = _call(text[start + len(OPEN):end].strip())
+        call = _call(text[start + len(OPEN):end].strip(), tools)
         kept.append(text[pos:end + len(CLOSE)] if call is None else text[pos:start])
         calls += [call] if call is not None else []
         pos = end + len(CLOSE)
     return "".join(kept + [text[pos:]]), calls
 
 
-def split_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(a message's content, its tool_calls): with calls, the text around them stripped (None when nothing is
-    left); without, `text` as it is."""
-    content, calls = _split(text)
+def split_calls(text: str, tools: list | None = None) -> tuple[str | None, list[dict]]:
+    """(a message's content, its tool_calls), `tools` the request's: with calls, the text around them stripped
+    (None when nothing is left); without, `text` as it is."""
+    content, calls = _split(text, tools)
     return (content.strip() or None, calls) if calls else (text, [])
 
 
@@ -96,8 +125,8 @@ class CallStream:
     """A streamed choice's text, held back from where a call may begin: `feed` gives what can be sent now, `end`
     the rest of the text and the calls."""
 
-    def __init__(self):
-        self.text, self.sent = "", 0
+    def __init__(self, tools: list | None = None):
+        self.tools, self.text, self.sent = tools, "", 0
 
     def feed(self, piece: str) -> str:
         self.text += piece
@@ -110,5 +139,5 @@ class CallStream:
 
     def end(self) -> tuple[str, list[dict]]:
         """The text not yet sent, and the calls (the text of their tags left out)."""
-        content, calls = _split(self.text)  # the text before the first tag is as sent
+        content, calls = _split(self.text, self.tools)  # the text before the first tag is as sent
         return (content[self.sent:].rstrip(), calls) if calls else (self.text[self.sent:], [])
