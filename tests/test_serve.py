@@ -177,6 +177,16 @@ def test_a_forced_tool_choice_comes_back_as_a_call_of_its_tool(client):
     assert not "".join(c.choices[0].delta.content or "" for c in chunks)
 
 
+def test_a_forced_call_follows_the_references_in_its_parameters(client):
+    """Parameters with $defs, as pydantic writes them: the references resolve (the grammar nests the schema)."""
+    unit = {"$defs": {"Unit": {"enum": ["C", "F"]}}, "type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+            "required": ["unit"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "temp", "parameters": unit}}]
+    choice = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=40,
+                                            tools=tools, tool_choice="required").choices[0]
+    assert json.loads(choice.message.tool_calls[0].function.arguments) in ({"unit": "C"}, {"unit": "F"})
+
+
 @pytest.mark.parametrize("fields, words, param", [
     ({"tool_choice": {"type": "function", "function": {"name": "get_rain"}}}, "not among the tools", "tool_choice"),
     ({"tool_choice": "sometimes"}, 'tool_choice is "none", "auto", "required"', "tool_choice"),

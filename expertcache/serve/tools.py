@@ -58,6 +58,11 @@ def call_grammar(tools: list | None, choice) -> str | None:
     calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": tools_by_name[name]},
               "required": ["name", "arguments"], "additionalProperties": False} for name in names]
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": LAYOUT}
+    for key in ("$defs", "definitions"):  # a parameter schema's references ("#/$defs/X") resolve from the root
+        for name in names:
+            for ref, definition in (tools_by_name[name].get(key) or {}).items():
+                if schema.setdefault(key, {}).setdefault(ref, definition) != definition:
+                    raise ValueError(f"tools define {key}/{ref} differently; give each definition its own name")
     return f'start: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
 
 
