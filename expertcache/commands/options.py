@@ -290,10 +290,10 @@ def check_before_download(a: argparse.Namespace) -> None:
     from ..policies import make_policy
     if hasattr(a, "device"):
         checked_device(a.device)
-    if hasattr(a, "store"):
-        check_store(a.store)
     if getattr(a, "engine_options", False):
-        checked_options(engine_config(a))
+        checked_options(engine_config(a))  # the store with the rest
+    elif hasattr(a, "store"):  # a verb that makes its engines itself (calibrate-hw)
+        check_store(a.store)
     for spec in getattr(a, "policies", None) or ():  # bench's
         make_policy(parse_variant(spec)[0])
 

@@ -206,7 +206,7 @@ class Engine:
         stored = config.store_format or ExpertFormat.of_dtype(held_as or expert_dtype(ckpt, self.args))
         self.slot_format = slot_format(config.slot_dtype, self.device, stored, config.store)
         self.plan = self._memory_plan(stored, dtype, held_dense)
-        cache_cfg = replace(config.cache, eviction=config.eviction or config.cache.eviction or self.policy.eviction)
+        cache_cfg = replace(config.cache, eviction=self._eviction())
         if config.memory_budget is not None:
             cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget))
         self._check_memory(cache_cfg, stored, held_dtype(ckpt, self.args, store_dtype, config.store_format))
@@ -339,9 +339,13 @@ class Engine:
         if eviction is not None:
             eviction_code(eviction)  # refused before anything changes: the engine keeps its policy and cache
         self.policy = self.runner.policy = self.bind_policy(policy)
-        self.cache.cfg = replace(self.cache.cfg, eviction=eviction or self.config.eviction or self.config.cache.eviction
-                                 or self.policy.eviction)
+        self.cache.cfg = replace(self.cache.cfg, eviction=self._eviction(eviction))
         self.reset()
+
+    def _eviction(self, eviction: str | None = None) -> str:
+        """The eviction order the cache runs: the call's, else EngineConfig's, else CacheConfig's, else the one the
+        policy prefers."""
+        return eviction or self.config.eviction or self.config.cache.eviction or self.policy.eviction
 
     def _open_small(self, policy: MissPolicy) -> None:
         """Open the slow tier's low-precision copies (a second store, converted once) the first

@@ -30,7 +30,7 @@ from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, Completi
                       StreamOptions, TokenizeBody, checked_stop, logit_bias_pairs, logprobs_count, message_text,
                       refuse_unsupported, structure)
 from .scheduler import Request, Scheduler
-from .tools import OPEN, CallStream, call_grammar, split_calls
+from .tools import OPEN, CallStream, split_calls
 
 DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
 
@@ -112,14 +112,6 @@ class Server:
                            "context_length_exceeded")
         stop = checked_stop(body.stop)
         field, constraint = structure(body)
-        try:
-            calls = call_grammar(body.tools, body.tool_choice) if chat else None
-        except ValueError as e:
-            raise APIError(400, str(e), "tool_choice") from None
-        if calls is not None and field is not None:
-            raise APIError(400, f"tool_choice and {field} each constrain the output; give one", field)
-        if calls is not None:
-            field, constraint = "tool_choice", {"grammar": calls}
         vocab = self.engine.args.vocab_size
         if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):  # never generated: a client's mistake
             raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
@@ -365,15 +357,13 @@ class Server:
                         yield chunk({"index": i, "finish_reason": None, "delta": {"content": text}})
                     choice["delta"] = {"tool_calls": [{"index": j, **c} for j, c in enumerate(called)]}
                     choice["finish_reason"] = "tool_calls" if item.finish_reason == "stop" else item.finish_reason
-                    if logprobs:
-                        choice["logprobs"] = self._logprobs(held[i], chat)
                 elif chat:
                     choice["delta"] = {"content": text} if text else {}
-                    if logprobs:
-                        choice["logprobs"] = self._logprobs(held[i], chat)
                 else:
                     where = offsets[i].of([h.token for h in held[i]]) if logprobs else None
                     choice.update(text=item.text, logprobs=self._logprobs(held[i], chat, where) if logprobs else None)
+                if chat and logprobs:
+                    choice["logprobs"] = self._logprobs(held[i], chat)
                 held[i] = []
                 yield chunk(choice)
             if include_usage:

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validat
 
 from ..engine.sampling import MAX_LOGPROBS
 from ..engine.structured import JSON_OBJECT
+from .tools import call_grammar
 
 MAX_CHOICES = 16  # n: choices a prompt
 MAX_GENERATIONS = 2048  # prompts x n in one request: more would hold the server for a single client
@@ -182,7 +183,7 @@ def refuse_unsupported(body: SamplingFields) -> None:
     for name, value in (body.model_extra or {}).items():
         if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name]:
             raise APIError(400, f"{name} is not supported by this server; leave it out", name)
-    unsupported = [  # chat's tool_choice is taken (Server.params)
+    unsupported = [  # chat's tool_choice is taken (structure)
         (body.tool_choice not in (None, "none", "auto") and not isinstance(body, ChatBody), "tool_choice",
          "a completion has no tools; leave it out"),
         (getattr(body, "best_of", None) not in (None, 1), "best_of", "use best_of=1"),
@@ -198,7 +199,8 @@ def structure(body: SamplingFields) -> tuple[str | None, dict]:
     response_format (nothing for {"type": "text"}, any JSON object for json_object, json_schema.schema for
     json_schema, whose name and strict flag change nothing: the schema is always followed); vLLM's guided_json,
     guided_regex, guided_choice, guided_grammar and structured_outputs; llama.cpp's json_schema and grammar (whose
-    empty string asks nothing). APIError for another format, or for two ways at once."""
+    empty string asks nothing); a chat's tool_choice required or a named function (one call of a tool: tools.py).
+    APIError for another format, or for two ways at once."""
     fmt, extra = body.response_format or {}, body.model_extra or {}
     kind = fmt.get("type", "text")
     asked = {name: {field: extra[name]} for name, field in GUIDED.items()
@@ -210,6 +212,13 @@ def structure(body: SamplingFields) -> tuple[str | None, dict]:
         asked["structured_outputs"] = {OUTPUTS[key]: value for key, value in outputs.items()}
     if kind != "text":
         asked = {"response_format": {}, **asked}
+    if isinstance(body, ChatBody):
+        try:
+            calls = call_grammar(body.tools, body.tool_choice)
+        except ValueError as e:
+            raise APIError(400, str(e), "tool_choice") from None
+        if calls is not None:
+            asked = {"tool_choice": {"grammar": calls}, **asked}
     if len(asked) > 1:
         raise APIError(400, f"{' and '.join(asked)} each constrain the output; give one", list(asked)[1])
     if asked and kind == "text":

@@ -15,12 +15,18 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
+def _function(tool) -> dict | None:
+    """A tool's function object ({"name", "parameters", ...}), or None where the tool is not a function tool."""
+    fn = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+    return fn if isinstance(fn, dict) else None
+
+
 def functions(tools: list | None) -> dict[str, dict]:
     """name -> parameter schema of each function tool; ValueError naming a tool that is not one."""
     out = {}
     for i, tool in enumerate(tools or ()):
-        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
-        name = fn.get("name") if isinstance(fn, dict) else None
+        fn = _function(tool)
+        name = fn.get("name") if fn is not None else None
         if not isinstance(name, str) or not name:
             raise ValueError(f'tools[{i}] is not a function tool; give {{"type": "function", "function": {{"name": '
                              '"...", "parameters": {...}}}')
@@ -68,14 +74,13 @@ def call_grammar(tools: list | None, choice) -> str | None:
 
 def _names(tools: list) -> set:
     """The names of the request's function tools, as sent."""
-    return {t["function"].get("name") for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)}
+    return {fn.get("name") for fn in map(_function, tools) if fn is not None}
 
 
 def _string_arguments(tools: list | None, name: str) -> set[str]:
     """The arguments of tool `name` that its schema declares strings (GLM-4.5 writes those as they are)."""
-    for tool in tools or ():
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(fn, dict) and fn.get("name") == name and isinstance(fn.get("parameters"), dict):
+    for fn in map(_function, tools or ()):
+        if fn is not None and fn.get("name") == name and isinstance(fn.get("parameters"), dict):
             properties = fn["parameters"].get("properties")
             if isinstance(properties, dict):
                 return {k for k, v in properties.items() if isinstance(v, dict) and v.get("type") == "string"}
