@@ -176,6 +176,24 @@ def test_chat_prints_a_banner_and_leaves_at_quit(monkeypatch, capsys):
     assert len([line for line in out.splitlines() if line.strip()]) == 1  # one reply, then /quit left
 
 
+def test_chat_shows_a_reasoning_models_thoughts_on_stderr_and_its_answer_on_stdout(monkeypatch, capsys, tmp_path):
+    """A template that writes reasoning in <think> tags: chat's stdout has the answer alone (what a script piping
+    messages in reads), stderr the reasoning."""
+    import io
+    import shutil
+
+    from expertcache.engine.engine import BUILTIN_MODEL
+    shutil.copytree(BUILTIN_MODEL, tmp_path / "model")
+    (tmp_path / "model" / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: {# </think> #}")
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who goes there?\n"))
+    said = json.dumps("<think>\nA guard asks.\n</think>\n\nA friend.")
+    assert cli.main(["chat", "--model", str(tmp_path / "model"), "--store", "ram", "-n", "40",
+                     "--grammar", f"start: {said}"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "A friend." and "A guard asks." in err
+
+
 def test_readme_tour_commands_parse_and_version_runs():
     """Every command of the README's tour is one the CLI accepts as written (flags, values, sizes); the set-up
     commands at the top are the ones the project documents."""

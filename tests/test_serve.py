@@ -207,7 +207,9 @@ def test_calls_are_read_out_of_the_text_in_each_templates_form():
     string); a tag that holds no call stays text; a stream cut anywhere sends the same content and calls."""
     import random
 
-    from expertcache.serve.tools import CallStream, split_calls
+    from expertcache.serve.reasoning import split_reply
+    from expertcache.serve.tools import CallStream
+    split_calls = lambda text, tools: split_reply(text, tools=tools)[1:]  # noqa: E731
     tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {
         "path": {"type": "string"}, "depth": {"type": "integer"}}}}}]
     hermes = 'Looking. <tool_call>\n{"name": "ls", "arguments": {"path": "src", "depth": 2}}\n</tool_call>'
@@ -269,6 +271,133 @@ def test_calls_written_in_the_templates_tags_come_back_as_tool_calls(tmp_path):
         streamed = client.chat.completions.create(**ask, tools=WEATHER, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == plain
     engine.close()
+
+
+def test_replies_are_split_into_reasoning_content_and_calls_in_each_templates_form():
+    """<think> tags (also opened by the prompt), GPT-OSS's harmony channels (analysis, final, a commentary call to a
+    function, the recipient before or after the channel), and <tool_call> tags after the reasoning; text with
+    neither is left as written; a stream cut anywhere sends the same parts and calls."""
+    import random
+
+    from expertcache.serve.reasoning import Reply, opens_thinking, reply_form, split_reply
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = '{"city": "Paris"}'
+    cases = [  # text, form, tools, opened -> reasoning, content, calls' (name, arguments)
+        ("<think>\nLet me see.\n</think>\n\nHello there.", "think", None, False, "Let me see.", "Hello there.", []),
+        ("Let me see.\n</think>\n\nHello.", "think", None, True, "Let me see.", "Hello.", []),
+        (" No thoughts.\n", "think", None, False, None, " No thoughts.\n", []),
+        ("<think>cut off mid", "think", None, False, "cut off mid", None, []),
+        ("<think>Sunny?</think>Checking. <tool_call>\n{\"name\": \"get_weather\", \"arguments\": " + call +
+         "}\n</tool_call>", "think", tools, False, "Sunny?", "Checking.", [("get_weather", call)]),
+        ("<|channel|>analysis<|message|>User asks.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny.",
+         "harmony", None, False, "User asks.", "It is sunny.", []),
+        ("<|channel|>analysis<|message|>Need the tool.<|end|><|start|>assistant<|channel|>commentary "
+         "to=functions.get_weather <|constrain|>json<|message|>" + call, "harmony", tools, False, "Need the tool.",
+         None, [("get_weather", call)]),
+        (" to=functions.get_weather<|channel|>commentary json<|message|>" + call + "<|call|>", "harmony", tools,
+         False, None, None, [("get_weather", call)]),
+        ("Plain words, no header.", "harmony", None, False, None, "Plain words, no header.", []),
+        ("<|channel|>analysis<|message|>cut", "harmony", None, False, "cut", None, []),
+    ]
+    for text, form, given, opened, thought, content, calls in cases:
+        got = split_reply(text, form, given, opened)
+        assert got[:2] == (thought, content) and [(c["function"]["name"], c["function"]["arguments"])
+                                                  for c in got[2]] == calls, text
+        for seed in range(20):
+            reply, sent = Reply(form, given, opened), {}
+            cuts = sorted(random.Random(seed).sample(range(1, len(text)), 6))
+            deltas = [reply.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            rest, streamed = reply.end()
+            for delta in [*deltas, rest]:
+                for k, v in delta.items():
+                    sent[k] = sent.get(k, "") + v
+            assert sent.get("reasoning_content") == thought and [c["function"] for c in streamed] == \
+                [c["function"] for c in got[2]]
+            assert sent.get("content", "").strip() == (content or "").strip()
+        assert split_reply(text, form, given, opened, reasoning=False)[0] is None
+    assert reply_form(TOOL_TEMPLATE) == "think" and reply_form(CALL_TEMPLATE) == "plain"
+    assert opens_thinking("ASSISTANT.\n<think>\n") and not opens_thinking("<think></think>")
+
+
+THINKING_TEMPLATE = """{% for m in messages %}{{ m.role | upper }}.
+{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}
+
+{% endfor %}{% if add_generation_prompt %}ASSISTANT.
+{% if opened is defined %}<think>
+{% endif %}{% endif %}"""
+HARMONY_TEMPLATE = """{% for m in messages %}<|start|>{{ m.role }}{% if m.role == "assistant" %}<|channel|>final\
+{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"""
+
+
+@pytest.mark.parametrize("template, said, opened", [
+    (THINKING_TEMPLATE, "<think>\nThey greet me.\n</think>\n\nHello!", False),
+    (THINKING_TEMPLATE, "They greet me.\n</think>\n\nHello!", True),
+    (HARMONY_TEMPLATE, "<|channel|>analysis<|message|>They greet me.<|end|><|start|>assistant<|channel|>final"
+                       "<|message|>Hello!", False)], ids=["think", "think-opened-by-prompt", "harmony"])
+def test_a_models_reasoning_comes_back_apart_from_its_answer(tmp_path, template, said, opened):
+    """Where the template writes reasoning in <think> tags (the prompt may open one) or in harmony channels, the
+    model's reasoning comes back in reasoning_content and its answer in content, whole and streamed;
+    include_reasoning false leaves the reasoning out, reasoning_format none leaves the text as written."""
+    path = tmp_path / "model"
+    shutil.copytree(BUILTIN_MODEL, path)
+    (path / "chat_template.jinja").write_text(template)
+    writes = {"grammar": f"start: {json.dumps(said)}"}  # the model's text, as a reasoning model would write it
+    engine = Engine(path, EngineConfig(store="ram", max_seq=512))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        ask = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=60, temperature=0)
+        kwargs = {"chat_template_kwargs": {"opened": True}} if opened else {}
+        message = client.chat.completions.create(**ask, extra_body={**writes, **kwargs}).choices[0].message
+        assert message.content == "Hello!" and message.model_extra["reasoning_content"] == "They greet me."
+        chunks = [c.choices[0].delta for c in client.chat.completions.create(
+            **ask, stream=True, extra_body={**writes, **kwargs}) if c.choices]
+        assert "".join(d.content or "" for d in chunks) == "Hello!"
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks) == "They greet me."
+        left_out = client.chat.completions.create(**ask, extra_body={**writes, **kwargs, "include_reasoning": False})
+        assert left_out.choices[0].message.content == "Hello!"
+        assert "reasoning_content" not in left_out.choices[0].message.model_extra
+        raw = client.chat.completions.create(**ask, extra_body={**writes, **kwargs, "reasoning_format": "none"})
+        assert raw.choices[0].message.content == said
+        with pytest.raises(openai.BadRequestError, match="reasoning_format"):
+            client.chat.completions.create(**ask, extra_body={"reasoning_format": "hidden"})
+    engine.close()
+
+
+def test_gpt_oss_calls_come_back_as_tool_calls(tmp_path):
+    """A harmony template's model calls a tool in a commentary message to=functions.NAME: the call comes back in
+    tool_calls with its reasoning apart, whole and streamed, finish_reason tool_calls."""
+    path = tmp_path / "model"
+    shutil.copytree(BUILTIN_MODEL, path)
+    (path / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
+    said = "<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant<|channel|>commentary " \
+           'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+    writes = {"grammar": f"start: {json.dumps(said)}"}
+    engine = Engine(path, EngineConfig(store="ram", max_seq=512))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        ask = dict(model=MODEL, messages=[{"role": "user", "content": "Oslo?"}], max_tokens=80, temperature=0,
+                   tools=WEATHER, extra_body=writes)
+        choice = client.chat.completions.create(**ask).choices[0]
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.model_extra["reasoning_content"] == "Look it up."
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
+        chunks = [c.choices[0] for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+        assert [t.function.name for c in chunks for t in c.delta.tool_calls or []] == ["get_weather"]
+        assert chunks[-1].finish_reason == "tool_calls" and not "".join(c.delta.content or "" for c in chunks)
+    engine.close()
+
+
+def test_skip_special_tokens_false_keeps_their_text(client):
+    """vLLM's skip_special_tokens: by default a special token's text is left out of the output; false keeps it; a
+    value that is not a boolean is a 400."""
+    ask = dict(model=MODEL, prompt="ROMEO.\n", max_tokens=2, temperature=0,
+               extra_body={"ignore_eos": True, "logit_bias": {"0": 100}})  # <|endoftext|>, twice
+    assert client.completions.create(**ask).choices[0].text == ""
+    ask["extra_body"]["skip_special_tokens"] = False
+    assert client.completions.create(**ask).choices[0].text == "<|endoftext|>" * 2
+    with pytest.raises(openai.BadRequestError, match="skip_special_tokens"):
+        client.completions.create(**{**ask, "extra_body": {"skip_special_tokens": "no"}})
 
 
 def test_stop_strings_and_seeded_sampling(client):

@@ -1,8 +1,10 @@
 """expertcache chat: an interactive conversation through the checkpoint's chat template;
-one user message per stdin line, the reply streamed; the expert cache stays warm across turns."""
+one user message per stdin line, the reply streamed (a reasoning model's reasoning to stderr, its answer to
+stdout); the expert cache stays warm across turns."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,14 +45,32 @@ def fitting_prompt(engine, template: ChatTemplate, messages: list[dict], max_tok
     return prompt
 
 
+def show(delta: dict, thought: list[str], answer: list[str]) -> None:
+    """A reply's new text: its reasoning to stderr, its answer to stdout (each kept in its list)."""
+    if text := delta.get("reasoning_content"):
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        thought.append(text)
+    if text := delta.get("content"):
+        if thought and not answer:  # the answer on a line of its own, after the reasoning
+            sys.stderr.write("\n")
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        answer.append(text)
+
+
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     from ..engine.chat import ChatTemplate
     from ..engine.checkpoint import model_name
     from ..engine.generate import TextGeneration
+    from ..serve.reasoning import Reply, opens_thinking, reply_form
     params = sampling_from_args(a)
     engine = engine_from_args(a)
     template = ChatTemplate.of(engine)
+    form = reply_form(template.source)
+    if form == "harmony":  # its parts are told apart by special tokens, which the reply leaves out
+        params = replace(params, skip_special_tokens=False)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     interactive, refused = sys.stdin.isatty(), 0
     name = model_name(engine.path) if a.model else "the built-in model"
@@ -72,22 +92,22 @@ def run(a) -> int:
             continue
         messages.append({"role": "user", "content": line.rstrip("\r\n")})  # a Windows line ends in \r\n
         try:  # a message refused (too long, or by the template) is left out, and the conversation goes on
-            gen = TextGeneration(engine, fitting_prompt(engine, template, messages, params.max_tokens), params)
+            prompt = fitting_prompt(engine, template, messages, params.max_tokens)
+            gen = TextGeneration(engine, prompt, params)
         except BadInput as e:
             messages.pop()
             refused += 1
             print(f"expertcache: error: {e} (the message is left out; the conversation goes on)", file=sys.stderr)
             continue
-        reply = []
+        reply, thought, answer = Reply(form, opened=opens_thinking(engine.decode(prompt[-8:]))), [], []
         try:
             for out in gen:
-                sys.stdout.write(out.text)
-                sys.stdout.flush()
-                reply.append(out.text)
+                show(reply.feed(out.text), thought, answer)
         except KeyboardInterrupt:  # stops this reply; the conversation goes on with what it said so far
             sys.stdout.write(" [stopped]")
+        show(reply.end()[0], thought, answer)
         sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        messages.append({"role": "assistant", "content": "".join(answer)})
     if engine.stats.tokens:  # a session that said nothing has no statistics to report
         print(f"[{engine.variant}] the session, prompts and replies: {engine.stats.line()}", file=sys.stderr)
     engine.close()

@@ -109,7 +109,8 @@ class TextGeneration:
         self.eos = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids(engine))
         # barred before min_tokens (an end id of a config's past the vocabulary is never sampled anyway)
         self.eos_ids = torch.tensor(sorted(t for t in self.eos if t < vocab), dtype=torch.long)
-        self.detok = IncrementalDetokenizer(engine.tokenizer, prompt) if engine.tokenizer is not None else None
+        self.detok = None if engine.tokenizer is None else \
+            IncrementalDetokenizer(engine.tokenizer, prompt, skip_special=params.skip_special_tokens)
         self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
         grammar = grammar_of(params)
         self.constraint = Constraint(engine, grammar) if grammar is not None else None

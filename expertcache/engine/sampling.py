@@ -47,6 +47,7 @@ class SamplingParams:
     choice: tuple[str, ...] | None = None  # the output is one of these strings (vLLM's guided_choice)
     grammar: str | None = None  # the output is a sentence of this context-free grammar, in GBNF (llama.cpp's grammar,
     # vLLM's guided_grammar) or llguidance's Lark syntax
+    skip_special_tokens: bool = True  # vLLM's: the output's text leaves out special tokens' (GPT-OSS's <|channel|>...)
 
     def __post_init__(self):
         # the forms OpenAI's and vLLM's APIs take (one stop string, lists, a {token: bias} dict, None for none), held
@@ -91,6 +92,9 @@ class SamplingParams:
         for ok, name, rule in checks:
             if not ok:
                 raise SamplingError(name, f"{name}={getattr(self, name)!r} {rule}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):  # "no" would read as true
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingError(name, f"{name}={getattr(self, name)!r} must be true or false")
         if "" in self.stop:  # named alone: the tuple the field holds is no form a user wrote
             raise SamplingError("stop", "stop='' must be a non-empty string")
         if not isinstance(self.logit_bias, (list, tuple)) or \
@@ -216,15 +220,15 @@ class IncrementalDetokenizer:
     per token (a few ids), and holding back text that ends in an incomplete UTF-8 sequence
     (byte-level BPE tokens can split a character)."""
 
-    def __init__(self, tokenizer, prompt: list[int] | None = None, context: int = 4):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, prompt: list[int] | None = None, context: int = 4, skip_special: bool = True):
+        self.tokenizer, self.skip_special = tokenizer, skip_special
         self.ids: list[int] = list(prompt[-context:]) if prompt else []
         # text of ids[prefix:read] was emitted; ids[read:] are pending
         self.prefix = 0
         self.read = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def push(self, token: int) -> str:
         """Add one token; returns the new text it completes ('' while a character is split)."""

@@ -30,7 +30,8 @@ from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, Completi
                       StreamOptions, TokenizeBody, checked_stop, logit_bias_pairs, logprobs_count, message_text,
                       refuse_unsupported, structure)
 from .scheduler import Request, Scheduler
-from .tools import OPEN, CallStream, split_calls
+from .reasoning import Reply, opens_thinking, reply_form, split_reply
+from .tools import OPEN
 
 DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
 
@@ -74,8 +75,10 @@ class Server:
             self.template = ChatTemplate.of(self.engine)
         except CheckpointError as e:
             self.no_template = str(e)
-        # the template writes a call in <tool_call> tags: the model's calls are read out of its text (tools.py)
-        self.tag_calls = self.template is not None and OPEN in self.template.source
+        # how the model writes its reasoning and calls (reasoning.py): a template that writes calls in <tool_call>
+        # tags or in GPT-OSS's harmony format has the model's calls read out of its text
+        self.form = reply_form(self.template.source) if self.template is not None else "plain"
+        self.tag_calls = self.template is not None and (OPEN in self.template.source or self.form == "harmony")
         tokenizer = self.engine.tokenizer
         byte_level = tokenizer is not None and type(tokenizer.decoder).__name__ == "ByteLevel"
         self.byte_of = byte_level_alphabet() if byte_level else None  # a token's exact bytes, for logprobs
@@ -124,6 +127,7 @@ class Server:
                                   include_stop_str_in_output=body.include_stop_str_in_output,
                                   stop_token_ids=tuple(body.stop_token_ids or ()),
                                   ignore_eos=body.ignore_eos, logprobs=logprobs,
+                                  skip_special_tokens=body.skip_special_tokens,
                                   prompt_logprobs=(logprobs or 0) if echo else None, **constraint)
         except SamplingError as e:
             raise APIError(400, str(e), field if e.param in constraint else e.param) from None
@@ -154,8 +158,9 @@ class Server:
             raise APIError(400, "echo is answered whole; send it without stream", "echo")
         return prompts
 
-    def chat_prompt(self, body: ChatBody) -> list[int]:
-        """The conversation's token ids through the chat template; APIError when the model has none."""
+    def chat_prompt(self, body: ChatBody) -> tuple[list[int], str]:
+        """The conversation's token ids through the chat template, and its text; APIError when the model has
+        none."""
         if self.template is None:
             raise APIError(400, self.no_template, "messages")  # it names the fix, and plain completions
         if not body.messages:
@@ -169,7 +174,7 @@ class Server:
         if not ids:  # a template may render nothing (a conversation of empty messages, no generation prompt)
             raise APIError(400, "the chat template renders these messages as an empty prompt; send some text",
                            "messages")
-        return ids
+        return ids, text
 
     def encode(self, text: str, param: str, special: bool = True) -> list[int]:
         """A prompt's token ids; APIError for text that is not Unicode (a lone surrogate escape) or so long that
@@ -189,12 +194,13 @@ class Server:
 
     async def run(self, http: HTTPRequest, prompts: list[list[int]], params: list[SamplingParams], chat: bool,
                   stream: bool, n: int = 1, options: StreamOptions | None = None,
-                  echo: list[str] | None = None, tools: list | None = None) -> Response:
+                  echo: list[str] | None = None, reply: dict | None = None) -> Response:
         """Submit one scheduler request per choice (n per prompt, the i-th with seed + i when the body gives a
         seed); returns an SSE stream of chunks, each of one choice by its index (`options`: the body's
         stream_options), or the whole response once every generation has ended; choice prompt * n + i.
         `params`: each prompt's (their max_tokens may differ); `echo`: the prompts' texts, to put before their
-        completions; `tools`: a chat message's calls of these tools are read out of its text (None: not)."""
+        completions; `reply`: a chat's Reply arguments (its form, the tools whose calls are read out of its text,
+        ...)."""
         if self.scheduler.failure is not None:
             raise APIError(503, f"the engine has stopped ({self.scheduler.state}); the server must be restarted",
                            code="engine_failed", kind="server_error")
@@ -229,7 +235,7 @@ class Server:
         if stream:
             return StreamingResponse(self._stream([r for r, _ in submitted], merged, rid, chat,
                                                   options or StreamOptions(), sum(len(p) for p in prompts),
-                                                  tools),
+                                                  reply or {}),
                                      media_type="text/event-stream")
         try:
             outcomes = await asyncio.gather(*(self._collect(http, *s) for s in submitted))
@@ -251,8 +257,11 @@ class Server:
                 where = None if chat else self.offsets([] if echo else prompts[i // n]).of([s.token for s in scored])
                 logprobs = self._logprobs(scored, chat, where)
             if chat:
-                content, called = split_calls(text, tools) if tools is not None else (text, [])
-                message = {"role": "assistant", "content": content, **({"tool_calls": called} if called else {})}
+                thought, content, called = split_reply(text, **(reply or {}))
+                message = {"role": "assistant", "content": content}
+                for key, value in (("reasoning_content", thought), ("tool_calls", called)):
+                    if value:
+                        message[key] = value
                 finish = "tool_calls" if called and finish == "stop" else finish
                 choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs})
             else:
@@ -307,9 +316,10 @@ class Server:
                 "text_offset": offsets}
 
     async def _stream(self, requests: list[Request], merged: asyncio.Queue, rid: str, chat: bool,
-                      options: StreamOptions, prompt_tokens: int, tools: list | None = None):
-        """The SSE chunks of `requests` (choice i is requests[i]) as their tokens arrive on `merged`; with `tools`,
-        a chat choice's text from where a call may begin is held back, and its calls come last."""
+                      options: StreamOptions, prompt_tokens: int, reply: dict | None = None):
+        """The SSE chunks of `requests` (choice i is requests[i]) as their tokens arrive on `merged`; a chat choice's
+        text goes through a Reply of `reply`'s arguments: its reasoning and content apart, its text held back from
+        where a call may begin, and its calls last."""
         logprobs = requests[0].params.logprobs is not None
         include_usage = bool(options.include_usage)
         continuous = include_usage and bool(options.continuous_usage_stats)  # vLLM's: only with include_usage
@@ -327,7 +337,7 @@ class Server:
                     yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                                  **({"logprobs": None} if logprobs else {})})
             held = [[] for _ in requests]  # tokens whose logprobs wait for a chunk (their text may come later)
-            calls = [CallStream(tools) if chat and tools is not None else None for _ in requests]
+            replies = [Reply(**(reply or {})) if chat else None for _ in requests]
             offsets = [self.offsets(r.prompt) for r in requests]
             running = len(requests)
             while running:
@@ -343,22 +353,22 @@ class Server:
                     held[i].append(item)
                 if item.token is not None:  # the last may be an end token, which the usage does not count
                     made[i] = requests[i].completion_tokens if item.finish_reason else made[i] + 1
-                text, called = item.text, []
-                if calls[i] is not None:
-                    text = calls[i].feed(text)
+                delta, called = {}, []
+                if chat:
+                    delta = replies[i].feed(item.text)
                     if item.finish_reason:
-                        rest, called = calls[i].end()
-                        text += rest
-                if not text and item.finish_reason is None:
+                        rest, called = replies[i].end()
+                        delta = {k: delta.get(k, "") + rest.get(k, "") for k in {**delta, **rest}}
+                if not (delta if chat else item.text) and item.finish_reason is None:
                     continue
                 choice: dict[str, Any] = {"index": i, "finish_reason": item.finish_reason}
-                if called:  # the content before the calls in a chunk of its own, then the calls
-                    if text:
-                        yield chunk({"index": i, "finish_reason": None, "delta": {"content": text}})
+                if called:  # the text before the calls in a chunk of its own, then the calls
+                    if delta:
+                        yield chunk({"index": i, "finish_reason": None, "delta": delta})
                     choice["delta"] = {"tool_calls": [{"index": j, **c} for j, c in enumerate(called)]}
                     choice["finish_reason"] = "tool_calls" if item.finish_reason == "stop" else item.finish_reason
                 elif chat:
-                    choice["delta"] = {"content": text} if text else {}
+                    choice["delta"] = delta
                 else:
                     where = offsets[i].of([h.token for h in held[i]]) if logprobs else None
                     choice.update(text=item.text, logprobs=self._logprobs(held[i], chat, where) if logprobs else None)
@@ -457,13 +467,18 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
-        prompt = await asyncio.to_thread(server.chat_prompt, body)
+        prompt, text = await asyncio.to_thread(server.chat_prompt, body)
         params = server.params(body, len(prompt), default_max=None, chat=True)
         # calls are read out of the text where the template writes them in tags, and a forced call always is
         calling = bool(body.tools) and body.tool_choice != "none" and \
             (server.tag_calls or body.tool_choice not in (None, "auto"))
+        form = "plain" if body.reasoning_format == "none" else server.form
+        if form == "harmony":  # its parts are told apart by special tokens, which the reply leaves out
+            params = replace(params, skip_special_tokens=False)
+        reply = {"form": form, "tools": body.tools if calling else None, "opened": opens_thinking(text),
+                 "reasoning": body.include_reasoning}
         return await server.run(http, [prompt], [params], chat=True, stream=body.stream, n=body.n,
-                                options=body.stream_options, tools=body.tools if calling else None)
+                                options=body.stream_options, reply=reply)
 
     card = lambda: {"id": model_name, "object": "model", "created": server.created,  # noqa: E731
                     "owned_by": "expertcache"}
@@ -485,7 +500,7 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
         if body.messages is not None:
             chat = ChatBody(messages=body.messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
                             chat_template_kwargs=body.chat_template_kwargs)
-            ids = await asyncio.to_thread(server.chat_prompt, chat)
+            ids, _ = await asyncio.to_thread(server.chat_prompt, chat)
         else:
             ids = await asyncio.to_thread(server.encode, body.prompt, "prompt", body.add_special_tokens)
         return {"count": len(ids), "max_model_len": server.engine.model.max_seq, "tokens": ids}

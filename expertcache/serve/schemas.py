@@ -2,7 +2,7 @@
 fields refused rather than ignored, and the bounds that keep one request from holding the server."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validator
 
@@ -82,6 +82,7 @@ class SamplingFields(BaseModel):
     response_format: dict | None = None
     tool_choice: str | dict | None = None
     stop_token_ids: list[StrictInt] | None = None  # vLLM's: ids that end the output as EOS does
+    skip_special_tokens: StrictBool = True  # vLLM's: false keeps special tokens' text (GPT-OSS's <|channel|>...)
 
 
 class CompletionBody(SamplingFields):
@@ -119,12 +120,16 @@ class ChatBody(SamplingFields):
     chat template, which writes them into the prompt (a call the model makes comes back in tool_calls where the
     template writes calls in <tool_call> tags, else as its text; serve/tools.py), and so do
     chat_template_kwargs (vLLM's: e.g. {"enable_thinking": false}), and reasoning_effort (OpenAI's), which
-    GPT-OSS's template writes into its system message; chat_template_kwargs' own reasoning_effort wins."""
+    GPT-OSS's template writes into its system message; chat_template_kwargs' own reasoning_effort wins. The model's
+    reasoning comes back in reasoning_content (reasoning.py), unless include_reasoning (vLLM's) is false, which leaves
+    it out, or reasoning_format (llama.cpp's) is "none", which leaves the text as the model wrote it."""
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    include_reasoning: StrictBool = True
+    reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
 
     def template_kwargs(self) -> dict[str, Any]:
         """The chat template's further arguments: reasoning_effort where sent, then chat_template_kwargs."""

@@ -2,7 +2,7 @@
 out of its text into OpenAI's `tool_calls`, whole and streamed: as JSON, {"name": ..., "arguments": {...}} (Qwen's and
 Hermes' way), or as the name then <arg_key>/<arg_value> pairs (GLM-4.5's). tool_choice "required" or a named function
 keeps the output to one call, in the JSON form, by a grammar (llguidance's, over the tool's parameter schema),
-whatever the template."""
+whatever the template. (GPT-OSS's calls, in its harmony format, are read in reasoning.py.)"""
 from __future__ import annotations
 
 import json
@@ -122,13 +122,6 @@ def _split(text: str, tools: list | None) -> tuple[str, list[dict]]:
         calls += [call] if call is not None else []
         pos = end + len(CLOSE)
     return "".join(kept + [text[pos:]]), calls
-
-
-def split_calls(text: str, tools: list | None = None) -> tuple[str | None, list[dict]]:
-    """(a message's content, its tool_calls), `tools` the request's: with calls, the text around them stripped
-    (None when nothing is left); without, `text` as it is."""
-    content, calls = _split(text, tools)
-    return (content.strip() or None, calls) if calls else (text, [])
 
 
 class CallStream:

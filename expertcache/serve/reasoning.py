@@ -1,0 +1,201 @@
+"""A chat reply's parts: the model's reasoning, its answer and its tool calls, read out of the text it writes, whole
+and streamed. Where the chat template writes reasoning in <think> tags (Qwen3, GLM-4.5, DeepSeek-R1), the text up to
+</think> is reasoning (also where the template opened the tag in the prompt); where it writes GPT-OSS's harmony
+format, the analysis channel is reasoning, the final channel (and commentary to no one) the answer, and a commentary
+message to=functions.NAME a call. The answer's <tool_call> tags are read by tools.py."""
+from __future__ import annotations
+
+import uuid
+
+from .tools import CallStream
+
+THINK, UNTHINK = "<think>", "</think>"
+START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+ENDS = ("<|end|>", "<|call|>", "<|return|>")  # a harmony message's own ends (the next <|start|> ends it too)
+FORMS = ("plain", "think", "harmony")
+
+
+def reply_form(template_source: str) -> str:
+    """How a template's model writes its replies: "harmony" (GPT-OSS), "think" (reasoning in <think> tags), or
+    "plain" (all of it answer)."""
+    if CHANNEL in template_source and MESSAGE in template_source:
+        return "harmony"
+    return "think" if UNTHINK in template_source else "plain"
+
+
+def opens_thinking(prompt: str) -> bool:
+    """Whether a rendered prompt ends inside an opened <think> (a thinking model's generation prompt), so that the
+    reply starts with reasoning and no tag of its own."""
+    return prompt.rstrip().endswith(THINK)
+
+
+def _held(text: str, marks: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` may be the start of one of `marks` (held back from a stream)."""
+    return max((n for mark in marks for n in range(min(len(mark) - 1, len(text)), 0, -1)
+                if text.endswith(mark[:n])), default=0)
+
+
+class _Trimmed:
+    """A part's text without its leading and trailing whitespace, streamed: trailing whitespace waits for more."""
+
+    def __init__(self):
+        self.started, self.held = False, ""
+
+    def feed(self, piece: str) -> str:
+        if not self.started:
+            piece = piece.lstrip()
+            self.started = bool(piece)
+        piece = self.held + piece
+        body = piece.rstrip()
+        self.held = piece[len(body):]
+        return body
+
+
+class _Think:
+    """Splits text into ("reasoning" | "content", piece) at <think>...</think>."""
+
+    def __init__(self, opened: bool):
+        self.state, self.buf, self.opened = "start", "", opened
+
+    def feed(self, piece: str, final: bool = False) -> list[tuple[str, str]]:
+        self.buf += piece
+        out = []
+        while self.buf:
+            if self.state == "start":  # a reply that opens with <think>, after any whitespace
+                head = self.buf.lstrip()
+                if head.startswith(THINK):
+                    self.state, self.buf = "reasoning", head[len(THINK):]
+                elif not final and THINK.startswith(head):
+                    break  # whitespace, or the start of the tag
+                else:
+                    self.state = "reasoning" if self.opened else "content"
+            elif self.state == "reasoning":
+                end = self.buf.find(UNTHINK)
+                if end >= 0:
+                    out.append(("reasoning", self.buf[:end]))
+                    self.state, self.buf = "after", self.buf[end + len(UNTHINK):]
+                    continue
+                keep = 0 if final else _held(self.buf, (UNTHINK,))
+                out.append(("reasoning", self.buf[:len(self.buf) - keep]))
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            else:  # the answer, from its first character that is not whitespace after </think>
+                if self.state == "after":
+                    self.buf = self.buf.lstrip()
+                    self.state = "content" if self.buf else "after"
+                out.append(("content", self.buf))
+                self.buf = ""
+        return [(part, text) for part, text in out if text]
+
+
+class _Harmony:
+    """Splits GPT-OSS's harmony messages into ("reasoning" | "content" | "call", piece); a call's name is in
+    `self.calls` as its arguments arrive."""
+
+    def __init__(self, calling: bool):
+        self.calling, self.state, self.buf, self.target = calling, "first", "", None
+        self.calls: list[list[str]] = []  # [name, arguments so far] of each call
+
+    def _target(self, header: str) -> str | None:
+        """A message's part by its header (role, <|channel|>NAME, to=RECIPIENT, <|constrain|>FORMAT)."""
+        words = header.replace(CHANNEL, " <channel> ").replace(CONSTRAIN, " ").replace(START, " ").split()
+        channel = next((words[i + 1] for i, w in enumerate(words[:-1]) if w == "<channel>"), None)
+        recipient = next((w[3:] for w in words if w.startswith("to=")), None)
+        if recipient and recipient.startswith("functions.") and self.calling:
+            self.calls.append([recipient.removeprefix("functions."), ""])
+            return "call"
+        return "reasoning" if channel == "analysis" else "content"
+
+    def feed(self, piece: str, final: bool = False) -> list[tuple[str, str]]:
+        self.buf += piece
+        out = []
+        while self.buf:
+            if self.state == "first":  # a reply in harmony opens with its header; other text is all answer
+                head = self.buf.lstrip()
+                marks = ("<|", "to=")
+                if any(head.startswith(m) for m in marks):
+                    self.state = "header"
+                elif not final and any(m.startswith(head) for m in marks):
+                    break
+                else:
+                    self.state = "plain"
+            elif self.state == "plain":
+                out.append(("content", self.buf))
+                self.buf = ""
+            elif self.state == "header":
+                at = self.buf.find(MESSAGE)
+                if at < 0:
+                    if final:
+                        self.buf = ""  # a header cut off: no message
+                    break
+                self.target, self.buf, self.state = self._target(self.buf[:at]), self.buf[at + len(MESSAGE):], "body"
+            else:  # a message's body, to its end or the next message's start
+                ends = [(i, mark) for mark in (*ENDS, START) if (i := self.buf.find(mark)) >= 0]
+                if ends:
+                    at, mark = min(ends)
+                    out.append((self.target, self.buf[:at]))
+                    self.state = "header"
+                    self.buf = self.buf[at + len(mark) * (mark != START):]
+                    continue
+                keep = 0 if final else _held(self.buf, (*ENDS, START))
+                out.append((self.target, self.buf[:len(self.buf) - keep]))
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+        for part, text in out:
+            if part == "call":
+                self.calls[-1][1] += text
+        return [(part, text) for part, text in out if text and part != "call"]
+
+
+class Reply:
+    """One chat choice's text as it arrives, split into reasoning and answer (`feed` gives the delta that can be sent
+    now, {"reasoning_content": ..., "content": ...} without empty parts), then `end` the rest and the tool calls.
+    form: reply_form's; tools: the request's, whose calls are read out of the text (None: no calls are read);
+    opened: the prompt ended inside <think>; reasoning: False leaves the reasoning out (vLLM's include_reasoning)."""
+
+    def __init__(self, form: str = "plain", tools: list | None = None, opened: bool = False, reasoning: bool = True):
+        if form not in FORMS:
+            raise ValueError(f"reply form {form!r} is not one of {', '.join(FORMS)}")
+        self.parts = None if form == "plain" else _Think(opened) if form == "think" else _Harmony(tools is not None)
+        self.answer = CallStream(tools) if tools is not None else None
+        self.thought, self.reasoning = _Trimmed(), reasoning
+
+    def _delta(self, pieces: list[tuple[str, str]]) -> dict:
+        delta: dict[str, str] = {}
+        for part, text in pieces:
+            if part == "reasoning":
+                key, text = "reasoning_content", self.thought.feed(text) if self.reasoning else ""
+            else:
+                key, text = "content", self.answer.feed(text) if self.answer is not None else text
+            if text:
+                delta[key] = delta.get(key, "") + text
+        return delta
+
+    def feed(self, piece: str) -> dict:
+        return self._delta([("content", piece)] if self.parts is None else self.parts.feed(piece))
+
+    def end(self) -> tuple[dict, list[dict]]:
+        """What is left to send, and the calls (OpenAI's tool_calls entries)."""
+        delta = self._delta([] if self.parts is None else self.parts.feed("", final=True))
+        calls = []
+        if self.answer is not None:
+            rest, calls = self.answer.end()
+            if rest:
+                delta["content"] = delta.get("content", "") + rest
+        if isinstance(self.parts, _Harmony):
+            calls += [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                       "function": {"name": name, "arguments": arguments.strip()}}
+                      for name, arguments in self.parts.calls]
+        return delta, calls
+
+
+def split_reply(text: str, form: str = "plain", tools: list | None = None, opened: bool = False,
+                reasoning: bool = True) -> tuple[str | None, str | None, list[dict]]:
+    """A whole reply's (reasoning, content, tool calls); None for a part that is not there. The content is the text
+    as written where there is neither reasoning nor a call; else without surrounding whitespace."""
+    reply = Reply(form, tools, opened, reasoning)
+    first = reply.feed(text)
+    rest, calls = reply.end()
+    thought = first.get("reasoning_content", "") + rest.get("reasoning_content", "")
+    content = first.get("content", "") + rest.get("content", "")
+    return thought or None, (content.strip() or None) if thought or calls else content, calls
