@@ -331,13 +331,15 @@ HARMONY_TEMPLATE = """{% for m in messages %}<|start|>{{ m.role }}{% if m.role =
 
 @pytest.mark.parametrize("template, said, opened", [
     (THINKING_TEMPLATE, "<think>\nThey greet me.\n</think>\n\nHello!", False),
-    (THINKING_TEMPLATE, "They greet me.\n</think>\n\nHello!", True),
+    (THINKING_TEMPLATE, "<think>\nThey greet me.\n</think>\n\nHello!", True),
     (HARMONY_TEMPLATE, "<|channel|>analysis<|message|>They greet me.<|end|><|start|>assistant<|channel|>final"
                        "<|message|>Hello!", False)], ids=["think", "think-opened-by-prompt", "harmony"])
 def test_a_models_reasoning_comes_back_apart_from_its_answer(tmp_path, template, said, opened):
-    """Where the template writes reasoning in <think> tags (the prompt may open one) or in harmony channels, the
-    model's reasoning comes back in reasoning_content and its answer in content, whole and streamed;
-    include_reasoning false leaves the reasoning out, reasoning_format none leaves the text as written."""
+    """Where the template writes reasoning in <think> tags or in harmony channels, the model's reasoning comes back
+    in reasoning_content and its answer in content, whole and streamed; include_reasoning false leaves the
+    reasoning out, reasoning_format none leaves the text as written. (The text here is a grammar's, which makes an
+    output the answer from its first token even where the prompt opened <think>: a JSON schema's value is no
+    reasoning.)"""
     path = tmp_path / "model"
     shutil.copytree(BUILTIN_MODEL, path)
     (path / "chat_template.jinja").write_text(template)
@@ -358,6 +360,10 @@ def test_a_models_reasoning_comes_back_apart_from_its_answer(tmp_path, template,
         assert "reasoning_content" not in left_out.choices[0].message.model_extra
         raw = client.chat.completions.create(**ask, extra_body={**writes, **kwargs, "reasoning_format": "none"})
         assert raw.choices[0].message.content == said
+        if opened:
+            value = client.chat.completions.create(**ask, response_format={"type": "json_object"},
+                                                   extra_body=kwargs).choices[0].message
+            assert value.content.startswith("{") and "reasoning_content" not in value.model_extra
         with pytest.raises(openai.BadRequestError, match="reasoning_format"):
             client.chat.completions.create(**ask, extra_body={"reasoning_format": "hidden"})
     engine.close()

@@ -99,7 +99,8 @@ def run(a) -> int:
             refused += 1
             print(f"expertcache: error: {e} (the message is left out; the conversation goes on)", file=sys.stderr)
             continue
-        reply, thought, answer = Reply(form, opened=opens_thinking(engine.decode(prompt[-8:]))), [], []
+        opened = opens_thinking(engine.decode(prompt[-8:])) and not params.constrained  # as the server reads it
+        reply, thought, answer = Reply(form, opened=opened), [], []
         try:
             for out in gen:
                 show(reply.feed(out.text), thought, answer)

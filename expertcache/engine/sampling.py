@@ -14,6 +14,7 @@ MAX_LOGPROBS = 20  # alternatives a token, as OpenAI's top_logprobs allows
 NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 WHOLE = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 OPTIONAL = ("seed", "logprobs", "prompt_logprobs")  # None: no seed, no log-probabilities
+STRUCTURES = ("json_schema", "regex", "choice", "grammar")  # what may keep the output to a form
 
 
 def short(text: str, width: int = 60) -> str:
@@ -107,11 +108,16 @@ class SamplingParams:
                                                   "[-100, 100]")
         self._check_structure()
 
+    @property
+    def constrained(self) -> bool:
+        """Whether the output is kept to a JSON schema, regex, choice or grammar."""
+        return any(getattr(self, name) is not None for name in STRUCTURES)
+
     def _check_structure(self) -> None:
         """json_schema, regex, choice and grammar: at most one, each one llguidance can follow, and none with
         min_tokens."""
         from .structured import cfg_grammar, regex_grammar, schema_text
-        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in STRUCTURES if getattr(self, name) is not None]
         if len(given) > 1:
             raise SamplingError(given[1], f"{' and '.join(given)} each constrain the output; give one")
         if self.json_schema is not None:

@@ -475,8 +475,9 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
         form = "plain" if body.reasoning_format == "none" else server.form
         if form == "harmony":  # its parts are told apart by special tokens, which the reply leaves out
             params = replace(params, skip_special_tokens=False)
-        reply = {"form": form, "tools": body.tools if calling else None, "opened": opens_thinking(text),
-                 "reasoning": body.include_reasoning}
+        # a constrained output is the answer from its first token, even after a prompt that opened <think>
+        reply = {"form": form, "tools": body.tools if calling else None, "reasoning": body.include_reasoning,
+                 "opened": opens_thinking(text) and not params.constrained}
         return await server.run(http, [prompt], [params], chat=True, stream=body.stream, n=body.n,
                                 options=body.stream_options, reply=reply)
 
