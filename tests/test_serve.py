@@ -104,7 +104,8 @@ TOOL_TEMPLATE = """{% set d = dict(a=1) %}{% if tools %}TOOLS:{% for t in tools 
 {%- for c in m.tool_calls or [] %}<call>{{ c.function.name }}({{ c.function.arguments }})</call>{% endfor %}
 
 {% endfor %}{% if reasoning_effort is defined %}EFFORT {{ reasoning_effort }}.
-{% endif %}{% if add_generation_prompt %}ASSISTANT.
+{% endif %}{% for d in documents or [] %}DOCUMENT {{ d.title }}: {{ d.text }}
+{% endfor %}{% if add_generation_prompt %}ASSISTANT.
 {% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"""
 
 
@@ -141,6 +142,11 @@ def test_tools_calls_and_template_arguments_reach_the_template_as_in_hf(tmp_path
         assert "EFFORT low." in effort and ask(reasoning_effort="low") == len(engine.encode(effort, special=False))
         assert ask(reasoning_effort="low", extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}}) == \
             len(engine.encode(effort.replace("low", "high"), special=False))
+        documents = [{"title": "Forecast", "text": "Rain all day."}]  # retrieval's, vLLM's and HF's field
+        grounded = transformers.AutoTokenizer.from_pretrained(str(path)).apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, documents=documents)
+        assert "DOCUMENT Forecast: Rain all day." in grounded
+        assert ask(extra_body={"documents": documents}) == len(engine.encode(grounded, special=False))
         with pytest.raises(openai.BadRequestError, match="chat template failed .*not iterable"):  # not a 500
             client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
                 {"role": "assistant", "content": "x", "tool_calls": 5}])
@@ -391,6 +397,29 @@ def test_gpt_oss_calls_come_back_as_tool_calls(tmp_path):
         chunks = [c.choices[0] for c in client.chat.completions.create(**ask, stream=True) if c.choices]
         assert [t.function.name for c in chunks for t in c.delta.tool_calls or []] == ["get_weather"]
         assert chunks[-1].finish_reason == "tool_calls" and not "".join(c.delta.content or "" for c in chunks)
+    engine.close()
+
+
+def test_add_special_tokens_adds_the_tokenizers_own_where_asked(tmp_path):
+    """vLLM's add_special_tokens: a completion's text prompt gets the tokenizer's own tokens (here a BOS) unless it
+    is false; a chat's rendered prompt, which holds the template's, gets them only where it is true."""
+    path = tmp_path / "model"
+    shutil.copytree(BUILTIN_MODEL, path)
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = {"type": "TemplateProcessing", "single": [
+        {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}], "special_tokens": {
+            "<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}}
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    engine = Engine(path, EngineConfig(store="ram", max_seq=128))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        prompt = lambda **kw: client.completions.create(  # noqa: E731
+            model=MODEL, prompt="ROMEO.", max_tokens=1, extra_body=kw).usage.prompt_tokens
+        chat = lambda **kw: client.chat.completions.create(  # noqa: E731
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, extra_body=kw).usage.prompt_tokens
+        assert prompt() == prompt(add_special_tokens=False) + 1
+        assert chat(add_special_tokens=True) == chat() + 1
     engine.close()
 
 
@@ -650,7 +679,8 @@ def test_fields_not_implemented_are_refused_not_ignored(client, fields, param):
 
 @pytest.mark.parametrize("fields", [{"function_call": {"name": "f"}}, {"modalities": ["text", "audio"]},
                                     {"bad_words": ["a"]}, {"allowed_token_ids": [1, 2]}, {"typical_p": 0.5},
-                                    {"echo": True}])
+                                    {"echo": True}, {"functions": [{"name": "f", "parameters": {}}]},
+                                    {"n_predict": 8}, {"chat_template": "{{ messages }}"}, {"top_n_sigma": 1.0}])
 def test_other_apis_fields_that_change_the_answer_are_refused(client, fields):
     """Fields of OpenAI's legacy API, vLLM's and llama.cpp's that this server does not implement: a 400, not an
     answer that ignores them; their neutral values pass."""
@@ -661,7 +691,8 @@ def test_other_apis_fields_that_change_the_answer_are_refused(client, fields):
     assert e.value.body["param"] == name
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
                                    extra_body={"min_tokens": 0, "modalities": ["text"], "function_call": "auto",
-                                               "logprobs": False, "top_logprobs": 0, "echo": False})
+                                               "logprobs": False, "top_logprobs": 0, "echo": False, "functions": [],
+                                               "top_n_sigma": -1, "dry_multiplier": 0, "xtc_probability": 0.0})
 
 
 def test_nulls_stop_ids_and_the_generation_prompt(client, reference):

@@ -148,7 +148,7 @@ class Server:
                            "generations in one request; send them in several", "prompt")
         prompts = []
         for p in (prompt if many else [prompt]):
-            ids = self.encode(p, "prompt") if isinstance(p, str) else list(p)
+            ids = self.encode(p, "prompt", body.add_special_tokens) if isinstance(p, str) else list(p)
             if not ids:
                 raise APIError(400, "the prompt is empty; send at least one token", "prompt")
             if any(not 0 <= t < self.engine.args.vocab_size for t in ids):
@@ -170,7 +170,7 @@ class Server:
                                         body.tools, body.template_kwargs())
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
-        ids = self.encode(text, "messages", special=False)
+        ids = self.encode(text, "messages", special=body.add_special_tokens)
         if not ids:  # a template may render nothing (a conversation of empty messages, no generation prompt)
             raise APIError(400, "the chat template renders these messages as an empty prompt; send some text",
                            "messages")

@@ -90,6 +90,7 @@ class CompletionBody(SamplingFields):
     choice each). echo puts the prompt before the completion, and with logprobs scores the prompt's tokens
     (then max_tokens may be 0), as evaluation harnesses ask."""
     prompt: str | list[str] | list[int] | list[list[int]]
+    add_special_tokens: StrictBool = True  # vLLM's: false encodes a text prompt without the tokenizer's own (a BOS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -122,19 +123,24 @@ class ChatBody(SamplingFields):
     chat_template_kwargs (vLLM's: e.g. {"enable_thinking": false}), and reasoning_effort (OpenAI's), which
     GPT-OSS's template writes into its system message; chat_template_kwargs' own reasoning_effort wins. The model's
     reasoning comes back in reasoning_content (reasoning.py), unless include_reasoning (vLLM's) is false, which leaves
-    it out, or reasoning_format (llama.cpp's) is "none", which leaves the text as the model wrote it."""
+    it out, or reasoning_format (llama.cpp's) is "none", which leaves the text as the model wrote it. documents
+    (vLLM's and HF's, for retrieval) go to the template too; add_special_tokens (vLLM's) true adds the tokenizer's
+    own (a BOS) to the rendered prompt, which holds the template's."""
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     include_reasoning: StrictBool = True
+    documents: list[dict] | None = None
+    add_special_tokens: StrictBool = False
     reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
 
     def template_kwargs(self) -> dict[str, Any]:
-        """The chat template's further arguments: reasoning_effort where sent, then chat_template_kwargs."""
-        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
-        return {**effort, **(self.chat_template_kwargs or {})}
+        """The chat template's further arguments: reasoning_effort and documents where sent, then
+        chat_template_kwargs."""
+        given = {"reasoning_effort": self.reasoning_effort, "documents": self.documents}
+        return {**{k: v for k, v in given.items() if v is not None}, **(self.chat_template_kwargs or {})}
 
 
 class TokenizeBody(BaseModel):
@@ -167,12 +173,15 @@ class DetokenizeBody(BaseModel):
 # Extra fields of OpenAI's, vLLM's and llama.cpp's APIs that would change the answer, with the value that would
 # not: sent with another, they are refused rather than ignored. (echo is chat's here, vLLM's: it prepends the last
 # message; completions declare their own.)
-UNIMPLEMENTED = {"function_call": ("none", "auto"), "modalities": (["text"],), "audio": (),
-                 "continue_final_message": (False,), "bad_words": ([],),
-                 "allowed_token_ids": (),
+UNIMPLEMENTED = {"function_call": ("none", "auto"), "functions": ([],), "modalities": (["text"],), "audio": (),
+                 "continue_final_message": (False,), "bad_words": ([],), "chat_template": (),
+                 "allowed_token_ids": (), "logits_processors": ([],),
                  "typical_p": (1, 1.0), "mirostat": (0,), "repeat_penalty": (1, 1.0), "tfs_z": (1, 1.0),
-                 "prompt_logprobs": (), "truncate_prompt_tokens": (), "length_penalty": (1, 1.0),
+                 "top_n_sigma": (-1, -1.0), "dry_multiplier": (0, 0.0), "xtc_probability": (0, 0.0),
+                 "n_predict": (), "prompt_logprobs": (), "truncate_prompt_tokens": (), "length_penalty": (1, 1.0),
                  "use_beam_search": (False,), "echo": (False,)}
+INSTEAD = {"functions": "send them as tools", "function_call": "send tool_choice", "n_predict": "send max_tokens",
+           "chat_template": "the model's own template renders the chat"}  # what to send in their place
 
 
 # vLLM's structured_outputs keys, and its guided_* fields (and llama.cpp's json_schema and grammar), as
@@ -187,7 +196,8 @@ def refuse_unsupported(body: SamplingFields) -> None:
     (user, tools the model may leave uncalled, ...) are accepted and ignored."""
     for name, value in (body.model_extra or {}).items():
         if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name]:
-            raise APIError(400, f"{name} is not supported by this server; leave it out", name)
+            raise APIError(400, f"{name} is not supported by this server; {INSTEAD.get(name, 'leave it out')}",
+                           name)
     unsupported = [  # chat's tool_choice is taken (structure)
         (body.tool_choice not in (None, "none", "auto") and not isinstance(body, ChatBody), "tool_choice",
          "a completion has no tools; leave it out"),
