@@ -98,11 +98,23 @@ def test_another_models_tokenizer_is_one_line(capsys, ckpt):
 
 def test_unsupported_architecture(capsys, ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["model_type"] = "llama"
+    cfg["model_type"], cfg["architectures"] = "llama", ["LlamaForCausalLM"]
     (ckpt / "config.json").write_text(json.dumps(cfg))
     expect_cli_error(capsys, ckpt, "qwen3_moe")
     with pytest.raises(UnsupportedArchitecture, match="supported: qwen3_moe"):
         Engine(ckpt)
+
+
+def test_a_releases_own_model_type_for_a_familys_architecture_loads_as_that_family(ckpt):
+    """Kimi K2's config says model_type kimi_k2 and architectures DeepseekV3ForCausalLM: the architecture names
+    the family where the model_type names none."""
+    from expertcache.models import deepseek_v3, family_of
+    assert family_of({"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}) is deepseek_v3
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "model_type": "my_finetune"}))
+    engine = Engine(ckpt)
+    assert engine.args.family == cfg["model_type"]
+    engine.close()
 
 
 def test_cache_too_small(capsys, ckpt):

@@ -15,13 +15,19 @@ FAMILIES = {"qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe, "mix
 
 
 def family_of(config: dict):
-    """The family module for config.json's model_type; raises UnsupportedArchitecture for others."""
+    """The family module for config.json's model_type, or else for its architectures (a release may name its own
+    model_type for a family's architecture: Kimi K2's kimi_k2 is DeepseekV3ForCausalLM); raises
+    UnsupportedArchitecture for others."""
     model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        raise UnsupportedArchitecture(
-            f"model_type {model_type!r} is not supported; supported: "
-            + ", ".join(f"{k} ({m.ARCHITECTURE})" for k, m in FAMILIES.items()))
-    return FAMILIES[model_type]
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    architectures = config.get("architectures")
+    for family in FAMILIES.values():
+        if isinstance(architectures, list) and family.ARCHITECTURE in architectures:
+            return family
+    raise UnsupportedArchitecture(
+        f"model_type {model_type!r} is not supported; supported: "
+        + ", ".join(f"{k} ({m.ARCHITECTURE})" for k, m in FAMILIES.items()))
 
 
 def _whole(v, least: int = 1) -> bool:
