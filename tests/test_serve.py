@@ -209,8 +209,8 @@ def test_a_tool_choice_that_cannot_be_followed_is_a_400(client, fields, words, p
 
 
 def test_calls_are_read_out_of_the_text_in_each_templates_form():
-    """Qwen's and Hermes' JSON in tags, GLM-4.5's name and argument pairs (a value JSON unless its tool declares it a
-    string); a tag that holds no call stays text; a stream cut anywhere sends the same content and calls."""
+    """Qwen's and Hermes' JSON in tags, GLM-4.5's name and argument pairs, Qwen3-Coder's <function=...> and
+    <parameter=...> (a value JSON unless its tool declares it a string); a tag that holds no call stays text; a stream cut anywhere sends the same content and calls."""
     import random
 
     from expertcache.serve.reasoning import split_reply
@@ -221,7 +221,10 @@ def test_calls_are_read_out_of_the_text_in_each_templates_form():
     hermes = 'Looking. <tool_call>\n{"name": "ls", "arguments": {"path": "src", "depth": 2}}\n</tool_call>'
     glm = "Looking. <tool_call>ls\n<arg_key>path</arg_key>\n<arg_value>123</arg_value>\n<arg_key>depth</arg_key>\n" \
           "<arg_value>2</arg_value>\n</tool_call>"
-    for text, arguments in ((hermes, {"path": "src", "depth": 2}), (glm, {"path": "123", "depth": 2})):
+    coder = "Looking. <tool_call>\n<function=ls>\n<parameter=path>\nsrc\n</parameter>\n<parameter=depth>\n2\n" \
+            "</parameter>\n</function>\n</tool_call>"
+    for text, arguments in ((hermes, {"path": "src", "depth": 2}), (glm, {"path": "123", "depth": 2}),
+                            (coder, {"path": "src", "depth": 2})):
         content, (call,) = split_calls(text, tools)
         assert content == "Looking." and call["function"]["name"] == "ls" and call["type"] == "function"
         assert json.loads(call["function"]["arguments"]) == arguments
@@ -232,6 +235,7 @@ def test_calls_are_read_out_of_the_text_in_each_templates_form():
             rest, calls = stream.end()
             assert (sent + rest).strip() == "Looking." and [c["function"] for c in calls] == [call["function"]]
     for text in ("<tool_call>not json</tool_call>", "<tool_call>rm\n</tool_call>", "a <tool_call> unclosed",
+                 "<tool_call><function=rm>\n</function></tool_call>",
                  "<tool_call>[1, 2]</tool_call>", "plain <tool"):
         assert split_calls(text, tools) == (text, [])
         stream = CallStream(tools)

@@ -1,8 +1,9 @@
 """Tool calls in chat completions. A model whose chat template writes a call in <tool_call> tags has its calls parsed
 out of its text into OpenAI's `tool_calls`, whole and streamed: as JSON, {"name": ..., "arguments": {...}} (Qwen's and
-Hermes' way), or as the name then <arg_key>/<arg_value> pairs (GLM-4.5's). tool_choice "required" or a named function
-keeps the output to one call, in the JSON form, by a grammar (llguidance's, over the tool's parameter schema),
-whatever the template. (GPT-OSS's calls, in its harmony format, are read in reasoning.py.)"""
+Hermes' way), as the name then <arg_key>/<arg_value> pairs (GLM-4.5's), or as <function=NAME> with <parameter=KEY>
+values (Qwen3-Coder's). tool_choice "required" or a named function keeps the output to one call, in the JSON form,
+by a grammar (llguidance's, over the tool's parameter schema), whatever the template. (GPT-OSS's calls, in its
+harmony format, are read in reasoning.py.)"""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,8 @@ from ..engine.structured import LAYOUT, schema_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.S)  # Qwen3-Coder's
+XML_PARAMETER = re.compile(r"<parameter=([^>]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 
 
 def _function(tool) -> dict | None:
@@ -78,7 +81,8 @@ def _names(tools: list) -> set:
 
 
 def _string_arguments(tools: list | None, name: str) -> set[str]:
-    """The arguments of tool `name` that its schema declares strings (GLM-4.5 writes those as they are)."""
+    """The arguments of tool `name` that its schema declares strings (GLM-4.5 and Qwen3-Coder write those as they
+    are)."""
     for fn in map(_function, tools or ()):
         if fn is not None and fn.get("name") == name and isinstance(fn.get("parameters"), dict):
             properties = fn["parameters"].get("properties")
@@ -87,23 +91,32 @@ def _string_arguments(tools: list | None, name: str) -> set[str]:
     return set()
 
 
+def _typed(pairs: list[tuple[str, str]], strings: set[str]) -> dict:
+    """Arguments written as text: each value JSON, unless it does not parse or its tool declares it a string."""
+    arguments = {}
+    for key, text in pairs:
+        try:
+            arguments[key.strip()] = text if key.strip() in strings else json.loads(text)
+        except json.JSONDecodeError:
+            arguments[key.strip()] = text
+    return arguments
+
+
 def _call(body: str, tools: list | None) -> dict | None:
     """One tag's call as an entry of OpenAI's tool_calls (its arguments as JSON text); None unless it is a JSON
-    object with a string name, or a name followed by GLM-4.5's argument pairs (each value JSON, unless it does not
-    parse or the tool declares it a string)."""
+    object with a string name, a name followed by GLM-4.5's argument pairs, or Qwen3-Coder's <function=NAME> with
+    its <parameter=KEY> values (each value JSON, unless it does not parse or the tool declares it a string)."""
     try:
         value = json.loads(body)
     except json.JSONDecodeError:
-        name = body.split("<arg_key>", 1)[0].strip()
+        if (function := XML_FUNCTION.match(body)) is not None:
+            name, pairs = function.group(1), [(k, v.removeprefix("\n").removesuffix("\n"))
+                                              for k, v in XML_PARAMETER.findall(function.group(2))]
+        else:
+            name, pairs = body.split("<arg_key>", 1)[0].strip(), GLM_ARGUMENT.findall(body)
         if not name or any(c.isspace() for c in name) or "<" in name or (tools and name not in _names(tools)):
             return None  # a word in tags is a call only where it names a tool the request gives
-        strings, arguments = _string_arguments(tools, name), {}
-        for key, text in GLM_ARGUMENT.findall(body):
-            try:
-                arguments[key.strip()] = text if key.strip() in strings else json.loads(text)
-            except json.JSONDecodeError:
-                arguments[key.strip()] = text
-        value = {"name": name, "arguments": arguments}
+        value = {"name": name, "arguments": _typed(pairs, _string_arguments(tools, name))}
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
