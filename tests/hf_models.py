@@ -13,6 +13,7 @@ def hf_config(family: str, **over):
     from transformers import (
         DeepseekV2Config,
         DeepseekV3Config,
+        Ernie4_5_MoeConfig,
         Glm4MoeConfig,
         GptOssConfig,
         MixtralConfig,
@@ -62,6 +63,11 @@ def hf_config(family: str, **over):
                              rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=8.0,
                                                   beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8,
                                                   original_max_position_embeddings=64))
+    elif family == "ernie4_5_moe":  # a dense first layer, two shared experts, full-width RoPE on adjacent pairs
+        c = Ernie4_5_MoeConfig(**{**COMMON, "num_hidden_layers": 3}, moe_intermediate_size=16, intermediate_size=48,
+                               moe_num_experts=8, moe_k=2, moe_num_shared_experts=2, moe_layer_start_index=1,
+                               tie_word_embeddings=False,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     else:
         raise ValueError(family)
     for k, v in over.items():
@@ -100,7 +106,7 @@ def save_tiny(family: str, path: Path, seed: int = 0, **over):
 
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "deepseek_v3_yarn")
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "qwen3_next", "glm4_moe", "deepseek_v3",
-            "deepseek_v2"]
+            "deepseek_v2", "ernie4_5_moe"]
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -289,6 +289,14 @@ def test_an_odd_number_of_rotary_channels_is_refused_at_load(tmp_path, family, o
         Engine(tmp_path, EngineConfig(store="ram")).forward(torch.arange(4), 0)
 
 
+def test_a_missing_tokenizer_names_how_to_make_one(capsys, ckpt):
+    """Text input without tokenizer.json: one line naming the fix; from the SentencePiece tokenizer.model where
+    the release has one in its place (ERNIE 4.5's)."""
+    expect_cli_error(capsys, ckpt, "put the model's own tokenizer.json")
+    (ckpt / "tokenizer.model").write_bytes(b"\x00")
+    expect_cli_error(capsys, ckpt, "write one from its tokenizer.model")
+
+
 def test_unreadable_side_files_are_one_line(capsys, ckpt):
     """A garbage tokenizer, a routing-counts file without its table, one expert of another shape."""
     from safetensors.torch import load_file, save_file

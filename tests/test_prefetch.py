@@ -203,7 +203,7 @@ def test_estimator_learns_a_sigmoid_routers_scores(tiny, tmp_path):
     ids = torch.randint(0, 96, (600,), generator=torch.Generator().manual_seed(5)).tolist()
     save_calibration(calibrate(path, ids, context=128), path, "random ids")
     model, states = record_states(path, ids, context=128)
-    assert model.router.sigmoid
+    assert model.router.selects
     dv = load_default_vectors(path)
     est = Estimator(model, dv, train_estimator(model, states, dv, epochs=20, batch=64))
     with torch.no_grad():

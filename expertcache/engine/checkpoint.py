@@ -134,6 +134,15 @@ class Checkpoint:
         p = self.path / "tokenizer.json"
         return p if p.exists() else None
 
+    def tokenizer_fix(self) -> str:
+        """How to give a checkpoint without tokenizer.json one: from its SentencePiece tokenizer.model where it has
+        one (ERNIE 4.5's releases), else from its release."""
+        if (self.path / "tokenizer.model").exists():
+            return (f"write one from its tokenizer.model: pip install transformers sentencepiece; python -c \"from "
+                    f"transformers import AutoTokenizer as T; T.from_pretrained('{self.path}').save_pretrained("
+                    f"'{self.path}')\"")
+        return "put the model's own tokenizer.json beside its weights"
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of the safetensors files on disk."""

@@ -541,7 +541,8 @@ class Engine:
         if max_tokens is not None and whole_number(max_tokens, "max_tokens") < 0:  # -1 would drop the last token
             raise BadInput(f"max_tokens={max_tokens} must be >= 0, or None for every token")
         if self.tokenizer is None:
-            raise CheckpointError(f"{self.path}: no tokenizer.json; text input needs the model's tokenizer")
+            raise CheckpointError(f"{self.path}: no tokenizer.json, which text input needs; "
+                                  f"{self.checkpoint.tokenizer_fix()}")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:  # bytes that were not UTF-8 reach Python as lone surrogates

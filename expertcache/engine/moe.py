@@ -40,10 +40,10 @@ FLUSH_ROWS = 16
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, router: Router) -> torch.Tensor:
     """x [T, H], the router's weight [E, H] -> logits [T, E] float32, without the router's bias
-    (`router.route` adds it); a sigmoid router's computed in float32, as HF does."""
+    (`router.route` adds it); a selection router's computed in float32, as HF does."""
     assert x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1], \
         f"x must be [T, H] and the router's weight [E, H], got {tuple(x.shape)} and {tuple(weight.shape)}"
-    if router.sigmoid or x.dtype != weight.dtype:  # a 16-bit weight under fp32 activations: widened exactly
+    if router.selects or x.dtype != weight.dtype:  # a 16-bit weight under fp32 activations: widened exactly
         return x.float() @ weight.float().t()
     return (x @ weight.t()).float()
 
@@ -189,7 +189,7 @@ class MoELayerRunner:
         start = time.perf_counter()
         logits = self.predictor.decode_logits(layer, self.resid, x, exec_ids[0], gates[0], prev) \
             if x.shape[0] == 1 else None
-        if logits is not None and not self.router.sigmoid and self.router.bias is None:
+        if logits is not None and not self.router.selects and self.router.bias is None:
             self.stats.predict_s += time.perf_counter() - start
             # a decode token: routing, the policy's filter and the prefetch in one compiled call
             ids, w, stall = cache.prefetch_predicted(self.policy.params(), layer + 1, logits[0], self.router.norm_topk,

@@ -115,7 +115,7 @@ def grammar_tokenizer(engine):
     if engine not in _TOKENIZERS:
         if engine.tokenizer is None:
             raise BadInput(f"{engine.path} has no tokenizer.json, which structured output needs to know each token's "
-                           "text; put the model's own beside it")
+                           f"text; {engine.checkpoint.tokenizer_fix()}")
         from llguidance import LLTokenizer
 
         from .generate import eos_token_ids

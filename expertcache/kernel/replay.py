@@ -5,7 +5,7 @@ from __future__ import annotations
 from .cache_state import SEGMENTS
 from .compiled import compiled, prefetch
 from .decisions import begin_call, decide_token, land_flying, owes_work, prefetch_ranked
-from .routing import biased_row, route_row, route_row_sigmoid, select_row
+from .routing import biased_row, route_row, route_row_selection, select_row
 
 
 @compiled
@@ -28,27 +28,28 @@ def route_all_biased(logits, table, norm, ranked, weights, vals, comp, block_max
 
 
 @compiled
-def route_all_sigmoid(logits, table, norm, ranked, weights, vals, comp, block_max, bias, n_group, topk_group, sel,
-                      scores, group_score):
-    """route_all for the sigmoid router: bias [L, E], groups; sel, scores [E] and group_score
-    [n_group]: working arrays."""
+def route_all_selection(logits, table, norm, ranked, weights, vals, comp, block_max, bias, n_group, topk_group,
+                        softmax, sel, scores, group_score):
+    """route_all for a selection router (softmax scores with `softmax`, else sigmoid): bias [L, E], groups;
+    sel, scores [E] and group_score [n_group]: working arrays."""
     N, L, E = logits.shape
     for n in range(N):
         for layer in range(L):
-            route_row_sigmoid(logits[n, layer], table, bias[layer], n_group, topk_group, norm, ranked[layer, n],
-                              vals, weights[layer, n], sel, scores, group_score, comp, block_max)
+            route_row_selection(logits[n, layer], table, bias[layer], n_group, topk_group, softmax, norm,
+                                ranked[layer, n], vals, weights[layer, n], sel, scores, group_score, comp,
+                                block_max)
 
 
 @compiled
-def replay_window(st, p, account, sc, logits, w0, ranked, weights, slots, experts, gates, sigmoid, biased, bias,
-                  n_group, topk_group, sel, group_score, pred_ids, pred_w, budget, fetched, confidence, chosen):
+def replay_window(st, p, account, sc, logits, w0, ranked, weights, slots, experts, gates, selection, softmax, biased,
+                  bias, n_group, topk_group, sel, group_score, pred_ids, pred_w, budget, fetched, confidence, chosen):
     """One window of the trace, the tokens w0 .. w0 + T - 1, layer by layer, token by token; -1 on success, else
     the layer whose cache was too small. logits [T, L, E] float32: the window's router logits (one type whatever
     the trace holds, so that one compiled replay serves every trace: each is about a minute of compiling);
     ranked, weights: the trace's routes, layer-major [L, N, *]; slots, experts, gates [k]: working arrays. With
-    `sigmoid`, the kernel ranks each row's selection row (bias [L, E], groups; sel [E], group_score [n_group]:
-    working arrays); with `biased` (a softmax router's logit bias [L, E]), each row plus the bias, in sel; else
-    the row as it is. With a `budget`, a decode token (T == 1) prefetches at each layer l the predicted routes
+    `selection`, the kernel ranks each row's selection row (softmax scores with `softmax`, else sigmoid; bias
+    [L, E], groups; sel [E], group_score [n_group]: working arrays); with `biased` (a softmax router's logit bias
+    [L, E]), each row plus the bias, in sel; else the row as it is. With a `budget`, a decode token (T == 1) prefetches at each layer l the predicted routes
     of layer l + 1 (pred_ids, pred_w [L, N, k], layer-major) after its decisions, as the engine does
     (`prefetch_ranked`; `fetched`: only what the policy would fetch; `confidence`: only predictions of that
     gate weight or more; chosen [k]: working array)."""
@@ -68,13 +69,13 @@ def replay_window(st, p, account, sc, logits, w0, ranked, weights, slots, expert
                 for e in range(0, E, line):
                     prefetch(ahead, e)
             row = logits[t, layer]
-            if sigmoid:
-                select_row(row, None, bias[layer], n_group, topk_group, sel, sc.gate_row, group_score)
+            if selection:
+                select_row(row, None, bias[layer], n_group, topk_group, softmax, sel, sc.gate_row, group_score)
                 row = sel
             elif biased:
                 biased_row(row, None, bias[layer], sel)
                 row = sel
-            if not decide_token(st, p, account, sc, layer, t, n, row, None, not sigmoid,
+            if not decide_token(st, p, account, sc, layer, t, n, row, None, not selection,
                                 ranked[layer, n], weights[layer, n], slots, experts, gates):
                 return layer
             if budget and T == 1 and layer + 1 < L:

@@ -5,16 +5,17 @@ simulator (a trace's rows, float16 bit patterns read through a table: numba has 
 so both break ties alike: equal logits go to the lower expert id. Rankings compare integer
 keys (`rank_key`) in the order of the values, which vectorises.
 
-Two router kinds. softmax: experts ranked by logit, gates the softmax (renormalised over the
+Three router kinds. softmax: experts ranked by logit, gates the softmax (renormalised over the
 top-k when `norm`); a per-expert logit bias (GPT-OSS), where the router has one, is added to
-the logits before both, so the decision kernel ranks the biased logits. sigmoid (DeepSeek-V3,
-GLM-4.5): scores sigmoid(logit) in float32; experts are *selected* by score + a per-expert
-correction bias, only within the `topk_group` best of `n_group` groups (a group's worth: the
-sum of its two best biased scores); the gates are the unbiased scores of the chosen experts,
-divided by their sum (+1e-20) when `norm`. The routed_scaling_factor multiplies the layer's
-combined output, not the gates, so that gate weights stay shares of a token's routed mass for
-every router (the policies' thresholds mean the same on every family). For a sigmoid router
-the decision kernel ranks the *selection row*: biased scores, -inf outside the token's
+the logits before both, so the decision kernel ranks the biased logits. The two *selection*
+routers score each expert in float32, sigmoid(logit) (`sigmoid`: DeepSeek-V3, GLM-4.5) or the
+softmax over the logits (`softmax_selection`: ERNIE 4.5); experts are *selected* by score + a
+per-expert correction bias, only within the `topk_group` best of `n_group` groups (a group's
+worth: the sum of its two best biased scores); the gates are the unbiased scores of the chosen
+experts, divided by their sum (+1e-20) when `norm`. The routed_scaling_factor multiplies the
+layer's combined output, not the gates, so that gate weights stay shares of a token's routed
+mass for every router (the policies' thresholds mean the same on every family). For a selection
+router the decision kernel ranks the *selection row*: biased scores, -inf outside the token's
 allowed groups.
 """
 from __future__ import annotations
@@ -26,6 +27,9 @@ from numba import types
 from numba.extending import overload
 
 from .compiled import compiled
+
+KINDS = ("softmax", "sigmoid", "softmax_selection")
+SELECTION = ("sigmoid", "softmax_selection")  # the routers that select by a biased score and weigh by the score
 
 # float16 bit pattern -> its value as float32
 HALF_TO_FLOAT = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -125,16 +129,28 @@ def biased_row(row, table, bias, out):
 
 
 @compiled
-def select_row(row, table, bias, n_group, topk_group, sel, scores, group_score):
-    """Sigmoid router, one token: scores [E] <- sigmoid(row) (float32); sel [E] <- scores + bias
-    inside the token's topk_group best groups (a group's worth: its two best biased scores
-    summed; ties to the lower group), -inf outside them. group_score [n_group]: working array."""
+def select_row(row, table, bias, n_group, topk_group, softmax, sel, scores, group_score):
+    """Selection router, one token: scores [E] <- sigmoid(row), or with `softmax` the softmax of
+    row (float32); sel [E] <- scores + bias inside the token's topk_group best groups (a group's
+    worth: its two best biased scores summed; ties to the lower group), -inf outside them.
+    group_score [n_group]: working array."""
     E = len(row)
     one = np.float32(1.0)
-    for e in range(E):
-        g = one / (one + np.exp(-np.float32(value(row, table, e))))
-        scores[e] = g
-        sel[e] = g + bias[e]
+    if softmax:
+        top, total = np.float32(-np.inf), np.float32(0.0)
+        for e in range(E):
+            top = max(top, np.float32(value(row, table, e)))
+        for e in range(E):
+            scores[e] = np.exp(np.float32(value(row, table, e)) - top)
+            total += scores[e]
+        for e in range(E):
+            scores[e] = np.float32(scores[e] / total)
+            sel[e] = scores[e] + bias[e]
+    else:
+        for e in range(E):
+            g = one / (one + np.exp(-np.float32(value(row, table, e))))
+            scores[e] = g
+            sel[e] = g + bias[e]
     if topk_group >= n_group:
         return
     size = E // n_group
@@ -158,14 +174,14 @@ def select_row(row, table, bias, n_group, topk_group, sel, scores, group_score):
 
 
 @compiled
-def route_row_sigmoid(row, table, bias, n_group, topk_group, norm, ranked, vals, w, sel, scores, group_score,
-                      comp, block_max):
-    """Sigmoid router, one token: ranked [R] <- experts in selection order (allowed groups by biased
-    score, then the rest by id), of which the first k = len(w) are routed; w [k] <- their unbiased
-    scores, divided by their sum when `norm`. sel, scores [E] <- the selection row and the scores
-    (see select_row)."""
+def route_row_selection(row, table, bias, n_group, topk_group, softmax, norm, ranked, vals, w, sel, scores,
+                        group_score, comp, block_max):
+    """Selection router, one token: ranked [R] <- experts in selection order (allowed groups by
+    biased score, then the rest by id), of which the first k = len(w) are routed; w [k] <- their
+    unbiased scores, divided by their sum when `norm`. sel, scores [E] <- the selection row and the
+    scores (see select_row)."""
     k = len(w)
-    select_row(row, table, bias, n_group, topk_group, sel, scores, group_score)
+    select_row(row, table, bias, n_group, topk_group, softmax, sel, scores, group_score)
     top_m(sel, None, len(ranked), ranked, vals, comp, block_max)
     total = np.float32(0.0)
     for j in range(k):
@@ -178,12 +194,12 @@ def route_row_sigmoid(row, table, bias, n_group, topk_group, norm, ranked, vals,
 
 
 @compiled
-def route_rows_sigmoid(logits, table, bias, n_group, topk_group, norm, ids, weights, sel, scores, vals, group_score,
-                       comp, block_max):
-    """route_row_sigmoid over every row of logits [T, E] into ids, weights [T, k], sel, scores [T, E]."""
+def route_rows_selection(logits, table, bias, n_group, topk_group, softmax, norm, ids, weights, sel, scores, vals,
+                         group_score, comp, block_max):
+    """route_row_selection over every row of logits [T, E] into ids, weights [T, k], sel, scores [T, E]."""
     for t in range(logits.shape[0]):
-        route_row_sigmoid(logits[t], table, bias, n_group, topk_group, norm, ids[t], vals, weights[t], sel[t],
-                          scores[t], group_score, comp, block_max)
+        route_row_selection(logits[t], table, bias, n_group, topk_group, softmax, norm, ids[t], vals, weights[t],
+                            sel[t], scores[t], group_score, comp, block_max)
 
 
 @dataclass(frozen=True)
@@ -191,22 +207,28 @@ class Router:
     """How a model routes, for every place that routes (engine, calibrate, predictors, simulator)."""
     top_k: int
     norm_topk: bool
-    kind: str = "softmax"  # softmax | sigmoid
+    kind: str = "softmax"  # softmax | sigmoid | softmax_selection
     n_group: int = 1
     topk_group: int = 1
     scale: float = 1.0  # routed_scaling_factor: multiplies the combined routed output
-    # [L, E] float32 per MoE layer: softmax, added to the logits before top-k and softmax; sigmoid, the selection bias
+    # [L, E] float32 per MoE layer: softmax, added to the logits before top-k and softmax; a selection router's
+    # selection bias
     bias: np.ndarray | None = None
 
     @property
-    def sigmoid(self) -> bool:
-        """True for the sigmoid router (selection rows, gate scores apart from the ranking)."""
-        return self.kind == "sigmoid"
+    def selects(self) -> bool:
+        """True for a selection router (selection rows, gate scores apart from the ranking)."""
+        return self.kind in SELECTION
+
+    @property
+    def softmax_scores(self) -> bool:
+        """True for a selection router whose scores are the softmax over the logits (not each one's sigmoid)."""
+        return self.kind == "softmax_selection"
 
     @property
     def logit_bias(self) -> bool:
         """True for a softmax router with a logit bias: its logits are biased before they are ranked."""
-        return not self.sigmoid and self.bias is not None
+        return not self.selects and self.bias is not None
 
     def layer_bias(self, layer: int, num_experts: int) -> np.ndarray:
         """The bias of MoE layer `layer` [E] (zeros when the router has none)."""
@@ -222,7 +244,7 @@ class Router:
 
     def route(self, logits: np.ndarray, layer: int) -> Routing:
         """logits [T, E] of MoE layer `layer` (the router's weight times x, without a bias) -> its Routing."""
-        if not self.sigmoid:
+        if not self.selects:
             if self.bias is not None:
                 logits = np.asarray(logits, np.float32) + self.bias[layer]
             rows, weights, ids = route_logits(logits, self.top_k, self.norm_topk)
@@ -233,9 +255,9 @@ class Router:
         k = self.top_k
         ids, weights = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
         sel, scores = np.empty((T, E), np.float32), np.empty((T, E), np.float32)
-        route_rows_sigmoid(logits, None, self.layer_bias(layer, E), self.n_group, self.topk_group, self.norm_topk,
-                           ids, weights, sel, scores, np.empty(k), np.empty(self.n_group, np.float32),
-                           np.empty(E, np.int64), np.empty(E // 16 + 1, np.int64))
+        route_rows_selection(logits, None, self.layer_bias(layer, E), self.n_group, self.topk_group,
+                             self.softmax_scores, self.norm_topk, ids, weights, sel, scores, np.empty(k),
+                             np.empty(self.n_group, np.float32), np.empty(E, np.int64), np.empty(E // 16 + 1, np.int64))
         return Routing(sel, scores, weights, ids)
 
     def header(self) -> dict:
@@ -256,8 +278,8 @@ class Router:
 @dataclass
 class Routing:
     """One layer call's routes, on the host."""
-    rows: np.ndarray  # [T, E] float32 what the decision kernel ranks: (biased) logits, or sigmoid selection rows
-    scores: np.ndarray  # [T, E] float32 the gate scores the conditional policy weighs by (sigmoid; softmax: rows)
+    rows: np.ndarray  # [T, E] float32 what the decision kernel ranks: (biased) logits, or selection rows
+    scores: np.ndarray  # [T, E] float32 the gate scores the conditional policy weighs by (selection; softmax: rows)
     weights: np.ndarray  # [T, k] float32 gate weights, shares of the routed mass
     ids: np.ndarray  # [T, k] int64 routed experts in rank order
 

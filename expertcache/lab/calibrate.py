@@ -92,7 +92,7 @@ def encode_text(model_path: Path, text: str, max_tokens: int | None = None) -> l
     from tokenizers import Tokenizer
     ckpt = open_checkpoint(model_path)
     if ckpt.tokenizer_file is None:
-        raise CheckpointError(f"{model_path}: no tokenizer.json to encode text with; add the model's tokenizer")
+        raise CheckpointError(f"{model_path}: no tokenizer.json to encode text with; {ckpt.tokenizer_fix()}")
     tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_file))
     ids = encode_prefix(lambda t: tokenizer.encode(t).ids, text, max_tokens)
     return check_token_ids(ids, model_args(ckpt.config).vocab_size, model_path)

@@ -183,12 +183,12 @@ def routing_loss(router: Router, pred: torch.Tensor, true: torch.Tensor, bias: t
     """How far predicted router logits pred [N, E] are from the true ones true [N, E] in the family's own
     routing terms, the estimator's training loss. softmax: KL(true || predicted) of the softmax over the
     logits plus the router's logit bias `bias` [N, E] (GPT-OSS; None: no bias); shift-invariant, as the
-    softmax's ranking and gates are. sigmoid (DeepSeek-V3, GLM-4.5): the scores sigmoid(logit) rank (plus
-    the selection bias, within groups) and weigh absolutely, so a shift moves the routing: each expert's
-    binary cross-entropy between the predicted and true scores, summed over experts, meaned over tokens;
-    least at pred == true."""
+    softmax's ranking and gates are (also where a selection bias is added to the softmax: ERNIE 4.5).
+    sigmoid (DeepSeek-V3, GLM-4.5): the scores sigmoid(logit) rank (plus the selection bias, within groups)
+    and weigh absolutely, so a shift moves the routing: each expert's binary cross-entropy between the
+    predicted and true scores, summed over experts, meaned over tokens; least at pred == true."""
     pred, true = pred.float(), true.float()
-    if router.sigmoid:
+    if router.kind == "sigmoid":
         return F.binary_cross_entropy_with_logits(pred, torch.sigmoid(true), reduction="sum") / len(pred)
     if bias is not None:
         pred, true = pred + bias, true + bias

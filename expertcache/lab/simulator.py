@@ -24,7 +24,7 @@ from ..engine.stores import ExpertShape
 from ..errors import BadInput
 from ..kernel.cache_state import LOGGING
 from ..kernel.policy import Scratch
-from ..kernel.replay import replay_window, route_all, route_all_biased, route_all_sigmoid
+from ..kernel.replay import replay_window, route_all, route_all_biased, route_all_selection
 from ..kernel.routing import HALF_TO_FLOAT, Router
 from ..policies import make_policy
 from .trace import Trace, header_problem
@@ -86,7 +86,7 @@ def trace_router(trace: Trace) -> Router:
     if router.bias is not None and router.bias.shape != (L, E):
         raise BadInput(f"the trace's router bias of shape {router.bias.shape} does not fit its {L} layers x {E} "
                        "experts; record the trace again with `expertcache trace`")
-    if router.sigmoid and not (1 <= router.topk_group <= router.n_group and E % router.n_group == 0):
+    if router.selects and not (1 <= router.topk_group <= router.n_group and E % router.n_group == 0):
         raise BadInput(f"the trace's router groups (n_group={router.n_group}, topk_group={router.topk_group}) do not "
                        f"fit its {E} experts; record the trace again with `expertcache trace`")
     return router
@@ -120,10 +120,10 @@ def route_trace(trace: Trace, ranks: int = 32) -> Routes:
     router = trace_router(trace)
     start = time.perf_counter()
     work = (np.empty(R), np.empty(E, np.int64), np.empty(E // 16 + 1, np.int64))
-    if router.sigmoid:
-        route_all_sigmoid(logits, table, router.norm_topk, ranked, weights, *work, router.bias_table(L, E),
-                          router.n_group, router.topk_group, np.empty(E, np.float32), np.empty(E, np.float32),
-                          np.empty(router.n_group, np.float32))
+    if router.selects:
+        route_all_selection(logits, table, router.norm_topk, ranked, weights, *work, router.bias_table(L, E),
+                            router.n_group, router.topk_group, router.softmax_scores, np.empty(E, np.float32),
+                            np.empty(E, np.float32), np.empty(router.n_group, np.float32))
     elif router.logit_bias:
         route_all_biased(logits, table, router.norm_topk, ranked, weights, *work, router.bias_table(L, E),
                          np.empty(E, np.float32))
@@ -194,7 +194,8 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     routes = routes or route_trace(trace)
     router = trace_router(trace)
     params, account, scratch = pol.params(), pol.bind(L, E), Scratch.make(k, E)
-    work = (np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.float32), router.sigmoid, router.logit_bias,
+    work = (np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.float32), router.selects,
+            router.softmax_scores, router.logit_bias,
             router.bias_table(L, E), router.n_group, router.topk_group, np.empty(E, np.float32),
             np.empty(router.n_group, np.float32), pred_ids, pred_w, budget, bool(pre and pre.fetched),
             float(pre.confidence if pre else 0.0), np.empty(k, np.int64))

@@ -79,8 +79,9 @@ def header_problem(h: dict, stored: bool = False) -> str | None:
                 f"hidden_size={h['hidden_size']}")
     if not isinstance(h["norm_topk_prob"], (bool, np.bool_)):
         return f"has norm_topk_prob={h['norm_topk_prob']!r}, which must be true or false"
-    if h.get("router", "softmax") not in ("softmax", "sigmoid"):
-        return f"has router={h['router']!r}, which must be softmax or sigmoid"
+    from ..kernel.routing import KINDS
+    if h.get("router", "softmax") not in KINDS:
+        return f"has router={h['router']!r}, which must be one of {', '.join(KINDS)}"
     for name in ("n_group", "topk_group"):
         if name in h and (not _whole(h[name]) or h[name] < 1):
             return f"has {name}={h[name]!r}, which must be a whole number >= 1"

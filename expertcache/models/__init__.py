@@ -4,14 +4,15 @@ from __future__ import annotations
 import math
 
 from ..errors import CheckpointError, UnsupportedArchitecture
-from . import deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
+from . import (deepseek_v2, deepseek_v3, ernie4_5_moe, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe,
+               qwen3_next)
 from .args import ModelArgs, rope_type
 
 ROPE_TYPES = ("default", "linear", "yarn")
 
 FAMILIES = {"qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe, "mixtral": mixtral,
             "gpt_oss": gpt_oss, "qwen3_next": qwen3_next, "glm4_moe": glm4_moe, "deepseek_v3": deepseek_v3,
-            "deepseek_v2": deepseek_v2}
+            "deepseek_v2": deepseek_v2, "ernie4_5_moe": ernie4_5_moe}
 
 
 def family_of(config: dict):
