@@ -28,7 +28,7 @@ from expertcache.kernel.routing import Router
 from expertcache.models import model_args
 from expertcache.policies import Route, make_policy
 
-NEW_FAMILIES = ["gpt_oss", "qwen3_next"]
+NEW_FAMILIES = ["gpt_oss", "qwen3_next", "ernie4_5_moe"]
 GROUPED = ["glm4_moe", "deepseek_v3"]
 
 
@@ -169,6 +169,29 @@ def test_logit_bias_router_matches_hf():
     assert (router.route(raw, 0).ids != r.ids).any(1).mean() > 0.2  # the bias changes the choice
 
 
+def test_softmax_selection_router_matches_hf():
+    """ERNIE 4.5's router: experts selected by softmax probability plus a per-expert bias, weighed by their
+    unbiased probabilities renormalised; the kernel ranks the selection row."""
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+    c = hf_config("ernie4_5_moe")
+    hf = Ernie4_5_MoeTopKRouter(c)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        hf.weight.copy_(2.0 * torch.randn(hf.weight.shape, generator=g))
+        hf.moe_statics.e_score_correction_bias.copy_(0.1 * torch.randn(1, c.moe_num_experts, generator=g))
+    x = torch.randn(256, c.hidden_size, generator=g)
+    logits, w_ref, ids_ref = (t.detach() for t in hf(x))
+    bias = hf.moe_statics.e_score_correction_bias.detach().numpy()
+    r = Router(c.moe_k, True, "softmax_selection", bias=bias).route(logits.numpy(), 0)
+    assert (r.ids == ids_ref.numpy()).all()  # HF's top-k is sorted here: by the selection row
+    np.testing.assert_allclose(r.weights, w_ref.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(r.scores, torch.softmax(logits, -1).numpy(), rtol=1e-5, atol=1e-7)
+    sel = np.take_along_axis(r.rows, r.ids, 1)
+    assert (np.diff(sel, axis=1) <= 0).all()
+    plain = Router(c.moe_k, True).route(logits.numpy(), 0)  # the bias changes the choice on this routing
+    assert (np.sort(plain.ids) != np.sort(r.ids)).any(1).mean() > 0.1
+
+
 @pytest.mark.parametrize("family", GROUPED)
 def test_sigmoid_router_matches_hf(family):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -261,6 +284,12 @@ def replay_and_engine_counts(model, tmp_path, fraction: float = 0.5):
 def test_replay_counts_equal_the_engine_with_a_logit_bias(tiny, tmp_path):
     replayed, engine, trace = replay_and_engine_counts(tiny["gpt_oss"][0], tmp_path)
     assert trace.header["router"] == "softmax" and np.shape(trace.header["router_bias"]) == (2, 8)
+    assert replayed == engine and engine[1] > 0
+
+
+def test_replay_counts_equal_the_engine_with_a_softmax_selection_router(tiny, tmp_path):
+    replayed, engine, trace = replay_and_engine_counts(tiny["ernie4_5_moe"][0], tmp_path)
+    assert trace.header["router"] == "softmax_selection" and np.shape(trace.header["router_bias"]) == (2, 8)
     assert replayed == engine and engine[1] > 0
 
 
