@@ -376,6 +376,11 @@ def test_a_models_reasoning_comes_back_apart_from_its_answer(tmp_path, template,
             assert value.content.startswith("{") and "reasoning_content" not in value.model_extra
         with pytest.raises(openai.BadRequestError, match="reasoning_format"):
             client.chat.completions.create(**ask, extra_body={"reasoning_format": "hidden"})
+    with BackgroundServer(create_app(Scheduler(engine), MODEL, reasoning_format="none")) as s:  # --reasoning-format
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        assert client.chat.completions.create(**ask, extra_body={**writes, **kwargs}).choices[0].message.content == said
+        split = client.chat.completions.create(**ask, extra_body={**writes, **kwargs, "reasoning_format": "auto"})
+        assert split.choices[0].message.content == "Hello!"
     engine.close()
 
 

@@ -73,6 +73,9 @@ def add_arguments(p):
     p.add_argument("--shutdown-timeout", type=bounded(float, 0, what="give seconds >= 0, e.g. 5"), default=5.0,
                    help="seconds that requests still running may take to end after SIGTERM or Ctrl-C; then they are "
                         "ended (within the 10 s a container runtime waits before it kills; inf: wait for them)")
+    p.add_argument("--reasoning-format", choices=("auto", "none"), default="auto",
+                   help="auto: a reasoning model's thoughts come back in reasoning_content, apart from its answer; "
+                        "none: the text as the model wrote it (a request's reasoning_format overrides it)")
     p.add_argument("--prefill-policy", default="same",
                    help="miss policy for prompt tokens ('same': the decode policy); e.g. substitute-all keeps "
                         "a long prompt from flushing the experts decoding uses")
@@ -98,7 +101,7 @@ def build_app(a):
     try:
         scheduler = Scheduler(engine, config)
         scheduler.warm_up()  # a first run compiles here, under the notice, not in the first request
-        app = create_app(scheduler, name, limits)
+        app = create_app(scheduler, name, limits, a.reasoning_format)
     except BaseException:  # the engine's store, ring and threads go with the failed start
         engine.close()
         raise

@@ -66,9 +66,9 @@ class Server:
     """Turns HTTP bodies into scheduler requests and their outputs into OpenAI responses."""
 
     def __init__(self, scheduler: Scheduler, model_name: str, metrics: ServerMetrics,
-                 limits: ServerLimits = ServerLimits()):
+                 limits: ServerLimits = ServerLimits(), reasoning_format: str = "auto"):
         self.scheduler, self.engine, self.model_name, self.metrics = scheduler, scheduler.engine, model_name, metrics
-        self.limits = limits
+        self.limits, self.reasoning_format = limits, reasoning_format  # a request's own default (create_app)
         self.template: ChatTemplate | None = None
         self.no_template = ""  # why chat is refused: no template, or one that does not parse
         try:
@@ -414,10 +414,12 @@ class Server:
                 scored.append(item)
 
 
-def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = ServerLimits()) -> FastAPI:
-    """The ASGI app; its lifespan starts and stops the scheduler's worker thread."""
+def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = ServerLimits(),
+               reasoning_format: str = "auto") -> FastAPI:
+    """The ASGI app; its lifespan starts and stops the scheduler's worker thread. reasoning_format: a chat's
+    reasoning_format where the request sets none ("none": the text as the model wrote it)."""
     metrics = ServerMetrics(scheduler)
-    server = Server(scheduler, model_name, metrics, limits)
+    server = Server(scheduler, model_name, metrics, limits, reasoning_format)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -472,7 +474,7 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
         # calls are read out of the text where the template writes them in tags, and a forced call always is
         calling = bool(body.tools) and body.tool_choice != "none" and \
             (server.tag_calls or body.tool_choice not in (None, "auto"))
-        form = "plain" if body.reasoning_format == "none" else server.form
+        form = "plain" if (body.reasoning_format or server.reasoning_format) == "none" else server.form
         if form == "harmony":  # its parts are told apart by special tokens, which the reply leaves out
             params = replace(params, skip_special_tokens=False)
         # a constrained output is the answer from its first token, even after a prompt that opened <think>

@@ -134,7 +134,7 @@ class ChatBody(SamplingFields):
     include_reasoning: StrictBool = True
     documents: list[dict] | None = None
     add_special_tokens: StrictBool = False
-    reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None  # None: the server's --reasoning-format
 
     def template_kwargs(self) -> dict[str, Any]:
         """The chat template's further arguments: reasoning_effort and documents where sent, then
