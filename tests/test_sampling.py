@@ -285,6 +285,7 @@ def test_a_grammar_is_followed_and_checked_when_given(tmp_path, capsys):
     from expertcache import cli
     from expertcache.engine.engine import Engine, EngineConfig
     from expertcache.engine.generate import TextGeneration
+    from expertcache.errors import BadInput
     gbnf = 'root ::= name ", " name "!"\nname ::= [A-Z] [a-z]{1,5}'
     for kw, words in ((dict(grammar="root ::= name"), "Rule 'name' not found"), (dict(grammar=" "), "non-empty"),
                       (dict(grammar='root ::= ("a"'), "is not a grammar"),
@@ -299,6 +300,9 @@ def test_a_grammar_is_followed_and_checked_when_given(tmp_path, capsys):
                                                                                   temperature=temperature, seed=2))
             text = "".join(out.text for out in gen)
             assert gen.finish_reason == "stop" and re.fullmatch("[A-Z][a-z]{1,5}, [A-Z][a-z]{1,5}!", text), text
+    for endless in ("root ::= x\nx ::= x", 'root ::= "a" x\nx ::= x'):  # ended at once, empty, as if complete
+        with pytest.raises(BadInput, match="no text that continues from here"):
+            list(TextGeneration(engine, engine.encode("ROMEO.\n"), SamplingParams(max_tokens=8, grammar=endless)))
     engine.close()
     (tmp_path / "g.gbnf").write_text('root ::= "ay" | "nay"')
     for grammar in (str(tmp_path / "g.gbnf"), 'root ::= "ay" | "nay"'):

@@ -210,7 +210,8 @@ def test_a_tool_choice_that_cannot_be_followed_is_a_400(client, fields, words, p
 
 def test_calls_are_read_out_of_the_text_in_each_templates_form():
     """Qwen's and Hermes' JSON in tags, GLM-4.5's name and argument pairs, Qwen3-Coder's <function=...> and
-    <parameter=...> (a value JSON unless its tool declares it a string); a tag that holds no call stays text; a stream cut anywhere sends the same content and calls."""
+    <parameter=...> (a value JSON unless its tool declares it a string); a tag that holds no call stays text; a
+    stream cut anywhere sends the same content and calls."""
     import random
 
     from expertcache.serve.reasoning import split_reply
@@ -639,6 +640,16 @@ def test_a_regex_choice_or_grammar_that_cannot_be_followed_is_a_400(client, extr
         client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=4, extra_body=extra)
     assert e.value.body["param"] == param
     assert e.value.body["message"].count("\n") == 0
+
+
+def test_a_grammar_that_leads_nowhere_is_a_400_not_an_empty_answer(client):
+    """A grammar whose rules never end (x ::= x) passes the parser's check and allows only an end: a 400 once its
+    first token is asked for, where the answer was an empty text with finish_reason stop."""
+    with pytest.raises(openai.BadRequestError, match="no text that continues from here") as e:
+        client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=4,
+                                  extra_body={"grammar": "root ::= x\nx ::= x"})
+    assert e.value.body["message"].count("\n") == 0
+    assert client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=2).choices[0].text
 
 
 def test_llama_cpps_empty_grammar_asks_nothing(client):

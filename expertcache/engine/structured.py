@@ -141,7 +141,11 @@ class Constraint:
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] with every token the grammar does not allow next at -inf."""
         allowed = torch.from_numpy(np.frombuffer(self.matcher.compute_logit_bias(), np.uint8)[:logits.numel()] > 0)
-        if not allowed.any():  # a matcher in error allows nothing: sampling would pick a token at random
+        if self.matcher.is_error() and self.matcher.get_error().startswith("NoExtensionBias"):
+            # it allows an end, which would end the output silently: rules that lead nowhere from here
+            raise BadInput("the structured output's grammar has no text that continues from here (a rule that only "
+                           "refers to itself never ends, e.g. x ::= x); give each rule an alternative that ends")
+        if self.matcher.is_error() or not allowed.any():  # sampling would pick a token at random
             self._failed()
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
