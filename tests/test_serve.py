@@ -243,6 +243,40 @@ def test_calls_are_read_out_of_the_text_in_each_templates_form():
         assert stream.feed(text) + stream.end()[0] == text
 
 
+def test_deepseeks_and_kimi_k2s_calls_are_read_out_of_their_markers():
+    """DeepSeek-V3's calls (type, name, a ```json block), DeepSeek-V3.1's (name, arguments) and Kimi K2's
+    (functions.NAME:INDEX, arguments) between their templates' markers, the markers around them left out; whole
+    and streamed in random pieces; a <tool_call> (a forced call's form) is read too; a name no tool has stays text."""
+    import random
+
+    from expertcache.serve.reasoning import split_reply
+    from expertcache.serve.tools import CallStream, call_syntaxes
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    args = '{"path": "src"}'
+    v3 = ("Looking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>ls\n```json\n" + args +
+          "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    v31 = "Looking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>ls<｜tool▁sep｜>" + args + \
+          "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    kimi = "Looking.<|tool_calls_section_begin|><|tool_call_begin|>functions.ls:0<|tool_call_argument_begin|>" + \
+           args + "<|tool_call_end|><|tool_calls_section_end|>"
+    for template, text in (("{{ '<｜tool▁call▁begin｜>' }}", v3), ("{{ '<｜tool▁call▁begin｜>' }}", v31),
+                           ("{{ '<|tool_call_begin|>' }}", kimi),
+                           ("{{ '<|tool_call_begin|>' }}", 'Looking. <tool_call>{"name": "ls", "arguments": ' + args +
+                            "}</tool_call>")):
+        syntaxes = call_syntaxes(template)
+        thought, content, (call,) = split_reply(text, tools=tools, calls=syntaxes)
+        assert content == "Looking." and call["function"]["name"] == "ls"
+        assert json.loads(call["function"]["arguments"]) == {"path": "src"}
+        for seed in range(10):
+            cuts = sorted(random.Random(seed).sample(range(1, len(text)), 6))
+            stream = CallStream(tools, syntaxes)
+            sent = "".join(stream.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)]))
+            rest, calls = stream.end()
+            assert (sent + rest).strip() == "Looking." and [c["function"] for c in calls] == [call["function"]]
+    unknown = v31.replace(">ls<", ">rm<")
+    assert split_reply(unknown, tools=tools, calls=call_syntaxes("<｜tool▁call▁begin｜>")) == (None, unknown, [])
+
+
 CALL_TEMPLATE = """{% if tools %}TOOLS: {{ tools | tojson }}; call one as <tool_call>{"name": ..., "arguments": ...}\
 </tool_call>
 {% endif %}{% for m in messages %}{{ m.role | upper }}.
@@ -443,6 +477,29 @@ def test_skip_special_tokens_false_keeps_their_text(client):
     assert client.completions.create(**ask).choices[0].text == "<|endoftext|>" * 2
     with pytest.raises(openai.BadRequestError, match="skip_special_tokens"):
         client.completions.create(**{**ask, "extra_body": {"skip_special_tokens": "no"}})
+
+
+def test_deepseeks_calls_come_back_as_tool_calls(tmp_path):
+    """A template that writes DeepSeek's call markers: the model's call comes back in tool_calls, whole and
+    streamed."""
+    path = tmp_path / "model"
+    shutil.copytree(BUILTIN_MODEL, path)
+    (path / "chat_template.jinja").write_text(CALL_TEMPLATE.replace("<tool_call>", "<｜tool▁call▁begin｜>"))
+    said = 'Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": "UTC"}' \
+           "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    engine = Engine(path, EngineConfig(store="ram", max_seq=512))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        ask = dict(model=MODEL, messages=[{"role": "user", "content": "Time?"}], max_tokens=120, temperature=0,
+                   tools=WEATHER, extra_body={"grammar": f"start: {json.dumps(said)}"})
+        choice = client.chat.completions.create(**ask).choices[0]
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+        assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"zone": "UTC"}
+        chunks = [c.choices[0] for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+        assert "".join(c.delta.content or "" for c in chunks) == "Let me look."
+        assert [t.function.name for c in chunks for t in c.delta.tool_calls or []] == ["get_time"]
+    engine.close()
 
 
 def test_stop_strings_and_seeded_sampling(client):

@@ -31,7 +31,7 @@ from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, Completi
                       refuse_unsupported, structure)
 from .scheduler import Request, Scheduler
 from .reasoning import Reply, opens_thinking, reply_form, split_reply
-from .tools import OPEN
+from .tools import call_syntaxes
 
 DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
 
@@ -75,10 +75,11 @@ class Server:
             self.template = ChatTemplate.of(self.engine)
         except CheckpointError as e:
             self.no_template = str(e)
-        # how the model writes its reasoning and calls (reasoning.py): a template that writes calls in <tool_call>
-        # tags or in GPT-OSS's harmony format has the model's calls read out of its text
-        self.form = reply_form(self.template.source) if self.template is not None else "plain"
-        self.tag_calls = self.template is not None and (OPEN in self.template.source or self.form == "harmony")
+        # how the model writes its reasoning and calls (reasoning.py, tools.py): a template that writes calls (in
+        # <tool_call> tags, DeepSeek's or Kimi K2's markers, GPT-OSS's harmony format) has them read out of its text
+        source = self.template.source if self.template is not None else ""
+        self.form, self.calls = reply_form(source), call_syntaxes(source)
+        self.tag_calls = self.form == "harmony" or any(syntax.begin in source for syntax in self.calls)
         tokenizer = self.engine.tokenizer
         byte_level = tokenizer is not None and type(tokenizer.decoder).__name__ == "ByteLevel"
         self.byte_of = byte_level_alphabet() if byte_level else None  # a token's exact bytes, for logprobs
@@ -475,11 +476,12 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
         calling = bool(body.tools) and body.tool_choice != "none" and \
             (server.tag_calls or body.tool_choice not in (None, "auto"))
         form = "plain" if (body.reasoning_format or server.reasoning_format) == "none" else server.form
-        if form == "harmony":  # its parts are told apart by special tokens, which the reply leaves out
+        # harmony's parts, and DeepSeek's and Kimi K2's calls, are marked by special tokens, which the text leaves out
+        if form == "harmony" or calling and len(server.calls) > 1:
             params = replace(params, skip_special_tokens=False)
         # a constrained output is the answer from its first token, even after a prompt that opened <think>
         reply = {"form": form, "tools": body.tools if calling else None, "reasoning": body.include_reasoning,
-                 "opened": opens_thinking(text) and not params.constrained}
+                 "opened": opens_thinking(text) and not params.constrained, "calls": server.calls}
         return await server.run(http, [prompt], [params], chat=True, stream=body.stream, n=body.n,
                                 options=body.stream_options, reply=reply)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 
-from .tools import CallStream
+from .tools import OPEN, SYNTAXES, CallStream, CallSyntax
 
 THINK, UNTHINK = "<think>", "</think>"
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -150,14 +150,16 @@ class _Harmony:
 class Reply:
     """One chat choice's text as it arrives, split into reasoning and answer (`feed` gives the delta that can be sent
     now, {"reasoning_content": ..., "content": ...} without empty parts), then `end` the rest and the tool calls.
-    form: reply_form's; tools: the request's, whose calls are read out of the text (None: no calls are read);
-    opened: the prompt ended inside <think>; reasoning: False leaves the reasoning out (vLLM's include_reasoning)."""
+    form: reply_form's; tools: the request's, whose calls are read out of the text (None: no calls are read), as
+    `calls` writes them (tools.call_syntaxes'); opened: the prompt ended inside <think>; reasoning: False leaves the
+    reasoning out (vLLM's include_reasoning)."""
 
-    def __init__(self, form: str = "plain", tools: list | None = None, opened: bool = False, reasoning: bool = True):
+    def __init__(self, form: str = "plain", tools: list | None = None, opened: bool = False, reasoning: bool = True,
+                 calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],)):
         if form not in FORMS:
             raise ValueError(f"reply form {form!r} is not one of {', '.join(FORMS)}")
         self.parts = None if form == "plain" else _Think(opened) if form == "think" else _Harmony(tools is not None)
-        self.answer = CallStream(tools) if tools is not None else None
+        self.answer = CallStream(tools, calls) if tools is not None else None
         self.thought, self.reasoning = _Trimmed(), reasoning
 
     def _delta(self, pieces: list[tuple[str, str]]) -> dict:
@@ -190,10 +192,11 @@ class Reply:
 
 
 def split_reply(text: str, form: str = "plain", tools: list | None = None, opened: bool = False,
-                reasoning: bool = True) -> tuple[str | None, str | None, list[dict]]:
+                reasoning: bool = True, calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],)
+                ) -> tuple[str | None, str | None, list[dict]]:
     """A whole reply's (reasoning, content, tool calls); None for a part that is not there. The content is the text
     as written where there is neither reasoning nor a call; else without surrounding whitespace."""
-    reply = Reply(form, tools, opened, reasoning)
+    reply = Reply(form, tools, opened, reasoning, calls)
     first = reply.feed(text)
     rest, calls = reply.end()
     thought = first.get("reasoning_content", "") + rest.get("reasoning_content", "")

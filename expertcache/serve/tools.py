@@ -1,14 +1,16 @@
 """Tool calls in chat completions. A model whose chat template writes a call in <tool_call> tags has its calls parsed
 out of its text into OpenAI's `tool_calls`, whole and streamed: as JSON, {"name": ..., "arguments": {...}} (Qwen's and
 Hermes' way), as the name then <arg_key>/<arg_value> pairs (GLM-4.5's), or as <function=NAME> with <parameter=KEY>
-values (Qwen3-Coder's). tool_choice "required" or a named function keeps the output to one call, in the JSON form,
-by a grammar (llguidance's, over the tool's parameter schema), whatever the template. (GPT-OSS's calls, in its
-harmony format, are read in reasoning.py.)"""
+values (Qwen3-Coder's); or between DeepSeek's or Kimi K2's call markers. tool_choice "required" or a named function
+keeps the output to one call, in the JSON form, by a grammar (llguidance's, over the tool's parameter schema),
+whatever the template. (GPT-OSS's calls, in its harmony format, are read in reasoning.py.)"""
 from __future__ import annotations
 
 import json
 import re
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..engine.structured import LAYOUT, schema_text
 
@@ -125,35 +127,95 @@ def _call(body: str, tools: list | None) -> dict | None:
                          json.dumps(arguments, ensure_ascii=False)}}
 
 
-def _split(text: str, tools: list | None) -> tuple[str, list[dict]]:
-    """(`text` without its calls' tags, the calls). A tag that holds no call stays in the text as the model wrote
-    it."""
+def _marked_call(body: str, tools: list | None) -> dict | None:
+    """A call between DeepSeek's or Kimi K2's markers: DeepSeek-V3's `function<sep>NAME` then its arguments in a
+    ```json block, DeepSeek-V3.1's `NAME<sep>ARGUMENTS`, Kimi K2's `functions.NAME:INDEX<argument begin>ARGUMENTS`;
+    None for another body, or a name that is not a given tool."""
+    for sep in (DEEPSEEK_SEP, KIMI_ARGUMENTS):
+        if sep in body:
+            name, arguments = body.split(sep, 1)
+            break
+    else:
+        return None
+    name = name.strip()
+    if name == "function":  # DeepSeek-V3: the type, then the name on the line before the arguments
+        name, _, arguments = arguments.partition("\n")
+        name, arguments = name.strip(), arguments.strip().removeprefix("```json").removesuffix("```")
+    name = name.removeprefix("functions.").rsplit(":", 1)[0] if sep == KIMI_ARGUMENTS else name
+    if not name or any(c.isspace() for c in name) or (tools and name not in _names(tools)):
+        return None
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": arguments.strip()}}
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a template's model writes a call: between `begin` and `end`, read by `parse`; `opens`: where the text
+    that may hold calls begins (held back from a stream); `wrappers`: markers around a group of calls, left out
+    of the text."""
+    begin: str
+    end: str
+    parse: Callable[[str, list | None], dict | None]
+    opens: tuple[str, ...] = ()
+    wrappers: tuple[str, ...] = ()
+
+
+DEEPSEEK_SEP, KIMI_ARGUMENTS = "<｜tool▁sep｜>", "<|tool_call_argument_begin|>"
+SYNTAXES = {  # by a marker its chat template writes
+    OPEN: CallSyntax(OPEN, CLOSE, _call, (OPEN,)),
+    "<｜tool▁call▁begin｜>": CallSyntax("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", _marked_call,
+                                      ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"),
+                                      ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")),
+    "<|tool_call_begin|>": CallSyntax("<|tool_call_begin|>", "<|tool_call_end|>", _marked_call,
+                                      ("<|tool_calls_section_begin|>", "<|tool_call_begin|>"),
+                                      ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")),
+}
+
+
+def call_syntaxes(template_source: str) -> tuple[CallSyntax, ...]:
+    """The ways a template's model writes calls: <tool_call> tags (also a forced call's, whatever the template),
+    and DeepSeek's or Kimi K2's markers where the template writes them."""
+    return (SYNTAXES[OPEN], *(syntax for marker, syntax in SYNTAXES.items()
+                               if marker != OPEN and marker in template_source))
+
+
+def _split(text: str, tools: list | None, syntax: CallSyntax) -> tuple[str, list[dict]]:
+    """(`text` without its calls' markers, the calls). A call that does not parse stays in the text as the model
+    wrote it."""
     calls, kept, pos = [], [], 0
-    while (start := text.find(OPEN, pos)) >= 0 and (end := text.find(CLOSE, start)) >= 0:
-        call = _call(text[start + len(OPEN):end].strip(), tools)
-        kept.append(text[pos:end + len(CLOSE)] if call is None else text[pos:start])
+    while (start := text.find(syntax.begin, pos)) >= 0 and (end := text.find(syntax.end, start)) >= 0:
+        call = syntax.parse(text[start + len(syntax.begin):end].strip(), tools)
+        kept.append(text[pos:end + len(syntax.end)] if call is None else text[pos:start])
         calls += [call] if call is not None else []
-        pos = end + len(CLOSE)
-    return "".join(kept + [text[pos:]]), calls
+        pos = end + len(syntax.end)
+    kept = "".join(kept + [text[pos:]])
+    for wrapper in syntax.wrappers if calls else ():
+        kept = kept.replace(wrapper, "")
+    return kept, calls
 
 
 class CallStream:
     """A streamed choice's text, held back from where a call may begin: `feed` gives what can be sent now, `end`
-    the rest of the text and the calls."""
+    the rest of the text and the calls. syntaxes: call_syntaxes' (default: <tool_call> tags)."""
 
-    def __init__(self, tools: list | None = None):
-        self.tools, self.text, self.sent = tools, "", 0
+    def __init__(self, tools: list | None = None, syntaxes: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],)):
+        self.tools, self.syntaxes, self.text, self.sent = tools, syntaxes, "", 0
+        self.opens = tuple(mark for syntax in syntaxes for mark in syntax.opens)
 
     def feed(self, piece: str) -> str:
         self.text += piece
-        opened = self.text.find(OPEN, self.sent)
-        if opened < 0:  # held: a tail that may be the start of OPEN
-            opened = len(self.text) - next((n for n in range(len(OPEN) - 1, 0, -1)
-                                            if self.text.endswith(OPEN[:n])), 0)
+        found = [i for mark in self.opens if (i := self.text.find(mark, self.sent)) >= 0]
+        # held: from where a call may begin, or a tail that may be the start of one
+        opened = min(found) if found else len(self.text) - max(
+            (n for mark in self.opens for n in range(len(mark) - 1, 0, -1) if self.text.endswith(mark[:n])),
+            default=0)
         out, self.sent = self.text[self.sent:opened], max(self.sent, opened)
         return out
 
     def end(self) -> tuple[str, list[dict]]:
-        """The text not yet sent, and the calls (the text of their tags left out)."""
-        content, calls = _split(self.text, self.tools)  # the text before the first tag is as sent
+        """The text not yet sent, and the calls (the text of their markers left out)."""
+        content, calls = self.text, []
+        for syntax in self.syntaxes:  # the text before the first call is as sent
+            content, found = _split(content, self.tools, syntax)
+            calls += found
         return (content[self.sent:].rstrip(), calls) if calls else (self.text[self.sent:], [])
