@@ -49,10 +49,10 @@ def replay_window(st, p, account, sc, logits, w0, ranked, weights, slots, expert
     ranked, weights: the trace's routes, layer-major [L, N, *]; slots, experts, gates [k]: working arrays. With
     `selection`, the kernel ranks each row's selection row (softmax scores with `softmax`, else sigmoid; bias
     [L, E], groups; sel [E], group_score [n_group]: working arrays); with `biased` (a softmax router's logit bias
-    [L, E]), each row plus the bias, in sel; else the row as it is. With a `budget`, a decode token (T == 1) prefetches at each layer l the predicted routes
-    of layer l + 1 (pred_ids, pred_w [L, N, k], layer-major) after its decisions, as the engine does
-    (`prefetch_ranked`; `fetched`: only what the policy would fetch; `confidence`: only predictions of that
-    gate weight or more; chosen [k]: working array)."""
+    [L, E]), each row plus the bias, in sel; else the row as it is. With a `budget`, a decode token (T == 1)
+    prefetches at each layer l the predicted routes of layer l + 1 (pred_ids, pred_w [L, N, k], layer-major) after
+    its decisions, as the engine does (`prefetch_ranked`; `fetched`: only what the policy would fetch;
+    `confidence`: only predictions of that gate weight or more; chosen [k]: working array)."""
     T, L, E = logits.shape
     line = 64 // logits.itemsize
     for layer in range(L):
