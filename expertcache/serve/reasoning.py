@@ -2,7 +2,7 @@
 and streamed. Where the chat template writes reasoning in <think> tags (Qwen3, GLM-4.5, DeepSeek-R1), the text up to
 </think> is reasoning (also where the template opened the tag in the prompt); where it writes GPT-OSS's harmony
 format, the analysis channel is reasoning, the final channel (and commentary to no one) the answer, and a commentary
-message to=functions.NAME a call. The answer's <tool_call> tags are read by tools.py."""
+message to=functions.NAME a call. The calls in the answer's text are read by tools.py."""
 from __future__ import annotations
 
 import uuid

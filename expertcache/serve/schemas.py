@@ -119,7 +119,7 @@ class ChatBody(SamplingFields):
     """A /v1/chat/completions request: the sampling fields and the conversation so far; add_generation_prompt
     (vLLM's, default true) false renders the conversation without the assistant turn's opening. tools go to the
     chat template, which writes them into the prompt (a call the model makes comes back in tool_calls where the
-    template writes calls in <tool_call> tags, else as its text; serve/tools.py), and so do
+    template writes calls in a form tools.py or reasoning.py reads, else as its text), and so do
     chat_template_kwargs (vLLM's: e.g. {"enable_thinking": false}), and reasoning_effort (OpenAI's), which
     GPT-OSS's template writes into its system message; chat_template_kwargs' own reasoning_effort wins. The model's
     reasoning comes back in reasoning_content (reasoning.py), unless include_reasoning (vLLM's) is false, which leaves
