@@ -39,7 +39,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     foreign = tmp / "foreign"
     shutil.copytree(BUILTIN_MODEL, foreign)
     cfg = json.loads((foreign / "config.json").read_text())
-    (foreign / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    (foreign / "config.json").write_text(json.dumps({**cfg, "model_type": "llama",
+                                                     "architectures": ["LlamaForCausalLM"]}))
     torn = tmp / "torn"
     shutil.copytree(BUILTIN_MODEL, torn)
     with open(torn / "model.safetensors", "r+b") as f:

@@ -40,6 +40,13 @@ def test_missing_folder(capsys, tmp_path):
     expect_cli_error(capsys, tmp_path / "nope", "no such checkpoint folder")
     with pytest.raises(CheckpointError):
         Engine(tmp_path / "nope")
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a file given for the folder that holds it
+    expect_cli_error(capsys, tmp_path / "model.safetensors", "is a file, not a checkpoint folder")
+
+
+def test_a_plain_number_for_a_memory_budget_is_said_to_be_bytes(capsys):
+    code, err = run_cli(capsys, "generate", "--memory-budget", "128", "-n", "2", "-p", "ROMEO.")
+    assert code == 2 and "128 bytes (a plain number is bytes: give a unit, e.g. 128M)" in err
 
 
 def test_missing_and_corrupt_config(capsys, ckpt):

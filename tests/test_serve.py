@@ -754,6 +754,19 @@ def test_fields_not_implemented_are_refused_not_ignored(client, fields, param):
         client.completions.create(model=MODEL, prompt="a", max_tokens=2, best_of=3)
 
 
+@pytest.mark.parametrize("field, meant", [("temprature", "temperature"), ("top-p", "top_p"),
+                                         ("max_token", "max_tokens"), ("Seed", "seed")])
+def test_a_misspelt_field_is_a_400_naming_the_field_meant(client, field, meant):
+    """A known field misspelt would be ignored as another API's: a 400 that names the field meant; other APIs'
+    fields that change nothing (user, store, metadata) still pass."""
+    with pytest.raises(openai.BadRequestError, match=f"did you mean {meant}") as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                       extra_body={field: 0})
+    assert e.value.body["param"] == field
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                   extra_body={"user": "u", "store": False, "metadata": {"a": "b"}})
+
+
 @pytest.mark.parametrize("fields", [{"function_call": {"name": "f"}}, {"modalities": ["text", "audio"]},
                                     {"bad_words": ["a"]}, {"allowed_token_ids": [1, 2]}, {"typical_p": 0.5},
                                     {"echo": True}, {"functions": [{"name": "f", "parameters": {}}]},
@@ -1312,8 +1325,8 @@ def test_the_access_log_has_a_line_per_request():
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
     engine.close()
-    assert re.fullmatch(r"POST /v1/completions 200 prompt \d+ completion 4 tokens \d+ ms", lines[0]), lines
-    assert lines[1].startswith("POST /v1/completions 404 ")
+    assert re.fullmatch(r"POST /v1/completions -> 200, \d+ prompt \+ 4 completion tokens, \d+ ms", lines[0]), lines
+    assert re.fullmatch(r"POST /v1/completions -> 404, \d+ ms", lines[1]), lines
 
 
 def _submit(scheduler, prompt, max_tokens):

@@ -30,6 +30,10 @@ def run(a) -> int:
         convert_to_disk(ckpt, args, out, fmt=fmt, progress=True)
     size = (out / "experts.bin").stat().st_size
     per = size // (args.num_moe_layers * args.num_experts)
+    flags = ([f"--store-dir {out}"] if a.out is not None else []) + ([f"--store-dtype {a.dtype}"] if fmt else []) + \
+        ([f"--group-size {a.group_size}"] if fmt and a.group_size != 32 else []) + \
+        ([f"--scheme {a.scheme}"] if fmt and a.scheme != "asym" else [])
+    use = f" (a run reads it with {' '.join(flags)})" if flags else ""
     print(f"wrote {args.num_moe_layers} x {args.num_experts} experts ({fmt.tag if fmt else 'checkpoint dtype'}, "
-          f"{per} bytes each), {size / 2**20:.1f} MiB, to {out}")
+          f"{per} bytes each), {size / 2**20:.1f} MiB, to {out}{use}")
     return 0

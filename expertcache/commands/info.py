@@ -122,9 +122,11 @@ def _print_config(path: Path, s: dict) -> None:
         return f"{f['experts_per_layer']} experts per layer ({f['fraction']:.0%})" if f["enough"] else \
             f"not enough for top-{s['top_k']}"
     for gb, f in s["fits"].items():
-        print(f"  {gb} GB fast tier ({s['slot']} experts, {CONTEXT}-token KV cache): {verdict(f)}")
+        print(f"  {gb} GiB fast tier ({s['slot']} experts, {CONTEXT}-token KV cache): {verdict(f)}")
     if "budget" in s:
-        print(f"  {s['budget']['mib']:g} MiB for {s['slot']} experts: {verdict(s['budget'])}")
+        mib = s["budget"]["mib"]
+        size = f"{mib / 1024:g} GiB" if mib >= 1024 else f"{mib:g} MiB"
+        print(f"  {size} for {s['slot']} experts alone: {verdict(s['budget'])}")
 
 
 def run(a) -> int:

@@ -45,6 +45,8 @@ def byte_size(text: str) -> int:
     return int(n)
 non_negative_int = bounded(int, 0, what="give a whole number >= 0")
 fraction = bounded(float, 0.0, 1.0, lo_open=True, what="give a fraction in (0, 1], e.g. 0.25")
+cache_fraction = bounded(float, 0.0, 1.0, lo_open=True,
+                         what="give a fraction of each layer's experts in (0, 1], e.g. 0.25, or a size as --cache-bytes")
 non_negative = bounded(float, 0.0, what="give a number >= 0")
 
 
@@ -181,7 +183,7 @@ def format_from_args(a: argparse.Namespace, dtype: str | None) -> ExpertFormat |
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     """The fast tier's size and how it is shared."""
-    p.add_argument("--cache", type=fraction, default=None, help="cache size as a fraction of each layer's experts "
+    p.add_argument("--cache", type=cache_fraction, default=None, help="cache size as a fraction of each layer's experts "
                    "(default: 0.25, and at least a token's top-k)")
     p.add_argument("--cache-bytes", type=byte_size, default=None, help="expert cache size in bytes, e.g. 32M "
                    "(overrides --cache)")

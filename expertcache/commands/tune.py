@@ -10,7 +10,7 @@ from .options import (
     add_model_argument,
     announce_compile,
     byte_size,
-    fraction,
+    cache_fraction,
     plot_path,
     positive_int,
     write_json,
@@ -34,7 +34,7 @@ def add_arguments(p):
     """The verb's options."""
     add_model_argument(p)
     p.add_argument("--budget", type=budget, default=1.0, help="allowed perplexity increase, e.g. 1%% (default 1%%)")
-    p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
+    p.add_argument("--cache", type=cache_fraction, default=0.25, help="cache size as a fraction of each layer's experts")
     p.add_argument("--cache-bytes", type=byte_size, default=None,
                    help="cache size in bytes, e.g. 32M (overrides --cache)")
     p.add_argument("--profile", nargs="+", default=None,

@@ -222,8 +222,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     into huggingface_hub's cache); raises CheckpointError naming the fix."""
     path = model_folder(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint folder; pass --model a folder with config.json "
-                              "and *.safetensors")
+        what = "is a file, not a checkpoint folder" if path.exists() else "no such checkpoint folder"
+        raise CheckpointError(f"{path}: {what}; pass --model the folder that holds config.json and *.safetensors")
     try:
         config = json.loads((path / "config.json").read_text())
     except FileNotFoundError:

@@ -1,5 +1,6 @@
 """One line per HTTP request, as llama-server and vLLM log them: method, path, status, prompt and completion
-tokens (from the response's usage, when it carries one), milliseconds."""
+tokens (from the response's usage, when it carries one: a stream's only with include_usage), milliseconds; e.g.
+`POST /v1/chat/completions -> 200, 21 prompt + 64 completion tokens, 812 ms`."""
 from __future__ import annotations
 
 import re
@@ -31,7 +32,6 @@ class AccessLog:
             await self.app(scope, receive, send_and_note)
         finally:
             found = USAGE.findall(tail[0])
-            tokens = f"prompt {found[-1][0].decode()} completion {found[-1][1].decode()} tokens" if found else \
-                "tokens -"
-            self.log(f"{scope['method']} {scope['path']} {status[0]} {tokens} "
+            tokens = f", {found[-1][0].decode()} prompt + {found[-1][1].decode()} completion tokens" if found else ""
+            self.log(f"{scope['method']} {scope['path']} -> {status[0]}{tokens}, "
                      f"{1e3 * (time.perf_counter() - start):.0f} ms")
