@@ -66,7 +66,7 @@ def run(a) -> int:
         raise BadInput("--speculative measures trained predictors: run --train first, then --speculative")
     if a.train:
         ids = encode_text(path, read_text(a.text or CALIB_TEXT), a.max_tokens)
-        with progress_bar(delay=0.1) as bar:  # drawn once a stage gives its total
+        with progress_bar() as bar:
             r = fit_estimator(path, ids, a.hybrid_below, a.epochs, progress=_stages(bar),
                               sketch=(a.sketch_rank, a.sketch_neurons), width=a.lookahead_width)
         print(json.dumps(r, indent=1))
@@ -75,7 +75,7 @@ def run(a) -> int:
     if a.speculative:
         return _speculative(a)
     ids = encode_text(path, read_text(a.text or EVAL_TEXT), a.max_tokens)
-    with progress_bar(delay=0.1) as bar:
+    with progress_bar() as bar:
         table = recall_table(path, ids, a.predictors, _stages(bar))
     layers = len(next(iter(table.values())))
     print(f"recall@k of layer l+1's routed experts, predicted at layer l (k: the model's top-k), over {len(ids):,} "
