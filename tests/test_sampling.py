@@ -361,6 +361,41 @@ def test_prompt_scoring_and_logprobs_of_every_output_token():
     engine.close()
 
 
+def test_a_chat_turn_prefills_only_what_its_prompt_adds(monkeypatch, capsys):
+    """A turn's keys and values stay in the engine's cache: the next turn's prefill runs from the first token its
+    prompt does not share with them, and gives the logits a whole prefill gives; chat's turns after the first reuse
+    them; a model with a recurrent state reuses only a prompt that extends them."""
+    import io
+    import types
+
+    from expertcache import cli
+    from expertcache.commands import chat
+    from expertcache.engine.engine import Engine, EngineConfig
+    from expertcache.engine.generate import TextGeneration, prefill
+    from expertcache.errors import BadInput
+    engine, fresh = (Engine(None, EngineConfig(store="ram", max_seq=256)) for _ in range(2))
+    first = engine.encode("USER.\nWho goes there?\n\nASSISTANT.\n")
+    gen = TextGeneration(engine, first, SamplingParams(max_tokens=8, ignore_eos=True))
+    list(gen)
+    held = (first + gen.tokens)[:gen.kv_end]
+    assert gen.kv_end == len(first) + 7  # the last token sampled was never run
+    second = held + engine.encode("\n\nUSER.\nNay, answer me.\n\nASSISTANT.\n")
+    reused = prefill(engine, second, start=chat.reusable(engine, held, second))
+    torch.testing.assert_close(reused, prefill(fresh, second), atol=1e-4, rtol=0)
+    with pytest.raises(BadInput, match="cached=3 must leave"):
+        TextGeneration(engine, first[:3], SamplingParams(), cached=3)
+    engine.close(), fresh.close()
+    recurrent = types.SimpleNamespace(model=types.SimpleNamespace(linear={1: None}))
+    assert chat.reusable(recurrent, [1, 2, 3], [1, 2, 3, 4]) == 3
+    assert chat.reusable(recurrent, [1, 2, 3], [1, 2, 4]) == 0  # its state holds token 3, which the prompt drops
+    real, cached = chat.reusable, []
+    monkeypatch.setattr(chat, "reusable", lambda *a: cached.append(real(*a)) or cached[-1])
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who goes there?\nNay, answer me.\n"))
+    assert cli.main(["chat", "--store", "ram", "-n", "6"]) == 0
+    capsys.readouterr()
+    assert cached[0] == 0 and cached[1] >= len(first)  # the first turn's prompt at least
+
+
 def test_chat_verb_answers_each_stdin_line(monkeypatch, capsys):
     import io
 

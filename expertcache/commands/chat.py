@@ -1,6 +1,7 @@
 """expertcache chat: an interactive conversation through the checkpoint's chat template;
 one user message per stdin line, the reply streamed (a reasoning model's reasoning to stderr, its answer to
-stdout); the expert cache stays warm across turns."""
+stdout); the expert cache stays warm across turns, and the keys and values of the conversation so far are kept:
+a turn's prefill runs only what its prompt adds to the tokens before it."""
 from __future__ import annotations
 
 import sys
@@ -45,6 +46,16 @@ def fitting_prompt(engine, template: ChatTemplate, messages: list[dict], max_tok
     return prompt
 
 
+def reusable(engine, held: list[int], prompt: list[int]) -> int:
+    """How many of `prompt`'s first tokens the engine's cache holds already: those it shares with `held`, the
+    tokens whose keys and values it holds from position 0 (at least one is left to run). A model with a recurrent
+    state (linear attention) holds it for all of `held`, which cannot be cut back: only a prompt that extends
+    `held` reuses it."""
+    shared = next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b), min(len(held), len(prompt)))
+    shared = min(shared, len(prompt) - 1)
+    return 0 if engine.model.linear and shared < len(held) else shared
+
+
 def show(delta: dict, thought: list[str], answer: list[str]) -> None:
     """A reply's new text: its reasoning to stderr, its answer to stdout (each kept in its list)."""
     if text := delta.get("reasoning_content"):
@@ -73,6 +84,7 @@ def run(a) -> int:
         params = replace(params, skip_special_tokens=False)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     interactive, refused = sys.stdin.isatty(), 0
+    held: list[int] = []  # the tokens whose keys and values the engine's cache holds, from position 0
     name = model_name(engine.path) if a.model else "the built-in model"
     print(f"expertcache chat: {name} ({engine.config.store} store, cache {engine.cache.per_layer}/"
           f"{engine.args.num_experts} per layer, {engine.variant}); /exit, /quit, Ctrl-D or Ctrl-C at the prompt to "
@@ -93,7 +105,7 @@ def run(a) -> int:
         messages.append({"role": "user", "content": line.rstrip("\r\n")})  # a Windows line ends in \r\n
         try:  # a message refused (too long, or by the template) is left out, and the conversation goes on
             prompt = fitting_prompt(engine, template, messages, params.max_tokens)
-            gen = TextGeneration(engine, prompt, params)
+            gen = TextGeneration(engine, prompt, params, cached=reusable(engine, held, prompt))
         except BadInput as e:
             messages.pop()
             refused += 1
@@ -106,6 +118,9 @@ def run(a) -> int:
                 show(reply.feed(out.text), thought, answer)
         except KeyboardInterrupt:  # stops this reply; the conversation goes on with what it said so far
             sys.stdout.write(" [stopped]")
+            if engine.model.linear:  # its recurrent state may have been cut mid-forward
+                gen.kv_end = 0
+        held = (prompt + gen.tokens)[:gen.kv_end]
         show(reply.end()[0], thought, answer)
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(answer)})

@@ -45,14 +45,18 @@ def check_length(engine: Engine, prompt_len: int, max_tokens: int) -> None:
                          f"{engine.model.max_seq}; shorten them or raise --max-seq")
 
 
-def prefill(engine: Engine, prompt: list[int], policy: MissPolicy | None = None, every: bool = False) -> torch.Tensor:
+def prefill(engine: Engine, prompt: list[int], policy: MissPolicy | None = None, every: bool = False,
+            start: int = 0) -> torch.Tensor:
     """One forward over the prompt -> logits of its last position [V] (with `every`, of every position [T, V]).
-    With `policy`, the prompt's misses are decided by it instead of the engine's policy (prefill protection)."""
+    With `policy`, the prompt's misses are decided by it instead of the engine's policy (prefill protection).
+    `start`: positions [0, start) of the engine's cache already hold the prompt's keys and values; the forward runs
+    the rest."""
+    assert not (every and start), "scoring every position needs the whole prompt's forward"
     decode_policy = engine.runner.policy
     if policy is not None:
         engine.runner.policy = engine.bind_policy(policy)
     try:
-        logits = engine.forward(torch.tensor(prompt), 0, last=not every)
+        logits = engine.forward(torch.tensor(prompt[start:]), start, last=not every)
         return logits if every else logits[-1]
     finally:
         engine.runner.policy = decode_policy
@@ -91,12 +95,18 @@ class TextGeneration:
     """One sequence being generated: call `step()` until `finish_reason` is set.
 
     own_kv: the sequence keeps its KV cache in its own buffers, swapped into the transformer
-    for each step, so other sequences can run steps in between on the same engine."""
+    for each step, so other sequences can run steps in between on the same engine. cached: the engine's own cache
+    already holds the keys and values of the prompt's first `cached` tokens (a chat's earlier turns, `kv_end` of the
+    generation before), so the prefill runs only the rest; `kv_end` counts the positions this one leaves written."""
 
     def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, own_kv: bool = False,
-                 prefill_policy: MissPolicy | None = None):
+                 prefill_policy: MissPolicy | None = None, cached: int = 0):
         prompt = engine.token_ids(prompt, empty=True).tolist()  # a tensor, an array or a list, checked once
         check_length(engine, len(prompt), params.max_tokens)
+        if not 0 <= cached < len(prompt) or cached and (own_kv or params.prompt_logprobs is not None):
+            raise BadInput(f"cached={cached} must leave at least one of the prompt's {len(prompt)} tokens to run, "
+                           "on the engine's own cache, without prompt_logprobs")
+        self.cached, self.kv_end = cached, cached
         vocab = engine.args.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):  # never sampled: a stop that silently never ends
             raise BadInput(f"stop_token_ids {list(params.stop_token_ids)} must be token ids in [0, {vocab})")
@@ -135,11 +145,16 @@ class TextGeneration:
         if not self.tokens:
             n = self.params.prompt_logprobs
             if n is None:
-                return prefill(self.engine, self.prompt, self.prefill_policy)
-            logits = prefill(self.engine, self.prompt, self.prefill_policy, every=True)
-            self.scored = prompt_scores(logits, self.prompt, n)
-            return logits[-1]
-        return self.engine.forward(torch.tensor(self.tokens[-1:]), self.position)[-1]
+                logits = prefill(self.engine, self.prompt, self.prefill_policy, start=self.cached)
+            else:
+                logits = prefill(self.engine, self.prompt, self.prefill_policy, every=True)
+                self.scored = prompt_scores(logits, self.prompt, n)
+                logits = logits[-1]
+            self.kv_end = len(self.prompt)
+            return logits
+        logits = self.engine.forward(torch.tensor(self.tokens[-1:]), self.position)[-1]
+        self.kv_end = self.position + 1
+        return logits
 
     @property
     def position(self) -> int:
