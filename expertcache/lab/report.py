@@ -14,8 +14,9 @@ def _ci(r: dict) -> str:
 
 
 def _r(x) -> str:
-    """A correlation, or "undefined" where it is not (one policy, or no variance)."""
-    return f"{x:.3f}" if x is not None and math.isfinite(x) else "undefined"
+    """A correlation, or why there is none (fewer than 3 points, or one without spread)."""
+    return f"{x:.3f}" if x is not None and math.isfinite(x) else \
+        "undefined (fewer than 3 points, or no spread among them)"
 
 
 def write_report(res: StudyResult, out: Path) -> list[Path]:
