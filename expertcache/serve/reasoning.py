@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 
-from .tools import OPEN, SYNTAXES, CallStream, CallSyntax
+from .tools import OPEN, SYNTAXES, CallStream, CallSyntax, held_tail
 
 THINK, UNTHINK = "<think>", "</think>"
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -27,12 +27,6 @@ def opens_thinking(prompt: str) -> bool:
     """Whether a rendered prompt ends inside an opened <think> (a thinking model's generation prompt), so that the
     reply starts with reasoning and no tag of its own."""
     return prompt.rstrip().endswith(THINK)
-
-
-def _held(text: str, marks: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` may be the start of one of `marks` (held back from a stream)."""
-    return max((n for mark in marks for n in range(min(len(mark) - 1, len(text)), 0, -1)
-                if text.endswith(mark[:n])), default=0)
 
 
 class _Trimmed:
@@ -75,7 +69,7 @@ class _Think:
                     out.append(("reasoning", self.buf[:end]))
                     self.state, self.buf = "after", self.buf[end + len(UNTHINK):]
                     continue
-                keep = 0 if final else _held(self.buf, (UNTHINK,))
+                keep = 0 if final else held_tail(self.buf, (UNTHINK,))
                 out.append(("reasoning", self.buf[:len(self.buf) - keep]))
                 self.buf = self.buf[len(self.buf) - keep:]
                 break
@@ -137,7 +131,7 @@ class _Harmony:
                     self.state = "header"
                     self.buf = self.buf[at + len(mark) * (mark != START):]
                     continue
-                keep = 0 if final else _held(self.buf, (*ENDS, START))
+                keep = 0 if final else held_tail(self.buf, (*ENDS, START))
                 out.append((self.target, self.buf[:len(self.buf) - keep]))
                 self.buf = self.buf[len(self.buf) - keep:]
                 break

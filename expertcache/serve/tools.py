@@ -194,6 +194,12 @@ def _split(text: str, tools: list | None, syntax: CallSyntax) -> tuple[str, list
     return kept, calls
 
 
+def held_tail(text: str, marks: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` may be the start of one of `marks` (held back from a stream)."""
+    return max((n for mark in marks for n in range(min(len(mark) - 1, len(text)), 0, -1)
+                if text.endswith(mark[:n])), default=0)
+
+
 class CallStream:
     """A streamed choice's text, held back from where a call may begin: `feed` gives what can be sent now, `end`
     the rest of the text and the calls. syntaxes: call_syntaxes' (default: <tool_call> tags)."""
@@ -206,9 +212,7 @@ class CallStream:
         self.text += piece
         found = [i for mark in self.opens if (i := self.text.find(mark, self.sent)) >= 0]
         # held: from where a call may begin, or a tail that may be the start of one
-        opened = min(found) if found else len(self.text) - max(
-            (n for mark in self.opens for n in range(len(mark) - 1, 0, -1) if self.text.endswith(mark[:n])),
-            default=0)
+        opened = min(found) if found else len(self.text) - held_tail(self.text, self.opens)
         out, self.sent = self.text[self.sent:opened], max(self.sent, opened)
         return out
 
