@@ -343,6 +343,8 @@ def test_replies_are_split_into_reasoning_content_and_calls_in_each_templates_fo
          False, None, None, [("get_weather", call)]),
         ("Plain words, no header.", "harmony", None, False, None, "Plain words, no header.", []),
         ("<|channel|>analysis<|message|>cut", "harmony", None, False, "cut", None, []),
+        ("They greet me.<|end|><|start|>assistant<|channel|>final<|message|>Hello!", "harmony", None,
+         "assistant<|channel|>analysis", "They greet me.", "Hello!", []),  # the prompt opened the analysis
     ]
     for text, form, given, opened, thought, content, calls in cases:
         got = split_reply(text, form, given, opened)
@@ -361,7 +363,9 @@ def test_replies_are_split_into_reasoning_content_and_calls_in_each_templates_fo
             assert sent.get("content", "").strip() == (content or "").strip()
         assert split_reply(text, form, given, opened, reasoning=False)[0] is None
     assert reply_form(TOOL_TEMPLATE) == "think" and reply_form(CALL_TEMPLATE) == "plain"
-    assert opens_thinking("ASSISTANT.\n<think>\n") and not opens_thinking("<think></think>")
+    assert opens_thinking("ASSISTANT.\n<think>\n") is True and not opens_thinking("<think></think>")
+    assert opens_thinking("<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>analysis<|message|>") == \
+        "assistant<|channel|>analysis" and opens_thinking("<|end|><|start|>assistant") is False
 
 
 THINKING_TEMPLATE = """{% for m in messages %}{{ m.role | upper }}.

@@ -111,7 +111,7 @@ def run(a) -> int:
             refused += 1
             print(f"expertcache: error: {e} (the message is left out; the conversation goes on)", file=sys.stderr)
             continue
-        opened = opens_thinking(engine.decode(prompt[-8:])) and not params.constrained  # as the server reads it
+        opened = False if params.constrained else opens_thinking(engine.decode(prompt[-16:]))  # as the server
         reply, thought, answer = Reply(form, opened=opened), [], []
         try:
             for out in gen:

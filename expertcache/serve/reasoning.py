@@ -23,10 +23,14 @@ def reply_form(template_source: str) -> str:
     return "think" if UNTHINK in template_source else "plain"
 
 
-def opens_thinking(prompt: str) -> bool:
+def opens_thinking(prompt: str) -> bool | str:
     """Whether a rendered prompt ends inside an opened <think> (a thinking model's generation prompt), so that the
-    reply starts with reasoning and no tag of its own."""
-    return prompt.rstrip().endswith(THINK)
+    reply starts with reasoning and no tag of its own; for a harmony prompt that ends with a message's header
+    (`<|start|>assistant<|channel|>analysis<|message|>`), that header, whose message the reply continues."""
+    prompt = prompt.rstrip()
+    if prompt.endswith(MESSAGE):
+        return prompt[prompt.rfind(START) + len(START) if START in prompt else 0:-len(MESSAGE)]
+    return prompt.endswith(THINK)
 
 
 class _Trimmed:
@@ -86,9 +90,11 @@ class _Harmony:
     """Splits GPT-OSS's harmony messages into ("reasoning" | "content" | "call", piece); a call's name is in
     `self.calls` as its arguments arrive."""
 
-    def __init__(self, calling: bool):
+    def __init__(self, calling: bool, header: str | None = None):
         self.calling, self.state, self.buf, self.target = calling, "first", "", None
         self.calls: list[list[str]] = []  # [name, arguments so far] of each call
+        if header is not None:  # the prompt opened a message: the reply continues its body
+            self.target, self.state = self._target(header), "body"
 
     def _target(self, header: str) -> str | None:
         """A message's part by its header (role, <|channel|>NAME, to=RECIPIENT, <|constrain|>FORMAT)."""
@@ -145,14 +151,15 @@ class Reply:
     """One chat choice's text as it arrives, split into reasoning and answer (`feed` gives the delta that can be sent
     now, {"reasoning_content": ..., "content": ...} without empty parts), then `end` the rest and the tool calls.
     form: reply_form's; tools: the request's, whose calls are read out of the text (None: no calls are read), as
-    `calls` writes them (tools.call_syntaxes'); opened: the prompt ended inside <think>; reasoning: False leaves the
-    reasoning out (vLLM's include_reasoning)."""
+    `calls` writes them (tools.call_syntaxes'); opened: opens_thinking's (the prompt ended inside <think>, or
+    with a harmony message's header); reasoning: False leaves the reasoning out (vLLM's include_reasoning)."""
 
-    def __init__(self, form: str = "plain", tools: list | None = None, opened: bool = False, reasoning: bool = True,
-                 calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],)):
+    def __init__(self, form: str = "plain", tools: list | None = None, opened: bool | str = False,
+                 reasoning: bool = True, calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],)):
         if form not in FORMS:
             raise ValueError(f"reply form {form!r} is not one of {', '.join(FORMS)}")
-        self.parts = None if form == "plain" else _Think(opened) if form == "think" else _Harmony(tools is not None)
+        self.parts = None if form == "plain" else _Think(opened is True) if form == "think" else \
+            _Harmony(tools is not None, opened if isinstance(opened, str) else None)
         self.answer = CallStream(tools, calls) if tools is not None else None
         self.thought, self.reasoning = _Trimmed(), reasoning
 
@@ -185,7 +192,7 @@ class Reply:
         return delta, calls
 
 
-def split_reply(text: str, form: str = "plain", tools: list | None = None, opened: bool = False,
+def split_reply(text: str, form: str = "plain", tools: list | None = None, opened: bool | str = False,
                 reasoning: bool = True, calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],)
                 ) -> tuple[str | None, str | None, list[dict]]:
     """A whole reply's (reasoning, content, tool calls); None for a part that is not there. The content is the text
