@@ -147,6 +147,9 @@ def test_tools_calls_and_template_arguments_reach_the_template_as_in_hf(tmp_path
             messages, tokenize=False, add_generation_prompt=True, documents=documents)
         assert "DOCUMENT Forecast: Rain all day." in grounded
         assert ask(extra_body={"documents": documents}) == len(engine.encode(grounded, special=False))
+        counted = call(s, "/tokenize", {"messages": messages, "documents": documents, "reasoning_effort": "low"})
+        assert counted[1]["count"] == ask(reasoning_effort="low", extra_body={"documents": documents}) > \
+            ask(extra_body={"documents": documents})  # /tokenize renders what the chat renders
         with pytest.raises(openai.BadRequestError, match="chat template failed .*not iterable"):  # not a 500
             client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
                 {"role": "assistant", "content": "x", "tool_calls": 5}])

@@ -504,7 +504,8 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
         server.check_model(body.model)
         if body.messages is not None:
             chat = ChatBody(messages=body.messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
-                            chat_template_kwargs=body.chat_template_kwargs)
+                            chat_template_kwargs=body.chat_template_kwargs, reasoning_effort=body.reasoning_effort,
+                            documents=body.documents)
             ids, _ = await asyncio.to_thread(server.chat_prompt, chat)
         else:
             ids = await asyncio.to_thread(server.encode, body.prompt, "prompt", body.add_special_tokens)

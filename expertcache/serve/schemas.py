@@ -156,6 +156,8 @@ class TokenizeBody(BaseModel):
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # as a chat completion passes them to the template
+    documents: list[dict] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeBody:
