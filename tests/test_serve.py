@@ -1331,9 +1331,12 @@ def test_the_access_log_has_a_line_per_request():
         client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=4, temperature=0)
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+        list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=3,
+                                            stream=True))
     engine.close()
     assert re.fullmatch(r"POST /v1/completions -> 200, \d+ prompt \+ 4 completion tokens, \d+ ms", lines[0]), lines
     assert re.fullmatch(r"POST /v1/completions -> 404, \d+ ms", lines[1]), lines
+    assert re.fullmatch(r"POST /v1/chat/completions -> 200, \d+ prompt \+ 3 completion tokens, \d+ ms", lines[2])
 
 
 def _submit(scheduler, prompt, max_tokens):

@@ -1,6 +1,6 @@
 """One line per HTTP request, as llama-server and vLLM log them: method, path, status, prompt and completion
-tokens (from the response's usage, when it carries one: a stream's only with include_usage), milliseconds; e.g.
-`POST /v1/chat/completions -> 200, 21 prompt + 64 completion tokens, 812 ms`."""
+tokens (from the response's usage, or a stream's count that the server leaves in the request's state), and
+milliseconds: `POST /v1/chat/completions -> 200, 21 prompt + 64 completion tokens, 812 ms`."""
 from __future__ import annotations
 
 import re
@@ -31,7 +31,8 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            found = USAGE.findall(tail[0])
-            tokens = f", {found[-1][0].decode()} prompt + {found[-1][1].decode()} completion tokens" if found else ""
+            found = [tuple(map(int, pair)) for pair in USAGE.findall(tail[0])] or \
+                [scope.get("state", {}).get("usage")]  # a stream's, which need not carry one
+            tokens = f", {found[-1][0]} prompt + {found[-1][1]} completion tokens" if found[-1] else ""
             self.log(f"{scope['method']} {scope['path']} -> {status[0]}{tokens}, "
                      f"{1e3 * (time.perf_counter() - start):.0f} ms")

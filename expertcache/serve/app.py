@@ -236,7 +236,7 @@ class Server:
         if stream:
             return StreamingResponse(self._stream([r for r, _ in submitted], merged, rid, chat,
                                                   options or StreamOptions(), sum(len(p) for p in prompts),
-                                                  reply or {}),
+                                                  reply or {}, http.state),
                                      media_type="text/event-stream")
         try:
             outcomes = await asyncio.gather(*(self._collect(http, *s) for s in submitted))
@@ -317,10 +317,11 @@ class Server:
                 "text_offset": offsets}
 
     async def _stream(self, requests: list[Request], merged: asyncio.Queue, rid: str, chat: bool,
-                      options: StreamOptions, prompt_tokens: int, reply: dict | None = None):
+                      options: StreamOptions, prompt_tokens: int, reply: dict | None = None, state=None):
         """The SSE chunks of `requests` (choice i is requests[i]) as their tokens arrive on `merged`; a chat choice's
         text goes through a Reply of `reply`'s arguments: its reasoning and content apart, its text held back from
-        where a call may begin, and its calls last."""
+        where a call may begin, and its calls last. `state` (the HTTP request's) gets the usage at the end, for the
+        access log."""
         logprobs = requests[0].params.logprobs is not None
         include_usage = bool(options.include_usage)
         continuous = include_usage and bool(options.continuous_usage_stats)  # vLLM's: only with include_usage
@@ -385,6 +386,8 @@ class Server:
         finally:  # a client that went away ends its generations at the worker's next step
             for request in requests:
                 request.cancel()
+            if state is not None:
+                state.usage = (prompt_tokens, sum(r.completion_tokens for r in requests))
 
     async def _collect(self, http: HTTPRequest, request: Request, queue: asyncio.Queue) -> tuple | Response:
         """One request's whole output: (text, finish reason, its tokens with logprobs, the prompt's scored tokens
