@@ -79,7 +79,7 @@ class Server:
         # <tool_call> tags, DeepSeek's or Kimi K2's markers, GPT-OSS's harmony format) has them read out of its text
         source = self.template.source if self.template is not None else ""
         self.form, self.calls = reply_form(source), call_syntaxes(source)
-        self.tag_calls = self.form == "harmony" or any(syntax.begin in source for syntax in self.calls)
+        self.reads_calls = self.form == "harmony" or any(syntax.begin in source for syntax in self.calls)
         tokenizer = self.engine.tokenizer
         byte_level = tokenizer is not None and type(tokenizer.decoder).__name__ == "ByteLevel"
         self.byte_of = byte_level_alphabet() if byte_level else None  # a token's exact bytes, for logprobs
@@ -477,7 +477,7 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
         params = server.params(body, len(prompt), default_max=None, chat=True)
         # calls are read out of the text where the template writes them in tags, and a forced call always is
         calling = bool(body.tools) and body.tool_choice != "none" and \
-            (server.tag_calls or body.tool_choice not in (None, "auto"))
+            (server.reads_calls or body.tool_choice not in (None, "auto"))
         form = "plain" if (body.reasoning_format or server.reasoning_format) == "none" else server.form
         # harmony's parts, and DeepSeek's and Kimi K2's calls, are marked by special tokens, which the text leaves out
         if form == "harmony" or calling and len(server.calls) > 1:
@@ -506,9 +506,8 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
     async def tokenize(body: TokenizeBody):
         server.check_model(body.model)
         if body.messages is not None:
-            chat = ChatBody(messages=body.messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
-                            chat_template_kwargs=body.chat_template_kwargs, reasoning_effort=body.reasoning_effort,
-                            documents=body.documents)
+            # the chat's own fields for its template, whichever they are (add_special_tokens is the prompt's)
+            chat = ChatBody(**body.model_dump(exclude={"model", "prompt", "add_special_tokens"}))
             ids, _ = await asyncio.to_thread(server.chat_prompt, chat)
         else:
             ids = await asyncio.to_thread(server.encode, body.prompt, "prompt", body.add_special_tokens)

@@ -5,9 +5,7 @@ format, the analysis channel is reasoning, the final channel (and commentary to 
 message to=functions.NAME a call. The calls in the answer's text are read by tools.py."""
 from __future__ import annotations
 
-import uuid
-
-from .tools import OPEN, SYNTAXES, CallStream, CallSyntax, held_tail
+from .tools import OPEN, SYNTAXES, CallStream, CallSyntax, held_tail, tool_call
 
 THINK, UNTHINK = "<think>", "</think>"
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -186,9 +184,7 @@ class Reply:
             if rest:
                 delta["content"] = delta.get("content", "") + rest
         if isinstance(self.parts, _Harmony):
-            calls += [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                       "function": {"name": name, "arguments": arguments.strip()}}
-                      for name, arguments in self.parts.calls]
+            calls += [tool_call(name, arguments.strip()) for name, arguments in self.parts.calls]
         return delta, calls
 
 

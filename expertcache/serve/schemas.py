@@ -181,11 +181,10 @@ UNIMPLEMENTED = {"function_call": ("none", "auto"), "functions": ([],), "modalit
                  "allowed_token_ids": (), "logits_processors": ([],),
                  "typical_p": (1, 1.0), "mirostat": (0,), "repeat_penalty": (1, 1.0), "tfs_z": (1, 1.0),
                  "top_n_sigma": (-1, -1.0), "dry_multiplier": (0, 0.0), "xtc_probability": (0, 0.0),
-                 "n_predict": (), "max_new_tokens": (), "prompt_logprobs": (), "truncate_prompt_tokens": (), "length_penalty": (1, 1.0),
-                 "use_beam_search": (False,), "echo": (False,)}
+                 "n_predict": (), "max_new_tokens": (), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+                 "length_penalty": (1, 1.0), "use_beam_search": (False,), "echo": (False,)}
 INSTEAD = {"functions": "send them as tools", "function_call": "send tool_choice", "n_predict": "send max_tokens",
            "max_new_tokens": "send max_tokens", "chat_template": "the model's own template renders the chat"}
-OTHER_FIELDS = {"structured_outputs", *CompletionBody.model_fields, *ChatBody.model_fields}  # the other endpoint's
 
 
 # vLLM's structured_outputs keys, and its guided_* fields (and llama.cpp's json_schema and grammar), as
@@ -193,19 +192,21 @@ OTHER_FIELDS = {"structured_outputs", *CompletionBody.model_fields, *ChatBody.mo
 OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 GUIDED = {"guided_json": "json_schema", "json_schema": "json_schema", "guided_regex": "regex",
           "guided_choice": "choice", "guided_grammar": "grammar", "grammar": "grammar"}
+# every field either endpoint reads or refuses by name: another extra field is a misspelling only where it is close
+# to one of its own request's
+KNOWN = {*UNIMPLEMENTED, *GUIDED, "structured_outputs", *CompletionBody.model_fields, *ChatBody.model_fields}
 
 
 def refuse_unsupported(body: SamplingFields) -> None:
     """APIError for a field this server does not implement and that would change the answer, or one that is a
     known field misspelt (temprature); fields that do not change it (user, tools the model may leave uncalled, ...)
     are accepted and ignored."""
-    known = {*type(body).model_fields, *UNIMPLEMENTED, *GUIDED, *OTHER_FIELDS}
     for name, value in (body.model_extra or {}).items():
         if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name]:
             raise APIError(400, f"{name} is not supported by this server; {INSTEAD.get(name, 'leave it out')}",
                            name)
         spelt = name.strip().lower().replace("-", "_")  # top-p, Temperature
-        if name not in known and (near := difflib.get_close_matches(spelt, type(body).model_fields, 1, 0.85)):
+        if name not in KNOWN and (near := difflib.get_close_matches(spelt, type(body).model_fields, 1, 0.85)):
             raise APIError(400, f"{name} is not a field of this request; did you mean {near[0]}?", name)
     unsupported = [  # chat's tool_choice is taken (structure)
         (body.tool_choice not in (None, "none", "auto") and not isinstance(body, ChatBody), "tool_choice",

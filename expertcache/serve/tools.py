@@ -93,6 +93,19 @@ def _string_arguments(tools: list | None, name: str) -> set[str]:
     return set()
 
 
+def tool_call(name: str, arguments: str) -> dict:
+    """An entry of OpenAI's tool_calls: a call of function `name` with `arguments` (JSON text)."""
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _names_a_tool(name: str, tools: list | None) -> bool:
+    """Whether a word a model wrote where a call's name goes is one: a single word (no markup), and one of the
+    request's tools where it gives any."""
+    return bool(name) and not any(c.isspace() for c in name) and "<" not in name and \
+        not (tools and name not in _names(tools))
+
+
 def _typed(pairs: list[tuple[str, str]], strings: set[str]) -> dict:
     """Arguments written as text: each value JSON, unless it does not parse or its tool declares it a string."""
     arguments = {}
@@ -116,15 +129,14 @@ def _call(body: str, tools: list | None) -> dict | None:
                                               for k, v in XML_PARAMETER.findall(function.group(2))]
         else:
             name, pairs = body.split("<arg_key>", 1)[0].strip(), GLM_ARGUMENT.findall(body)
-        if not name or any(c.isspace() for c in name) or "<" in name or (tools and name not in _names(tools)):
-            return None  # a word in tags is a call only where it names a tool the request gives
+        if not _names_a_tool(name, tools):
+            return None
         value = {"name": name, "arguments": _typed(pairs, _string_arguments(tools, name))}
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": value["name"], "arguments": arguments if isinstance(arguments, str) else
-                         json.dumps(arguments, ensure_ascii=False)}}
+    return tool_call(value["name"], arguments if isinstance(arguments, str) else
+                     json.dumps(arguments, ensure_ascii=False))
 
 
 def _marked_call(body: str, tools: list | None) -> dict | None:
@@ -142,10 +154,7 @@ def _marked_call(body: str, tools: list | None) -> dict | None:
         name, _, arguments = arguments.partition("\n")
         name, arguments = name.strip(), arguments.strip().removeprefix("```json").removesuffix("```")
     name = name.removeprefix("functions.").rsplit(":", 1)[0] if sep == KIMI_ARGUMENTS else name
-    if not name or any(c.isspace() for c in name) or (tools and name not in _names(tools)):
-        return None
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": name, "arguments": arguments.strip()}}
+    return tool_call(name, arguments.strip()) if _names_a_tool(name, tools) else None
 
 
 @dataclass(frozen=True)
