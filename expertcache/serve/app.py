@@ -437,8 +437,8 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
     app = FastAPI(title="expertcache", lifespan=lifespan)
     app.state.server = server
     app.add_middleware(BodyLimits, limits=limits)
-    if limits.api_key is not None:  # outside the body's limits: a caller without the key is refused unread
-        app.add_middleware(RequireApiKey, key=limits.api_key)
+    if limits.api_key is not None:  # outside the body's limits: a caller without the key is refused unparsed
+        app.add_middleware(RequireApiKey, key=limits.api_key, limits=limits)
     if limits.allowed_origins:  # a chat page in a browser calls the API from another origin: its preflight answered
         app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])

@@ -79,19 +79,39 @@ def http_protocol(limits: ServerLimits) -> type:
     return HeadDeadline
 
 
+async def discard_body(scope, receive, limits: ServerLimits) -> None:
+    """Read a request's body and drop it, up to `limits.max_body_bytes` and `read_timeout_s`, before an answer that
+    does not read it: a connection closed with the body unread, or with part of it still on its way, is reset by
+    the kernel, and the client loses the answer (a refusal read by a client that sent its body after its head). A
+    client that waits for "100 Continue" has sent none."""
+    if dict(scope.get("headers", ())).get(b"expect", b"").lower() == b"100-continue":
+        return
+    size = 0
+    try:
+        async with asyncio.timeout(limits.read_timeout_s):
+            while size <= limits.max_body_bytes:
+                message = await receive()
+                size += len(message.get("body", b""))
+                if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                    return
+    except TimeoutError:
+        return
+
+
 class RequireApiKey:
-    """ASGI wrapper: a request without "Authorization: Bearer `key`" gets a 401, before its body is read; /health
-    and /metrics stay open to probes and scrapers, and CORS preflights pass, as vLLM's do."""
+    """ASGI wrapper: a request without "Authorization: Bearer `key`" gets a 401, its body dropped unparsed;
+    /health and /metrics stay open to probes and scrapers, and CORS preflights pass, as vLLM's do."""
     OPEN = ("/health", "/metrics")
 
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
+    def __init__(self, app, key: str, limits: ServerLimits):
+        self.app, self.key, self.limits = app, key.encode(), limits
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in self.OPEN and scope["method"] != "OPTIONS":
             scheme, _, sent = dict(scope.get("headers", ())).get(b"authorization", b"").partition(b" ")
             # in constant time: the key is not guessed byte by byte (the scheme's name is case-insensitive in HTTP)
             if scheme.lower() != b"bearer" or not hmac.compare_digest(sent.strip(), self.key):
+                await discard_body(scope, receive, self.limits)
                 return await refuse(send, 401, "the API key is missing or wrong; send Authorization: Bearer KEY with "
                                     "the key the server was started with (--api-key)", "invalid_api_key",
                                     ((b"www-authenticate", b"Bearer"),))
