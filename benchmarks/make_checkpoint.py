@@ -4,17 +4,27 @@ an expert is megabytes, not kilobytes: Qwen3-30B-A3B's (hidden 2048, 128 experts
 layer (fp16, as released checkpoints are), with the built-in model's tokenizer (vocab 8192), so
 every verb runs on it.
 
-    python benchmarks/make_checkpoint.py --out build/qwen3-30b-shape [--layers 8]
+    python benchmarks/make_checkpoint.py --out build/qwen3-30b-shape [--layers 8 | --from-builtin]
     expertcache bench --model build/qwen3-30b-shape --cache 0.25 --decode-tokens 16 --forced-tokens 64
 
 Routing is not flat: the router's weights are drawn at the scale that gives its logits a
 standard deviation near 1 over normed inputs.
+
+`--from-builtin` writes the built-in model itself at that shape instead (its 6 layers, 128 experts, top-8):
+the same function, its logits to fp16's rounding, so that routes, predictors and perplexity are a trained
+model's while every expert is read, held and computed at the real size. Its residual stream lives in a random
+160-dimensional subspace of the 2048 channels (every weight that reads or writes it is rotated into it, the
+norms' weights folded in), its heads are placed among the 32 query and 4 key-value heads (the others' outputs
+are dropped by zero columns of o_proj), each head's 40 channels among 128 with RoPE's frequencies kept
+(rope_theta^(128/40)), and each expert's 64 neurons among 768 (the others' up rows are zero, so they add
+nothing). Weights that carry no signal are random, not zero, so that nothing is sparser than a real model's.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -54,36 +64,143 @@ def layer_tensors(i: int, c: dict, g: torch.Generator) -> dict[str, torch.Tensor
     return t
 
 
+def builtin_at_shape(seed: int, shape: dict = SHAPE) -> tuple[dict, Iterator[tuple[str, dict[str, torch.Tensor]]]]:
+    """The built-in model's config at `shape` and its shards, one at a time, fp16: the same function (see the
+    module's doc). `shape` may be any at least as large in each dimension, with the built-in's experts and
+    top-k."""
+    from safetensors import safe_open
+    b = json.loads((BUILTIN_MODEL / "config.json").read_text())
+    H0, H, D0, D = b["hidden_size"], shape["hidden_size"], b["head_dim"], shape["head_dim"]
+    F0, F, E = b["moe_intermediate_size"], shape["moe_intermediate_size"], b["num_experts"]
+    if (E, b["num_experts_per_tok"]) != (shape["num_experts"], shape["num_experts_per_tok"]):
+        raise SystemExit("the built-in model's experts differ from the shape's in number or top-k")
+    g = torch.Generator().manual_seed(seed)
+    U = torch.linalg.qr(torch.randn(H, H0, generator=g, dtype=torch.float64))[0].float()  # the stream's subspace
+    # RMSNorm over H channels of which H0 carry the stream: its mean square is H0/H of the built-in's, which the
+    # readers' scale and the epsilon's undo
+    root = (H0 / H) ** 0.5
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * 0.02
+    w = {}
+    with safe_open(str(BUILTIN_MODEL / "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            w[k] = f.get_tensor(k).float()
+
+    def reader(W: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+        """A linear map of a normed stream, its norm's weight folded in: [out, H0] -> [out, H]."""
+        return root * (W * norm) @ U.T
+
+    def writer(W: torch.Tensor) -> torch.Tensor:
+        """A linear map into the stream: [H0, in] -> [H, in]."""
+        return U @ W
+    heads0, kv0 = b["num_attention_heads"], b["num_key_value_heads"]
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    # each built-in head keeps its key-value group: head h of group h // (heads0 / kv0) goes to that group's block
+    place = [(h // (heads0 // kv0)) * (heads // kv) + h % (heads0 // kv0) for h in range(heads0)]
+    half0, half = D0 // 2, D // 2
+    rope_dims = torch.cat([torch.arange(half0), half + torch.arange(half0)])  # rotate-half pairs stay pairs
+    def half(name: str, t: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
+        return name, {k: v.half().contiguous() for k, v in t.items()}
+
+    def shards():
+        yield half("model-dense.safetensors", {
+        "model.embed_tokens.weight": w["model.embed_tokens.weight"] @ U.T,
+        "model.norm.weight": torch.ones(H),
+        "lm_head.weight": reader(w.get("lm_head.weight", w["model.embed_tokens.weight"]), w["model.norm.weight"])})
+        for i in range(b["num_hidden_layers"]):
+            yield half(f"model-layer-{i:03d}.safetensors", layer(i))
+
+    def layer(i: int) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{i}."
+        ln, post = w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"]
+        q, k, v = rand(heads * D, H), rand(kv * D, H), rand(kv * D, H)
+        o = torch.zeros(H0, heads * D)
+        q0, k0 = w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"]
+        v0, o0 = w[p + "self_attn.v_proj.weight"], w[p + "self_attn.o_proj.weight"]
+        for h, t in enumerate(place):
+            q[t * D:(t + 1) * D] = 0
+            q[t * D + rope_dims] = reader(q0[h * D0:(h + 1) * D0], ln)
+            o[:, t * D:t * D + D0] = o0[:, h * D0:(h + 1) * D0]
+        for group in range(kv0):
+            k[group * D:(group + 1) * D] = 0
+            k[group * D + rope_dims] = reader(k0[group * D0:(group + 1) * D0], ln)
+            v[group * D:group * D + D0] = reader(v0[group * D0:(group + 1) * D0], ln)
+        # q/k norms over D channels of which D0 are the head's: q's normed values come out sqrt(D/D0) larger,
+        # which undoes the attention's 1/sqrt(D) against the built-in's 1/sqrt(D0); k's are scaled back
+        qn, kn = torch.ones(D), torch.ones(D)
+        qn[rope_dims] = w[p + "self_attn.q_norm.weight"]
+        kn[rope_dims] = w[p + "self_attn.k_norm.weight"] * (D0 / D) ** 0.5
+        t = {p + "input_layernorm.weight": torch.ones(H), p + "post_attention_layernorm.weight": torch.ones(H),
+             p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
+             p + "self_attn.o_proj.weight": writer(o), p + "self_attn.q_norm.weight": qn,
+             p + "self_attn.k_norm.weight": kn, p + "mlp.gate.weight": reader(w[p + "mlp.gate.weight"], post)}
+        for e in range(E):
+            x = p + f"mlp.experts.{e}."
+            gate, up, down = rand(F, H), torch.zeros(F, H), rand(H, F)
+            gate[:F0] = reader(w[x + "gate_proj.weight"], post)
+            up[:F0] = reader(w[x + "up_proj.weight"], post)
+            down[:, :F0] = writer(w[x + "down_proj.weight"])
+            t |= {x + "gate_proj.weight": gate, x + "up_proj.weight": up, x + "down_proj.weight": down}
+        return t
+    c = {**shape, "num_hidden_layers": b["num_hidden_layers"], "vocab_size": b["vocab_size"],
+         "eos_token_id": b["eos_token_id"], "pad_token_id": b["pad_token_id"],
+         "max_position_embeddings": b["max_position_embeddings"],
+         "rope_theta": b["rope_theta"] ** (D / D0), "rms_norm_eps": b["rms_norm_eps"] * H0 / H}
+    return c, shards()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=None, help="random weights: this many layers (default 8)")
+    p.add_argument("--from-builtin", action="store_true",
+                   help="the built-in model's weights at the shape, the same function (its 6 layers)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    if a.layers < 1:
-        p.error(f"--layers {a.layers} must be >= 1")
-    vocab = json.loads((BUILTIN_MODEL / "config.json").read_text())["vocab_size"]
-    c = {**SHAPE, "num_hidden_layers": a.layers, "vocab_size": vocab, "eos_token_id": 0, "pad_token_id": 0}
-    a.out.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(a.seed)
-    H = c["hidden_size"]
-    shards = [("model-dense.safetensors", {"model.embed_tokens.weight": (torch.randn(vocab, H, generator=g)).half(),
-                                           "model.norm.weight": torch.ones(H, dtype=torch.half),
-                                           "lm_head.weight": (torch.randn(vocab, H, generator=g) * 0.02).half()})]
-    weight_map = {name: shards[0][0] for name in shards[0][1]}
-    save_file(shards[0][1], str(a.out / shards[0][0]))
-    for i in tqdm(range(a.layers), desc="layers", unit="layer"):
-        name, tensors = f"model-layer-{i:03d}.safetensors", layer_tensors(i, c, g)
-        save_file(tensors, str(a.out / name))
-        weight_map.update({k: name for k in tensors})
-    (a.out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (a.out / "config.json").write_text(json.dumps(c, indent=1))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(BUILTIN_MODEL / f, a.out / f)
-    size = sum(f.stat().st_size for f in a.out.glob("*.safetensors"))
-    print(f"{a.out}: {a.layers} layers x {c['num_experts']} experts of {3 * H * c['moe_intermediate_size']:,} "
-          f"parameters ({3 * H * c['moe_intermediate_size'] * 2 / 2**20:.1f} MiB fp16 each), {size / 2**30:.2f} GiB")
+    if a.from_builtin and a.layers is not None:
+        p.error("--from-builtin writes the built-in model's 6 layers; leave out --layers")
+    if a.from_builtin:
+        c, shards = builtin_at_shape(a.seed)
+    else:
+        a.layers = 8 if a.layers is None else a.layers
+        if a.layers < 1:
+            p.error(f"--layers {a.layers} must be >= 1")
+        c, shards = random_at_shape(a.layers, a.seed)
+    write(a.out, c, shards)
 
+
+def random_at_shape(layers: int, seed: int) -> tuple[dict, Iterator[tuple[str, dict[str, torch.Tensor]]]]:
+    """A random model's config at SHAPE with `layers` layers and its shards, one at a time."""
+    vocab = json.loads((BUILTIN_MODEL / "config.json").read_text())["vocab_size"]
+    c = {**SHAPE, "num_hidden_layers": layers, "vocab_size": vocab, "eos_token_id": 0, "pad_token_id": 0}
+    g = torch.Generator().manual_seed(seed)
+    H = c["hidden_size"]
+
+    def shards():
+        yield "model-dense.safetensors", {"model.embed_tokens.weight": torch.randn(vocab, H, generator=g).half(),
+                                          "model.norm.weight": torch.ones(H, dtype=torch.half),
+                                          "lm_head.weight": (torch.randn(vocab, H, generator=g) * 0.02).half()}
+        for i in range(layers):
+            yield f"model-layer-{i:03d}.safetensors", layer_tensors(i, c, g)
+    return c, shards()
+
+
+def write(out: Path, c: dict, shards: Iterator[tuple[str, dict[str, torch.Tensor]]]) -> None:
+    """The checkpoint's shards (the dense one, then one per layer), its index, config and tokenizer in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for name, tensors in tqdm(shards, total=c["num_hidden_layers"] + 1, desc="shards", unit="shard"):
+        save_file(tensors, str(out / name))
+        weight_map.update({k: name for k in tensors})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps(c, indent=1))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUILTIN_MODEL / f, out / f)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    H, F = c["hidden_size"], c["moe_intermediate_size"]
+    print(f"{out}: {c['num_hidden_layers']} layers x {c['num_experts']} experts of {3 * H * F:,} parameters "
+          f"({3 * H * F * 2 / 2**20:.1f} MiB fp16 each), {size / 2**30:.2f} GiB")
 
 if __name__ == "__main__":
     main()

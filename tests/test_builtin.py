@@ -2,6 +2,7 @@
 and every verb runs on it with the disk store and a 25% cache."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +164,30 @@ def test_bench_closes_its_first_engine_when_the_floor_fails_to_open(monkeypatch)
     with pytest.raises(RuntimeError, match="the floor failed to open"):
         bench.run_bench(None, bench.BenchConfig(store="ram", policies=("fetch-all",), repeats=1))
     assert len(opened) == 1 and closed == opened
+
+
+def test_the_builtin_model_written_at_a_larger_shape_is_the_same_function(tmp_path, eval_ids):
+    """benchmarks/make_checkpoint.py --from-builtin: the built-in model's weights carried into a larger shape (its
+    stream rotated into more channels, its heads among more heads of more channels, its experts' neurons among
+    more) compute its logits to fp16's rounding, so that a real-shape checkpoint routes as a trained model does."""
+    import importlib.util
+    path = Path(__file__).parents[1] / "benchmarks" / "make_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_checkpoint", path)
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    shape = {**make.SHAPE, "hidden_size": 384, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+             "moe_intermediate_size": 96}
+    config, shards = make.builtin_at_shape(1, shape)
+    make.write(tmp_path, config, shards)
+    ids = torch.tensor(eval_ids[:129])
+    logits = []
+    for model in (None, tmp_path):
+        engine = Engine(model, EngineConfig(store="ram"))
+        logits.append(engine.forward(ids[:-1], 0).float())
+        engine.close()
+    ours, wide = logits
+    assert engine.args.hidden_size == 384 and engine.args.num_heads == 8
+    nll = [torch.nn.functional.cross_entropy(x, ids[1:]).item() for x in logits]
+    assert nll[1] == pytest.approx(nll[0], rel=1e-3)
+    assert (ours.argmax(-1) == wide.argmax(-1)).float().mean() > 0.98
+    assert (ours - wide).abs().max(-1).values.median() < 0.02
