@@ -396,6 +396,29 @@ def test_plots_without_matplotlib_are_refused_before_the_run(capsys, ckpt, tmp_p
         assert not (tmp_path / "s").exists()
 
 
+def test_a_predictors_missing_file_is_named_before_the_text_is_recorded(capsys, tmp_path, monkeypatch):
+    """predict --train needs calibrate's default vectors, and predict and tune's prediction runs need the trained
+    nets: a missing one is named with the command that writes it before the text's states are recorded (at real
+    scale, minutes in)."""
+    from expertcache.lab import prediction
+    ckpt = tmp_path / "model"  # the built-in model's weights and tokenizer, none of its predictors' files
+    shutil.copytree(BUILTIN_MODEL, ckpt, ignore=shutil.ignore_patterns("default_vectors.*", "estimator.*",
+                                                                       "lookahead.*"))
+
+    def recorded(*a, **k):
+        raise AssertionError("the text was recorded first")
+    monkeypatch.setattr(prediction, "record_states", recorded)
+    for argv, words in ((["predict", "--train"], "expertcache calibrate --model"),
+                        (["predict", "--predictors", "quasi-hidden"], "expertcache calibrate --model")):
+        code, err = run_cli(capsys, *argv, "--model", str(ckpt), "--max-tokens", "64")
+        assert code == 2 and err.count("\n") == 0 and "default_vectors.safetensors is missing" in err and words in err
+    assert cli.main(["calibrate", "--model", str(ckpt), "--max-tokens", "64"]) == 0
+    capsys.readouterr()
+    for name in ("estimator", "lookahead"):
+        code, err = run_cli(capsys, "predict", "--predictors", name, "--model", str(ckpt), "--max-tokens", "64")
+        assert code == 2 and err.count("\n") == 0 and "is missing" in err and "predict --train" in err, err
+
+
 def test_outputs_that_cannot_be_written_are_refused_before_the_run(capsys, ckpt, unwritable):
     """A --json file or an --out folder that cannot be written (permission, a read-only filesystem) is refused in
     one line before any work, not found when the run ends and its results are written."""

@@ -535,6 +535,18 @@ def predictor_bytes(name: str, model_path: Path, dtype: torch.dtype) -> int:
 
 
 
+def check_predictor_files(model_path: Path, names) -> None:
+    """CheckpointError, naming the command that writes it, unless the files the named predictors load from
+    `model_path` are there and readable: what records a text's states first learnt of a missing one minutes in."""
+    from .checkpoint import load_default_vectors
+    if set(names) - {"router-ahead"}:
+        load_default_vectors(model_path)
+    if set(names) & {"estimator", "hybrid"}:
+        load_estimator(model_path)
+    if "lookahead" in names:
+        load_estimator(model_path, file=LOOKAHEAD_FILE)
+
+
 def make_predictor(name: str, model: Transformer, model_path: Path) -> Predictor:
     """The predictor named `name` (one of PREDICTORS) for `model`, loading its files from `model_path`."""
     from .checkpoint import load_default_vectors

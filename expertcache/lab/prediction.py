@@ -31,6 +31,7 @@ from ..engine.predictors import (
     Lookahead,
     Predictor,
     QuasiHidden,
+    check_predictor_files,
     load_estimator,
     make_predictor,
     run_ahead,
@@ -254,9 +255,9 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
     below `hybrid_below` there) and save it beside the model; then the lookahead's expert sketches of `sketch`'s
     rank and neurons and its net of `width`, saved beside it too. `progress(stage, done, total)`: the tokens
     recorded, the estimator's epochs, the lookahead's inputs (tokens of every transition), its epochs."""
+    dv = load_default_vectors(model_path)  # before the minutes of recording
     model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))),
                                   pre=True, sketch=sketch)
-    dv = load_default_vectors(model_path)
     k = model.args.top_k
     qh_recall = recall_per_layer(QuasiHidden(model, dv), states, k)
     net = train_estimator(model, states, dv, epochs=epochs, progress=progress)
@@ -277,6 +278,7 @@ def record_for(model_path: Path, ids: list[int], predictors, context: int = 512,
                progress: Callable[[str, int, int], None] | None = None) -> tuple[Transformer, LayerStates]:
     """record_states over `ids`, with the lookahead's inputs where `predictors` name it (`progress(stage, done,
     total)`: the tokens recorded, then the lookahead's inputs)."""
+    check_predictor_files(model_path, predictors)  # before the minutes of recording
     model, states = record_states(model_path, ids, context,
                                   progress=progress and (lambda n: progress("record", n, len(ids))),
                                   pre="lookahead" in predictors)
