@@ -17,7 +17,9 @@ model's while every expert is read, held and computed at the real size. Its resi
 norms' weights folded in), its heads are placed among the 32 query and 4 key-value heads (the others' outputs
 are dropped by zero columns of o_proj), each head's 40 channels among 128 with RoPE's frequencies kept
 (rope_theta^(128/40)), and each expert's 64 neurons among 768 (the others' up rows are zero, so they add
-nothing). Weights that carry no signal are random, not zero, so that nothing is sparser than a real model's.
+nothing). The other weights that carry no signal are random where that changes nothing (the other neurons'
+gate rows and down columns, the other heads' q, k and v), so that few weights are zero. Every map of the
+stream has rank <= 160: what compresses weights by rank would look better on it than on a real model.
 """
 from __future__ import annotations
 
@@ -100,16 +102,17 @@ def builtin_at_shape(seed: int, shape: dict = SHAPE) -> tuple[dict, Iterator[tup
     place = [(h // (heads0 // kv0)) * (heads // kv) + h % (heads0 // kv0) for h in range(heads0)]
     half0, half = D0 // 2, D // 2
     rope_dims = torch.cat([torch.arange(half0), half + torch.arange(half0)])  # rotate-half pairs stay pairs
-    def half(name: str, t: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
+
+    def fp16(name: str, t: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
         return name, {k: v.half().contiguous() for k, v in t.items()}
 
     def shards():
-        yield half("model-dense.safetensors", {
-        "model.embed_tokens.weight": w["model.embed_tokens.weight"] @ U.T,
-        "model.norm.weight": torch.ones(H),
-        "lm_head.weight": reader(w.get("lm_head.weight", w["model.embed_tokens.weight"]), w["model.norm.weight"])})
+        lm_head = w.get("lm_head.weight", w["model.embed_tokens.weight"])  # the built-in model ties them
+        yield fp16("model-dense.safetensors", {"model.embed_tokens.weight": w["model.embed_tokens.weight"] @ U.T,
+                                               "model.norm.weight": torch.ones(H),
+                                               "lm_head.weight": reader(lm_head, w["model.norm.weight"])})
         for i in range(b["num_hidden_layers"]):
-            yield half(f"model-layer-{i:03d}.safetensors", layer(i))
+            yield fp16(f"model-layer-{i:03d}.safetensors", layer(i))
 
     def layer(i: int) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
@@ -201,6 +204,7 @@ def write(out: Path, c: dict, shards: Iterator[tuple[str, dict[str, torch.Tensor
     H, F = c["hidden_size"], c["moe_intermediate_size"]
     print(f"{out}: {c['num_hidden_layers']} layers x {c['num_experts']} experts of {3 * H * F:,} parameters "
           f"({3 * H * F * 2 / 2**20:.1f} MiB fp16 each), {size / 2**30:.2f} GiB")
+
 
 if __name__ == "__main__":
     main()

@@ -1066,15 +1066,14 @@ def test_an_api_key_is_required_where_one_is_set():
         assert call(s, "/tokenize", {"prompt": "a"})[0] == 401
         # a body that comes after its head is read before the 401: a connection closed with it unread or on its
         # way is reset, and the client loses the answer (urllib sends the head and the body in two writes)
-        with socket.create_connection((s.host, s.port)) as raw:
+        with socket.create_connection((s.host, s.port), timeout=10) as raw:
             raw.sendall(b"POST /tokenize HTTP/1.1\r\nHost: a\r\nConnection: close\r\nContent-Length: 15\r\n\r\n")
             assert select.select([raw], [], [], 0.3)[0] == []  # no answer before the body
             raw.sendall(b'{"prompt": "a"}')
             answer = b"".join(iter(lambda: raw.recv(65536), b""))
         assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer
-        with socket.create_connection((s.host, s.port)) as raw:  # a client waiting for "100 Continue" is refused
+        with socket.create_connection((s.host, s.port), timeout=10) as raw:  # one waiting for "100 Continue" too
             raw.sendall(b"POST /tokenize HTTP/1.1\r\nHost: a\r\nContent-Length: 15\r\nExpect: 100-continue\r\n\r\n")
-            raw.settimeout(5)
             assert raw.recv(65536).startswith(b"HTTP/1.1 401")
         asked = urllib.request.Request(f"{s.url}/tokenize", data=b'{"prompt": "a"}', headers={
             "content-type": "application/json", "authorization": "bearer s3cret"})  # the scheme in any case
