@@ -164,13 +164,14 @@ def main() -> None:
     if a.from_builtin and a.layers is not None:
         p.error("--from-builtin writes the built-in model's 6 layers; leave out --layers")
     if a.from_builtin:
-        c, shards = builtin_at_shape(a.seed)
-    else:
-        a.layers = 8 if a.layers is None else a.layers
-        if a.layers < 1:
-            p.error(f"--layers {a.layers} must be >= 1")
-        c, shards = random_at_shape(a.layers, a.seed)
-    write(a.out, c, shards)
+        write(a.out, *builtin_at_shape(a.seed))
+        print(f"its predictors (for prefetch and speculative policies; ~20 min here): expertcache calibrate --model "
+              f"{a.out} --max-tokens 8192 && expertcache predict --train --model {a.out} --max-tokens 16384")
+        return
+    a.layers = 8 if a.layers is None else a.layers
+    if a.layers < 1:
+        p.error(f"--layers {a.layers} must be >= 1")
+    write(a.out, *random_at_shape(a.layers, a.seed))
 
 
 def random_at_shape(layers: int, seed: int) -> tuple[dict, Iterator[tuple[str, dict[str, torch.Tensor]]]]:
