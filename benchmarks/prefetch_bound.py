@@ -1,28 +1,30 @@
 """How much prefetching can save on this machine: on-demand loading against a real predictor and
 against an oracle that knows every next layer's experts, in decode on the disk store.
 
-    python benchmarks/prefetch_bound.py [--model DIR] [--cache 0.25] [--policy fetch-all] [--fetched]
+    python benchmarks/prefetch_bound.py [--model DIR] [--cache 0.25] [--policy fetch-all] [--fetched] [--split]
                                         [--predictors estimator lookahead] [--budgets 8 4] [--tokens 64]
                                         [--repeats 5] [--json FILE]
                                         [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
 
-The policy alone decodes greedily first; every variant then decodes those tokens again, one a
-forward, so that all of them run the same inputs. The oracle replays that first run's routes:
-under a policy that fetches every miss (fetch-all) they are the routes every variant computes;
-under a substituting one (quality-first) the cache's contents, which its prefetches change, move
-what later layers route a little, and the header says what share of the routed experts the oracle
-knew. Its prediction costs nothing but the lookup, so it bounds what any predictor can gain
-here: perfect recall and precision, with the real cost of issuing, reading and waiting.
-`--fetched` prefetches only what the policy would fetch were it a miss (`fetched=1`), the oracle
-included. Each predictor runs at each of
-`budgets` (prefetches per layer among its top-k; default top-k), the oracle at the first; "of the
-oracle's gain" is (on demand / variant - 1) / (on demand / oracle - 1), and "predict" the wall time
-of a token's predictions (the attention run ahead included). "disk busy" is the time per token that the store's
-device had a read in flight (Linux's /proc/diskstats; n/a elsewhere): no prefetch can bring a token below it,
-so on demand / disk busy bounds any gain; "thread CPU" is the decoding thread's own CPU time per token (its
-compute share, issuing and checking reads, predicting; not its waits). Variants run round robin,
-`repeats` times after one warm-up round; medians. Counts are the decode tokens' own (the prompt's
-forward excluded).
+The policy alone decodes greedily first; every variant then decodes those tokens again, one a forward, so that
+all of them run the same inputs. The oracle replays that first run's routes: under a policy that fetches every
+miss (fetch-all) they are the routes every variant computes; under a substituting one (quality-first) the
+cache's contents, which its prefetches change, move what later layers route a little, and the header says what
+share of the routed experts the oracle knew. Its prediction costs nothing but the lookup, so it bounds what any
+predictor can gain here: perfect recall and precision, with the real cost of issuing, reading and waiting.
+`--fetched` prefetches only what the policy would fetch were it a miss (`fetched=1`), the oracle included.
+`--split` adds the oracle paying the first predictor's call (run, its answer unused): between it and the oracle
+lies what the call's time costs, between it and the predictor what its wrong and missed reads cost. Each
+predictor runs at each of `budgets` (prefetches per layer among its top-k; default top-k), the oracle at the
+first; "of the oracle's gain" is (on demand / variant - 1) / (on demand / oracle - 1) on the three's mean times
+over the rounds (every variant runs in every round, seconds apart, where this disk's speed drifts over minutes),
+with a 90% interval from resampling the rounds; "predict" the wall time of a token's predictions (the attention
+run ahead included). "disk busy" is the time per token that the store's device had a read in flight (Linux's
+/proc/diskstats; n/a elsewhere): no prefetch can bring a token below it, so on demand / disk busy bounds any
+gain; "thread CPU" is the decoding thread's own CPU time per token (its compute share, issuing and checking
+reads, predicting; not its waits). Variants run round robin, `repeats` times after one warm-up round, in reverse
+order every other round, so that a drift favours none of them; medians. Counts are the decode tokens' own (the
+prompt's forward excluded).
 """
 from __future__ import annotations
 
@@ -55,11 +57,12 @@ class Recorder:
         return r
 
 
-def oracle_predictor(model, routes: list[list[tuple[np.ndarray, np.ndarray]]]):
+def oracle_predictor(model, routes: list[list[tuple[np.ndarray, np.ndarray]]], paying=None):
     """A predictor whose logits give each decode token's true next-layer experts their routed gate weights
     (`routes`, ids and weights, from a run of the same tokens; the other experts share the rest of the mass),
     so that a softmax router ranks them first, in their routed order, and a policy's filter sees their true
-    weights; the rows are made beforehand, so that a prediction costs a lookup."""
+    weights; the rows are made beforehand, so that a prediction costs a lookup. With `paying` (a predictor), each
+    prediction first runs that predictor's call and throws its answer away: its cost with the oracle's reads."""
     from expertcache.engine.predictors import Predictor
     E = model.args.num_experts
     rows = np.empty((len(routes), len(routes[0]), E), np.float32)
@@ -78,11 +81,27 @@ def oracle_predictor(model, routes: list[list[tuple[np.ndarray, np.ndarray]]]):
         def decode_logits(self, layer, resid, x, ids, weights, prev=None):
             if layer == 0:
                 self.token += 1
+            if paying is not None:
+                paying.decode_logits(layer, resid, x, ids, weights, prev)
             return rows[self.token, layer + 1:layer + 2]
 
         def logits(self, layer, resid, x, ids, weights, prev=None):  # the prompt's forward: no prefetch is made from it
             return torch.zeros(x.shape[0], model.args.num_experts)
     return Oracle()
+
+
+def share_of_gain(on_demand: np.ndarray, variant: np.ndarray, oracle: np.ndarray, resamples: np.ndarray
+                  ) -> tuple[float | None, list[float] | None]:
+    """A variant's share of the oracle's gain on the mean times per token of the same rounds, and its 5th and
+    95th percentiles over `resamples` (rows of round indices); None where the oracle gained nothing."""
+    def share(rounds):
+        d, v, o = on_demand[rounds].mean(), variant[rounds].mean(), oracle[rounds].mean()
+        return (d / v - 1) / (d / o - 1) if d > o else np.nan
+    point = share(slice(None))
+    if np.isnan(point):
+        return None, None
+    shares = [share(rounds) for rounds in resamples]
+    return float(point), [float(x) for x in np.nanpercentile(shares, [5, 95])]
 
 
 def busy_ms(path: Path):
@@ -131,6 +150,7 @@ def main() -> None:
     p.add_argument("--cache", type=float, default=0.25)
     p.add_argument("--policy", default="fetch-all")
     p.add_argument("--fetched", action="store_true", help="prefetch only what the policy would fetch (fetched=1)")
+    p.add_argument("--split", action="store_true", help="add the oracle paying the first predictor's call")
     p.add_argument("--store-dtype", default=None, help="the disk store's format (default: the checkpoint's)")
     p.add_argument("--slot-dtype", default="auto")
     p.add_argument("--dense-dtype", default="auto")
@@ -157,14 +177,23 @@ def main() -> None:
                                       for name in a.predictors for b in a.budgets}
     oracle = f"prefetch, oracle{budget(a.budgets[0])}"
     variants[oracle] = PrefetchConfig(a.predictors[0], budget=a.budgets[0], fetched=a.fetched)
+    paying = f"{oracle}, paying {a.predictors[0]}'s call"
+    if a.split:
+        variants[paying] = variants[oracle]
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     known = None  # the share of the routed experts the oracle knew: runs of the same tokens from a reset are alike,
     # so the warm-up's is every round's, and the timed rounds record nothing
+    made = {}  # each predictor is made once, as a run of the engine makes it, and kept for every round: made again
+    # for each, its arrays would land anew, and a run would time where they landed (this VM reads some memory slowly)
     for round_ in range(a.repeats + 1):  # round 0 warms up
-        for name, cfg in variants.items():
+        for name, cfg in list(variants.items())[::1 if round_ % 2 else -1]:
             engine.set_prefetch(cfg)
+            if cfg is not None:
+                engine.runner.predictor = made.setdefault(cfg.predictor, engine.runner.predictor)
             if name == oracle:
                 engine.runner.predictor = oracle_predictor(engine.model, routes)
+            elif name == paying:  # the predictor that set_prefetch made
+                engine.runner.predictor = oracle_predictor(engine.model, routes, engine.runner.predictor)
             recorder.on = name == oracle and not round_
             figures = decode(engine, prompt, tokens)
             if recorder.on:
@@ -176,18 +205,22 @@ def main() -> None:
     rows = {name: {k: None if rs[0][k] is None else statistics.median(r[k] for r in rs) for k in rs[0]}
             for name, rs in runs.items()}
     base = rows["on demand"]["ms_per_token"]
-    bound = base / rows[oracle]["ms_per_token"] - 1
-    for r in rows.values():
-        r["of_oracle_gain"] = (base / r["ms_per_token"] - 1) / bound if bound > 0 else None  # no gain to share
+    times = {name: np.array([f["ms_per_token"] for f in rs]) for name, rs in runs.items()}
+    resamples = np.random.default_rng(0).integers(0, a.repeats, (2000, a.repeats))
+    for name, r in rows.items():
+        r["of_oracle_gain"], r["of_oracle_gain_interval"] = share_of_gain(times["on demand"], times[name],
+                                                                          times[oracle], resamples)
     print(f"disk store, cache {a.cache}, {a.policy}{' (prefetching what it would fetch)' if a.fetched else ''}, "
           f"{a.tokens} decode tokens, medians of {a.repeats}; the oracle knew {known:.1%} of the routed experts "
           "of layers 1 on\n")
-    print("| variant | ms/token | vs on demand | of the oracle's gain | synchronous fetches/token | prefetches/token "
-          "| stall ms/token | predict ms/token | disk busy ms/token | thread CPU ms/token |")
+    print("| variant | ms/token | vs on demand | of the oracle's gain (90% interval) | synchronous fetches/token "
+          "| prefetches/token | stall ms/token | predict ms/token | disk busy ms/token | thread CPU ms/token |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     na = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+    share = lambda r: "n/a" if r["of_oracle_gain"] is None else \
+        "{:.0%} ({:.0%} to {:.0%})".format(r["of_oracle_gain"], *r["of_oracle_gain_interval"])  # noqa: E731
     for name, r in rows.items():
-        print(f"| {name} | {r['ms_per_token']:.2f} | {base / r['ms_per_token']:.2f}x | {na(r['of_oracle_gain'], '.0%')} | "
+        print(f"| {name} | {r['ms_per_token']:.2f} | {base / r['ms_per_token']:.2f}x | {share(r)} | "
               f"{r['sync_fetches']:.1f} | {r['prefetches']:.1f} | {r['stall_ms']:.2f} | {r['predict_ms']:.3f} | "
               f"{na(r['disk_busy_ms'], '.2f')} | {r['thread_cpu_ms']:.2f} |")
     if a.json:
