@@ -161,6 +161,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    if a.repeats < 1 or a.tokens < 1:
+        p.error("--repeats and --tokens must be at least 1, e.g. --tokens 32 --repeats 15")
     recorder = Recorder()
     fmt = ExpertFormat.parse(a.store_dtype, 32) if a.store_dtype else None
     engine = Engine(a.model, EngineConfig(store="disk", cache=CacheConfig(fraction=a.cache), policy=a.policy,
