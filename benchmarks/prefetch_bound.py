@@ -145,6 +145,7 @@ def main() -> None:
     from expertcache.engine.moe import PrefetchConfig
     from expertcache.engine.perplexity import EVAL_TEXT
     from expertcache.engine.quant import ExpertFormat
+    from expertcache.progress import progress_bar
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=BUILTIN_MODEL)
     p.add_argument("--cache", type=float, default=0.25)
@@ -187,23 +188,26 @@ def main() -> None:
     # so the warm-up's is every round's, and the timed rounds record nothing
     made = {}  # each predictor is made once, as a run of the engine makes it, and kept for every round: made again
     # for each, its arrays would land anew, and a run would time where they landed (this VM reads some memory slowly)
-    for round_ in range(a.repeats + 1):  # round 0 warms up
-        for name, cfg in list(variants.items())[::1 if round_ % 2 else -1]:
-            engine.set_prefetch(cfg)
-            if cfg is not None:
-                engine.runner.predictor = made.setdefault(cfg.predictor, engine.runner.predictor)
-            if name == oracle:
-                engine.runner.predictor = oracle_predictor(engine.model, routes)
-            elif name == paying:  # the predictor that set_prefetch made
-                engine.runner.predictor = oracle_predictor(engine.model, routes, engine.runner.predictor)
-            recorder.on = name == oracle and not round_
-            figures = decode(engine, prompt, tokens)
-            if recorder.on:
-                known = np.mean([np.isin(ids, true[0]).mean() for seen, want in zip(recorder.tokens, routes)
-                                 for (ids, _), true in zip(seen[1:], want[1:])])
-                recorder.on, recorder.tokens = False, []
-            if round_:
-                runs[name].append(figures)
+    with progress_bar(None, total=(a.repeats + 1) * len(variants), unit="run") as bar:  # where stderr is a terminal
+        for round_ in range(a.repeats + 1):  # round 0 warms up
+            for name, cfg in list(variants.items())[::1 if round_ % 2 else -1]:
+                engine.set_prefetch(cfg)
+                if cfg is not None:
+                    engine.runner.predictor = made.setdefault(cfg.predictor, engine.runner.predictor)
+                if name == oracle:
+                    engine.runner.predictor = oracle_predictor(engine.model, routes)
+                elif name == paying:  # the predictor that set_prefetch made
+                    engine.runner.predictor = oracle_predictor(engine.model, routes, engine.runner.predictor)
+                recorder.on = name == oracle and not round_
+                bar.set_description(f"{f'round {round_}/{a.repeats}' if round_ else 'warm-up'}, {name}")
+                figures = decode(engine, prompt, tokens)
+                bar.update()
+                if recorder.on:
+                    known = np.mean([np.isin(ids, true[0]).mean() for seen, want in zip(recorder.tokens, routes)
+                                     for (ids, _), true in zip(seen[1:], want[1:])])
+                    recorder.on, recorder.tokens = False, []
+                if round_:
+                    runs[name].append(figures)
     rows = {name: {k: None if rs[0][k] is None else statistics.median(r[k] for r in rs) for k in rs[0]}
             for name, rs in runs.items()}
     base = rows["on demand"]["ms_per_token"]
