@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from expertcache.engine.engine import BUILTIN_MODEL
+from expertcache.progress import progress_bar
 
 
 def cases(tmp: Path) -> list[tuple[str, list[str]]]:
@@ -267,9 +268,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for what, argv in cases(tmp):
-            code, line = run(argv, tmp / "home")
-            rows.append({"input": what, "exit": code, "message": line.replace(str(tmp), "TMP")})
+        with progress_bar(None, unit="input") as bar:  # where stderr is a terminal
+            for what, argv in cases(tmp):
+                bar.set_description(what[:60])
+                code, line = run(argv, tmp / "home")
+                rows.append({"input": what, "exit": code, "message": line.replace(str(tmp), "TMP")})
+                bar.update()
     print("| bad input or fault | exit | what the user sees |\n|---|---:|---|")
     for r in rows:
         print(f"| {r['input']} | {r['exit']} | {r['message'].replace('|', '/')} |")
