@@ -755,3 +755,23 @@ def test_a_prefill_under_prefetch_makes_no_predictions():
         engine.forward(x[:1], 16)  # a decode token predicts in both
         assert engine.stats.predictions > 0
         engine.close()
+
+
+def test_the_bounds_share_of_the_oracles_gain_is_paired_over_rounds():
+    """prefetch_bound.py's share: 0 for on-demand loading, 1 for the oracle, from the rounds' mean times; None
+    where the oracle gained nothing; its interval holds the point."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefetch_bound.py"
+    spec = importlib.util.spec_from_file_location("prefetch_bound", path)
+    bound = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bound)
+    on_demand, oracle = np.array([10.0, 20.0, 11.0]), np.array([8.0, 10.0, 9.0])
+    variant = np.array([9.0, 19.0, 10.0])  # the second round's drift dwarfs what the variant saves
+    resamples = np.random.default_rng(0).integers(0, 3, (200, 3))
+    assert bound.share_of_gain(on_demand, on_demand, oracle, resamples)[0] == 0
+    assert bound.share_of_gain(on_demand, oracle, oracle, resamples)[0] == pytest.approx(1)
+    point, (low, high) = bound.share_of_gain(on_demand, variant, oracle, resamples)
+    want = (41 / 38 - 1) / (41 / 27 - 1)  # on the mean times (0.15), not the mean of each round's share (0.32)
+    assert point == pytest.approx(want) and low <= point <= high
+    assert bound.share_of_gain(on_demand, variant, on_demand, resamples) == (None, None)
