@@ -3,7 +3,7 @@ against an oracle that knows every next layer's experts, in decode on the disk s
 
     python benchmarks/prefetch_bound.py [--model DIR] [--cache 0.25] [--policy fetch-all] [--fetched] [--split]
                                         [--predictors estimator lookahead] [--budgets 8 4] [--tokens 64]
-                                        [--repeats 5] [--json FILE]
+                                        [--repeats 15] [--json FILE]
                                         [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
 
 The policy alone decodes greedily first; every variant then decodes those tokens again, one a forward, so that
@@ -159,7 +159,7 @@ def main() -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[None], help="prefetches per layer (default: top-k)")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=15, help="rounds: fewer let this disk's drift decide the share")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if a.repeats < 1 or a.tokens < 1:

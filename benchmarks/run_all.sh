@@ -45,7 +45,7 @@ timed|all)
       quality-first quality-first+prefetch/hybrid fetch-all+prefetch/quasi-hidden:budget=4 \
       quality-first+prefetch/quasi-hidden:budget=4
   run prefetch_bound python benchmarks/prefetch_bound.py --predictors lookahead estimator --budgets 8 4 --split \
-      --repeats 15 --json "$out/prefetch_bound.json"
+      --json "$out/prefetch_bound.json"
   run prefetch_bound_estimator python benchmarks/prefetch_bound.py --predictor estimator --budgets 8 6 4 \
       --json "$out/prefetch_bound_estimator.json"
   run bench_threads expertcache bench --io threads --json "$out/bench_threads.json" --policies fetch-all \
