@@ -504,6 +504,10 @@ def load_estimator(path: Path, model: Transformer | None = None, file: str = EST
 
 
 _SAFETENSOR_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4}
+# the files each predictor loads from the model's folder (make_predictor)
+PREDICTOR_FILES = {"router-ahead": (), "quasi-hidden": (DEFAULT_VECTORS,),
+                   "estimator": (DEFAULT_VECTORS, ESTIMATOR_FILE), "hybrid": (DEFAULT_VECTORS, ESTIMATOR_FILE),
+                   "lookahead": (DEFAULT_VECTORS, LOOKAHEAD_FILE)}
 
 
 def predictor_bytes(name: str, model_path: Path, dtype: torch.dtype) -> int:
@@ -512,13 +516,9 @@ def predictor_bytes(name: str, model_path: Path, dtype: torch.dtype) -> int:
     reads them into before the module takes them. A file that is missing or unreadable counts 0: attaching the
     predictor then names the fix."""
     from safetensors import SafetensorError, safe_open
-
-    from .checkpoint import DEFAULT_VECTORS
     check_predictor(name)
-    files = {"router-ahead": (), "quasi-hidden": (DEFAULT_VECTORS,), "estimator": (DEFAULT_VECTORS, ESTIMATOR_FILE),
-             "hybrid": (DEFAULT_VECTORS, ESTIMATOR_FILE), "lookahead": (DEFAULT_VECTORS, LOOKAHEAD_FILE)}[name]
     total = 0
-    for file in files:
+    for file in PREDICTOR_FILES[name]:
         try:
             with safe_open(str(Path(model_path) / file), "pt") as f:
                 for key in f.keys():
@@ -539,12 +539,12 @@ def check_predictor_files(model_path: Path, names) -> None:
     """CheckpointError, naming the command that writes it, unless the files the named predictors load from
     `model_path` are there and readable: what records a text's states first learnt of a missing one minutes in."""
     from .checkpoint import load_default_vectors
-    if set(names) - {"router-ahead"}:
-        load_default_vectors(model_path)
-    if set(names) & {"estimator", "hybrid"}:
-        load_estimator(model_path)
-    if "lookahead" in names:
-        load_estimator(model_path, file=LOOKAHEAD_FILE)
+    files = {file for name in names for file in PREDICTOR_FILES.get(name, ())}
+    for file in (DEFAULT_VECTORS, ESTIMATOR_FILE, LOOKAHEAD_FILE):  # the vectors first, as predict --train writes them
+        if file in files and file == DEFAULT_VECTORS:
+            load_default_vectors(model_path)
+        elif file in files:
+            load_estimator(model_path, file=file)
 
 
 def make_predictor(name: str, model: Transformer, model_path: Path) -> Predictor:
