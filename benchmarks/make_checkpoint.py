@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from expertcache.engine.engine import BUILTIN_MODEL
@@ -70,7 +70,6 @@ def builtin_at_shape(seed: int, shape: dict = SHAPE) -> tuple[dict, Iterator[tup
     """The built-in model's config at `shape` and its shards, one at a time, fp16: the same function (see the
     module's doc). `shape` may be any at least as large in each dimension, with the built-in's experts and
     top-k."""
-    from safetensors import safe_open
     b = json.loads((BUILTIN_MODEL / "config.json").read_text())
     H0, H, D0, D = b["hidden_size"], shape["hidden_size"], b["head_dim"], shape["head_dim"]
     F0, F, E = b["moe_intermediate_size"], shape["moe_intermediate_size"], b["num_experts"]
@@ -84,10 +83,7 @@ def builtin_at_shape(seed: int, shape: dict = SHAPE) -> tuple[dict, Iterator[tup
 
     def rand(*shape):
         return torch.randn(*shape, generator=g) * 0.02
-    w = {}
-    with safe_open(str(BUILTIN_MODEL / "model.safetensors"), "pt") as f:
-        for k in f.keys():
-            w[k] = f.get_tensor(k).float()
+    w = {k: t.float() for k, t in load_file(str(BUILTIN_MODEL / "model.safetensors")).items()}
 
     def reader(W: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         """A linear map of a normed stream, its norm's weight folded in: [out, H0] -> [out, H]."""
