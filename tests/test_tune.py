@@ -70,7 +70,12 @@ def test_prefetching_is_searched_on_the_frontier_in_decode(result):
         assert one["prefetches_per_token"] > rows[f"fetch-all+prefetch/{predictor}:budget=4"]["prefetches_per_token"]
         assert one["fetches_per_token"] < rows["fetch-all"]["fetches_per_token"]  # recall above nothing
         assert one["mass_per_call"] == 0 and one["prediction_s"] > 0
-    assert rows["fetch-all+prefetch/lookahead"]["prediction_s"] > rows["fetch-all+prefetch/quasi-hidden"]["prediction_s"]
+    # each predictor priced by its own measured call, the same on every row it prefetches for (no timing order:
+    # which predictor is cheaper on the built-in model drifts with the machine's load)
+    price = {}
+    for s in prefetching:
+        price.setdefault(s.split("+prefetch/")[1].split(":")[0], set()).add(rows[s]["prediction_s"])
+    assert all(len(p) == 1 for p in price.values()) and len({p.pop() for p in price.values()}) == 3
     assert any(s.endswith(":fetched=1") for s in prefetching)
     assert not any(s.startswith("fetch-all+") and "fetched" in s for s in prefetching)  # fetch-all fetches all
     for s, f in result.finalists.items():
