@@ -3,11 +3,13 @@ against an oracle that knows every next layer's experts, in decode on the disk s
 
     python benchmarks/prefetch_bound.py [--model DIR] [--cache 0.25] [--policy fetch-all] [--fetched] [--split]
                                         [--predictors estimator lookahead] [--budgets 8 4] [--tokens 64]
-                                        [--repeats 15] [--json FILE]
+                                        [--repeats 15] [--feed greedy|text] [--json FILE]
                                         [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
 
 The policy alone decodes greedily first; every variant then decodes those tokens again, one a forward, so that
-all of them run the same inputs. The oracle replays that first run's routes: under a policy that fetches every
+all of them run the same inputs. `--feed text` feeds the evaluation text's own tokens after the prompt instead,
+one a forward: a small model's greedy continuation soon falls into a loop, whose few experts stay resident and
+miss little, where text routes as a user's varied decode does. The oracle replays that first run's routes: under a policy that fetches every
 miss (fetch-all) they are the routes every variant computes; under a substituting one (quality-first) the
 cache's contents, which its prefetches change, move what later layers route a little, and the header says what
 share of the routed experts the oracle knew. Its prediction costs nothing but the lookup, so it bounds what any
@@ -159,6 +161,8 @@ def main() -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[None], help="prefetches per layer (default: top-k)")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--feed", choices=("greedy", "text"), default="greedy",
+                   help="decode the policy's greedy continuation of the prompt, or the text's own next tokens")
     p.add_argument("--repeats", type=int, default=15, help="rounds: fewer let this disk's drift decide the share")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
@@ -168,9 +172,13 @@ def main() -> None:
     fmt = ExpertFormat.parse(a.store_dtype, 32) if a.store_dtype else None
     engine = Engine(a.model, EngineConfig(store="disk", cache=CacheConfig(fraction=a.cache), policy=a.policy,
                                           store_format=fmt, slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype))
-    prompt = engine.encode(EVAL_TEXT.read_text()[:4000])[:a.prompt_tokens]
+    text = engine.encode(EVAL_TEXT.read_text()[:40 * (a.prompt_tokens + a.tokens)])
+    if a.feed == "text" and len(text) < a.prompt_tokens + a.tokens:
+        p.error(f"the evaluation text has {len(text)} tokens, fewer than --prompt-tokens + --tokens")
+    prompt = text[:a.prompt_tokens]
     engine.reset()
-    tokens = list(generate(engine, prompt, a.tokens))  # greedy, the policy alone
+    tokens = list(generate(engine, prompt, a.tokens)) if a.feed == "greedy" else \
+        text[a.prompt_tokens:a.prompt_tokens + a.tokens]  # greedy: the policy alone
     recorder.on = True
     decode(engine, prompt, tokens)
     recorder.on = False
@@ -217,7 +225,7 @@ def main() -> None:
         r["of_oracle_gain"], r["of_oracle_gain_interval"] = share_of_gain(times["on demand"], times[name],
                                                                           times[oracle], resamples)
     print(f"disk store, cache {a.cache}, {a.policy}{' (prefetching what it would fetch)' if a.fetched else ''}, "
-          f"{a.tokens} decode tokens, medians of {a.repeats}; the oracle knew {known:.1%} of the routed experts "
+          f"{a.tokens} decode tokens ({'greedy' if a.feed == 'greedy' else 'the text'}'s), medians of {a.repeats}; the oracle knew {known:.1%} of the routed experts "
           "of layers 1 on\n")
     print("| variant | ms/token | vs on demand | of the oracle's gain (90% interval) | synchronous fetches/token "
           "| prefetches/token | stall ms/token | predict ms/token | disk busy ms/token | thread CPU ms/token |")
