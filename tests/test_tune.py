@@ -261,3 +261,32 @@ def test_quantized_slots_are_searched_at_equal_bytes_against_the_exact_model():
     assert exact_int4 and res.finalists["fetch-all"]["pct"] == 0
     assert all(res.finalists[n]["pct"] != 0 for n in exact_int4)  # int4's own error, against the exact model
     assert res.winner in res.finalists and res.winner in res.validation
+
+
+def test_a_prefetching_winner_is_kept_only_where_it_decodes_faster():
+    """A winner that prefetches is timed on the disk store against its fallback, the fastest by estimate of its own
+    policy and the finalists within budget that do not prefetch on its slots; the faster measured wins. A winner
+    that does not prefetch is not timed."""
+    from expertcache.lab.costmodel import time_runs
+    from expertcache.lab.tune import timed_choice
+    ids = tune_ids(None, CALIB_TEXT.read_text(encoding="utf-8"), EVAL_TEXT.read_text(encoding="utf-8"),
+                   TuneConfig(calib_tokens=600, tokens=600, context=256))[0]
+    asked = []
+
+    def timer(labels):
+        asked.append(labels)
+        timed = time_runs(None, [(0.25, spec) for spec in labels], ids[:32 + 24], "decode", repeats=1)
+        return {spec: 1000 * t.seconds for spec, t in zip(labels, timed)}
+
+    winner = "threshold:tau=0.15+prefetch/quasi-hidden"
+    within = [winner, "first-choice", "fetch-all @int4", "threshold:tau=0.05+prefetch/estimator"]
+    est = {winner: 1.0, "threshold:tau=0.15": 1.3, "first-choice": 1.2, "fetch-all @int4": 0.5,
+           "threshold:tau=0.05+prefetch/estimator": 0.9}
+    got = timed_choice(winner, within, est, timer)
+    assert asked == [[winner, "first-choice"]]  # not int4's slots, nor another prefetching finalist
+    assert got["fallback"] == "first-choice" and got["estimated"] == winner
+    assert got["winner"] == min(got["measured_ms"], key=got["measured_ms"].get)
+    assert all(ms > 0 for ms in got["measured_ms"].values())
+    est["threshold:tau=0.15"] = 1.1  # its own policy, estimated faster than the other: the fallback
+    assert timed_choice(winner, within, est, timer)["fallback"] == "threshold:tau=0.15"
+    assert timed_choice("first-choice", within, est, timer) == {} and len(asked) == 2

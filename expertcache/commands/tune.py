@@ -40,7 +40,8 @@ def add_arguments(p):
     p.add_argument("--profile", nargs="+", default=None,
                    help="cost model: a calibrate-hw file, rtx3090-qwen3-next or a6000-qwen3-30b, one per slot format "
                         "in the order auto, then --slot-dtypes (default: a quick profile of each measured now with "
-                        "the disk store, 8 runs, 11 where prefetching is searched, x 1 repetition)")
+                        "the disk store, 8 runs, 11 where prefetching is searched, x 1 repetition; a winner that "
+                        "prefetches is then timed against the fastest within budget that does not)")
     p.add_argument("--slot-dtypes", nargs="+", default=[], choices=["int8", "int4"],
                    help="also search fast tiers of these quantized slots (their `convert --dtype` store emulated); "
                         "with --cache-bytes they hold more experts in the same bytes, and their quantization error "
@@ -69,13 +70,15 @@ def run(a) -> int:
     announce_compile()
     from ..engine.cache import CacheConfig
     from ..errors import BadInput
-    from ..lab.costmodel import calibration_ids, load_profile, measure_profile, runs_for_slots
+    from ..lab.costmodel import calibration_ids, load_profile, measure_profile, runs_for_slots, time_runs
     from ..lab.study import signed
     from ..lab.texts import read_text
     from ..lab.tune import (
         PREFETCH_PREDICTORS,
         QUICK_PREFETCH_RUNS,
         QUICK_RUNS,
+        TIMED_REPEATS,
+        TIMED_TOKENS,
         TuneConfig,
         slot_store_format,
         tune,
@@ -110,13 +113,27 @@ def run(a) -> int:
                                              options={"slot_dtype": s, "store_format": slot_store_format(s)})
         how = (f"a quick {a.mode} profile per slot format measured now on the disk store (pass --profile for full "
                "calibrate-hw ones)")
+
+    def timer(labels: list[str]) -> dict[str, float]:
+        """ms/token of each labelled candidate (one slot format) decoding the calibration text on the disk store,
+        as the quick profile timed its runs."""
+        slots = unlabel(labels[0])[1]
+        runs = [(CacheConfig(fraction=a.cache, bytes=a.cache_bytes), unlabel(name)[0]) for name in labels]
+        with progress_bar(total=len(runs) * (TIMED_REPEATS + 1), unit="run", desc="timing the winner") as bar:
+            timed = time_runs(a.model, runs, calibration_ids(a.model, "decode", 32 + TIMED_TOKENS, calib_text),
+                              "decode", TIMED_REPEATS,
+                              progress=lambda label: bar.update(),
+                              options={"slot_dtype": slots, "store_format": slot_store_format(slots)})
+        return {name: 1000 * t.seconds for name, t in zip(labels, timed)}
+
     with progress_bar(unit="step") as bar:
         def progress(label, n, total=None):
             if total is not None:  # a phase begins: its steps in all
                 bar.reset(total=total)
             bar.set_description(label.split(":")[0])
             bar.update(n)
-        res = tune(a.model, ids, profile, cfg, progress)
+        # a profile given may be of another machine or store: only the quick one's winner is timed here
+        res = tune(a.model, ids, profile, cfg, progress, None if a.profile else timer)
     for name, why in res.config["prefetch_skipped"].items():
         print(f"prefetch/{name} not searched: {why}")
     print(f"time estimates: {how}; replay in {a.mode} order on {res.config['calib_tokens_used']} tokens of "
@@ -128,6 +145,12 @@ def run(a) -> int:
         mark = " **winner**" if spec == res.winner else ""
         print(f"| `{spec}`{mark} | {est[spec]:.2f} | {res.baseline_ms / est[spec]:.2f}x | {signed(f['pct'])}% | "
               f"[{signed(f['ci'][0])}, {signed(f['ci'][1])}] |")
+    if res.timed:
+        t, ms = res.timed, res.timed["measured_ms"]
+        kept = "the prefetch is kept" if t["winner"] == t["estimated"] else "the winner is the one without prefetching"
+        print(f"\ntimed on this machine (disk store, {TIMED_TOKENS} decode tokens, median of {TIMED_REPEATS}): "
+              f"`{t['estimated']}` {ms[t['estimated']]:.2f} ms/token, `{t['fallback']}` {ms[t['fallback']]:.2f}: "
+              f"{kept}")
     print(f"\nheld-out validation ({a.text.name}):\n\n| policy | est. ms/token | est. speed-up | ppl increase | "
           f"95% CI | within {a.budget:g}% |\n|---|---:|---:|---:|---|---|")
     for spec, v in res.validation.items():

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -39,6 +40,9 @@ import numpy as np
 
 from ..atomic import write_text
 from ..engine.stats import RunStats
+
+if TYPE_CHECKING:
+    from ..engine.cache import CacheConfig
 
 PROFILE_VERSION = 6  # 1: no lowbit_fetch_s, prefetch_s, prediction_s, unfitted; 2: no exposed_prefetch_s;
 # 3: no flushed_s, and expert runs counted a window's every split; 4: no prediction_compute_s (older versions
@@ -281,7 +285,7 @@ def term_counts(s: RunStats, layers: int) -> np.ndarray:
 class TimedRun:
     """One (cache fraction, variant) timed on the engine: median seconds per token and the
     counters of the median repetition. variant: a policy spec, optionally '+prefetch/predictor'."""
-    cache: float
+    cache: float | CacheConfig
     variant: str
     seconds: float
     stats: RunStats
@@ -293,11 +297,11 @@ def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", re
               context: int = 256, progress: Callable[[str], None] | None = None,
               run_ids: list[list[int]] | None = None, options: dict | None = None) -> list[TimedRun]:
     """Time each (cache fraction, variant) of `runs` on the engine over the same tokens (or over
-    `run_ids[i]` for run i), repetitions interleaved round-robin after a warm-up (so drift hits all
-    alike). decode: `prompt` tokens in one forward, then every later token alone (one token per
-    forward), timed; forced: the tokens teacher-forced in windows of `context`. `progress(label)`
-    after each run. `options`: more EngineConfig fields for every run (read_mode, store_format,
-    slot_dtype, ...), and `io` for its CacheConfig."""
+    `run_ids[i]` for run i; a CacheConfig in place of the fraction sizes the cache as it says), repetitions
+    interleaved round-robin after a warm-up (so drift hits all alike). decode: `prompt` tokens in one
+    forward, then every later token alone (one token per forward), timed; forced: the tokens teacher-forced
+    in windows of `context`. `progress(label)` after each run. `options`: more EngineConfig fields for every
+    run (read_mode, store_format, slot_dtype, ...), and `io` for its CacheConfig."""
     if mode not in ("decode", "forced"):
         from ..errors import UnknownName
         raise UnknownName(f"unknown mode {mode!r}; choose decode or forced")
@@ -325,8 +329,8 @@ def _time_engines(engines, model, runs, ids, mode, repeats, store, device, store
     from .bench import parse_variant
     for fraction, variant in runs:
         policy, prefetch = parse_variant(variant)
-        engines.append(Engine(model, EngineConfig(device=device, store=store,
-                                                  cache=CacheConfig(fraction=fraction, io=io), policy=policy,
+        cache = replace(fraction, io=io) if isinstance(fraction, CacheConfig) else CacheConfig(fraction=fraction, io=io)
+        engines.append(Engine(model, EngineConfig(device=device, store=store, cache=cache, policy=policy,
                                                   prefetch=prefetch, store_dir=store_dir, **options)))
 
     def run(eng: Engine, ids: list[int]) -> tuple[float, RunStats]:
@@ -351,7 +355,9 @@ def _time_engines(engines, model, runs, ids, mode, repeats, store, device, store
             if rep:
                 samples[i].append(sample)
             if progress:
-                progress(f"{f'rep {rep}' if rep else 'warm-up'} {runs[i][1]} @{runs[i][0]:g}")
+                at = runs[i][0]
+                at = at.bytes or at.fraction if isinstance(at, CacheConfig) else at
+                progress(f"{f'rep {rep}' if rep else 'warm-up'} {runs[i][1]} @{at:g}")
     out = []
     for (fraction, variant), reps, eng in zip(runs, samples, engines):
         reps.sort(key=lambda r: r[0])

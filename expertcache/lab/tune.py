@@ -13,7 +13,9 @@ machine.
    store and a warm cache, against fetch-every-miss on the same tokens.
    With quantized fast tiers in the search (`slot_dtypes`), each format is replayed on its own slots
    and priced by its own profile, and scored on a `ram` engine emulating it, against the exact model.
-4. The winner is the fastest finalist whose perplexity increase is within the budget.
+4. The winner is the fastest finalist whose perplexity increase is within the budget. Where it
+   prefetches and the profile was measured on this machine, it is also timed on the engine against
+   the fastest within budget that does not (`timed_choice`), and the faster measured wins.
 5. Validate it, with the presets for comparison, on held-out text: paired bootstrap CI of the
    increase over windows.
 Returns data; the verb prints and plots it.
@@ -83,6 +85,7 @@ QUICK_PREFETCH_RUNS = ((0.125, f"{BASELINE}+prefetch/quasi-hidden"), (0.25, "thr
 # what it would fetch
 PREFETCH_PREDICTORS = ("quasi-hidden", "estimator", "lookahead")
 PREDICTION_TOKENS = 48  # decode tokens each predictor's in-place cost is measured over
+TIMED_TOKENS, TIMED_REPEATS = 128, 3  # a prefetching winner's timing against its fallback: decode tokens, repeats
 SURE = 0.1  # a prediction's gate weight above which it is nearly always right (benchmarks/RESULTS.md, "Confidence")
 
 
@@ -158,6 +161,7 @@ class TuneResult:
     winner: str | None
     validation: dict  # spec -> {pct, ci, ppl, estimated_ms, estimated_speedup} on held-out text
     baseline_ms: float  # fetch-every-miss, estimated
+    timed: dict = field(default_factory=dict)  # a prefetching winner timed against its fallback (`timed_choice`)
 
     def to_dict(self) -> dict:
         """The search as JSON-ready values."""
@@ -381,11 +385,14 @@ def check_profile_for(profile: HardwareProfile, slots: str, engine: Engine, mode
 
 
 def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: HardwareProfile | dict[str, HardwareProfile],
-         cfg: TuneConfig, progress: Callable[..., None] | None = None) -> TuneResult:
+         cfg: TuneConfig, progress: Callable[..., None] | None = None,
+         timer: Callable[[list[str]], dict[str, float]] | None = None) -> TuneResult:
     """Search the policy space for the fastest policy within `cfg.budget_pct` (see the module's steps); ids: the
     calibration and held-out tokens, as `tune_ids` gives them; `profile`: the cost model, or one per slot format
     of `cfg.slot_dtypes`. `progress(phase, 0, total)` starts each phase (trace, replay, score, validate) with its
-    steps in all, `progress(label, steps)` reports steps done."""
+    steps in all, `progress(label, steps)` reports steps done. `timer(labels)`: ms/token of each labelled
+    candidate on this machine, as the profile was measured; given, a winner that prefetches must also be faster
+    there than its fallback (`timed_choice`)."""
     calib, held = ids
     searched = list(dict.fromkeys(("auto", *cfg.slot_dtypes)))  # auto's slots: the exact reference, always
     profiles = profile if isinstance(profile, dict) else {s: profile for s in searched}
@@ -428,6 +435,10 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
         scored = score(engines, finalists, calib, cfg.context, cfg, progress)
         within = [s for s in finalists if scored[s]["pct"] <= cfg.budget_pct]
         winner = min(within, key=lambda s: est[s]) if within else None
+        timed = timed_choice(winner, within, est, timer) if winner and timer else {}
+        winner = timed.get("winner", winner)
+        if winner and winner not in scored:  # its own policy, which scores as the prefetching winner did
+            scored[winner] = scored[timed["estimated"]]
         checked = score(engines, [s for s in [winner, *cfg.presets] if s], held, cfg.context, cfg, progress,
                         "validate")
     finally:
@@ -439,7 +450,25 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
     config = {**cfg.__dict__, "cache": cfg.cache.__dict__, "candidates": [r["label"] for r in rows],
               "calib_tokens_used": len(calib) - 1, "tokens_used": len(held) - 1, "prefetch_skipped": skipped}
     profile_out = {s: profiles[s].__dict__ for s in searched} if len(searched) > 1 else profiles["auto"].__dict__
-    return TuneResult(config, profile_out, rows, scored, winner, validation, base_ms)
+    return TuneResult(config, profile_out, rows, scored, winner, validation, base_ms, timed)
+
+
+def timed_choice(winner: str, within: list[str], est: dict[str, float],
+                 timer: Callable[[list[str]], dict[str, float]]) -> dict:
+    """A winner that prefetches, timed by `timer` against its fallback: the fastest by estimate of its own policy
+    (which scores as it does) and the finalists within budget that do not prefetch, on its slots. The cost model
+    prices a prefetch's reads and predictions from few calibration runs, and has put prefetching winners ahead of
+    policies that decode faster without them (benchmarks/RESULTS.md, "The bound by cache size"): the faster
+    measured is kept. {} where the winner does not prefetch; else {"estimated": winner, "fallback": its fallback,
+    "measured_ms": {label: ms/token}, "winner": the faster measured}."""
+    if parse_variant(unlabel(winner)[0])[1] is None:
+        return {}
+    slots = unlabel(winner)[1]
+    alone = [s for s in within if unlabel(s)[1] == slots and parse_variant(unlabel(s)[0])[1] is None]
+    fallback = min([without_prefetch(winner), *alone], key=lambda s: est[s])
+    measured = timer([winner, fallback])
+    return {"estimated": winner, "fallback": fallback, "measured_ms": measured,
+            "winner": min((winner, fallback), key=lambda s: measured[s])}
 
 
 def replay_prefetching(trace, rows: list[dict], engines: dict[str, Engine], profiles: dict[str, HardwareProfile],
