@@ -6,27 +6,26 @@ against an oracle that knows every next layer's experts, in decode on the disk s
                                         [--repeats 15] [--feed greedy|text] [--json FILE]
                                         [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
 
-The policy alone decodes greedily first; every variant then decodes those tokens again, one a forward, so that
-all of them run the same inputs. `--feed text` feeds the evaluation text's own tokens after the prompt instead,
-one a forward: a small model's greedy continuation soon falls into a loop, whose few experts stay resident and
-miss little, where text routes as a user's varied decode does. The oracle replays that first run's routes: under a policy that fetches every
-miss (fetch-all) they are the routes every variant computes; under a substituting one (quality-first) the
-cache's contents, which its prefetches change, move what later layers route a little, and the header says what
-share of the routed experts the oracle knew. Its prediction costs nothing but the lookup, so it bounds what any
-predictor can gain here: perfect recall and precision, with the real cost of issuing, reading and waiting.
-`--fetched` prefetches only what the policy would fetch were it a miss (`fetched=1`), the oracle included.
+The policy alone decodes greedily first; every variant then decodes those tokens again, one a forward, so that all
+of them run the same inputs. `--feed text` feeds the evaluation text's own tokens after the prompt instead, one a
+forward: a small model's greedy continuation soon falls into a loop, whose few experts stay resident and miss
+little, where text routes as a user's varied decode does. The oracle replays that first run's routes: under a
+policy that fetches every miss (fetch-all) they are the routes every variant computes; under a substituting one
+(quality-first) the cache's contents, which its prefetches change, move what later layers route a little, and the
+header says what share of the routed experts the oracle knew. Its prediction costs nothing but the lookup, so it
+bounds what any predictor can gain here: perfect recall and precision, with the real cost of issuing, reading and
+waiting. `--fetched` prefetches only what the policy would fetch were it a miss (`fetched=1`), the oracle included.
 `--split` adds the oracle paying the first predictor's call (run, its answer unused): between it and the oracle
-lies what the call's time costs, between it and the predictor what its wrong and missed reads cost. Each
-predictor runs at each of `budgets` (prefetches per layer among its top-k; default top-k), the oracle at the
-first; "of the oracle's gain" is (on demand / variant - 1) / (on demand / oracle - 1) on the three's mean times
-over the rounds (every variant runs in every round, seconds apart, where this disk's speed drifts over minutes),
-with a 90% interval from resampling the rounds; "predict" the wall time of a token's predictions (the attention
-run ahead included). "disk busy" is the time per token that the store's device had a read in flight (Linux's
-/proc/diskstats; n/a elsewhere): no prefetch can bring a token below it, so on demand / disk busy bounds any
-gain; "thread CPU" is the decoding thread's own CPU time per token (its compute share, issuing and checking
-reads, predicting; not its waits). Variants run round robin, `repeats` times after one warm-up round, in reverse
-order every other round, so that a drift favours none of them; medians. Counts are the decode tokens' own (the
-prompt's forward excluded).
+lies what the call's time costs, between it and the predictor what its wrong and missed reads cost. Each predictor
+runs at each of `budgets` (prefetches per layer among its top-k; default top-k), the oracle at the first; "of the
+oracle's gain" is (on demand / variant - 1) / (on demand / oracle - 1) on the three's mean times over the rounds
+(every variant runs in every round, seconds apart, where this disk's speed drifts over minutes), with a 90%
+interval from resampling the rounds; "predict" the wall time of a token's predictions (the attention run ahead
+included). "disk busy" is the time per token that the store's device had a read in flight (Linux's /proc/diskstats;
+n/a elsewhere): no prefetch can bring a token below it, so on demand / disk busy bounds any gain; "thread CPU" is
+the decoding thread's own CPU time per token (its compute share, issuing and checking reads, predicting; not its
+waits). Variants run round robin, `repeats` times after one warm-up round, in reverse order every other round, so
+that a drift favours none of them; medians. Counts are the decode tokens' own (the prompt's forward excluded).
 """
 from __future__ import annotations
 
@@ -225,8 +224,8 @@ def main() -> None:
         r["of_oracle_gain"], r["of_oracle_gain_interval"] = share_of_gain(times["on demand"], times[name],
                                                                           times[oracle], resamples)
     print(f"disk store, cache {a.cache}, {a.policy}{' (prefetching what it would fetch)' if a.fetched else ''}, "
-          f"{a.tokens} decode tokens ({'greedy' if a.feed == 'greedy' else 'the text'}'s), medians of {a.repeats}; the oracle knew {known:.1%} of the routed experts "
-          "of layers 1 on\n")
+          f"{a.tokens} decode tokens ({'greedy' if a.feed == 'greedy' else 'the text'}'s), medians of {a.repeats}; "
+          f"the oracle knew {known:.1%} of the routed experts of layers 1 on\n")
     print("| variant | ms/token | vs on demand | of the oracle's gain (90% interval) | synchronous fetches/token "
           "| prefetches/token | stall ms/token | predict ms/token | disk busy ms/token | thread CPU ms/token |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

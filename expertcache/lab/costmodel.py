@@ -32,9 +32,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -356,7 +356,7 @@ def _time_engines(engines, model, runs, ids, mode, repeats, store, device, store
                 samples[i].append(sample)
             if progress:
                 at = runs[i][0]
-                at = at.bytes or at.fraction if isinstance(at, CacheConfig) else at
+                at = (at.bytes or at.fraction) if isinstance(at, CacheConfig) else at
                 progress(f"{f'rep {rep}' if rep else 'warm-up'} {runs[i][1]} @{at:g}")
     out = []
     for (fraction, variant), reps, eng in zip(runs, samples, engines):
