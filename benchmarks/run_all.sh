@@ -48,6 +48,10 @@ timed|all)
       --json "$out/prefetch_bound.json"
   run prefetch_bound_estimator python benchmarks/prefetch_bound.py --predictor estimator --budgets 8 6 4 \
       --json "$out/prefetch_bound_estimator.json"
+  for c in 0.1 0.25 0.5; do
+    run "prefetch_bound_text_c$c" python benchmarks/prefetch_bound.py --predictors lookahead --split --cache "$c" \
+        --feed text --json "$out/prefetch_bound_text_c$c.json"
+  done
   run bench_threads expertcache bench --io threads --json "$out/bench_threads.json" --policies fetch-all \
       threshold:tau=0.15 quality-first fetch-all+prefetch/quasi-hidden
   run slot_formats python benchmarks/quantized.py --slots --repeats 5 --slot-policies threshold:tau=0.05 \
