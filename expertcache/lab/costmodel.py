@@ -356,8 +356,9 @@ def _time_engines(engines, model, runs, ids, mode, repeats, store, device, store
                 samples[i].append(sample)
             if progress:
                 at = runs[i][0]
-                at = (at.bytes or at.fraction) if isinstance(at, CacheConfig) else at
-                progress(f"{f'rep {rep}' if rep else 'warm-up'} {runs[i][1]} @{at:g}")
+                at = f"{at.bytes} bytes" if isinstance(at, CacheConfig) and at.bytes else \
+                    f"{at.fraction if isinstance(at, CacheConfig) else at:g}"
+                progress(f"{f'rep {rep}' if rep else 'warm-up'} {runs[i][1]} @{at}")
     out = []
     for (fraction, variant), reps, eng in zip(runs, samples, engines):
         reps.sort(key=lambda r: r[0])
