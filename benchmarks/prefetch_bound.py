@@ -24,8 +24,10 @@ interval from resampling the rounds; "predict" the wall time of a token's predic
 included). "disk busy" is the time per token that the store's device had a read in flight (Linux's /proc/diskstats;
 n/a elsewhere): no prefetch can bring a token below it, so on demand / disk busy bounds any gain; "thread CPU" is
 the decoding thread's own CPU time per token (its compute share, issuing and checking reads, predicting; not its
-waits). Variants run round robin, `repeats` times after one warm-up round, in reverse order every other round, so
-that a drift favours none of them; medians. Counts are the decode tokens' own (the prompt's forward excluded).
+waits); "ppl of the decoded tokens" their perplexity on the logits each variant's decode gave them, scored in the
+warm-up round (a prefetch moves a substituting policy's choices). Variants run round robin, `repeats` times after
+one warm-up round, in reverse order every other round, so that a drift favours none of them; medians. Counts are
+the decode tokens' own (the prompt's forward excluded).
 """
 from __future__ import annotations
 
@@ -119,24 +121,29 @@ def busy_ms(path: Path):
     return None
 
 
-def decode(engine, prompt: list[int], tokens: list[int]) -> dict:
+def decode(engine, prompt: list[int], tokens: list[int], score: bool = False) -> dict:
     """The prompt's forward, then `tokens` one a forward, as decode runs them: per-token figures of the decode
-    alone."""
+    alone. `score`: also the perplexity of `tokens` on the logits of the forwards that precede each (the
+    quality of the decode itself, where a prefetch can move a substituting policy's choices), computed between
+    the timed forwards."""
     engine.reset()
-    engine.forward(torch.tensor(prompt), 0, last=True)
+    logits = engine.forward(torch.tensor(prompt), 0, last=True)
+    nll = []
     s = engine.stats
     before = (s.tokens, s.sync_fetches, s.prefetch_fetches, s.stall_s, s.predict_s)
     busy = busy_ms(engine.store.path)
     start, cpu = time.perf_counter(), time.thread_time()
     for i, token in enumerate(tokens):
-        engine.forward(torch.tensor([token]), len(prompt) + i, last=True)
+        if score:
+            nll.append(-torch.log_softmax(logits[-1].float(), -1)[token].item())
+        logits = engine.forward(torch.tensor([token]), len(prompt) + i, last=True)
     wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
     busy = None if busy is None else busy_ms(engine.store.path) - busy
     n = s.tokens - before[0]
     return {"ms_per_token": 1e3 * wall / n, "sync_fetches": (s.sync_fetches - before[1]) / n,
             "prefetches": (s.prefetch_fetches - before[2]) / n, "stall_ms": 1e3 * (s.stall_s - before[3]) / n,
             "predict_ms": 1e3 * (s.predict_s - before[4]) / n, "disk_busy_ms": None if busy is None else busy / n,
-            "thread_cpu_ms": 1e3 * cpu / n}
+            "thread_cpu_ms": 1e3 * cpu / n, "ppl": float(np.exp(np.mean(nll))) if nll else None}
 
 
 def main() -> None:
@@ -191,6 +198,7 @@ def main() -> None:
     if a.split:
         variants[paying] = variants[oracle]
     runs: dict[str, list[dict]] = {name: [] for name in variants}
+    ppl = {}  # the decoded tokens' perplexity, scored in the warm-up round (its time is not kept)
     known = None  # the share of the routed experts the oracle knew: runs of the same tokens from a reset are alike,
     # so the warm-up's is every round's, and the timed rounds record nothing
     made = {}  # each predictor is made once, as a run of the engine makes it, and kept for every round: made again
@@ -207,16 +215,18 @@ def main() -> None:
                     engine.runner.predictor = oracle_predictor(engine.model, routes, engine.runner.predictor)
                 recorder.on = name == oracle and not round_
                 bar.set_description(f"{f'round {round_}/{a.repeats}' if round_ else 'warm-up'}, {name}")
-                figures = decode(engine, prompt, tokens)
+                figures = decode(engine, prompt, tokens, score=not round_)
                 bar.update()
+                if not round_:
+                    ppl[name] = figures["ppl"]
                 if recorder.on:
                     known = np.mean([np.isin(ids, true[0]).mean() for seen, want in zip(recorder.tokens, routes)
                                      for (ids, _), true in zip(seen[1:], want[1:])])
                     recorder.on, recorder.tokens = False, []
                 if round_:
                     runs[name].append(figures)
-    rows = {name: {k: None if rs[0][k] is None else statistics.median(r[k] for r in rs) for k in rs[0]}
-            for name, rs in runs.items()}
+    rows = {name: {k: None if rs[0][k] is None else statistics.median(r[k] for r in rs) for k in rs[0]} | {
+            "ppl": ppl[name]} for name, rs in runs.items()}
     base = rows["on demand"]["ms_per_token"]
     times = {name: np.array([f["ms_per_token"] for f in rs]) for name, rs in runs.items()}
     resamples = np.random.default_rng(0).integers(0, a.repeats, (2000, a.repeats))
@@ -227,15 +237,16 @@ def main() -> None:
           f"{a.tokens} decode tokens ({'greedy' if a.feed == 'greedy' else 'the text'}'s), medians of {a.repeats}; "
           f"the oracle knew {known:.1%} of the routed experts of layers 1 on\n")
     print("| variant | ms/token | vs on demand | of the oracle's gain (90% interval) | synchronous fetches/token "
-          "| prefetches/token | stall ms/token | predict ms/token | disk busy ms/token | thread CPU ms/token |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| prefetches/token | stall ms/token | predict ms/token | disk busy ms/token | thread CPU ms/token "
+          "| ppl of the decoded tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     na = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     share = lambda r: "n/a" if r["of_oracle_gain"] is None else \
         "{:.0%} ({:.0%} to {:.0%})".format(r["of_oracle_gain"], *r["of_oracle_gain_interval"])  # noqa: E731
     for name, r in rows.items():
         print(f"| {name} | {r['ms_per_token']:.2f} | {base / r['ms_per_token']:.2f}x | {share(r)} | "
               f"{r['sync_fetches']:.1f} | {r['prefetches']:.1f} | {r['stall_ms']:.2f} | {r['predict_ms']:.3f} | "
-              f"{na(r['disk_busy_ms'], '.2f')} | {r['thread_cpu_ms']:.2f} |")
+              f"{na(r['disk_busy_ms'], '.2f')} | {r['thread_cpu_ms']:.2f} | {r['ppl']:.3f} |")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "medians": rows,
                                       "runs": runs, "oracle_knew": float(known)}, indent=1))
