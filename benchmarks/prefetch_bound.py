@@ -172,12 +172,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=15, help="rounds: fewer let this disk's drift decide the share")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    if a.repeats < 1 or a.tokens < 1:
-        p.error("--repeats and --tokens must be at least 1, e.g. --tokens 32 --repeats 15")
+    if a.repeats < 1 or a.tokens < 1 or a.prompt_tokens < 1:
+        p.error("--repeats, --tokens and --prompt-tokens must be at least 1, e.g. --tokens 32 --repeats 15")
     recorder = Recorder()
     fmt = ExpertFormat.parse(a.store_dtype, 32) if a.store_dtype else None
     engine = Engine(a.model, EngineConfig(store="disk", cache=CacheConfig(fraction=a.cache), policy=a.policy,
                                           store_format=fmt, slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype))
+    if a.prompt_tokens + a.tokens > engine.model.max_seq:
+        p.error(f"--prompt-tokens + --tokens = {a.prompt_tokens + a.tokens} exceeds the model's "
+                f"{engine.model.max_seq} positions")
     text = engine.encode(EVAL_TEXT.read_text()[:40 * (a.prompt_tokens + a.tokens)])
     if a.feed == "text" and len(text) < a.prompt_tokens + a.tokens:
         p.error(f"the evaluation text has {len(text)} tokens, fewer than --prompt-tokens + --tokens")
