@@ -540,10 +540,10 @@ def check_predictor_files(model_path: Path, names) -> None:
     `model_path` are there and readable: what records a text's states first learnt of a missing one minutes in."""
     from .checkpoint import load_default_vectors
     files = {file for name in names for file in PREDICTOR_FILES.get(name, ())}
-    for file in (DEFAULT_VECTORS, ESTIMATOR_FILE, LOOKAHEAD_FILE):  # the vectors first, as predict --train writes them
-        if file in files and file == DEFAULT_VECTORS:
-            load_default_vectors(model_path)
-        elif file in files:
+    if DEFAULT_VECTORS in files:  # first, as predict --train writes them
+        load_default_vectors(model_path)
+    for file in (ESTIMATOR_FILE, LOOKAHEAD_FILE):
+        if file in files:
             load_estimator(model_path, file=file)
 
 

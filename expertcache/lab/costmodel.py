@@ -327,11 +327,13 @@ def _time_engines(engines, model, runs, ids, mode, repeats, store, device, store
     from ..engine.engine import Engine, EngineConfig
     from ..engine.perplexity import teacher_forced
     from .bench import parse_variant
+    labels = []  # each run's variant and cache, as progress names it
     for fraction, variant in runs:
         policy, prefetch = parse_variant(variant)
         cache = replace(fraction, io=io) if isinstance(fraction, CacheConfig) else CacheConfig(fraction=fraction, io=io)
         engines.append(Engine(model, EngineConfig(device=device, store=store, cache=cache, policy=policy,
                                                   prefetch=prefetch, store_dir=store_dir, **options)))
+        labels.append(f"{variant} @{f'{cache.bytes} bytes' if cache.bytes else f'{cache.fraction:g}'}")
 
     def run(eng: Engine, ids: list[int]) -> tuple[float, RunStats]:
         eng.reset()
@@ -355,10 +357,7 @@ def _time_engines(engines, model, runs, ids, mode, repeats, store, device, store
             if rep:
                 samples[i].append(sample)
             if progress:
-                at = runs[i][0]
-                at = f"{at.bytes} bytes" if isinstance(at, CacheConfig) and at.bytes else \
-                    f"{at.fraction if isinstance(at, CacheConfig) else at:g}"
-                progress(f"{f'rep {rep}' if rep else 'warm-up'} {runs[i][1]} @{at}")
+                progress(f"{f'rep {rep}' if rep else 'warm-up'} {labels[i]}")
     out = []
     for (fraction, variant), reps, eng in zip(runs, samples, engines):
         reps.sort(key=lambda r: r[0])
