@@ -204,14 +204,10 @@ def main() -> None:
     ppl = {}  # the decoded tokens' perplexity, scored in the warm-up round (its time is not kept)
     known = None  # the share of the routed experts the oracle knew: runs of the same tokens from a reset are alike,
     # so the warm-up's is every round's, and the timed rounds record nothing
-    made = {}  # each predictor is made once, as a run of the engine makes it, and kept for every round: made again
-    # for each, its arrays would land anew, and a run would time where they landed (this VM reads some memory slowly)
     with progress_bar(None, total=(a.repeats + 1) * len(variants), unit="run") as bar:  # where stderr is a terminal
         for round_ in range(a.repeats + 1):  # round 0 warms up
             for name, cfg in list(variants.items())[::1 if round_ % 2 else -1]:
-                engine.set_prefetch(cfg)
-                if cfg is not None:
-                    engine.runner.predictor = made.setdefault(cfg.predictor, engine.runner.predictor)
+                engine.set_prefetch(cfg)  # the engine makes each predictor once and keeps it for every round
                 if name == oracle:
                     engine.runner.predictor = oracle_predictor(engine.model, routes)
                 elif name == paying:  # the predictor that set_prefetch made

@@ -163,6 +163,18 @@ def test_prefetch_budget_beyond_the_ranked_experts_is_refused(calibrated, budget
     engine.close()
 
 
+def test_a_predictor_attached_again_is_the_one_made_before(calibrated):
+    """Each predictor is made once per engine, as a run attaches it, and kept across detaching and other
+    predictors: a repetition of a variant runs the same predictor, not a fresh copy elsewhere in memory."""
+    engine = Engine(calibrated[0], EngineConfig(cache=CacheConfig(fraction=0.5)))
+    engine.set_prefetch(PrefetchConfig("quasi-hidden"))
+    first = engine.runner.predictor
+    for name in ("router-ahead", None, "quasi-hidden"):
+        engine.set_prefetch(name and PrefetchConfig(name))
+    assert engine.runner.predictor is first
+    engine.close()
+
+
 def test_speculative_runs_predicted_experts(calibrated):
     path, hf = calibrated
     ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(6))

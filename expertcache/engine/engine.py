@@ -35,7 +35,7 @@ from . import threads
 from .budget import FORWARD_CHUNK, MemoryPlan, available_memory, dense_bytes, kv_bytes, workspace_bytes
 from .linear import dense_format, float_dtype
 from .moe import MoELayerRunner, PrefetchConfig
-from .predictors import make_predictor, predictor_bytes
+from .predictors import Predictor, make_predictor, predictor_bytes
 from .quant import FLOAT_DTYPES, SMALL_FORMAT, ExpertFormat
 from .stats import RunStats
 from .stores import ExpertShape, ExpertStore, check_store, open_store, staging_bytes
@@ -225,6 +225,7 @@ class Engine:
         self.stats = RunStats()
         self.runner = MoELayerRunner(self.args, self.model.router, self.cache, self.policy, self.stats)
         self.model.moe = self.runner
+        self._predictors: dict[str, Predictor] = {}  # made once each, as attached: see set_prefetch
         if config.prefetch is not None:
             self.set_prefetch(config.prefetch)
         self.tokenizer = None
@@ -420,12 +421,20 @@ class Engine:
                                     f"--memory-budget's plan left no room for ({self.plan.predictor / 2**20:.1f} MiB "
                                     "planned); make the engine with that prefetch (--policy POLICY+prefetch/"
                                     f"{prefetch.predictor}) so that the cache is sized around it")
-        self.runner.predictor = make_predictor(prefetch.predictor, self.model, self.path) if prefetch else None
+        self.runner.predictor = self._predictor(prefetch.predictor) if prefetch else None
         if prefetch is not None:
             self.cache.compile_prefetch()
         self.runner.prefetch = prefetch or PrefetchConfig()
         self.model.prefetch = self.runner.observe_residual if prefetch else None
         self.reset()
+
+    def _predictor(self, name: str) -> Predictor:
+        """The predictor `name`, made on its first attach and kept: a variant attached again (bench's and tune's
+        repetitions) runs the predictor a run of its own would, not a fresh copy whose arrays land elsewhere in
+        memory each time. Under a memory budget only the one attached is kept, as the plan counts one."""
+        made = self._predictors.get(name) or make_predictor(name, self.model, self.path)
+        self._predictors = ({} if self.config.memory_budget is not None else self._predictors) | {name: made}
+        return made
 
     # -- running -------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, pos: int, last: bool = False) -> torch.Tensor:
