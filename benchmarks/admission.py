@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from expertcache import CacheConfig, Engine, EngineConfig, perplexity
+from expertcache.cli import run_script
 from expertcache.engine.checkpoint import load_routing_counts
 from expertcache.lab.simulator import replay, route_trace
 from expertcache.lab.study import BASELINE, StudyConfig, paired_increase, study_sequences
@@ -90,4 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from expertcache.cli import run_script
 from expertcache.engine.engine import BUILTIN_MODEL
 from expertcache.progress import progress_bar
 
@@ -286,4 +287,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

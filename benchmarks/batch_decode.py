@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from expertcache.cli import run_script
 from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.engine.generate import TextGeneration, batch_logits
 from expertcache.engine.sampling import SamplingParams
@@ -67,4 +68,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from expertcache.cli import run_script
 from expertcache.engine.engine import Engine, EngineConfig
 
 
@@ -45,4 +46,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -14,6 +14,7 @@ import json
 import statistics
 import time
 
+from expertcache.cli import run_script
 from expertcache.commands.chat import reusable
 from expertcache.engine.chat import ChatTemplate, encode_chat
 from expertcache.engine.engine import Engine, EngineConfig
@@ -74,4 +75,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+from expertcache.cli import run_script
 from expertcache.commands.info import BUDGETS_GB, size_config
 
 # The shape-defining keys of each released config.json (everything else takes its default).
@@ -81,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from expertcache.cli import run_script
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.checkpoint import load_routing_counts, open_checkpoint
 from expertcache.engine.engine import BUILTIN_MODEL
@@ -154,4 +155,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from expertcache.cli import run_script
+
 PROMPT = "KING HENRY.\nNow, lords, for France; the enterprise whereof\nShall be to you, as us, like glorious."
 
 
@@ -235,4 +237,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

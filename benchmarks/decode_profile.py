@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from expertcache.cli import run_script
+
 
 class StageTimer:
     """Accumulates wall seconds per stage; nested stages are charged to the innermost one."""
@@ -191,4 +193,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

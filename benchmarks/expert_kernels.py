@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from expertcache.cli import run_script
+
 H, FF, K = 2048, 768, 8
 UNIQUE = 4  # encoding is slow in Python: 4 distinct experts, copied over the slots (every slot's bytes streamed)
 
@@ -169,4 +171,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

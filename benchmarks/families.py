@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from hf_models import FAMILIES, save_tiny  # noqa: E402
 
+from expertcache.cli import run_script
 from expertcache.engine.cache import CacheConfig  # noqa: E402
 from expertcache.engine.engine import Engine, EngineConfig  # noqa: E402
 
@@ -75,4 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -30,6 +30,7 @@ from expertcache.choices import (  # noqa: E402
     SKETCH_NEURONS,
     SKETCH_RANK,
 )
+from expertcache.cli import run_script
 from expertcache.lab.calibrate import calibrate, encode_text, save_calibration  # noqa: E402
 from expertcache.lab.prediction import fit_estimator, recall_table  # noqa: E402
 from expertcache.lab.texts import read_text  # noqa: E402
@@ -84,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -33,6 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from expertcache.cli import run_script
+
 
 def run_reads(depth: int, blocks: np.ndarray, read) -> dict:
     """`read(block)` over `blocks` by `depth` threads, each its share in order; MB/s over the
@@ -187,4 +189,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

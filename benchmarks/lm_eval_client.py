@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from expertcache.cli import run_script
+
 PAIRS = [("ROMEO.\nBut soft, what light", " through yonder window breaks?"),
          ("JULIET.\nO Romeo, Romeo,", " wherefore art thou Romeo?"),
          ("KING HENRY.\nOnce more unto the", " breach, dear friends"),
@@ -90,4 +92,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

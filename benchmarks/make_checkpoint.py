@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from expertcache.cli import run_script
 from expertcache.engine.engine import BUILTIN_MODEL
 
 SHAPE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
@@ -204,4 +205,4 @@ def write(out: Path, c: dict, shards: Iterator[tuple[str, dict[str, torch.Tensor
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from expertcache.cli import run_script
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
@@ -207,4 +209,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -41,6 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from expertcache.cli import run_script
+
 
 class Recorder:
     """Wraps the MoE runner's `route` and keeps each decode token's routed ids and gate weights, layer by layer."""
@@ -252,4 +254,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

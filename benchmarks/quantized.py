@@ -23,6 +23,7 @@ import time
 import numpy as np
 import torch
 
+from expertcache.cli import run_script
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.engine.experts import SWIGLU, CompiledSlots
@@ -248,4 +249,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

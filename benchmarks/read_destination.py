@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from expertcache.cli import run_script
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -59,4 +61,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from expertcache.cli import run_script
+
 HERE = Path(__file__).resolve().parent
 # ours -> (the GGUF type of the same bits per weight, the disk store's format (None: the checkpoint's fp16), the
 # engine's dense weights); the slots are the store's format. llama.cpp's MXFP4_MOE keeps its dense tensors in Q8_0.
@@ -245,4 +247,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

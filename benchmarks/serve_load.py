@@ -20,6 +20,8 @@ import threading
 import time
 import urllib.request
 
+from expertcache.cli import run_script
+
 PROMPTS = ["ROMEO.\n", "JULIET.\nO Romeo", "HAMLET.\nTo be, or not", "KING HENRY.\nNow, lords, for France",
            "MACBETH.\nIs this a dagger", "PORTIA.\nThe quality of mercy"]
 MODEL = "expertcache-builtin"
@@ -127,4 +129,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from expertcache.cli import run_script
 from expertcache.engine.cache import CacheConfig
 from expertcache.lab.simulator import replay, route_trace
 from expertcache.lab.trace import read_trace, write_trace
@@ -72,4 +73,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -22,6 +22,7 @@ import crc32c
 import numpy as np
 import torch
 
+from expertcache.cli import run_script
 from expertcache.engine.checkpoint import open_checkpoint
 from expertcache.engine.engine import BUILTIN_MODEL
 from expertcache.engine.stores import DiskStore, convert_to_disk
@@ -89,4 +90,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from expertcache.cli import run_script
 from expertcache.commands.options import byte_size  # noqa: E402
 from expertcache.lab.cgroup import drop_page_cache, run_capped, unavailable  # noqa: E402
 
@@ -108,4 +109,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

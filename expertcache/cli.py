@@ -12,7 +12,9 @@ import re
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from .choices import DATA
 from .commands.options import compiled_ok
@@ -109,21 +111,43 @@ def _run(argv: list[str] | None) -> int:
         if code == 0:
             compiled_ok()
         return code
-    except (ExpertCacheError, UnicodeDecodeError, json.JSONDecodeError) as e:  # bad input or a corrupt file
-        print(f"expertcache: error: {e}", file=sys.stderr)
-    except BrokenPipeError:  # stdout's reader left (`| head`): end quietly, as a tool that SIGPIPE kills does
+    except Exception as e:  # noqa: BLE001 -- what is not a known error is raised again, traceback and all
+        if (code := reported(e, "expertcache")) is None:
+            raise
+        return code
+
+
+def reported(e: Exception, prog: str) -> int | None:
+    """The exit code of an error that ends a run with one line on stderr (printed here): bad input, a corrupt
+    file, a refused allocation (2), stdout's reader gone (141); None for any other error, a bug to show whole."""
+    if isinstance(e, (ExpertCacheError, UnicodeDecodeError, json.JSONDecodeError)):  # bad input or a corrupt file
+        print(f"{prog}: error: {e}", file=sys.stderr)
+    elif isinstance(e, BrokenPipeError):  # stdout's reader left (`| head`): end quietly, as SIGPIPE would
         with contextlib.suppress(OSError, ValueError):  # and Python's flush of stdout at exit finds no pipe to fail
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
-    except OSError as e:
-        print(f"expertcache: error: {e}; {os_error_fix(e)}", file=sys.stderr)
-    except (MemoryError, RuntimeError) as e:  # torch's out-of-memory errors are RuntimeErrors
-        if (sizes := out_of_memory(e)) is None:
-            raise
-        print(f"expertcache: error: out of memory{f' ({sizes})' if sizes else ''}; give the run less: a smaller "
+    elif isinstance(e, OSError):
+        print(f"{prog}: error: {e}; {os_error_fix(e)}", file=sys.stderr)
+    elif isinstance(e, (MemoryError, RuntimeError)) and (sizes := out_of_memory(e)) is not None:  # torch: RuntimeError
+        print(f"{prog}: error: out of memory{f' ({sizes})' if sizes else ''}; give the run less: a smaller "
               "--cache or --memory-budget, --slot-dtype int4, --dense-dtype int8, or a shorter --max-seq",
               file=sys.stderr)
+    else:
+        return None
     return 2
+
+
+def run_script(entry: Callable[[], object]) -> NoReturn:
+    """A benchmark script's entry point: its bad input ends as a verb's does, in one line and exit code 2 (130 on
+    Ctrl-C), not in a traceback; a bug still shows its traceback."""
+    try:
+        code = entry()
+    except KeyboardInterrupt:
+        code = 130
+    except Exception as e:  # noqa: BLE001 -- as in main
+        if (code := reported(e, Path(sys.argv[0]).name)) is None:
+            raise
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def out_of_memory(e: BaseException) -> str | None:

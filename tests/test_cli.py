@@ -5,6 +5,7 @@ import importlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -344,3 +345,22 @@ def test_a_hub_id_is_its_snapshot_folder_for_every_verb(tmp_path, monkeypatch):
     engine.close()
     monkeypatch.setenv("HOME", str(tmp_path))
     Engine("~/release").close()
+
+
+def test_a_benchmark_scripts_bad_input_ends_in_one_line_and_exit_2(tmp_path):
+    """The benchmark scripts end their bad input as the verbs do, whichever layer refuses it; a bug still shows
+    its traceback."""
+    script = [sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "prefetch_bound.py")]
+    for argv, said in ((["--policy", "bogus"], "unknown policy 'bogus'"),
+                       (["--model", str(tmp_path / "none")], "no such checkpoint folder")):
+        out = subprocess.run([*script, *argv], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr.startswith("prefetch_bound.py: error: ") and said in out.stderr
+
+    def bug():
+        raise ValueError("a bug")
+    with pytest.raises(ValueError):
+        cli.run_script(bug)
+    with pytest.raises(SystemExit) as e:
+        cli.run_script(lambda: None)
+    assert e.value.code == 0
