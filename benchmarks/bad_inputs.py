@@ -236,6 +236,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("serve --max-waiting 0", ["serve", "--store", "ram", "--port", "0", "--max-waiting", "0"]),
         ("serve --shutdown-timeout -1", ["serve", "--store", "ram", "--port", "0", "--shutdown-timeout", "-1"]),
         ("serve --api-key with a space", ["serve", "--store", "ram", "--port", "0", "--api-key", "my key"]),
+        ("info --budget in bytes without a unit (a plain number is MiB)", ["info", "--budget", "16000000000"]),
         ("an unknown verb", ["nope"]),
         ("a flag of another verb (chat --max-tokens)", ["chat", "--max-tokens", "16"]),
         ("study --tokens-per-domain below --context", ["study", "--tokens-per-domain", "256", "--out",

@@ -76,3 +76,6 @@ def test_info_sizes_slots_of_the_dtype_asked_for_and_takes_sizes(tmp_path, capsy
     with pytest.raises(SystemExit) as bad:
         cli.main(["info", "--budget", "lots"])
     assert bad.value.code == 2 and "not a size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:  # bytes without a unit: read as MiB, everything would fit
+        cli.main(["info", "--budget", "16000000000"])
+    assert bad.value.code == 2 and "16000000000B" in capsys.readouterr().err

@@ -26,15 +26,22 @@ BUDGETS_GB = (8, 16, 24)
 CONTEXT = 4096  # tokens of KV cache reserved when sizing what fits
 
 
+PLAIN_MIB_MAX = 2**24  # 16 TiB: a plain number above it is bytes given without a unit, not a fast tier's MiB
+
+
 def budget_mib(text: str) -> float:
     """An argparse type: MiB, as a plain number (e.g. 512) or a size with a unit like every other size flag
     (e.g. 16G, 64M)."""
     try:
-        return non_negative(text)
+        mib = non_negative(text)
     except argparse.ArgumentTypeError:
         if text.strip()[-1:].isdigit():
             raise
-    return byte_size(text) / 2**20
+        return byte_size(text) / 2**20
+    if mib > PLAIN_MIB_MAX:  # read as MiB it would be petabytes: everything would fit, silently
+        raise argparse.ArgumentTypeError(f"{text!r} MiB is {mib / 2**30:.1f} PiB; a plain number is MiB here: "
+                                         f"for bytes add B ({text.strip()}B), or give a size such as 16G")
+    return mib
 
 
 def add_arguments(p):
