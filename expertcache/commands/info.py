@@ -24,8 +24,6 @@ HELP = "describe a model: layers, experts, bytes, and how many experts fit in a 
 FORMAT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "int8": 8.0 + 32 / 32, "int4": 4.0 + 32 / 32, "mxfp4": 4.25}
 BUDGETS_GB = (8, 16, 24)
 CONTEXT = 4096  # tokens of KV cache reserved when sizing what fits
-
-
 PLAIN_MIB_MAX = 2**24  # 16 TiB: a plain number above it is bytes given without a unit, not a fast tier's MiB
 
 
