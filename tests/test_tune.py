@@ -267,7 +267,7 @@ def test_a_prefetching_winner_is_kept_only_where_it_decodes_faster():
     """A winner that prefetches is timed on the disk store against its fallback, the fastest by estimate of its own
     policy and the finalists within budget that do not prefetch on its slots; the faster measured wins. A winner
     that does not prefetch is not timed."""
-    from expertcache.lab.costmodel import time_runs
+    from expertcache.lab.costmodel import DECODE_PROMPT, time_runs
     from expertcache.lab.tune import timed_choice
     ids = tune_ids(None, CALIB_TEXT.read_text(encoding="utf-8"), EVAL_TEXT.read_text(encoding="utf-8"),
                    TuneConfig(calib_tokens=600, tokens=600, context=256))[0]
@@ -275,7 +275,7 @@ def test_a_prefetching_winner_is_kept_only_where_it_decodes_faster():
 
     def timer(labels):
         asked.append(labels)
-        timed = time_runs(None, [(0.25, spec) for spec in labels], ids[:32 + 24], "decode", repeats=1)
+        timed = time_runs(None, [(0.25, spec) for spec in labels], ids[:DECODE_PROMPT + 24], "decode", repeats=1)
         return {spec: 1000 * t.seconds for spec, t in zip(labels, timed)}
 
     winner = "threshold:tau=0.15+prefetch/quasi-hidden"

@@ -70,7 +70,14 @@ def run(a) -> int:
     announce_compile()
     from ..engine.cache import CacheConfig
     from ..errors import BadInput
-    from ..lab.costmodel import calibration_ids, load_profile, measure_profile, runs_for_slots, time_runs
+    from ..lab.costmodel import (
+        DECODE_PROMPT,
+        calibration_ids,
+        load_profile,
+        measure_profile,
+        runs_for_slots,
+        time_runs,
+    )
     from ..lab.study import signed
     from ..lab.texts import read_text
     from ..lab.tune import (
@@ -120,8 +127,8 @@ def run(a) -> int:
         slots = unlabel(labels[0])[1]
         runs = [(CacheConfig(fraction=a.cache, bytes=a.cache_bytes), unlabel(name)[0]) for name in labels]
         with progress_bar(total=len(runs) * (TIMED_REPEATS + 1), unit="run", desc="timing the winner") as bar:
-            timed = time_runs(a.model, runs, calibration_ids(a.model, "decode", 32 + TIMED_TOKENS, calib_text),
-                              "decode", TIMED_REPEATS,
+            tokens = calibration_ids(a.model, "decode", DECODE_PROMPT + TIMED_TOKENS, calib_text)
+            timed = time_runs(a.model, runs, tokens, "decode", TIMED_REPEATS,
                               progress=lambda label: bar.update(),
                               options={"slot_dtype": slots, "store_format": slot_store_format(slots)})
         return {name: 1000 * t.seconds for name, t in zip(labels, timed)}

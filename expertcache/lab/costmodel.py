@@ -44,6 +44,7 @@ from ..engine.stats import RunStats
 if TYPE_CHECKING:
     from ..engine.cache import CacheConfig
 
+DECODE_PROMPT = 32  # tokens a timed decode feeds in one forward before timing the rest one a forward
 PROFILE_VERSION = 6  # 1: no lowbit_fetch_s, prefetch_s, prediction_s, unfitted; 2: no exposed_prefetch_s;
 # 3: no flushed_s, and expert runs counted a window's every split; 4: no prediction_compute_s (older versions
 # load with those terms unmeasured); 5: no slot_dtype, mode (older versions load with them unrecorded)
@@ -293,7 +294,7 @@ class TimedRun:
 
 
 def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", repeats: int = 5,
-              store: str = "disk", device: str = "cpu", store_dir: Path | None = None, prompt: int = 32,
+              store: str = "disk", device: str = "cpu", store_dir: Path | None = None, prompt: int = DECODE_PROMPT,
               context: int = 256, progress: Callable[[str], None] | None = None,
               run_ids: list[list[int]] | None = None, options: dict | None = None) -> list[TimedRun]:
     """Time each (cache fraction, variant) of `runs` on the engine over the same tokens (or over
@@ -411,7 +412,7 @@ def calibration_ids(model: Path | None, mode: str, tokens: int | None = None, te
     from ..engine.engine import BUILTIN_MODEL
     from ..engine.perplexity import EVAL_TEXT
     from .calibrate import encode_text
-    tokens = tokens or (96 if mode == "decode" else 1025)
+    tokens = tokens or (DECODE_PROMPT + 64 if mode == "decode" else 1025)
     text = text if text is not None else EVAL_TEXT.read_text(encoding="utf-8")
     ids = encode_text(model or BUILTIN_MODEL, text[:16 * tokens], tokens)  # tokens average ~3.4 characters
     if len(ids) < min(tokens, 40):
