@@ -125,6 +125,37 @@ def test_a_run_larger_than_the_free_memory_is_refused_not_killed():
     assert "this machine has free" in err and "--store disk" in err, err
 
 
+ACTIVE_PAGE_CACHE = """
+import os, tempfile
+from expertcache.engine.budget import available_memory
+with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "data")
+    with open(path, "wb") as f:
+        for _ in range(16):
+            f.write(os.urandom(2**24))
+        f.flush()
+        os.fsync(f.fileno())
+    before = available_memory()
+    for _ in range(2):  # read twice: the kernel moves its pages to the active list
+        with open(path, "rb") as f:
+            while f.read(2**24):
+                pass
+    print((before - available_memory()) / 2**20)
+"""
+
+
+@pytest.mark.skipif(bool(__import__("expertcache.lab.cgroup", fromlist=["x"]).unavailable()),
+                    reason="no memory cgroup can be created here (needs root or a delegated cgroup v2 subtree)")
+def test_page_cache_read_twice_still_counts_as_free_under_a_cap():
+    """Under a cgroup cap, a file read twice (a checkpoint converted, then opened) leaves its pages on the active
+    list, charged to the group; the kernel takes them back before it kills, so the free memory the engine
+    checks against does not shrink by them (it shrank by all 256 MiB, and runs that fit were refused)."""
+    from expertcache.lab.cgroup import run_capped
+    run = run_capped([sys.executable, "-c", ACTIVE_PAGE_CACHE], 2**30, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout) < 32
+
+
 def test_a_run_larger_than_the_gpus_free_memory_is_refused_before_loading(monkeypatch):
     """On CUDA the engine compares what the device would hold with what it has free before any weight is read:
     a GPU with too little free memory gets one line naming the sizes and the fixes, with no weight loaded (the
@@ -177,13 +208,91 @@ def test_bench_under_a_memory_budget_skips_the_floor():
                                       decode_tokens=2, forced_tokens=32, context=32, repeats=1))
     assert FLOOR not in res.summary() and 0 < res.config["slots_per_layer"] < res.config["experts"]
     table = markdown(res)
-    assert "memory budget 40 MiB" in table and "| - |" in table
+    assert "memory budget 40 MiB (no all-resident floor: it would break the budget)" in table and "| - |" in table
     # a variant's predictor is planned: the cache is sized around the largest, the same for every variant
     alone = res.config["slots_per_layer"]
     res = run_bench(None, BenchConfig(store="ram", policies=("fetch-all", "fetch-all+prefetch/lookahead"),
                                       memory_budget=40 * 2**20, decode_tokens=2, forced_tokens=32, context=32,
                                       repeats=1))
     assert 0 < res.config["slots_per_layer"] < alone
+
+
+RAM_STORE_PEAK = """
+import resource, sys, torch
+from expertcache.engine.checkpoint import open_checkpoint
+from expertcache.engine.engine import BUILTIN_MODEL
+from expertcache.engine.stores.ram import RamStore
+from expertcache.models import model_args
+ckpt = open_checkpoint(BUILTIN_MODEL)
+store = RamStore(ckpt, model_args(ckpt.config), torch.float32)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+held = sum(p.numel() * p.element_size() for p in store.parts)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / held)
+"""
+
+
+def test_a_ram_store_loads_its_experts_without_holding_them_twice():
+    """The ram store's experts are written in place, one layer read at a time: its load's peak is the experts it
+    holds and one layer more (with the checkpoint's pages it read), not two copies of the model (2.0x before), the
+    difference at real size between loading and being killed for memory."""
+    rise = float(subprocess.run([sys.executable, "-c", RAM_STORE_PEAK], capture_output=True, text=True,
+                                check=True).stdout)
+    assert rise < 1.6
+
+
+def test_low_precision_copies_held_in_memory_are_refused_where_they_do_not_fit(monkeypatch):
+    """A lowbit policy on the ram store holds every expert's small copy beside the experts: where the machine has
+    not the room, switching to it is refused before the copies are made (it was killed for memory while making
+    them), and the engine keeps its policy."""
+    from expertcache.engine import engine as engine_module
+    from expertcache.errors import NotEnoughMemory
+    engine = Engine(None, EngineConfig(store="ram", max_seq=64))
+    monkeypatch.setattr(engine_module, "available_memory", lambda: 2**20)
+    with pytest.raises(NotEnoughMemory, match="low-precision copies .*--store disk"):
+        engine.set_policy("lowbit:tau=0.15")
+    assert engine.small_store is None and engine.policy.name == "fetch-all"
+    engine.forward(torch.tensor([1, 2, 3]), 0)
+    engine.close()
+
+
+def test_a_closed_engine_is_freed_without_the_garbage_collector():
+    """A predictor holds the model, whose MoE runner holds the predictor: closing the engine breaks that cycle, so
+    its slots, weights and KV cache go with its last reference, not at the collector's next pass (engines opened
+    one after another at real size held several models' slots at once, and the next was refused for memory)."""
+    import gc
+    import weakref
+
+    from expertcache.engine.moe import PrefetchConfig
+    engine = Engine(None, EngineConfig(store="ram", max_seq=64))
+    engine.set_prefetch(PrefetchConfig("quasi-hidden"))
+    engine.forward(torch.tensor([1, 2, 3]), 0)
+    cache = weakref.ref(engine.cache)
+    gc.disable()
+    try:
+        engine.close()
+        del engine
+        assert cache() is None
+    finally:
+        gc.enable()
+
+
+def test_bench_leaves_out_a_floor_that_does_not_fit_in_memory(monkeypatch):
+    """A model whose experts do not all fit in memory (the case the engine is for) is timed without the floor,
+    and the table says why, rather than refused whole."""
+    from expertcache.engine import engine as engine_module
+    from expertcache.errors import NotEnoughMemory
+    from expertcache.lab.bench import FLOOR, BenchConfig, markdown, run_bench
+    check = engine_module.Engine._check_memory
+
+    def no_room_for_all(self, cache, *args):
+        if cache.fraction == 1.0:
+            raise NotEnoughMemory("this run would hold more than this machine has free")
+        check(self, cache, *args)
+    monkeypatch.setattr(engine_module.Engine, "_check_memory", no_room_for_all)
+    res = run_bench(None, BenchConfig(store="ram", policies=("fetch-all",), decode_tokens=2, forced_tokens=32,
+                                      context=32, repeats=1))
+    assert FLOOR not in res.summary() and res.summary()["fetch-all"]["decode_ms"] > 0
+    assert "no all-resident floor: the model's experts do not fit in memory" in markdown(res)
 
 
 def test_server_admits_requests_while_their_kv_fits():

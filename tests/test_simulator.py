@@ -408,6 +408,45 @@ def test_fit_profile_recovers_each_term_and_folds_constant_ones_into_dense():
         assert p.ms_per_token(r.stats) == pytest.approx(1000 * r.seconds, rel=1e-6)
 
 
+@pytest.mark.parametrize("room", ["all", "one", "not the full cache"])
+def test_time_runs_opens_an_engine_a_cache_and_only_what_memory_holds(tiny, tmp_path, monkeypatch, room):
+    """The runs of one cache share an engine. Where the engines do not fit in memory together, each round opens
+    them one at a time; a run whose engine does not fit even alone is left out with `fitting`, and refused
+    without it. (Memory is what the engine's own check is told: here, room for one engine or for all.)"""
+    from expertcache.engine import engine as engine_module
+    from expertcache.errors import NotEnoughMemory
+    from expertcache.lab.costmodel import time_runs
+    opened, most = [], [0]
+    check = engine_module.Engine._check_memory
+
+    def limited(self, cache, *args):
+        open_now = [e for e in opened if not e.closed]
+        if (room == "one" and open_now) or (room == "not the full cache" and cache.fraction == 1.0):
+            raise NotEnoughMemory("this run would hold more than this machine has free")
+        check(self, cache, *args)
+        opened.append(self)
+        most[0] = max(most[0], len(open_now) + 1)
+    monkeypatch.setattr(engine_module.Engine, "_check_memory", limited)
+    runs = [(1.0, "fetch-all"), (0.5, "fetch-all"), (0.5, "first-choice"), (0.5, "fetch-all+prefetch/router-ahead")]
+    timed = time_runs(tiny["qwen3_moe"][0], runs, list(range(1, 12)), repeats=2, store_dir=tmp_path / "s", prompt=4,
+                      fitting=True)
+    kept = runs[1:] if room == "not the full cache" else runs
+    assert [(t.cache, t.variant) for t in timed] == kept and all(t.seconds > 0 for t in timed)
+    s = {v if c < 1 else "full": t.stats for (c, v), t in zip(kept, timed)}
+    assert s["first-choice"].substitutions > 0 == s["fetch-all"].substitutions  # each its own variant
+    assert s["fetch-all+prefetch/router-ahead"].predictions > 0 == s["fetch-all"].predictions
+    if "full" in s:  # and its own cache
+        assert s["full"].misses < s["fetch-all"].misses
+    assert len(opened) == {"all": 2, "one": 1 + 2 * 3, "not the full cache": 3}[room]  # held, or opened each round
+    assert most[0] == (1 if room != "all" else 2) and all(e.closed for e in opened)
+    if room == "not the full cache":  # refused without `fitting`, and with it where no run is left
+        for asked, fitting in ((runs, False), (runs[:1], True)):
+            with pytest.raises(NotEnoughMemory):
+                time_runs(tiny["qwen3_moe"][0], asked, list(range(1, 12)), repeats=1, store_dir=tmp_path / "s",
+                          prompt=4, fitting=fitting)
+        assert all(e.closed for e in opened)
+
+
 @pytest.mark.parametrize("policy", ["quality-first", "first-choice:beta=0.3"])
 def test_admission_with_top_k_slots_is_skipped_not_fatal(traced, policy):
     """A cache of exactly top-k slots a layer: in a window every slot can be needed by the token that would admit

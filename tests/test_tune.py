@@ -92,6 +92,39 @@ def test_a_forced_search_makes_no_prefetching_candidates():
     assert not any("+" in r["spec"] for r in res.candidates)
 
 
+def test_a_model_larger_than_memory_is_scored_from_the_disk_and_what_does_not_fit_is_left_out(monkeypatch):
+    """Where the ram store's experts do not fit in memory, the exact scores read the disk store, and give the same
+    perplexities; where they fit but a lowbit finalist's small copies would not fit beside them, that finalist is
+    left out, with why, and the rest are scored (the search was killed for memory at real size)."""
+    from expertcache.engine import engine as engine_module
+    from expertcache.errors import NotEnoughMemory
+    cfg = TuneConfig(cache=CacheConfig(fraction=0.25), calib_tokens=600, tokens=600, context=256, mode="forced",
+                     candidates=("fetch-all", "threshold:tau=0.15,eviction=lru", "lowbit:tau=0.15"), presets=(),
+                     finalists=3, bootstrap=100)
+    ids = tune_ids(None, CALIB_TEXT.read_text(encoding="utf-8"), EVAL_TEXT.read_text(encoding="utf-8"), cfg)
+    runs = {}
+    for room in ("no ram store", "no small copies"):
+        with monkeypatch.context() as m:
+            if room == "no ram store":
+                def refuse_ram(self, *args, check=engine_module.Engine._check_memory):
+                    if self.config.store == "ram":
+                        raise NotEnoughMemory("this run would hold more than this machine has free")
+                    check(self, *args)
+                m.setattr(engine_module.Engine, "_check_memory", refuse_ram)
+            else:
+                m.setattr(engine_module.Engine, "_check_memory", lambda self, *args: None)
+                m.setattr(engine_module, "available_memory", lambda: 2**20)
+            runs[room] = tune(None, ids, DATASHEET["rtx3090-qwen3-next"], cfg)
+    disk, ram = runs["no ram store"], runs["no small copies"]
+    assert disk.config["store"] == {"auto": "disk"} and ram.config["store"] == {"auto": "ram"}
+    assert "lowbit:tau=0.15" in disk.finalists and disk.config["not_scored"] == {}
+    assert "lowbit:tau=0.15" not in ram.finalists
+    assert "low-precision copies" in ram.config["not_scored"]["lowbit:tau=0.15"]
+    assert {s: f["ppl"] for s, f in ram.finalists.items()} == \
+        {s: f["ppl"] for s, f in disk.finalists.items() if s in ram.finalists}  # exact on either store
+    assert ram.winner in ram.finalists and ram.winner in ram.validation
+
+
 def test_tune_verb_writes_the_search_and_the_plot(tmp_path, capsys):
     out, png = tmp_path / "tune.json", tmp_path / "tune.png"
     assert cli.main(["tune", "--budget", "3%", "--profile", "rtx3090-qwen3-next", "--calib-tokens", "600",

@@ -143,6 +143,11 @@ def run(a) -> int:
         res = tune(a.model, ids, profile, cfg, progress, None if a.profile else timer)
     for name, why in res.config["prefetch_skipped"].items():
         print(f"prefetch/{name} not searched: {why}")
+    for name, why in res.config["not_scored"].items():
+        print(f"{name} not scored: {why}")
+    for slots, store in res.config["store"].items():
+        if store != "ram":
+            print(f"{slots} slots scored on the {store} store: the experts do not fit in memory")
     print(f"time estimates: {how}; replay in {a.mode} order on {res.config['calib_tokens_used']} tokens of "
           f"{a.calib_text.name}; {len(res.candidates)} candidates, {len(res.finalists) - 1} finalists scored "
           f"exactly; held-out: {res.config['tokens_used']} tokens of {a.text.name}\n")

@@ -109,8 +109,8 @@ def workspace_bytes(args: ModelArgs, max_seq: int, largest_dense: int) -> int:
 
 def available_memory() -> int | None:
     """Bytes the machine can still give this process: MemAvailable and free swap (/proc/meminfo), and no more than
-    its cgroup's limit less what the group holds (its inactive page cache aside: the kernel takes that back
-    first), cgroup v2 or v1; None where Linux does not say."""
+    its cgroup's limit less what the group holds (its page cache aside: the kernel takes that back before it
+    kills), cgroup v2 or v1; None where Linux does not say."""
     try:
         info = dict(re.findall(r"^(\w+):\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M))
         free = (int(info["MemAvailable"]) + int(info.get("SwapFree", 0))) * 1024
@@ -135,8 +135,8 @@ def _cgroup_room() -> int | None:
         if not v2 and "memory" not in controllers.split(","):
             continue
         root = Path("/sys/fs/cgroup") if v2 else Path("/sys/fs/cgroup/memory")
-        names = ("memory.max", "memory.current", "inactive_file") if v2 else \
-            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        names = ("memory.max", "memory.current", "inactive_file", "active_file") if v2 else \
+            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file", "total_active_file")
         for group in (root / path.lstrip("/"), root):  # a container sees its own group at the root
             try:
                 limit, used = (group / names[0]).read_text().strip(), int((group / names[1]).read_text())
@@ -145,5 +145,7 @@ def _cgroup_room() -> int | None:
                 continue
             if limit == "max" or int(limit) >= 2**60:  # no limit (v1 writes a huge number)
                 return None
-            return int(limit) - used + int(stat.get(names[2], 0))
+            # its page cache, active or not, is the kernel's to take back before it kills (as MemAvailable counts
+            # it): a checkpoint read twice (a store's conversion, an engine opened again) is active, not in use
+            return int(limit) - used + int(stat.get(names[2], 0)) + int(stat.get(names[3], 0))
     return None

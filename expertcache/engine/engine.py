@@ -359,9 +359,17 @@ class Engine:
                                f"{self.slot_format.dtype} cannot take them: use --slot-dtype auto or another policy")
             main = self.config.store_dir  # a store of the user's: the small copies go beside it
             beside = None if main is None else Path(main).with_name(f"{Path(main).name}-{self.config.small_format.tag}")
-            self.small_store = open_store(self.config.store, self.checkpoint, self.args, beside,
-                                          FLOAT_DTYPES[self.slot_format.dtype], self.config.small_format,
-                                          self.config.read_mode, self.config.verify)
+            small = open_store(self.config.store, self.checkpoint, self.args, beside,
+                               FLOAT_DTYPES[self.slot_format.dtype], self.config.small_format,
+                               self.config.read_mode, self.config.verify)
+            if self.config.store in ("ram", "pinned"):  # held in memory too, beside the experts: refused, not killed
+                free, shape = available_memory(), ExpertShape.of(self.args)
+                if free is not None:
+                    held = shape.numel * small.dtype.itemsize * shape.num_layers * shape.num_experts
+                    refuse_unless_fits({f"the {self.config.store} store's low-precision copies": held}, free,
+                                       f" more for policy {policy.name!r}", "this machine has free",
+                                       "--store disk or a policy without low-precision copies")
+            self.small_store = small
 
     def _attach_small(self, policy: MissPolicy) -> None:
         """Give the cache the low-precision copies when `policy` fetches them."""
@@ -595,6 +603,10 @@ class Engine:
             for store in (self.store, self.small_store):  # a lowbit policy's small copies have their own files
                 if store is not None:
                     store.close()
+            # a predictor holds the model, whose MoE runner holds it: without this cycle, the slots, weights and KV
+            # cache go as soon as the engine does, not at the garbage collector's next pass (gigabytes at real size,
+            # while the next engine loads)
+            self.runner.predictor, self.model.prefetch, self._predictors = None, None, {}
 
     def __enter__(self) -> Engine:
         return self

@@ -26,7 +26,7 @@ from ..engine.moe import PrefetchConfig
 from ..engine.perplexity import EVAL_TEXT, teacher_forced
 from ..engine.predictors import predictor_bytes
 from ..engine.quant import ExpertFormat
-from ..errors import BadInput
+from ..errors import BadInput, NotEnoughMemory
 from ..models import model_args
 from .study import signed
 
@@ -186,22 +186,26 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
                                         store_format=cfg.store_format, read_mode=cfg.read_mode,
                                         slot_dtype=cfg.slot_dtype, dense_dtype=cfg.dense_dtype, max_seq=max_seq,
                                         memory_budget=cfg.memory_budget, prefetch=largest))
-    floor = None
+    # the floor holds every expert: under a memory budget it would break the budget the run is measured at
+    floor, no_floor = None, "it would break the budget" if cfg.memory_budget is not None else None
     try:
-        # the floor holds every expert: under a memory budget it would break the budget the run is measured at
         if cfg.memory_budget is None:
-            floor = Engine(model, replace(engine.config, cache=CacheConfig(fraction=1.0, io=cfg.io)))
-            if floor.routing_counts is None:  # no counts beside the model: every expert resident from the start
-                # all the same, or each repetition of the floor timed the loading of every expert (6 fetches of
-                # a 9 MiB expert a token from a disk store, at real shape)
-                floor.routing_counts = np.ones((floor.args.num_moe_layers, floor.args.num_experts))
+            try:
+                floor = Engine(model, replace(engine.config, cache=CacheConfig(fraction=1.0, io=cfg.io)))
+            except NotEnoughMemory:  # a model larger than this machine's memory: the case the engine is for
+                no_floor = "the model's experts do not fit in memory"
+        if floor is not None and floor.routing_counts is None:  # no counts beside the model: every expert
+            # resident from the start all the same, or each repetition of the floor timed the loading of every
+            # expert (6 fetches of a 9 MiB expert a token from a disk store, at real shape)
+            floor.routing_counts = np.ones((floor.args.num_moe_layers, floor.args.num_experts))
         need = cfg.prompt_tokens + cfg.forced_tokens + 1
         ids = engine.encode(EVAL_TEXT.read_text(encoding="utf-8")[: 16 * need])  # tokens average ~3.4 characters
         if len(ids) < need:
             raise BadInput(f"the evaluation text gives {len(ids)} tokens, fewer than the {need} asked for")
         prompt, forced = ids[:cfg.prompt_tokens], ids[cfg.prompt_tokens:cfg.prompt_tokens + cfg.forced_tokens + 1]
         res = BenchResult(cfg.__dict__ | {"policies": list(cfg.policies), "slots_per_layer": engine.cache.per_layer,
-                                           "experts": engine.args.num_experts, "warm": engine.warm})
+                                           "experts": engine.args.num_experts, "warm": engine.warm,
+                                           "no_floor": no_floor})
         variants = [FLOOR] * (floor is not None) + list(cfg.policies)
         for v in cfg.policies:  # a bad spec, predictor or budget fails here, before any variant is timed
             policy, prefetch = parse_variant(v)
@@ -245,8 +249,9 @@ def markdown(res: BenchResult) -> str:
     c = res.config
     setup = (f"`{c['store']}` store on {c['device']}, cache {c['slots_per_layer']}/{c['experts']} experts per layer, "
              f"{'warm' if c['warm'] else 'cold'} start"
-             + (f", memory budget {c['memory_budget'] / 2**20:.0f} MiB (no all-resident floor)" if c.get("memory_budget")
-                else "") + f"; decode {c['decode_tokens']} tokens after a "
+             + (f", memory budget {c['memory_budget'] / 2**20:.0f} MiB" if c.get("memory_budget") else "")
+             + (f" (no all-resident floor: {c['no_floor']})" if c.get("no_floor") else "")
+             + f"; decode {c['decode_tokens']} tokens after a "
              f"{c['prompt_tokens']}-token prompt (free-running, and fetch-all's greedy tokens one per forward), "
              f"teacher-force {c['forced_tokens']} tokens in windows of {c['context']}; median of {c['repeats']} "
              f"interleaved repetitions; speed-ups against fetch-all, ratios to the floor (all resident). "

@@ -296,74 +296,130 @@ class TimedRun:
 def time_runs(model: Path | None, runs, ids: list[int], mode: str = "decode", repeats: int = 5,
               store: str = "disk", device: str = "cpu", store_dir: Path | None = None, prompt: int = DECODE_PROMPT,
               context: int = 256, progress: Callable[[str], None] | None = None,
-              run_ids: list[list[int]] | None = None, options: dict | None = None) -> list[TimedRun]:
+              run_ids: list[list[int]] | None = None, options: dict | None = None,
+              fitting: bool = False) -> list[TimedRun]:
     """Time each (cache fraction, variant) of `runs` on the engine over the same tokens (or over
     `run_ids[i]` for run i; a CacheConfig in place of the fraction sizes the cache as it says), repetitions
     interleaved round-robin after a warm-up (so drift hits all alike). decode: `prompt` tokens in one
     forward, then every later token alone (one token per forward), timed; forced: the tokens teacher-forced
     in windows of `context`. `progress(label)` after each run. `options`: more EngineConfig fields for every
-    run (read_mode, store_format, slot_dtype, ...), and `io` for its CacheConfig."""
+    run (read_mode, store_format, slot_dtype, ...), and `io` for its CacheConfig.
+
+    The runs of one cache share an engine, which switches between their variants as `bench` does. The engines
+    stay open together where they fit in memory with a tenth of it to spare; else each round opens them one at a
+    time (at a real expert size a full cache and a half one do not fit beside each other). A run whose engine
+    does not fit even alone raises NotEnoughMemory, or with `fitting` is left out of the list returned (its
+    TimedRun names each run)."""
     if mode not in ("decode", "forced"):
         from ..errors import UnknownName
         raise UnknownName(f"unknown mode {mode!r}; choose decode or forced")
+    from ..policies import make_policy
+    from .bench import parse_variant
+    for _, variant in runs:  # a misspelt variant fails here, before any engine is opened or run is timed
+        make_policy(parse_variant(variant)[0])
     options = dict(options or {})
     io = options.pop("io", "auto")
-    engines = []
+    held = []
     try:
-        return _time_engines(engines, model, runs, ids, mode, repeats, store, device, store_dir, prompt, context,
-                             progress, run_ids, options, io)
-    finally:  # every engine opened so far, also when one fails to open or a run fails
-        for eng in engines:
+        return _time_engines(held, model, runs, ids, mode, repeats, store, device, store_dir, prompt, context,
+                             progress, run_ids, options, io, fitting)
+    finally:  # every engine still open, also when one fails to open or a run fails
+        for eng in held:
             eng.close()
 
 
-def _time_engines(engines, model, runs, ids, mode, repeats, store, device, store_dir, prompt, context, progress,
-                  run_ids, options, io) -> list[TimedRun]:
-    """time_runs' body: the engines it opens are appended to `engines`, for the caller to close."""
+def _time_engines(held, model, runs, ids, mode, repeats, store, device, store_dir, prompt, context, progress,
+                  run_ids, options, io, fitting) -> list[TimedRun]:
+    """time_runs' body: the engines open at any moment are in `held`, for the caller to close."""
     import time
 
     import torch
 
+    from ..engine.budget import available_memory
     from ..engine.cache import CacheConfig
     from ..engine.engine import Engine, EngineConfig
     from ..engine.perplexity import teacher_forced
+    from ..errors import NotEnoughMemory
     from .bench import parse_variant
-    labels = []  # each run's variant and cache, as progress names it
-    for fraction, variant in runs:
-        policy, prefetch = parse_variant(variant)
-        cache = replace(fraction, io=io) if isinstance(fraction, CacheConfig) else CacheConfig(fraction=fraction, io=io)
-        engines.append(Engine(model, EngineConfig(device=device, store=store, cache=cache, policy=policy,
-                                                  prefetch=prefetch, store_dir=store_dir, **options)))
-        labels.append(f"{variant} @{f'{cache.bytes} bytes' if cache.bytes else f'{cache.fraction:g}'}")
+    caches = [replace(f, io=io) if isinstance(f, CacheConfig) else CacheConfig(fraction=f, io=io) for f, _ in runs]
+    groups: dict[CacheConfig, list[int]] = {}  # each cache's runs, in the order given
+    for i, cache in enumerate(caches):
+        groups.setdefault(cache, []).append(i)
+    labels = [f"{v} @{f'{c.bytes} bytes' if c.bytes else f'{c.fraction:g}'}" for (_, v), c in zip(runs, caches)]
 
-    def run(eng: Engine, ids: list[int]) -> tuple[float, RunStats]:
-        eng.reset()
+    def open_engine(cache: CacheConfig) -> Engine:
+        policy, prefetch = parse_variant(runs[groups[cache][0]][1])
+        eng = Engine(model, EngineConfig(device=device, store=store, cache=cache, policy=policy, prefetch=prefetch,
+                                         store_dir=store_dir, **options))
+        held.append(eng)
+        return eng
+
+    def close(eng: Engine) -> None:
+        held.remove(eng)
+        eng.close()
+
+    def run(eng: Engine, i: int) -> tuple[float, RunStats]:
+        policy, prefetch = parse_variant(runs[i][1])
+        eng.set_policy(policy)  # each starts a new run: the cache as it starts
+        eng.set_prefetch(prefetch)
+        ids_i = run_ids[i] if run_ids is not None else ids
         if mode == "decode":
-            eng.forward(torch.tensor(ids[:prompt]), 0)
+            eng.forward(torch.tensor(ids_i[:prompt]), 0)
             before, t = replace(eng.stats), time.perf_counter()
-            for pos in range(prompt, len(ids)):
-                eng.forward(torch.tensor(ids[pos:pos + 1]), pos)
+            for pos in range(prompt, len(ids_i)):
+                eng.forward(torch.tensor(ids_i[pos:pos + 1]), pos)
         else:
             before, t = RunStats(), time.perf_counter()
-            for _ in teacher_forced(lambda x: eng.forward(x, 0), ids, context):
+            for _ in teacher_forced(lambda x: eng.forward(x, 0), ids_i, context):
                 pass
         elapsed = time.perf_counter() - t
         s = difference(eng.stats, before)
         return elapsed / (s.moe_calls / eng.args.num_moe_layers), s
 
-    samples = [[] for _ in engines]
+    kept: dict[CacheConfig, Engine] = {}
+    free = available_memory()
+    try:
+        for cache in groups:
+            kept[cache] = open_engine(cache)
+        if free is not None and available_memory() < free / 10:  # the runs' predictors and temporaries need room
+            raise NotEnoughMemory("the engines together leave too little memory free")
+    except NotEnoughMemory:  # not all at once: one at a time, each round
+        for eng in kept.values():
+            close(eng)
+        kept = {}
+    samples: dict[int, list] = {i: [] for i in range(len(runs))}
+    slots: dict[int, str] = {}
     for rep in range(repeats + 1):  # repetition 0 warms up
-        for i, eng in enumerate(engines):
-            sample = run(eng, run_ids[i] if run_ids is not None else ids)
-            if rep:
-                samples[i].append(sample)
-            if progress:
-                progress(f"{f'rep {rep}' if rep else 'warm-up'} {labels[i]}")
+        for cache, members in list(groups.items()):
+            if cache in kept:
+                eng = kept[cache]
+            else:
+                try:
+                    eng = open_engine(cache)
+                except NotEnoughMemory:
+                    if not fitting or rep or len(groups) == 1:  # the last of them: nothing would be timed
+                        raise
+                    del groups[cache]  # too large for this machine even alone: left out
+                    for i in members * (repeats + 1):
+                        if progress:
+                            progress(f"left out {labels[i]}: it does not fit in memory")
+                    continue
+            for i in members:
+                sample = run(eng, i)
+                slots[i] = eng.slot_format.dtype
+                if rep:
+                    samples[i].append(sample)
+                if progress:
+                    progress(f"{f'rep {rep}' if rep else 'warm-up'} {labels[i]}")
+            if cache not in kept:
+                close(eng)
+                eng = None  # its memory goes before the next one loads
     out = []
-    for (fraction, variant), reps, eng in zip(runs, samples, engines):
-        reps.sort(key=lambda r: r[0])
-        seconds, stats = reps[len(reps) // 2]
-        out.append(TimedRun(fraction, variant, seconds, stats, eng.slot_format.dtype))
+    for i, ((fraction, variant), reps) in enumerate(zip(runs, samples.values())):
+        if reps:
+            reps.sort(key=lambda r: r[0])
+            seconds, stats = reps[len(reps) // 2]
+            out.append(TimedRun(fraction, variant, seconds, stats, slots[i]))
     return out
 
 
@@ -464,7 +520,8 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
     a = model_args(ckpt.config)
     runs = runs_within(runs_for_slots(runs, options.get("slot_dtype", "auto")), a.top_k, a.num_experts)
     ids = ids if ids is not None else calibration_ids(model, mode)
-    timed = time_runs(model, runs, ids, mode, repeats, store, device, store_dir, progress=progress, options=options)
+    timed = time_runs(model, runs, ids, mode, repeats, store, device, store_dir, progress=progress, options=options,
+                      fitting=True)
     st = open_store(store, ckpt, a, store_dir, torch.float32, options.get("store_format"),
                     options.get("read_mode", "auto"))
     rng = np.random.default_rng(0)
@@ -476,4 +533,8 @@ def measure_profile(model: Path | None, store: str = "disk", mode: str = "decode
         read_s.append(time.perf_counter() - start)
     if hasattr(st, "close"):
         st.close()
-    return fit_profile(timed, st, a.num_moe_layers, a.top_k, mode, store, statistics.median(read_s))
+    profile = fit_profile(timed, st, a.num_moe_layers, a.top_k, mode, store, statistics.median(read_s))
+    done = {(t.cache, t.variant) for t in timed}
+    left = [f"{v} @{f:g}" for f, v in runs if (f, v) not in done]
+    return replace(profile, source=f"{profile.source}; left out, as they do not fit in this machine's memory: "
+                                   f"{', '.join(left)}") if left else profile

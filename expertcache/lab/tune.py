@@ -33,7 +33,7 @@ from ..engine.cache import CacheConfig
 from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL, Engine, EngineConfig
 from ..engine.perplexity import perplexity
-from ..errors import BadInput
+from ..errors import BadInput, NotEnoughMemory
 from ..models import model_args
 from ..policies import make_policy
 from .bench import parse_variant
@@ -254,10 +254,12 @@ def pick_finalists(rows: list[dict], n: int, n_lowbit: int = 0, n_slots: int = 0
 
 
 def score(engines: dict[str, Engine], labels, ids: list[int], context: int, cfg: TuneConfig,
-          progress: Callable[..., None] | None = None, phase: str = "score") -> dict:
+          progress: Callable[..., None] | None = None, phase: str = "score", left_out: dict | None = None) -> dict:
     """Exact perplexity of each labelled candidate over `ids` (on the engine of its slot format) with the
     increase over fetch-every-miss on auto's slots, the exact model (paired bootstrap CI). `progress(phase, 0,
-    total)` once, with the tokens it scores in all, then `progress(candidate, tokens)` as they are scored."""
+    total)` once, with the tokens it scores in all, then `progress(candidate, tokens)` as they are scored. A
+    candidate whose policy does not fit in memory is not scored: it goes into `left_out`, with why."""
+    left_out = {} if left_out is None else left_out
     results = {}
     names = list(dict.fromkeys([BASELINE, *labels]))
     policies = list(dict.fromkeys(map(without_prefetch, names)))
@@ -266,13 +268,21 @@ def score(engines: dict[str, Engine], labels, ids: list[int], context: int, cfg:
     for name in policies:
         spec, slots = unlabel(name)
         engine = engines[slots]
-        engine.set_policy(spec)
+        try:
+            engine.set_policy(spec)
+        except NotEnoughMemory as e:  # a lowbit policy's small copies, held beside the ram store's experts
+            if name == BASELINE:
+                raise
+            left_out[name] = str(e)
+            if progress:
+                progress(name, len(ids) - 1)
+            continue
         results[name] = perplexity(engine, ids, context,
                                    progress=(lambda n, s=name: progress(s, n)) if progress else None)
     base = results[BASELINE]
     increase = {name: {"ppl": r.ppl, **paired_increase(base.window_nll, r.window_nll, cfg.bootstrap, cfg.seed)}
                 for name, r in results.items()}
-    return {name: increase[without_prefetch(name)] for name in names}
+    return {name: increase[without_prefetch(name)] for name in names if without_prefetch(name) in increase}
 
 
 def default_candidates(trace, cfg: TuneConfig, slots: str = "auto") -> list[str]:
@@ -352,9 +362,14 @@ def prediction_costs(engine: Engine, predictors, ids: list[int], tokens: int = P
 
 
 def slot_engine(model: Path | None, cfg: TuneConfig, slots: str) -> Engine:
-    """The exact `ram` engine of one slot format, emulating the store it reads (`slot_store_format`)."""
-    return Engine(model, EngineConfig(store="ram", cache=cfg.cache, initial="auto", slot_dtype=slots,
-                                      store_format=slot_store_format(slots)))
+    """The exact `ram` engine of one slot format, emulating the store it reads (`slot_store_format`); where the
+    experts do not fit in memory, the `disk` store of that format, whose reads give the same weights."""
+    config = EngineConfig(store="ram", cache=cfg.cache, initial="auto", slot_dtype=slots,
+                          store_format=slot_store_format(slots))
+    try:
+        return Engine(model, config)
+    except NotEnoughMemory:
+        return Engine(model, replace(config, store="disk"))
 
 
 def tune_ids(model: Path | None, calib_text: str, eval_text: str, cfg: TuneConfig) -> tuple[list[int], list[int]]:
@@ -404,10 +419,13 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
         check_model(p, args.num_moe_layers, args.top_k, f"model {model or BUILTIN_MODEL}")
     engines: dict[str, Engine] = {}
     skipped: dict[str, str] = {}  # predictors left out of the search, and why
+    left_out: dict[str, str] = {}  # finalists not scored, as their policy does not fit in memory, and why
+    engines_store: dict[str, str] = {}  # the store each slot format's exact scores read: ram, or disk if too large
     note = (lambda label, n=0, total=None: progress(label, n, total)) if progress else None
     try:
         for slots in searched:
             engines[slots] = slot_engine(model, cfg, slots)
+            engines_store[slots] = engines[slots].config.store
             if isinstance(profile, dict):  # one of other slots or mode than it is given for (the files in another
                 check_profile_for(profiles[slots], slots, engines[slots], cfg.mode)  # order) priced them silently
         if note:
@@ -432,7 +450,8 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
                 rows += replay_prefetching(trace, rows, engines, profiles, calib, cfg, skipped, note)
         est = {r["label"]: r["estimated_ms"] for r in rows}
         finalists = pick_finalists(rows, cfg.finalists, cfg.lowbit_finalists, cfg.slot_finalists)
-        scored = score(engines, finalists, calib, cfg.context, cfg, progress)
+        scored = score(engines, finalists, calib, cfg.context, cfg, progress, left_out=left_out)
+        finalists = [s for s in finalists if s in scored]
         within = [s for s in finalists if scored[s]["pct"] <= cfg.budget_pct]
         winner = min(within, key=lambda s: est[s]) if within else None
         timed = timed_choice(winner, within, est, timer) if winner and timer else {}
@@ -440,7 +459,7 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
         if winner and winner not in scored:  # its own policy, which scores as the prefetching winner did
             scored[winner] = scored[timed["estimated"]]
         checked = score(engines, [s for s in [winner, *cfg.presets] if s], held, cfg.context, cfg, progress,
-                        "validate")
+                        "validate", left_out)
     finally:
         for engine in engines.values():
             engine.close()
@@ -448,7 +467,8 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
     validation = {s: {**v, "estimated_ms": est.get(s), "estimated_speedup": base_ms / est[s] if s in est else None,
                       "within_budget": v["pct"] <= cfg.budget_pct} for s, v in checked.items()}
     config = {**cfg.__dict__, "cache": cfg.cache.__dict__, "candidates": [r["label"] for r in rows],
-              "calib_tokens_used": len(calib) - 1, "tokens_used": len(held) - 1, "prefetch_skipped": skipped}
+              "calib_tokens_used": len(calib) - 1, "tokens_used": len(held) - 1, "prefetch_skipped": skipped,
+              "not_scored": left_out, "store": engines_store}
     profile_out = {s: profiles[s].__dict__ for s in searched} if len(searched) > 1 else profiles["auto"].__dict__
     return TuneResult(config, profile_out, rows, scored, winner, validation, base_ms, timed)
 

@@ -41,20 +41,21 @@ class RamStore(ExpertStore):
         """(w13 [L, E, 2F, H], w2 [L, E, H, F], and with biases b13 [L, E, 2F], b2 [L, E, H]) in the
         compute dtype, each expert as the format stores it. Made on first use: quantized slots never
         need them (they copy the encoded blobs), and for a large model they are the largest thing held."""
-        layers, fmt = list(all_layer_experts(self._ckpt, self._args)), self.format
+        fmt, L = self.format, self._args.num_moe_layers
+        names = ("w13", "w2", "b13", "b2")[:4 if self.shape.bias else 2]
+        out = ()
+        # written in place, one layer read at a time: stacking per-layer copies held the model twice at its peak,
+        # at real size the difference between loading and being killed for memory
+        for layer, x in enumerate(all_layer_experts(self._ckpt, self._args)):
+            out = out or tuple(self._empty((L, *getattr(x, n).shape)) for n in names)
+            for held, n in zip(out, names):
+                for dst, w in zip(held[layer], getattr(x, n)):
+                    dst.copy_(w if fmt is None else roundtrip(w, fmt))
+        return out
 
-        def stack(part):
-            if fmt is None:
-                return self._hold(torch.stack([part(x).to(self.dtype) for x in layers]))
-            return self._hold(torch.stack([torch.stack([roundtrip(w, fmt) for w in part(x)]).to(self.dtype)
-                                           for x in layers]))
-        out = (stack(lambda x: x.w13), stack(lambda x: x.w2))
-        return out + (stack(lambda x: x.b13), stack(lambda x: x.b2)) if self.shape.bias else out
-
-    @staticmethod
-    def _hold(t: torch.Tensor) -> torch.Tensor:
-        """How the store keeps a stacked part (PinnedStore: page-locked)."""
-        return t
+    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A stacked part's memory (PinnedStore: page-locked)."""
+        return torch.empty(shape, dtype=self.dtype)
 
     w13 = property(lambda self: self.parts[0])
     w2 = property(lambda self: self.parts[1])
@@ -89,11 +90,12 @@ class RamStore(ExpertStore):
             return super().read_encoded(layer, expert, dst)
         if self._blobs is None:
             n = encoded_bytes(self.shape.parts, self.format)
-            self._blobs = torch.stack([
-                torch.stack([torch.frombuffer(bytearray(encode([p[e] for p in x if p is not None],
-                                                               self.shape.parts, self.format, n)), dtype=torch.uint8)
-                             for e in range(self.shape.num_experts)])
-                for x in all_layer_experts(self._ckpt, self._args)])  # [L, E, n]
+            blobs = torch.empty((self.shape.num_layers, self.shape.num_experts, n), dtype=torch.uint8)
+            for held, x in zip(blobs, all_layer_experts(self._ckpt, self._args)):  # in place, as `parts`
+                for e in range(self.shape.num_experts):
+                    held[e] = torch.frombuffer(bytearray(encode([p[e] for p in x if p is not None], self.shape.parts,
+                                                                self.format, n)), dtype=torch.uint8)
+            self._blobs = blobs
         dst.copy_(self._blobs[layer, expert])
         return self.expert_bytes
 
@@ -109,9 +111,8 @@ class PinnedStore(RamStore):
         super().__init__(ckpt, args, dtype)
         self.parts  # noqa: B018 -- page-locked at load, not at the first fetch
 
-    @staticmethod
-    def _hold(t: torch.Tensor) -> torch.Tensor:
-        return t.pin_memory()
+    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, pin_memory=True)
 
     def host_parts(self, layer: int, expert: int) -> list[torch.Tensor]:
         """The page-locked parts of (layer, expert) (w13 [2F, H], w2 [H, F], biases), to copy from as they are."""
