@@ -46,6 +46,28 @@ def test_generate_and_ppl_verbs(capsys, tmp_path):
     assert "experts per MoE layer" in capsys.readouterr().out
 
 
+def test_the_study_of_a_model_larger_than_memory_reads_its_experts_from_the_disk(monkeypatch):
+    """Where the ram store's experts do not fit in memory (and the study and `predict --speculative` take no
+    --store), the emulation runs on the disk store, whose reads give the same weights: the same numbers."""
+    from expertcache.engine import engine as engine_module
+    from expertcache.errors import NotEnoughMemory
+    from expertcache.lab.study import StudyConfig, run_study
+    cfg = StudyConfig(tokens_per_domain=128, context=64, prompts_per_domain=1, new_tokens=4, bootstrap=50,
+                      policies=("fetch-all", "threshold:tau=0.15"), generation_policies=("fetch-all", "threshold:tau=0.15"))
+    ram = run_study(None, cfg)
+    check = engine_module.Engine._check_memory
+
+    def refuse_ram(self, *args):
+        if self.config.store == "ram":
+            raise NotEnoughMemory("this run would hold more than this machine has free")
+        check(self, *args)
+    monkeypatch.setattr(engine_module.Engine, "_check_memory", refuse_ram)
+    disk = run_study(None, cfg)
+    assert ram.config["store"] == "ram" and disk.config["store"] == "disk"
+    assert {p: r["ppl"] for p, r in disk.runs.items()} == {p: r["ppl"] for p, r in ram.runs.items()}
+    assert disk.generation["samples"] == ram.generation["samples"]
+
+
 def test_study_and_bench_run(tmp_path):
     from expertcache.engine.generate import generate
     from expertcache.lab.bench import BenchConfig, run_bench

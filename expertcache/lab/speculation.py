@@ -6,11 +6,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..engine.cache import CacheConfig
-from ..engine.engine import Engine, EngineConfig
+from ..engine.engine import EngineConfig
 from ..engine.moe import PrefetchConfig
 from ..engine.perplexity import perplexity
 from ..engine.predictors import PREDICTORS
-from .study import BASELINE, StudyConfig, generation_test, paired_increase, study_sequences
+from .study import BASELINE, StudyConfig, exact_engine, generation_test, paired_increase, study_sequences
 
 
 def speculative_quality(model: Path | None, cfg: StudyConfig, predictors=PREDICTORS,
@@ -18,7 +18,8 @@ def speculative_quality(model: Path | None, cfg: StudyConfig, predictors=PREDICT
     """Perplexity increase over fetch-every-miss (paired bootstrap CI) and greedy agreement when each predictor's
     experts run in place of the true router's. `progress(label, n, total=None)` as `run_study`'s: a phase
     starts with its total (perplexity of every variant, then the generation test)."""
-    engine = Engine(model, EngineConfig(store="ram", cache=CacheConfig(fraction=cfg.cache_fraction), initial="warm"))
+    engine = exact_engine(model, EngineConfig(store="ram", cache=CacheConfig(fraction=cfg.cache_fraction),
+                                              initial="warm"))
     seq = study_sequences(engine, cfg)
     setups = {BASELINE: lambda e: (e.set_policy(BASELINE), e.set_prefetch(None))}
     for name in predictors:

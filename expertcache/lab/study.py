@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +15,7 @@ from ..engine.cache import CacheConfig
 from ..engine.engine import Engine, EngineConfig
 from ..engine.generate import generate
 from ..engine.perplexity import EVAL_TEXT, PerplexityResult, perplexity
-from ..errors import BadInput
+from ..errors import BadInput, NotEnoughMemory
 from ..policies import make_policy
 from .texts import domain_texts
 
@@ -160,13 +160,25 @@ def run_metrics(r: PerplexityResult, base: PerplexityResult, cfg: StudyConfig) -
                                                         for w in r.window_stats]}
 
 
+def exact_engine(model: Path | None, config: EngineConfig) -> Engine:
+    """An engine on the `ram` store of `config`, the emulation's slow tier; where the experts do not fit in memory,
+    on the `disk` store, whose reads give the same weights (every miss then a real read: slower, the same
+    numbers)."""
+    try:
+        return Engine(model, config)
+    except NotEnoughMemory:
+        return Engine(model, replace(config, store="disk"))
+
+
 def run_study(model: Path | None, cfg: StudyConfig, progress: Callable[..., None] | None = None) -> StudyResult:
-    """Run every policy of `cfg` over the same sequences on the exact `ram` store (warm cache carried over),
-    then the analyses and the generation test. `progress(label, n)` counts tokens; each phase opens with
+    """Run every policy of `cfg` over the same sequences on the exact `ram` store (`exact_engine`; warm cache
+    carried over), then the analyses and the generation test. `progress(label, n)` counts tokens; each phase opens with
     `progress(label, 0, total=T)`, its whole count."""
-    engine = Engine(model, EngineConfig(store="ram", cache=CacheConfig(fraction=cfg.cache_fraction), initial="warm"))
+    engine = exact_engine(model, EngineConfig(store="ram", cache=CacheConfig(fraction=cfg.cache_fraction),
+                                              initial="warm"))
     seq = study_sequences(engine, cfg)
-    result = StudyResult(cfg.__dict__ | {"policies": list(cfg.policies)}, str(engine.path),
+    result = StudyResult(cfg.__dict__ | {"policies": list(cfg.policies), "store": engine.config.store},
+                         str(engine.path),
                          {"tokens": len(seq.ids) - 1, "domains": seq.domains, "topic_change_tokens": seq.starts,
                           "prompts": len(seq.prompts), "slots_per_layer": engine.cache.per_layer,
                           "experts": engine.args.num_experts})

@@ -40,7 +40,7 @@ from .bench import parse_variant
 from .costmodel import HardwareProfile, check_model
 from .plots import pareto_front
 from .simulator import replay, route_trace
-from .study import BASELINE, paired_increase
+from .study import BASELINE, exact_engine, paired_increase
 from .trace import record_trace
 
 TAUS = (0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
@@ -364,12 +364,8 @@ def prediction_costs(engine: Engine, predictors, ids: list[int], tokens: int = P
 def slot_engine(model: Path | None, cfg: TuneConfig, slots: str) -> Engine:
     """The exact `ram` engine of one slot format, emulating the store it reads (`slot_store_format`); where the
     experts do not fit in memory, the `disk` store of that format, whose reads give the same weights."""
-    config = EngineConfig(store="ram", cache=cfg.cache, initial="auto", slot_dtype=slots,
-                          store_format=slot_store_format(slots))
-    try:
-        return Engine(model, config)
-    except NotEnoughMemory:
-        return Engine(model, replace(config, store="disk"))
+    return exact_engine(model, EngineConfig(store="ram", cache=cfg.cache, initial="auto", slot_dtype=slots,
+                                            store_format=slot_store_format(slots)))
 
 
 def tune_ids(model: Path | None, calib_text: str, eval_text: str, cfg: TuneConfig) -> tuple[list[int], list[int]]:
