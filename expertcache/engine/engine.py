@@ -267,6 +267,7 @@ class Engine:
             each = slot_bytes(shape, stored) if self.slot_format.quantized else \
                 shape.numel * store_dtype.itemsize
             parts[f"the {c.store} store's experts"] = each * shape.num_layers * shape.num_experts
+            parts["a layer read while they load"] = each * shape.num_experts
         fixes = (["--store disk (the experts stay on the disk)"] if c.store in ("ram", "pinned") else []) + \
             ["a smaller --cache", "--memory-budget"]
         refuse_unless_fits(parts, free, "", "this machine has free", f"{', '.join(fixes[:-1])} or {fixes[-1]}")
@@ -365,8 +366,10 @@ class Engine:
             if self.config.store in ("ram", "pinned"):  # held in memory too, beside the experts: refused, not killed
                 free, shape = available_memory(), ExpertShape.of(self.args)
                 if free is not None:
-                    held = shape.numel * small.dtype.itemsize * shape.num_layers * shape.num_experts
-                    refuse_unless_fits({f"the {self.config.store} store's low-precision copies": held}, free,
+                    layer = shape.numel * small.dtype.itemsize * shape.num_experts
+                    parts = {f"the {self.config.store} store's low-precision copies": layer * shape.num_layers,
+                             "a layer read while they are made": layer}
+                    refuse_unless_fits(parts, free,
                                        f" more for policy {policy.name!r}", "this machine has free",
                                        "--store disk or a policy without low-precision copies")
             self.small_store = small
