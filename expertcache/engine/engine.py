@@ -149,6 +149,12 @@ def refuse_unless_fits(parts: dict[str, int], free: int, where: str, free_where:
                               f"{size_text(free)} {free_where}; use {fixes}")
 
 
+def held_in_memory(what: str, each: int, shape: ExpertShape) -> dict[str, int]:
+    """What a ram or pinned store holds of every expert (`each` bytes apiece), named `what`, and the layer read from
+    the checkpoint while it fills them: the parts refuse_unless_fits weighs."""
+    return {what: each * shape.num_layers * shape.num_experts, "a layer read while they load": each * shape.num_experts}
+
+
 class Engine:
     """A checkpoint run with its experts in a slow tier and an expert cache in the fast tier, under one
     miss policy; `forward(ids [T], pos) -> logits [T, V]`."""
@@ -266,8 +272,7 @@ class Engine:
         if c.store in ("ram", "pinned"):  # every expert, as the store holds them (quantized slots: encoded)
             each = slot_bytes(shape, stored) if self.slot_format.quantized else \
                 shape.numel * store_dtype.itemsize
-            parts[f"the {c.store} store's experts"] = each * shape.num_layers * shape.num_experts
-            parts["a layer read while they load"] = each * shape.num_experts
+            parts |= held_in_memory(f"the {c.store} store's experts", each, shape)
         fixes = (["--store disk (the experts stay on the disk)"] if c.store in ("ram", "pinned") else []) + \
             ["a smaller --cache", "--memory-budget"]
         refuse_unless_fits(parts, free, "", "this machine has free", f"{', '.join(fixes[:-1])} or {fixes[-1]}")
@@ -366,9 +371,8 @@ class Engine:
             if self.config.store in ("ram", "pinned"):  # held in memory too, beside the experts: refused, not killed
                 free, shape = available_memory(), ExpertShape.of(self.args)
                 if free is not None:
-                    layer = shape.numel * small.dtype.itemsize * shape.num_experts
-                    parts = {f"the {self.config.store} store's low-precision copies": layer * shape.num_layers,
-                             "a layer read while they are made": layer}
+                    parts = held_in_memory(f"the {self.config.store} store's low-precision copies",
+                                           shape.numel * small.dtype.itemsize, shape)
                     refuse_unless_fits(parts, free,
                                        f" more for policy {policy.name!r}", "this machine has free",
                                        "--store disk or a policy without low-precision copies")

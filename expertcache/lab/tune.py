@@ -416,12 +416,10 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
     engines: dict[str, Engine] = {}
     skipped: dict[str, str] = {}  # predictors left out of the search, and why
     left_out: dict[str, str] = {}  # finalists not scored, as their policy does not fit in memory, and why
-    engines_store: dict[str, str] = {}  # the store each slot format's exact scores read: ram, or disk if too large
     note = (lambda label, n=0, total=None: progress(label, n, total)) if progress else None
     try:
         for slots in searched:
             engines[slots] = slot_engine(model, cfg, slots)
-            engines_store[slots] = engines[slots].config.store
             if isinstance(profile, dict):  # one of other slots or mode than it is given for (the files in another
                 check_profile_for(profiles[slots], slots, engines[slots], cfg.mode)  # order) priced them silently
         if note:
@@ -464,7 +462,7 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
                       "within_budget": v["pct"] <= cfg.budget_pct} for s, v in checked.items()}
     config = {**cfg.__dict__, "cache": cfg.cache.__dict__, "candidates": [r["label"] for r in rows],
               "calib_tokens_used": len(calib) - 1, "tokens_used": len(held) - 1, "prefetch_skipped": skipped,
-              "not_scored": left_out, "store": engines_store}
+              "not_scored": left_out, "store": {s: e.config.store for s, e in engines.items()}}
     profile_out = {s: profiles[s].__dict__ for s in searched} if len(searched) > 1 else profiles["auto"].__dict__
     return TuneResult(config, profile_out, rows, scored, winner, validation, base_ms, timed)
 
