@@ -838,7 +838,8 @@ def test_a_template_that_renders_nothing_gets_a_400(monkeypatch):
 
 def test_bodies_that_once_failed_inside_the_server_get_400s(server, client):
     """A text part that is not a string, a lone surrogate escape, a prompt too long to tokenize, a body that is
-    not a JSON object: 400s naming the problem. A seed at the top of its range with n=2 wraps for choice 1."""
+    not UTF-8, holds an integer of more digits than int() reads, or is not a JSON object: 400s naming the problem.
+    A seed at the top of its range with n=2 wraps for choice 1."""
     def post(body: dict | bytes, path: str = "/chat/completions", content_type: str = "application/json"):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         req = urllib.request.Request(server.base_url + path, data=data, headers={"content-type": content_type})
@@ -857,6 +858,8 @@ def test_bodies_that_once_failed_inside_the_server_get_400s(server, client):
     assert code == 400 and "characters" in out["error"]["message"] and time.monotonic() - start < 5
     code, out = post(b'{"prompt": "caf\xe9"}', "/completions")  # latin-1, not UTF-8
     assert code == 400 and "not UTF-8" in out["error"]["message"], out
+    code, out = post(b'{"prompt": "hi", "max_tokens": %s}' % (b"9" * 5000), "/completions")  # past int()'s digits
+    assert code == 400 and "cannot be read as JSON" in out["error"]["message"], out
     code, out = post(b"model=x", "/completions", "application/x-www-form-urlencoded")
     assert code == 400 and "Content-Type: application/json" in out["error"]["message"]
     got = client.completions.create(model=MODEL, prompt="a", max_tokens=2, n=2, seed=2**64 - 1)
@@ -995,6 +998,7 @@ def test_bad_requests_get_openai_errors(client, server):
                                           ({"frequency_penalty": True}, "frequency_penalty must be a number"),
                                           ({"logit_bias": {"x": 1}}, "logit_bias key 'x' is not a token id"),
                                           ({"logit_bias": {"99999999": 1}}, "logit_bias key"),
+                                          ({"logit_bias": {"1" * 5000: 1}}, "logit_bias key"),  # past int()'s digits
                                           ({"logit_bias": {"5": 101}}, "in [-100, 100]"),
                                           ({"logit_bias": {"5": "1"}}, "in [-100, 100]"),
                                           ({"logit_bias": [5]}, "logit_bias"),
@@ -1537,6 +1541,32 @@ def test_a_500_names_the_failure_without_the_servers_paths():
     from expertcache.serve.app import Server
     err = Server._error(FetchError("/home/me/.cache/expertcache/store-1/experts.bin: short read of expert 3"))
     assert err.status == 500 and err.message == "generation failed: experts.bin: short read of expert 3"
+
+
+def test_a_fault_of_the_servers_own_is_an_openai_500_and_the_server_goes_on(server, monkeypatch):
+    """An exception no handler expects (a bug of the server's) answers an OpenAI-style 500, not Starlette's
+    text/plain "Internal Server Error"."""
+    def fail(body):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(server.server.config.app.state.server, "completion_prompts", fail)
+    url, body = f"{server.base_url}/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    status, _, answer = post(url, body)
+    assert status == 500 and answer["error"]["type"] == "server_error" and "RuntimeError" in answer["error"]["message"]
+    monkeypatch.undo()
+    assert post(url, body)[0] == 200
+
+
+def test_a_call_holding_an_integer_past_ints_digits_is_read_not_raised():
+    """json.loads raises a ValueError, not a JSONDecodeError, on an integer of more than 4,300 digits (a looping
+    model's): such a JSON call stays text, as a call that does not parse, and GLM-4.5's value stays a string."""
+    from expertcache.serve.reasoning import split_reply
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    digits = "1" * 5000
+    hermes = f'<tool_call>\n{{"name": "ls", "arguments": {{"depth": {digits}}}}}\n</tool_call>'
+    assert split_reply(hermes, tools=tools)[1:] == (hermes, [])
+    glm = f"<tool_call>ls\n<arg_key>depth</arg_key>\n<arg_value>{digits}</arg_value>\n</tool_call>"
+    (call,) = split_reply(glm, tools=tools)[2]
+    assert json.loads(call["function"]["arguments"]) == {"depth": digits}
 
 
 def test_completions_refuse_chats_top_logprobs(server):

@@ -216,6 +216,7 @@ class Sampler:
             sorted_probs, order = probs.sort(descending=True)
             # keep a token if the mass before it is below top_p (the first token always stays)
             drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+            drop[0] = False  # even where top_p rounds to 0 in float32 (1e-300)
             probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
         # drawn on the generator's device (the host): a seed gives the same tokens on every device
         return int(torch.multinomial(probs.to(self.generator.device), 1, generator=self.generator))

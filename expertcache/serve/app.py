@@ -526,10 +526,20 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, e: StarletteHTTPException):  # an unknown path or method, an unreadable body
         message = str(e.detail)
-        if e.status_code == 400 and message == "There was an error parsing the body":  # FastAPI's, for bytes
-            message = "the body is not UTF-8 text (JSON is sent as UTF-8); send valid UTF-8 JSON"  # json cannot decode
+        # FastAPI's, for what json cannot decode: bytes not UTF-8, or an integer of more digits than int() reads
+        if e.status_code == 400 and message == "There was an error parsing the body":
+            cause = e.__cause__
+            message = ("the body is not UTF-8 text (JSON is sent as UTF-8); send valid UTF-8 JSON"
+                       if isinstance(cause, UnicodeDecodeError) else
+                       f"the body cannot be read as JSON ({str(cause).split(';')[0]})")
         # with its headers: a 405 must name the methods the path takes (Allow), as HTTP requires
         return JSONResponse(APIError(e.status_code, message).body(), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(_, e: Exception):  # a fault of the server's own: still an OpenAI body, not a text/plain
+        # "Internal Server Error"; Starlette re-raises it after this answer, so the log keeps its traceback
+        return JSONResponse(APIError(500, f"the server failed on this request ({type(e).__name__}); its log has the "
+                                     "details", None, type(e).__name__, "server_error").body(), status_code=500)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # probes that ask with HEAD
     async def health():  # 'ok', or what stopped the worker ('failed: ...', 'stopped'), with a 503

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validator
 
-from ..engine.sampling import MAX_LOGPROBS
+from ..engine.sampling import MAX_LOGPROBS, short
 from ..engine.structured import JSON_OBJECT
 from .tools import call_grammar
 
@@ -267,9 +267,11 @@ def logit_bias_pairs(body: SamplingFields, vocab: int) -> tuple[tuple[int, float
     takes it; APIError for a key that is not a token id of the vocabulary or a value that is not such a number."""
     pairs = []
     for key, bias in (body.logit_bias or {}).items():
-        token = int(key) if key.isascii() and key.strip().isdigit() else -1
+        digits = key.strip()  # read only as long as a token id: int() of 4,301 digits (zeros too) is a ValueError
+        is_id = digits.isascii() and digits.isdigit() and len(digits.lstrip("0")) <= len(str(vocab))
+        token = int(digits.lstrip("0") or "0") if is_id else -1
         if not 0 <= token < vocab:
-            raise APIError(400, f"logit_bias key {key!r} is not a token id; keys are token ids in [0, {vocab}) "
+            raise APIError(400, f"logit_bias key {short(key)} is not a token id; keys are token ids in [0, {vocab}) "
                            "written as strings, e.g. {\"42\": -100}", "logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise APIError(400, f"logit_bias value {bias!r} for token {key} must be a number in [-100, 100]",

@@ -112,7 +112,7 @@ def _typed(pairs: list[tuple[str, str]], strings: set[str]) -> dict:
     for key, text in pairs:
         try:
             arguments[key.strip()] = text if key.strip() in strings else json.loads(text)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or an integer of more digits than int() takes
             arguments[key.strip()] = text
     return arguments
 
@@ -123,7 +123,7 @@ def _call(body: str, tools: list | None) -> dict | None:
     its <parameter=KEY> values (each value JSON, unless it does not parse or the tool declares it a string)."""
     try:
         value = json.loads(body)
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON (JSONDecodeError), or an integer of more digits than int() takes
         if (function := XML_FUNCTION.match(body)) is not None:
             name, pairs = function.group(1), [(k, v.removeprefix("\n").removesuffix("\n"))
                                               for k, v in XML_PARAMETER.findall(function.group(2))]
