@@ -131,6 +131,34 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     dv = load_file(str(nan_vectors / "default_vectors.safetensors"))
     dv["default_vectors"][1, 2, 3] = float("nan")
     save_file(dv, str(nan_vectors / "default_vectors.safetensors"))
+    rope_list = tmp / "rope_list"  # RoPE parameters that are no object
+    shutil.copytree(BUILTIN_MODEL, rope_list)
+    (rope_list / "config.json").write_text(json.dumps({**cfg, "rope_parameters": ["default"]}))
+    rope_zero = tmp / "rope_zero"
+    shutil.copytree(BUILTIN_MODEL, rope_zero)
+    (rope_zero / "config.json").write_text(json.dumps({**cfg, "rope_theta": 0, "rope_parameters": None}))
+    many_k = tmp / "many_k"
+    shutil.copytree(BUILTIN_MODEL, many_k)
+    (many_k / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": cfg["num_experts"] + 1}))
+    expert = "model.layers.1.mlp.experts.5.up_proj.weight"
+    no_expert = tmp / "no_expert"  # one expert's tensor left out of the export
+    shutil.copytree(BUILTIN_MODEL, no_expert)
+    with safe_open(str(BUILTIN_MODEL / "model.safetensors"), "pt") as f:
+        save_file({k: f.get_tensor(k) for k in f.keys() if k != expert}, str(no_expert / "model.safetensors"))
+    short_expert = tmp / "short_expert"  # one expert's tensor a row short
+    shutil.copytree(BUILTIN_MODEL, short_expert)
+    with safe_open(str(BUILTIN_MODEL / "model.safetensors"), "pt") as f:
+        save_file({k: f.get_tensor(k)[:-1].contiguous() if k == expert else f.get_tensor(k) for k in f.keys()},
+                  str(short_expert / "model.safetensors"))
+    lost_shard = tmp / "lost_shard"  # two shards and their index, the second not downloaded
+    shutil.copytree(BUILTIN_MODEL, lost_shard, ignore=shutil.ignore_patterns("model.safetensors"))
+    with safe_open(str(BUILTIN_MODEL / "model.safetensors"), "pt") as f:
+        names = sorted(f.keys())
+        shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+        save_file({k: f.get_tensor(k) for k in shards["model-00001-of-00002.safetensors"]},
+                  str(lost_shard / "model-00001-of-00002.safetensors"))
+    (lost_shard / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: shard for shard, ks in shards.items() for k in ks}}))
     png = tmp / "plot.png"
     png.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
     ppl = ["ppl", "--store", "ram", "--max-tokens", "64"]
@@ -252,6 +280,17 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
                                                     "--predictors", "quasi-hidden"]),
         ("trace --context past the model's context", ["trace", "--context", "4096", "--max-tokens", "4096", "--out",
                                                       str(tmp / "long.ectrace")]),
+        ("--cache nan", [*ppl, "--cache", "nan"]),
+        ("--cache -1", [*ppl, "--cache", "-1"]),
+        ("--policy threshold:tau (no value)", [*ppl, "--policy", "threshold:tau"]),
+        ("--policy fetch-all+fetch-all", [*ppl, "--policy", "fetch-all+fetch-all"]),
+        ("config with RoPE parameters that are no object", [*ppl, "--model", str(rope_list)]),
+        ("config with rope_theta 0", [*ppl, "--model", str(rope_zero)]),
+        ("config with more experts per token than experts", [*ppl, "--model", str(many_k)]),
+        ("checkpoint without one expert's tensor", [*ppl, "--model", str(no_expert)]),
+        ("checkpoint with one expert's tensor a row short", [*ppl, "--model", str(short_expert)]),
+        ("sharded checkpoint without a shard its index names", [*ppl, "--model", str(lost_shard)]),
+        ("generate a prompt past the model's context", ["generate", "--store", "ram", "-p", "word " * 3000]),
     ]
 
 

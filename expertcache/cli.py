@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from .choices import DATA
-from .commands.options import compiled_ok
+from .commands.options import check_environment, compiled_ok
 from .errors import ExpertCacheError
 
 VERBS = ["generate", "chat", "serve", "ppl", "convert", "info", "calibrate", "predict", "study", "tune", "bench",
@@ -98,6 +98,7 @@ def _run(argv: list[str] | None) -> int:
     if json_to_stdout:  # stdout carries the JSON alone, so that it pipes into a parser
         args.json = io.StringIO()
     try:
+        check_environment()
         if getattr(args, "model", None) is not None:
             from .commands.options import check_before_download
             from .engine.checkpoint import is_hub_id, model_folder

@@ -364,3 +364,51 @@ def test_a_benchmark_scripts_bad_input_ends_in_one_line_and_exit_2(tmp_path):
     with pytest.raises(SystemExit) as e:
         cli.run_script(lambda: None)
     assert e.value.code == 0
+
+
+@pytest.mark.parametrize("threads", ["0", "two", ""])
+def test_a_thread_count_numba_cannot_take_is_one_line(threads):
+    """NUMBA_NUM_THREADS, which sets the compiled kernels' threads, is read by numba as it is first imported: 0
+    ended in numba's traceback (exit 1), a word or an empty one (NUMBA_NUM_THREADS=$UNSET) was ignored with a
+    warning and every core used."""
+    import os
+    out = subprocess.run([sys.executable, "-m", "expertcache.cli", "ppl", "--store", "ram", "--max-tokens", "8"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "NUMBA_NUM_THREADS": threads})
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert f"NUMBA_NUM_THREADS={threads!r} is not a whole number >= 1" in out.stderr
+
+
+def test_an_empty_expertcache_home_is_the_default_not_the_working_folder(tmp_path, monkeypatch):
+    """EXPERTCACHE_HOME set but empty (EXPERTCACHE_HOME=$UNSET) reads as unset, as XDG_CACHE_HOME does: stores
+    were converted into ./stores of whatever folder the command ran in."""
+    from expertcache.engine.checkpoint import open_checkpoint
+    from expertcache.engine.engine import BUILTIN_MODEL
+    from expertcache.engine.stores.convert import default_store_dir
+    monkeypatch.setenv("EXPERTCACHE_HOME", "")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_store_dir(open_checkpoint(BUILTIN_MODEL)).parent == tmp_path / ".cache" / "expertcache" / "stores"
+
+
+@pytest.mark.parametrize("data", ["ROMEO.\n".encode("utf-16-le"), b"ROMEO.\0\n"], ids=["utf-16", "nul"])
+def test_a_piped_prompt_of_utf16_or_nuls_is_refused_as_a_text_file_is(data, monkeypatch, capsys):
+    """A prompt piped from a UTF-16 file without a byte-order mark reads as ASCII with a NUL beside each character:
+    `--text` refuses such a file, and generate ran the NULs as the prompt. A UTF-8 byte-order mark is dropped."""
+    import io
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape"))
+    assert cli.main(["generate", "--store", "ram", "-n", "2", "-"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "the prompt read from stdin is UTF-16 or binary" in err, err
+    monkeypatch.setattr("sys.stdin", io.StringIO("\ufeffROMEO.\n"))
+    assert cli.main(["generate", "--store", "ram", "-n", "2", "-"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO.\n")
+
+
+def test_a_prompt_past_the_models_context_names_no_higher_max_seq(capsys):
+    """A prompt that outgrows --max-seq: a higher --max-seq is named as a fix only up to the model's context,
+    where it was named past it too (and then refused)."""
+    long = "ROMEO. What light through yonder window breaks? " * 400
+    assert cli.main(["generate", "--store", "ram", "-n", "4", "-p", long]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "exceed --max-seq 2048" in err and "raise --max-seq" not in err and "whole context" in err, err
+    assert cli.main(["generate", "--store", "ram", "--max-seq", "64", "-n", "4", "-p", long]) == 2
+    assert "raise --max-seq (at most 2048, the model's context)" in capsys.readouterr().err

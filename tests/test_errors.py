@@ -272,13 +272,22 @@ def test_impossible_config_values_are_one_line(capsys, ckpt, key, value, words):
     ("deepseek_v2", "mlp_bias", True, "mlp_bias true"),
     ("mixtral", "sliding_window", 0, "sliding_window 0"),
     ("qwen3_moe", "rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}, "'llama3' is not"),
-    ("qwen3_moe", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "needs a factor > 0 and")])
+    ("qwen3_moe", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "needs a factor > 0 and"),
+    ("qwen3_moe", "rope_parameters", ["yarn"], "cannot take ('list' object has no attribute"),
+    ("qwen3_moe", "rope_parameters", {"rope_type": "default", "rope_theta": 0}, "rope_theta 0.0; it must be"),
+    ("mixtral", "rope_parameters", {"rope_type": "default", "rope_theta": float("nan")}, "rope_theta nan"),
+    ("glm4_moe", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 2.0},
+     "partial_rotary_factor 2.0"),
+    ("olmoe", "clip_qkv", "3", "clip_qkv '3'"),
+    ("gpt_oss", "layer_types", ["full_attention", "global"], "layer_types 'global'")])
 def test_config_dimensions_that_do_not_fit_the_weights_or_each_other_are_one_line(capsys, tiny, tmp_path, family, key,
                                                                                value, words):
     """Each attention dimension of a config is checked against its tensors at load, and the router's groups against
     its experts: a wrong one crashed inside the first forward's reshapes (MLA's latent and head dimensions, a GQA's
     key-value heads, a DeltaNet's) or the router's grouping. Settings the engine does not compute (a RoPE scaling
-    of another kind, MLP biases) or cannot (a zero window, a YaRN without its original length) are refused too."""
+    of another kind, MLP biases) or cannot (a zero window, a YaRN without its original length) are refused too, and
+    values that failed in the first forward with a traceback (RoPE parameters that are no object, a rotary share past
+    1, a string clip_qkv) or ran it to non-finite logits blamed on the weights (rope_theta 0 or NaN)."""
     path = tmp_path / "model"
     shutil.copytree(tiny[family][0], path)
     cfg = json.loads((path / "config.json").read_text())
@@ -428,6 +437,44 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_run(capsys, ckpt,
             run_cli(capsys, *argv)
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert e.value.code == 2 and words in err, (argv, err)
+
+
+@pytest.fixture
+def read_only_model(tmp_path):
+    """The built-in model as a folder of links to its files that this process cannot write into: read-only by its
+    mode, or for root (whom modes do not stop) a read-only bind mount of it."""
+    import subprocess
+    path = tmp_path / "read_only"
+    path.mkdir()
+    for f in BUILTIN_MODEL.iterdir():
+        (path / f.name).symlink_to(f)
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "--bind", str(path), str(path)]).returncode:
+        pytest.skip("cannot bind-mount here")
+    if subprocess.run(["mount", "-o", "remount,ro,bind", str(path)]).returncode == 0:
+        yield path
+    subprocess.run(["umount", str(path)])
+
+
+def test_verbs_that_write_beside_the_weights_refuse_a_read_only_checkpoint_first(capsys, read_only_model,
+                                                                                 monkeypatch):
+    """calibrate and predict --train write beside the weights: a checkpoint folder they cannot write (a read-only
+    mount, another user's) is refused before the work, naming what to do, not when its results are written
+    (minutes in at real size) with a fix naming flags they do not have."""
+    from expertcache.lab import calibrate, prediction
+
+    def work(*a, **k):
+        raise AssertionError("the work ran first")
+    monkeypatch.setattr(calibrate, "run_exact", work)
+    monkeypatch.setattr(prediction, "record_states", work)
+    for argv, files in ((["calibrate"], "routing_counts.json"), (["predict", "--train"], "estimator.safetensors")):
+        code, err = run_cli(capsys, *argv, "--model", str(read_only_model), "--max-tokens", "64")
+        assert code == 2 and err.count("\n") == 0 and "cannot be written" in err and files in err, err
+        assert "ln -s" in err and "--store-dir" not in err, err
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(ckpt):

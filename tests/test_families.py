@@ -460,3 +460,23 @@ def test_block_fp8_checkpoint_is_read_dequantised(family, tmp_path, capsys):
     assert cli.main(["info", "--model", str(tmp_path / "fp8")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "'gptq' cannot be read" in err, err
+
+
+def test_a_float64_checkpoint_runs_through_every_store_as_hfs_model(tiny, tmp_path):
+    """A model saved after .double() (safetensors F64): its experts are held in fp32, the widest format a store
+    holds and what the engine computes in, through the ram and the disk store alike; the disk store and `convert`
+    failed on it with a KeyError."""
+    from copy import deepcopy
+    path, hf = tiny["qwen3_moe"]
+    deepcopy(hf).double().save_pretrained(tmp_path / "f64")
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    for store in ("ram", "disk"):
+        engine = Engine(tmp_path / "f64", EngineConfig(store=store, cache=CacheConfig(fraction=0.5), initial="cold",
+                                                       store_dir=tmp_path / "store"))
+        torch.testing.assert_close(engine.forward(ids, 0), ref, atol=1e-4, rtol=0)
+        assert engine.stats.sync_fetches > 0
+        engine.close()
+    assert cli.main(["convert", "--model", str(tmp_path / "f64"), "--out", str(tmp_path / "converted")]) == 0
+    assert json.loads((tmp_path / "converted" / "experts.json").read_text())["dtype"] == "float32"

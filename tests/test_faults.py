@@ -468,3 +468,18 @@ def test_sigterm_during_a_conversion_removes_its_partial_file(tiny, tmp_path):
                           text=True)
     assert proc.returncode == -signal.SIGTERM, proc.stderr
     assert out.is_dir() and not list(out.glob("experts.*")), list(out.iterdir())
+
+
+def test_a_conversion_whose_header_cannot_be_written_leaves_no_store_file(capsys, tiny, tmp_path):
+    """The disk fills after experts.bin is written whole, as experts.json is: the conversion fails in one line and
+    removes experts.bin too (a real model's tens of GB, which no run uses without its header and none removed);
+    the next conversion makes a store that opens."""
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "experts.json.partial").symlink_to("/dev/full")  # the header's write: no space left on device
+    code = cli.main(["convert", "--model", str(tiny[FAMILY][0]), "--out", str(store)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # below the conversion's finished bar
+    assert code == 2 and err.startswith("expertcache: error:") and "No space left on device" in err, err
+    assert not list(store.glob("experts.*")), list(store.iterdir())
+    assert cli.main(["convert", "--model", str(tiny[FAMILY][0]), "--out", str(store)]) == 0
+    DiskStore(store, model_args(open_checkpoint(tiny[FAMILY][0]).config)).close()

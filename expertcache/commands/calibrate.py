@@ -23,10 +23,12 @@ def add_arguments(p):
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    from ..engine.checkpoint import check_writable
     from ..lab.calibrate import calibrate, check_calibration_budget, encode_text, save_calibration
     from ..lab.texts import read_text
     from ..progress import progress_bar
     path = a.model or BUILTIN_MODEL
+    check_writable(path, "routing_counts.json and default_vectors.safetensors")
     ids = encode_text(path, read_text(a.text), a.max_tokens)
     if a.memory_budget is not None:
         check_calibration_budget(path, len(ids), a.memory_budget)

@@ -109,11 +109,16 @@ def logit_bias_flags(flags: list[str]) -> tuple[tuple[int, float], ...]:
 
 
 def check_fits(engine, prompt_len: int, max_new_tokens: int) -> None:
-    """Refuse, naming the CLI flags, a prompt and -n that outgrow --max-seq."""
-    if prompt_len + max_new_tokens > engine.model.max_seq:
-        tokens = f"over {engine.model.max_seq}" if prompt_len > engine.model.max_seq else prompt_len
-        raise BadInput(f"the prompt ({tokens} tokens) + -n {max_new_tokens} exceed --max-seq "
-                       f"{engine.model.max_seq}; lower -n, shorten the prompt or raise --max-seq")
+    """Refuse, naming the CLI flags, a prompt and -n that outgrow --max-seq; a higher --max-seq is named as a fix
+    only up to the model's context (past it, --max-seq is refused)."""
+    from ..engine.engine import max_seq_limit
+    max_seq, limit = engine.model.max_seq, max_seq_limit(engine.args)
+    if prompt_len + max_new_tokens > max_seq:
+        tokens = f"over {max_seq}" if prompt_len > max_seq else prompt_len
+        room = f", or raise --max-seq (at most {limit}, the model's context)" if max_seq < limit else \
+            f" (--max-seq {max_seq} is the model's whole context)"
+        raise BadInput(f"the prompt ({tokens} tokens) + -n {max_new_tokens} exceed --max-seq {max_seq}; lower -n or "
+                       f"shorten the prompt{room}")
 
 
 def add_arguments(p):
@@ -133,7 +138,11 @@ def prompt_text(a) -> str:
         raise BadInput(f"two prompts given (-p {a.prompt_option!r} and {a.prompt!r}); give one, quoting it if it "
                        "has spaces")
     given = a.prompt_option if a.prompt_option is not None else a.prompt
-    text = sys.stdin.read() if given == "-" or (given is None and not sys.stdin.isatty()) else given
+    text = given
+    if given == "-" or (given is None and not sys.stdin.isatty()):  # its bytes as read (surrogateescape), checked
+        # as a --text file's are
+        from ..lab.texts import utf8_text
+        text = utf8_text(sys.stdin.read().encode("utf-8", "surrogateescape"), "the prompt read from stdin")
     if not text and given is not None:  # asked for explicitly, so the default prompt would be a silent substitute
         raise BadInput("the prompt is empty; give some text (or no prompt at all for the default one)")
     return text or DEFAULT_PROMPT

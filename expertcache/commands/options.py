@@ -251,6 +251,20 @@ def announce_compile() -> None:
     event.register("numba:compile", Notice())
 
 
+def check_environment() -> None:
+    """BadInput for an environment variable a verb would fail on far from it: NUMBA_NUM_THREADS, the compiled
+    kernels' threads, which numba reads as it is first imported (0 ended in its traceback; a word was ignored with
+    a warning and every core used)."""
+    threads = os.environ.get("NUMBA_NUM_THREADS")
+    try:
+        ok = threads is None or int(threads) >= 1
+    except ValueError:
+        ok = False
+    if not ok:
+        raise BadInput(f"NUMBA_NUM_THREADS={threads!r} is not a whole number >= 1; set it to the threads the compiled "
+                       f"kernels use (e.g. NUMBA_NUM_THREADS={os.cpu_count() or 1}), or unset it for every core")
+
+
 def compiled_ok() -> None:
     """After a verb succeeded: leave the mark that ends announce_compile's notice."""
     for mark in COMPILE_MARKS:

@@ -8,6 +8,7 @@ config's dtype (bf16 for the releases)."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,6 +285,16 @@ def quantization(path: Path, config: dict) -> tuple[int, int] | None:
         raise CheckpointError(f"{path}: quantization_config.weight_block_size {block!r} is not two positive whole "
                               "numbers; restore config.json from the model's release")
     return tuple(block)
+
+
+def check_writable(path: Path, files: str) -> None:
+    """CheckpointError, before a verb's work, when the checkpoint folder `path` cannot take the `files` the verb
+    writes beside its weights (a read-only mount, another user's folder): found as they were written, it ended
+    minutes of work with a fix naming flags the verb does not have."""
+    if not os.access(path, os.W_OK):
+        raise CheckpointError(f"{path} cannot be written (read-only, or not yours), and {files} go beside the "
+                              "weights; give --model a writable folder of links to its files: mkdir MODEL && "
+                              f"ln -s {Path(path).resolve()}/* MODEL")
 
 
 def load_routing_counts(model_path: Path, shape: tuple[int, int] | None = None) -> np.ndarray | None:

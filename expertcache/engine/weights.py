@@ -50,6 +50,8 @@ def expert_dtype(ckpt: Checkpoint, args: ModelArgs) -> torch.dtype:
     dtype = ckpt.info(name).dtype
     if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return CONFIG_DTYPES.get(ckpt.config.get("dtype") or ckpt.config.get("torch_dtype"), torch.bfloat16)
+    if dtype == torch.float64:  # a model saved after .double(): fp32, the widest format a store holds, in which the
+        return torch.float32  # engine computes (the disk store and convert failed on it with a KeyError)
     return dtype
 
 

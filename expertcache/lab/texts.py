@@ -29,16 +29,23 @@ def read_text(path: Path) -> str:
         raise BadInput(f"{path}: no such text file; give a UTF-8 text file") from None
     except OSError as e:  # a folder, no permission
         raise BadInput(f"cannot read text {path} ({e.strerror}); give a UTF-8 text file") from None
-    if b"\0" in data or data[:2] in (b"\xff\xfe", b"\xfe\xff"):  # UTF-16's ASCII decodes as UTF-8, NULs between
-        raise BadInput(f"{path} is UTF-16 or binary, not UTF-8 text (NUL bytes, or a UTF-16 byte-order mark); "
-                       "convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8")
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise BadInput(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
+    text = utf8_text(data, str(path))
     if not text.strip():
         raise BadInput(f"{path} holds no text; give a UTF-8 text file with the text to run")
     return text
+
+
+def utf8_text(data: bytes, source: str) -> str:
+    """UTF-8 bytes as text, less a leading byte-order mark; BadInput naming `source` (a file, stdin) when they are
+    UTF-16 or binary (UTF-16's ASCII decodes as UTF-8, a NUL beside each character: a text of NULs, run silently)
+    or not UTF-8."""
+    if b"\0" in data or data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise BadInput(f"{source} is UTF-16 or binary, not UTF-8 text (NUL bytes, or a UTF-16 byte-order mark); "
+                       "convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{source} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
 
 
 def text_segments(path: Path, offsets: tuple[int, ...] | None = None) -> tuple[str, list[Segment]]:

@@ -9,6 +9,7 @@ from . import (deepseek_v2, deepseek_v3, ernie4_5_moe, glm4_moe, gpt_oss, mixtra
 from .args import ModelArgs, rope_type
 
 ROPE_TYPES = ("default", "linear", "yarn")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 FAMILIES = {"qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe, "mixtral": mixtral,
             "gpt_oss": gpt_oss, "qwen3_next": qwen3_next, "glm4_moe": glm4_moe, "deepseek_v3": deepseek_v3,
@@ -49,7 +50,8 @@ def model_args(config: dict) -> ModelArgs:
     except KeyError as e:
         raise CheckpointError(f"config.json lacks {e.args[0]!r} required by {config['model_type']}; "
                               "restore the config from the model's release") from None
-    except (TypeError, ValueError, ZeroDivisionError) as e:  # a value of the wrong type, or 0 where it divides
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # a value of the wrong type (a list
+        # where an object of RoPE parameters goes), or 0 where it divides
         raise CheckpointError(f"config.json has a value {config['model_type']} cannot take ({e}); restore the "
                               "config from the model's release") from None
     sizes = {"vocab_size": a.vocab_size, "hidden_size": a.hidden_size, "num_hidden_layers": a.num_layers,
@@ -78,6 +80,17 @@ def model_args(config: dict) -> ModelArgs:
     if not math.isfinite(a.routed_scaling_factor):
         raise CheckpointError(f"config.json gives routed_scaling_factor {a.routed_scaling_factor!r}; restore the "
                               "config from the model's release")
+    if not (math.isfinite(a.rope_theta) and a.rope_theta > 0):  # 0, negative or NaN: non-finite logits, blamed on
+        # the weights; infinite: positions never rotated
+        raise CheckpointError(f"config.json gives rope_theta {a.rope_theta!r}; it must be a finite number > 0: restore "
+                              "the config from the model's release")
+    if not 0 <= a.partial_rotary_factor <= 1:  # past 1 or below 0 it failed in the first forward's RoPE tables
+        raise CheckpointError(f"config.json gives partial_rotary_factor {a.partial_rotary_factor!r}, the share of each "
+                              "head that RoPE rotates; it must be from 0 to 1: restore the config from the model's "
+                              "release")
+    if a.clip_qkv is not None and not (_number(a.clip_qkv) and a.clip_qkv > 0):  # a string failed mid-forward
+        raise CheckpointError(f"config.json gives clip_qkv {a.clip_qkv!r}; it must be a number > 0, or null for no "
+                              "clipping: restore the config from the model's release")
     if not _number(a.rms_norm_eps) or not a.rms_norm_eps >= 0:
         raise CheckpointError(f"config.json gives rms_norm_eps {a.rms_norm_eps!r}; it must be >= 0: restore the "
                               "config from the model's release")
@@ -104,6 +117,9 @@ def model_args(config: dict) -> ModelArgs:
     if len(a.layer_types) not in (0, a.num_layers):
         raise CheckpointError(f"config.json gives {len(a.layer_types)} layer_types for {a.num_layers} layers: restore "
                               "the config from the model's release")
+    if unknown := sorted(set(a.layer_types) - set(LAYER_TYPES)):  # HF's config validation refuses them too
+        raise CheckpointError(f"config.json gives layer_types {', '.join(map(repr, unknown))}; supported: "
+                              f"{', '.join(LAYER_TYPES)}: restore the config from the model's release")
     rope, kind = a.rope_scaling or {}, rope_type(a.rope_scaling)
     if kind not in ROPE_TYPES:
         raise UnsupportedArchitecture(f"config.json's RoPE scaling {kind!r} is not supported (its positions would be "

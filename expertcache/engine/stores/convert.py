@@ -33,7 +33,8 @@ def default_store_dir(ckpt: Checkpoint) -> Path:
     for f in sorted(set(ckpt.files.values())):
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    root = Path(os.environ.get("EXPERTCACHE_HOME", Path.home() / ".cache" / "expertcache"))
+    # set but empty (EXPERTCACHE_HOME=$UNSET) is unset, as XDG_CACHE_HOME is: not the working folder
+    root = Path(os.environ.get("EXPERTCACHE_HOME") or Path.home() / ".cache" / "expertcache")
     return root / "stores" / f"{ckpt.path.resolve().name}-{h.hexdigest()[:12]}"
 
 
@@ -93,19 +94,21 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
                         flushed = _written(f, flushed)
                 bar.update()
             _written(f, flushed)
-    except BaseException:  # a full disk, an interrupt: no partial file is left to fill the disk
-        tmp.unlink(missing_ok=True)
+        os.replace(tmp, out_dir / "experts.bin")
+        meta = {"format_version": DISK_FORMAT_VERSION, **fmt.meta(),
+                "num_layers": shape.num_layers, "num_experts": shape.num_experts, "w13": list(shape.w13),
+                "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": blob, "align": ALIGN,
+                "checksum": "crc32c", "checksums": checksums, "checkpoint": checkpoint_stamp(ckpt)}
+        with open(out_dir / "experts.json.partial", "w") as f:
+            f.write(json.dumps(meta))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(out_dir / "experts.json.partial", out_dir / "experts.json")
+    except BaseException:  # a full disk, an interrupt: no partial file is left to fill the disk, nor a whole
+        # experts.bin without the header that makes it a store (tens of GB that no run would use or remove)
+        for name in (tmp.name, "experts.bin", "experts.json.partial"):
+            (out_dir / name).unlink(missing_ok=True)
         raise
-    os.replace(tmp, out_dir / "experts.bin")
-    meta = {"format_version": DISK_FORMAT_VERSION, **fmt.meta(),
-            "num_layers": shape.num_layers, "num_experts": shape.num_experts, "w13": list(shape.w13),
-            "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": blob, "align": ALIGN,
-            "checksum": "crc32c", "checksums": checksums, "checkpoint": checkpoint_stamp(ckpt)}
-    with open(out_dir / "experts.json.partial", "w") as f:
-        f.write(json.dumps(meta))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(out_dir / "experts.json.partial", out_dir / "experts.json")
     _fsync_folder(out_dir)  # the two renames too: a power loss after a conversion of hours keeps the store
     return out_dir
 
