@@ -7,9 +7,13 @@ greedy agreement with fp16, and decode / teacher-forced ms/token on the disk sto
 
 --slots: the fast tier's slot formats at equal bytes (a 25% cache of fp16 slots): fp32, fp16, int8 and
 int4 slots (the store fp16 for the float slots, int8 / int4 g32 for the quantized ones), fetch-all,
-and each format's all-resident floor; --slot-policies adds policies timed on the int4 slots.
+and each format's all-resident floor; --slot-policies adds policies timed on the int4 slots. --model and
+--cache run it on another checkpoint; --slot-variants picks the formats; --rounds repeats them, in reverse
+order every other round, for medians over rounds where the disk drifts between formats.
 
     python benchmarks/quantized.py --slots [--repeats 3] [--slot-policies threshold:tau=0.05] [--json out.json]
+    python benchmarks/quantized.py --slots --model build/q30b --slot-variants fp16 int4 --rounds 3 \
+        --slot-policies "threshold:tau=0.15,beta=0.5,eviction=demand"
 """
 from __future__ import annotations
 
@@ -19,18 +23,20 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from expertcache.cli import run_script
+from expertcache.choices import BUILTIN_MODEL
 from expertcache.engine.cache import CacheConfig
+from expertcache.engine.checkpoint import open_checkpoint
 from expertcache.engine.engine import Engine, EngineConfig
-from expertcache.engine.experts import SWIGLU, CompiledSlots
+from expertcache.engine.experts import SWIGLU, CompiledExperts
 from expertcache.engine.generate import generate
 from expertcache.engine.perplexity import EVAL_TEXT, perplexity
-from expertcache.engine.quant import ExpertFormat, encode, encoded_bytes
-from expertcache.engine.quantized_slots import QuantizedSlots
+from expertcache.engine.quant import ExpertFormat, decode_plan, encode, encoded_bytes
 from expertcache.engine.stores import (
     DiskStore,
     ExpertShape,
@@ -39,6 +45,7 @@ from expertcache.engine.stores import (
 )
 from expertcache.lab.bench import FLOOR, BenchConfig, run_bench
 from expertcache.lab.study import paired_increase
+from expertcache.models import model_args
 
 FORMATS = {"fp16": None, "bf16": ExpertFormat.parse("bf16"), "int8-g32": ExpertFormat.parse("int8", 32),
            "int4-g32": ExpertFormat.parse("int4", 32), "int4-g32-sym": ExpertFormat.parse("int4", 32, "sym"),
@@ -143,14 +150,14 @@ def slot_kernel_us(calls: int = 3000) -> dict:
     g = torch.Generator().manual_seed(0)
     w13, w2 = torch.randn(S, 2 * F, H, generator=g) * 0.1, torch.randn(S, H, F, generator=g) * 0.1
     x, gates = torch.randn(1, H, generator=g), np.full(k, 1 / k, np.float32)
-    kernels = {"fp32": CompiledSlots(w13, w2, None, None, SWIGLU),
-               "fp16": CompiledSlots(w13.half(), w2.half(), None, None, SWIGLU)}
+    kernels = {"fp32": CompiledExperts.of_floats(w13, w2, None, None, SWIGLU),
+               "fp16": CompiledExperts.of_floats(w13.half(), w2.half(), None, None, SWIGLU)}
     for name, fmt in SLOT_VARIANTS.items():
         if fmt is not None:
             n = encoded_bytes(shape.parts, fmt)
             blobs = torch.stack([torch.frombuffer(bytearray(encode([w13[s], w2[s]], shape.parts, fmt, n)),
                                                   dtype=torch.uint8) for s in range(S)])
-            kernels[name] = QuantizedSlots(blobs, shape, fmt, SWIGLU)
+            kernels[name] = CompiledExperts.of_blobs(blobs, decode_plan(shape.parts, fmt), SWIGLU)
     rng, times = np.random.default_rng(0), {name: [] for name in kernels}
     for f in kernels.values():
         f(x, np.arange(k, dtype=np.int64), gates)  # compiled before timing
@@ -163,31 +170,44 @@ def slot_kernel_us(calls: int = 3000) -> dict:
     return {name: 1e6 * statistics.median(t) for name, t in times.items()}
 
 
-def slot_formats(repeats: int, forced: int, decode: int, policies: tuple[str, ...] = ()) -> dict:
-    """Per slot dtype at the bytes of a 25% cache of fp16 slots: experts per layer, hit rate, fetch-all's
-    decode and teacher-forced ms/token and perplexity, and the all-resident floor's ms/token; `policies`
-    (besides fetch-all) timed on the int4 slots too, in the same bench run, as "int4 POLICY" rows."""
-    fp16 = Engine(None, EngineConfig(store="ram", slot_dtype="fp16"))
-    size = fp16.cache.bytes
-    routed = fp16.args.top_k * fp16.args.num_moe_layers
-    out = {"cache_bytes": size, "kernel_us": slot_kernel_us()}
-    print(f"kernel us per token and layer {out['kernel_us']}", file=sys.stderr, flush=True)
-    for slot, fmt in SLOT_VARIANTS.items():
-        extra = policies if slot == "int4" else ()
-        b = run_bench(None, BenchConfig(store="disk", store_format=fmt, slot_dtype=slot, cache_bytes=size,
-                                        policies=("fetch-all", *extra), decode_tokens=decode, forced_tokens=forced,
-                                        repeats=repeats))
-        s = b.summary()
-        for policy in extra:
-            out[f"int4 {policy}"] = {"ppl": s[policy]["ppl"], "decode_ms": s[policy]["decode_ms"],
-                                     "forced_ms": s[policy]["forced_ms"],
-                                     "fetches_per_token": s[policy]["fetches_per_token"]}
-            print(f"int4 {policy} {out[f'int4 {policy}']}", file=sys.stderr, flush=True)
-        out[slot] = {"experts_per_layer": b.config["slots_per_layer"],
-                     "hit_rate": 1 - s["fetch-all"]["fetches_per_token"] / routed, "ppl": s["fetch-all"]["ppl"],
-                     "decode_ms": s["fetch-all"]["decode_ms"], "forced_ms": s["fetch-all"]["forced_ms"],
-                     "floor_decode_ms": s[FLOOR]["decode_ms"], "floor_forced_ms": s[FLOOR]["forced_ms"]}
-        print(f"{slot} {out[slot]}", file=sys.stderr, flush=True)
+def slot_formats(repeats: int, forced: int, decode: int, policies: tuple[str, ...] = (), model: Path | None = None,
+                 fraction: float = 0.25, variants: tuple[str, ...] = tuple(SLOT_VARIANTS), rounds: int = 1) -> dict:
+    """Per slot dtype at the bytes of a `fraction` cache of fp16 slots: experts per layer, hit rate, fetch-all's
+    decode and teacher-forced ms/token and perplexity, and the all-resident floor's ms/token (None where it does
+    not fit in memory); `policies` (besides fetch-all) timed on the int4 slots too, in the same bench run, as
+    "int4 POLICY" rows. Over `rounds`, medians of each round's medians, and each round's figures."""
+    args = model_args(open_checkpoint(model or BUILTIN_MODEL).config)
+    shape = ExpertShape.of(args)
+    size = int(round(fraction * shape.num_experts)) * shape.num_layers * shape.numel * 2  # fp16 slots' bytes
+    routed = args.top_k * shape.num_layers
+    out = {"cache_bytes": size, "rounds": []}
+    if model is None:
+        out["kernel_us"] = slot_kernel_us()
+        print(f"kernel us per token and layer {out['kernel_us']}", file=sys.stderr, flush=True)
+    for r in range(rounds):
+        row = {}
+        for slot in (variants if r % 2 == 0 else variants[::-1]):
+            extra = policies if slot == "int4" else ()
+            b = run_bench(model, BenchConfig(store="disk", store_format=SLOT_VARIANTS[slot], slot_dtype=slot,
+                                             cache_bytes=size, policies=("fetch-all", *extra), decode_tokens=decode,
+                                             forced_tokens=forced, repeats=repeats))
+            s = b.summary()
+            for policy in extra:
+                row[f"int4 {policy}"] = {"ppl": s[policy]["ppl"], "decode_ms": s[policy]["decode_ms"],
+                                         "forced_ms": s[policy]["forced_ms"],
+                                         "fetches_per_token": s[policy]["fetches_per_token"]}
+                print(f"round {r} int4 {policy} {row[f'int4 {policy}']}", file=sys.stderr, flush=True)
+            floor = s.get(FLOOR, {})
+            row[slot] = {"experts_per_layer": b.config["slots_per_layer"],
+                         "hit_rate": 1 - s["fetch-all"]["fetches_per_token"] / routed, "ppl": s["fetch-all"]["ppl"],
+                         "decode_ms": s["fetch-all"]["decode_ms"], "forced_ms": s["fetch-all"]["forced_ms"],
+                         "floor_decode_ms": floor.get("decode_ms"), "floor_forced_ms": floor.get("forced_ms")}
+            print(f"round {r} {slot} {row[slot]}", file=sys.stderr, flush=True)
+        out["rounds"].append(row)
+    for name in out["rounds"][0]:
+        rows = [row[name] for row in out["rounds"]]
+        out[name] = {k: statistics.median(v) if all(isinstance(x, (int, float)) for x in v) else v[0]
+                     for k in rows[0] for v in [[row[k] for row in rows]]}
     return out
 
 
@@ -202,9 +222,15 @@ def main() -> int:
     p.add_argument("--lowbit-only", action="store_true", help="only the lowbit policies' quality and bytes")
     p.add_argument("--slots", action="store_true", help="only the slot formats at equal fast-tier bytes")
     p.add_argument("--slot-policies", nargs="*", default=[], help="--slots: policies timed on int4 slots too")
+    p.add_argument("--model", type=Path, default=None, help="--slots: a checkpoint folder (default: the built-in)")
+    p.add_argument("--cache", type=float, default=0.25, help="--slots: the cache, as a fraction of fp16 experts")
+    p.add_argument("--slot-variants", nargs="+", choices=list(SLOT_VARIANTS), default=list(SLOT_VARIANTS))
+    p.add_argument("--rounds", type=int, default=1, help="--slots: the formats' runs, alternating their order")
+    p.add_argument("--forced-tokens", type=int, default=1024, help="--slots: teacher-forced tokens a run")
     a = p.parse_args()
     if a.slots:
-        res = slot_formats(a.repeats, 1024, 32, tuple(a.slot_policies))
+        res = slot_formats(a.repeats, a.forced_tokens, 32, tuple(a.slot_policies), a.model, a.cache,
+                           tuple(a.slot_variants), a.rounds)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)

@@ -57,7 +57,8 @@ def test_sampler_filters():
     # top_k=1, a tiny top_p, or a min_p near 1 all leave only the best token, at any temperature
     # (a top_p below float32's range once dropped every token)
     for params in [SamplingParams(temperature=5, top_k=1, seed=1), SamplingParams(temperature=5, top_p=0.01, seed=1),
-                   SamplingParams(temperature=5, top_p=1e-300, seed=1), SamplingParams(temperature=5, min_p=0.99, seed=1)]:
+                   SamplingParams(temperature=5, top_p=1e-300, seed=1),
+                   SamplingParams(temperature=5, min_p=0.99, seed=1)]:
         sampler = Sampler(params)
         assert {sampler(logits, none) for _ in range(20)} == {0}
     seen = torch.tensor([True, False, False, False])
