@@ -413,6 +413,17 @@ def test_qwen3_next_512_experts_top_10_through_the_disk_store(tmp_path):
     engine.close()
 
 
+def computes_as_hf(path, ids: torch.Tensor, ref: torch.Tensor, store_dir) -> None:
+    """The checkpoint at `path` gives HF's logits `ref` on `ids` through the ram and the disk store, half its
+    experts cached and each fetched on its first use."""
+    for store in ("ram", "disk"):
+        engine = Engine(path, EngineConfig(store=store, cache=CacheConfig(fraction=0.5), initial="cold",
+                                           store_dir=store_dir))
+        torch.testing.assert_close(engine.forward(ids, 0), ref, atol=1e-4, rtol=0)
+        assert engine.stats.sync_fetches > 0
+        engine.close()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_block_fp8_checkpoint_is_read_dequantised(family, tmp_path, capsys):
     """An fp8 release's layout (float8_e4m3fn projections, a weight_scale_inv per block of weight_block_size,
@@ -448,12 +459,7 @@ def test_block_fp8_checkpoint_is_read_dequantised(family, tmp_path, capsys):
     ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
-    for store in ("ram", "disk"):
-        engine = Engine(tmp_path / "fp8", EngineConfig(store=store, cache=CacheConfig(fraction=0.5), initial="cold",
-                                                       store_dir=tmp_path / "store"))
-        torch.testing.assert_close(engine.forward(ids, 0), ref, atol=1e-4, rtol=0)
-        assert engine.stats.sync_fetches > 0
-        engine.close()
+    computes_as_hf(tmp_path / "fp8", ids, ref, tmp_path / "store")
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
     capsys.readouterr()
@@ -472,11 +478,6 @@ def test_a_float64_checkpoint_runs_through_every_store_as_hfs_model(tiny, tmp_pa
     ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
-    for store in ("ram", "disk"):
-        engine = Engine(tmp_path / "f64", EngineConfig(store=store, cache=CacheConfig(fraction=0.5), initial="cold",
-                                                       store_dir=tmp_path / "store"))
-        torch.testing.assert_close(engine.forward(ids, 0), ref, atol=1e-4, rtol=0)
-        assert engine.stats.sync_fetches > 0
-        engine.close()
+    computes_as_hf(tmp_path / "f64", ids, ref, tmp_path / "store")
     assert cli.main(["convert", "--model", str(tmp_path / "f64"), "--out", str(tmp_path / "converted")]) == 0
     assert json.loads((tmp_path / "converted" / "experts.json").read_text())["dtype"] == "float32"
