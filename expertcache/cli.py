@@ -30,7 +30,9 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if "default" in text or default in (None, False, argparse.SUPPRESS) or default == [] or action.required:
+        # by identity: 0 and 0.0 equal False, and a default of 0 (--temperature, --top-k) is one to show
+        if "default" in text or any(default is v for v in (None, False, argparse.SUPPRESS)) or default == [] \
+                or action.required:
             return text
         if isinstance(action, argparse._StoreFalseAction):  # a --no-X flag: its default True reads as if it were set
             return text

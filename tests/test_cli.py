@@ -218,21 +218,26 @@ def test_readme_tour_commands_parse_and_version_runs():
 def test_first_runs_compile_notice_comes_with_the_first_compile(tmp_path):
     """Where this version's kernels were never compiled, the notice is printed once, when numba first compiles, and
     not by a run that ends before compiling (bad input stays one line); the verb's success leaves the mark that
-    ends it."""
+    ends it. Each set of kernels has its own: a first `simulate` or `tune` after a `generate` compiled for a
+    minute without a word."""
     code = ("import sys\nfrom numba import njit\nfrom expertcache.commands import options\n"
-            "options.announce_compile()\nprint('before', file=sys.stderr)\n"
+            "options.announce_compile(*sys.argv[2:])\noptions.announce_compile('engine')\n"
+            "print('before', file=sys.stderr)\n"
             "if sys.argv[1] == 'compile':\n"
             "    njit(lambda x: x + 1)(1)\n    njit(lambda x: x + 2)(1)\n    options.compiled_ok()\n")
     env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path), "NUMBA_CACHE_DIR": ""}
     env.pop("NUMBA_CACHE_DIR")
 
-    def run(what):
-        return subprocess.run([sys.executable, "-c", code, what], capture_output=True, text=True, env=env,
+    def run(what, *kernels):
+        return subprocess.run([sys.executable, "-c", code, what, *kernels], capture_output=True, text=True, env=env,
                               check=True).stderr.splitlines()
     assert run("nothing") == ["before"]
     err = run("compile")
     assert err[0] == "before" and len(err) == 2 and "compiling the kernels" in err[1] and "cached in" in err[1]
     assert run("compile") == ["before"]  # the mark was left
+    err = run("compile", "engine", "simulator")  # the simulator's kernels never compiled: said once
+    assert len(err) == 2 and "compiling the kernels" in err[1], err
+    assert run("compile", "simulator") == ["before"]
     env["XDG_CACHE_HOME"] = "/proc/expertcache"  # a folder that cannot be made: every run compiles, and says why
     err = run("compile")
     assert "cannot be written, so every run compiles again" in err[1] and "NUMBA_CACHE_DIR" in err[1]

@@ -124,7 +124,7 @@ def check_fits(engine, prompt_len: int, max_new_tokens: int) -> None:
 def add_arguments(p):
     """The verb's options."""
     add_engine_arguments(p)
-    p.add_argument("prompt", nargs="?", default=None, help="prompt text (or use -p)")
+    p.add_argument("prompt", nargs="?", default=None, help=f"prompt text (or use -p; default: {DEFAULT_PROMPT!r})")
     p.add_argument("-p", "--prompt", dest="prompt_option", default=None,
                    help="prompt text; '-' reads it from stdin (also read when stdin is not a terminal)")
     add_sampling_arguments(p)
@@ -158,16 +158,21 @@ def run(a) -> int:
     prompt = engine.encode(text, max_tokens=engine.model.max_seq + 1)  # a piped file is not tokenized whole
     check_fits(engine, len(prompt), params.max_tokens)
     gen = TextGeneration(engine, prompt, params)
-    sys.stdout.write(text)
     shown, steps, start, compiled = [], 0, time.perf_counter(), compile_seconds()
     for out in gen:
         if steps == 0:  # the prefill, and the first token sampled from its logits; less a first run's compiling
             first = time.perf_counter() - (compile_seconds() - compiled)
+            # the prompt echoed with the first token, not before a first run's minutes of compiling the prefill's
+            # and decode's kernels, where the echo alone read as a generation that hung
+            sys.stdout.write(text)
         steps += 1
         sys.stdout.write(out.text)
         sys.stdout.flush()
         shown.append(out.text)
     end = time.perf_counter() - (compile_seconds() - compiled)
+    if steps == 0:  # nothing generated (-n 0)
+        first = end
+        sys.stdout.write(text)
     if not (text + "".join(shown)).endswith("\n"):
         sys.stdout.write("\n")
     sys.stdout.flush()

@@ -214,19 +214,24 @@ def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk") -> Non
 COMPILE_MARKS: list[Path] = []  # marks to leave once the verb that announced compiling succeeds
 
 
-def announce_compile() -> None:
+def announce_compile(*kernels: str) -> None:
     """Say on stderr, when a first run's silent minutes begin (numba's first compile in this process, once per
-    version of the kernels), that the kernels are being compiled; a run that ends before compiling anything (bad
-    input) says nothing. The mark that ends the notice is left when the verb succeeds."""
+    version of each set of `kernels` the verb runs: "engine" when none is named, "simulator"), that the kernels are
+    being compiled; a run that ends before compiling anything (bad input) says nothing. The marks that end the
+    notice are left when the verb succeeds."""
     import sys
 
     from numba.core import event
 
     from ..kernel.compiled import cache_dir, kernels_compiled
-    mark = kernels_compiled()
-    if mark.exists() or mark in COMPILE_MARKS:
+    marks = [kernels_compiled(k) for k in kernels or ("engine",)]
+    new = [m for m in marks if not m.exists() and m not in COMPILE_MARKS]
+    if not new:
         return
-    COMPILE_MARKS.append(mark)
+    listening = bool(COMPILE_MARKS)  # an earlier call's listener says it already
+    COMPILE_MARKS.extend(new)
+    if listening:
+        return
 
     class Notice(event.Listener):
         said = False

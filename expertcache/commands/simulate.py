@@ -107,7 +107,7 @@ def run_tasks(tasks: list[tuple], jobs: int | str = 1, ray_address: str | None =
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
-    announce_compile()
+    announce_compile("simulator")
     from ..lab.trace import read_trace
     trace = read_trace(a.trace)
     tasks = [(str(a.trace), policy, fraction, a.eviction, a.initial, a.profile, a.window)

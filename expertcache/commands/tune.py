@@ -67,7 +67,7 @@ def add_arguments(p):
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
-    announce_compile()
+    announce_compile("engine", "simulator")
     from ..engine.cache import CacheConfig
     from ..errors import BadInput
     from ..lab.costmodel import (

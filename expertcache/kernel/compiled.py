@@ -24,10 +24,11 @@ def cache_dir() -> Path:
     return Path(base) / "expertcache-numba" / DIGEST
 
 
-def kernels_compiled() -> Path:
-    """A mark left in `cache_dir` once a run of this kernel version has compiled what it uses (the command line's
-    notice of a first run's minutes of compiling is shown until it exists)."""
-    return cache_dir() / "compiled"
+def kernels_compiled(kernels: str = "engine") -> Path:
+    """A mark left in `cache_dir` once a run of this kernel version has compiled the set it uses, `kernels`: the
+    engine's or the simulator's (the command line's notice of a first run's minutes of compiling is shown until it
+    exists; one mark for both kept quiet the simulator's first compile after a `generate`)."""
+    return cache_dir() / ("compiled" if kernels == "engine" else f"compiled-{kernels}")
 
 
 class KernelCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
