@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from .choices import DATA
 from .commands.options import check_environment, compiled_ok
-from .errors import ExpertCacheError
+from .errors import ExpertCacheError, did_you_mean
 
 VERBS = ["generate", "chat", "serve", "ppl", "convert", "info", "calibrate", "predict", "study", "tune", "bench",
          "trace", "simulate", "calibrate-hw", "train"]
@@ -50,7 +50,14 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kw)
 
     def error(self, message: str):
-        """Print one line naming the problem and exit with code 2."""
+        """Print one line naming the problem, with the nearest spelling of a misspelt verb, option or choice, and
+        exit with code 2."""
+        if m := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message):
+            message += did_you_mean(m.group(1), re.findall(r"'([^']*)'", m.group(2)))
+        elif message.startswith("unrecognized arguments: "):
+            options = [o for a in self._actions for o in a.option_strings]
+            message += next((near for word in message.split()[2:] if word.startswith("--")
+                             for near in [did_you_mean(word.split("=")[0], options)] if near), "")
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 

@@ -31,6 +31,13 @@ class UnknownName(ExpertCacheError):
     """An unknown policy, eviction, store or preset name."""
 
 
+def did_you_mean(name: object, choices) -> str:
+    """" (did you mean X?)" for the choice closest to a misspelt `name`, where one is close; else ""."""
+    import difflib
+    near = difflib.get_close_matches(str(name), [str(c) for c in choices], 1, 0.7)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
 class FetchError(ExpertCacheError):
     """A read from the slow tier failed or came back short."""
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import BadInput, UnknownName
+from .errors import BadInput, UnknownName, did_you_mean
 from .kernel.eviction import eviction_code
 from .kernel.policy import (
     BAND,
@@ -424,7 +424,8 @@ def make_policy(spec: str) -> MissPolicy:
     elif name in POLICIES:
         cls = POLICIES[name]
     else:
-        raise UnknownName(f"unknown policy {name!r}; choose one of {', '.join([*POLICIES, *PRESETS])}")
+        raise UnknownName(f"unknown policy {name!r}{did_you_mean(name, [*POLICIES, *PRESETS])}; choose one of "
+                          f"{', '.join([*POLICIES, *PRESETS])}")
     for key in params:
         if key not in cls.parameters:
             takes = f"it takes {', '.join((*cls.parameters, 'eviction'))}"  # eviction: every policy's

@@ -417,3 +417,23 @@ def test_a_prompt_past_the_models_context_names_no_higher_max_seq(capsys):
     assert "exceed --max-seq 2048" in err and "raise --max-seq" not in err and "whole context" in err, err
     assert cli.main(["generate", "--store", "ram", "--max-seq", "64", "-n", "4", "-p", long]) == 2
     assert "raise --max-seq (at most 2048, the model's context)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,near", [(["generat"], "did you mean generate?"),
+                                       (["generate", "--polcy", "fetch-all"], "did you mean --policy?"),
+                                       (["generate", "--cache=0.5", "--stroe", "ram"], "did you mean --store?"),
+                                       (["generate", "--policy", "treshold:tau=0.1"], "did you mean threshold?"),
+                                       (["generate", "--eviction", "lruu"], "did you mean lru?"),
+                                       (["generate", "--policy", "fetch-all+prefetch/lookahed"],
+                                        "did you mean lookahead?"),
+                                       (["generate", "--zzz"], None)])
+def test_a_misspelt_verb_option_or_name_is_answered_with_the_nearest_spelling(argv, near, capsys):
+    """A typo names what was meant, as the server's "did you mean" does for a misspelt field; nothing near, no
+    guess."""
+    try:  # argparse's errors exit, the engine's return
+        code = cli.main([*argv, "-n", "1", "-p", "x"])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    assert (near in err) if near else "did you mean" not in err, err

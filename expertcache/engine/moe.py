@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..choices import PREDICTORS
-from ..errors import BadInput, UnknownName, real_number, whole_number
+from ..errors import BadInput, UnknownName, did_you_mean, real_number, whole_number
 from ..kernel.cache_state import N_LOG
 from ..kernel.dense_decode import EMPTY, gemv, gemv_pair
 from ..kernel.policy import would_fetch
@@ -110,7 +110,8 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
 def check_predictor(name: object) -> None:
     """UnknownName unless `name` is one of the predictors (PREDICTORS)."""
     if name not in PREDICTORS:
-        raise UnknownName(f"unknown predictor {name!r}; choose one of {', '.join(PREDICTORS)}")
+        raise UnknownName(f"unknown predictor {name!r}{did_you_mean(name, PREDICTORS)}; choose one of "
+                          f"{', '.join(PREDICTORS)}")
 
 
 @dataclass(frozen=True)

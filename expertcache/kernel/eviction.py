@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import UnknownName
+from ..errors import UnknownName, did_you_mean
 from .compiled import compiled
 
 LRU, LFU, FREQ, HALVING, DEMAND = 0, 1, 2, 3, 4
@@ -28,7 +28,8 @@ TINY = 1e-200  # decayed scores below this are 0 (no denormal arithmetic on stal
 def eviction_code(name: str) -> int:
     """The compiled code of the eviction order `name`; raises UnknownName for others."""
     if name not in EVICTIONS:
-        raise UnknownName(f"unknown eviction {name!r}; choose one of {', '.join(EVICTIONS)}")
+        raise UnknownName(f"unknown eviction {name!r}{did_you_mean(name, EVICTIONS)}; choose one of "
+                          f"{', '.join(EVICTIONS)}")
     return EVICTIONS[name]
 
 
