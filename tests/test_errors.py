@@ -362,7 +362,8 @@ def test_bad_cli_values_are_one_line(capsys, ckpt, tmp_path):
                          "is a file; give a folder"),
                         (["convert", "--model", str(ckpt), "--dtype", "int4", "--group-size", "1"], "multiple of 8"),
                         (["chat", "--model", str(ckpt), "--max-tokens", "16"],  # the verb's own help is named
-                         "unrecognized arguments: --max-tokens 16; see `expertcache chat --help`"),
+                         "unrecognized arguments: --max-tokens 16 (did you mean --max-new-tokens?); see "
+                         "`expertcache chat --help`"),
                         (["study", "--model", str(ckpt), "--tokens-per-domain", "256", "--out", str(tmp_path / "s")],
                          "holds no window of --context 512")):
         try:
