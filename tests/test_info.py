@@ -24,6 +24,12 @@ def test_info_sizes_a_config_without_weights(tmp_path, capsys, tiny):
     assert cli.main(["info", "--config", str(bad)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
     assert hf_config("qwen2_moe").num_experts == s["experts"]
+    # the folder that holds it sizes the same (it was "Is a directory"); a folder without one is one line
+    assert cli.main(["info", "--config", str(path), "--json", str(tmp_path / "folder.json")]) == 0
+    assert json.loads((tmp_path / "folder.json").read_text()) == s
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["info", "--config", str(tmp_path / "empty")]) == 2
+    assert "holds no config.json" in capsys.readouterr().err
 
 
 def test_a_hub_id_that_cannot_be_downloaded_is_one_line(capsys, monkeypatch):

@@ -46,7 +46,8 @@ def add_arguments(p):
     """The verb's options."""
     add_model_argument(p)
     p.add_argument("--config", type=Path, default=None,
-                   help="a config.json alone: size that checkpoint (needs transformers to count dense weights)")
+                   help="a config.json alone (or the folder holding it): size that checkpoint (needs transformers to "
+                        "count dense weights)")
     p.add_argument("--budget", type=budget_mib, default=None,
                    help="fast-tier bytes for experts: a size such as 16G or 512M, or a plain number of MiB")
     p.add_argument("--slot-dtype", default="auto", choices=SLOT_DTYPES,
@@ -137,6 +138,10 @@ def _print_config(path: Path, s: dict) -> None:
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     if a.config is not None:
+        if a.config.is_dir():  # a downloaded folder of configs, or a checkpoint's: its config.json
+            a.config = a.config / "config.json"
+            if not a.config.exists():
+                raise CheckpointError(f"{a.config.parent} holds no config.json; give a model's config.json")
         try:
             config = json.loads(a.config.read_text())
         except json.JSONDecodeError as e:
