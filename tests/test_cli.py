@@ -437,3 +437,12 @@ def test_a_misspelt_verb_option_or_name_is_answered_with_the_nearest_spelling(ar
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0, err
     assert (near in err) if near else "did you mean" not in err, err
+
+
+def test_help_shows_a_default_of_zero(capsys):
+    """A default of 0 is shown as any other: `0 == False`, and the check for no default hid --temperature's."""
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "0 is greedy (default: 0.0)" in out and "sampling seed (default: 0)" in out
+    assert "--ignore-eos" in out and "(default: False)" not in out  # a flag's off is no default to show
