@@ -170,9 +170,6 @@ def run(a) -> int:
         sys.stdout.flush()
         shown.append(out.text)
     end = time.perf_counter() - (compile_seconds() - compiled)
-    if steps == 0:  # a generation of no step: the prompt all the same
-        first = end
-        sys.stdout.write(text)
     if not (text + "".join(shown)).endswith("\n"):
         sys.stdout.write("\n")
     sys.stdout.flush()
