@@ -400,8 +400,8 @@ def _time_engines(held, model, runs, ids, mode, repeats, store, device, store_di
                     if not fitting or rep or len(groups) == 1:  # the last of them: nothing would be timed
                         raise
                     del groups[cache]  # too large for this machine even alone: left out
-                    for i in members * (repeats + 1):
-                        if progress:
+                    if progress:  # every step its runs would have taken, so the bar still ends
+                        for i in members * (repeats + 1):
                             progress(f"left out {labels[i]}: it does not fit in memory")
                     continue
             for i in members:
