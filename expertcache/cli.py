@@ -75,6 +75,7 @@ def _terminated(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     """Run one verb; returns its exit code (2 on bad input, with one line on stderr; 130 on Ctrl-C,
     also while the verbs' modules load). On SIGTERM the verb unwinds, then the process dies of the signal."""
+    _escape_unencodable(sys.stdout)
     here = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
     previous = (signal.signal(signal.SIGTERM, _terminated) or signal.SIG_DFL) if here else None  # None: set in C
     try:
@@ -88,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if here:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _escape_unencodable(stream) -> None:
+    """Write what the stream's encoding cannot hold (a generation's emoji under PYTHONIOENCODING=ascii, a C
+    locale) as backslash escapes, as Python's stderr does, rather than end the run in a UnicodeEncodeError."""
+    if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+        stream.reconfigure(errors="backslashreplace")
 
 
 def _run(argv: list[str] | None) -> int:

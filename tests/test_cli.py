@@ -119,6 +119,17 @@ def test_generate_reports_prefill_and_generation_apart(capsys, monkeypatch):
     assert "ms/token" not in err  # no figure that mixes the two
 
 
+def test_generate_escapes_what_an_ascii_stdout_cannot_hold(monkeypatch):
+    """Under PYTHONIOENCODING=ascii or a C locale, a prompt or generation outside ASCII is written escaped."""
+    import io
+    out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
+    assert cli.main(["generate", "--store", "ram", "-n", "2", "-p", "caf\u00e9 \u2615"]) == 0
+    out.flush()
+    assert out.buffer.getvalue().startswith(b"caf\\xe9 \\u2615")
+
+
 def test_perplexity_interrupted_keeps_the_windows_scored():
     from expertcache import Engine, EngineConfig, perplexity
     engine = Engine(None, EngineConfig(store="ram", max_seq=64))
