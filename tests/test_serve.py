@@ -202,9 +202,9 @@ def test_a_forced_call_follows_the_references_in_its_parameters(client):
     ({"tool_choice": "sometimes"}, 'tool_choice is "none", "auto", "required"', "tool_choice"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "each constrain", "response_format"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": 5}}]},
-     r"tools\[0\] is not a function tool", "tool_choice"),
+     r"tools\[0\] is not a function tool", "tools"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "bogus"}}}]}, "the parameters of tool 'f': the JSON schema cannot be followed", "tool_choice")])
+        "type": "bogus"}}}]}, "the parameters of tool 'f': the JSON schema cannot be followed", "tools")])
 def test_a_tool_choice_that_cannot_be_followed_is_a_400(client, fields, words, param):
     ask = dict(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=4, tools=WEATHER)
     with pytest.raises(openai.BadRequestError, match=words) as e:
@@ -598,6 +598,11 @@ def test_logprobs_are_the_models_own(client, reference):
                                          stream=True)
     assert [x for c in streamed for x in c.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs,
                                                                                                 abs=1e-4)
+    # sampled: the chosen token is among the alternatives, the most likely one's or one more (up to logprobs + 1)
+    hot = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=24, temperature=3, seed=1,
+                                    logprobs=1).choices[0].logprobs
+    assert all(token in top and len(top) <= 2 for token, top in zip(hot.tokens, hot.top_logprobs))
+    assert any(len(top) == 2 for top in hot.top_logprobs)
     messages = [{"role": "user", "content": "Who goes there?"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
                                           top_logprobs=2).choices[0]

@@ -312,9 +312,11 @@ class Server:
             return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]}
                                 for i in items], "refusal": None}
         tokens = [self._token(i.token) for i in items]
+        # OpenAI's completions list the chosen token among the alternatives, up to logprobs + 1 of them
+        tops = [None if i.logprob is None else {self._token(t): lp for t, lp in (
+            i.top if any(t == i.token for t, _ in i.top) else (*i.top, (i.token, i.logprob)))} for i in items]
         return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],  # None: a prompt's first token
-                "top_logprobs": [None if i.logprob is None else {self._token(t): lp for t, lp in i.top} for i in items],
-                "text_offset": offsets}
+                "top_logprobs": tops, "text_offset": offsets}
 
     async def _stream(self, requests: list[Request], merged: asyncio.Queue, rid: str, chat: bool,
                       options: StreamOptions, prompt_tokens: int, reply: dict | None = None, state=None):

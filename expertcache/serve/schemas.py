@@ -241,7 +241,7 @@ def structure(body: SamplingFields) -> tuple[str | None, dict]:
         try:
             calls = call_grammar(body.tools, body.tool_choice)
         except ValueError as e:
-            raise APIError(400, str(e), "tool_choice") from None
+            raise APIError(400, str(e), "tool_choice" if str(e).startswith("tool_choice") else "tools") from None
         if calls is not None:
             asked = {"tool_choice": {"grammar": calls}, **asked}
     if len(asked) > 1:
