@@ -586,6 +586,23 @@ def test_config_values_of_the_wrong_type_are_one_line():
         Engine(123)
 
 
+def test_store_formats_folders_and_flags_are_checked_when_the_config_is_made(ckpt):
+    """A store or small format given by its name is read as ExpertFormat.parse reads it (it failed deep in the load
+    with an AttributeError); a format made by hand that is none, another type, or a small_format of None (a lowbit
+    policy then fetched full copies and counted them as low-precision ones) is one BadInput naming the field, and so
+    are a store_dir of another type or '' (the working directory) and a verify that is no bool ("no" read as true)."""
+    from expertcache.engine.quant import ExpertFormat
+    config = EngineConfig(store_format="int8", small_format="int4")
+    assert config.store_format == ExpertFormat.parse("int8") and config.small_format == ExpertFormat.parse("int4")
+    for kw in [dict(store_format=ExpertFormat("int3")), dict(store_format=ExpertFormat("int4")),
+               dict(store_format="int3"), dict(store_format=8), dict(small_format=None), dict(store_dir=3),
+               dict(store_dir=""), dict(verify="no"), dict(verify=None)]:
+        with pytest.raises(BadInput, match=next(iter(kw))):
+            EngineConfig(**kw)
+    with Engine(ckpt, EngineConfig(store="disk", store_format="int8", initial="cold")) as engine:
+        assert engine.store.stored_format == ExpertFormat.parse("int8")
+
+
 def test_truncated_trace_is_one_line(capsys, tmp_path):
     from expertcache.engine.engine import BUILTIN_MODEL
     from expertcache.lab.trace import record_trace

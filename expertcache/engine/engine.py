@@ -3,6 +3,7 @@ tier, a fast-tier expert cache between them, and a miss policy deciding on every
 from __future__ import annotations
 
 import math
+import os
 import resource
 import sys
 import time
@@ -36,7 +37,7 @@ from .budget import FORWARD_CHUNK, MemoryPlan, available_memory, dense_bytes, kv
 from .linear import dense_format, float_dtype
 from .moe import MoELayerRunner, PrefetchConfig
 from .predictors import Predictor, make_predictor, predictor_bytes
-from .quant import FLOAT_DTYPES, SMALL_FORMAT, ExpertFormat
+from .quant import FLOAT_DTYPES, SMALL_FORMAT, ExpertFormat, checked_format
 from .stats import RunStats
 from .stores import ExpertShape, ExpertStore, check_store, open_store, staging_bytes
 from .stores.ram import held_dtype
@@ -74,6 +75,15 @@ class EngineConfig:
         for name in ("max_seq", "kv_positions", "memory_budget"):
             if getattr(self, name) is not None or name == "max_seq":
                 object.__setattr__(self, name, whole_number(getattr(self, name), name))
+        for name in ("store_format", "small_format"):  # None: the checkpoint's format, for the store only
+            if getattr(self, name) is not None or name == "small_format":
+                object.__setattr__(self, name, checked_format(getattr(self, name), name))
+        if self.store_dir is not None and (not isinstance(self.store_dir, (str, os.PathLike)) or
+                                           not os.fspath(self.store_dir)):  # '' is the working directory to Path
+            raise BadInput(f"store_dir={self.store_dir!r} must be a folder (a str or Path), or None for the default "
+                           "one under ~/.cache")
+        if not isinstance(self.verify, bool):  # "no" would read as true
+            raise BadInput(f"verify={self.verify!r} must be True or False")
         if not isinstance(self.cache, CacheConfig):
             raise BadInput(f"cache must be a CacheConfig, e.g. CacheConfig(fraction=0.25), not "
                            f"{type(self.cache).__name__}")

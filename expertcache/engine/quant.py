@@ -130,6 +130,25 @@ class ExpertFormat:
                          "is not a known expert format")
 
 
+def checked_format(value, what: str) -> ExpertFormat:
+    """`value`, an ExpertFormat or a dtype's name as `ExpertFormat.parse` reads it ('int4'), as a format the stores
+    and kernels know; BadInput naming `what` otherwise: a name failed deep in the load, a format made by hand with an
+    unknown dtype or no group size inside the conversion, and None under a lowbit policy fetched full copies."""
+    if isinstance(value, ExpertFormat):
+        try:
+            return ExpertFormat.from_meta(value.meta())
+        except ValueError as e:
+            raise BadInput(f"{what}: {e}; make it with ExpertFormat.parse, e.g. ExpertFormat.parse('int4', 32)") \
+                from None
+    if not isinstance(value, str):
+        raise BadInput(f"{what}={value!r} must be an ExpertFormat or a dtype's name such as 'int4', not "
+                       f"{type(value).__name__}")
+    try:
+        return ExpertFormat.parse(value)
+    except BadInput as e:
+        raise BadInput(f"{what}: {e}") from None
+
+
 @dataclass(frozen=True)
 class Segment:
     """One array of a blob: the `role` it plays for part `part`, where it starts (`offset` bytes from
