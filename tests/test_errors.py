@@ -603,6 +603,18 @@ def test_store_formats_folders_and_flags_are_checked_when_the_config_is_made(ckp
         assert engine.store.stored_format == ExpertFormat.parse("int8")
 
 
+def test_flags_of_the_cache_and_prefetch_configs_are_bools():
+    """PrefetchConfig's drop and fetched and CacheConfig's caller_reads refuse what is no bool: "no" read as true, and
+    a prefetch's failed with a ValueError where the engine names its variant (PrefetchConfig.__str__)."""
+    from expertcache.engine.moe import PrefetchConfig
+    for kw in [dict(drop="no"), dict(drop=None), dict(fetched="yes")]:
+        with pytest.raises(BadInput, match=f"prefetch {next(iter(kw))}"):
+            PrefetchConfig(**kw)
+    with pytest.raises(BadInput, match="caller_reads"):
+        CacheConfig(caller_reads="no")
+    assert str(PrefetchConfig(drop=False, fetched=True)) == "prefetch/quasi-hidden:drop=0,fetched=1"
+
+
 def test_truncated_trace_is_one_line(capsys, tmp_path):
     from expertcache.engine.engine import BUILTIN_MODEL
     from expertcache.lab.trace import record_trace

@@ -50,6 +50,8 @@ class CacheConfig:
             eviction_code(str(self.eviction))
         if whole_number(self.io_workers, "io_workers") < 0:
             raise BadInput(f"io_workers={self.io_workers} must be >= 0 transfer worker threads, e.g. 4")
+        if not isinstance(self.caller_reads, bool):  # "no" would read as true
+            raise BadInput(f"caller_reads={self.caller_reads!r} must be True or False")
 
 
 DEFAULT_FRACTION = 0.25  # a model with few experts (a tiny test model's 4, top-2) is given its top-k instead

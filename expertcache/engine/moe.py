@@ -132,6 +132,9 @@ class PrefetchConfig:
         # the budget's range against the model's top-k in Engine.set_prefetch
         if self.budget is not None:
             whole_number(self.budget, "prefetch budget")
+        for name in ("drop", "fetched"):  # "no" would read as true, and fail where the variant is named
+            if not isinstance(getattr(self, name), bool):
+                raise BadInput(f"prefetch {name}={getattr(self, name)!r} must be True or False")
         if not 0 <= real_number(self.confidence, "prefetch confidence") <= 1:
             raise BadInput(f"prefetch confidence={self.confidence} must be a gate weight in [0, 1], e.g. 0.1")
 
