@@ -27,6 +27,24 @@ def test_bad_sampling_values_name_the_field(field, value):
     assert e.value.param == field
 
 
+def test_numpy_integers_are_taken_as_ints():
+    """A seed, a whole-number field, a stop token or a logit_bias token as a NumPy integer is held as an int: a seed
+    failed in torch's manual_seed with a TypeError, and a logit_bias token was refused with a message that named
+    nothing wrong."""
+    import numpy as np
+    params = SamplingParams(temperature=1.0, seed=np.int64(7), max_tokens=np.int32(4), top_k=np.int64(5),
+                            stop_token_ids=[np.int64(3)], logit_bias={np.int64(2): 5.0})
+    assert (params.seed, params.max_tokens, params.top_k, params.stop_token_ids, params.logit_bias) == \
+        (7, 4, 5, (3,), ((2, 5.0),))
+    assert all(type(v) is int for v in (params.seed, params.max_tokens, params.top_k, params.stop_token_ids[0],
+                                        params.logit_bias[0][0]))
+    logits = torch.randn(10, generator=torch.Generator().manual_seed(0))
+    assert Sampler(params)(logits, None) == Sampler(SamplingParams(temperature=1.0, seed=7, top_k=5,
+                                                                  logit_bias={2: 5.0}))(logits, None)
+    with pytest.raises(SamplingError, match="logit_bias=True:1.0 must give a token id"):
+        SamplingParams(logit_bias={True: 1.0})
+
+
 def test_an_empty_stop_string_is_named_alone():
     """The message shows the string at fault, as `--stop ""` or a request's list gave it, not the tuple it is kept in."""
     with pytest.raises(SamplingError, match=r"^stop='' must be a non-empty string$"):

@@ -71,6 +71,9 @@ class SamplingParams:
             if not (value is None and name in OPTIONAL) and (isinstance(value, bool) or not isinstance(value, kind)):
                 raise SamplingError(name, f"{name}={value!r} must be a {'whole ' * whole}number, "
                                           f"not {type(value).__name__}")
+            if whole and value is not None:  # a NumPy integer as an int: torch's manual_seed refused np.int64
+                object.__setattr__(self, name, int(value))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         checks = [
             (0 <= self.temperature < math.inf, "temperature", "must be a finite number >= 0 (0 is greedy)"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
@@ -102,10 +105,11 @@ class SamplingParams:
                 not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in self.logit_bias):
             raise SamplingError("logit_bias", f"logit_bias={self.logit_bias!r} must map token ids to biases")
         for token, bias in self.logit_bias:
-            if type(token) is not int or token < 0 or not isinstance(bias, numbers.Real) or \
-                    not -100 <= bias <= 100:
-                raise SamplingError("logit_bias", f"logit_bias={token}:{bias} must give a token id >= 0 a bias in "
-                                                  "[-100, 100]")
+            if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0 or \
+                    not isinstance(bias, numbers.Real) or not -100 <= bias <= 100:
+                raise SamplingError("logit_bias", f"logit_bias={token!r}:{bias!r} must give a token id (an int) >= 0 "
+                                                  "a bias in [-100, 100]")
+        object.__setattr__(self, "logit_bias", tuple((int(t), b) for t, b in self.logit_bias))
         self._check_structure()
 
     @property
