@@ -508,7 +508,8 @@ def test_token_ids_of_any_form_are_checked_once_on_every_road(ckpt):
     """Token ids as a list, an array or a tensor are taken by forward, generate, perplexity and decode; anything
     else is one BadInput naming it. A prompt as an array or a tensor failed on its truth value, text or None with a
     TypeError; float ids were truncated (1.5 scored as 1); uint8 ids indexed the embeddings as a mask; perplexity's
-    last id, a target only, reached cross_entropy unchecked (an IndexError); a float position failed inside RoPE."""
+    last id, a target only, reached cross_entropy unchecked (an IndexError); a float position failed inside RoPE;
+    an array of uint16, uint32 or uint64 ids in torch's min (a NotImplementedError)."""
     import numpy as np
     from expertcache import generate
     engine = Engine(ckpt, EngineConfig(store="ram"))
@@ -517,6 +518,10 @@ def test_token_ids_of_any_form_are_checked_once_on_every_road(ckpt):
     for form in (np.array(ids), torch.tensor(ids), tuple(np.int64(i) for i in ids)):
         assert list(generate(engine, form, 2)) == want
     assert torch.equal(engine.forward(torch.tensor(ids, dtype=torch.uint8), 0), engine.forward(torch.tensor(ids), 0))
+    for dtype in (np.uint16, np.uint32, np.uint64):  # torch has no min or max of them: a NotImplementedError
+        assert list(generate(engine, np.array(ids, dtype=dtype), 2)) == want
+        with pytest.raises(BadInput, match="outside the model's vocabulary"):
+            perplexity(engine, np.array([1, 2, 96 if dtype != np.uint64 else 2**64 - 1], dtype=dtype))
     assert engine.decode(torch.tensor(ids)) == engine.decode(ids)
     ppl = perplexity(engine, ids, context=2).ppl
     for bad, words in [("ROMEO.", "Engine.encode"), (None, "Engine.encode"), ([1.5, 2.0, 3.0], "integer tensor"),

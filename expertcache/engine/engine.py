@@ -498,6 +498,8 @@ class Engine:
                 ids.dtype == torch.bool:
             raise BadInput(f"token ids must be a {'' if empty else 'non-empty '}1-D integer tensor, not {ids.dtype} "
                            f"of shape {tuple(ids.shape)}")
+        if ids.dtype in (torch.uint16, torch.uint32, torch.uint64):  # torch has no min or max of them (a NumPy
+            ids = ids.long()  # array's): as int64, where a uint64 id past its range wraps to a negative one, refused
         if ids.numel():
             lo, hi = (int(ids[0]),) * 2 if ids.numel() == 1 else (int(ids.min()), int(ids.max()))  # decode: one id
             if lo < 0 or hi >= self.args.vocab_size:
