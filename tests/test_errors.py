@@ -551,6 +551,22 @@ def test_token_ids_of_any_form_are_checked_once_on_every_road(ckpt):
     engine.close()
 
 
+def test_a_text_generation_refuses_arguments_of_the_wrong_type(ckpt):
+    """TextGeneration refuses params that are no SamplingParams (a dict, None: an AttributeError), an engine that is
+    none, and a `cached` that is no whole number (1.0 failed at the prefill's slice, '1' in a comparison)."""
+    from expertcache.engine.generate import TextGeneration
+    from expertcache.engine.sampling import SamplingParams
+    engine = Engine(ckpt, EngineConfig(store="ram"))
+    for bad_engine, params in ((engine, {"max_tokens": 2}), (engine, None), (None, SamplingParams())):
+        with pytest.raises(BadInput, match="takes an Engine and a SamplingParams"):
+            TextGeneration(bad_engine, [1, 2], params)
+    for cached in (1.0, "1"):
+        with pytest.raises(BadInput, match="cached"):
+            TextGeneration(engine, [1, 2, 3], SamplingParams(max_tokens=2), cached=cached)
+    assert len(list(TextGeneration(engine, [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)))) == 2
+    engine.close()
+
+
 def test_a_forward_past_max_seq_is_refused_before_any_pass_runs(ckpt, monkeypatch):
     """A forward longer than max_seq is refused whole, naming its length; it ran the passes before the one that
     crossed max_seq (their decisions and fetches) and named that pass's end."""
