@@ -590,7 +590,7 @@ def test_config_values_of_the_wrong_type_are_one_line():
         with pytest.raises(BadInput, match=next(iter(kw))):
             EngineConfig(**kw)
     for kw in [dict(fraction="0.25"), dict(fraction=True), dict(bytes=1.5e7), dict(bytes="1M"), dict(io_workers=-1),
-               dict(io_workers=1.5), dict(io_workers=None)]:
+               dict(io_workers=1.5), dict(io_workers=None), dict(io_workers=10**5)]:  # 10**5 threads failed to start
         with pytest.raises(BadInput, match=f"{'io_workers' if 'io_workers' in kw else 'cache'}"):
             CacheConfig(**kw)
     for kw in [dict(budget=2.5), dict(budget="2"), dict(confidence="0.1"), dict(confidence=float("nan")),

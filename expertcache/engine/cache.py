@@ -25,6 +25,7 @@ from .transfer import InstantTransfers, Transfer, TransferEngine
 
 F32, I64 = np.dtype(np.float32), np.dtype(np.int64)  # the kernel's argument types
 BACKGROUND_KINDS = ("prefetch", "admit", "upgrade")  # reads no token waits for when they start
+MAX_IO_WORKERS = 1024  # transfer worker threads: each holds a staging buffer, and reads gain nothing past a few
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,10 @@ class CacheConfig:
             object.__setattr__(self, "bytes", whole_number(self.bytes, "cache bytes"))
         if self.eviction is not None:
             eviction_code(str(self.eviction))
-        if whole_number(self.io_workers, "io_workers") < 0:
-            raise BadInput(f"io_workers={self.io_workers} must be >= 0 transfer worker threads, e.g. 4")
+        if not 0 <= whole_number(self.io_workers, "io_workers") <= MAX_IO_WORKERS:  # past it, threads failed to
+            # start mid-forward (a RuntimeError), and the engine's close with them
+            raise BadInput(f"io_workers={self.io_workers} must be 0 to {MAX_IO_WORKERS} transfer worker threads, "
+                           "e.g. 4")
         if not isinstance(self.caller_reads, bool):  # "no" would read as true
             raise BadInput(f"caller_reads={self.caller_reads!r} must be True or False")
 
