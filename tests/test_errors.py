@@ -490,6 +490,9 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(ckpt):
             engine.forward(torch.tensor(ids), 0)
     with pytest.raises(BadInput, match="outside the model's vocabulary"):
         list(generate(engine, [5, -2], 2))
+    for stop in ("x", 1.0, 96, -1):  # a stop never met: the generation ran on as though none was given
+        with pytest.raises(BadInput, match="stop"):
+            list(generate(engine, [5, 2], 2, stop=stop))
     from expertcache.engine.generate import TextGeneration
     from expertcache.engine.sampling import SamplingParams
     with pytest.raises(BadInput, match=r"stop_token_ids \[96\] must be token ids in \[0, 96\)"):

@@ -242,6 +242,8 @@ def generate(engine: Engine, prompt: list[int], max_new_tokens: int, temperature
     yielded before the end): one forward over the prompt, then one per token (KV cache)."""
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_new_tokens, ignore_eos=True)
     gen = TextGeneration(engine, prompt, params)
+    if stop is not None and not 0 <= whole_number(stop, "stop") < engine.args.vocab_size:  # else never met, silently
+        raise BadInput(f"stop={stop} must be a token id in [0, {engine.args.vocab_size}), or None")
     gen.detok = None  # ids only: no text to build
     while gen.finish_reason is None:
         token = gen.step().token
