@@ -608,6 +608,8 @@ def test_config_values_of_the_wrong_type_are_one_line():
         Engine(config={"store": "ram"})
     with pytest.raises(BadInput, match="model_path must be"):
         Engine(123)
+    with pytest.raises(BadInput, match="model_path='' names no checkpoint"):  # it ran the built-in model
+        Engine("")
 
 
 def test_store_formats_folders_and_flags_are_checked_when_the_config_is_made(ckpt):

@@ -187,7 +187,10 @@ class Engine:
         if model_path is not None and not isinstance(model_path, (str, Path)):
             raise BadInput(f"model_path must be a checkpoint folder or a Hub id (a str or Path), not "
                            f"{type(model_path).__name__}")
-        self.path = Path(model_path) if model_path else BUILTIN_MODEL
+        if model_path == "":  # an unset variable's value: the built-in model ran in the checkpoint's place, silently
+            raise BadInput("model_path='' names no checkpoint; give its folder or Hub id, or None for the built-in "
+                           "model")
+        self.path = Path(model_path) if model_path is not None else BUILTIN_MODEL
         self.config = config
         self.device = checked_device(config.device)
         policy = checked_options(config, policy)
