@@ -542,6 +542,8 @@ def test_token_ids_of_any_form_are_checked_once_on_every_road(ckpt):
     for context in (2.5, "2", None, float("inf")):
         with pytest.raises(BadInput, match="context"):
             perplexity(engine, ids, context=context)
+    with pytest.raises(BadInput, match="progress=1 must be a function"):  # a TypeError after the first window
+        perplexity(engine, ids, context=2, progress=1)
     for text in (None, b"ROMEO.", 5):
         with pytest.raises(BadInput, match="encode takes text"):
             engine.encode(text)

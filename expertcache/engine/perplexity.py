@@ -67,6 +67,8 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
     (`interrupted` set) instead of raising."""
     ids = engine.token_ids(ids, empty=True)  # every id: the last is only a target, which no forward checks
     context = whole_number(context, "context")
+    if progress is not None and not callable(progress):  # else a TypeError after the first window ran
+        raise BadInput(f"progress={progress!r} must be a function of the tokens scored, or None")
     if len(ids) < 2:
         raise BadInput(f"perplexity needs at least 2 tokens of text, got {len(ids)}; give a longer text")
     if min(context, len(ids) - 1) > engine.model.max_seq:  # the forward's refusal would name --max-seq alone
