@@ -1541,6 +1541,37 @@ def test_a_request_whose_client_left_while_waiting_leaves_the_queue_though_every
     engine.close()
 
 
+@pytest.mark.parametrize("schedule", ["batch", "interleave"])
+def test_a_long_prompt_runs_in_parts_while_another_decodes_and_its_tokens_are_the_same(tiny, schedule):
+    """While a request decodes, a prompt longer than prefill_chunk runs a part a round, and the decoding request
+    gets a token each round; the output is the one the prompt whole gives. Alone, a prompt runs whole."""
+    from expertcache.serve.scheduler import SchedulerConfig
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    prompt = [(7 * i) % engine.args.vocab_size for i in range(1, 40)]  # 39 tokens: 4 parts of 8, then 7 and a token
+    whole = list(generate(engine, prompt, 4))
+    scheduler = Scheduler(engine, SchedulerConfig(schedule=schedule, max_active=2, prefill_chunk=8))
+    decoding = _submit(scheduler, [1, 2], 40)
+    assert scheduler._admit()
+    scheduler._round()
+    long = _submit(scheduler, prompt, 4)
+    assert scheduler._admit() and len(scheduler.active) == 2
+    for parts in range(1, 5):
+        scheduler._round()
+        assert long.items == [] and long.generation.kv_end == 8 * parts and len(decoding.items) == 1 + parts
+    scheduler._round()
+    assert [i.token for i in long.items] == whole[:1] and len(decoding.items) == 6
+    while not long.done.is_set():
+        scheduler._round()
+    assert [i.token for i in long.items if i is not None] == whole
+    decoding.cancel()
+    scheduler._round()
+    alone = _submit(scheduler, prompt, 1)
+    assert scheduler._admit() and scheduler.active == [alone]
+    scheduler._round()
+    assert [i.token for i in alone.items if i is not None] == whole[:1]
+    engine.close()
+
+
 def test_a_500_names_the_failure_without_the_servers_paths():
     from expertcache.errors import FetchError
     from expertcache.serve.app import Server

@@ -79,6 +79,9 @@ def add_arguments(p):
     p.add_argument("--prefill-policy", default="same",
                    help="miss policy for prompt tokens ('same': the decode policy); e.g. substitute-all keeps "
                         "a long prompt from flushing the experts decoding uses")
+    p.add_argument("--prefill-chunk", type=bounded(int, 0, what="give a whole number >= 0"), default=64,
+                   help="prompt tokens a round runs of one request while others decode, so that their tokens keep "
+                        "coming during a long prompt (0: each prompt whole); alone, a prompt runs whole")
 
 
 def build_app(a):
@@ -90,7 +93,7 @@ def build_app(a):
     from ..serve.scheduler import Scheduler, SchedulerConfig
     prefill = None if a.prefill_policy == "same" else make_policy(a.prefill_policy)
     config = SchedulerConfig(schedule=a.schedule, max_active=a.max_active, prefill_policy=prefill,
-                             max_per_group=a.max_active_per_request)
+                             max_per_group=a.max_active_per_request, prefill_chunk=a.prefill_chunk)
     if a.kv_positions is None:
         a.kv_positions = a.max_seq * (1 if a.schedule == "serial" else a.max_active)
     engine = engine_from_args(a)

@@ -148,8 +148,8 @@ class TextGeneration:
             self.engine.model.k_cache, self.engine.model.v_cache = self.kv
         if not self.tokens:
             n = self.params.prompt_logprobs
-            if n is None:
-                logits = prefill(self.engine, self.prompt, self.prefill_policy, start=self.cached)
+            if n is None:  # the rest of the prompt: from `cached`, or from where prefill_part stopped
+                logits = prefill(self.engine, self.prompt, self.prefill_policy, start=self.kv_end)
             else:
                 logits = prefill(self.engine, self.prompt, self.prefill_policy, every=True)
                 self.scored = prompt_scores(logits, self.prompt, n)
@@ -159,6 +159,21 @@ class TextGeneration:
         logits = self.engine.forward(torch.tensor(self.tokens[-1:]), self.position)[-1]
         self.kv_end = self.position + 1
         return logits
+
+    def can_prefill_part(self, n: int) -> bool:
+        """Whether `prefill_part(n)` may run: the prompt has more than `n` tokens left to run, none sampled yet,
+        and its logprobs are not asked (they take the whole prompt's forward)."""
+        return not self.tokens and self.params.prompt_logprobs is None and len(self.prompt) - self.kv_end > n
+
+    def prefill_part(self, n: int) -> None:
+        """Run the prompt's next `n` tokens into the KV cache, sampling nothing: a long prompt taken in parts, so
+        that other sequences' steps run in between; `step()` runs the rest and samples."""
+        if not self.can_prefill_part(n):
+            raise BadInput(f"prefill_part({n}) needs more than {n} prompt tokens left to run, and no prompt_logprobs")
+        if self.kv is not None:
+            self.engine.model.k_cache, self.engine.model.v_cache = self.kv
+        prefill(self.engine, self.prompt[:self.kv_end + n], self.prefill_policy, start=self.kv_end)
+        self.kv_end += n
 
     @property
     def position(self) -> int:

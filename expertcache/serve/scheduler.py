@@ -1,7 +1,8 @@
 """One worker thread owns the engine; requests wait in a FIFO queue and are admitted in order.
 
 batch: up to `max_active` requests run at once; each round prefills the newly admitted ones
-(one at a time, under the prefill policy) and then runs one decode step of every other active
+(one at a time, under the prefill policy; while others decode, a long prompt runs `prefill_chunk`
+tokens a round, so that their tokens keep coming) and then runs one decode step of every other active
 request as ONE batched forward (each request keeps its own KV cache; attention runs per request,
 everything else on the batch, and the MoE layer decides the batch's tokens in order).
 interleave: the same rounds, but each request's decode step is its own forward (its KV cache
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from ..engine.engine import Engine
 from ..engine.generate import StepOutput, TextGeneration, batch_logits
 from ..engine.sampling import SamplingParams
-from ..errors import BadInput, FetchError, UnknownName
+from ..errors import BadInput, FetchError, UnknownName, whole_number
 from ..policies import MissPolicy
 
 SCHEDULES = ("batch", "interleave", "serial")
@@ -59,6 +60,10 @@ class SchedulerConfig:
     max_active: int = 16
     prefill_policy: MissPolicy | None = None  # None: prompts use the engine's policy
     max_per_group: int | None = None  # active slots one call's requests may hold; None: half of max_active
+    # prompt tokens a round runs of one request while others decode (0: a prompt whole): a long prompt run whole
+    # held every other stream for its whole prefill (seconds at real size); alone, a prompt runs whole, since each
+    # part reads its experts again
+    prefill_chunk: int = 64
 
 
 class Scheduler:
@@ -70,6 +75,8 @@ class Scheduler:
             raise UnknownName(f"unknown schedule {config.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if config.max_active < 1:
             raise BadInput(f"max_active={config.max_active} must be >= 1")
+        if whole_number(config.prefill_chunk, "prefill_chunk") < 0:
+            raise BadInput(f"prefill_chunk={config.prefill_chunk} must be >= 0 (0: each prompt whole)")
         if config.prefill_policy is not None:  # refused at start-up, not on the first prompt
             engine.bind_policy(config.prefill_policy)
         self.engine, self.config, self.on_finish = engine, config, on_finish
@@ -201,12 +208,21 @@ class Scheduler:
                 request.generation = TextGeneration(self.engine, request.prompt, request.params,
                                                     own_kv=True, prefill_policy=self.config.prefill_policy)
                 self.prompt_tokens += len(request.prompt)
+            if self._runs_part(request):
+                return request.generation.prefill_part(self.config.prefill_chunk)
             out = request.generation.step()
         except Exception as e:  # the request ends with an error; the server keeps serving
             if isinstance(e, FetchError):
                 repair_cache(self.engine)
             return self._finish(request, e, "error")
         self._deliver(request, out)
+
+    def _runs_part(self, request: Request) -> bool:
+        """Whether this step runs only the next `prefill_chunk` of the request's prompt: one longer than that is
+        left, and another request is decoding."""
+        g, chunk = request.generation, self.config.prefill_chunk
+        return bool(chunk) and g.can_prefill_part(chunk) and \
+            any(r is not request and r.generation is not None and r.generation.decoding for r in self.active)
 
     def _deliver(self, request: Request, out: StepOutput) -> None:
         self.generated_tokens += out.token is not None  # a step that only scored the prompt sampled none
@@ -250,8 +266,8 @@ class Scheduler:
             for request in list(self.active):  # one step each, in admission order
                 self._step(request)
             return
-        decoding = [r for r in self.active if r.generation is not None]
-        for request in [r for r in self.active if r.generation is None]:  # prompts one at a time
+        decoding = [r for r in self.active if r.generation is not None and r.generation.decoding]
+        for request in [r for r in self.active if not any(r is d for d in decoding)]:  # prompts, one at a time
             self._step(request)
         self._batch_step(decoding)
 
