@@ -96,3 +96,28 @@ def test_window_equals_token_by_token_under_eviction(tiny, monkeypatch, flush_ro
     torch.testing.assert_close(engine.forward(ids, 0), ref, atol=1e-4, rtol=0)
     # the decode order is respected: each token's misses were fetched, none served from the future
     assert engine.stats.sync_fetches == engine.stats.misses > 64
+
+
+def test_a_prompt_runs_expert_by_expert_exactly_reading_each_missing_expert_once(tiny):
+    """A prompt's prefill through a quarter of the experts (prompt_order experts, the default) gives the full
+    model's logits whatever the policy, reading each missing expert once a layer; decided token by token, a
+    substituting policy changes its logits, and fetching every miss reads an expert again each time it was
+    evicted."""
+    from expertcache.engine.generate import prefill
+    path, hf = tiny["olmoe"]
+    ids = torch.randint(0, 96, (64,), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0, -1]
+    runs = {}
+    for order, policy in (("experts", "substitute-all"), ("tokens", "substitute-all"), ("tokens", "fetch-all")):
+        engine = Engine(path, EngineConfig(cache=CacheConfig(fraction=0.25), initial="cold", prompt_order=order,
+                                           policy=policy))
+        runs[order, policy] = prefill(engine, ids.tolist()), engine.stats
+        a = engine.args
+        engine.close()
+    by_expert, stats = runs["experts", "substitute-all"]
+    torch.testing.assert_close(by_expert, ref, atol=1e-4, rtol=0)
+    assert (runs["tokens", "substitute-all"][0] - ref).abs().max() > 1e-3
+    routed = 64 * a.top_k * a.num_moe_layers
+    assert stats.substitutions == 0 and stats.routed == routed == stats.hits + stats.misses
+    assert stats.sync_fetches <= a.num_moe_layers * a.num_experts < runs["tokens", "fetch-all"][1].sync_fetches

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from ..choices import DENSE_DTYPES, DTYPES, IO_BACKENDS, SCHEMES, SLOT_DTYPES
+from ..choices import DENSE_DTYPES, DTYPES, IO_BACKENDS, PROMPT_ORDERS, SCHEMES, SLOT_DTYPES
 from ..errors import BadInput
 
 if TYPE_CHECKING:  # the verbs import the engine when they run, so that --help starts without torch
@@ -193,8 +193,8 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quota", default="layer", choices=["layer", "global"], help="per-layer slots or one pool")
 
 
-def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk") -> None:
-    """Every option of a verb that builds an Engine."""
+def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk", prompts: bool = True) -> None:
+    """Every option of a verb that builds an Engine (`prompts`: one that prefills prompts)."""
     add_model_argument(p)
     add_store_arguments(p, store)
     add_cache_arguments(p)
@@ -208,6 +208,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk") -> Non
     p.add_argument("--initial", default="auto", choices=["warm", "cold", "auto"],
                    help="initial residency: warm, cold or auto (warm when routing counts exist)")
     p.add_argument("--max-seq", type=positive_int, default=2048, help="longest sequence the KV cache holds")
+    if prompts:
+        p.add_argument("--prompt-order", default="experts", choices=PROMPT_ORDERS,
+                       help="a prompt's prefill: experts (each routed expert read at most once a layer and run on "
+                            "all its tokens, at full precision whatever the policy) or tokens (decided token by "
+                            "token under the policy, as decode would: reads an expert again each time it was evicted)")
     p.set_defaults(engine_options=True)  # engine_config(a) applies
 
 
@@ -292,7 +297,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         eviction=a.eviction, initial=a.initial, store_dir=a.store_dir, max_seq=a.max_seq,
                         memory_budget=a.memory_budget, read_mode=a.read_mode,
                         store_format=format_from_args(a, a.store_dtype), slot_dtype=a.slot_dtype,
-                        dense_dtype=a.dense_dtype, kv_positions=getattr(a, "kv_positions", None))
+                        dense_dtype=a.dense_dtype, kv_positions=getattr(a, "kv_positions", None),
+                        prompt_order=getattr(a, "prompt_order", "experts"))
 
 
 def engine_from_args(a: argparse.Namespace) -> Engine:

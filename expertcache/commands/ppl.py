@@ -11,7 +11,7 @@ HELP = "teacher-forced perplexity over a text file (default: the built-in evalua
 
 def add_arguments(p):
     """The verb's options."""
-    add_engine_arguments(p)
+    add_engine_arguments(p, prompts=False)
     p.add_argument("--text", type=Path, default=EVAL_TEXT, help="UTF-8 text file")
     p.add_argument("--context", type=positive_int, default=512, help="window length in tokens")
     p.add_argument("--max-tokens", type=positive_int, default=None,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..choices import BUILTIN_MODEL  # noqa: F401 (re-exported)
+from ..choices import BUILTIN_MODEL, PROMPT_ORDERS  # noqa: F401 (BUILTIN_MODEL re-exported)
 from ..errors import (
     BadInput,
     CacheTooSmall,
@@ -68,6 +68,10 @@ class EngineConfig:
     memory_budget: int | None = None  # bytes of the whole fast tier; sizes the expert cache (overrides cache size)
     slot_dtype: str = "auto"  # the fast tier's expert format: auto, fp32, fp16, bf16, int8, int4 (slots.slot_format)
     dense_dtype: str = "auto"  # the dense weights' format: auto (the checkpoint's 16 bits), fp32, fp16, bf16, int8, int4
+    # how a prompt's prefill meets the cache (generate, chat, serve; a scored window always runs in token order):
+    # experts: each routed expert resident or read once a layer, and run on all its tokens, at full precision;
+    # tokens: decided token by token as decode would, under the policy (the emulation's order)
+    prompt_order: str = "experts"
 
     def __post_init__(self):
         # the types, which every road checks nowhere else (a float max_seq or a string budget failed inside torch);
@@ -82,6 +86,8 @@ class EngineConfig:
                                            not os.fspath(self.store_dir)):  # '' is the working directory to Path
             raise BadInput(f"store_dir={self.store_dir!r} must be a folder (a str or Path), or None for the default "
                            "one under ~/.cache")
+        if self.prompt_order not in PROMPT_ORDERS:
+            raise UnknownName(f"unknown prompt_order {self.prompt_order!r}; choose one of {', '.join(PROMPT_ORDERS)}")
         if not isinstance(self.verify, bool):  # "no" would read as true
             raise BadInput(f"verify={self.verify!r} must be True or False")
         if not isinstance(self.cache, CacheConfig):
@@ -243,6 +249,7 @@ class Engine:
         self.bind_policy(self.policy)
         self.stats = RunStats()
         self.runner = MoELayerRunner(self.args, self.model.router, self.cache, self.policy, self.stats)
+        self.runner.exact = self.bind_policy(make_policy("fetch-all"))
         self.model.moe = self.runner
         self._predictors: dict[str, Predictor] = {}  # made once each, as attached: see set_prefetch
         if config.prefetch is not None:
@@ -465,10 +472,10 @@ class Engine:
         return made
 
     # -- running -------------------------------------------------------------------------
-    def forward(self, ids: torch.Tensor, pos: int, last: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, pos: int, last: bool = False, prompt: bool = False) -> torch.Tensor:
         """ids [T] -> logits [T, V] (fp32; with `last`, [1, V]: the last position's only, as a prefill
-        needs), counting tokens and wall time. Raises NonFiniteOutput rather than return a NaN or
-        infinite logit."""
+        needs), counting tokens and wall time. `prompt`: a prompt's prefill, whose MoE layers run in the config's
+        `prompt_order`. Raises NonFiniteOutput rather than return a NaN or infinite logit."""
         self._check_open()
         ids, pos = self.token_ids(ids), whole_number(pos, "position")
         if pos < 0:  # the rotary angles and the cache's slice would silently take it
@@ -477,7 +484,11 @@ class Engine:
         if pos + T > self.model.max_seq:  # refused whole, not after the passes before the one that crosses it ran
             raise BadInput(f"sequence of {pos + T} tokens exceeds max_seq={self.model.max_seq}; raise --max-seq")
         self.runner.start_forward(id(self.model.k_cache), pos, T)  # a swapped-in sequence has other keys
-        logits = self._timed(lambda: self._passes(ids.to(self.device), pos, last), T)
+        self.runner.by_expert = prompt and self.config.prompt_order == "experts"
+        try:
+            logits = self._timed(lambda: self._passes(ids.to(self.device), pos, last), T)
+        finally:
+            self.runner.by_expert = False
         self.runner.end_forward(id(self.model.k_cache), pos + T)  # the keys as they may have grown
         self._check_finite(logits, lambda t: f"at position {pos + (T - 1 if last else t)}")
         return logits

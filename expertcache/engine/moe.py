@@ -17,7 +17,7 @@ import torch
 
 from ..choices import PREDICTORS
 from ..errors import BadInput, UnknownName, did_you_mean, real_number, whole_number
-from ..kernel.cache_state import N_LOG
+from ..kernel.cache_state import HITS, MISSES, MOE_CALLS, N_LOG, ROUTED
 from ..kernel.dense_decode import EMPTY, gemv, gemv_pair
 from ..kernel.policy import would_fetch
 from ..kernel.routing import Router, Routing
@@ -156,6 +156,10 @@ class MoELayerRunner:
         self.kind = ExpertKind.of(args)
         self.token_base = 0  # index in the run of the first token of the current forward
         self.decoding = False  # the current forward is a decode batch: one token of each of several sequences
+        # the current forward is a prompt whose MoE layers run expert by expert (run_by_expert); `exact`: the
+        # fetch-all policy that brings their missing experts in
+        self.by_expert = False
+        self.exact: MissPolicy | None = None
         self.predictor: Predictor | None = None
         self.prefetch = PrefetchConfig()
         self.resid: torch.Tensor | None = None  # residual after the current layer's attention
@@ -186,6 +190,41 @@ class MoELayerRunner:
     def end_forward(self, sequence: int | None, pos: int) -> None:
         """The forward started by `start_forward` has run; its sequence's next token is at `pos`."""
         self.sequence = None if sequence is None else (sequence, pos)
+
+    def _run_by_expert(self, layer: int, routing: Routing, add: Callable) -> None:
+        """A prompt's MoE layer expert by expert: the resident experts run on their tokens, then the missing ones
+        are fetched k at a time (under the fetch-all policy `exact`) and each runs on all its tokens at once. Every
+        missing expert is read once a call, where deciding the tokens in order reads one again each time it was
+        evicted since: with a quarter of the experts cached, a prompt was read at decode's pace. Every routed
+        expert runs at full precision, whatever the decode policy (the prompt is exact); the tokens' hits and
+        misses count as routed. `add(tokens, slots, gates)` adds those entries' expert outputs."""
+        cache, stats = self.cache, self.stats
+        ids, weights = routing.ids, routing.weights
+        T, k = ids.shape
+        stats.stall_s += cache.finish_all()  # transfers in flight land: a mapped slot is then a resident expert
+        before = cache.state.counts.copy()
+        resident = cache.slot_of[layer][ids] >= 0
+        t, j = np.nonzero(resident)
+        if len(t):
+            add(t, cache.slot_of[layer][ids[t, j]], weights[t, j])
+        missing = np.unique(ids[~resident])
+        rows = np.zeros((1, cache.shape.num_experts), np.float32)
+        for g0 in range(0, len(missing), k):
+            group = missing[g0:g0 + k]
+            if len(group) < k:  # the last group: the row is filled with resident experts, at gate 0
+                held = np.setdiff1d(np.flatnonzero(cache.slot_of[layer] >= 0), group)
+                group = np.concatenate([group, held[:k - len(group)]])
+            gates = np.zeros((1, k), np.float32)
+            gates[0, :len(missing[g0:g0 + k])] = 1.0 / k
+            decide_layer(cache, self.exact, stats, layer, Routing(rows, rows, gates, group[None].astype(np.int64)),
+                         self.token_base + T - 1, lambda *_: None)  # one row: no slot of its changes hands
+            t, j = np.nonzero(np.isin(ids, missing[g0:g0 + k]))
+            add(t, cache.slot_of[layer][ids[t, j]], weights[t, j])
+        counts = cache.state.counts  # the tokens' routes as the layer's, not the rows of experts fetched
+        made = counts - before
+        hits = int(resident.sum())
+        for index, n in ((MOE_CALLS, T), (ROUTED, T * k), (HITS, hits), (MISSES, T * k - hits)):
+            counts[index] += n - made[index]
 
     def _predict_next(self, layer: int, x: torch.Tensor, exec_ids: np.ndarray, gates: np.ndarray) -> None:
         a, cache = self.args, self.cache
@@ -335,6 +374,10 @@ class MoELayerRunner:
 
         def predict(experts: np.ndarray, gates: np.ndarray) -> None:  # this token's slots stay protected
             self._predict_next(layer, x, experts, gates)
+        if T > 1 and self.by_expert and cache.small is None and self.prefetch.mode != "speculative":
+            out = torch.zeros_like(x)
+            self._run_by_expert(layer, routing, lambda t, s, g: add(list(zip(t.tolist(), s.tolist(), g.tolist()))))
+            return out if self.router.scale == 1.0 else out * self.router.scale
         # decode: the next layer's prefetches start as soon as this layer's fetches are under way
         plan = decide_layer(cache, self.policy, stats, layer, routing, self.token_base, flush,
                             predict if ahead and T == 1 else None)
