@@ -208,17 +208,22 @@ class MoELayerRunner:
         if len(t):
             add(t, cache.slot_of[layer][ids[t, j]], weights[t, j])
         missing = np.unique(ids[~resident])
-        rows = np.zeros((1, cache.shape.num_experts), np.float32)
-        for g0 in range(0, len(missing), k):
-            group = missing[g0:g0 + k]
-            if len(group) < k:  # the last group: the row is filled with resident experts, at gate 0
-                held = np.setdiff1d(np.flatnonzero(cache.slot_of[layer] >= 0), group)
-                group = np.concatenate([group, held[:k - len(group)]])
+        groups = [missing[g0:g0 + k] for g0 in range(0, len(missing), k)]
+        # the next group's reads run under this group's compute, where the slots hold both
+        ahead = (cache.num_slots if cache.cfg.quota == "global" else cache.per_layer) >= 2 * k
+        rows, clock = np.zeros((1, cache.shape.num_experts), np.float32), self.token_base + T - 1
+        for i, group in enumerate(groups):
+            row = group
+            if len(row) < k:  # the last group: the row is filled with resident experts, at gate 0
+                held = np.setdiff1d(np.flatnonzero(cache.slot_of[layer] >= 0), row)
+                row = np.concatenate([row, held[:k - len(row)]])
             gates = np.zeros((1, k), np.float32)
-            gates[0, :len(missing[g0:g0 + k])] = 1.0 / k
-            decide_layer(cache, self.exact, stats, layer, Routing(rows, rows, gates, group[None].astype(np.int64)),
-                         self.token_base + T - 1, lambda *_: None)  # one row: no slot of its changes hands
-            t, j = np.nonzero(np.isin(ids, missing[g0:g0 + k]))
+            gates[0, :len(group)] = 1.0 / k
+            decide_layer(cache, self.exact, stats, layer, Routing(rows, rows, gates, row[None].astype(np.int64)),
+                         clock, lambda *_: None)  # one row: no slot of its changes hands
+            if ahead and i + 1 < len(groups):
+                stats.stall_s += cache.prefetch_routed(layer, groups[i + 1], clock, hold=group)
+            t, j = np.nonzero(np.isin(ids, group))
             add(t, cache.slot_of[layer][ids[t, j]], weights[t, j])
         counts = cache.state.counts  # the tokens' routes as the layer's, not the rows of experts fetched
         made = counts - before
