@@ -79,7 +79,7 @@ def add_arguments(p):
     p.add_argument("--prefill-policy", default="same",
                    help="miss policy for prompt tokens ('same': the decode policy); e.g. substitute-all keeps "
                         "a long prompt from flushing the experts decoding uses")
-    p.add_argument("--prefill-chunk", type=bounded(int, 0, what="give a whole number >= 0"), default=64,
+    p.add_argument("--prefill-chunk", type=bounded(int, 0, what="give a whole number >= 0"), default=512,
                    help="prompt tokens a round runs of one request while others decode, so that their tokens keep "
                         "coming during a long prompt (0: each prompt whole); alone, a prompt runs whole")
 

@@ -63,7 +63,7 @@ class SchedulerConfig:
     # prompt tokens a round runs of one request while others decode (0: a prompt whole): a long prompt run whole
     # held every other stream for its whole prefill (seconds at real size); alone, a prompt runs whole, since each
     # part reads its experts again
-    prefill_chunk: int = 64
+    prefill_chunk: int = 512
 
 
 class Scheduler:
