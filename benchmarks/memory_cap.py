@@ -1,9 +1,10 @@
 """The engine against llama.cpp at equal memory: each runs in a memory cgroup capped at its own baseline plus the
 same extra bytes (the dense weights and 10%, 25% or 50% of the experts, in 4 bits), its experts on the disk,
-and decodes the same text token by token.
+prefills the same prompt (`--prompt-tokens`, one batch) and decodes the same text token by token.
 
     sudo python benchmarks/memory_cap.py [--model build/qwen3-30b-shape] [--fractions 0.1 0.25 0.5]
-        [--policies fetch-all threshold:tau=0.15] [--quota layer] [--tokens 32] [--rounds 2] [--json OUT]
+        [--policies fetch-all threshold:tau=0.15] [--quota layer] [--prompt-tokens 256] [--tokens 32] [--rounds 2]
+        [--json OUT]
 
 The extra bytes are those of llama.cpp's Q4_0 file: its dense tensors plus the fraction of its experts (18
 bytes a block of 32 weights). llama.cpp maps the file (mmap), so that the page cache is its expert cache, with
@@ -14,7 +15,8 @@ reads its int4 disk store with O_DIRECT into int4 slots, its dense weights int4 
 `--memory-budget` set to the extra bytes. A baseline is the process's peak before any weight: llama.cpp's
 after importing its bindings, the engine's after its imports and a forward of the built-in model (its compiled
 kernels loaded), each measured in a cgroup of its own. The page cache is dropped before every run. Reported per
-cap: ms/token (median of the decode steps, rounds alternated), the cgroup's peak charge (resident memory and page
+cap: the prompt's prefill time per token, ms/token (median of the decode steps, rounds alternated), the cgroup's
+peak charge (resident memory and page
 cache), whether the OOM killer ended the run, the engine's hit rate, and bytes read from the disk per token
 (the process's read_bytes). Needs root (cgroups, drop_caches, read-ahead); `expertcache.lab.cgroup`.
 """
@@ -57,12 +59,20 @@ def child_engine(a) -> dict:
 
     from expertcache.engine.cache import CacheConfig
     from expertcache.engine.engine import Engine, EngineConfig
+    from expertcache.engine.generate import prefill
     from expertcache.engine.quant import ExpertFormat
-    ids = text_ids(a.model, a.tokens + 8)
+    ids = text_ids(a.model, max(a.tokens + 8, a.prompt_tokens))
     cache = CacheConfig(fraction=0.25, quota=a.quota)  # sized by --memory-budget
     engine = Engine(a.model, EngineConfig(store="disk", cache=cache, policy=a.policy,
                                           store_format=ExpertFormat.parse("int4", 32), slot_dtype="int4",
-                                          dense_dtype="int4", memory_budget=a.budget, max_seq=a.tokens + 16))
+                                          dense_dtype="int4", memory_budget=a.budget,
+                                          max_seq=max(a.tokens, a.prompt_tokens) + 16))
+    prompt = {}
+    if a.prompt_tokens:  # the prompt, then decode from a fresh start
+        start = time.perf_counter()
+        prefill(engine, ids[:a.prompt_tokens])
+        prompt = {"prefill_ms_per_token": 1000 * (time.perf_counter() - start) / a.prompt_tokens}
+        engine.reset()
     before = read_bytes()
     times = []
     for pos, tok in enumerate(ids[:a.tokens + 4]):
@@ -71,7 +81,7 @@ def child_engine(a) -> dict:
         if pos >= 4:
             times.append(time.perf_counter() - t)
     s = engine.stats
-    return {"ms_per_token": 1000 * statistics.median(times), "hit_rate": s.hit_rate,
+    return {**prompt, "ms_per_token": 1000 * statistics.median(times), "hit_rate": s.hit_rate,
             "disk_bytes_per_token": (read_bytes() - before) / len(ids[:a.tokens + 4]),
             "fetched_bytes_per_token": s.fetched_bytes_per_token, "slots_per_layer": engine.cache.per_layer,
             "experts": engine.args.num_experts}
@@ -89,10 +99,16 @@ def child_llama(a) -> dict:
         return p
     bindings.llama_model_default_params = params
     gguf = Path(a.model).with_name(f"{Path(a.model).name}-q4_0.gguf")
-    llm = Llama(model_path=str(gguf), n_ctx=a.tokens + 16, n_threads=os.cpu_count(), n_threads_batch=os.cpu_count(),
-                use_mmap=True, verbose=False)
-    ids = text_ids(a.model, a.tokens + 8)
+    llm = Llama(model_path=str(gguf), n_ctx=max(a.tokens, a.prompt_tokens) + 16, n_batch=max(a.prompt_tokens, 8),
+                n_threads=os.cpu_count(), n_threads_batch=os.cpu_count(), use_mmap=True, verbose=False)
+    ids = text_ids(a.model, max(a.tokens + 8, a.prompt_tokens))
     vocab = llm.n_vocab()
+    prompt = {}
+    if a.prompt_tokens:
+        start = time.perf_counter()
+        llm.eval(ids[:a.prompt_tokens])
+        prompt = {"prefill_ms_per_token": 1000 * (time.perf_counter() - start) / a.prompt_tokens}
+        llm.reset()
     before = read_bytes()
     times = []
     for pos, tok in enumerate(ids[:a.tokens + 4]):
@@ -101,7 +117,7 @@ def child_llama(a) -> dict:
         np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,)).argmax()
         if pos >= 4:
             times.append(time.perf_counter() - t)
-    return {"ms_per_token": 1000 * statistics.median(times),
+    return {**prompt, "ms_per_token": 1000 * statistics.median(times),
             "disk_bytes_per_token": (read_bytes() - before) / len(ids[:a.tokens + 4])}
 
 
@@ -131,6 +147,7 @@ def main() -> None:
     p.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     p.add_argument("--policies", nargs="+", default=["fetch-all", "threshold:tau=0.15"])
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=256, help="the prompt prefilled before decode (0: none)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--quota", default="layer", choices=["layer", "global"],
                    help="the engine's slots each layer's own, or shared by the layers (needs only top-k in all)")
@@ -151,7 +168,8 @@ def main() -> None:
 
     def run(child: str, limit: int | None, extra: list[str]) -> tuple[dict | None, dict]:
         drop_page_cache()
-        cmd = [sys.executable, __file__, "--child", child, "--model", a.model, "--tokens", str(a.tokens), *extra]
+        cmd = [sys.executable, __file__, "--child", child, "--model", a.model, "--tokens", str(a.tokens),
+               "--prompt-tokens", str(a.prompt_tokens), *extra]
         r = run_capped(cmd, limit, timeout=3600)
         out = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
         info = {"peak_bytes": r.peak_bytes, "oom_killed": r.oom_killed, "returncode": r.returncode,
@@ -182,15 +200,17 @@ def main() -> None:
     slots = "shared by the layers (--quota global)" if a.quota == "global" else "each layer its own"
     print(f"\nengine slots: {slots}; "
           f"caps: each runtime's baseline (llama.cpp {base['llama.cpp'] / 2**20:.0f} MiB, engine "
-          f"{base['engine'] / 2**20:.0f} MiB) + the Q4_0 dense weights and the share of Q4_0 experts; decode of "
-          f"{a.tokens} text tokens, medians of {a.rounds} rounds; llama.cpp at read-ahead 128 KiB (the disk's was "
-          f"{readahead} KiB)\n")
-    print("| experts in the extra | extra MiB | runtime | ms/token | vs llama.cpp | peak MiB (cap) | OOM-killed | "
-          "hit rate | MiB read from disk per token |")
-    print("|---:|---:|---|---:|---:|---:|---|---:|---:|")
+          f"{base['engine'] / 2**20:.0f} MiB) + the Q4_0 dense weights and the share of Q4_0 experts; a prefill of "
+          f"{a.prompt_tokens} text tokens, then decode of {a.tokens}, medians of {a.rounds} rounds; llama.cpp at "
+          f"read-ahead 128 KiB (the disk's was {readahead} KiB)\n")
+    print("| experts in the extra | extra MiB | runtime | prefill ms/token | vs llama.cpp | ms/token | vs llama.cpp | "
+          "peak MiB (cap) | OOM-killed | hit rate | MiB read from disk per token |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|")
     for f in a.fractions:
         ref = [r["ms_per_token"] for r in results.get(f"llama.cpp @ {f}", []) if "ms_per_token" in r]
         llama_ms = statistics.median(ref) if ref else float("nan")
+        ref = [r["prefill_ms_per_token"] for r in results.get(f"llama.cpp @ {f}", []) if "prefill_ms_per_token" in r]
+        llama_pp = statistics.median(ref) if ref else float("nan")
         for name in ["llama.cpp"] + [f"engine {pol}" for pol in a.policies]:
             rows = results.get(f"{name} @ {f}", [])
             done = [r for r in rows if "ms_per_token" in r]
@@ -200,7 +220,10 @@ def main() -> None:
             hit = statistics.median(r["hit_rate"] for r in done) if done and "hit_rate" in done[0] else None
             disk = statistics.median(r["disk_bytes_per_token"] for r in done) if done else float("nan")
             killed = sum(r["oom_killed"] for r in rows)
-            print(f"| {f:.0%} | {rows[0]['extra_bytes'] / 2**20:.0f} | {name} | {ms:.1f} | "
+            pp = statistics.median(r["prefill_ms_per_token"] for r in done) if done and a.prompt_tokens else \
+                float("nan")
+            print(f"| {f:.0%} | {rows[0]['extra_bytes'] / 2**20:.0f} | {name} | {pp:.1f} | {llama_pp / pp:.2f}x | "
+                  f"{ms:.1f} | "
                   f"{llama_ms / ms if done else float('nan'):.2f}x | {peak / 2**20:.0f} ({cap / 2**20:.0f}) | "
                   f"{killed}/{len(rows)} | {'' if hit is None else f'{hit:.1%}'} | {disk / 2**20:.1f} |")
     if a.json:
