@@ -262,6 +262,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
          ["serve", "--store", "ram", "--port", "0", "--prefill-policy", "conditional:j=16,m=16"]),
         ("serve --prefill-policy nope", ["serve", "--store", "ram", "--port", "0", "--prefill-policy", "nope"]),
         ("serve --max-waiting 0", ["serve", "--store", "ram", "--port", "0", "--max-waiting", "0"]),
+        ("serve --prefill-chunk -1", ["serve", "--store", "ram", "--port", "0", "--prefill-chunk", "-1"]),
+        ("generate --prompt-order words", ["generate", "-p", "hi", "--prompt-order", "words"]),
         ("serve --shutdown-timeout -1", ["serve", "--store", "ram", "--port", "0", "--shutdown-timeout", "-1"]),
         ("serve --api-key with a space", ["serve", "--store", "ram", "--port", "0", "--api-key", "my key"]),
         ("info --budget in bytes without a unit (a plain number is MiB)", ["info", "--budget", "16000000000"]),
