@@ -125,3 +125,9 @@ def test_a_prompt_runs_expert_by_expert_exactly_reading_each_missing_expert_once
     if family == "olmoe":  # its routes spread over the experts: token order substitutes, and reads experts again
         assert (by_token - ref).abs().max() > 1e-3 and token_stats.substitutions
         assert runs["tokens", "fetch-all"][1].sync_fetches > a.num_moe_layers * a.num_experts
+        # a prefill policy of its own (prefill protection) decides the prompt as asked, token by token
+        from expertcache.policies import make_policy
+        engine = Engine(path, EngineConfig(cache=CacheConfig(fraction=0.25), initial="cold"))
+        prefill(engine, ids.tolist(), make_policy("substitute-all"))
+        assert engine.stats.substitutions > 0
+        engine.close()

@@ -56,7 +56,8 @@ def prefill(engine: Engine, prompt: list[int], policy: MissPolicy | None = None,
     if policy is not None:
         engine.runner.policy = engine.bind_policy(policy)
     try:
-        logits = engine.forward(torch.tensor(prompt[start:]), start, last=not every, prompt=True)
+        # a prefill policy of its own decides the prompt as asked, token by token (prefill protection)
+        logits = engine.forward(torch.tensor(prompt[start:]), start, last=not every, prompt=policy is None)
         return logits if every else logits[-1]
     finally:
         engine.runner.policy = decode_policy
