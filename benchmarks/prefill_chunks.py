@@ -13,10 +13,11 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 
 from expertcache.cli import run_script
-from expertcache.engine.cache import CacheConfig
-from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.commands.options import add_engine_arguments, engine_config
+from expertcache.engine.engine import Engine
 from expertcache.engine.sampling import SamplingParams
 from expertcache.serve.scheduler import Request, Scheduler, SchedulerConfig
 
@@ -51,21 +52,15 @@ def one_round(engine: Engine, prompt: list[int], chunk: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the built-in model)")
-    p.add_argument("--store", default="disk", help="slow tier: disk or ram")
-    p.add_argument("--cache", type=float, default=0.25, help="fraction of the experts cached")
-    p.add_argument("--store-dtype", default=None, help="the store's expert format, e.g. int4 (default: the model's)")
-    p.add_argument("--slot-dtype", default="auto", help="slot format (default: the store's)")
-    p.add_argument("--dense-dtype", default="auto", help="dense weights' format (default: the model's 16 bits)")
+    add_engine_arguments(p)  # the verbs' engine options; the store: disk
     p.add_argument("--prompt-tokens", type=int, default=1800, help="the long prompt's tokens (from the eval text)")
     p.add_argument("--chunks", default="0,256,512", help="prefill_chunk values to compare (0: the prompt whole)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every chunk size")
     p.add_argument("--json", default=None, help="write the figures to this file")
     a = p.parse_args()
     chunks = [int(c) for c in a.chunks.split(",")]
-    engine = Engine(a.model, EngineConfig(store=a.store, cache=CacheConfig(fraction=a.cache), store_format=a.store_dtype,
-                                          slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype,
-                                          max_seq=a.prompt_tokens + 64, kv_positions=2 * (a.prompt_tokens + 64)))
+    max_seq = a.prompt_tokens + 64  # the stream's keys and values beside the prompt's
+    engine = Engine(a.model, replace(engine_config(a), max_seq=max_seq, kv_positions=2 * max_seq))
     prompt = engine.encode(open(EVAL).read()[:20 * a.prompt_tokens])[:a.prompt_tokens]
     one_round(engine, prompt[:64], chunks[0])  # warm-up: compiling, the cache's working set
     runs = {c: [] for c in chunks}

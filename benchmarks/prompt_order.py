@@ -12,10 +12,11 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 
 from expertcache.cli import run_script
-from expertcache.engine.cache import CacheConfig
-from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.commands.options import add_engine_arguments, engine_config
+from expertcache.engine.engine import Engine
 from expertcache.engine.generate import prefill
 
 EVAL = "expertcache/data/eval.txt"
@@ -24,20 +25,13 @@ ORDERS = ("experts", "tokens")
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the built-in model)")
-    p.add_argument("--store", default="disk", help="slow tier: disk or ram")
-    p.add_argument("--cache", type=float, default=0.25, help="fraction of the experts cached")
-    p.add_argument("--store-dtype", default=None, help="the store's expert format, e.g. int4 (default: the model's)")
-    p.add_argument("--slot-dtype", default="auto", help="slot format (default: the store's)")
-    p.add_argument("--dense-dtype", default="auto", help="dense weights' format (default: the model's 16 bits)")
-    p.add_argument("--policy", default="fetch-all", help="the decode policy (a prompt in token order runs under it)")
+    add_engine_arguments(p, prompts=False)  # the verbs' engine options; the store: disk
     p.add_argument("--prompt-tokens", type=int, default=512, help="the prompt's tokens (from the eval text)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each order")
     p.add_argument("--json", default=None, help="write the figures to this file")
     a = p.parse_args()
-    engines = {order: Engine(a.model, EngineConfig(
-        store=a.store, cache=CacheConfig(fraction=a.cache), store_format=a.store_dtype, slot_dtype=a.slot_dtype,
-        dense_dtype=a.dense_dtype, policy=a.policy, prompt_order=order, max_seq=a.prompt_tokens + 8))
+    config = replace(engine_config(a), max_seq=a.prompt_tokens + 8)
+    engines = {order: Engine(a.model, replace(config, prompt_order=order))
         for order in ORDERS}
     prompt = engines["experts"].encode(open(EVAL).read()[:20 * a.prompt_tokens])[:a.prompt_tokens]
     for engine in engines.values():  # warm-up: compiling
