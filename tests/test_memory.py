@@ -4,6 +4,7 @@ the interpreter and its libraries take before any model (measured in the same wa
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,22 @@ def test_peak_rss_within_budget(predictor, budget):
 def test_budget_too_small_names_the_parts():
     with pytest.raises(CacheTooSmall, match=r"--memory-budget 4\.0 MiB .*dense weights .*KV cache"):
         Engine(None, EngineConfig(store="ram", memory_budget=4 * 2**20))
+
+
+def test_a_budget_short_of_a_full_pass_takes_smaller_passes_and_computes_the_same():
+    """A budget that a forward pass of 512 tokens' workspace would leave without a top-k set of slots runs in
+    smaller passes, the same logits, where it was refused."""
+    from expertcache.engine.generate import prefill
+    config = EngineConfig(store="disk", max_seq=600)
+    full = Engine(None, config)
+    ids = full.encode(EVAL_TEXT.read_text()[:4000])[:300]
+    budget = full.plan.total + full._least_slots_bytes() - 1
+    want = prefill(full, ids)
+    full.close()
+    short = Engine(None, replace(config, memory_budget=budget))
+    assert short.forward_tokens < 512 and short.plan.total + short._least_slots_bytes() <= budget
+    torch.testing.assert_close(prefill(short, ids), want, atol=1e-4, rtol=0)
+    short.close()
 
 
 def test_kv_cache_grows_and_stays_exact(tiny):

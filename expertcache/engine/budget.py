@@ -24,6 +24,9 @@ from .weights import dense_names, is_matrix
 
 ATTENTION_CHUNK = 256  # query rows a window's attention computes at a time (transformer.py), bounding its scores
 FORWARD_CHUNK = 512  # tokens of one forward pass: Engine.forward runs a longer window in passes of this many
+# the passes a memory budget too small for FORWARD_CHUNK's workspace takes instead, before it is refused: a prompt
+# then runs in more passes (each reading its missing experts again) rather than not at all
+SMALLER_PASSES = (256, 128, 64, 32, 16)
 
 
 @dataclass(frozen=True)
@@ -91,13 +94,13 @@ def kv_bytes(args: ModelArgs, positions: int, dtype: torch.dtype) -> int:
     return kv
 
 
-def workspace_bytes(args: ModelArgs, max_seq: int, largest_dense: int) -> int:
+def workspace_bytes(args: ModelArgs, max_seq: int, largest_dense: int, passes: int = FORWARD_CHUNK) -> int:
     """Memory a run needs beyond weights, caches and buffers: a scored window's logits [max_seq, V]; one forward
-    pass's activations (FORWARD_CHUNK tokens: hidden states, projections) and each attention chunk's scores; the
+    pass's activations (`passes` tokens: hidden states, projections) and each attention chunk's scores; the
     expert kernels' scratch (one pass of PASS assignments); and at load the largest dense tensor once in fp32 (a
     conversion, or a quantized matrix's encoding)."""
     a = args
-    chunk = min(max_seq, FORWARD_CHUNK)
+    chunk = min(max_seq, passes)
     width = max(a.num_heads * a.head_dim * 3, a.hidden_size, 2 * (a.dense_dim or 0), 2 * (a.shared_expert_dim or 0))
     logits = max_seq * a.vocab_size * 4
     forward = chunk * (8 * a.hidden_size + 2 * width) * 4

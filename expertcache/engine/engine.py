@@ -33,7 +33,15 @@ from .compile_clock import compile_seconds
 from .slots import slot_bytes, slot_format
 from .checkpoint import ROUTING_COUNTS, check_token_ids, encode_prefix, load_routing_counts, open_checkpoint
 from . import threads
-from .budget import FORWARD_CHUNK, MemoryPlan, available_memory, dense_bytes, kv_bytes, workspace_bytes
+from .budget import (
+    FORWARD_CHUNK,
+    SMALLER_PASSES,
+    MemoryPlan,
+    available_memory,
+    dense_bytes,
+    kv_bytes,
+    workspace_bytes,
+)
 from .linear import dense_format, float_dtype
 from .moe import MoELayerRunner, PrefetchConfig
 from .predictors import Predictor, make_predictor, predictor_bytes
@@ -230,9 +238,14 @@ class Engine:
         held_as = store_dtype if config.store != "disk" else None
         stored = config.store_format or ExpertFormat.of_dtype(held_as or expert_dtype(ckpt, self.args))
         self.slot_format = slot_format(config.slot_dtype, self.device, stored, config.store)
+        self.forward_tokens = FORWARD_CHUNK  # tokens of one forward pass (a window runs in passes of this many)
         self.plan = self._memory_plan(stored, dtype, held_dense)
         cache_cfg = replace(config.cache, eviction=self._eviction())
         if config.memory_budget is not None:
+            for passes in SMALLER_PASSES:  # a budget short of a full pass's workspace takes smaller passes first
+                if config.memory_budget - self.plan.total >= self._least_slots_bytes():
+                    break
+                self.forward_tokens, self.plan = passes, self._memory_plan(stored, dtype, held_dense, passes)
             cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget))
         self._check_memory(cache_cfg, stored, held_dtype(ckpt, self.args, store_dtype, config.store_format))
         self._check_device_memory(cache_cfg)
@@ -264,10 +277,12 @@ class Engine:
                                       "model's tokenizer.json") from None
         self.reset()
 
-    def _memory_plan(self, stored: ExpertFormat, dtype: torch.dtype, held_dense: torch.dtype | None) -> MemoryPlan:
+    def _memory_plan(self, stored: ExpertFormat, dtype: torch.dtype, held_dense: torch.dtype | None,
+                     passes: int = FORWARD_CHUNK) -> MemoryPlan:
         """The fast tier's fixed parts (engine/budget.py) for experts stored as `stored`: the dense weights as
         held, the KV cache at max_seq, the stores' staging buffers (the small copies' too where the policy
-        fetches them), the workspace and the prefetch predictor it is made with."""
+        fetches them), the workspace of forward passes of `passes` tokens and the prefetch predictor it is made
+        with."""
         a, c = self.args, self.config
         shape = ExpertShape.of(a)
         dense, largest = dense_bytes(self.checkpoint, a, dtype, held_dense if self.device.type == "cpu" else dtype,
@@ -278,7 +293,7 @@ class Engine:
                       for f in formats)
         predictor = predictor_bytes(c.prefetch.predictor, self.path, dtype) if c.prefetch is not None else 0
         return MemoryPlan(dense, kv_bytes(a, c.kv_positions or c.max_seq, dtype), buffers,
-                          workspace_bytes(a, c.max_seq, largest), predictor)
+                          workspace_bytes(a, c.max_seq, largest, passes), predictor)
 
     def _check_memory(self, cache: CacheConfig, stored: ExpertFormat, store_dtype: torch.dtype) -> None:
         """NotEnoughMemory, before any weight is read, where what the run holds in host memory (on the CPU the plan's
@@ -318,13 +333,18 @@ class Engine:
         one = slot_bytes(shape, self.slot_format)
         return one * shape.num_layers * slots_per_layer(cache, shape, one, self.args.top_k)
 
+    def _least_slots_bytes(self) -> int:
+        """The fewest expert slots' bytes a run takes: a top-k set a layer, or in all under --quota global."""
+        shape = ExpertShape.of(self.args)
+        L = shape.num_layers
+        return slot_bytes(shape, self.slot_format) * L * least_slots_per_layer(self.config.cache.quota,
+                                                                              self.args.top_k, L)
+
     def _expert_budget(self, budget: int) -> int:
         """Bytes left for expert slots when the fast tier holds `budget` bytes in all: the plan's parts first;
         CacheTooSmall naming the minimum when that leaves fewer than a top-k set of slots per layer."""
         left = budget - self.plan.total
-        shape = ExpertShape.of(self.args)
-        quota, k, L = self.config.cache.quota, self.args.top_k, shape.num_layers
-        one = slot_bytes(shape, self.slot_format) * L * least_slots_per_layer(quota, k, L)
+        quota, k, one = self.config.cache.quota, self.args.top_k, self._least_slots_bytes()
         if left < one:
             parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.plan.parts().items())
             need = "per layer" if quota == "layer" else "shared by the layers (--quota global)"
@@ -522,14 +542,14 @@ class Engine:
         return ids.long()
 
     def _passes(self, ids: torch.Tensor, pos: int, last: bool) -> torch.Tensor:
-        """The model over ids [T] in passes of at most FORWARD_CHUNK tokens (the workspace the budget counts; the
+        """The model over ids [T] in passes of at most `forward_tokens` tokens (the workspace the budget counts; the
         decisions are the same, tokens being decided in order either way), their logits joined."""
-        T = ids.shape[0]
-        if T <= FORWARD_CHUNK:
+        T, n = ids.shape[0], self.forward_tokens
+        if T <= n:
             return self.model.forward(ids, pos, last)
         out = []
-        for t0 in range(0, T, FORWARD_CHUNK):
-            t1 = min(T, t0 + FORWARD_CHUNK)
+        for t0 in range(0, T, n):
+            t1 = min(T, t0 + n)
             logits = self.model.forward(ids[t0:t1], pos + t0, last)
             if not last or t1 == T:
                 out.append(logits)
