@@ -45,8 +45,8 @@ def main() -> None:
             logits[order] = prefill(engine, prompt)
             s = engine.stats
             runs[order].append({"ms_per_token": (time.perf_counter() - start) * 1e3 / len(prompt),
-                                "reads_per_token": (s.sync_fetches + s.prefetch_fetches) / s.tokens, "stall_s": s.stall_s,
-                                "hit_rate": s.hit_rate})
+                                "reads_per_token": (s.sync_fetches + s.prefetch_fetches) / s.tokens,
+                                "stall_s": s.stall_s, "hit_rate": s.hit_rate})
             print(f"round {r + 1}, {order}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[order][-1].items()),
                   flush=True)
     for engine in engines.values():
