@@ -203,10 +203,11 @@ class MoELayerRunner:
         T, k = ids.shape
         stats.stall_s += cache.finish_all()  # transfers in flight land: a mapped slot is then a resident expert
         before = cache.state.counts.copy()
-        resident = cache.slot_of[layer][ids] >= 0
+        held_in = cache.slot_of[layer][ids]  # [T, k] each route's slot, -1 where its expert is missing
+        resident = held_in >= 0
         t, j = np.nonzero(resident)
         if len(t):
-            add(t, cache.slot_of[layer][ids[t, j]], weights[t, j])
+            add(t, held_in[t, j], weights[t, j])
         missing = np.unique(ids[~resident])
         groups = [missing[g0:g0 + k] for g0 in range(0, len(missing), k)]
         # the next group's reads run under this group's compute, where the slots hold both
@@ -324,11 +325,12 @@ class MoELayerRunner:
             return experts_compute(xs, torch.from_numpy(slots_h), gates if xs.device.type == "cpu" else
                                    gates.to(xs.device), cache.w13, cache.w2, cache.b13, cache.b2, self.kind)
 
-        def add(entries: list[tuple[int, int, float]]) -> None:
-            """out[t] += g * expert_s(x[t]) for each (t, s, g): a plan of width one, grouped by slot."""
-            index = torch.tensor([t for t, _, _ in entries], device=x.device)
-            out.index_add_(0, index, experts_out(x[index], np.array([[s] for _, s, _ in entries], np.int64),
-                                                 np.array([[g] for _, _, g in entries], np.float32)))
+        def add(tokens, slots, gates) -> None:
+            """out[t] += g * expert_s(x[t]) for each entry (t, s, g) of the three sequences: a plan of width one,
+            grouped by slot."""
+            index = torch.as_tensor(np.asarray(tokens, np.int64), device=x.device)
+            out.index_add_(0, index, experts_out(x[index], np.asarray(slots, np.int64)[:, None],
+                                                 np.asarray(gates, np.float32)[:, None]))
 
         def decode_out(slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
             if compiled:
@@ -362,7 +364,8 @@ class MoELayerRunner:
                 for t, g in run:
                     out[t] += self.compiled(x[t:t + 1], one, np.array([g], np.float32))[0]
             else:
-                add([(t, slot, g) for t, g in run])
+                tokens, gates = zip(*run)
+                add(tokens, [slot] * n, gates)
 
         def finish(slots_h: np.ndarray, gates_h: np.ndarray) -> None:
             """The work that no flush ran."""
@@ -375,13 +378,13 @@ class MoELayerRunner:
             else:
                 rest = [(t, s, g) for s, entries in by_slot.items() for t, g in entries]
                 if rest:
-                    add(rest)
+                    add(*zip(*rest))
 
         def predict(experts: np.ndarray, gates: np.ndarray) -> None:  # this token's slots stay protected
             self._predict_next(layer, x, experts, gates)
         if T > 1 and self.by_expert and cache.small is None and self.prefetch.mode != "speculative":
             out = torch.zeros_like(x)
-            self._run_by_expert(layer, routing, lambda t, s, g: add(list(zip(t.tolist(), s.tolist(), g.tolist()))))
+            self._run_by_expert(layer, routing, add)
             return out if self.router.scale == 1.0 else out * self.router.scale
         # decode: the next layer's prefetches start as soon as this layer's fetches are under way
         plan = decide_layer(cache, self.policy, stats, layer, routing, self.token_base, flush,
