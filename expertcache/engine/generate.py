@@ -111,7 +111,7 @@ class TextGeneration:
         if not 0 <= cached < len(prompt) or cached and (own_kv or params.prompt_logprobs is not None):
             raise BadInput(f"cached={cached} must leave at least one of the prompt's {len(prompt)} tokens to run, "
                            "on the engine's own cache, without prompt_logprobs")
-        self.cached, self.kv_end = cached, cached
+        self.kv_end = cached
         vocab = engine.args.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):  # never sampled: a stop that silently never ends
             raise BadInput(f"stop_token_ids {list(params.stop_token_ids)} must be token ids in [0, {vocab})")
