@@ -179,6 +179,10 @@ def held_in_memory(what: str, each: int, shape: ExpertShape) -> dict[str, int]:
     return {what: each * shape.num_layers * shape.num_experts, "a layer read while they load": each * shape.num_experts}
 
 
+# what a closed engine lets go at once: the slots, the weights, the KV cache, the stores and the predictors
+HELD_UNTIL_CLOSED = ("model", "cache", "runner", "store", "small_store", "_predictors")
+
+
 class Engine:
     """A checkpoint run with its experts in a slow tier and an expert cache in the fast tier, under one
     miss policy; `forward(ids [T], pos) -> logits [T, V]`."""
@@ -459,6 +463,8 @@ class Engine:
     def variant(self) -> str:
         """The miss policy and, with a predictor attached, what it does, as `--policy` spells them
         (e.g. fetch-all+prefetch/lookahead)."""
+        if self.closed:  # what it ran, still there to report
+            return self._variant
         return str(self.policy) + (f"+{self.runner.prefetch}" if self.runner.predictor is not None else "")
 
     def set_prefetch(self, prefetch: PrefetchConfig | None) -> None:
@@ -651,15 +657,25 @@ class Engine:
         """Land the transfers in flight, stop the transfer workers and close the stores; once (a second call does
         nothing)."""
         if not self.closed:
+            self._variant = self.variant
             self.closed = True
             self.cache.close()
             for store in (self.store, self.small_store):  # a lowbit policy's small copies have their own files
                 if store is not None:
                     store.close()
             # a predictor holds the model, whose MoE runner holds it: without this cycle, the slots, weights and KV
-            # cache go as soon as the engine does, not at the garbage collector's next pass (gigabytes at real size,
-            # while the next engine loads)
+            # cache go as soon as the engine does, not at the garbage collector's next pass
             self.runner.predictor, self.model.prefetch, self._predictors = None, None, {}
+            # and they go now, not when the engine object does: `with Engine(...) as e` in a loop held two engines'
+            # memory while the next one loaded (4.6 GB against 2.4 at real shape)
+            for part in HELD_UNTIL_CLOSED:
+                del self.__dict__[part]
+
+    def __getattr__(self, name: str):
+        """Only for what a closed engine let go (HELD_UNTIL_CLOSED): the one-line error, not an AttributeError."""
+        if name in HELD_UNTIL_CLOSED and "_variant" in self.__dict__:  # let go by close(), not a failed load
+            self._check_open()
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __enter__(self) -> Engine:
         return self
