@@ -81,6 +81,21 @@ def test_missing_tensor(capsys, ckpt):
     expect_cli_error(capsys, ckpt, "is missing")
 
 
+@pytest.mark.parametrize("family,name", [("qwen3_moe", "model.layers.1.mlp.experts.3.up_proj.weight"),
+                                         ("gpt_oss", "model.layers.1.mlp.experts.down_proj_bias")])
+def test_a_missing_expert_tensor_is_refused_at_load_not_at_its_first_fetch(tiny, tmp_path, family, name):
+    """A ram store reads the experts on first use: a server opened on such a checkpoint started, then failed its
+    first request."""
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "model"
+    shutil.copytree(tiny[family][0], path)
+    sd = load_file(path / "model.safetensors")
+    del sd[name]
+    save_file(sd, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' is missing"):
+        Engine(path, EngineConfig(store="ram"))
+
+
 @pytest.mark.parametrize("name", ["model.norm.weight", "model.layers.1.mlp.experts.3.up_proj.weight"])
 def test_integer_weights_are_refused_not_read_as_numbers(capsys, ckpt, name):
     """A weight stored as integers (a corrupt export, or a quantization the engine does not read) was converted

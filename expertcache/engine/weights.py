@@ -154,6 +154,27 @@ def _standard_layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int, names
     return LayerExperts(w13, w2)
 
 
+def expert_tensor_names(ckpt: Checkpoint, args: ModelArgs, layer: int) -> list[str]:
+    """The checkpoint's tensors that hold MoE layer `layer`'s experts."""
+    family = family_of(ckpt.config)
+    decoder = args.moe_layers[layer]
+    if hasattr(family, "expert_tensor_names"):  # a family's own storage
+        return family.expert_tensor_names(ckpt, args, decoder)
+    names = family.layer_names(decoder, args)["experts"]
+    fused = names["w1"][0].rsplit(".experts.", 1)[0] + ".experts."
+    if fused + "gate_up_proj" in ckpt.files:
+        return [fused + "gate_up_proj", fused + "down_proj"]
+    return names["w1"] + names["w3"] + names["w2"]
+
+
+def check_expert_tensors(ckpt: Checkpoint, args: ModelArgs) -> None:
+    """CheckpointError naming the first expert tensor the checkpoint lacks, from its headers alone: a store that
+    reads the experts on first use would otherwise find it at the first fetch, a server at its first request."""
+    for layer in range(args.num_moe_layers):
+        for name in expert_tensor_names(ckpt, args, layer):
+            ckpt.info(name)
+
+
 def all_layer_experts(ckpt: Checkpoint, args: ModelArgs) -> Iterator[LayerExperts]:
     """Each MoE layer's stacked experts in order."""
     for layer in range(args.num_moe_layers):

@@ -69,6 +69,14 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
 
 
+def expert_tensor_names(ckpt: Checkpoint, a: ModelArgs, layer: int) -> list[str]:
+    """The tensors that hold layer `layer`'s experts, as this checkpoint stores them (MXFP4 or float)."""
+    p = f"model.layers.{layer}.mlp.experts."
+    held = (("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+            if p + "gate_up_proj_blocks" in ckpt.files else ("gate_up_proj", "down_proj"))
+    return [p + n for n in ("gate_up_proj_bias", "down_proj_bias", *held)]
+
+
 def layer_experts(ckpt: Checkpoint, a: ModelArgs, layer: int) -> LayerExperts:
     """Layer `layer`'s experts in our layout, from HF's fused tensors or from MXFP4 blocks and scales."""
     p = f"model.layers.{layer}.mlp.experts."

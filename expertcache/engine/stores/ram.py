@@ -9,7 +9,7 @@ import torch
 from ...models.args import ModelArgs
 from ..checkpoint import Checkpoint
 from ..quant import FLOAT_DTYPES, ExpertFormat, encode, encoded_bytes, roundtrip
-from ..weights import all_layer_experts, expert_dtype
+from ..weights import all_layer_experts, check_expert_tensors, expert_dtype
 from .base import ExpertShape, ExpertStore, check_store
 
 
@@ -32,6 +32,7 @@ class RamStore(ExpertStore):
 
     def __init__(self, ckpt: Checkpoint, args: ModelArgs, dtype=torch.float32, fmt: ExpertFormat | None = None):
         super().__init__(ExpertShape.of(args), held_dtype(ckpt, args, dtype, fmt))
+        check_expert_tensors(ckpt, args)  # the experts are read on first use: a missing one is refused now
         self.format = fmt
         self._ckpt, self._args = ckpt, args  # for the float parts and the encoded blobs, each made on first use
         self._blobs: torch.Tensor | None = None
