@@ -67,6 +67,8 @@ def checked_number(policy: str, key: str, value, low: float, high: float = math.
     """A policy parameter given as a number or a spec's string, checked: finite, whole if
     `whole`, within [low, high] (low excluded when `above`); BadInput naming it otherwise."""
     try:
+        if isinstance(value, bool):  # float(True) is 1.0: a flag given where a number belongs would run as one
+            raise TypeError
         x = float(value)
     except (TypeError, ValueError):
         raise BadInput(f"policy {policy!r}: {key}={value!r} is not a number; e.g. {policy}:{key}={EXAMPLES[key]}") \

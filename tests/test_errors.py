@@ -646,6 +646,19 @@ def test_store_formats_folders_and_flags_are_checked_when_the_config_is_made(ckp
         assert engine.store.stored_format == ExpertFormat.parse("int8")
 
 
+def test_a_flag_given_where_a_number_belongs_and_a_number_where_a_flag_does_are_refused():
+    """A policy's tau or beta given as True ran as 1.0 (float(True)); encode's special given as "no" failed in the
+    tokenizer with a TypeError that named no argument."""
+    from expertcache.policies import ThresholdRule
+    for kw in [dict(tau=True), dict(beta=True), dict(tau=False)]:
+        with pytest.raises(BadInput, match=f"{next(iter(kw))}=(True|False) is not a number"):
+            ThresholdRule(**kw)
+    with Engine(None, EngineConfig(max_seq=64)) as engine:
+        assert engine.encode("hello", special=False)
+        with pytest.raises(BadInput, match="special='no' must be True or False"):
+            engine.encode("hello", special="no")
+
+
 def test_flags_of_the_cache_and_prefetch_configs_are_bools():
     """PrefetchConfig's drop and fetched and CacheConfig's caller_reads refuse what is no bool: "no" read as true, and
     a prefetch's failed with a ValueError where the engine names its variant (PrefetchConfig.__str__)."""

@@ -5,6 +5,7 @@ from tokenizers import Tokenizer
 
 from expertcache.engine.engine import BUILTIN_MODEL
 from expertcache.engine.sampling import IncrementalDetokenizer, Sampler, SamplingError, SamplingParams, StopStrings
+from expertcache.errors import BadInput
 
 
 @pytest.fixture(scope="module")
@@ -376,6 +377,8 @@ def test_prompt_scoring_and_logprobs_of_every_output_token():
     ending.eos = frozenset({first.token})  # the greedy first token plays EOS
     last = ending.step()
     assert last.finish_reason == "stop" and last.text == "" and last.logprob == pytest.approx(first.logprob)
+    with pytest.raises(BadInput, match=r"step\(\) after the generation finished \(stop\); start a new"):
+        ending.step()  # a RuntimeError, where every misuse of the API is a BadInput that names the fix
     with pytest.raises(SamplingError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     engine.close()

@@ -616,6 +616,8 @@ class Engine:
         if not isinstance(text, str):
             raise BadInput(f"encode takes text (a str), not {type(text).__name__}" +
                            ("; decode bytes first (data.decode('utf-8'))" if isinstance(text, bytes) else ""))
+        if not isinstance(special, bool):  # the tokenizer's own TypeError named no argument
+            raise BadInput(f"special={special!r} must be True or False")
         if max_tokens is not None and whole_number(max_tokens, "max_tokens") < 0:  # -1 would drop the last token
             raise BadInput(f"max_tokens={max_tokens} must be >= 0, or None for every token")
         if self.tokenizer is None:

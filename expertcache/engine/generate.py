@@ -189,7 +189,8 @@ class TextGeneration:
     def step(self) -> StepOutput:
         """Run the model for one new token and sample it."""
         if self.finish_reason is not None:
-            raise RuntimeError("step() after the generation finished")
+            raise BadInput(f"step() after the generation finished ({self.finish_reason}); start a new "
+                           "TextGeneration to generate again")
         first = not self.tokens
         if self.params.max_tokens == 0:  # scoring the prompt only: no token is sampled
             self._logits()
