@@ -1022,6 +1022,22 @@ def test_malformed_fields_are_refused_with_400(server, fields, words):
     assert e.value.code == 400 and words in error["message"], error
 
 
+@pytest.mark.parametrize("path,fields,param", [("/completions", {"prompt": [True, False]}, "prompt"),
+                                                ("/completions", {"prompt": [[5, True]]}, "prompt"),
+                                                ("/completions", {"prompt": "a", "temperature": True}, "temperature"),
+                                                ("/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                                                       "top_p": False}, "top_p")])
+def test_a_bool_is_no_token_id_or_number_and_its_error_names_the_field(server, path, fields, param):
+    """JSON true is neither token id 1 of a prompt (it ran as [1, 0]) nor a temperature of 1.0; its 400 names the
+    field in `param`, as every other field's does (the numbers' had param null)."""
+    req = urllib.request.Request(f"{server.base_url}{path}", data=json.dumps({"max_tokens": 2, **fields}).encode(),
+                                 headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    error = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and error["param"] == param and "Value error" not in error["message"], error
+
+
 def call(server, path: str, body: dict) -> tuple[int, dict]:
     """POST a JSON body to the server's `path`: (status, the answer's JSON)."""
     status, _, answer = post(f"{server.url}{path}", json.dumps(body).encode())

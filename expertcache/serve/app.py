@@ -461,8 +461,8 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
         elif not loc:  # not an object: a JSON list, or a body sent without Content-Type: application/json
             message, param = ("the body must be a JSON object, sent with Content-Type: application/json "
                               f"({first.get('msg', 'invalid')})"), None
-        else:
-            message, param = f"{'.'.join(loc)}: {first.get('msg', 'invalid')}", loc[0]
+        else:  # a field's own check (a role, a bool for a number) words its message itself
+            message, param = f"{'.'.join(loc)}: {first.get('msg', 'invalid').removeprefix('Value error, ')}", loc[0]
         return JSONResponse(APIError(400, message, param).body(), status_code=400)
 
     @app.post("/v1/completions")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator, model_validator
 
 from ..engine.sampling import MAX_LOGPROBS, short
 from ..engine.structured import JSON_OBJECT
@@ -54,11 +54,15 @@ class SamplingFields(BaseModel):
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for k in NUMBERS:  # pydantic reads true as 1.0: a client's mistake, not a temperature
-                if isinstance(data.get(k), bool):
-                    raise ValueError(f"{k} must be a number, not {str(data[k]).lower()}")
             return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
+
+    @field_validator(*NUMBERS, mode="before")
+    @classmethod
+    def _no_bool(cls, value: Any, info) -> Any:  # a field's own check: its error's param names the field
+        if isinstance(value, bool):  # pydantic reads true as 1.0: a client's mistake, not a temperature
+            raise ValueError(f"{info.field_name} must be a number, not {str(value).lower()}")
+        return value
     model: str | None = None  # left out: the model served, as vLLM and llama-server take it (OpenAI requires it)
     max_tokens: StrictInt | None = None  # strict: a bool or a string is refused, not read as a number
     max_completion_tokens: StrictInt | None = None
@@ -90,7 +94,7 @@ class CompletionBody(SamplingFields):
     """A /v1/completions request: the sampling fields and a prompt (text or token ids), or a list of them (one
     choice each). echo puts the prompt before the completion, and with logprobs scores the prompt's tokens
     (then max_tokens may be 0), as evaluation harnesses ask."""
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # strict: [true] is no token id 1
     add_special_tokens: StrictBool = True  # vLLM's: false encodes a text prompt without the tokenizer's own (a BOS)
     echo: bool = False
     best_of: int | None = None
