@@ -487,6 +487,22 @@ def test_skip_special_tokens_false_keeps_their_text(client):
         client.completions.create(**{**ask, "extra_body": {"skip_special_tokens": "no"}})
 
 
+def test_a_special_tokens_logprob_entry_names_it_and_its_bytes_are_its_text(client):
+    """A special token (here the EOS that ends the output) has its text in logprobs, as vLLM shows it: its chat entry
+    had the token "" but the bytes of <|endoftext|>, and completions listed "" where the text (skip_special_tokens
+    false) held <|endoftext|>."""
+    ask = dict(model=MODEL, max_tokens=2, temperature=0, logit_bias={"0": 100})
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=1,
+                                          **ask)
+    entry = chat.choices[0].logprobs.content[0]
+    assert chat.choices[0].message.content == "" and chat.choices[0].finish_reason == "stop"
+    assert entry.token == "<|endoftext|>" and bytes(entry.bytes).decode() == entry.token
+    assert all(bytes(t.bytes).decode() == t.token for t in entry.top_logprobs)
+    kept = client.completions.create(prompt="ROMEO.\n", logprobs=1, **ask,
+                                     extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert kept.choices[0].logprobs.tokens == ["<|endoftext|>"] * 2 == [kept.choices[0].text[:13]] * 2
+
+
 def test_deepseeks_calls_come_back_as_tool_calls(tmp_path):
     """A template that writes DeepSeek's call markers: the model's call comes back in tool_calls, whole and
     streamed."""

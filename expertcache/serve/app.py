@@ -294,7 +294,10 @@ class Server:
                 "total_tokens": prompt_tokens + completion_tokens}
 
     def _token(self, token: int) -> str:
-        return self.engine.decode([token])
+        """A token's text in logprobs: a special token's too (an EOS, a BOS), as vLLM shows them, so that its entry
+        names it and its bytes are its text's."""
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else str(token)
 
     def _bytes(self, token: int, text: str) -> list[int]:
         """A token's bytes: exact for a byte-level vocabulary, where a token may hold part of a character that
