@@ -325,7 +325,9 @@ def test_calls_written_in_the_templates_tags_come_back_as_tool_calls(tmp_path):
 def test_replies_are_split_into_reasoning_content_and_calls_in_each_templates_form():
     """<think> tags (also opened by the prompt), GPT-OSS's harmony channels (analysis, final, a commentary call to a
     function, the recipient before or after the channel), and <tool_call> tags after the reasoning; text with
-    neither is left as written; a stream cut anywhere sends the same parts and calls."""
+    neither is left as written; a stream cut anywhere sends the same parts and calls, and the same answer to its
+    whitespace (it sent the whitespace before a call, or at the end of an answer after reasoning, which the whole reply
+    leaves out)."""
     import random
 
     from expertcache.serve.reasoning import Reply, opens_thinking, reply_form, split_reply
@@ -336,6 +338,11 @@ def test_replies_are_split_into_reasoning_content_and_calls_in_each_templates_fo
         ("Let me see.\n</think>\n\nHello.", "think", None, True, "Let me see.", "Hello.", []),
         (" No thoughts.\n", "think", None, False, None, " No thoughts.\n", []),
         ("<think>cut off mid", "think", None, False, "cut off mid", None, []),
+        ("<think>Hm.</think>\n\nHello.\n\n", "think", None, False, "Hm.", "Hello.", []),  # cut after a line
+        ("Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": " + call + "}\n</tool_call>",
+         "plain", tools, False, None, "Let me look.", [("get_weather", call)]),
+        ("\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": " + call + "}\n</tool_call>\n", "plain",
+         tools, False, None, None, [("get_weather", call)]),
         ("<think>Sunny?</think>Checking. <tool_call>\n{\"name\": \"get_weather\", \"arguments\": " + call +
          "}\n</tool_call>", "think", tools, False, "Sunny?", "Checking.", [("get_weather", call)]),
         ("<|channel|>analysis<|message|>User asks.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny.",
@@ -364,7 +371,7 @@ def test_replies_are_split_into_reasoning_content_and_calls_in_each_templates_fo
                     sent[k] = sent.get(k, "") + v
             assert sent.get("reasoning_content") == thought and [c["function"] for c in streamed] == \
                 [c["function"] for c in got[2]]
-            assert sent.get("content", "").strip() == (content or "").strip()
+            assert (sent.get("content") or None) == (content or None), (text, sent)  # its whitespace too
         assert split_reply(text, form, given, opened, reasoning=False)[0] is None
     assert reply_form(TOOL_TEMPLATE) == "think" and reply_form(CALL_TEMPLATE) == "plain"
     assert opens_thinking("ASSISTANT.\n<think>\n") is True and not opens_thinking("<think></think>")

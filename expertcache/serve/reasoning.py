@@ -160,14 +160,22 @@ class Reply:
             _Harmony(tools is not None, opened if isinstance(opened, str) else None)
         self.answer = CallStream(tools, calls) if tools is not None else None
         self.thought, self.reasoning = _Trimmed(), reasoning
+        # the answer's trailing whitespace waits for more text: a whole reply with reasoning or calls ends its answer
+        # without it (split_reply), so a stream must not have sent it
+        self.thought_sent, self.edge = False, ""
 
     def _delta(self, pieces: list[tuple[str, str]]) -> dict:
         delta: dict[str, str] = {}
         for part, text in pieces:
             if part == "reasoning":
                 key, text = "reasoning_content", self.thought.feed(text) if self.reasoning else ""
+                self.thought_sent = self.thought_sent or bool(text)
             else:
                 key, text = "content", self.answer.feed(text) if self.answer is not None else text
+                if self.answer is not None or self.parts is not None:
+                    text = self.edge + text
+                    self.edge = text[len(text.rstrip()):]
+                    text = text[:len(text) - len(self.edge)]
             if text:
                 delta[key] = delta.get(key, "") + text
         return delta
@@ -181,10 +189,16 @@ class Reply:
         calls = []
         if self.answer is not None:
             rest, calls = self.answer.end()
-            if rest:
-                delta["content"] = delta.get("content", "") + rest
+            if rest:  # after the whitespace held before it
+                delta["content"], self.edge = delta.get("content", "") + self.edge + rest, ""
         if isinstance(self.parts, _Harmony):
             calls += [tool_call(name, arguments.strip()) for name, arguments in self.parts.calls]
+        if not (self.thought_sent or calls):  # the answer as written: its held whitespace too
+            delta["content"] = delta.get("content", "") + self.edge
+        else:
+            delta["content"] = delta.get("content", "").rstrip()
+        if not delta["content"]:
+            del delta["content"]
         return delta, calls
 
 
