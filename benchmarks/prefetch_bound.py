@@ -5,6 +5,7 @@ against an oracle that knows every next layer's experts, in decode on the disk s
                                         [--predictors estimator lookahead] [--budgets 8 4] [--tokens 64]
                                         [--repeats 15] [--feed greedy|text] [--json FILE]
                                         [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
+                                        [--lookahead-from DIR ...]
 
 The policy alone decodes greedily first; every variant then decodes those tokens again, one a forward, so that all
 of them run the same inputs. `--feed text` feeds the evaluation text's own tokens after the prompt instead, one a
@@ -17,9 +18,10 @@ bounds what any predictor can gain here: perfect recall and precision, with the 
 waiting. `--fetched` prefetches only what the policy would fetch were it a miss (`fetched=1`), the oracle included.
 `--split` adds the oracle paying the first predictor's call (run, its answer unused): between it and the oracle
 lies what the call's time costs, between it and the predictor what its wrong and missed reads cost. Each predictor
-runs at each of `budgets` (prefetches per layer among its top-k; default top-k), the oracle at the first; "of the
-oracle's gain" is (on demand / variant - 1) / (on demand / oracle - 1) on the three's mean times over the rounds
-(every variant runs in every round, seconds apart, where this disk's speed drifts over minutes), with a 90%
+runs at each of `budgets` (prefetches per layer among its top-k; default top-k), the oracle at the first, and so
+does the lookahead trained in each `--lookahead-from` folder (a copy of the model's trained with other options).
+"Of the oracle's gain" is (on demand / variant - 1) / (on demand / oracle - 1) on the three's mean times over the
+rounds (every variant runs in every round, seconds apart, where this disk's speed drifts over minutes), with a 90%
 interval from resampling the rounds; "predict" the wall time of a token's predictions (the attention run ahead
 included). "disk busy" is the time per token that the store's device had a read in flight (Linux's /proc/diskstats;
 n/a elsewhere): no prefetch can bring a token below it, so on demand / disk busy bounds any gain; "thread CPU" is
@@ -154,6 +156,7 @@ def main() -> None:
     from expertcache.engine.generate import generate
     from expertcache.engine.moe import PrefetchConfig
     from expertcache.engine.perplexity import EVAL_TEXT
+    from expertcache.engine.predictors import make_predictor
     from expertcache.engine.quant import ExpertFormat
     from expertcache.progress import progress_bar
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -167,6 +170,9 @@ def main() -> None:
     p.add_argument("--dense-dtype", default="auto")
     p.add_argument("--predictors", nargs="+", default=["estimator", "lookahead"])
     p.add_argument("--budgets", type=int, nargs="+", default=[None], help="prefetches per layer (default: top-k)")
+    p.add_argument("--lookahead-from", type=Path, nargs="+", default=[],
+                   help="also the lookahead trained in each of these copies of the model's folder (e.g. with other "
+                        "sketches: cp -al MODEL DIR && expertcache predict --train --model DIR ...), side by side")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--feed", choices=("greedy", "text"), default="greedy",
@@ -197,6 +203,13 @@ def main() -> None:
     budget = lambda b: "" if b is None else f", budget {b}"  # noqa: E731
     variants = {"on demand": None} | {f"prefetch, {name}{budget(b)}": PrefetchConfig(name, budget=b, fetched=a.fetched)
                                       for name in a.predictors for b in a.budgets}
+    others = {}  # variant -> the folder its lookahead is read from
+    for folder in a.lookahead_from:
+        for b in a.budgets:
+            others[f"prefetch, lookahead of {folder.name}{budget(b)}"] = folder
+            variants[f"prefetch, lookahead of {folder.name}{budget(b)}"] = PrefetchConfig("lookahead", budget=b,
+                                                                                          fetched=a.fetched)
+    made = {}  # folder -> its lookahead, made once and kept for every round, as the engine keeps its own
     oracle = f"prefetch, oracle{budget(a.budgets[0])}"
     variants[oracle] = PrefetchConfig(a.predictors[0], budget=a.budgets[0], fetched=a.fetched)
     paying = f"{oracle}, paying {a.predictors[0]}'s call"
@@ -214,6 +227,10 @@ def main() -> None:
                     engine.runner.predictor = oracle_predictor(engine.model, routes)
                 elif name == paying:  # the predictor that set_prefetch made
                     engine.runner.predictor = oracle_predictor(engine.model, routes, engine.runner.predictor)
+                elif name in others:
+                    folder = others[name]
+                    made[folder] = made.get(folder) or make_predictor("lookahead", engine.model, folder)
+                    engine.runner.predictor = made[folder]
                 recorder.on = name == oracle and not round_
                 bar.set_description(f"{f'round {round_}/{a.repeats}' if round_ else 'warm-up'}, {name}")
                 figures = decode(engine, prompt, tokens, score=not round_)
