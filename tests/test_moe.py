@@ -7,6 +7,7 @@ import torch
 from expertcache.engine.cache import CacheConfig
 from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.engine.experts import SWIGLU, CompiledExperts, experts_grouped, experts_one_token
+from expertcache.engine.perplexity import EVAL_TEXT
 
 
 def reference(x, slots, weights, w13, w2):
@@ -96,6 +97,20 @@ def test_window_equals_token_by_token_under_eviction(tiny, monkeypatch, flush_ro
     torch.testing.assert_close(engine.forward(ids, 0), ref, atol=1e-4, rtol=0)
     # the decode order is respected: each token's misses were fetched, none served from the future
     assert engine.stats.sync_fetches == engine.stats.misses > 64
+
+
+def test_a_prompts_reads_ahead_of_their_experts_count_as_its_fetches():
+    """Where the slots hold two groups of k, a prompt reads the next group's missing experts under this group's
+    compute: they counted as prefetches, and the fetches a token and their bytes left them out."""
+    from expertcache.engine.generate import prefill
+    engine = Engine(None, EngineConfig(cache=CacheConfig(fraction=0.25), initial="cold", max_seq=128))
+    assert engine.cache.per_layer >= 2 * engine.args.top_k
+    prefill(engine, engine.encode(EVAL_TEXT.read_text()[:2000])[:96])
+    stats = engine.stats
+    assert stats.prefetch_fetches == stats.exposed_prefetches == stats.predictions == 0
+    assert stats.sync_fetches > 2 * engine.args.num_moe_layers * engine.args.top_k
+    assert stats.sync_fetch_bytes == stats.sync_fetches * engine.cache.fetch_bytes
+    engine.close()
 
 
 @pytest.mark.parametrize("family", ["olmoe", "gpt_oss", "deepseek_v3", "qwen3_next"])

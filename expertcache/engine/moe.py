@@ -17,7 +17,8 @@ import torch
 
 from ..choices import PREDICTORS
 from ..errors import BadInput, UnknownName, did_you_mean, real_number, whole_number
-from ..kernel.cache_state import HITS, MISSES, MOE_CALLS, N_LOG, ROUTED
+from ..kernel.cache_state import (EXPOSED_PREFETCHES, HITS, MISSES, MOE_CALLS, N_LOG, PREFETCHES, ROUTED,
+                                 SYNC_FETCHES)
 from ..kernel.dense_decode import EMPTY, gemv, gemv_pair
 from ..kernel.policy import would_fetch
 from ..kernel.routing import Router, Routing
@@ -229,7 +230,10 @@ class MoELayerRunner:
         counts = cache.state.counts  # the tokens' routes as the layer's, not the rows of experts fetched
         made = counts - before
         hits = int(resident.sum())
-        for index, n in ((MOE_CALLS, T), (ROUTED, T * k), (HITS, hits), (MISSES, T * k - hits)):
+        # the reads a group started under the one before's compute are the prompt's fetches, not predictions
+        for index, n in ((MOE_CALLS, T), (ROUTED, T * k), (HITS, hits), (MISSES, T * k - hits),
+                         (SYNC_FETCHES, made[SYNC_FETCHES] + made[PREFETCHES]), (PREFETCHES, 0),
+                         (EXPOSED_PREFETCHES, 0)):
             counts[index] += n - made[index]
 
     def _predict_next(self, layer: int, x: torch.Tensor, exec_ids: np.ndarray, gates: np.ndarray) -> None:
