@@ -186,6 +186,9 @@ def main() -> None:
     fmt = ExpertFormat.parse(a.store_dtype, 32) if a.store_dtype else None
     engine = Engine(a.model, EngineConfig(store="disk", cache=CacheConfig(fraction=a.cache), policy=a.policy,
                                           store_format=fmt, slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype))
+    # each folder's lookahead, made before anything runs (a folder without one is refused at once) and kept for
+    # every round, as the engine keeps its own
+    made = {folder: make_predictor("lookahead", engine.model, folder) for folder in a.lookahead_from}
     if a.prompt_tokens + a.tokens > engine.model.max_seq:
         p.error(f"--prompt-tokens + --tokens = {a.prompt_tokens + a.tokens} exceeds the model's "
                 f"{engine.model.max_seq} positions")
@@ -209,7 +212,6 @@ def main() -> None:
             others[f"prefetch, lookahead of {folder.name}{budget(b)}"] = folder
             variants[f"prefetch, lookahead of {folder.name}{budget(b)}"] = PrefetchConfig("lookahead", budget=b,
                                                                                           fetched=a.fetched)
-    made = {}  # folder -> its lookahead, made once and kept for every round, as the engine keeps its own
     oracle = f"prefetch, oracle{budget(a.budgets[0])}"
     variants[oracle] = PrefetchConfig(a.predictors[0], budget=a.budgets[0], fetched=a.fetched)
     paying = f"{oracle}, paying {a.predictors[0]}'s call"
@@ -228,9 +230,7 @@ def main() -> None:
                 elif name == paying:  # the predictor that set_prefetch made
                     engine.runner.predictor = oracle_predictor(engine.model, routes, engine.runner.predictor)
                 elif name in others:
-                    folder = others[name]
-                    made[folder] = made.get(folder) or make_predictor("lookahead", engine.model, folder)
-                    engine.runner.predictor = made[folder]
+                    engine.runner.predictor = made[others[name]]
                 recorder.on = name == oracle and not round_
                 bar.set_description(f"{f'round {round_}/{a.repeats}' if round_ else 'warm-up'}, {name}")
                 figures = decode(engine, prompt, tokens, score=not round_)
