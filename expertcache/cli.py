@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from .choices import DATA
 from .commands.options import check_environment, compiled_ok
-from .errors import ExpertCacheError, did_you_mean
+from .errors import BadInput, ExpertCacheError, did_you_mean
 
 VERBS = ["generate", "chat", "serve", "ppl", "convert", "info", "calibrate", "predict", "study", "tune", "bench",
          "trace", "simulate", "calibrate-hw", "train"]
@@ -116,6 +116,9 @@ def _run(argv: list[str] | None) -> int:
         args.json = io.StringIO()
     try:
         check_environment()
+        if sys.stdout is None and args.verb != "serve":  # fd 1 closed (`>&-`): Python's stdout is None, where a
+            # print is lost in silence and a write is an AttributeError after the run; serve writes to stderr only
+            raise BadInput("stdout is closed; run with stdout open (`> FILE`, or `> /dev/null` to discard it)")
         if getattr(args, "model", None) is not None:
             from .commands.options import check_before_download
             from .engine.checkpoint import is_hub_id, model_folder

@@ -245,6 +245,17 @@ def test_ctrl_c_ends_quietly_also_while_the_verbs_load(capsys, monkeypatch):
     assert run_cli(capsys, "info") == (130, "")
 
 
+def test_a_closed_stdout_is_refused_before_the_run(capsys, monkeypatch):
+    """With fd 1 closed (`expertcache generate >&-`) Python's stdout is None: generate ended in an AttributeError's
+    traceback after the whole generation, and ppl's result was printed nowhere with exit code 0."""
+    monkeypatch.setattr("sys.stdout", None)
+    for argv in (["generate", "--store", "ram", "-n", "2", "-p", "ROMEO."], ["ppl", "--store", "ram", "--max-tokens",
+                                                                            "64", "--context", "32"]):
+        code, err = run_cli(capsys, *argv)
+        assert code == 2 and err == "expertcache: error: stdout is closed; run with stdout open (`> FILE`, or " \
+                                    "`> /dev/null` to discard it)", err
+
+
 def test_os_errors_are_one_line(capsys, ckpt, tmp_path, monkeypatch):
     home = tmp_path / "home"
     home.write_text("a file where the cache folder should be")
