@@ -275,7 +275,12 @@ def test_os_errors_are_one_line(capsys, ckpt, tmp_path, monkeypatch):
                                              ("num_hidden_layers", 0, "whole number >= 1"),
                                              ("num_key_value_heads", 3, "that divides them"),
                                              ("max_position_embeddings", None, "whole number >= 1"),
-                                             ("hidden_act", "gelu", "supported: silu")])
+                                             ("hidden_act", "gelu", "supported: silu"),
+                                             # a truth value as a string or number: "false" renormalised the top-k
+                                             ("norm_topk_prob", "false", "norm_topk_prob 'false'; each must be "
+                                                                         "true or false (a JSON boolean"),
+                                             ("use_sliding_window", "false", "use_sliding_window 'false'"),
+                                             ("tie_word_embeddings", 0, "tie_word_embeddings 0; each must be")])
 def test_impossible_config_values_are_one_line(capsys, ckpt, key, value, words):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg[key] = value

@@ -10,6 +10,9 @@ from .args import ModelArgs, rope_type
 
 ROPE_TYPES = ("default", "linear", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+# config.json's switches, which the families read as truth values
+BOOL_KEYS = ("norm_topk_prob", "tie_word_embeddings", "attention_bias", "qkv_bias", "use_bias", "mlp_bias",
+             "use_sliding_window", "use_qk_norm", "rope_interleave")
 
 FAMILIES = {"qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "olmoe": olmoe, "mixtral": mixtral,
             "gpt_oss": gpt_oss, "qwen3_next": qwen3_next, "glm4_moe": glm4_moe, "deepseek_v3": deepseek_v3,
@@ -45,6 +48,12 @@ def _number(v) -> bool:
 def model_args(config: dict) -> ModelArgs:
     """ModelArgs of a config.json; raises CheckpointError naming a missing key."""
     family = family_of(config)
+    # read as truth values: the string "false" is true, so it renormalised the top-k or slid the window in silence
+    # (HF refuses any value that is not a JSON boolean; null reads as false in both)
+    flags = [f"{k} {v!r}" for k in BOOL_KEYS if (v := config.get(k)) is not None and not isinstance(v, bool)]
+    if flags:
+        raise CheckpointError(f"config.json gives {', '.join(flags)}; each must be true or false (a JSON boolean, "
+                              "unquoted): restore the config from the model's release")
     try:
         a = family.args_from_config(config)
     except KeyError as e:
