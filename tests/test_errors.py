@@ -73,6 +73,24 @@ def test_corrupt_weights(capsys, ckpt):
     expect_cli_error(capsys, ckpt, "corrupt safetensors")
 
 
+def test_weights_that_cannot_be_read_are_named(capsys, ckpt, monkeypatch):
+    """A folder where a shard belongs, or a read the disk fails: one line naming the file (it was the bare
+    "[Errno 21] Is a directory; check the path and the disk")."""
+    import errno
+
+    from expertcache.engine import tensor_file
+    (ckpt / "model.safetensors").rename(ckpt / "weights")
+    (ckpt / "model.safetensors").mkdir()
+    expect_cli_error(capsys, ckpt, f"{ckpt / 'model.safetensors'}: cannot read (Is a directory)")
+    (ckpt / "model.safetensors").rmdir()
+    (ckpt / "weights").rename(ckpt / "model.safetensors")
+
+    def failing(*a):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(tensor_file.os, "preadv", failing)
+    expect_cli_error(capsys, ckpt, f"{ckpt / 'model.safetensors'}: cannot read tensor")
+
+
 def test_missing_tensor(capsys, ckpt):
     from safetensors.torch import load_file, save_file
     sd = load_file(ckpt / "model.safetensors")

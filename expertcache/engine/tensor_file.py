@@ -51,6 +51,9 @@ class TensorFile:
             raise CheckpointError(f"{path}: cannot open ({e.strerror}); re-download or re-export it") from None
         try:
             self.tensors = tensors if tensors is not None else self._header()
+        except OSError as e:  # a folder of the shard's name, a failing disk: the file named, not a bare errno
+            os.close(self.fd)
+            raise CheckpointError(f"{path}: cannot read ({e.strerror}); re-download or re-export it") from None
         except BaseException:
             os.close(self.fd)
             raise
@@ -107,7 +110,11 @@ class TensorFile:
         view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         done = 0
         while done < len(view):
-            n = os.preadv(self.fd, [view[done:done + CHUNK]], start + done)
+            try:
+                n = os.preadv(self.fd, [view[done:done + CHUNK]], start + done)
+            except OSError as e:  # EIO: the file named, not a bare errno
+                raise CheckpointError(f"{self.path}: cannot read tensor {name!r} ({e.strerror}); check the disk, "
+                                      "or re-download or re-export it") from None
             if n <= 0:
                 raise self._corrupt(f"tensor {name!r} ends early")
             if hasattr(os, "posix_fadvise"):  # dropped once read: kept data is the tensor's, not the cache's
