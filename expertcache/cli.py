@@ -75,6 +75,7 @@ def _terminated(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     """Run one verb; returns its exit code (2 on bad input, with one line on stderr; 130 on Ctrl-C,
     also while the verbs' modules load). On SIGTERM the verb unwinds, then the process dies of the signal."""
+    _stand_in_for_closed_streams()
     _escape_unencodable(sys.stdout)
     here = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
     previous = (signal.signal(signal.SIGTERM, _terminated) or signal.SIG_DFL) if here else None  # None: set in C
@@ -89,6 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if here:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _stand_in_for_closed_streams() -> None:
+    """/dev/null for a closed stdin or stderr (`<&-`, `2>&-`), where Python's stream is None: a prompt read from
+    stdin ended in an AttributeError's traceback, and the lines printed to stderr went to stdout. Stdin reads as
+    empty; stderr's lines are dropped, the exit code still says how the run ended (a closed stdout is refused)."""
+    if sys.stdin is None:
+        sys.stdin = open(os.devnull)  # noqa: SIM115 -- the process's own, open until it exits
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115
 
 
 def _escape_unencodable(stream) -> None:

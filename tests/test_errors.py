@@ -263,6 +263,28 @@ def test_ctrl_c_ends_quietly_also_while_the_verbs_load(capsys, monkeypatch):
     assert run_cli(capsys, "info") == (130, "")
 
 
+def test_a_closed_stdin_or_stderr_reads_and_writes_as_dev_null(capsys, monkeypatch, tmp_path):
+    """With fd 0 or 2 closed (`<&-`, `2>&-`) Python's stream is None: generate without a prompt ended in an
+    AttributeError's traceback, its statistics were printed to stdout among the text, and convert failed in its
+    progress bar with exit code 1 and no store."""
+    def closed(name, *argv):
+        monkeypatch.setattr(f"sys.{name}", None)
+        try:
+            return cli.main(list(argv))
+        finally:
+            if getattr(sys, name) is not None:  # the stand-in, open until the process exits
+                getattr(sys, name).close()
+            monkeypatch.setattr(f"sys.{name}", None)
+    generate = ["generate", "--store", "ram", "-n", "2"]
+    assert closed("stdin", *generate) == 0  # nothing piped: the default prompt
+    assert closed("stdin", *generate, "-") == 2  # stdin asked for, and empty
+    monkeypatch.undo()
+    assert closed("stderr", *generate, "-p", "ROMEO.") == 0
+    assert "hit rate" not in capsys.readouterr().out
+    assert closed("stderr", "convert", "--out", str(tmp_path / "store")) == 0
+    assert (tmp_path / "store" / "experts.json").exists()
+
+
 def test_a_closed_stdout_is_refused_before_the_run(capsys, monkeypatch):
     """With fd 1 closed (`expertcache generate >&-`) Python's stdout is None: generate ended in an AttributeError's
     traceback after the whole generation, and ppl's result was printed nowhere with exit code 0."""
