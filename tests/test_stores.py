@@ -286,6 +286,25 @@ def test_corrupted_format_header_is_refused(tiny, tmp_path, change):
         DiskStore(tmp_path, args)
 
 
+def test_an_experts_json_of_other_bytes_or_a_float_size_is_no_traceback(tiny, tmp_path):
+    """experts.json in another encoding is corrupt, one line; a blob size written as 61440.0 (the format's size) was
+    taken as the stride of every read and ended in a TypeError inside the reads."""
+    ckpt = open_checkpoint(tiny["qwen2_moe"][0])
+    args = model_args(ckpt.config)
+    convert_to_disk(ckpt, args, tmp_path)
+    text = (tmp_path / "experts.json").read_text()
+    meta = json.loads(text)
+    (tmp_path / "experts.json").write_bytes(text.encode("utf-16"))
+    with pytest.raises(CheckpointError, match="no valid experts.json .*utf-8.*; run `expertcache convert`"):
+        DiskStore(tmp_path, args)
+    (tmp_path / "experts.json").write_text(json.dumps({**meta, "blob_bytes": float(meta["blob_bytes"])}))
+    disk = DiskStore(tmp_path, args)
+    w13, w2 = torch.empty(disk.shape.w13), torch.empty(disk.shape.w2)
+    assert disk.read_into(1, 3, w13, w2) == meta["blob_bytes"] and type(disk.blob) is int
+    assert torch.equal(w13, RamStore(ckpt, args).w13[1, 3])
+    disk.close()
+
+
 def test_a_store_in_another_format_is_refused(tiny, tmp_path):
     ckpt = open_checkpoint(tiny["qwen2_moe"][0])
     args = model_args(ckpt.config)

@@ -67,7 +67,7 @@ class DiskStore(ExpertStore):
     def __init__(self, store_dir: Path, args: ModelArgs, read_mode: str = "auto", verify: bool = True):
         try:
             meta = json.loads((store_dir / "experts.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError) as e:
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError) as e:  # not UTF-8: a corrupt file too
             raise CheckpointError(f"{store_dir}: no valid experts.json ({e}); run `expertcache convert`") from None
         if not isinstance(meta, dict):  # valid JSON of another shape: a corrupt or foreign file, not a traceback
             raise CheckpointError(f"{store_dir}: experts.json is corrupted (a JSON {type(meta).__name__}, not an "
@@ -96,7 +96,7 @@ class DiskStore(ExpertStore):
                 from None
         quantized = self.format.quantized
         super().__init__(shape, torch.uint8 if quantized else getattr(torch, meta["dtype"]))
-        self.blob = meta["blob_bytes"]
+        self.blob = blob_bytes(shape, self.format)  # the int the header was checked against, not its 61440.0
         self.checksums = checksums
         self.checkpoint = stamp  # the weight files converted (convert.checkpoint_stamp; None: an older store)
         self.verify = verify
