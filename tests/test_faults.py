@@ -375,6 +375,35 @@ def test_io_uring_read_faults_leave_the_cache_consistent(tmp_path, monkeypatch):
     engine.close()
 
 
+@needs_ring
+@pytest.mark.parametrize("slot_dtype", ["auto", "int4"])  # straight into the slots, through staging buffers
+def test_a_read_the_ring_refuses_to_queue_leaves_nothing_to_wait_for(tmp_path, monkeypatch, slot_dtype):
+    """io_uring_enter failing as a read is queued (an errno it does not retry, or the kernel taking no read for a
+    second) raised from `submit` with the read already counted in flight: closing the engine then waited for its
+    completion and raised "would wait forever" in place of the error, and its staging buffer was never reused."""
+    from expertcache.engine.quant import ExpertFormat
+    fmt = ExpertFormat.parse("int4") if slot_dtype == "int4" else None
+    engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, initial="cold", slot_dtype=slot_dtype,
+                                       store_format=fmt, cache=CacheConfig(fraction=0.25, io="uring")))
+    real, calls = RingReads.read, []
+
+    def read(ring, *a):
+        calls.append(a)
+        if len(calls) == 2:
+            raise OSError(errno.EAGAIN, "io_uring_enter: the kernel took no read for a second; retry later")
+        return real(ring, *a)
+    monkeypatch.setattr(RingReads, "read", read)
+    with pytest.raises(OSError, match="the kernel took no read"):
+        engine.cache.fill(2, [4, 5, 6])
+    cache = engine.cache
+    assert cache.slot_of[2, 5] < 0 and not cache.transfers.reads and not cache.pending and not cache.state.pending.any()
+    cache.fill(2, [5, 6, 7])  # every staging buffer came back
+    assert (cache.slot_of[2, 5:8] >= 0).all()
+    if slot_dtype == "auto":
+        check_consistent(engine)
+    engine.close()
+
+
 def test_io_backend_errors_name_the_fix():
     """--io uring where reads cannot take it, or an unknown backend, is refused in one line naming the choices."""
     from expertcache.errors import BadInput

@@ -234,9 +234,14 @@ class TransferEngine:
             stage = None
             if store is self.small or self.iovecs is None:  # lands in a staging buffer, taken from it when reaped
                 stage = self._stage(store)
+            try:
+                self.ring.read(store.fd, self.iovecs[slot] if stage is None else stage[1],
+                               store.offset(layer, expert), self.tickets)
+            except BaseException:  # not queued: no completion will come (`close` waited for one and raised)
+                if stage is not None:
+                    self.staging[store.blob].append(stage)
+                raise
             t.ring, self.reads[self.tickets] = self, (t, store, stage)
-            self.ring.read(store.fd, self.iovecs[slot] if stage is None else stage[1], store.offset(layer, expert),
-                           self.tickets)
         elif here:
             start = time.perf_counter()
             self._run(t)
