@@ -477,6 +477,18 @@ def test_plots_without_matplotlib_are_refused_before_the_run(capsys, ckpt, tmp_p
         assert not (tmp_path / "s").exists()
 
 
+def test_a_plot_path_without_an_image_suffix_is_refused_before_the_run(capsys, tmp_path):
+    """--plot's format is its suffix: an unknown one ended in matplotlib's traceback after the run, and none at all
+    wrote NAME.png beside the path given; both are one line before any work."""
+    for verb in (["simulate", str(tmp_path / "none.ectrace")], ["tune"], ["predict"]):
+        for name in ("frontier.xyz", "frontier"):
+            with pytest.raises(SystemExit) as e:
+                cli.main([*verb, "--plot", str(tmp_path / name)])
+            err = capsys.readouterr().err.strip()
+            assert e.value.code == 2 and err.count("\n") == 0 and "ending in .png" in err, (verb, name, err)
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_predictors_missing_file_is_named_before_the_text_is_recorded(capsys, tmp_path, monkeypatch):
     """predict --train needs calibrate's default vectors, and predict and tune's prediction runs need the trained
     nets: a missing one is named with the command that writes it before the text's states are recorded (at real

@@ -97,13 +97,20 @@ def output_path(text: str) -> Path:
 
 
 def plot_path(text: str) -> Path:
-    """A PNG the verb will write (`output_path`), and matplotlib to draw it with, checked before the run
-    (argparse type)."""
+    """A PNG (or another format matplotlib writes, by its suffix) the verb will write (`output_path`), and matplotlib
+    to draw it with, checked before the run (argparse type)."""
     from ..lab.plots import require  # imports nothing heavy: --help stays free of torch
     try:
         require()
     except BadInput as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    # matplotlib picks the format by the suffix: an unknown one failed in a traceback after the run, and none at all
+    # wrote NAME.png beside the path given
+    from matplotlib.backend_bases import FigureCanvasBase
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if Path(text).suffix.lower().lstrip(".") not in kinds:
+        raise argparse.ArgumentTypeError(f"{text}: its suffix names no image format matplotlib writes; give a file "
+                                         "name ending in .png (or .pdf, .svg)")
     return output_path(text)
 
 
