@@ -806,6 +806,14 @@ def test_one_scored_token_has_no_standard_error(capsys):
     assert "(one token: no standard error) over 1 tokens" in capsys.readouterr().out
 
 
+def test_one_scored_tokens_json_has_no_standard_error(capsys, tmp_path):
+    """The JSON says what the line says: no standard error (null) for one token, not a standard error of 0."""
+    out = tmp_path / "ppl.json"
+    assert cli.main(["ppl", "--store", "ram", "--max-tokens", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["tokens"] == 1 and r["stderr"] is None and r["ppl"] > 1, r
+
+
 def test_an_engine_that_fails_to_load_leaves_no_file_or_thread_open(tiny, tmp_path, monkeypatch):
     """A step after the store is opened fails: the store's descriptor, the ring and the transfer threads
     are released, not leaked with each failed attempt."""

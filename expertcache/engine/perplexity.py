@@ -20,7 +20,7 @@ class PerplexityResult:
     """Perplexity of a text with its standard error, per-window NLLs and the run's counters."""
     ppl: float
     nll: float  # mean next-token negative log-likelihood (nats)
-    stderr: float  # standard error of ppl (delta method over token NLLs)
+    stderr: float  # standard error of ppl (delta method over token NLLs); NaN for one token
     tokens: int  # scored tokens
     window_nll: list[float] = field(default_factory=list)  # mean NLL per window, for paired comparisons
     window_stats: list[dict] = field(default_factory=list)  # per window: calls, substituted mass, fetches
@@ -95,6 +95,7 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
         del window_stats[len(nll_parts):]
     token_nll = torch.cat(nll_parts).cpu().numpy()
     mean = float(token_nll.mean(dtype=np.float64))  # a float32 mean resolves perplexity to ~1e-6 only
-    se = float(token_nll.std(ddof=1, dtype=np.float64) / math.sqrt(len(token_nll))) if len(token_nll) > 1 else 0.0
+    # one token has no spread to estimate: NaN (null in JSON), not a standard error of 0
+    se = float(token_nll.std(ddof=1, dtype=np.float64) / math.sqrt(len(token_nll))) if len(token_nll) > 1 else math.nan
     return PerplexityResult(math.exp(mean), mean, math.exp(mean) * se, len(token_nll), window_nll,
                             window_stats, token_nll, engine.stats.to_dict(), interrupted)
