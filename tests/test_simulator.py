@@ -1,4 +1,5 @@
 """Traces and the simulator: the replay's counts equal the engine's under fetch-every-miss."""
+import json
 import struct
 
 import numpy as np
@@ -87,6 +88,18 @@ def test_warm_start_needs_the_routing_counts(traced, capsys):
     out_text = capsys.readouterr().out
     assert "| `fetch-all` |" in out_text
     assert f"start: cold (no routing counts beside {path.resolve()})" in out_text  # auto says which it took
+
+
+def test_a_policy_or_cache_given_twice_is_replayed_once(traced, tmp_path, capsys):
+    """Duplicates in --policies or --cache make one row each, as bench and study run them once: not rows that
+    repeat (and a sweep's time doubled)."""
+    from expertcache import cli
+    out, js = traced[3], tmp_path / "sim.json"
+    assert cli.main(["simulate", str(out), "--initial", "cold", "--policies", "fetch-all", "substitute-all",
+                     "fetch-all", "--cache", "0.5", "0.5", "--json", str(js)]) == 0
+    rows = [(r["policy"], r["cache"]) for r in json.loads(js.read_text())["runs"]]
+    assert rows == [("fetch-all", 0.5), ("substitute-all", 0.5)], rows
+    assert capsys.readouterr().out.count("| `fetch-all` |") == 1
 
 
 def test_trace_format_version_is_checked(traced, tmp_path):

@@ -110,8 +110,9 @@ def run(a) -> int:
     announce_compile("simulator")
     from ..lab.trace import read_trace
     trace = read_trace(a.trace)
+    # a policy or cache size given twice is replayed once, as bench and study run it: not a second identical row
     tasks = [(str(a.trace), policy, fraction, a.eviction, a.initial, a.profile, a.window)
-            for fraction in a.cache for policy in a.policies]
+            for fraction in dict.fromkeys(a.cache) for policy in dict.fromkeys(a.policies)]
     if a.ray_address and a.jobs != "ray":
         raise BadInput("--ray-address applies with --jobs ray; add --jobs ray or leave --ray-address out")
     rows = run_tasks(tasks, a.jobs, a.ray_address)
