@@ -46,6 +46,20 @@ def test_generate_and_ppl_verbs(capsys, tmp_path):
     assert "experts per MoE layer" in capsys.readouterr().out
 
 
+def test_infos_json_holds_the_figures_its_lines_print(tmp_path, capsys):
+    """info's JSON keeps what it prints: the MoE layers, and the budget's MiB, experts per layer, share and
+    verdict (it kept only the experts per layer)."""
+    out = tmp_path / "info.json"
+    assert cli.main(["info", "--budget", "16", "--json", str(out)]) == 0
+    said, i = capsys.readouterr().out, json.loads(out.read_text())
+    assert f"({i['moe_layers']} MoE)" in said and i["all_experts_bytes"] == i["expert_bytes"] * i["num_experts"] * \
+        i["moe_layers"]
+    b = i["budget"]
+    assert b == {"mib": 16.0, "experts_per_layer": 16 * 2**20 // i["expert_bytes"] // i["moe_layers"],
+                 "fraction": b["experts_per_layer"] / i["num_experts"], "enough": True}, b
+    assert f"16 MiB holds {b['experts_per_layer']} experts per MoE layer ({b['fraction']:.0%}): enough" in said
+
+
 def test_the_study_of_a_model_larger_than_memory_reads_its_experts_from_the_disk(monkeypatch):
     """Where the ram store's experts do not fit in memory (and the study and `predict --speculative` take no
     --store), the emulation runs on the disk store, whose reads give the same weights: the same numbers."""

@@ -174,7 +174,7 @@ def run(a) -> int:
         fmt = slot_format(a.slot_dtype, torch.device("cpu"), stored)
         expert, per_weight = slot_bytes(ExpertShape.of(m), fmt), f"{fmt.tag} slots"
     total = expert * m.num_experts * m.num_moe_layers
-    info = {"path": str(ckpt.path), **m.to_dict(), "expert_params": m.expert_params,
+    info = {"path": str(ckpt.path), **m.to_dict(), "moe_layers": m.num_moe_layers, "expert_params": m.expert_params,
             "expert_bytes": expert, "slot": per_weight, "all_experts_bytes": total,
             "checkpoint_bytes": ckpt.weight_bytes}
     print(f"{m.family} at {ckpt.path}")
@@ -187,6 +187,9 @@ def run(a) -> int:
     if a.budget is not None:
         per_layer = min(int(a.budget * 2**20 // expert // m.num_moe_layers), m.num_experts)  # a layer has no more
         info["budget_slots_per_layer"] = per_layer
+        # the line's figures, as --config's JSON keeps them
+        info["budget"] = {"mib": a.budget, "experts_per_layer": per_layer, "fraction": per_layer / m.num_experts,
+                          "enough": per_layer >= m.top_k}
         fits = "enough" if per_layer >= m.top_k else f"too few (top-k is {m.top_k})"
         every = " (every expert)" if per_layer == m.num_experts else ""
         print(f"  {a.budget:g} MiB holds {per_layer} experts per MoE layer{every} "
