@@ -138,8 +138,13 @@ def test_older_store_refused_or_reconverted(tiny, tmp_path):
     convert_to_disk(ckpt, args, tmp_path)
     meta = json.loads((tmp_path / "experts.json").read_text())
     (tmp_path / "experts.json").write_text(json.dumps({**meta, "format_version": 1}))
-    with pytest.raises(CheckpointError, match="rerun `expertcache convert`"):
+    with pytest.raises(CheckpointError, match="rerun `expertcache convert --out") as e:
         open_store("disk", ckpt, args, tmp_path)  # a folder the user named is not rewritten unasked
+    # the fix names the folder: convert without --out wrote the default one and left this one as it was
+    assert f"--out {tmp_path}`" in str(e.value)
+    from expertcache import cli
+    assert cli.main(["convert", "--model", str(ckpt.path), "--out", str(tmp_path)]) == 0
+    open_store("disk", ckpt, args, tmp_path).close()
     default = default_store_dir(ckpt)
     convert_to_disk(ckpt, args, default)
     (default / "experts.json").write_text(json.dumps({**meta, "format_version": 1}))
@@ -282,7 +287,7 @@ def test_corrupted_format_header_is_refused(tiny, tmp_path, change):
     convert_to_disk(ckpt, args, tmp_path, fmt=ExpertFormat.parse("int4", 64))
     meta = json.loads((tmp_path / "experts.json").read_text())
     (tmp_path / "experts.json").write_text(json.dumps(meta | change))
-    with pytest.raises(CheckpointError, match="corrupted.*rerun `expertcache convert`"):
+    with pytest.raises(CheckpointError, match="corrupted.*rerun `expertcache convert --out"):
         DiskStore(tmp_path, args)
 
 
@@ -295,7 +300,7 @@ def test_an_experts_json_of_other_bytes_or_a_float_size_is_no_traceback(tiny, tm
     text = (tmp_path / "experts.json").read_text()
     meta = json.loads(text)
     (tmp_path / "experts.json").write_bytes(text.encode("utf-16"))
-    with pytest.raises(CheckpointError, match="no valid experts.json .*utf-8.*; run `expertcache convert`"):
+    with pytest.raises(CheckpointError, match="no valid experts.json .*utf-8.*; rerun `expertcache convert --out"):
         DiskStore(tmp_path, args)
     (tmp_path / "experts.json").write_text(json.dumps({**meta, "blob_bytes": float(meta["blob_bytes"])}))
     disk = DiskStore(tmp_path, args)
@@ -361,7 +366,7 @@ def test_older_format_store_refused_or_reconverted(tiny, tmp_path):
     convert_to_disk(ckpt, args, tmp_path, fmt=fmt)
     meta = json.loads((tmp_path / "experts.json").read_text())
     (tmp_path / "experts.json").write_text(json.dumps({**meta, "format_version": 1}))
-    with pytest.raises(CheckpointError, match="rerun `expertcache convert`"):
+    with pytest.raises(CheckpointError, match="rerun `expertcache convert --out"):
         open_store("disk", ckpt, args, tmp_path, fmt=fmt)
     default = format_store_dir(ckpt, fmt)
     convert_to_disk(ckpt, args, default, fmt=fmt)

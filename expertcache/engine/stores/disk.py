@@ -59,6 +59,12 @@ def open_blob_file(path: Path, read_mode: str) -> tuple[int, str]:
     return fd, "buffered"
 
 
+def reconvert(store_dir: Path) -> str:
+    """The fix of a damaged store: its folder converted again. Without --out, convert wrote the default folder,
+    which left a store of the user's (--store-dir) as it was."""
+    return f"rerun `expertcache convert --out {store_dir}` with the --model and --dtype it was made from"
+
+
 class DiskStore(ExpertStore):
     """Experts read from experts.bin into one aligned buffer per worker thread, each blob checked
     against its CRC32C (`verify`) before it reaches a slot."""
@@ -68,20 +74,20 @@ class DiskStore(ExpertStore):
         try:
             meta = json.loads((store_dir / "experts.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError) as e:  # not UTF-8: a corrupt file too
-            raise CheckpointError(f"{store_dir}: no valid experts.json ({e}); run `expertcache convert`") from None
+            raise CheckpointError(f"{store_dir}: no valid experts.json ({e}); {reconvert(store_dir)}") from None
         if not isinstance(meta, dict):  # valid JSON of another shape: a corrupt or foreign file, not a traceback
             raise CheckpointError(f"{store_dir}: experts.json is corrupted (a JSON {type(meta).__name__}, not an "
-                                  "object); rerun `expertcache convert`")
+                                  f"object); {reconvert(store_dir)}")
         if meta.get("format_version") != DISK_FORMAT_VERSION:
             raise CheckpointError(f"{store_dir}: disk store format {meta.get('format_version')}, expected "
-                                  f"{DISK_FORMAT_VERSION}; rerun `expertcache convert`")
+                                  f"{DISK_FORMAT_VERSION}; {reconvert(store_dir)}")
         shape = ExpertShape.of(args)
         try:
             if (meta["num_layers"], meta["num_experts"], tuple(meta["w13"]), tuple(meta["w2"]),
                     meta.get("bias", False)) != (shape.num_layers, shape.num_experts, shape.w13, shape.w2, shape.bias) \
                     or len(meta["checksums"]) != shape.num_layers * shape.num_experts:
                 raise CheckpointError(f"{store_dir}: disk store does not match the model's shape; "
-                                      "rerun `expertcache convert`")
+                                      f"{reconvert(store_dir)}")
             self.format = ExpertFormat.from_meta(meta)
             if meta.get("blob_bytes") != blob_bytes(shape, self.format):
                 raise ValueError(f"blob_bytes {meta.get('blob_bytes')} is not the format's "
@@ -92,7 +98,7 @@ class DiskStore(ExpertStore):
                 raise TypeError(f"checkpoint is a {type(stamp).__name__}, not an object")
         except (KeyError, TypeError, ValueError, OverflowError) as e:  # a field missing or of another type
             detail = f"no field {e}" if isinstance(e, KeyError) else str(e)
-            raise CheckpointError(f"{store_dir}: experts.json is corrupted ({detail}); rerun `expertcache convert`") \
+            raise CheckpointError(f"{store_dir}: experts.json is corrupted ({detail}); {reconvert(store_dir)}") \
                 from None
         quantized = self.format.quantized
         super().__init__(shape, torch.uint8 if quantized else getattr(torch, meta["dtype"]))
@@ -104,7 +110,7 @@ class DiskStore(ExpertStore):
         expected = self.blob * shape.num_layers * shape.num_experts
         if not self.path.exists() or self.path.stat().st_size != expected:
             raise CheckpointError(f"{self.path}: missing or truncated (expected {expected} bytes); "
-                                  "rerun `expertcache convert`")
+                                  f"{reconvert(store_dir)}")
         self.fd, self.read_mode = open_blob_file(self.path, read_mode)
         self._local = threading.local()
         self._plan = decode_plan(shape.parts, self.format)  # how the compiled pass reads a blob
@@ -230,13 +236,13 @@ class DiskStore(ExpertStore):
         blob (n: bytes read, or -errno) with the checksum that `convert` recorded."""
         if n < 0:
             raise FetchError(f"reading expert {expert} of layer {layer} from the disk store failed "
-                             f"([Errno {-n}] {os.strerror(-n)}); check the disk or rerun `expertcache convert`")
+                             f"([Errno {-n}] {os.strerror(-n)}); check the disk or {reconvert(self.path.parent)}")
         if n != self.blob:
             raise FetchError(f"short read of expert {expert} of layer {layer}: {n} of {self.blob} bytes; "
-                             "the store file is truncated, rerun `expertcache convert`")
+                             f"the store file is truncated, {reconvert(self.path.parent)}")
         if self.verify and self._crc(targets) != self.checksums[layer * self.shape.num_experts + expert]:
             raise FetchError(f"expert {expert} of layer {layer} fails its CRC32C check in {self.path}: "
-                             "the store file is corrupt; rerun `expertcache convert`")
+                             f"the store file is corrupt; {reconvert(self.path.parent)}")
 
     @staticmethod
     def _crc(buffers: list) -> int:
