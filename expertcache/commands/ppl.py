@@ -31,7 +31,8 @@ def run(a) -> int:
     with progress_bar(total=len(ids) - 1, unit="tok", desc="ppl") as bar:
         r = perplexity(engine, ids, a.context, progress=bar.update, partial_on_interrupt=True)
     spread = f"± {r.stderr:.3f}" if r.tokens > 1 else "(one token: no standard error)"
-    scored = f"{r.tokens} of {len(ids) - 1} tokens, interrupted" if r.interrupted else f"{r.tokens} tokens"
+    scored = f"{r.tokens} of {len(ids) - 1} tokens, interrupted" if r.interrupted else \
+        f"{r.tokens} token{'s' * (r.tokens != 1)}"
     print(f"perplexity {r.ppl:.3f} {spread} over {scored} "
           f"({a.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, {engine.variant})")
     print(engine.stats.line())
