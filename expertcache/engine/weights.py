@@ -136,11 +136,18 @@ def layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int) -> LayerExperts
     return experts
 
 
+def _fused(ckpt: Checkpoint, names: dict) -> tuple[str, str] | None:
+    """The names of a layer's fused stacks (gate_up_proj [E, 2F, H], down_proj [E, H, F]) where the checkpoint
+    stores its experts so; None where it stores one tensor an expert and projection (`names`)."""
+    prefix = names["w1"][0].rsplit(".experts.", 1)[0] + ".experts."
+    return (prefix + "gate_up_proj", prefix + "down_proj") if prefix + "gate_up_proj" in ckpt.files else None
+
+
 def _standard_layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int, names: dict) -> LayerExperts:
-    fused = names["w1"][0].rsplit(".experts.", 1)[0] + ".experts."
-    if fused + "gate_up_proj" in ckpt.files:  # checkpoints that store experts fused
-        t = ckpt.tensors([fused + "gate_up_proj", fused + "down_proj"])
-        w13, w2 = t[fused + "gate_up_proj"], t[fused + "down_proj"]
+    fused = _fused(ckpt, names)
+    if fused is not None:
+        t = ckpt.tensors(list(fused))
+        w13, w2 = (t[n] for n in fused)
     else:
         t = ckpt.tensors(names["w1"] + names["w3"] + names["w2"])
         F, H = args.expert_dim, args.hidden_size
@@ -161,10 +168,8 @@ def expert_tensor_names(ckpt: Checkpoint, args: ModelArgs, layer: int) -> list[s
     if hasattr(family, "expert_tensor_names"):  # a family's own storage
         return family.expert_tensor_names(ckpt, args, decoder)
     names = family.layer_names(decoder, args)["experts"]
-    fused = names["w1"][0].rsplit(".experts.", 1)[0] + ".experts."
-    if fused + "gate_up_proj" in ckpt.files:
-        return [fused + "gate_up_proj", fused + "down_proj"]
-    return names["w1"] + names["w3"] + names["w2"]
+    fused = _fused(ckpt, names)
+    return list(fused) if fused is not None else names["w1"] + names["w3"] + names["w2"]
 
 
 def check_expert_tensors(ckpt: Checkpoint, args: ModelArgs) -> None:
@@ -192,9 +197,9 @@ def expert_parts(ckpt: Checkpoint, args: ModelArgs, layer: int, expert: int, mxf
         parts = family.expert_parts(ckpt, args, decoder, expert, mxfp4)
     else:
         names = family.layer_names(decoder, args)["experts"]
-        fused = names["w1"][0].rsplit(".experts.", 1)[0] + ".experts."
-        if fused + "gate_up_proj" in ckpt.files:
-            parts = [ckpt.tensor(fused + "gate_up_proj", expert), ckpt.tensor(fused + "down_proj", expert)]
+        fused = _fused(ckpt, names)
+        if fused is not None:
+            parts = [ckpt.tensor(n, expert) for n in fused]
         else:
             t = ckpt.tensors([names["w1"][expert], names["w3"][expert], names["w2"][expert]])
             w1, w3, w2 = (t[names[k][expert]] for k in ("w1", "w3", "w2"))
