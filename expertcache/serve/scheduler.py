@@ -267,7 +267,7 @@ class Scheduler:
                 self._step(request)
             return
         decoding = [r for r in self.active if r.generation is not None and r.generation.decoding]
-        for request in [r for r in self.active if not any(r is d for d in decoding)]:  # prompts, one at a time
+        for request in [r for r in self.active if r.generation is None or not r.generation.decoding]:  # prompts
             self._step(request)
         self._batch_step(decoding)
 
