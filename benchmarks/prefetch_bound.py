@@ -209,9 +209,8 @@ def main() -> None:
     others = {}  # variant -> the folder its lookahead is read from
     for folder in a.lookahead_from:
         for b in a.budgets:
-            others[f"prefetch, lookahead of {folder.name}{budget(b)}"] = folder
-            variants[f"prefetch, lookahead of {folder.name}{budget(b)}"] = PrefetchConfig("lookahead", budget=b,
-                                                                                          fetched=a.fetched)
+            name = f"prefetch, lookahead of {folder.name}{budget(b)}"
+            others[name], variants[name] = folder, PrefetchConfig("lookahead", budget=b, fetched=a.fetched)
     oracle = f"prefetch, oracle{budget(a.budgets[0])}"
     variants[oracle] = PrefetchConfig(a.predictors[0], budget=a.budgets[0], fetched=a.fetched)
     paying = f"{oracle}, paying {a.predictors[0]}'s call"
