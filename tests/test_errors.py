@@ -4,6 +4,7 @@ import os
 import shutil
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hf_models import save_tiny
@@ -918,6 +919,29 @@ def test_a_file_whose_write_is_interrupted_is_left_as_it_was(tmp_path, ckpt):
     # readable by whoever could read the folder's other files: safetensors writes its own files 0600
     assert (ckpt / "default_vectors.safetensors").stat().st_mode & 0o777 == \
         (ckpt / "routing_counts.json").stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def test_training_files_cut_by_an_interrupt_are_not_reused(tmp_path, monkeypatch):
+    """`train` resumes from the files its work folder holds (the token cache, the tokenizer, the training state):
+    an interrupt while one is written leaves none, not a cut one that every later run would load and fail on."""
+    from expertcache.train import corpus, train
+    from expertcache.train.tokenizer import train_tokenizer
+    text = tmp_path / "train.txt"
+    text.write_text(corpus.EOT.join(["the cat sat on the mat. " * 20, "a dog ran. " * 30]), encoding="utf-8")
+    tok = train_tokenizer(text, tmp_path / "tok", vocab_size=300)
+    assert json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())["eos_token"] == corpus.EOT
+    cache, save = tmp_path / "train_tokens.npy", np.save
+
+    def cut(f, arr):
+        f.write(b"\x93NUMPY")  # the header's start, then the interrupt
+        raise KeyboardInterrupt
+    monkeypatch.setattr(np, "save", cut)
+    with pytest.raises(KeyboardInterrupt):
+        train.tokenize(tok, text, cache)
+    assert not cache.exists() and not list(tmp_path.glob(".*.partial"))
+    monkeypatch.setattr(np, "save", save)
+    ids = train.tokenize(tok, text, cache)
+    assert cache.exists() and np.array_equal(ids, train.tokenize(tok, text, cache)) and len(ids) > 20
 
 
 def test_the_first_tokens_of_a_large_text_are_the_whole_texts_without_tokenizing_it_all():

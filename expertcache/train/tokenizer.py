@@ -6,6 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from .. import atomic
 from .corpus import EOT
 
 # the built-in model's chat format: each turn as its speaker's name in capitals, as in the plays it learnt from
@@ -24,9 +25,11 @@ def train_tokenizer(train_txt: Path, out_dir: Path, vocab_size: int = 8192) -> T
     text = train_txt.read_text(encoding="utf-8")
     tok.train_from_iterator((d for d in text.split(EOT)), trainer=trainer)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+    # tokenizer.json last and whole: a run that finds it takes the tokenizer as made (train.train)
+    atomic.write_text(out_dir / "tokenizer_config.json", json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT, "bos_token": None,
         "pad_token": EOT, "model_max_length": 4096, "add_prefix_space": False,
         "chat_template": CHAT_TEMPLATE}, indent=1))
+    with atomic.replaced(out_dir / "tokenizer.json") as tmp:
+        tok.save(str(tmp))
     return tok

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from .. import atomic
 from . import corpus
 from .model import TrainableQwen3Moe, TrainConfig
 from .tokenizer import train_tokenizer
@@ -60,7 +61,8 @@ def tokenize(tok: Tokenizer, path: Path, out: Path) -> np.ndarray:
         ids: list[int] = []
         for enc in tok.encode_batch(docs):
             ids += enc.ids + [eot]
-        np.save(out, np.array(ids, dtype=np.uint16))
+        with atomic.replaced(out) as tmp, open(tmp, "wb") as f:  # whole or not at all: a later run reuses it
+            np.save(f, np.array(ids, dtype=np.uint16))
     return np.load(out)
 
 
@@ -81,8 +83,9 @@ def export(model: TrainableQwen3Moe, tok_dir: Path, out: Path) -> None:
     """Write an HF checkpoint (fp16 safetensors) that Qwen3MoeForCausalLM loads unchanged."""
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.to(torch.float16).contiguous() for k, v in model.hf_state_dict().items()}
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(model.hf_config(), indent=1))
+    with atomic.replaced(out / "model.safetensors") as tmp:
+        save_file(sd, str(tmp), metadata={"format": "pt"})
+    atomic.write_text(out / "config.json", json.dumps(model.hf_config(), indent=1))
     for name in ["tokenizer.json", "tokenizer_config.json"]:
         shutil.copy(tok_dir / name, out / name)
 
@@ -132,14 +135,14 @@ def train(work: Path, out: Path, cfg: TrainConfig, sched: Schedule) -> dict:
                   f"lr {sched.lr_at(step):.2e} {tps:.0f} tok/s eta {eta / 60:.0f} min", flush=True)
             log.append({"step": step, "loss": loss.item(), "balance": balance.item()})
         if step % sched.save_every == 0 or step == sched.steps:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng},
-                       state_path)
+            with atomic.replaced(state_path) as tmp:  # a kill while it saves keeps the last whole state to resume
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng}, tmp)
     val = evaluate(model, eval_ids, sched.seq_len)
     export(model, tok_dir, out)
     report = {"config": asdict(cfg), "schedule": asdict(sched), "steps": step,
               "train_tokens": step * sched.batch * sched.seq_len, "eval_loss_sampled": val,
               "seconds_this_run": time.time() - t0, "corpus": meta["train_chars"]}
-    (work / "train_report.json").write_text(json.dumps(report, indent=1))
+    atomic.write_text(work / "train_report.json", json.dumps(report, indent=1))
     return report
 
 
