@@ -146,6 +146,8 @@ def test_trace_and_simulate_verbs(capsys, tmp_path):
     by = {(r["policy"], r["cache"]): r for r in rows}
     assert by[("fetch-all", 0.5)]["hit_rate"] > by[("fetch-all", 0.25)]["hit_rate"]
     assert by[("quality-first", 0.25)]["estimated_ms_per_token"] < by[("fetch-all", 0.25)]["estimated_ms_per_token"]
+    # a replay times nothing of the engine's: its timings are null, not a measured 0 ms a token
+    assert all(r[k] is None for r in rows for k in ("ms_per_token", "stall_s", "wall_s", "peak_memory_bytes"))
     capsys.readouterr()
     assert cli.main(["simulate", str(tmp_path / "f.png")]) == 2
     assert "not an expertcache trace" in capsys.readouterr().err
