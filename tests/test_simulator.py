@@ -324,6 +324,8 @@ def test_calibrate_hw_measures_the_store_and_slots_it_is_given(tmp_path, capsys)
     assert prof.expert_bytes == -(-encoded_bytes(((128, 160), (160, 64)), fmt) // ALIGN) * ALIGN
     assert "one buffered-dontneed read alone" in prof.source, prof.source
     assert (prof.slot_dtype, prof.mode) == ("int8", "decode")  # what tune checks a profile against
+    unfitted = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("unfitted: "))
+    assert unfitted == f"unfitted: {', '.join(prof.unfitted) or 'none'}" and "(" not in unfitted
 
 
 def test_calibrate_hw_refuses_to_write_a_profile_its_reader_would_refuse(tmp_path, capsys, monkeypatch):

@@ -39,7 +39,7 @@ def run(a) -> int:
     prof.save(a.out)
     for k, v in asdict(prof).items():
         if k != "calibration":
-            print(f"{k}: {v}")
+            print(f"{k}: {', '.join(v) or 'none'}" if k == "unfitted" else f"{k}: {v}")  # not a tuple's repr
     print("\n| cache | policy | measured ms/token | fitted | error |\n|---:|---|---:|---:|---:|")
     for r in prof.calibration:
         print(f"| {r['cache']:g} | `{r['policy']}` | {r['ms_per_token']:.3f} | {r['fitted_ms_per_token']:.3f} | "
