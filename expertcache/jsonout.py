@@ -1,5 +1,6 @@
-"""Strict JSON for what the verbs write: numpy values as Python ones, and an undefined figure (NaN,
-such as a correlation over a single policy, or an infinity) as null, since strict parsers refuse NaN."""
+"""Strict JSON for what the verbs write: numpy values as Python ones, an undefined figure (NaN,
+such as a correlation over a single policy, or an infinity) as null, since strict parsers refuse NaN,
+and -0.0 as 0.0."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,8 @@ def json_ready(x):
         x = x.item()
     if isinstance(x, float) and not math.isfinite(x):
         return None
+    if isinstance(x, float) and x == 0.0:
+        return 0.0  # a rounded-away difference (-0.0) reads as zero, not as a sign
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     return str(x)

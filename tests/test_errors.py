@@ -979,3 +979,13 @@ def test_routing_counts_that_are_no_counts_are_one_line(capsys, ckpt, counts, wo
     code, err = run_cli(capsys, "ppl", "--model", str(ckpt), "--text", __file__)
     assert code == 2 and err.count("\n") == 0 and "not a routing-counts file" in err and words in err, err
     assert "expertcache calibrate" in err
+
+
+def test_measured_json_is_strict_and_signless_at_zero(tmp_path):
+    """What the verbs write with --json: numpy values as Python ones, an undefined figure as null (strict parsers
+    refuse NaN), and a difference that rounds to -0.0 as 0.0."""
+    from expertcache.jsonout import dump_json
+    dump_json(tmp_path / "o.json", {"nan": float("nan"), "inf": np.float32("inf"), "zero": -0.0,
+                                    "arr": np.array([-0.0, 2]), "n": np.int64(3)})
+    text = (tmp_path / "o.json").read_text()
+    assert json.loads(text) == {"nan": None, "inf": None, "zero": 0.0, "arr": [0.0, 2.0], "n": 3} and "-0" not in text
