@@ -321,12 +321,25 @@ def test_os_errors_are_one_line(capsys, ckpt, tmp_path, monkeypatch):
                                              ("norm_topk_prob", "false", "norm_topk_prob 'false'; each must be "
                                                                          "true or false (a JSON boolean"),
                                              ("use_sliding_window", "false", "use_sliding_window 'false'"),
-                                             ("tie_word_embeddings", 0, "tie_word_embeddings 0; each must be")])
+                                             ("tie_word_embeddings", 0, "tie_word_embeddings 0; each must be"),
+                                             # an id that can never be sampled let every generation run to its end
+                                             ("eos_token_id", "2", "eos_token_id '2' must be a token id in [0, "),
+                                             ("eos_token_id", [1, 99999], "eos_token_id [1, 99999] must be"),
+                                             ("eos_token_id", True, "eos_token_id True must be")])
 def test_impossible_config_values_are_one_line(capsys, ckpt, key, value, words):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg[key] = value
     (ckpt / "config.json").write_text(json.dumps(cfg))
     expect_cli_error(capsys, ckpt, words)
+
+
+def test_an_end_of_turn_id_outside_the_vocabulary_is_refused_at_open(capsys, ckpt):
+    """generation_config.json's eos_token_id list (where releases give their end-of-turn ids) is read as
+    config.json's: an id outside the vocabulary, left out in silence, ran every reply to its max_tokens."""
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, -1]}))
+    expect_cli_error(capsys, ckpt, "generation_config.json: eos_token_id [0, -1] must be a token id in [0, ")
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 1]}))
+    assert Engine(ckpt, EngineConfig(store="ram")).checkpoint.eos_token_ids(96) == {0, 1}
 
 
 @pytest.mark.parametrize("family,key,value,words", [

@@ -129,6 +129,21 @@ class Checkpoint:
                                   "model's release or delete it")
         return out
 
+    def eos_token_ids(self, vocab_size: int) -> set[int]:
+        """The eos_token_id (an id or a list) of config.json and of generation_config.json (where releases list
+        their end-of-turn ids); CheckpointError for one that is no id of the model's vocabulary, which would let
+        every generation run to its max_tokens."""
+        found = set()
+        for name, config in (("config.json", self.config), ("generation_config.json",
+                                                            self.side_json("generation_config.json"))):
+            ids = config.get("eos_token_id")
+            for i in ids if isinstance(ids, list) else [] if ids is None else [ids]:
+                if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab_size:  # true is not token 1
+                    raise CheckpointError(f"{self.path / name}: eos_token_id {ids!r} must be a token id in [0, "
+                                          f"{vocab_size}) or a list of them; restore it from the model's release")
+                found.add(i)
+        return found
+
     @property
     def tokenizer_file(self) -> Path | None:
         """tokenizer.json beside the weights, or None if there is none."""

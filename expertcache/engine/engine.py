@@ -215,6 +215,7 @@ class Engine:
         ckpt = open_checkpoint(self.path)
         self.path = ckpt.path  # a Hub id's snapshot folder: routing counts and predictors are read beside its weights
         self.args = model_args(ckpt.config)
+        ckpt.eos_token_ids(self.args.vocab_size)  # refused at open: a server would fail every request
         limit = max_seq_limit(self.args)
         if not 1 <= config.max_seq <= limit:
             raise BadInput(f"--max-seq {config.max_seq} is outside the model's context of {limit} positions "

@@ -19,11 +19,7 @@ from .structured import Constraint, grammar_of
 def eos_token_ids(engine: Engine) -> frozenset[int]:
     """The checkpoint's end-of-sequence ids: the eos_token_id (an id or a list) of config.json and of
     generation_config.json (where releases list their end-of-turn ids), and tokenizer_config.json's eos_token."""
-    found = set()
-    for config in (engine.checkpoint.config, engine.checkpoint.side_json("generation_config.json")):
-        ids = config.get("eos_token_id")
-        found.update(i for i in (ids if isinstance(ids, list) else [ids])  # a bool is no id: true is not token 1
-                     if isinstance(i, int) and not isinstance(i, bool))
+    found = engine.checkpoint.eos_token_ids(engine.args.vocab_size)
     token = tokenizer_config(engine).get("eos_token")
     token = token.get("content") if isinstance(token, dict) else token
     if token and engine.tokenizer is not None and engine.tokenizer.token_to_id(token) is not None:
