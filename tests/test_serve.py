@@ -1009,8 +1009,12 @@ def test_bad_requests_get_openai_errors(client, server):
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="prompt"):
+    with pytest.raises(openai.BadRequestError, match="prompt") as e:
         client.completions.create(model=MODEL, prompt="word " * 600, max_tokens=4)
+    assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match="shorten the prompt") as e:  # a chat's prompt is its messages
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 600}])
+    assert (e.value.body["param"], e.value.body["code"]) == ("messages", "context_length_exceeded")
     assert json.loads(get(f"{server.url}/health")) == {"status": "ok"}
     assert client.models.list().data[0].id == MODEL
     assert client.models.retrieve(MODEL).id == MODEL

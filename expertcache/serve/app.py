@@ -105,7 +105,7 @@ class Server:
         echo = isinstance(body, CompletionBody) and body.echo  # chat's (vLLM's) was refused above
         if room < (0 if echo and asked[:1] == [0] else 1):  # scoring a prompt needs no position after it
             raise APIError(400, f"the prompt has {prompt_len} tokens, the context is {self.engine.model.max_seq}; "
-                           "shorten the prompt", "prompt", "context_length_exceeded")
+                           "shorten the prompt", "messages" if chat else "prompt", "context_length_exceeded")
         max_tokens = asked[0] if asked else min(default_max or room, room)
         if max_tokens == 0 and not echo:
             raise APIError(400, "max_tokens=0 generates nothing; send echo: true to score the prompt, or max_tokens "
