@@ -817,7 +817,8 @@ def test_a_failed_conversion_leaves_no_partial_file(tiny, tmp_path, monkeypatch)
 
 def test_one_scored_token_has_no_standard_error(capsys):
     assert cli.main(["ppl", "--store", "ram", "--max-tokens", "1"]) == 0
-    assert "(one token: no standard error) over 1 token " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(one token: no standard error) over 1 token " in out and "\n1 token, " in out  # not "1 tokens"
 
 
 def test_one_scored_tokens_json_has_no_standard_error(capsys, tmp_path):

@@ -97,7 +97,8 @@ class RunStats:
     def line(self, speed: bool = True) -> str:
         """A one-line summary: speed (unless `speed` is False: a caller that times prefill and decode apart),
         hit rate, fetches and their bytes, stall, substitutions, peak memory and the read mode."""
-        return ((f"{self.tokens} tokens, {self.ms_per_token:.2f} ms/token, " if speed else "") +
+        return ((f"{self.tokens} token{'' if self.tokens == 1 else 's'}, {self.ms_per_token:.2f} ms/token, "
+                 if speed else "") +
                 f"hit rate {self.hit_rate:.1%}, "
                 f"{self.fetches_per_token:.2f} fetches/token ({self.sync_fetch_bytes / 2**20:.1f} MiB), "
                 + (f"{self.lowbit_fetches / max(self.tokens, 1):.2f} low-precision fetches/token "
