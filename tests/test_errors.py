@@ -867,6 +867,37 @@ def test_a_closed_engine_refuses_to_run_and_closes_once(tiny, tmp_path):
     engine.close()
 
 
+def test_a_call_from_another_thread_while_one_runs_is_refused(tiny):
+    """Two threads on one engine: a forward (or a reset, or a policy's change) while another thread's forward runs is
+    refused in one line, not run over the same cache and KV cache (the process aborted: a double free); the running
+    forward's logits are those it computes alone, and close() waits for it."""
+    import threading
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    ids = torch.tensor([1, 2, 3, 4])
+    alone = engine.forward(ids, 0)
+    running, release, out = threading.Event(), threading.Event(), []
+    real = engine.model.forward
+
+    def held(*a, **k):
+        running.set()
+        release.wait(10)
+        return real(*a, **k)
+    engine.model.forward = held
+    worker = threading.Thread(target=lambda: out.append(engine.forward(ids, 0)))
+    worker.start()
+    assert running.wait(10)
+    for use in (lambda: engine.forward(ids, 0), engine.reset, lambda: engine.set_policy("fetch-all"),
+                lambda: engine.forward_batch(ids[:1], [0], [(engine.model.k_cache, engine.model.v_cache)])):
+        with pytest.raises(BadInput, match="another thread"):
+            use()
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    release.set()
+    worker.join(10)
+    closing.join(10)
+    assert torch.equal(out[0], alone) and engine.closed
+
+
 def test_an_engine_closes_every_file_it_opened_and_serves_a_with_block(tiny, tmp_path):
     """close() closes the low-precision copies' store a lowbit policy opened, which it left open (a file and its
     reads a closed engine, kept for as long as the process ran); `with Engine(...)` closes the engine at its end."""

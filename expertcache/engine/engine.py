@@ -6,8 +6,10 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -188,6 +190,9 @@ class Engine:
     miss policy; `forward(ids [T], pos) -> logits [T, V]`."""
     def __init__(self, model_path: str | Path | None = None, config: EngineConfig = EngineConfig(),
                  policy: MissPolicy | str | None = None):
+        # one call at a time: two threads' forwards at once freed the same buffers twice (the process aborted); a
+        # reentrant lock, as set_policy's reset runs within set_policy
+        self._calls = threading.RLock()
         try:
             self._load(model_path, config, policy)
         except BaseException:  # what was opened before the failing step: the stores' files, the ring, threads
@@ -365,7 +370,10 @@ class Engine:
     # -- residency -----------------------------------------------------------------------
     def reset(self) -> None:
         """Start of a run: empty or warm cache, fresh statistics and policy state."""
-        self._check_open()
+        with self._one_call():
+            self._reset()
+
+    def _reset(self) -> None:
         initial = self.config.initial
         counts = self.routing_counts if initial in ("warm", "auto") else None
         if initial == "warm" and counts is None:
@@ -392,6 +400,10 @@ class Engine:
         starts a new run."""
         if eviction is not None:
             eviction_code(eviction)  # refused before anything changes: the engine keeps its policy and cache
+        with self._one_call():
+            self._set_policy(policy, eviction)
+
+    def _set_policy(self, policy: MissPolicy | str, eviction: str | None) -> None:
         self.policy = self.runner.policy = self.bind_policy(policy)
         self.cache.cfg = replace(self.cache.cfg, eviction=self._eviction(eviction))
         self.reset()
@@ -483,6 +495,10 @@ class Engine:
                                     f"--memory-budget's plan left no room for ({self.plan.predictor / 2**20:.1f} MiB "
                                     "planned); make the engine with that prefetch (--policy POLICY+prefetch/"
                                     f"{prefetch.predictor}) so that the cache is sized around it")
+        with self._one_call():
+            self._set_prefetch(prefetch)
+
+    def _set_prefetch(self, prefetch: PrefetchConfig | None) -> None:
         self.runner.predictor = self._predictor(prefetch.predictor) if prefetch else None
         if prefetch is not None:
             self.cache.compile_prefetch()
@@ -510,6 +526,10 @@ class Engine:
         T = ids.shape[0]
         if pos + T > self.model.max_seq:  # refused whole, not after the passes before the one that crosses it ran
             raise BadInput(f"sequence of {pos + T} tokens exceeds max_seq={self.model.max_seq}; raise --max-seq")
+        with self._one_call():
+            return self._forward(ids, pos, T, last, prompt)
+
+    def _forward(self, ids: torch.Tensor, pos: int, T: int, last: bool, prompt: bool) -> torch.Tensor:
         self.runner.start_forward(id(self.model.k_cache), pos, T)  # a swapped-in sequence has other keys
         self.runner.by_expert = prompt and self.config.prompt_order == "experts"
         try:
@@ -568,6 +588,11 @@ class Engine:
         values in kv[b] -> logits [B, V] (fp32); the B tokens count as B decode tokens."""
         self._check_open()
         ids = self.token_ids(ids)
+        with self._one_call():
+            return self._forward_batch(ids, positions, kv)
+
+    def _forward_batch(self, ids: torch.Tensor, positions: list[int],
+                       kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         self.runner.decoding = True
         self.runner.start_forward(None, 0, ids.shape[0])
         try:
@@ -658,7 +683,11 @@ class Engine:
 
     def close(self) -> None:
         """Land the transfers in flight, stop the transfer workers and close the stores; once (a second call does
-        nothing)."""
+        nothing). A call running in another thread finishes first."""
+        with self._calls:
+            self._close()
+
+    def _close(self) -> None:
         if not self.closed:
             self._variant = self.variant
             self.closed = True
@@ -685,6 +714,19 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @contextmanager
+    def _one_call(self):
+        """The engine's calls that run the model or change its state, one at a time: BadInput for one from another
+        thread while one runs (the cache, its transfers and the KV cache are not shared between threads)."""
+        if not self._calls.acquire(blocking=False):
+            raise BadInput("this Engine is running a call in another thread; an Engine runs one call at a time: give "
+                           "each thread its own Engine, or serialize the calls (as the server's scheduler does)")
+        try:
+            self._check_open()  # closed by the call that held the lock
+            yield
+        finally:
+            self._calls.release()
 
     def _check_open(self) -> None:
         """BadInput once the engine is closed: its stores' files and its reads are gone (a TypeError inside them)."""
