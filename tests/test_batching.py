@@ -115,6 +115,26 @@ def collecting(prompt: list[int], params: SamplingParams) -> tuple[Request, list
     return request, got
 
 
+def test_generations_that_share_the_engines_kv_cache_are_not_interleaved(builtin):
+    """A generate started inside the loop of another on the same engine wrote its keys over the first's, which then
+    went on silently with other tokens: it is refused at its next step. A generation with its own KV cache runs
+    between another's steps exactly as alone: its buffers are the model's for its own forwards only (a generation
+    on the engine's cache started after it wrote into them)."""
+    first, second = prompts_of(builtin, [7, 5])
+    want_first, want_second = list(generate(builtin, first, 6)), list(generate(builtin, second, 6))
+    outer = generate(builtin, first, 6)
+    assert [next(outer) for _ in range(3)] == want_first[:3]
+    assert list(generate(builtin, second, 6)) == want_second
+    with pytest.raises(BadInput, match="another forward ran over the engine's KV cache"):
+        next(outer)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    own = TextGeneration(builtin, first, params, own_kv=True)
+    got = [own.step().token for _ in range(3)]
+    assert list(generate(builtin, second, 6)) == want_second
+    got += [out.token for out in own]
+    assert got == want_first
+
+
 @pytest.mark.parametrize("schedule", ["batch", "interleave"])
 def test_concurrent_greedy_requests_equal_their_serial_runs(builtin, schedule):
     """More requests than max_active, of different lengths, so the batch changes as requests end and others are

@@ -271,6 +271,8 @@ class Engine:
         self.cache = ExpertCache(cache_cfg, self.store, self.args.top_k, self.device, self.slot_format)
         self.bind_policy(self.policy)
         self.stats = RunStats()
+        # forwards run over the model's KV cache: a generation continuing it checks that none ran since its own
+        self.kv_writes = 0
         self.runner = MoELayerRunner(self.args, self.model.router, self.cache, self.policy, self.stats)
         self.runner.exact = self.bind_policy(make_policy("fetch-all"))
         self.model.moe = self.runner
@@ -530,6 +532,7 @@ class Engine:
             return self._forward(ids, pos, T, last, prompt)
 
     def _forward(self, ids: torch.Tensor, pos: int, T: int, last: bool, prompt: bool) -> torch.Tensor:
+        self.kv_writes += 1  # before it runs: a forward that fails may have written some positions
         self.runner.start_forward(id(self.model.k_cache), pos, T)  # a swapped-in sequence has other keys
         self.runner.by_expert = prompt and self.config.prompt_order == "experts"
         try:

@@ -108,6 +108,7 @@ class TextGeneration:
             raise BadInput(f"cached={cached} must leave at least one of the prompt's {len(prompt)} tokens to run, "
                            "on the engine's own cache, without prompt_logprobs")
         self.kv_end = cached
+        self.kv_mark = engine.kv_writes  # the engine's forwards when its KV cache last held this sequence's keys
         vocab = engine.args.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):  # never sampled: a stop that silently never ends
             raise BadInput(f"stop_token_ids {list(params.stop_token_ids)} must be token ids in [0, {vocab})")
@@ -140,9 +141,30 @@ class TextGeneration:
             self.kv = (torch.zeros(shape, dtype=m.k_cache.dtype, device=m.k_cache.device),
                        torch.zeros(shape, dtype=m.v_cache.dtype, device=m.v_cache.device))
 
-    def _logits(self) -> torch.Tensor:
+    def _on_kv(self, run):
+        """run() over this sequence's keys and values: its own buffers, swapped in for the call only (a generation
+        on the engine's cache must not write into them), or the engine's cache, refused where another forward ran
+        over it since this sequence's last (it wrote its own keys over these: silently another continuation)."""
+        m = self.engine.model
         if self.kv is not None:
-            self.engine.model.k_cache, self.engine.model.v_cache = self.kv
+            keep, (m.k_cache, m.v_cache) = (m.k_cache, m.v_cache), self.kv
+            try:
+                return run()
+            finally:
+                self.kv, (m.k_cache, m.v_cache) = (m.k_cache, m.v_cache), keep
+        if self.kv_end and self.engine.kv_writes != self.kv_mark:
+            raise BadInput("another forward ran over the engine's KV cache since this generation's last step (a "
+                           "generation or perplexity on the same engine); finish one generation before the next "
+                           "starts, or give each its own KV cache (TextGeneration(..., own_kv=True))")
+        try:
+            return run()
+        finally:
+            self.kv_mark = self.engine.kv_writes
+
+    def _logits(self) -> torch.Tensor:
+        return self._on_kv(self._run)
+
+    def _run(self) -> torch.Tensor:
         if not self.tokens:
             n = self.params.prompt_logprobs
             if n is None:  # the rest of the prompt: from `cached`, or from where prefill_part stopped
@@ -167,9 +189,8 @@ class TextGeneration:
         that other sequences' steps run in between; `step()` runs the rest and samples."""
         if not self.can_prefill_part(n):
             raise BadInput(f"prefill_part({n}) needs more than {n} prompt tokens left to run, and no prompt_logprobs")
-        if self.kv is not None:
-            self.engine.model.k_cache, self.engine.model.v_cache = self.kv
-        prefill(self.engine, self.prompt[:self.kv_end + n], self.prefill_policy, start=self.kv_end)
+        self._on_kv(lambda: prefill(self.engine, self.prompt[:self.kv_end + n], self.prefill_policy,
+                                    start=self.kv_end))
         self.kv_end += n
 
     @property
