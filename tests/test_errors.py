@@ -778,6 +778,27 @@ def test_an_index_that_misplaces_a_tensor_is_one_line(capsys, ckpt):
     expect_cli_error(capsys, ckpt, "has no tensor 'model.embed_tokens.weight', where the index puts it")
 
 
+def test_a_tensor_that_the_index_omits_is_read_from_its_shard_as_hf_reads_it(ckpt):
+    """An index whose weight_map leaves out a tensor that one of its shards holds (edited by hand or by a merge
+    tool): HF transformers loads every tensor of the listed shards, and so does the engine; it was refused as
+    missing the tensor."""
+    from safetensors.torch import load_file, save_file
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    with Engine(ckpt, EngineConfig(store="ram")) as engine:
+        want = engine.forward(ids, 0)
+    sd = load_file(ckpt / "model.safetensors")
+    names = sorted(sd)
+    save_file({n: sd[n] for n in names[::2]}, ckpt / "model-00001-of-00002.safetensors")
+    save_file({n: sd[n] for n in names[1::2]}, ckpt / "model-00002-of-00002.safetensors")
+    (ckpt / "model.safetensors").unlink()
+    weight_map = {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)
+                  if n not in ("model.norm.weight", "model.layers.1.mlp.experts.3.up_proj.weight")}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for store in ("ram", "disk"):
+        with Engine(ckpt, EngineConfig(store=store, store_dir=ckpt / "store")) as engine:
+            assert torch.equal(engine.forward(ids, 0), want)
+
+
 def test_a_single_file_beside_an_index_is_read_as_hf_reads_it(ckpt):
     """A folder holding model.safetensors and an index of other shards (a re-save beside the release, or the
     reverse): HF transformers loads the single file, and so does the engine, on every road."""

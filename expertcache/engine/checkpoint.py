@@ -264,6 +264,14 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             if not (path / shard).exists():
                 raise CheckpointError(f"{path}: shard {shard} named by the index is missing; download it")
             files[name] = path / shard
+        # HF transformers loads every tensor of the shards the index lists, also one its weight_map omits (an
+        # index edited by hand or by a merge tool): read here, where such a model was refused as missing a tensor
+        headers = {}
+        for shard in sorted(set(files.values())):
+            with TensorFile(shard) as f:
+                headers[shard] = f.tensors
+            files.update({k: shard for k in headers[shard] if k not in files})
+        return Checkpoint(path, config, files, fp8_block, headers)
     else:
         # the model's weights, not the files `calibrate` and `predict --train` write beside them
         beside = (DEFAULT_VECTORS, ESTIMATOR_FILE, LOOKAHEAD_FILE)
@@ -277,7 +285,6 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                 headers[shard] = f.tensors
             files.update({k: shard for k in headers[shard]})
         return Checkpoint(path, config, files, fp8_block, headers)
-    return Checkpoint(path, config, files, fp8_block)
 
 
 def quantization(path: Path, config: dict) -> tuple[int, int] | None:
