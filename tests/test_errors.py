@@ -92,6 +92,17 @@ def test_weights_that_cannot_be_read_are_named(capsys, ckpt, monkeypatch):
     expect_cli_error(capsys, ckpt, f"{ckpt / 'model.safetensors'}: cannot read tensor")
 
 
+def test_pytorch_bin_weights_are_refused_naming_how_to_write_safetensors(capsys, ckpt):
+    """A checkpoint of pytorch_model.bin only (older releases): one line naming the command that writes its
+    safetensors, where "convert the checkpoint to safetensors" read as `expertcache convert`, which needs them too."""
+    from safetensors.torch import load_file
+    torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
+    (ckpt / "model.safetensors").unlink()
+    expect_cli_error(capsys, ckpt, f"from_pretrained('{ckpt}', dtype='auto').save_pretrained('{ckpt}')")
+    (ckpt / "pytorch_model.bin").unlink()
+    expect_cli_error(capsys, ckpt, "no *.safetensors weights; pass --model the folder that holds")
+
+
 def test_missing_tensor(capsys, ckpt):
     from safetensors.torch import load_file, save_file
     sd = load_file(ckpt / "model.safetensors")

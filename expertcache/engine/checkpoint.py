@@ -278,7 +278,13 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         single = path / "model.safetensors"
         shards = [single] if single.is_file() else sorted(f for f in path.glob("*.safetensors") if f.name not in beside)
         if not shards:
-            raise CheckpointError(f"{path}: no *.safetensors weights; convert the checkpoint to safetensors")
+            if any(path.glob("*.bin")):  # "convert" alone read as `expertcache convert`, which needs safetensors too
+                raise CheckpointError(f"{path}: its weights are PyTorch *.bin files, which expertcache does not read; "
+                                      "write them as safetensors beside them: python -c \"from transformers import "
+                                      "AutoModelForCausalLM as M; M.from_pretrained('"
+                                      f"{path}', dtype='auto').save_pretrained('{path}')\"")
+            raise CheckpointError(f"{path}: no *.safetensors weights; pass --model the folder that holds the model's "
+                                  "config.json and its *.safetensors files")
         headers = {}
         for shard in shards:
             with TensorFile(shard) as f:
