@@ -103,6 +103,15 @@ def test_pytorch_bin_weights_are_refused_naming_how_to_write_safetensors(capsys,
     expect_cli_error(capsys, ckpt, "no *.safetensors weights; pass --model the folder that holds")
 
 
+def test_a_quantization_without_a_method_is_named_by_what_it_gives(capsys, ckpt):
+    """An MLX-quantized checkpoint's quantization_config (group_size and bits, no quant_method): the refusal names
+    it; it said the weights were "quantized with None"."""
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"group_size": 64, "bits": 4}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    expect_cli_error(capsys, ckpt, 'quantized with quantization_config {"group_size": 64, "bits": 4} cannot be read')
+
+
 def test_missing_tensor(capsys, ckpt):
     from safetensors.torch import load_file, save_file
     sd = load_file(ckpt / "model.safetensors")

@@ -302,8 +302,9 @@ def quantization(path: Path, config: dict) -> tuple[int, int] | None:
     method = q.get("quant_method") if isinstance(q, dict) else None
     if method == "mxfp4" and config.get("model_type") == "gpt_oss":
         return None
-    if method != "fp8":
-        raise CheckpointError(f"{path}: weights quantized with {method!r} cannot be read; expertcache reads float "
+    if method != "fp8":  # one without a quant_method (MLX's group_size and bits) named by what it gives
+        how = repr(method) if method is not None else f"quantization_config {json.dumps(q)[:200]}"
+        raise CheckpointError(f"{path}: weights quantized with {how} cannot be read; expertcache reads float "
                               "(bf16, fp16, fp32), block-wise fp8 and GPT-OSS's MXFP4 checkpoints: use the model's "
                               "unquantized release (then --store-dtype int8/int4 quantizes its experts)")
     block = q.get("weight_block_size")
