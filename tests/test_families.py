@@ -481,3 +481,22 @@ def test_a_float64_checkpoint_runs_through_every_store_as_hfs_model(tiny, tmp_pa
     computes_as_hf(tmp_path / "f64", ids, ref, tmp_path / "store")
     assert cli.main(["convert", "--model", str(tmp_path / "f64"), "--out", str(tmp_path / "converted")]) == 0
     assert json.loads((tmp_path / "converted" / "experts.json").read_text())["dtype"] == "float32"
+
+
+def test_tied_embeddings_saved_only_as_the_output_matrix_run_as_hfs_model(tiny, tmp_path):
+    """A tied checkpoint that holds lm_head.weight but no model.embed_tokens.weight: HF ties the embeddings to the
+    output matrix, and so does the engine, through the ram and the disk store; it was refused as missing them."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    src = tiny["qwen3_moe"][0]
+    shutil.copytree(src, tmp_path / "m")
+    sd = load_file(src / "model.safetensors")
+    del sd["model.embed_tokens.weight"]
+    save_file(sd, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    computes_as_hf(tmp_path / "m", ids, ref, tmp_path / "store")

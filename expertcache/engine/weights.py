@@ -28,9 +28,12 @@ def is_matrix(name: str) -> bool:
 def dense_names(ckpt: Checkpoint, args: ModelArgs) -> dict[str, str]:
     """Our name -> checkpoint name of every non-expert tensor."""
     family = family_of(ckpt.config)
-    wanted = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
+    # tied, with only the output matrix saved: HF ties the embeddings to it, where it was refused as missing them
+    head_only = args.tie_word_embeddings and "model.embed_tokens.weight" not in ckpt.files \
+        and "lm_head.weight" in ckpt.files
+    wanted = {"embed": "lm_head.weight" if head_only else "model.embed_tokens.weight", "norm": "model.norm.weight"}
     # a saved output matrix is used even where config.json ties it, as HF transformers 5 unties one that differs
-    if not args.tie_word_embeddings or "lm_head.weight" in ckpt.files:
+    if not args.tie_word_embeddings or ("lm_head.weight" in ckpt.files and not head_only):
         wanted["lm_head"] = "lm_head.weight"
     for i in range(args.num_layers):
         for ours, theirs in family.layer_names(i, args).items():
