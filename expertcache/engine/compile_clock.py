@@ -1,5 +1,6 @@
-"""Seconds a thread has spent compiling kernels: numba compiles a kernel at its first call, inside whatever a
-first run times (minutes on a new machine), and a timing that counted them would be a figure of the compiler."""
+"""Seconds a thread has spent compiling kernels, or loading their cached machine code: numba does either at a
+kernel's first call in a process, inside whatever a first run times (minutes on a new machine, a tenth of a second
+from the cache), and a timing that counted them would be a figure of the compiler."""
 from __future__ import annotations
 
 import threading
@@ -9,8 +10,9 @@ from numba.core import event
 
 
 class _CompileClock(event.Listener):
-    """Sums, per thread, the time between the start and end of each outermost `numba:compile` event (a kernel's
-    compile nests the compiles of what it calls)."""
+    """Sums, per thread, the time between the start and end of each outermost `numba:compiler_lock` event: numba
+    holds that lock to compile a kernel and to load one from its cache (which `numba:compile` leaves out), and
+    never once a kernel is loaded; a kernel's compile nests those of what it calls."""
 
     def __init__(self):
         self.local = threading.local()
@@ -31,7 +33,7 @@ class _CompileClock(event.Listener):
 
 
 _CLOCK = _CompileClock()
-event.register("numba:compile", _CLOCK)
+event.register("numba:compiler_lock", _CLOCK)
 
 
 def compile_seconds() -> float:

@@ -39,7 +39,7 @@ class RunStats:
     lowbit_uses: int = 0  # experts a token ran from a low-precision copy: fetched for it, or a hit on one
     stall_s: float = 0.0  # time blocked waiting on transfers
     wall_s: float = 0.0  # time in model forward calls, less compile_s
-    compile_s: float = 0.0  # time those calls spent compiling kernels (a first run's): no figure counts it
+    compile_s: float = 0.0  # time those calls spent compiling or loading kernels (a first run's): no figure counts it
     peak_memory_bytes: int = 0
     read_mode: str = ""  # how fetches reached the slow tier: o_direct, buffered-dontneed, ram, ...
     kernels: str = ""  # the CPU kernels' instruction set and threads (engine/threads.py), e.g. "avx512-vnni, 2 threads"
@@ -108,4 +108,4 @@ class RunStats:
                 f"(mass {self.mass_per_call:.4f}/call), peak memory {self.peak_memory_bytes / 2**20:.0f} MiB"
                 + (f", reads: {self.read_mode}" if self.read_mode else "")
                 + (f", kernels: {self.kernels}" if self.kernels else "")
-                + (f" (compiling them took {self.compile_s:.3g} s, not counted)" if self.compile_s else ""))
+                + (f" (compiling or loading them took {self.compile_s:.3g} s, not counted)" if self.compile_s else ""))
