@@ -359,17 +359,26 @@ def test_a_hub_id_is_its_snapshot_folder_for_every_verb(tmp_path, monkeypatch):
     shutil.copy(BUILTIN_MODEL / "tokenizer.json", src)
     (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
-    def snapshot_download(repo_id, allow_patterns):  # huggingface_hub's, offline: the release's files it would fetch
+    # the weights again in other runtimes' layouts, as Mistral's and GPT-OSS's releases ship them: not fetched
+    for copy in ("consolidated.safetensors", "original/model.safetensors", "metal/model.bin"):
+        (src / copy).parent.mkdir(exist_ok=True)
+        shutil.copy(src / "model.safetensors", src / copy)
+
+    def snapshot_download(repo_id, allow_patterns, ignore_patterns):  # huggingface_hub's, offline: what it fetches
         assert repo_id == "org/tiny"
-        snapshot.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
-                shutil.copy(f, snapshot)
+        for f in src.rglob("*"):
+            name = f.relative_to(src).as_posix()
+            if f.is_file() and any(fnmatch.fnmatch(name, p) for p in allow_patterns) and \
+                    not any(fnmatch.fnmatch(name, p) for p in ignore_patterns):
+                (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(f, snapshot / name)
         return str(snapshot)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["calibrate", "--model", "org/tiny", "--max-tokens", "64"]) == 0
     assert (snapshot / "routing_counts.json").exists() and not (tmp_path / "org").exists()
+    fetched = sorted(f.name for f in snapshot.rglob("*.safetensors"))
+    assert fetched == ["default_vectors.safetensors", "model.safetensors"]  # the model's, and calibrate's own
     engine = Engine("org/tiny")
     assert engine.routing_counts is not None
     assert ChatTemplate.of(engine).render([{"role": "user", "content": "hi"}]) == "hi"

@@ -166,6 +166,9 @@ class Checkpoint:
 
 
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]  # *.jinja: the chat template transformers 5 saves
+# the same weights again in a layout of another runtime (Mistral's consolidated files, GPT-OSS's original/ and metal/
+# folders), which no family reads: fetched, they doubled a download of tens to hundreds of GB
+HUB_SKIPPED = ["consolidated*", "original/*", "metal/*"]
 
 
 def is_hub_id(name: str) -> bool:
@@ -182,7 +185,7 @@ def download(repo_id: str) -> Path:
         raise CheckpointError(f"{repo_id} looks like a Hub id, and downloading needs huggingface_hub; "
                               "pip install huggingface_hub, or pass --model a local folder") from None
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIPPED))
     except Exception as e:  # offline, unknown repository, gated model, disk full: one line either way
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{repo_id}: no such folder here, and no Hub download of it ({type(e).__name__}: "
