@@ -512,3 +512,51 @@ def test_a_conversion_whose_header_cannot_be_written_leaves_no_store_file(capsys
     assert not list(store.glob("experts.*")), list(store.iterdir())
     assert cli.main(["convert", "--model", str(tiny[FAMILY][0]), "--out", str(store)]) == 0
     DiskStore(store, model_args(open_checkpoint(tiny[FAMILY][0]).config)).close()
+
+
+INTERRUPTED = [("ram", "auto", "decided"), ("disk", "threads", "decided"), ("disk", "threads", "checked"),
+               pytest.param("disk", "uring", "decided", marks=needs_ring),
+               pytest.param("disk", "uring", "checked", marks=needs_ring),
+               pytest.param("int4", "uring", "checked", marks=needs_ring)]
+
+
+@pytest.mark.parametrize("store,io,where", INTERRUPTED)
+def test_an_interrupted_forward_leaves_the_engine_computing_what_a_fresh_one_does(tmp_path, monkeypatch, store, io,
+                                                                                   where):
+    """A KeyboardInterrupt (Ctrl-C) anywhere in a forward: right after a layer's decisions mapped the experts to
+    read (their reads never started: the slots held other experts' bytes, used later as theirs), or while a read is
+    checked (through io_uring: the other completions it had taken were lost, and close() failed as it would wait
+    forever; a staging buffer was never given back). The same engine's next forwards equal a fresh engine's, and it
+    closes."""
+    from expertcache.engine import cache as cache_module
+    int4 = dict(slot_dtype="int4", store_format=ExpertFormat.parse("int4")) if store == "int4" else {}
+    cfg = EngineConfig(store="ram" if store == "ram" else "disk", store_dir=tmp_path, initial="cold",
+                       cache=CacheConfig(fraction=0.25, io=io), **int4)
+    engine = Engine(None, cfg)
+    engine.forward(torch.arange(60, 72), 0)
+    calls = []
+
+    def interrupting(real):
+        def call(*a):
+            out = real(*a)
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return out
+        return call
+    if where == "decided":
+        monkeypatch.setattr(cache_module.kernel, "decide_layer", interrupting(cache_module.kernel.decide_layer))
+    else:
+        monkeypatch.setattr(DiskStore, "check_read", interrupting(DiskStore.check_read))
+    with pytest.raises(KeyboardInterrupt):
+        engine.forward(torch.arange(12, 40), 0)
+    monkeypatch.undo()
+    fresh = Engine(None, cfg)  # cold: empty, as the interrupted engine's cache starts again
+    ids = torch.arange(40, 56)
+    for pos, x in [(0, ids[:12])] + [(t, ids[t:t + 1]) for t in range(12, 16)]:
+        assert torch.equal(engine.forward(x, pos), fresh.forward(x, pos))
+    transfers = engine.cache.transfers
+    assert not engine.cache.pending and not getattr(transfers, "reads", None)
+    assert {n: len(free) for n, free in getattr(transfers, "staging", {}).items()} == getattr(transfers, "staged", {})
+    engine.close()
+    fresh.close()

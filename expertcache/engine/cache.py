@@ -133,6 +133,7 @@ class ExpertCache:
         self.state = self._new_state()
         self.scratch = Scratch.make(top_k, shape.num_experts)
         self.pending: dict[int, Transfer] = {}  # slot -> transfer in flight
+        self.interrupted = False  # an interrupt cut an engine's call short: `recover` before the next
         if virtual:
             self.transfers = InstantTransfers()
         elif encoded:
@@ -474,6 +475,16 @@ class ExpertCache:
         """Empty the cache; takes up a changed eviction order."""
         self._drain()  # a transfer that fails now is dropped with the rest of the state
         self.state = self._new_state()
+
+    def recover(self) -> None:
+        """After an interrupt anywhere in a forward or a fill: its decisions may have mapped experts whose reads
+        never started (their slots holding other bytes), and the transfers' bookkeeping may be cut midway. Every
+        read started lands, and the cache starts empty; `interrupted` stays set until this has run in full."""
+        self.interrupted = True
+        self.transfers.settle()
+        self.pending.clear()
+        self.state = self._new_state()
+        self.interrupted = False
 
     def close(self) -> None:
         """Land the transfers in flight, stop the transfer workers and close the low-precision

@@ -694,6 +694,8 @@ class Engine:
         if not self.closed:
             self._variant = self.variant
             self.closed = True
+            if self.cache.interrupted:
+                self.cache.recover()
             self.cache.close()
             for store in (self.store, self.small_store):  # a lowbit policy's small copies have their own files
                 if store is not None:
@@ -727,7 +729,14 @@ class Engine:
                            "each thread its own Engine, or serialize the calls (as the server's scheduler does)")
         try:
             self._check_open()  # closed by the call that held the lock
+            if self.cache.interrupted:  # a second interrupt cut the recovery short
+                self.cache.recover()
             yield
+        except Exception:  # a failed read, a refused input: the cache is left consistent where they are raised
+            raise
+        except BaseException:  # an interrupt, between any two statements: the cache and its reads set right
+            self.cache.recover()
+            raise
         finally:
             self._calls.release()
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..choices import IO_BACKENDS  # noqa: F401 (re-exported)
-from ..errors import BadInput
+from ..errors import BadInput, FetchError
 from .stores import ExpertStore
 from .uring import RingReads
 
@@ -186,6 +186,7 @@ class TransferEngine:
         # blob bytes -> staging buffers made, at most as many as the store's `buffer_bytes` counts (the memory
         # budget's bound; a window's misses would otherwise grow the pool to a layer's slots)
         self.staged: dict[int, int] = {}
+        self.made: dict[int, list[tuple[np.ndarray, object]]] = {}  # blob bytes -> every staging buffer made
         # seconds a read's submission blocked until a staging buffer came free: a wait on the slow tier like any
         # other, that no `wait` returns (`take_buffer_wait`)
         self.buffer_wait_s = 0.0
@@ -284,9 +285,11 @@ class TransferEngine:
             self.buffer_wait_s += time.perf_counter() - start
         if free:
             return free.pop()
-        self.staged[nbytes] = self.staged.get(nbytes, 0) + 1
         buf = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)  # page-aligned, as O_DIRECT needs
-        return buf, RingReads.iovec([buf])
+        made = buf, RingReads.iovec([buf])
+        self.made.setdefault(nbytes, []).append(made)
+        self.staged[nbytes] = self.staged.get(nbytes, 0) + 1
+        return made
 
     def _run(self, t: Transfer) -> None:
         try:
@@ -310,6 +313,8 @@ class TransferEngine:
     def reap(self, block: bool) -> None:
         """Take the io_uring reads that have completed (with `block`, at least one), checking each."""
         for ticket, n in self.ring.completions(block):
+            if ticket not in self.reads:  # queued by a submit that an interrupt cut short: nobody waits for it
+                continue
             t, store, stage = self.reads.pop(ticket)
             t.ring = None
             try:
@@ -339,16 +344,38 @@ class TransferEngine:
             self.device_copies.land(t)
         return t.stall_s + waited
 
+    def settle(self) -> None:
+        """Land every read started, whatever an interrupt (a KeyboardInterrupt between any two statements) left half
+        done: the ring's counts taken again from the kernel's, its reads reaped, those whose completions the
+        interrupted reap had taken marked failed (landed, unchecked), every staging buffer free again; the workers
+        stopped once they have run what they hold (the next read handed to one starts them again)."""
+        if self.ring is not None:
+            self.ring.recount()
+            while self.ring.queued or self.ring.inflight or self.ring.ready:
+                self.reap(block=bool(self.ring.queued or self.ring.inflight))
+            for t, _, _ in self.reads.values():
+                t.ring, t.error = None, FetchError(f"the read of expert {t.expert} of layer {t.layer} was interrupted")
+            self.reads = {}
+            self.staging = {n: list(made) for n, made in self.made.items()}
+        self._stop_workers()
+        if self.device_copies is not None:
+            self.device_copies.finish()
+
+    def _stop_workers(self) -> None:
+        """Stop the workers once they have run (or skipped, where cancelled) every read queued before."""
+        for _ in self.workers:
+            self.queue.put(None)
+        for w in self.workers:
+            w.join()
+        self.workers = []
+
     def close(self) -> None:
         """Let the queued reads finish, stop the workers and release the ring."""
         if self.ring is not None:
             while self.reads:
                 self.reap(block=True)
             self.ring.close()
-        for _ in self.workers:
-            self.queue.put(None)
-        for w in self.workers:
-            w.join()
+        self._stop_workers()
         if self.device_copies is not None:
             self.device_copies.finish()
 
@@ -366,6 +393,10 @@ class InstantTransfers:
 
     def flush(self) -> None:
         """Nothing is queued."""
+        pass
+
+    def settle(self) -> None:
+        """Nothing is in flight."""
         pass
 
     def take_buffer_wait(self) -> float:

@@ -210,11 +210,23 @@ class RingReads:
                 tries += 1
         return out
 
+    def recount(self) -> None:
+        """`queued` and `inflight` taken again from the kernel's indices, where an interrupt may have cut their
+        update short (too many in flight: a wait for a completion that never comes)."""
+        sq32, cq32 = self.u32
+        self.head = int(cq32[self.cq_head])
+        taken = int(sq32[self.sq_head])
+        self.queued = (self.tail - taken) & 0xFFFFFFFF
+        self.inflight = (taken - self.head) & 0xFFFFFFFF  # one completion a read; those not taken yet
+
     def close(self) -> None:
         """Release the ring; reads must have completed."""
         if self.fd is not None:
             self.u32 = self.sq = self.cq = self.sqes = None  # the views must go before their maps close
             for m in self.maps:
-                m.close()
+                try:
+                    m.close()
+                except BufferError:  # a view held by an interrupt's traceback (sys.last_traceback): unmapped with it
+                    pass
             os.close(self.fd)
             self.fd = None
