@@ -1524,6 +1524,39 @@ def test_a_client_that_sends_no_request_or_no_body_frees_its_connection(tiny):
     engine.close()
 
 
+def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_generation_cancelled():
+    """uvicorn waits forever on a client whose socket is full: a stream never read held its connection (every
+    --max-connections slot, with enough of them) and generated on to max_tokens for nobody. A response that waits
+    read_timeout_s on a client that takes none of its bytes is cut off, and its generation cancelled."""
+    engine = Engine(None, EngineConfig(store="ram", max_seq=2048))
+    scheduler = Scheduler(engine)
+    app = create_app(scheduler, MODEL, ServerLimits(read_timeout_s=1))
+    ended, observe = [], scheduler.on_finish
+    scheduler.on_finish = lambda request, outcome: (ended.append(outcome), observe(request, outcome))
+    body = json.dumps({"model": MODEL, "prompt": "ROMEO.\n", "max_tokens": 2000, "ignore_eos": True, "logprobs": 5,
+                       "stream": True}).encode()
+    server = BackgroundServer(app)
+    server.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # no kernel buffer of megabytes to fill first
+    with server as s, socket.socket() as stalled:  # closed first, should the test fail: else the server waits on it
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect((s.host, s.port))
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 120
+        while not ended:
+            assert time.monotonic() < deadline, "the stalled stream's generation did not end"
+            time.sleep(0.1)
+        assert ended == ["cancelled"]
+        stalled.settimeout(20)
+        got = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := stalled.recv(1 << 16):
+                got += chunk
+        assert got.startswith(b"HTTP/1.1 200 ") and b"[DONE]" not in got  # cut mid-stream, then closed
+        assert post(f"{s.base_url}/completions", json.dumps({"prompt": [1, 2], "max_tokens": 2}).encode())[0] == 200
+    engine.close()
+
+
 def test_a_full_queue_answers_429_with_retry_after(tiny):
     from expertcache.serve.limits import ServerLimits
     from expertcache.serve.scheduler import SchedulerConfig

@@ -1,8 +1,9 @@
 """Bounds on what one client can send before its body reaches an endpoint: who may call the API at all (its
 key, 401), the body's size (413), its JSON nesting (400) and how long it takes to come (408), checked by ASGI
 wrappers; the body's is read once and handed on. The other bounds (the waiting queue, a request's share of the
-active slots, stop strings, connections, the time a request's head takes) are applied where their objects live:
-the scheduler, the schemas, uvicorn's limit_concurrency and its protocol (`http_protocol`)."""
+active slots, stop strings, connections, the time a request's head takes, the time a response waits on its
+client) are applied where their objects live: the scheduler, the schemas, uvicorn's limit_concurrency and its
+protocol (`http_protocol`)."""
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +24,8 @@ class ServerLimits:
     allowed_origins: tuple[str, ...] = ("*",)  # web pages that may call the API from a browser (CORS), as vLLM's
     api_key: str | None = None  # when set, requests must send "Authorization: Bearer KEY" (as vLLM's --api-key)
     read_timeout_s: float = 30.0  # a request's head must arrive this soon after its connection opens (or its last
-    # response ends), else the connection is closed; its body this soon after its head, else 408
+    # response ends), else the connection is closed; its body this soon after its head, else 408; and a client
+    # that a response waits on (its socket full) must take some of its bytes this often, else the connection is cut
 
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)  # a JSON string: its brackets are no nesting
@@ -48,13 +50,16 @@ async def refuse(send, status: int, message: str, code: str, headers: tuple[tupl
 
 
 def http_protocol(limits: ServerLimits) -> type:
-    """uvicorn's h11 protocol with a deadline for each request's head (`limits.read_timeout_s`): uvicorn waits for
-    one forever, so clients that connect and send nothing (or leave without a FIN) held every --max-connections
-    slot, and every other client got a 503 until they closed."""
+    """uvicorn's h11 protocol with deadlines (`limits.read_timeout_s`) for each request's head and for each response's
+    bytes: uvicorn waits for a head forever, so clients that connect and send nothing (or leave without a FIN) held
+    every --max-connections slot, and every other client got a 503 until they closed; and it waits forever for a
+    client that stops reading (a full socket buffer), so stalled streams held their connections, and their queued
+    chunks, as long as their clients kept the socket open."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeadDeadline(H11Protocol):
-        deadline = None
+        deadline = writes = None
+        unsent = 0  # the bytes the transport held when `writes` was armed
 
         def connection_made(self, transport):
             super().connection_made(transport)
@@ -67,6 +72,8 @@ def http_protocol(limits: ServerLimits) -> type:
         def connection_lost(self, exc):
             super().connection_lost(exc)
             self.deadline.cancel()
+            if self.writes is not None:
+                self.writes.cancel()
 
         def arm(self):
             if self.deadline is not None:
@@ -76,6 +83,33 @@ def http_protocol(limits: ServerLimits) -> type:
         def late(self):
             if self.cycle is None or self.cycle.response_complete:  # no request under way: its head never came
                 self.timeout_keep_alive_handler()  # closes the connection, as uvicorn closes an idle kept-alive one
+                if self.transport.get_write_buffer_size():  # a close waits for the last response's unsent bytes
+                    self.watch()
+
+        def pause_writing(self):  # the client reads slower than the app writes: the app's sends wait
+            super().pause_writing()
+            self.watch()
+
+        def resume_writing(self):
+            super().resume_writing()
+            if self.writes is not None and not self.transport.is_closing():
+                self.writes.cancel()
+                self.writes = None
+
+        def watch(self):
+            """Abort the connection unless the client takes some of its unsent bytes within read_timeout_s (as
+            nginx's send_timeout): its stream's generation is cancelled as if it had disconnected."""
+            if self.writes is None:
+                self.unsent = self.transport.get_write_buffer_size()
+                self.writes = self.loop.call_later(limits.read_timeout_s, self.stalled)
+
+        def stalled(self):
+            self.writes = None
+            size = self.transport.get_write_buffer_size()
+            if size and size >= self.unsent:  # not a byte taken: the app adds none while paused or closing
+                self.transport.abort()
+            elif size and (self.flow.write_paused or self.transport.is_closing()):  # a slow reader: watched on
+                self.watch()
     return HeadDeadline
 
 
