@@ -1397,10 +1397,17 @@ def test_the_access_log_has_a_line_per_request():
             client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
         list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=3,
                                             stream=True))
+        with socket.create_connection((s.host, s.port)) as gone:  # leaves before its body: no fault of the server's
+            gone.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        deadline = time.monotonic() + 30
+        while len(lines) < 4:
+            assert time.monotonic() < deadline, "its line did not come"
+            time.sleep(0.05)
     engine.close()
     assert re.fullmatch(r"POST /v1/completions -> 200, \d+ prompt \+ 4 completion tokens, \d+ ms", lines[0]), lines
     assert re.fullmatch(r"POST /v1/completions -> 404, \d+ ms", lines[1]), lines
     assert re.fullmatch(r"POST /v1/chat/completions -> 200, \d+ prompt \+ 3 completion tokens, \d+ ms", lines[2])
+    assert re.fullmatch(r"POST /v1/completions -> 499, \d+ ms", lines[3]), lines
 
 
 def _submit(scheduler, prompt, max_tokens):

@@ -20,7 +20,9 @@ class AccessLog:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        start, status, tail = time.perf_counter(), [500], [b""]
+        # 499 (nginx's): the app ended without an answer, which it does only for a client that left before its
+        # body came; it was logged as a 500, a fault of the server's. A raised failure is a 500.
+        start, status, tail = time.perf_counter(), [499], [b""]
 
         async def send_and_note(message):
             if message["type"] == "http.response.start":
@@ -30,6 +32,10 @@ class AccessLog:
             await send(message)
         try:
             await self.app(scope, receive, send_and_note)
+        except BaseException:
+            if status[0] == 499:
+                status[0] = 500
+            raise
         finally:
             found = [tuple(map(int, pair)) for pair in USAGE.findall(tail[0])] or \
                 [scope.get("state", {}).get("usage")]  # a stream's, which need not carry one
