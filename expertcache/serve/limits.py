@@ -7,10 +7,19 @@ protocol (`http_protocol`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import re
+import struct
 from dataclasses import dataclass
+
+try:  # the kernel's count of a socket's unacknowledged bytes (Linux)
+    import fcntl
+    import termios
+    OUTQ = termios.TIOCOUTQ
+except (ImportError, AttributeError):
+    OUTQ = None
 
 
 @dataclass(frozen=True)
@@ -100,16 +109,27 @@ def http_protocol(limits: ServerLimits) -> type:
             """Abort the connection unless the client takes some of its unsent bytes within read_timeout_s (as
             nginx's send_timeout): its stream's generation is cancelled as if it had disconnected."""
             if self.writes is None:
-                self.unsent = self.transport.get_write_buffer_size()
+                self.unsent = self.untaken()
                 self.writes = self.loop.call_later(limits.read_timeout_s, self.stalled)
+
+        def untaken(self) -> int:
+            """Bytes written that the client has not acknowledged: the transport's, and the kernel's send queue
+            (Linux's SIOCOUTQ), which holds megabytes and frees room for the transport only in large steps, so that
+            a client reading slowly but steadily could move none of the transport's bytes for a long time."""
+            size = self.transport.get_write_buffer_size()
+            sock = self.transport.get_extra_info("socket")
+            if OUTQ is not None and sock is not None:
+                with contextlib.suppress(OSError):
+                    size += struct.unpack("i", fcntl.ioctl(sock.fileno(), OUTQ, b"\0" * 4))[0]
+            return size
 
         def stalled(self):
             self.writes = None
-            size = self.transport.get_write_buffer_size()
+            size = self.untaken()
             if size and size >= self.unsent:  # not a byte taken: the app adds none while paused or closing
                 self.transport.abort()
-            elif size and (self.flow.write_paused or self.transport.is_closing()):  # a slow reader: watched on
-                self.watch()
+            elif self.transport.get_write_buffer_size() and (self.flow.write_paused or self.transport.is_closing()):
+                self.watch()  # a slow reader, watched on
     return HeadDeadline
 
 
