@@ -5,7 +5,7 @@ from tokenizers import Tokenizer
 
 from expertcache.engine.engine import BUILTIN_MODEL
 from expertcache.engine.sampling import IncrementalDetokenizer, Sampler, SamplingError, SamplingParams, StopStrings
-from expertcache.errors import BadInput
+from expertcache.errors import BadInput, CheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -456,7 +456,8 @@ def test_side_files_where_releases_put_them(tmp_path, capsys):
     first = TextGeneration(engine, prompt, SamplingParams(max_tokens=4)).step().token
     assert first not in eos_token_ids(engine)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [True, first]}))
-    assert eos_token_ids(engine) == {0, first}  # true is no token id (it was read as token 1)
+    with pytest.raises(CheckpointError, match="generation_config.json: eos_token_id .True, "):
+        eos_token_ids(engine)  # true is no token id (it was read as token 1, then left out in silence)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, first]}))
     gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=4))
     assert gen.eos == eos_token_ids(engine) == {0, first}
