@@ -463,6 +463,7 @@ def test_bad_cli_values_are_one_line(capsys, ckpt, tmp_path):
                         (["generate", "--model", str(ckpt), "-p", "a", "b"], "two prompts"),
                         (["generate", "--model", str(ckpt), "--temperature", "inf", "hi"], "--temperature inf"),
                         (["serve", "--model", str(ckpt), "--port", "70000"], "not a port"),
+                        (["serve", "--model", str(ckpt), "--read-timeout", "0"], "give seconds in (0, 86400]"),
                         (["ppl", "--model", str(ckpt), "--json", str(ckpt / "config.json" / "x.json")],
                          "is a file; give a folder"),
                         (["convert", "--model", str(ckpt), "--dtype", "int4", "--group-size", "1"], "multiple of 8"),

@@ -1531,6 +1531,18 @@ def test_a_client_that_sends_no_request_or_no_body_frees_its_connection(tiny):
     engine.close()
 
 
+def test_read_timeout_sets_the_servers_deadlines():
+    """`serve --read-timeout` is the limits' read_timeout_s: every deadline a client is given."""
+    import argparse
+
+    from expertcache.commands import serve as serve_verb
+    p = argparse.ArgumentParser()
+    serve_verb.add_arguments(p)
+    server = serve_verb.build_app(p.parse_args(["--store", "ram", "--read-timeout", "7.5"])).state.server
+    assert server.limits.read_timeout_s == 7.5
+    server.scheduler.engine.close()
+
+
 def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_generation_cancelled():
     """uvicorn waits forever on a client whose socket is full: a stream never read held its connection (every
     --max-connections slot, with enough of them) and generated on to max_tokens for nobody. A response that waits

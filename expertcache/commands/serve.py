@@ -70,6 +70,11 @@ def add_arguments(p):
     p.add_argument("--api-key", type=api_key, default=os.environ.get("EXPERTCACHE_API_KEY"),
                    help="requests must send 'Authorization: Bearer KEY', else 401 (/health and /metrics stay open); "
                         "default: $EXPERTCACHE_API_KEY, which keeps the key out of the process list")
+    p.add_argument("--read-timeout", default=ServerLimits.read_timeout_s,
+                   type=bounded(float, 0, 86400, lo_open=True, what="give seconds in (0, 86400], e.g. 30"),
+                   help="seconds a client may take to send a request's head (else the connection closes) and its body "
+                        "(else 408), and to take some of a response's bytes (else it is cut off and its generation "
+                        "cancelled)")
     p.add_argument("--shutdown-timeout", type=bounded(float, 0, what="give seconds >= 0, e.g. 5"), default=5.0,
                    help="seconds that requests still running may take to end after SIGTERM or Ctrl-C; then they are "
                         "ended (within the 10 s a container runtime waits before it kills; inf: wait for them)")
@@ -100,7 +105,7 @@ def build_app(a):
     name = a.served_model_name or (model_name(engine.path) if a.model else "expertcache-builtin")
     limits = ServerLimits(max_body_bytes=a.max_body_bytes, max_waiting=a.max_waiting,
                           max_connections=a.max_connections, allowed_origins=tuple(a.allowed_origins),
-                          api_key=a.api_key)
+                          api_key=a.api_key, read_timeout_s=a.read_timeout)
     try:
         scheduler = Scheduler(engine, config)
         scheduler.warm_up()  # a first run compiles here, under the notice, not in the first request
