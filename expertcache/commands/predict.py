@@ -39,7 +39,9 @@ def add_arguments(p):
                         "domain of the evaluation text (default 4096), and greedy continuations' agreement")
     p.add_argument("--text", type=Path, default=None,
                    help="default: calibration text to train, evaluation text to measure")
-    p.add_argument("--max-tokens", type=positive_int, default=None, help="use only the first N tokens")
+    p.add_argument("--max-tokens", type=positive_int, default=None,
+                   help="use only the first N tokens (default: the whole text; with --speculative, N tokens of "
+                        "each domain, default 4096)")
     p.add_argument("--epochs", type=positive_int, default=30, help="training epochs of each net (per layer transition)")
     p.add_argument("--sketch-rank", type=non_negative_int, default=SKETCH_RANK,
                    help="rank of the linear map in the lookahead's expert sketches")
