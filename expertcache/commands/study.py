@@ -53,7 +53,11 @@ def run(a) -> int:
         chosen = tuple(dict.fromkeys(["fetch-all", *a.policies]))  # the generation test too runs only these
         cfg = StudyConfig(**{**cfg.__dict__, "policies": chosen, "generation_policies": chosen})
     text_segments(a.text or EVAL_TEXT, a.domains or None)  # a bad text fails here, before the progress bar
-    require()  # the report's plots: before the run, not after it
+    try:
+        require()  # the report's plots: before the run, not after it
+    except BadInput:  # its own words name --plot, which study does not have: its report always has plots
+        raise BadInput("the study's report draws plots with matplotlib, which this install lacks: "
+                       "pip install 'expertcache[study]'") from None
     with progress_bar(unit="tok") as bar:  # phases: perplexity of every policy, then the generation test
         res = run_study(a.model, cfg, phases(bar))
     files = write_report(res, a.out)
