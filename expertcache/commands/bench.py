@@ -54,6 +54,8 @@ def run(a) -> int:
                       repeats=a.repeats)
     res = run_bench(a.model, cfg, progress=lambda s: print(s, file=sys.stderr))
     setup, _, full = markdown(res).split("\n", 2)
+    if not a.markdown:  # the setup line names the full table's columns; the headline table has fewer
+        setup += " The ratios to the floor, same-token decode and stalls: --markdown, or --json."
     print(f"{setup}\n\n{full if a.markdown else table(res)}")
     write_json(a.json, res.to_dict())
     return 0
