@@ -269,12 +269,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             files[name] = path / shard
         # HF transformers loads every tensor of the shards the index lists, also one its weight_map omits (an
         # index edited by hand or by a merge tool): read here, where such a model was refused as missing a tensor
-        headers = {}
-        for shard in sorted(set(files.values())):
-            with TensorFile(shard) as f:
-                headers[shard] = f.tensors
-            files.update({k: shard for k in headers[shard] if k not in files})
-        return Checkpoint(path, config, files, fp8_block, headers)
+        headers = shard_headers(sorted(set(files.values())))
+        for shard, names in headers.items():
+            files.update({k: shard for k in names if k not in files})
     else:
         # the model's weights, not the files `calibrate` and `predict --train` write beside them
         beside = (DEFAULT_VECTORS, ESTIMATOR_FILE, LOOKAHEAD_FILE)
@@ -288,12 +285,19 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                                       f"{path}', dtype='auto').save_pretrained('{path}')\"")
             raise CheckpointError(f"{path}: no *.safetensors weights; pass --model the folder that holds the model's "
                                   "config.json and its *.safetensors files")
-        headers = {}
-        for shard in shards:
-            with TensorFile(shard) as f:
-                headers[shard] = f.tensors
-            files.update({k: shard for k in headers[shard]})
-        return Checkpoint(path, config, files, fp8_block, headers)
+        headers = shard_headers(shards)
+        for shard, names in headers.items():
+            files.update(dict.fromkeys(names, shard))
+    return Checkpoint(path, config, files, fp8_block, headers)
+
+
+def shard_headers(shards: list[Path]) -> dict[Path, dict]:
+    """Each weight file's safetensors header (its tensors' names, dtypes, shapes and offsets), read once."""
+    headers = {}
+    for shard in shards:
+        with TensorFile(shard) as f:
+            headers[shard] = f.tensors
+    return headers
 
 
 def quantization(path: Path, config: dict) -> tuple[int, int] | None:
