@@ -183,10 +183,9 @@ class TransferEngine:
         self.ring, self.reads = self._ring(io), {}  # ticket -> (transfer, its store, its staging buffer or None)
         self.iovecs = [RingReads.iovec(t) for t in self.direct] if self.ring is not None and self.direct else None
         self.staging: dict[int, list[tuple[np.ndarray, object]]] = {}  # blob bytes -> free (buffer, iovec) pairs
-        # blob bytes -> staging buffers made, at most as many as the store's `buffer_bytes` counts (the memory
+        # blob bytes -> every staging buffer made, at most as many as the store's `buffer_bytes` counts (the memory
         # budget's bound; a window's misses would otherwise grow the pool to a layer's slots)
-        self.staged: dict[int, int] = {}
-        self.made: dict[int, list[tuple[np.ndarray, object]]] = {}  # blob bytes -> every staging buffer made
+        self.made: dict[int, list[tuple[np.ndarray, object]]] = {}
         # seconds a read's submission blocked until a staging buffer came free: a wait on the slow tier like any
         # other, that no `wait` returns (`take_buffer_wait`)
         self.buffer_wait_s = 0.0
@@ -273,12 +272,17 @@ class TransferEngine:
         (through io_uring every read is handed to the kernel at once)."""
         return self.ring is None
 
+    @property
+    def staged(self) -> dict[int, int]:
+        """Blob bytes -> how many staging buffers were made for them."""
+        return {nbytes: len(made) for nbytes, made in self.made.items()}
+
     def _stage(self, store: ExpertStore) -> tuple[np.ndarray, object]:
         """A free staging buffer for a blob of `store` (and its iovec): a new one while fewer exist than the
         store's `buffer_bytes` counts, else the next to come free as the reads in flight complete."""
         nbytes = store.blob
         free = self.staging.setdefault(nbytes, [])
-        if not free and self.staged.get(nbytes, 0) >= store.buffer_bytes(self.n_workers) // nbytes:
+        if not free and len(self.made.get(nbytes, ())) >= store.buffer_bytes(self.n_workers) // nbytes:
             start = time.perf_counter()
             while not free:
                 self.reap(block=True)
@@ -288,7 +292,6 @@ class TransferEngine:
         buf = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)  # page-aligned, as O_DIRECT needs
         made = buf, RingReads.iovec([buf])
         self.made.setdefault(nbytes, []).append(made)
-        self.staged[nbytes] = self.staged.get(nbytes, 0) + 1
         return made
 
     def _run(self, t: Transfer) -> None:
