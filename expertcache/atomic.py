@@ -11,8 +11,14 @@ from pathlib import Path
 @contextmanager
 def replaced(path: Path) -> Iterator[Path]:
     """A temporary path beside `path` to write; it replaces `path` when the block ends without an error, and is
-    removed when it raises."""
+    removed when it raises. A path that is not a regular file (/dev/stdout, a FIFO) is written in place: renaming
+    over it would replace the device or pipe itself (and as root, the system's). Through a symbolic link the file it
+    points to is replaced, and the link kept."""
     path = Path(path)
+    if path.exists() and not path.is_file():
+        yield path
+        return
+    path = path.resolve() if path.is_symlink() else path
     tmp = path.with_name(f".{path.name}.partial")
     try:
         yield tmp

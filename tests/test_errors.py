@@ -1008,6 +1008,27 @@ def test_a_file_whose_write_is_interrupted_is_left_as_it_was(tmp_path, ckpt):
         (ckpt / "routing_counts.json").stat().st_mode & 0o777 == 0o666 & ~_umask()
 
 
+def test_an_output_that_is_a_pipe_or_a_link_is_written_through_not_replaced(tmp_path):
+    """--json /dev/stdout, a FIFO or a link to a file: the data goes where the path leads. Renaming a finished
+    file over such a path replaced the node itself (as root, /dev/full or /dev/stdout became a plain file)."""
+    import threading
+
+    from expertcache.atomic import write_text
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)  # a regression: no hang
+    reader.start()
+    write_text(fifo, "through the pipe")
+    reader.join(10)
+    assert got == ["through the pipe"] and fifo.is_fifo()
+    target, link = tmp_path / "real.json", tmp_path / "link.json"
+    target.write_text("earlier")
+    link.symlink_to(target)
+    write_text(link, "later")
+    assert link.is_symlink() and target.read_text() == "later" and not list(tmp_path.glob(".*.partial"))
+
+
 def test_training_files_cut_by_an_interrupt_are_not_reused(tmp_path, monkeypatch):
     """`train` resumes from the files its work folder holds (the token cache, the tokenizer, the training state):
     an interrupt while one is written leaves none, not a cut one that every later run would load and fail on."""
