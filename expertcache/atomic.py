@@ -3,6 +3,7 @@ file as it was, not cut short, and a process that reads it meanwhile (a server s
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,6 +36,16 @@ def write_text(path: Path, text: str) -> None:
     """Path.write_text, whole or not at all."""
     with replaced(path) as tmp:
         tmp.write_text(text)
+
+
+def writable_folder(folder: Path) -> bool:
+    """Whether a file can be made in `folder`, by making one: os.access answers yes to root wherever the
+    filesystem is not read-only, /proc included."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
 
 
 def _umask() -> int:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from ..atomic import writable_folder
 from ..choices import DENSE_DTYPES, DTYPES, IO_BACKENDS, PROMPT_ORDERS, SCHEMES, SLOT_DTYPES
 from ..errors import BadInput
 
@@ -90,7 +91,9 @@ def output_path(text: str) -> Path:
                                              "another path") from None
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
-    if not os.access(path if path.exists() else path.parent, os.W_OK):  # found at the end of the run: too late
+    # found at the end of the run: too late. A file is written beside its path and renamed (atomic.replaced); a
+    # device such as /dev/stdout in place
+    if not (os.access(path, os.W_OK) if path.exists() and not path.is_file() else writable_folder(path.parent)):
         raise argparse.ArgumentTypeError(f"{text} cannot be written here (permission denied or a read-only "
                                          "filesystem); give another path")
     return path
@@ -121,7 +124,7 @@ def output_dir(text: str) -> Path:
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file; give a folder")
     existing = next(p for p in (path, *path.absolute().parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
+    if not existing.is_dir() or not writable_folder(existing):
         raise argparse.ArgumentTypeError(f"{text} cannot be made or written here ({existing} is not a writable "
                                          "folder); give another path")
     return path

@@ -8,7 +8,6 @@ config's dtype (bf16 for the releases)."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from ..atomic import writable_folder
 from ..errors import CheckpointError
 from .tensor_file import TensorFile, TensorInfo
 
@@ -327,7 +327,7 @@ def check_writable(path: Path, files: str) -> None:
     """CheckpointError, before a verb's work, when the checkpoint folder `path` cannot take the `files` the verb
     writes beside its weights (a read-only mount, another user's folder): found as they were written, it ended
     minutes of work with a fix naming flags the verb does not have."""
-    if not os.access(path, os.W_OK):
+    if not writable_folder(Path(path)):
         raise CheckpointError(f"{path} cannot be written (read-only, or not yours), and {files} go beside the "
                               "weights; give --model a writable folder of links to its files: mkdir MODEL && "
                               f"ln -s {Path(path).resolve()}/* MODEL")
