@@ -420,6 +420,22 @@ def test_a_thread_count_numba_cannot_take_is_one_line(threads):
     assert f"NUMBA_NUM_THREADS={threads!r} is not a whole number >= 1" in out.stderr
 
 
+def test_an_expertcache_home_that_cannot_be_a_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    """EXPERTCACHE_HOME naming a file, or a folder that cannot be made, is refused before the run with the variable
+    named, where the store's conversion failed on an errno naming a path; one that exists is used as it is."""
+    from expertcache.commands.options import check_environment
+    from expertcache.errors import BadInput
+    (tmp_path / "file").write_text("")
+    for home, what in ((tmp_path / "file", "is a file"), (tmp_path / "file" / "stores", "is a file")):
+        monkeypatch.setenv("EXPERTCACHE_HOME", str(home))
+        with pytest.raises(BadInput, match=f"EXPERTCACHE_HOME=.* cannot be made .*{what}\\); set it to a folder"):
+            check_environment()
+    for home in (tmp_path / "new" / "home", tmp_path):
+        monkeypatch.setenv("EXPERTCACHE_HOME", str(home))
+        check_environment()
+    assert not (tmp_path / "new").exists()  # checked, not made: verbs that convert nothing leave no folder
+
+
 def test_an_empty_expertcache_home_is_the_default_not_the_working_folder(tmp_path, monkeypatch):
     """EXPERTCACHE_HOME set but empty (EXPERTCACHE_HOME=$UNSET) reads as unset, as XDG_CACHE_HOME does: stores
     were converted into ./stores of whatever folder the command ran in."""

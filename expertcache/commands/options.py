@@ -274,7 +274,7 @@ def announce_compile(*kernels: str) -> None:
 def check_environment() -> None:
     """BadInput for an environment variable a verb would fail on far from it: NUMBA_NUM_THREADS, the compiled
     kernels' threads, which numba reads as it is first imported (0 ended in its traceback; a word was ignored with
-    a warning and every core used)."""
+    a warning and every core used); EXPERTCACHE_HOME, where no folder can be (found where a store was converted)."""
     threads = os.environ.get("NUMBA_NUM_THREADS")
     try:
         ok = threads is None or int(threads) >= 1
@@ -283,6 +283,13 @@ def check_environment() -> None:
     if not ok:
         raise BadInput(f"NUMBA_NUM_THREADS={threads!r} is not a whole number >= 1; set it to the threads the compiled "
                        f"kernels use (e.g. NUMBA_NUM_THREADS={os.cpu_count() or 1}), or unset it for every core")
+    home = os.environ.get("EXPERTCACHE_HOME")
+    if home:  # the disk stores' folder: one that exists is used as it is (a shared read-only one serves its stores)
+        existing = next(p for p in (Path(home), *Path(home).absolute().parents) if p.exists())
+        if not existing.is_dir() or (existing != Path(home) and not writable_folder(existing)):
+            what = "not a writable folder" if existing.is_dir() else "a file"
+            raise BadInput(f"EXPERTCACHE_HOME={home!r} cannot be made ({existing} is {what}); set it to a folder for "
+                           "the disk stores, or unset it for ~/.cache/expertcache")
 
 
 def compiled_ok() -> None:
