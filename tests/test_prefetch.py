@@ -341,11 +341,15 @@ def test_router_ahead_routes_and_predicts_in_one_call():
                                p.logits(2, None, other, None, None), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["quasi-hidden", "estimator", "hybrid", "lookahead"])
-def test_compiled_prediction_equals_torch(name):
+@pytest.mark.parametrize("name,threads", [("quasi-hidden", 1), ("estimator", 1), ("hybrid", 1), ("lookahead", 1),
+                                          ("lookahead", 2)])
+def test_compiled_prediction_equals_torch(name, threads, monkeypatch):
     """Decode's compiled prediction (quasi-hidden's state, and the estimator net on it or on the next layer's
-    attention run ahead) gives the logits of the PyTorch path, on every layer."""
+    attention run ahead) gives the logits of the PyTorch path, on every layer; the lookahead's with its sum and
+    products split over threads too (as at real size)."""
+    from expertcache.engine import predictors
     from expertcache.engine.predictors import QuasiHidden, make_predictor
+    monkeypatch.setattr(predictors.threads, "parts", lambda weight_bytes: threads)
     engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
     engine.forward(torch.tensor([5, 6, 7]), 0)  # keys and values for the attention run ahead at position 3
     engine.model.position = 3
@@ -480,11 +484,12 @@ def test_an_expert_sketch_keeps_its_strongest_neurons_and_the_best_low_rank_map_
         arrays = [torch.randn(1, 4, *shape, generator=g) for shape in ExpertSketch.shapes(H, r, n)]
         sketch, x, resid = ExpertSketch(*arrays, kind=kind), torch.randn(1, H, generator=g), torch.randn(H)
         ids, w = torch.tensor([[2, 0]]), torch.tensor([[0.7, 0.3]])
-        out, z = np.empty(H, np.float32), np.empty(r, np.float32)
-        dense_decode.sketch_sum(resid.numpy(), x.numpy()[0], *(t[0].numpy() for t in sketch.arrays), ids.numpy()[0],
-                                w.numpy()[0], *sketch.activation, z, out)
-        torch.testing.assert_close(torch.from_numpy(out), resid + sketch.estimate(0, x, ids, w)[0], atol=1e-4,
-                                   rtol=1e-4)
+        for parts in (1, 2, 3):  # one thread, or the experts split over threads
+            out, z, acc = np.empty(H, np.float32), np.empty((parts, r), np.float32), np.empty((parts, H), np.float32)
+            dense_decode.sketch_sum(resid.numpy(), x.numpy()[0], *(t[0].numpy() for t in sketch.arrays),
+                                    ids.numpy()[0], w.numpy()[0], *sketch.activation, z, acc, out)
+            torch.testing.assert_close(torch.from_numpy(out), resid + sketch.estimate(0, x, ids, w)[0], atol=1e-4,
+                                       rtol=1e-4)
 
 
 def test_expert_sketches_explain_more_of_a_layers_output_than_default_vectors():

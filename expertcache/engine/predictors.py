@@ -34,6 +34,7 @@ from ..choices import LOOKAHEAD_WIDTH, PREDICTORS, SKETCH_NEURONS, SKETCH_RANK  
 from ..errors import CheckpointError
 from ..kernel import dense_decode
 from ..kernel.routing import Router, Routing
+from . import threads
 from .checkpoint import DEFAULT_VECTORS, ESTIMATOR_FILE, LOOKAHEAD_FILE
 from .experts import KERNEL_VIEWS, SWIGLU, ExpertKind, kernel_view
 from .moe import check_predictor, decode_router_logits, router_logits
@@ -398,7 +399,7 @@ class Lookahead(Estimator):
             return None
         sketch, h, q = self._sketch_arrays()[layer], self._h, self._ahead
         dense_decode.sketch_sum(resid.numpy()[0], x.float().numpy()[0], *sketch, ids, weights, *self._activation,
-                                self._z, h)
+                                self._z, self._acc, h)
         model = self.model
         if not model.attention_ahead_token(model.args.moe_layers[layer + 1], h, q):  # torch's path, or the normed h
             q = run_ahead(model, layer, torch.from_numpy(h)[None], own=True).float().numpy()[0]
@@ -406,7 +407,7 @@ class Lookahead(Estimator):
         prev_ids, prev_weights = self._none if prev is None else prev
         out = np.empty((1, w2.shape[0]), np.float32)
         dense_decode.lookahead_logits(q, self._arrays()[layer][2], w1, b1, rows, prev_ids, prev_weights, w2, b2,
-                                      self._hidden, out[0])
+                                      self._hidden, out[0], self.net_threads)
         return out
 
     def _sketch_arrays(self) -> list[tuple[np.ndarray, ...]]:
@@ -414,7 +415,14 @@ class Lookahead(Estimator):
         if self._sketch is None:
             s = self.sketch
             self._sketch = [tuple(kernel_view(t[l]) for t in s.arrays) for l in range(s.shape[0])]
-            self._z, self._activation = np.empty(max(s.rank, 1), np.float32), s.activation
+            # a call streams k experts' sketches, the net's matrices and the router: each split over threads where
+            # that pays (threads.parts; at real size both, 1.9 and 1.5 MB)
+            per_expert = sum(t[0, 0].numel() * t.element_size() for t in s.arrays)
+            P = threads.parts(self.model.args.top_k * per_expert)
+            w1, _, _, w2, _ = self._net_arrays()[0]
+            self.net_threads = threads.parts(w1.nbytes + w2.nbytes + self._arrays()[0][2].nbytes)
+            self._z, self._activation = np.empty((P, max(s.rank, 1)), np.float32), s.activation
+            self._acc = np.empty((P, s.shape[2]), np.float32)
             self._h, self._ahead = np.empty(s.shape[2], np.float32), np.empty(s.shape[2], np.float32)
         return self._sketch
 

@@ -30,14 +30,20 @@ def rms_norm(x, w, eps, out):
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def gemv(w, x, b, out):
-    """out [R] = w [R, C] @ x [C] (+ b [R] unless b is empty); w float32 or 16-bit (`widen`)."""
+def _gemv_rows(w, x, b, out, first, end):
+    """gemv's rows [first, end): out[r] = w[r] @ x (+ b[r] unless b is empty)."""
     biased = b.shape[0] > 0
-    for r in range(w.shape[0]):
+    for r in range(first, end):
         acc = np.float32(0.0)
         for c in range(w.shape[1]):
             acc += widen(w[r, c]) * x[c]
         out[r] = acc + b[r] if biased else acc
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def gemv(w, x, b, out):
+    """out [R] = w [R, C] @ x [C] (+ b [R] unless b is empty); w float32 or 16-bit (`widen`)."""
+    _gemv_rows(w, x, b, out, 0, w.shape[0])
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
@@ -221,18 +227,12 @@ def gated_sum(resid, vectors, ids, gates, out):
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def sketch_sum(resid, x, means, inputs, bias, outputs, gate, up, gate_bias, up_bias, down, ids, gates, clamped,
-               limit, alpha, z, out):
-    """out [H] = resid [H] + sum_j gates[j] sketch_e(x), e = ids[j]: one token's residual with its experts'
-    sketches (engine/predictors.ExpertSketch) on its MoE input x [H]: means[e] + (inputs[e] x + bias[e])
-    outputs[e] + sum_i glu(gate[e, i] x + gate_bias[e, i], up[e, i] x + up_bias[e, i]) down[e, i]; glu is
-    silu(g) u, or with `clamped` GPT-OSS's (u clamped to +-limit, plus 1) g sigmoid(alpha g), g clamped above at
-    limit. means [E, H]; inputs, outputs [E, r, H]; bias [E, r]; gate, up, down [E, n, H]; gate_bias, up_bias
-    [E, n]; float32 or 16-bit (`widen`); z [>= r] scratch."""
-    H, r, n = resid.shape[0], inputs.shape[1], gate.shape[1]
-    for h in range(H):
-        out[h] = resid[h]
-    for j in range(ids.shape[0]):
+def _sketch_share(x, means, inputs, bias, outputs, gate, up, gate_bias, up_bias, down, ids, gates, first, step,
+                  clamped, limit, alpha, z, out):
+    """out [H] += sum_j gates[j] sketch_e(x), e = ids[j], over j = first, first + step, ... (sketch_sum's terms, one
+    thread's share); z [>= r] scratch."""
+    H, r, n = out.shape[0], inputs.shape[1], gate.shape[1]
+    for j in range(first, ids.shape[0], step):
         e, g = ids[j], gates[j]
         for i in range(r):
             acc = widen(bias[e, i])
@@ -261,6 +261,46 @@ def sketch_sum(resid, x, means, inputs, bias, outputs, gate, up, gate_bias, up_b
                 out[h] += act * widen(down[e, i, h])
 
 
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _zero(v):
+    for i in range(v.shape[0]):
+        v[i] = np.float32(0.0)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _sum_rows(first, rows, out):
+    """out [H] = first [H] + the sum of rows [P, H] (rows empty: a copy)."""
+    for h in range(out.shape[0]):
+        out[h] = first[h]
+    for p in range(rows.shape[0]):
+        for h in range(out.shape[0]):
+            out[h] += rows[p, h]
+
+
+@njit(cache=True, nogil=True, fastmath=FAST, parallel=True)
+def sketch_sum(resid, x, means, inputs, bias, outputs, gate, up, gate_bias, up_bias, down, ids, gates, clamped,
+               limit, alpha, z, acc, out):
+    """out [H] = resid [H] + sum_j gates[j] sketch_e(x), e = ids[j]: one token's residual with its experts'
+    sketches (engine/predictors.ExpertSketch) on its MoE input x [H]: means[e] + (inputs[e] x + bias[e])
+    outputs[e] + sum_i glu(gate[e, i] x + gate_bias[e, i], up[e, i] x + up_bias[e, i]) down[e, i]; glu is
+    silu(g) u, or with `clamped` GPT-OSS's (u clamped to +-limit, plus 1) g sigmoid(alpha g), g clamped above at
+    limit. means [E, H]; inputs, outputs [E, r, H]; bias [E, r]; gate, up, down [E, n, H]; gate_bias, up_bias
+    [E, n]; float32 or 16-bit (`widen`). The experts split over acc's P threads where P > 1, each summing its
+    share into its row of acc [P, H] (at real size the call streams megabytes of sketches); with P = 1 into out.
+    z [P, >= r] scratch."""
+    parts = acc.shape[0]
+    if parts == 1:
+        _sum_rows(resid, acc[:0], out)
+        _sketch_share(x, means, inputs, bias, outputs, gate, up, gate_bias, up_bias, down, ids, gates, 0, 1,
+                      clamped, limit, alpha, z[0], out)
+        return
+    for p in prange(parts):
+        _zero(acc[p])
+        _sketch_share(x, means, inputs, bias, outputs, gate, up, gate_bias, up_bias, down, ids, gates, p, parts,
+                      clamped, limit, alpha, z[p], acc[p])
+    _sum_rows(resid, acc, out)
+
+
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST, inline="always")
 def _quasi_hidden(resid, vectors, ids, gates, norm, eps, q):
     """One token's quasi-hidden state q [:H] = rms_norm(resid [H] + sum_j gates[j] vectors[ids[j]], norm)."""
@@ -278,17 +318,23 @@ def quasi_hidden_logits(resid, vectors, ids, gates, norm, eps, router, q, out):
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def transition_logits(q, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidden, out):
-    """One estimator transition's next-layer logits out [E] for one token's input q [H]: w2 silu(w1 q + b1 +
-    sum_j prev_gates[j] rows[prev_ids[j]]) + b2, with w1 [W, H], rows [E, W] (a row per expert the previous
-    token ran at the next layer; none given: unknown), w2 [E, W]; hidden [W] scratch."""
-    gemv(w1, q, b1, hidden)
+def _previous_silu(rows, prev_ids, prev_gates, hidden):
+    """transition_logits' middle: hidden += the previous token's rows, then silu."""
     for j in range(prev_ids.shape[0]):
         g = prev_gates[j]
         for i in range(hidden.shape[0]):
             hidden[i] += g * rows[prev_ids[j], i]
     for i in range(hidden.shape[0]):
         hidden[i] = hidden[i] / (np.float32(1.0) + np.exp(-hidden[i]))
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def transition_logits(q, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidden, out):
+    """One estimator transition's next-layer logits out [E] for one token's input q [H]: w2 silu(w1 q + b1 +
+    sum_j prev_gates[j] rows[prev_ids[j]]) + b2, with w1 [W, H], rows [E, W] (a row per expert the previous
+    token ran at the next layer; none given: unknown), w2 [E, W]; hidden [W] scratch."""
+    gemv(w1, q, b1, hidden)
+    _previous_silu(rows, prev_ids, prev_gates, hidden)
     gemv(w2, hidden, b2, out)
 
 
@@ -300,9 +346,20 @@ def estimator_logits(resid, vectors, ids, gates, norm, eps, w1, b1, rows, prev_i
     transition_logits(q, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidden, out)
 
 
-@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def lookahead_logits(q, router, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidden, out):
+@njit(cache=True, nogil=True, fastmath=FAST, parallel=True)
+def lookahead_logits(q, router, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidden, out, parts):
     """The lookahead's next-layer logits out [E] on its input q [H]: the next layer's router [E, H] on q plus the
-    transition's net (transition_logits), in one call."""
-    transition_logits(q, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidden, out)
-    gemv(router, q, out, out)  # the net's logits as the product's bias: each is read before its row is written
+    transition's net (transition_logits), in one call; its products split by rows over `parts` threads (at real
+    size the net's first matrix and the router are 1.5 MB)."""
+    if parts == 1:
+        transition_logits(q, w1, b1, rows, prev_ids, prev_gates, w2, b2, hidden, out)
+        _gemv_rows(router, q, out, out, 0, out.shape[0])  # the net's logits as the bias: read before written
+        return
+    for p in prange(parts):
+        first, end = split(hidden.shape[0], p, parts)
+        _gemv_rows(w1, q, b1, hidden, first, end)
+    _previous_silu(rows, prev_ids, prev_gates, hidden)
+    for p in prange(parts):
+        first, end = split(out.shape[0], p, parts)
+        _gemv_rows(w2, hidden, b2, out, first, end)
+        _gemv_rows(router, q, out, out, first, end)
