@@ -263,6 +263,7 @@ def _sketch_share(x, means, inputs, bias, outputs, gate, up, gate_bias, up_bias,
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
 def _zero(v):
+    """v [n] = 0."""
     for i in range(v.shape[0]):
         v[i] = np.float32(0.0)
 
