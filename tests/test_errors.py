@@ -321,8 +321,11 @@ def test_os_errors_are_one_line(capsys, ckpt, tmp_path, monkeypatch):
     home = tmp_path / "home"
     home.write_text("a file where the cache folder should be")
     monkeypatch.setenv("EXPERTCACHE_HOME", str(home))
-    expect_cli_error(capsys, ckpt, "Not a directory", "--store", "disk")
-    expect_cli_error(capsys, ckpt, "choose another folder (--store-dir", "--store", "disk")  # the fix named
+    expect_cli_error(capsys, ckpt, f"EXPERTCACHE_HOME='{home}' cannot be made", "--store", "disk")  # before the run
+    monkeypatch.delenv("EXPERTCACHE_HOME")
+    under_a_file = ("--store", "disk", "--store-dir", str(home / "store"))
+    expect_cli_error(capsys, ckpt, "Not a directory", *under_a_file)
+    expect_cli_error(capsys, ckpt, "choose another folder (--store-dir", *under_a_file)  # the fix named
     store = tmp_path / "store"
     store.mkdir()
     (store / "experts.bin.partial").symlink_to("/dev/full")  # every write: no space left on device

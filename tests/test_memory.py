@@ -14,8 +14,9 @@ from expertcache import CacheConfig, Engine, EngineConfig
 from expertcache.engine.perplexity import EVAL_TEXT
 from expertcache.errors import BadInput, CacheTooSmall
 
-# In a fresh process: the libraries, the compiled kernels, their thread pool and the tokenizer first (the
-# baseline, by running the built-in model once with every expert in fp32 slots, then closing it), then the
+# In a fresh process: the libraries, the compiled kernels (the predictor's too: compiled where numba's cache is
+# empty, which took ~90 MiB more than the budget), their thread pool and the tokenizer first (the baseline, by
+# running the built-in model once with every expert in fp32 slots, then closing it), then the
 # built-in model under a budget, generating from the disk store; the peak RSS of that part alone (Linux resets
 # the high-water mark on request).
 SCRIPT = """
@@ -33,7 +34,8 @@ torch.set_num_threads(1)
 # fp32 slots: every expert alone (90 MiB) exceeds the budget below
 cfg = EngineConfig(store="disk", max_seq=512, cache=CacheConfig(fraction=1.0, io_workers=2), initial="cold",
                    slot_dtype="fp32")
-warm = Engine(None, cfg)
+prefetch = PrefetchConfig(sys.argv[2]) if sys.argv[2] != "-" else None
+warm = Engine(None, EngineConfig(**{**cfg.__dict__, "prefetch": prefetch}))  # the predictor's kernels too
 list(generate(warm, list(range(1, 33)), 4))
 tokenizer = Tokenizer.from_file(str(BUILTIN_MODEL / "tokenizer.json"))
 warm.close()
@@ -41,7 +43,6 @@ del warm
 gc.collect()
 base = status("VmRSS")
 Path("/proc/self/clear_refs").write_text("5")
-prefetch = PrefetchConfig(sys.argv[2]) if sys.argv[2] != "-" else None
 e = Engine(None, EngineConfig(**{**cfg.__dict__, "memory_budget": int(sys.argv[1]), "prefetch": prefetch}))
 list(generate(e, list(range(1, 33)), 32))
 print(json.dumps({"base": base, "peak": status("VmHWM"), "anon": status("RssAnon"), "file": status("RssFile"),
