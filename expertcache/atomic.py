@@ -16,7 +16,7 @@ def replaced(path: Path) -> Iterator[Path]:
     over it would replace the device or pipe itself (and as root, the system's). Through a symbolic link the file it
     points to is replaced, and the link kept."""
     path = Path(path)
-    if path.exists() and not path.is_file():
+    if written_in_place(path):
         yield path
         return
     path = path.resolve() if path.is_symlink() else path
@@ -30,6 +30,12 @@ def replaced(path: Path) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def written_in_place(path: Path) -> bool:
+    """Whether `replaced` writes `path` itself rather than a file beside it: one that exists and is not a regular
+    file (a device, a FIFO, or a link to one)."""
+    return path.exists() and not path.is_file()
 
 
 def write_text(path: Path, text: str) -> None:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from ..atomic import writable_folder
+from ..atomic import writable_folder, written_in_place
 from ..choices import DENSE_DTYPES, DTYPES, IO_BACKENDS, PROMPT_ORDERS, SCHEMES, SLOT_DTYPES
 from ..errors import BadInput
 
@@ -93,7 +93,7 @@ def output_path(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
     # found at the end of the run: too late. A file is written beside its path and renamed (atomic.replaced); a
     # device such as /dev/stdout in place
-    if not (os.access(path, os.W_OK) if path.exists() and not path.is_file() else writable_folder(path.parent)):
+    if not (os.access(path, os.W_OK) if written_in_place(path) else writable_folder(path.parent)):
         raise argparse.ArgumentTypeError(f"{text} cannot be written here (permission denied or a read-only "
                                          "filesystem); give another path")
     return path
@@ -123,11 +123,16 @@ def output_dir(text: str) -> Path:
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file; give a folder")
-    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    existing = nearest_existing(path)
     if not existing.is_dir() or not writable_folder(existing):
         raise argparse.ArgumentTypeError(f"{text} cannot be made or written here ({existing} is not a writable "
                                          "folder); give another path")
     return path
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or the nearest of its parents that exists: where a folder to be made would be made."""
+    return next(p for p in (path, *path.absolute().parents) if p.exists())
 
 
 def json_output(text: str) -> Path | str:
@@ -285,7 +290,7 @@ def check_environment() -> None:
                        f"kernels use (e.g. NUMBA_NUM_THREADS={os.cpu_count() or 1}), or unset it for every core")
     home = os.environ.get("EXPERTCACHE_HOME")
     if home:  # the disk stores' folder: one that exists is used as it is (a shared read-only one serves its stores)
-        existing = next(p for p in (Path(home), *Path(home).absolute().parents) if p.exists())
+        existing = nearest_existing(Path(home))
         if not existing.is_dir() or (existing != Path(home) and not writable_folder(existing)):
             what = "not a writable folder" if existing.is_dir() else "a file"
             raise BadInput(f"EXPERTCACHE_HOME={home!r} cannot be made ({existing} is {what}); set it to a folder for "

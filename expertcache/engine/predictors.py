@@ -407,11 +407,11 @@ class Lookahead(Estimator):
         prev_ids, prev_weights = self._none if prev is None else prev
         out = np.empty((1, w2.shape[0]), np.float32)
         dense_decode.lookahead_logits(q, self._arrays()[layer][2], w1, b1, rows, prev_ids, prev_weights, w2, b2,
-                                      self._hidden, out[0], self.net_threads)
+                                      self._hidden, out[0], self._net_threads)
         return out
 
     def _sketch_arrays(self) -> list[tuple[np.ndarray, ...]]:
-        """Per source layer, the sketch's arrays for the compiled sum; and the decode call's scratch."""
+        """Per source layer, the sketch's arrays for the compiled sum; and the decode call's scratch and threads."""
         if self._sketch is None:
             s = self.sketch
             self._sketch = [tuple(kernel_view(t[l]) for t in s.arrays) for l in range(s.shape[0])]
@@ -420,7 +420,7 @@ class Lookahead(Estimator):
             per_expert = sum(t[0, 0].numel() * t.element_size() for t in s.arrays)
             P = threads.parts(self.model.args.top_k * per_expert)
             w1, _, _, w2, _ = self._net_arrays()[0]
-            self.net_threads = threads.parts(w1.nbytes + w2.nbytes + self._arrays()[0][2].nbytes)
+            self._net_threads = threads.parts(w1.nbytes + w2.nbytes + self._arrays()[0][2].nbytes)
             self._z, self._activation = np.empty((P, max(s.rank, 1)), np.float32), s.activation
             self._acc = np.empty((P, s.shape[2]), np.float32)
             self._h, self._ahead = np.empty(s.shape[2], np.float32), np.empty(s.shape[2], np.float32)
