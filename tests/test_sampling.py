@@ -285,6 +285,32 @@ def test_a_regex_or_a_choice_is_followed_and_checked_when_given():
     engine.close()
 
 
+
+def test_a_structured_output_past_its_size_is_refused_before_it_builds():
+    """A grammar builds while every other request waits, and its build grows faster than its text (6.6 MB of
+    choices held a server up for 150 s): choices past 100,000 characters and a schema, regex or grammar past
+    500,000 are refused at once in one line, before any is built; llguidance's panic text loses its backtrace."""
+    from expertcache.engine.structured import one_line
+    from expertcache.serve.tools import call_grammar
+    cases = ((dict(choice=[f"choice number {i}" for i in range(300_000)]), "choice",
+              r"^choice is 300,000 choices, 7,388,894 characters long, over the 100,000 "),
+             (dict(regex="a" * 500_001), "regex", r"is 500,001 characters long, over the 500,000 "),
+             (dict(grammar="root ::= " + " | ".join(f'"{i}"' for i in range(80_000))), "grammar", "over the 500,000"),
+             (dict(json_schema={"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(30_000)}}),
+              "json_schema", r"^the JSON schema is .* characters long, over the 500,000 .*; send a smaller one$"))
+    for kw, param, words in cases:
+        with pytest.raises(SamplingError, match=words) as e:
+            SamplingParams(**kw)
+        assert e.value.param == param and "\n" not in str(e.value) and len(str(e.value)) < 300
+    assert SamplingParams(choice=[f"choice number {i}" for i in range(4_000)]).choice[-1] == "choice number 3999"
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+        f"p{j}": {"type": "string", "description": "x" * 400} for j in range(20)}}}} for i in range(70)]
+    with pytest.raises(ValueError, match=r"^the grammar of a call to the tools is .* over the 500,000 "):
+        call_grammar(tools, "required")
+    assert SamplingParams(grammar=call_grammar(tools[:40], "required")).grammar  # a long tool list is no grammar's size
+    panic = "panic: assertion failed: grammar.symbols.len() < u16::MAX <backtrace>\n  0: <unknown>\n  1: clone3"
+    assert one_line(panic) == "panic: assertion failed: grammar.symbols.len() < u16::MAX"
+
 def test_the_documented_python_generation_runs(capsys):
     """docs/architecture.md's text-generation example, as written, prints a JSON object that ends the output."""
     import json

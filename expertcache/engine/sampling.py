@@ -120,7 +120,7 @@ class SamplingParams:
     def _check_structure(self) -> None:
         """json_schema, regex, choice and grammar: at most one, each one llguidance can follow, and none with
         min_tokens."""
-        from .structured import cfg_grammar, regex_grammar, schema_text
+        from .structured import TooLarge, cfg_grammar, choice_grammar, regex_grammar, schema_text
         given = [name for name in STRUCTURES if getattr(self, name) is not None]
         if len(given) > 1:
             raise SamplingError(given[1], f"{' and '.join(given)} each constrain the output; give one")
@@ -128,15 +128,15 @@ class SamplingParams:
             try:
                 object.__setattr__(self, "json_schema", schema_text(self.json_schema))
             except ValueError as e:
-                raise SamplingError("json_schema", f"the JSON schema {e}; give a JSON schema such as "
-                                                   '{"type": "object"}') from None
+                hint = "" if isinstance(e, TooLarge) else '; give a JSON schema such as {"type": "object"}'
+                raise SamplingError("json_schema", f"the JSON schema {e}{hint}") from None
         if self.regex is not None:
             if not isinstance(self.regex, str) or not self.regex:
                 raise SamplingError("regex", f"regex={self.regex!r} must be a non-empty string")
             try:
                 regex_grammar(self.regex)
             except ValueError as e:
-                raise SamplingError("regex", f"regex={self.regex!r} {e}") from None
+                raise SamplingError("regex", f"regex={short(self.regex)} {e}") from None
         if self.grammar is not None:
             if not isinstance(self.grammar, str) or not self.grammar.strip():
                 raise SamplingError("grammar", f"grammar={self.grammar!r} must be a non-empty string, e.g. "
@@ -149,8 +149,13 @@ class SamplingParams:
             choice = (self.choice,) if isinstance(self.choice, str) else self.choice
             if not isinstance(choice, (list, tuple)) or not choice or \
                     not all(isinstance(c, str) and c for c in choice):
-                raise SamplingError("choice", f"choice={self.choice!r} must be a list of non-empty strings")
+                raise SamplingError("choice", f"choice={short(repr(self.choice))} must be a list of non-empty "
+                                              "strings")
             object.__setattr__(self, "choice", tuple(choice))
+            try:
+                choice_grammar(self.choice)
+            except ValueError as e:
+                raise SamplingError("choice", f"choice {e}") from None
         if given and self.min_tokens:  # barring the end past a complete text would leave no token to sample
             raise SamplingError("min_tokens", f"min_tokens={self.min_tokens} cannot be combined with {given[0]}, "
                                               "which decides where the output ends; leave one out")

@@ -20,20 +20,41 @@ LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator":
 # The grammar builders are cached: SamplingParams checks a request's grammar as it is made, and each of its
 # generations (n choices) builds it again; a large schema takes ~0.2 s each time.
 GRAMMARS = 32
+# A grammar is built while every other request waits, and its build grows faster than its text: 6.6 MB of choices
+# took 150 s, 60,000 grammar alternatives 6.4 s, 3,000 schema properties 0.9 s (and past ~65,000 alternatives
+# llguidance panics). The caps keep a build to seconds at worst and are far above what a person or a tool list
+# writes: a tool list with descriptions spends its characters where they cost little (617 KB built in 0.2 s).
+MAX_GRAMMAR_CHARS = 500_000
+MAX_CHOICE_CHARS = 100_000  # choices are all alternatives: 100 KB of them build in 0.05 s
+
+
+class TooLarge(ValueError):
+    """A grammar's source past its cap."""
+
+
+def bounded(text: str, what: str = "is", limit: int = MAX_GRAMMAR_CHARS) -> str:
+    """`text`, the source of a grammar; TooLarge past `limit` characters (`what`: how the message begins)."""
+    if len(text) > limit:
+        raise TooLarge(f"{what} {len(text):,} characters long, over the {limit:,} a structured output may take; "
+                       "send a smaller one")
+    return text
 
 
 @lru_cache(GRAMMARS)
 def grammar(schema: str) -> str:
     """llguidance's grammar of the JSON values of `schema` (a schema's own x-guidance options win over LAYOUT)."""
     from llguidance import LLMatcher
-    return LLMatcher.grammar_from_json_schema(schema, defaults=LAYOUT)
+    return LLMatcher.grammar_from_json_schema(bounded(schema), defaults=LAYOUT)
 
 
 def one_line(problem: str) -> str:
-    """llguidance's message on one line: a regex's parse error spans lines, a caret under the pattern."""
-    lines = [line.strip() for line in str(problem).splitlines() if line.strip()]
+    """llguidance's message on one line: a regex's parse error spans lines, a caret under the pattern; a panic's
+    backtrace is left out."""
+    text = str(problem).split("<backtrace>")[0].split("stack backtrace:")[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     named = [line.removeprefix("error:").strip() for line in lines if line.startswith("error:")]
-    return named[0] if named else " ".join(lines)
+    line = named[0] if named else " ".join(lines)
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 @lru_cache(GRAMMARS)
@@ -41,6 +62,7 @@ def regex_grammar(pattern: str) -> str:
     """llguidance's grammar of the texts that match `pattern` whole (Rust's regex syntax, as vLLM's guided_regex);
     ValueError naming what is wrong when it cannot be followed."""
     from llguidance import LLMatcher
+    bounded(pattern)
     try:
         text = LLMatcher.grammar_from_regex(pattern)
     except ValueError as e:
@@ -54,7 +76,8 @@ def regex_grammar(pattern: str) -> str:
 def choice_grammar(choices: tuple[str, ...]) -> str:
     """llguidance's grammar of exactly one of `choices` (vLLM's guided_choice)."""
     from llguidance import LLMatcher
-    return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    return LLMatcher.grammar_from_lark(bounded("start: " + " | ".join(json.dumps(c) for c in choices),
+                                               f"is {len(choices):,} choices,", MAX_CHOICE_CHARS))
 
 
 @lru_cache(GRAMMARS)
@@ -63,6 +86,7 @@ def cfg_grammar(text: str) -> str:
     ValueError naming what is wrong when it cannot be followed."""
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
+    bounded(text)
     try:
         lark = any_to_lark(text)
     except Exception as e:  # the converter raises plain Exceptions too (a rule used but never defined)

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine.structured import LAYOUT, schema_text
+from ..engine.structured import LAYOUT, bounded, schema_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -74,7 +74,8 @@ def call_grammar(tools: list | None, choice) -> str | None:
             for ref, definition in (tools_by_name[name].get(key) or {}).items():
                 if schema.setdefault(key, {}).setdefault(ref, definition) != definition:
                     raise ValueError(f"tools define {key}/{ref} differently; give each definition its own name")
-    return f'start: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
+    return bounded(f'start: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"',
+                   f"the grammar of a call to {'the tools' if len(names) > 1 else repr(names[0])} is")
 
 
 def _names(tools: list) -> set:
