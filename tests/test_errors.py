@@ -403,6 +403,25 @@ def test_config_dimensions_that_do_not_fit_the_weights_or_each_other_are_one_lin
     expect_cli_error(capsys, path, words)
 
 
+
+def test_a_config_of_another_number_of_experts_is_named_before_the_files_beside_it(capsys, tmp_path):
+    """A config.json giving fewer experts than the weights route: `info` reported the config's figures as the
+    model's, and a run blamed routing_counts.json beside it; both now name the router that does not fit. A number
+    of experts no model has (10^9) is refused before a name is made for each (they ate the memory)."""
+    from expertcache.engine.engine import BUILTIN_MODEL
+    path = tmp_path / "model"
+    shutil.copytree(BUILTIN_MODEL, path)
+    cfg = json.loads((path / "config.json").read_text())
+    assert (path / "routing_counts.json").exists() and cfg["num_experts"] == 128
+    (path / "config.json").write_text(json.dumps({**cfg, "num_experts": 64}))
+    words = "tensor model.layers.0.mlp.gate.weight has shape (128, 160), config.json implies (64, 160)"
+    expect_cli_error(capsys, path, words)
+    code, err = run_cli(capsys, "info", "--model", str(path))
+    assert code == 2 and err.count("\n") == 0 and words in err and "does not belong to these weights" in err, err
+    (path / "config.json").write_text(json.dumps({**cfg, "num_experts": 10**9}))
+    code, err = run_cli(capsys, "info", "--model", str(path))
+    assert code == 2 and err.count("\n") == 0 and "gives 1,000,000,000 experts per layer, more than 65,536" in err
+
 @pytest.mark.parametrize("family,over", [("mixtral", dict(hidden_size=100)), ("deepseek_v3", dict(qk_rope_head_dim=3))])
 def test_an_odd_number_of_rotary_channels_is_refused_at_load(tmp_path, family, over):
     """A checkpoint whose weights fit its config but whose heads rotate an odd number of channels (hidden_size 100

@@ -162,10 +162,11 @@ def run(a) -> int:
     from ..engine.checkpoint import open_checkpoint
     from ..engine.quant import ExpertFormat
     from ..engine.stores import ExpertShape
-    from ..engine.weights import layer_experts
+    from ..engine.weights import check_routers, layer_experts
     from ..models import model_args
     ckpt = open_checkpoint(a.model or BUILTIN_MODEL)
     m = model_args(ckpt.config)
+    check_routers(ckpt, m)
     if a.dtype_bytes is not None:
         expert, per_weight = m.expert_params * a.dtype_bytes, f"{a.dtype_bytes} B/weight"
     else:

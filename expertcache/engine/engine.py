@@ -52,7 +52,7 @@ from .stats import RunStats
 from .stores import ExpertShape, ExpertStore, check_store, open_store, staging_bytes
 from .stores.ram import held_dtype
 from .transformer import Transformer
-from .weights import dense_names, dense_weights, expert_dtype
+from .weights import check_routers, dense_names, dense_weights, expert_dtype
 
 
 @dataclass(frozen=True)
@@ -229,6 +229,7 @@ class Engine:
             raise BadInput(f"--kv-positions {config.kv_positions} holds less than one --max-seq {config.max_seq} "
                            f"sequence; give at least {config.max_seq}")
         self.policy = self._fit(policy)  # refused before any weight is read; bound in full below
+        check_routers(ckpt, self.args)  # before the files beside the weights, which a config of another fits no better
         self.routing_counts = load_routing_counts(self.path, (self.args.num_moe_layers, self.args.num_experts))
         self.checkpoint = ckpt
         self.dense_format = dense_format(config.dense_dtype, self.device)

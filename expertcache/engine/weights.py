@@ -119,6 +119,22 @@ def _check_shapes(w: dict[str, torch.Tensor], a: ModelArgs, names: dict[str, str
                                   f"{want}; the config does not belong to these weights")
 
 
+def check_routers(ckpt: Checkpoint, args: ModelArgs) -> None:
+    """CheckpointError where a MoE layer's router, from its header, does not route config.json's number of experts
+    over its hidden size: a config of another model read as this one was blamed on the files beside it (routing
+    counts, predictors) or, read alone (`info`), reported as it says."""
+    names = dense_names(ckpt, args)
+    for decoder in args.moe_layers:
+        name = names.get(f"layers.{decoder}.router")
+        if name is None or name not in ckpt.files:
+            continue  # a family's own storage: its loading checks it
+        shape = tuple(ckpt.info(name).shape)
+        if shape != (args.num_experts, args.hidden_size):
+            raise CheckpointError(f"tensor {name} has shape {shape}, config.json implies "
+                                  f"{(args.num_experts, args.hidden_size)} ({args.num_experts} experts over hidden "
+                                  f"size {args.hidden_size}); the config does not belong to these weights")
+
+
 def layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int) -> LayerExperts:
     """MoE layer `layer`'s experts in our stacked layout (a family may translate its own storage)."""
     family = family_of(ckpt.config)

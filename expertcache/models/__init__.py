@@ -45,6 +45,9 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+MAX_EXPERTS = 65_536  # per layer: 128 times the most of any released model (512)
+
+
 def model_args(config: dict) -> ModelArgs:
     """ModelArgs of a config.json; raises CheckpointError naming a missing key."""
     family = family_of(config)
@@ -79,6 +82,9 @@ def model_args(config: dict) -> ModelArgs:
     if bad:
         raise CheckpointError(f"config.json gives {', '.join(bad)}; each must be a whole number >= 1: restore the "
                               "config from the model's release")
+    if a.num_experts > MAX_EXPERTS:  # each expert is named before any weight is read: 10^9 of them ate the memory
+        raise CheckpointError(f"config.json gives {a.num_experts:,} experts per layer, more than {MAX_EXPERTS:,}; "
+                              "restore the config from the model's release")
     if a.attention == "mla" and not _whole(a.qk_nope_head_dim, 0):
         raise CheckpointError(f"config.json gives qk_nope_head_dim {a.qk_nope_head_dim!r}; it must be a whole number "
                               ">= 0: restore the config from the model's release")
