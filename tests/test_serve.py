@@ -671,6 +671,10 @@ def test_response_format_keeps_every_choice_to_its_json_schema(client):
         assert isinstance(json.loads(anything.choices[0].text), dict)
     free = client.completions.create(model=MODEL, prompt="ROMEO.", max_tokens=8, temperature=0)
     assert not free.choices[0].text.lstrip().startswith("{")
+    for fmt in ({"type": "json_object", "schema": PERSON}, {"type": "json_schema", "schema": PERSON}):  # llama-server's
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "c"}], max_tokens=60,
+                                             temperature=0, response_format=fmt)
+        assert set(json.loads(out.choices[0].message.content)) == {"name", "lines"}, fmt
 
 
 def test_a_schema_past_the_grammars_limits_is_a_400_and_the_server_goes_on(client):
@@ -757,7 +761,12 @@ def test_llama_cpps_empty_grammar_asks_nothing(client):
                                         ({"type": "json_schema", "json_schema": {"name": "x",
                                                                                  "schema": {"type": "bogus"}}},
                                          "cannot be followed"),
-                                        ({"type": "json_object", "min_tokens": 2}, "min_tokens=2 cannot")])
+                                        ({"type": "json_object", "min_tokens": 2}, "min_tokens=2 cannot"),
+                                        # a schema without its type was dropped, the text unconstrained with a 200
+                                        ({"json_schema": {"name": "x", "schema": PERSON}},
+                                         r"gives json_schema with no type \(text\), which takes nothing more"),
+                                        ({"type": "text", "json_schema": {"name": "x", "schema": PERSON}},
+                                         "gives json_schema with type 'text'")])
 def test_a_response_format_that_cannot_be_followed_is_a_400(client, fmt, words):
     extra = {"min_tokens": fmt.pop("min_tokens")} if "min_tokens" in fmt else {}
     with pytest.raises(openai.BadRequestError, match=words) as e:

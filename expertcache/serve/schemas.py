@@ -226,10 +226,11 @@ def refuse_unsupported(body: SamplingFields) -> None:
 def structure(body: SamplingFields) -> tuple[str | None, dict]:
     """What a body asks the output to follow, as (the body's field that asks it, SamplingParams' fields): OpenAI's
     response_format (nothing for {"type": "text"}, any JSON object for json_object, json_schema.schema for
-    json_schema, whose name and strict flag change nothing: the schema is always followed); vLLM's guided_json,
-    guided_regex, guided_choice, guided_grammar and structured_outputs; llama.cpp's json_schema and grammar (whose
-    empty string asks nothing); a chat's tool_choice required or a named function (one call of a tool: tools.py).
-    APIError for another format, or for two ways at once."""
+    json_schema, whose name and strict flag change nothing: the schema is always followed; llama-server's schema
+    beside either type); vLLM's guided_json, guided_regex, guided_choice, guided_grammar and structured_outputs;
+    llama.cpp's json_schema and grammar (whose empty string asks nothing); a chat's tool_choice required or a named
+    function (one call of a tool: tools.py). APIError for another format, for a text format given more than its
+    type, or for two ways at once."""
     fmt, extra = body.response_format or {}, body.model_extra or {}
     kind = fmt.get("type", "text")
     asked = {name: {field: extra[name]} for name, field in GUIDED.items()
@@ -250,15 +251,22 @@ def structure(body: SamplingFields) -> tuple[str | None, dict]:
             asked = {"tool_choice": {"grammar": calls}, **asked}
     if len(asked) > 1:
         raise APIError(400, f"{' and '.join(asked)} each constrain the output; give one", list(asked)[1])
+    if kind == "text" and (more := sorted(set(fmt) - {"type"})):  # a schema sent without its type was dropped
+        given = f"type {kind!r}" if "type" in fmt else "no type (text)"
+        raise APIError(400, f"response_format gives {', '.join(more)} with {given}, which takes nothing more; for a "
+                       'schema send {"type": "json_schema", "json_schema": {"name": "...", "schema": {...}}}',
+                       "response_format")
     if asked and kind == "text":
         return next(iter(asked.items()))
     if kind == "text":
         return None, {}
-    if kind == "json_object":
-        return "response_format", {"json_schema": JSON_OBJECT}
+    if kind == "json_object":  # llama-server's takes a schema beside the type
+        return "response_format", {"json_schema": fmt["schema"] if isinstance(fmt.get("schema"), dict) else JSON_OBJECT}
     spec = fmt.get("json_schema")
     if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
         return "response_format", {"json_schema": spec["schema"]}
+    if kind == "json_schema" and spec is None and isinstance(fmt.get("schema"), dict):  # llama-server's form
+        return "response_format", {"json_schema": fmt["schema"]}
     if kind == "json_schema":
         raise APIError(400, 'response_format json_schema needs its schema: {"type": "json_schema", "json_schema": '
                        '{"name": "...", "schema": {...}}}', "response_format")
