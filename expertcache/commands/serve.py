@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import socket
 import sys
@@ -77,7 +78,8 @@ def add_arguments(p):
                         "cancelled)")
     p.add_argument("--shutdown-timeout", type=bounded(float, 0, what="give seconds >= 0, e.g. 5"), default=5.0,
                    help="seconds that requests still running may take to end after SIGTERM or Ctrl-C; then they are "
-                        "ended (within the 10 s a container runtime waits before it kills; inf: wait for them)")
+                        "ended with a 503 (a stream with an error chunk and [DONE]; within the 10 s a container "
+                        "runtime waits before it kills; inf: wait for them)")
     p.add_argument("--reasoning-format", choices=("auto", "none"), default="auto",
                    help="auto: a reasoning model's thoughts come back in reasoning_content, apart from its answer; "
                         "none: the text as the model wrote it (a request's reasoning_format overrides it)")
@@ -142,8 +144,18 @@ def run(a) -> int:
     scheduler = app.state.server.scheduler
     limits = app.state.server.limits
     grace = None if a.shutdown_timeout == float("inf") else a.shutdown_timeout
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", limit_concurrency=limits.max_connections,
-                                           timeout_graceful_shutdown=grace, http=http_protocol(limits)))
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # the requests still running when the grace ends: uvicorn cancels their tasks, which cut a stream off
+            # without a word (and logged a traceback); ended by the worker a little before, a stream sends its 503
+            # chunk and [DONE], a whole answer its 503, and the connections close in time
+            if grace is not None:
+                asyncio.get_running_loop().call_later(max(0.0, grace - min(1.0, grace / 4)), scheduler.stop, False)
+            await super().shutdown(sockets)
+
+    server = Server(uvicorn.Config(app, log_level="warning", limit_concurrency=limits.max_connections,
+                                   timeout_graceful_shutdown=grace, http=http_protocol(limits)))
     scheduler.on_fatal = lambda e: setattr(server, "should_exit", True)
     bound = sock.getsockname()[1]  # the port the system chose for --port 0
     keyed = " (requests need the API key)" if limits.api_key is not None else ""

@@ -29,7 +29,7 @@ from .limits import BodyLimits, RequireApiKey, ServerLimits
 from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, CompletionBody, DetokenizeBody, SamplingFields,
                       StreamOptions, TokenizeBody, checked_stop, logit_bias_pairs, logprobs_count, message_text,
                       refuse_unsupported, structure)
-from .scheduler import Request, Scheduler
+from .scheduler import Request, Scheduler, ShuttingDown
 from .reasoning import Reply, opens_thinking, reply_form, split_reply
 from .tools import call_syntaxes
 
@@ -281,9 +281,12 @@ class Server:
 
     @staticmethod
     def _error(e: Exception) -> APIError:
-        """A failed generation's 500, or its 400 where the request was at fault (BadInput: a JSON schema too large
-        to follow): the failure by its type and message, files named without their folders."""
+        """A failed generation's 500, its 400 where the request was at fault (BadInput: a JSON schema too large to
+        follow), or a 503 where the server stopped before it ended: the failure by its type and message, files named
+        without their folders."""
         message = re.sub(r"(?:/[^/\s'\"]+)+/", "", str(e))
+        if isinstance(e, ShuttingDown):
+            return APIError(503, message, None, "shutting_down", "server_error")
         if isinstance(e, BadInput):
             return APIError(400, message, None, type(e).__name__)
         return APIError(500, f"generation failed: {message}", None, type(e).__name__, "server_error")
@@ -391,8 +394,8 @@ class Server:
         finally:  # a client that went away ends its generations at the worker's next step
             for request in requests:
                 request.cancel()
-            if state is not None:
-                state.usage = (prompt_tokens, sum(r.completion_tokens for r in requests))
+            if state is not None:  # a stream cut short ended before the worker counted its tokens: as many as it sent
+                state.usage = (prompt_tokens, sum(max(r.completion_tokens, m) for r, m in zip(requests, made)))
 
     async def _collect(self, http: HTTPRequest, request: Request, queue: asyncio.Queue) -> tuple | Response:
         """One request's whole output: (text, finish reason, its tokens with logprobs, the prompt's scored tokens

@@ -26,10 +26,17 @@ from dataclasses import dataclass, field
 from ..engine.engine import Engine
 from ..engine.generate import StepOutput, TextGeneration, batch_logits
 from ..engine.sampling import SamplingParams
-from ..errors import BadInput, FetchError, UnknownName, whole_number
+from ..errors import BadInput, ExpertCacheError, FetchError, UnknownName, whole_number
 from ..policies import MissPolicy
 
 SCHEDULES = ("batch", "interleave", "serial")
+
+
+class ShuttingDown(ExpertCacheError):
+    """What ends the requests the worker will not run: the server is stopping."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down; send the request again")
 
 
 @dataclass
@@ -123,12 +130,13 @@ class Scheduler:
                 g.advance(row)
         self.engine.restart_counts()
 
-    def stop(self) -> None:
-        """Stop the worker after its current round of steps and wait for it to exit."""
+    def stop(self, wait: bool = True) -> None:
+        """Stop the worker after its current round of steps (every request it has not finished then ends with
+        ShuttingDown) and, with `wait`, wait for it to exit."""
         with self.lock:
             self.stopping = True
             self.lock.notify()
-        if self.thread.is_alive():
+        if wait and self.thread.is_alive():
             self.thread.join()
 
     @property
@@ -146,11 +154,11 @@ class Scheduler:
             raise BadInput(f"a {len(request.prompt)}-token prompt with max_tokens={request.params.max_tokens} needs "
                            f"{kv_need(request)} KV positions; the server holds {self.kv_capacity} (--kv-positions)")
         with self.lock:
-            if self.failure is None:
+            if self.failure is None and not self.stopping:
                 self.waiting.append(request)
                 self.lock.notify()
                 return
-        self._end(request, self.failure)
+        self._end(request, self.failure or ShuttingDown())  # stopping: it would wait for a worker that has left
 
     @property
     def kv_reserved(self) -> int:
@@ -282,7 +290,7 @@ class Scheduler:
                     self.active.clear()
                     repair_cache(self.engine)  # their steps may have left the cache half-updated
             for request in [*self.active, *self.waiting]:  # stopped: nobody will run them
-                self._end(request, RuntimeError("the server is shutting down; send the request again"))
+                self._end(request, ShuttingDown())
         except BaseException as e:  # the repair failed, or the thread is being torn down: stop for good
             with self.lock:
                 self.failure, ended = e, [*self.active, *self.waiting]
