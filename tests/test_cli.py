@@ -438,13 +438,15 @@ def test_an_expertcache_home_that_cannot_be_a_folder_is_one_line(tmp_path, monke
 
 def test_an_empty_expertcache_home_is_the_default_not_the_working_folder(tmp_path, monkeypatch):
     """EXPERTCACHE_HOME set but empty (EXPERTCACHE_HOME=$UNSET) reads as unset, as XDG_CACHE_HOME does: stores
-    were converted into ./stores of whatever folder the command ran in."""
+    were converted into ./stores of whatever folder the command ran in; a ~ in it is the home folder."""
     from expertcache.engine.checkpoint import open_checkpoint
     from expertcache.engine.engine import BUILTIN_MODEL
     from expertcache.engine.stores.convert import default_store_dir
     monkeypatch.setenv("EXPERTCACHE_HOME", "")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert default_store_dir(open_checkpoint(BUILTIN_MODEL)).parent == tmp_path / ".cache" / "expertcache" / "stores"
+    monkeypatch.setenv("EXPERTCACHE_HOME", "~/stores-here")  # quoted, the shell left ~: it made a folder named ~
+    assert default_store_dir(open_checkpoint(BUILTIN_MODEL)).parent == tmp_path / "stores-here" / "stores"
 
 
 @pytest.mark.parametrize("data", ["ROMEO.\n".encode("utf-16-le"), b"ROMEO.\0\n"], ids=["utf-16", "nul"])

@@ -422,6 +422,18 @@ def test_a_config_of_another_number_of_experts_is_named_before_the_files_beside_
     code, err = run_cli(capsys, "info", "--model", str(path))
     assert code == 2 and err.count("\n") == 0 and "gives 1,000,000,000 experts per layer, more than 65,536" in err
 
+
+def test_a_text_from_a_device_or_an_endless_pipe_is_refused_before_the_memory_runs_out(capsys, ckpt, tmp_path,
+                                                                                       monkeypatch):
+    """`ppl --text /dev/zero` read the device until the kernel killed the process (22 GB): a text is read in parts,
+    refused at its first NUL, and past MAX_TEXT_BYTES (1 GiB; lowered here) refused as endless."""
+    from expertcache.lab import texts
+    expect_cli_error(capsys, ckpt, "/dev/zero is UTF-16 or binary", "--text", "/dev/zero")
+    monkeypatch.setattr(texts, "MAX_TEXT_BYTES", 2**20)
+    long = tmp_path / "long.txt"
+    long.write_text("to be or not to be\n" * 2**17)  # 2.4 MiB, read 16 MiB at a time
+    expect_cli_error(capsys, ckpt, "long.txt goes on past", "--text", str(long))
+
 @pytest.mark.parametrize("family,over", [("mixtral", dict(hidden_size=100)), ("deepseek_v3", dict(qk_rope_head_dim=3))])
 def test_an_odd_number_of_rotary_channels_is_refused_at_load(tmp_path, family, over):
     """A checkpoint whose weights fit its config but whose heads rotate an odd number of channels (hidden_size 100

@@ -74,8 +74,10 @@ def schema_flag(flag: str | None) -> str | None:
     """--json-schema's JSON text, or the text of the file it names."""
     if flag is None or flag.lstrip().startswith("{"):
         return flag
+    from ..lab.texts import read_bounded
     try:
-        return Path(flag).read_text(encoding="utf-8")
+        with open(flag, "rb") as f:
+            return read_bounded(f, f"--json-schema {flag}").decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise BadInput(f"--json-schema {flag!r} is neither a JSON schema nor a readable file ({e}); give the schema "
                        "as JSON, e.g. '{\"type\": \"object\"}'") from None
@@ -141,8 +143,11 @@ def prompt_text(a) -> str:
     text = given
     if given == "-" or (given is None and not sys.stdin.isatty()):  # its bytes as read (surrogateescape), checked
         # as a --text file's are
-        from ..lab.texts import utf8_text
-        text = utf8_text(sys.stdin.read().encode("utf-8", "surrogateescape"), "the prompt read from stdin")
+        from ..lab.texts import read_bounded, utf8_text
+        source = "the prompt read from stdin"
+        raw = getattr(sys.stdin, "buffer", None)  # a test's StringIO has none
+        data = read_bounded(raw, source) if raw is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+        text = utf8_text(data, source)
     if not text and given is not None:  # asked for explicitly, so the default prompt would be a silent substitute
         raise BadInput("the prompt is empty; give some text (or no prompt at all for the default one)")
     return text or DEFAULT_PROMPT

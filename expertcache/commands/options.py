@@ -290,8 +290,10 @@ def check_environment() -> None:
                        f"kernels use (e.g. NUMBA_NUM_THREADS={os.cpu_count() or 1}), or unset it for every core")
     home = os.environ.get("EXPERTCACHE_HOME")
     if home:  # the disk stores' folder: one that exists is used as it is (a shared read-only one serves its stores)
-        existing = nearest_existing(Path(home))
-        if not existing.is_dir() or (existing != Path(home) and not writable_folder(existing)):
+        from ..engine.stores.convert import expertcache_home
+        folder = expertcache_home()
+        existing = nearest_existing(folder)
+        if not existing.is_dir() or (existing != folder and not writable_folder(existing)):
             what = "not a writable folder" if existing.is_dir() else "a file"
             raise BadInput(f"EXPERTCACHE_HOME={home!r} cannot be made ({existing} is {what}); set it to a folder for "
                            "the disk stores, or unset it for ~/.cache/expertcache")

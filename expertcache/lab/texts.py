@@ -18,13 +18,33 @@ class Segment:
     chars: int
 
 
+MAX_TEXT_BYTES = 2**30  # wikitext-103's training text is half of it; /dev/zero or `yes` would fill the memory
+
+
+def read_bounded(f, source: str) -> bytes:
+    """The bytes of the binary stream `f` (a file, a pipe, stdin) to its end; BadInput naming `source` as soon as
+    they are binary (a NUL) or once past MAX_TEXT_BYTES, where a device or an endless pipe was read until the
+    memory ran out."""
+    chunks, size = [], 0
+    while chunk := f.read(2**24):
+        if b"\0" in chunk:
+            utf8_text(chunk, source)  # its message for binary
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_TEXT_BYTES:
+            raise BadInput(f"{source} goes on past {MAX_TEXT_BYTES / 2**20:,.0f} MiB; give a shorter text, e.g. its "
+                           "start: head -c 100M FILE > part.txt")
+    return b"".join(chunks)
+
+
 def read_text(path: Path) -> str:
     """The text of a UTF-8 file as it is (line ends included: \r\n stays, as a tokenizer or a server sees it),
     less a leading byte-order mark, which editors write and do not show (it would be scored as a token, and
     shift the character offsets a user counts for --domains); BadInput naming the file when it is missing,
-    unreadable, not UTF-8 or blank."""
+    unreadable, not UTF-8, blank or endless."""
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            data = read_bounded(f, str(path))
     except FileNotFoundError:
         raise BadInput(f"{path}: no such text file; give a UTF-8 text file") from None
     except OSError as e:  # a folder, no permission

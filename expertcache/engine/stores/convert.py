@@ -33,9 +33,14 @@ def default_store_dir(ckpt: Checkpoint) -> Path:
     for f in sorted(set(ckpt.files.values())):
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    # set but empty (EXPERTCACHE_HOME=$UNSET) is unset, as XDG_CACHE_HOME is: not the working folder
-    root = Path(os.environ.get("EXPERTCACHE_HOME") or Path.home() / ".cache" / "expertcache")
-    return root / "stores" / f"{ckpt.path.resolve().name}-{h.hexdigest()[:12]}"
+    return expertcache_home() / "stores" / f"{ckpt.path.resolve().name}-{h.hexdigest()[:12]}"
+
+
+def expertcache_home() -> Path:
+    """$EXPERTCACHE_HOME, its ~ expanded (quoted, EXPERTCACHE_HOME='~/x' made a folder named ~ where it ran), else
+    ~/.cache/expertcache; set but empty (EXPERTCACHE_HOME=$UNSET) is unset, as XDG_CACHE_HOME is."""
+    home = os.environ.get("EXPERTCACHE_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "expertcache"
 
 
 def checkpoint_stamp(ckpt: Checkpoint) -> dict[str, list[int]]:
