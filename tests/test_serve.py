@@ -204,7 +204,11 @@ def test_a_forced_call_follows_the_references_in_its_parameters(client):
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": 5}}]},
      r"tools\[0\] is not a function tool", "tools"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "bogus"}}}]}, "the parameters of tool 'f': the JSON schema cannot be followed", "tools")])
+        "type": "bogus"}}}]}, "the parameters of tool 'f': the JSON schema cannot be followed", "tools"),
+    # a stop inside a forced call cut it: its tags came back as the content, and no call
+    ({"tool_choice": "required", "stop": ["{"]}, "stop cannot be combined with tool_choice required", "stop"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "extra_body": {"stop_token_ids": [5]}},
+     "stop_token_ids cannot be combined with tool_choice naming a function", "stop_token_ids")])
 def test_a_tool_choice_that_cannot_be_followed_is_a_400(client, fields, words, param):
     ask = dict(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=4, tools=WEATHER)
     with pytest.raises(openai.BadRequestError, match=words) as e:

@@ -249,6 +249,11 @@ def structure(body: SamplingFields) -> tuple[str | None, dict]:
             raise APIError(400, str(e), "tool_choice" if str(e).startswith("tool_choice") else "tools") from None
         if calls is not None:
             asked = {"tool_choice": {"grammar": calls}, **asked}
+            # a stop inside the call cut it, and its tags came back as the reply's content
+            if cut := next((name for name in ("stop", "stop_token_ids") if getattr(body, name)), None):
+                forced = "required" if body.tool_choice == "required" else "naming a function"
+                raise APIError(400, f"{cut} cannot be combined with tool_choice {forced}: the call decides where the "
+                               f"output ends; leave {cut} out", cut)
     if len(asked) > 1:
         raise APIError(400, f"{' and '.join(asked)} each constrain the output; give one", list(asked)[1])
     if kind == "text" and (more := sorted(set(fmt) - {"type"})):  # a schema sent without its type was dropped
