@@ -140,6 +140,12 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     many_k = tmp / "many_k"
     shutil.copytree(BUILTIN_MODEL, many_k)
     (many_k / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": cfg["num_experts"] + 1}))
+    few_experts = tmp / "few_experts"  # another model's config over these weights (routing counts beside them)
+    shutil.copytree(BUILTIN_MODEL, few_experts)
+    (few_experts / "config.json").write_text(json.dumps({**cfg, "num_experts": cfg["num_experts"] // 2}))
+    huge_experts = tmp / "huge_experts"
+    shutil.copytree(BUILTIN_MODEL, huge_experts)
+    (huge_experts / "config.json").write_text(json.dumps({**cfg, "num_experts": 10**9}))
     expert = "model.layers.1.mlp.experts.5.up_proj.weight"
     no_expert = tmp / "no_expert"  # one expert's tensor left out of the export
     shutil.copytree(BUILTIN_MODEL, no_expert)
@@ -289,6 +295,10 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("config with RoPE parameters that are no object", [*ppl, "--model", str(rope_list)]),
         ("config with rope_theta 0", [*ppl, "--model", str(rope_zero)]),
         ("config with more experts per token than experts", [*ppl, "--model", str(many_k)]),
+        ("config of half the experts the router routes", [*ppl, "--model", str(few_experts)]),
+        ("info on a config of half the experts the router routes", ["info", "--model", str(few_experts)]),
+        ("info on a config of 10^9 experts", ["info", "--model", str(huge_experts)]),
+        ("text from /dev/zero", [*ppl, "--text", "/dev/zero"]),
         ("checkpoint without one expert's tensor", [*ppl, "--model", str(no_expert)]),
         ("checkpoint with one expert's tensor a row short", [*ppl, "--model", str(short_expert)]),
         ("sharded checkpoint without a shard its index names", [*ppl, "--model", str(lost_shard)]),

@@ -1,6 +1,6 @@
 """Real checkpoints sized from their config alone (`expertcache info --config`): the shapes of
 released MoE models, as their published config.json files give them, and what fits in a fast
-tier of 8, 16 and 24 GB. Writes each config to --out and prints the table of docs/families.md.
+tier of 8, 16 and 24 GiB. Writes each config to --out and prints the table of docs/families.md.
 
     python benchmarks/checkpoint_sizes.py --out build/configs
 """
@@ -63,7 +63,7 @@ def main() -> None:
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     print("| model | family | MoE layers x experts, top-k | params | one expert fp16 / int4 / mxfp4 | dense (bf16) "
-          "| KV per token | experts per layer that fit in " + " / ".join(f"{g} GB" for g in BUDGETS_GB) + " |")
+          "| KV per token | experts per layer that fit in " + " / ".join(f"{g} GiB" for g in BUDGETS_GB) + " |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for name, config in CONFIGS.items():
         (a.out / f"{name}.json").write_text(json.dumps(config, indent=1))

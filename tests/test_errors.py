@@ -634,6 +634,24 @@ def test_verbs_that_write_beside_the_weights_refuse_a_read_only_checkpoint_first
         assert "ln -s" in err and "--store-dir" not in err, err
 
 
+
+def test_verbs_that_write_beside_the_weights_take_no_default_model(capsys, monkeypatch):
+    """`calibrate` and `predict --train` without --model rewrote the built-in model's shipped files (a newcomer's
+    first try changed the package): refused before any work, naming a copy to give instead."""
+    from expertcache.engine.engine import BUILTIN_MODEL
+    from expertcache.lab import calibrate, prediction
+
+    def work(*a, **k):
+        raise AssertionError("the work ran first")
+    monkeypatch.setattr(calibrate, "run_exact", work)
+    monkeypatch.setattr(prediction, "record_states", work)
+    before = {f.name: f.stat().st_mtime_ns for f in BUILTIN_MODEL.iterdir()}
+    for argv, files in ((["calibrate"], "routing_counts.json"), (["predict", "--train"], "lookahead.safetensors")):
+        code, err = run_cli(capsys, *argv, "--max-tokens", "64")
+        assert code == 2 and err.count("\n") == 0 and files in err and "without --model" in err, err
+        assert f"cp -r {BUILTIN_MODEL} build/model" in err, err
+    assert {f.name: f.stat().st_mtime_ns for f in BUILTIN_MODEL.iterdir()} == before
+
 def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(ckpt):
     """The Python API's road: Engine.forward and generate refuse an id outside the vocabulary in one line. A
     negative one indexed the embeddings from their end (another token's output); one past them was an IndexError

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..choices import BUILTIN_MODEL, CALIB_TEXT
-from .options import add_model_argument, byte_size, positive_int
+from ..choices import CALIB_TEXT
+from .options import add_model_argument, byte_size, positive_int, written_model
 
 HELP = ("compute routing counts (warm cache) and per-expert default vectors on calibration text, written into the "
         "model's folder (routing_counts.json, default_vectors.safetensors)")
@@ -27,9 +27,11 @@ def run(a) -> int:
     from ..lab.calibrate import calibrate, check_calibration_budget, encode_text, save_calibration
     from ..lab.texts import read_text
     from ..progress import progress_bar
-    path = a.model or BUILTIN_MODEL
-    check_writable(path, "routing_counts.json and default_vectors.safetensors")
-    ids = encode_text(path, read_text(a.text), a.max_tokens)
+    text = read_text(a.text)
+    files = "routing_counts.json and default_vectors.safetensors"
+    path = written_model(a, "calibrate", files)
+    check_writable(path, files)
+    ids = encode_text(path, text, a.max_tokens)
     if a.memory_budget is not None:
         check_calibration_budget(path, len(ids), a.memory_budget)
     with progress_bar(total=len(ids), unit="tok", desc="calibrate") as bar:

@@ -57,6 +57,17 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
                    help="a local HF checkpoint folder, or a Hub id such as Qwen/Qwen3-30B-A3B (downloaded once into huggingface_hub's cache) (default: the built-in model)")
 
 
+def written_model(a: argparse.Namespace, verb: str, files: str) -> Path:
+    """The checkpoint folder `verb` writes `files` into: --model's. BadInput without --model, where they would
+    replace the built-in model's shipped files (a first try of `calibrate` changed the package's own)."""
+    if a.model is not None:
+        return a.model
+    from ..choices import BUILTIN_MODEL
+    raise BadInput(f"{verb} writes {files} beside the model's weights, and without --model those are the built-in "
+                   f"model's shipped files; give --model a copy (cp -r {BUILTIN_MODEL} build/model, then --model "
+                   f"build/model), or --model {BUILTIN_MODEL} to refit its own")
+
+
 def domain_offsets(text: str) -> tuple[int, ...]:
     """An argparse type: comma-separated character offsets of topic changes, e.g. 1000,52000."""
     try:

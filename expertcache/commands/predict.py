@@ -22,6 +22,7 @@ from .options import (
     plot_path,
     positive_int,
     write_json,
+    written_model,
 )
 
 HELP = ("train the estimators (--train), report each predictor's recall@k per layer, or (--speculative) what "
@@ -67,7 +68,9 @@ def run(a) -> int:
     if a.train and a.speculative:
         raise BadInput("--speculative measures trained predictors: run --train first, then --speculative")
     if a.train:
-        ids = encode_text(path, read_text(a.text or CALIB_TEXT), a.max_tokens)
+        text = read_text(a.text or CALIB_TEXT)
+        path = written_model(a, "predict --train", "estimator.safetensors and lookahead.safetensors")
+        ids = encode_text(path, text, a.max_tokens)
         with progress_bar() as bar:
             r = fit_estimator(path, ids, a.hybrid_below, a.epochs, progress=_stages(bar),
                               sketch=(a.sketch_rank, a.sketch_neurons), width=a.lookahead_width)
