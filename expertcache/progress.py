@@ -11,7 +11,10 @@ from tqdm import tqdm
 
 @contextmanager
 def progress_bar(show: bool | None = True, **kw) -> Iterator[tqdm]:
-    """A tqdm bar on stderr (`show` None: only where stderr is a terminal), erased if the block raises."""
+    """A tqdm bar on stderr (`show` None: only where stderr is a terminal), erased if the block raises. One without a
+    total yet waits a moment to show, for the total its work sets (it printed an empty `0it` line first)."""
+    if kw.get("total") is None:
+        kw.setdefault("delay", 0.1)
     bar = tqdm(file=sys.stderr, disable=None if show is None else not show, **kw)
     try:
         yield bar
