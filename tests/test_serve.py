@@ -1309,7 +1309,6 @@ def test_sigterm_ends_running_streams_after_the_shutdown_timeout(tmp_path):
     """A stopped server does not wait for a long generation: after --shutdown-timeout it ends its streams and
     exits, within the grace a container runtime gives before it kills. A stream ends with a 503 chunk and [DONE] and
     a whole request with a 503 (a stream was cut off mid-chunk, and the log showed a traceback)."""
-    import http.client
     import signal
     import subprocess
     import sys
