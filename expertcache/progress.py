@@ -16,7 +16,9 @@ def progress_bar(show: bool | None = True, **kw) -> Iterator[tqdm]:
     if kw.get("total") is None:
         kw.setdefault("delay", 0.1)
     bar = tqdm(file=sys.stderr, disable=None if show is None else not show, **kw)
-    if bar.delay:  # once a phase sets the total the bar shows at once, its last state too (a delay hid a fast one's)
+    # once a phase sets the total the bar shows at once, its last state too (a delay hid a fast one's); a disabled
+    # bar has no delay
+    if getattr(bar, "delay", 0):
         reset = bar.reset
 
         def reset_shown(total=None):
