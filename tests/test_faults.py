@@ -67,7 +67,7 @@ def test_corrupt_blob_ends_ppl_with_exit_2(capsys, model):
                      "--text", __file__])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0, err
-    assert "expert 5 of layer 1" in err and "CRC32C" in err and "rerun `expertcache convert --out" in err, err
+    assert "expert 5 of layer 1" in err and "CRC32C" in err and "rerun `expertcache convert --force --out" in err, err
 
 
 def test_corruption_found_in_a_fetch_or_as_non_finite_logits(model):

@@ -132,13 +132,37 @@ def test_a_finished_store_is_on_disk_names_and_all(tiny, tmp_path, monkeypatch):
     assert synced[-2:] == [str(tmp_path / "experts.json.partial"), str(tmp_path)]
 
 
+
+def test_convert_leaves_a_current_store_as_it_is(tiny, tmp_path, capsys):
+    """`convert` into a folder that holds this checkpoint's experts in this format, converted from its files as they
+    are, writes nothing (it rewrote the whole store each time: minutes at real size); another format, a weight
+    file changed since, or --force converts again."""
+    import shutil
+
+    from expertcache import cli
+    model, store = tmp_path / "model", tmp_path / "store"
+    shutil.copytree(tiny["mixtral"][0], model)
+    convert = ["convert", "--model", str(model), "--out", str(store)]
+
+    def written(*flags):
+        before = (store / "experts.bin").stat().st_mtime_ns if (store / "experts.bin").exists() else None
+        assert cli.main([*convert, *flags]) == 0
+        out = capsys.readouterr().out
+        assert ("nothing written" in out) == ((store / "experts.bin").stat().st_mtime_ns == before), out
+        return "nothing written" not in out
+    assert written() and not written() and written("--dtype", "int4") and not written("--dtype", "int4")
+    assert written("--dtype", "int4", "--force") and written()
+    weights = next(model.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert written() and not written()
+
 def test_older_store_refused_or_reconverted(tiny, tmp_path):
     ckpt = open_checkpoint(tiny["mixtral"][0])
     args = model_args(ckpt.config)
     convert_to_disk(ckpt, args, tmp_path)
     meta = json.loads((tmp_path / "experts.json").read_text())
     (tmp_path / "experts.json").write_text(json.dumps({**meta, "format_version": 1}))
-    with pytest.raises(CheckpointError, match="rerun `expertcache convert --out") as e:
+    with pytest.raises(CheckpointError, match="rerun `expertcache convert --force --out") as e:
         open_store("disk", ckpt, args, tmp_path)  # a folder the user named is not rewritten unasked
     # the fix names the folder: convert without --out wrote the default one and left this one as it was
     assert f"--out {tmp_path}`" in str(e.value)
@@ -287,7 +311,7 @@ def test_corrupted_format_header_is_refused(tiny, tmp_path, change):
     convert_to_disk(ckpt, args, tmp_path, fmt=ExpertFormat.parse("int4", 64))
     meta = json.loads((tmp_path / "experts.json").read_text())
     (tmp_path / "experts.json").write_text(json.dumps(meta | change))
-    with pytest.raises(CheckpointError, match="corrupted.*rerun `expertcache convert --out"):
+    with pytest.raises(CheckpointError, match="corrupted.*rerun `expertcache convert --force --out"):
         DiskStore(tmp_path, args)
 
 
@@ -300,7 +324,7 @@ def test_an_experts_json_of_other_bytes_or_a_float_size_is_no_traceback(tiny, tm
     text = (tmp_path / "experts.json").read_text()
     meta = json.loads(text)
     (tmp_path / "experts.json").write_bytes(text.encode("utf-16"))
-    with pytest.raises(CheckpointError, match="no valid experts.json .*utf-8.*; rerun `expertcache convert --out"):
+    with pytest.raises(CheckpointError, match="no valid experts.json .*utf-8.*; rerun `expertcache convert --force --out"):
         DiskStore(tmp_path, args)
     (tmp_path / "experts.json").write_text(json.dumps({**meta, "blob_bytes": float(meta["blob_bytes"])}))
     disk = DiskStore(tmp_path, args)
@@ -366,7 +390,7 @@ def test_older_format_store_refused_or_reconverted(tiny, tmp_path):
     convert_to_disk(ckpt, args, tmp_path, fmt=fmt)
     meta = json.loads((tmp_path / "experts.json").read_text())
     (tmp_path / "experts.json").write_text(json.dumps({**meta, "format_version": 1}))
-    with pytest.raises(CheckpointError, match="rerun `expertcache convert --out"):
+    with pytest.raises(CheckpointError, match="rerun `expertcache convert --force --out"):
         open_store("disk", ckpt, args, tmp_path, fmt=fmt)
     default = format_store_dir(ckpt, fmt)
     convert_to_disk(ckpt, args, default, fmt=fmt)

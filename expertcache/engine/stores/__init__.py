@@ -21,14 +21,14 @@ from ..checkpoint import Checkpoint
 from ..quant import ExpertFormat
 from .base import (ALIGN, DISK_FORMAT_VERSION, STORES, ExpertShape, ExpertStore, blob_bytes, check_store,
                    staging_bytes)
-from .convert import (blob_checksum, checkpoint_stamp, conversion_lock, convert_to_disk, default_store_dir,
-                      format_store_dir, store_format)
+from .convert import (blob_checksum, checkpoint_stamp, conversion_lock, convert_to_disk, current_store,
+                      default_store_dir, format_store_dir, store_format)
 from .disk import F_NOCACHE, READ_MODES, DiskStore, open_blob_file
 from .ram import PinnedStore, RamStore
 
 __all__ = ["ALIGN", "DISK_FORMAT_VERSION", "F_NOCACHE", "READ_MODES", "STORES", "DiskStore", "ExpertShape",
            "ExpertStore", "PinnedStore", "RamStore", "blob_bytes", "check_store", "conversion_lock", "convert_to_disk",
-           "default_store_dir", "format_store_dir", "open_blob_file", "open_store", "staging_bytes", "store_format"]
+           "current_store", "default_store_dir", "format_store_dir", "open_blob_file", "open_store", "staging_bytes", "store_format"]
 
 
 def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | None = None,

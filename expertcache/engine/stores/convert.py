@@ -66,6 +66,22 @@ def conversion_lock(store_dir: Path):
         yield
 
 
+def current_store(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, fmt: ExpertFormat | None = None) -> bool:
+    """Whether `out_dir` holds what convert_to_disk would write there now: a header of this format version, in `fmt`
+    (None: the checkpoint's dtype) and the model's shape, converted from its weight files as they are (sizes and
+    times), over an experts.bin of the size that makes. The blobs are not read: their checksums catch damage."""
+    try:
+        meta = json.loads((out_dir / "experts.json").read_text())
+        size = (out_dir / "experts.bin").stat().st_size
+    except (OSError, ValueError):
+        return False
+    want, shape = fmt or ExpertFormat.of_dtype(expert_dtype(ckpt, args)), ExpertShape.of(args)
+    return isinstance(meta, dict) and meta.get("format_version") == DISK_FORMAT_VERSION and \
+        all(meta.get(k) == v for k, v in want.meta().items()) and meta.get("checkpoint") == checkpoint_stamp(ckpt) and \
+        (meta.get("num_layers"), meta.get("num_experts")) == (shape.num_layers, shape.num_experts) and \
+        size == shape.num_layers * shape.num_experts * blob_bytes(shape, want)
+
+
 def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: torch.dtype | None = None,
                     fmt: ExpertFormat | None = None, progress: bool | None = None) -> Path:
     """Write experts.bin (aligned blobs in (layer, expert) order) and experts.json (shapes, the

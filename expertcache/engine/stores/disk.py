@@ -61,8 +61,9 @@ def open_blob_file(path: Path, read_mode: str) -> tuple[int, str]:
 
 def reconvert(store_dir: Path) -> str:
     """The fix of a damaged store: its folder converted again. Without --out, convert wrote the default folder,
-    which left a store of the user's (--store-dir) as it was."""
-    return f"rerun `expertcache convert --out {store_dir}` with the --model and --dtype it was made from"
+    which left a store of the user's (--store-dir) as it was; without --force, a store whose header is whole is
+    taken as current, its damaged blobs with it."""
+    return f"rerun `expertcache convert --force --out {store_dir}` with the --model and --dtype it was made from"
 
 
 class DiskStore(ExpertStore):
