@@ -324,7 +324,8 @@ def test_an_experts_json_of_other_bytes_or_a_float_size_is_no_traceback(tiny, tm
     text = (tmp_path / "experts.json").read_text()
     meta = json.loads(text)
     (tmp_path / "experts.json").write_bytes(text.encode("utf-16"))
-    with pytest.raises(CheckpointError, match="no valid experts.json .*utf-8.*; rerun `expertcache convert --force --out"):
+    with pytest.raises(CheckpointError,
+                       match="no valid experts.json .*utf-8.*; rerun `expertcache convert --force --out"):
         DiskStore(tmp_path, args)
     (tmp_path / "experts.json").write_text(json.dumps({**meta, "blob_bytes": float(meta["blob_bytes"])}))
     disk = DiskStore(tmp_path, args)

@@ -27,8 +27,9 @@ from .disk import F_NOCACHE, READ_MODES, DiskStore, open_blob_file
 from .ram import PinnedStore, RamStore
 
 __all__ = ["ALIGN", "DISK_FORMAT_VERSION", "F_NOCACHE", "READ_MODES", "STORES", "DiskStore", "ExpertShape",
-           "ExpertStore", "PinnedStore", "RamStore", "blob_bytes", "check_store", "conversion_lock", "convert_to_disk",
-           "current_store", "default_store_dir", "format_store_dir", "open_blob_file", "open_store", "staging_bytes", "store_format"]
+           "ExpertStore", "PinnedStore", "RamStore", "blob_bytes", "check_store", "conversion_lock",
+           "convert_to_disk", "current_store", "default_store_dir", "format_store_dir", "open_blob_file",
+           "open_store", "staging_bytes", "store_format"]
 
 
 def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | None = None,
