@@ -226,9 +226,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk", prompt
     add_cache_arguments(p)
     p.add_argument("--policy", default="fetch-all",
                    help="miss policy: fetch-all, substitute-all, threshold:tau=0.15, first-choice, "
-                        "quality-first, speed-first, lowbit:tau=0.15; options sub=best|drop|window, window=M, beta=B; "
-                        "with +prefetch/PREDICTOR (or +speculative/PREDICTOR) a next-layer predictor, "
-                        "e.g. fetch-all+prefetch/quasi-hidden")
+                        "lowbit:tau=0.15, band:lo=A,hi=B, conditional:j=J,m=M; presets quality-first, speed-first; "
+                        "peers' caches mixtral-offloading, moe-infinity, llama.cpp; options sub=best|drop|window, "
+                        "window=M, beta=B; with +prefetch/PREDICTOR (or +speculative/PREDICTOR) a next-layer "
+                        "predictor, e.g. fetch-all+prefetch/quasi-hidden (each: docs/policies.md)")
     p.add_argument("--eviction", default=None,
                    help="lru, lfu, freq, halving or demand (default: the policy's choice)")
     p.add_argument("--initial", default="auto", choices=["warm", "cold", "auto"],
