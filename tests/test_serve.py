@@ -187,6 +187,20 @@ def test_a_forced_tool_choice_comes_back_as_a_call_of_its_tool(client):
     assert not "".join(c.choices[0].delta.content or "" for c in chunks)
 
 
+
+@pytest.mark.parametrize("max_tokens", [1, 3, 8])
+def test_a_forced_call_cut_short_gives_no_content(client, max_tokens):
+    """A forced call that max_tokens cuts ends with finish_reason length and neither a call nor content: its text
+    is the template's markup (it came back as content "<tool"), whole and streamed alike."""
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=WEATHER,
+               max_tokens=max_tokens, tool_choice="required")
+    choice = client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None and not choice.message.tool_calls
+    chunks = [c for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert not [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+
 def test_a_forced_call_follows_the_references_in_its_parameters(client):
     """Parameters with $defs, as pydantic writes them: the references resolve (the grammar nests the schema)."""
     unit = {"$defs": {"Unit": {"enum": ["C", "F"]}}, "type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}},

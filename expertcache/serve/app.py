@@ -492,7 +492,8 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
             params = replace(params, skip_special_tokens=False)
         # a constrained output is the answer from its first token, even after a prompt that opened <think>
         reply = {"form": form, "tools": body.tools if calling else None, "reasoning": body.include_reasoning,
-                 "opened": False if params.constrained else opens_thinking(text), "calls": server.calls}
+                 "opened": False if params.constrained else opens_thinking(text), "calls": server.calls,
+                 "forced": calling and body.tool_choice not in (None, "auto")}
         return await server.run(http, [prompt], [params], chat=True, stream=body.stream, n=body.n,
                                 options=body.stream_options, reply=reply)
 

@@ -150,15 +150,17 @@ class Reply:
     now, {"reasoning_content": ..., "content": ...} without empty parts), then `end` the rest and the tool calls.
     form: reply_form's; tools: the request's, whose calls are read out of the text (None: no calls are read), as
     `calls` writes them (tools.call_syntaxes'); opened: opens_thinking's (the prompt ended inside <think>, or
-    with a harmony message's header); reasoning: False leaves the reasoning out (vLLM's include_reasoning)."""
+    with a harmony message's header); reasoning: False leaves the reasoning out (vLLM's include_reasoning); forced: the
+    text is one call (tool_choice required or a named function), so that one cut short gives no content."""
 
     def __init__(self, form: str = "plain", tools: list | None = None, opened: bool | str = False,
-                 reasoning: bool = True, calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],)):
+                 reasoning: bool = True, calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],), forced: bool = False):
         if form not in FORMS:
             raise ValueError(f"reply form {form!r} is not one of {', '.join(FORMS)}")
         self.parts = None if form == "plain" else _Think(opened is True) if form == "think" else \
             _Harmony(tools is not None, opened if isinstance(opened, str) else None)
         self.answer = CallStream(tools, calls) if tools is not None else None
+        self.forced = forced  # the text is one call (tool_choice required or named): one cut short is no answer
         self.thought, self.reasoning = _Trimmed(), reasoning
         # the answer's trailing whitespace waits for more text: a whole reply with reasoning or calls ends its answer
         # without it (split_reply), so a stream must not have sent it
@@ -193,6 +195,9 @@ class Reply:
                 delta["content"], self.edge = delta.get("content", "") + self.edge + rest, ""
         if isinstance(self.parts, _Harmony):
             calls += [tool_call(name, arguments.strip()) for name, arguments in self.parts.calls]
+        if self.forced and not calls:  # a call that max_tokens cut: its markup is the template's, not a reply
+            delta.pop("content", None)
+            self.edge = ""
         if not (self.thought_sent or calls):  # the answer as written: its held whitespace too
             delta["content"] = delta.get("content", "") + self.edge
         else:
@@ -203,13 +208,15 @@ class Reply:
 
 
 def split_reply(text: str, form: str = "plain", tools: list | None = None, opened: bool | str = False,
-                reasoning: bool = True, calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],)
+                reasoning: bool = True, calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],), forced: bool = False
                 ) -> tuple[str | None, str | None, list[dict]]:
     """A whole reply's (reasoning, content, tool calls); None for a part that is not there. The content is the text
     as written where there is neither reasoning nor a call; else without surrounding whitespace."""
-    reply = Reply(form, tools, opened, reasoning, calls)
+    reply = Reply(form, tools, opened, reasoning, calls, forced)
     first = reply.feed(text)
     rest, calls = reply.end()
     thought = first.get("reasoning_content", "") + rest.get("reasoning_content", "")
     content = first.get("content", "") + rest.get("content", "")
-    return thought or None, (content.strip() or None) if thought or calls else content, calls
+    if forced and not calls:  # its text is all held by the call's reading, but none of it is an answer
+        content = ""
+    return thought or None, (content.strip() or None) if thought or calls or forced else content, calls
