@@ -23,12 +23,12 @@ def add_arguments(p):
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
-    from ..engine.checkpoint import check_writable
+    from ..engine.checkpoint import DEFAULT_VECTORS, ROUTING_COUNTS, check_writable
     from ..lab.calibrate import calibrate, check_calibration_budget, encode_text, save_calibration
     from ..lab.texts import read_text
     from ..progress import progress_bar
     text = read_text(a.text)
-    files = "routing_counts.json and default_vectors.safetensors"
+    files = f"{ROUTING_COUNTS} and {DEFAULT_VECTORS}"
     path = written_model(a, "calibrate", files)
     check_writable(path, files)
     ids = encode_text(path, text, a.max_tokens)

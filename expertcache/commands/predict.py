@@ -69,7 +69,8 @@ def run(a) -> int:
         raise BadInput("--speculative measures trained predictors: run --train first, then --speculative")
     if a.train:
         text = read_text(a.text or CALIB_TEXT)
-        path = written_model(a, "predict --train", "estimator.safetensors and lookahead.safetensors")
+        from ..engine.checkpoint import ESTIMATOR_FILE, LOOKAHEAD_FILE
+        path = written_model(a, "predict --train", f"{ESTIMATOR_FILE} and {LOOKAHEAD_FILE}")
         ids = encode_text(path, text, a.max_tokens)
         with progress_bar() as bar:
             r = fit_estimator(path, ids, a.hybrid_below, a.epochs, progress=_stages(bar),
