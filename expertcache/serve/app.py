@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE
-streaming or not), /v1/models, /health and /metrics (Prometheus). Requests go to the one
-Scheduler that owns the engine; errors are OpenAI-style bodies
-{"error": {"message", "type", "param", "code"}}."""
+streaming or not), /v1/responses (over the chat's path: responses.py), /v1/models, /health and
+/metrics (Prometheus). Requests go to the one Scheduler that owns the engine; errors are
+OpenAI-style bodies {"error": {"message", "type", "param", "code"}}."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -29,6 +30,8 @@ from .limits import BodyLimits, RequireApiKey, ServerLimits
 from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, CompletionBody, DetokenizeBody, SamplingFields,
                       StreamOptions, TokenizeBody, checked_stop, logit_bias_pairs, logprobs_count, message_text,
                       refuse_unsupported, structure)
+from . import responses
+from .responses import ResponsesBody
 from .scheduler import Request, Scheduler, ShuttingDown
 from .reasoning import Reply, opens_thinking, reply_form, split_reply
 from .tools import call_syntaxes
@@ -271,6 +274,53 @@ class Server:
                             sum(r.completion_tokens for r, _ in submitted))
         return JSONResponse({**self._envelope(rid, chat, False), "choices": choices, "usage": usage})
 
+    async def chat(self, http: HTTPRequest, body: ChatBody) -> Response:
+        """A chat completion's answer (Server.run's)."""
+        prompt, text = await asyncio.to_thread(self.chat_prompt, body)  # a long prompt would stall the loop
+        params = self.params(body, len(prompt), default_max=None, chat=True)
+        # calls are read out of the text where the template writes them in tags, and a forced call always is
+        calling = bool(body.tools) and body.tool_choice != "none" and \
+            (self.reads_calls or body.tool_choice not in (None, "auto"))
+        form = "plain" if (body.reasoning_format or self.reasoning_format) == "none" else self.form
+        # harmony's parts, and DeepSeek's and Kimi K2's calls, are marked by special tokens, which the text leaves out
+        if form == "harmony" or calling and len(self.calls) > 1:
+            params = replace(params, skip_special_tokens=False)
+        # a constrained output is the answer from its first token, even after a prompt that opened <think>
+        reply = {"form": form, "tools": body.tools if calling else None, "reasoning": body.include_reasoning,
+                 "opened": False if params.constrained else opens_thinking(text), "calls": self.calls,
+                 "forced": calling and body.tool_choice not in (None, "auto")}
+        return await self.run(http, [prompt], [params], chat=True, stream=body.stream, n=body.n,
+                              options=body.stream_options, reply=reply)
+
+    async def respond(self, http: HTTPRequest, body: ResponsesBody) -> Response:
+        """A /v1/responses answer: the chat that answers it (responses.py), its answer as a response object or
+        the Responses stream's events; its errors as the Responses fields name them."""
+        try:
+            chat = ChatBody(**responses.chat_fields(body))
+        except ValidationError as e:  # a message or a field passed on, as the chat checks it
+            first = e.errors()[0] if e.errors() else {}
+            loc = [str(x) for x in first.get("loc", ())][:1] or ["input"]
+            param = responses.PARAMS.get(loc[0], loc[0])
+            raise APIError(400, f"{param}: {first.get('msg', 'invalid').removeprefix('Value error, ')}", param) \
+                from None
+        try:
+            answer = await self.chat(http, chat)
+        except APIError as e:
+            raise responses.renamed(e) from None
+        envelope = responses.Envelope(body, self.model_name)
+        if isinstance(answer, StreamingResponse):
+            return StreamingResponse(responses.stream(answer.body_iterator, envelope), media_type="text/event-stream")
+        if not answer.body:  # a client that left (499)
+            return answer
+        whole = json.loads(answer.body)
+        if answer.status_code != 200:
+            e = whole.get("error", {})
+            failed = responses.renamed(APIError(answer.status_code, e.get("message", ""), e.get("param"),
+                                                e.get("code"), e.get("type", "server_error")))
+            return JSONResponse(failed.body(), status_code=answer.status_code)
+        http.state.usage = (whole["usage"]["prompt_tokens"], whole["usage"]["completion_tokens"])  # the access log's
+        return JSONResponse(responses.whole(whole, envelope))
+
     def offsets(self, context: list[int]) -> _Offsets:
         """Where tokens decoded after `context` start in their text (completions' text_offset)."""
         return _Offsets(self.engine.tokenizer, context)
@@ -481,21 +531,11 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
-        prompt, text = await asyncio.to_thread(server.chat_prompt, body)
-        params = server.params(body, len(prompt), default_max=None, chat=True)
-        # calls are read out of the text where the template writes them in tags, and a forced call always is
-        calling = bool(body.tools) and body.tool_choice != "none" and \
-            (server.reads_calls or body.tool_choice not in (None, "auto"))
-        form = "plain" if (body.reasoning_format or server.reasoning_format) == "none" else server.form
-        # harmony's parts, and DeepSeek's and Kimi K2's calls, are marked by special tokens, which the text leaves out
-        if form == "harmony" or calling and len(server.calls) > 1:
-            params = replace(params, skip_special_tokens=False)
-        # a constrained output is the answer from its first token, even after a prompt that opened <think>
-        reply = {"form": form, "tools": body.tools if calling else None, "reasoning": body.include_reasoning,
-                 "opened": False if params.constrained else opens_thinking(text), "calls": server.calls,
-                 "forced": calling and body.tool_choice not in (None, "auto")}
-        return await server.run(http, [prompt], [params], chat=True, stream=body.stream, n=body.n,
-                                options=body.stream_options, reply=reply)
+        return await server.chat(http, body)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesBody, http: HTTPRequest):
+        return await server.respond(http, body)
 
     card = lambda: {"id": model_name, "object": "model", "created": server.created,  # noqa: E731
                     "owned_by": "expertcache"}

@@ -1,0 +1,423 @@
+"""OpenAI's Responses API (/v1/responses) over the chat path: a request's instructions and input items become a
+chat's messages, its function tools, tool_choice, text format and reasoning effort the chat's own fields, and the
+chat's answer (whole, or its stream's chunks) becomes a response object (or the Responses stream's typed events).
+Every check a chat makes is made on the request so translated, its errors naming the Responses fields. This server
+keeps no responses: previous_response_id, a conversation, an item_reference and background runs are refused, and
+each response says store: false."""
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validator
+
+from .schemas import APIError
+
+# what a Responses body holds that the chat path has under another name, and where an error's param points then
+PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+          "response_format": "text", "reasoning_effort": "reasoning"}
+# the chat's own fields a Responses body does not take, and what it sends instead
+CHAT_ONLY = {"messages": "send input", "max_tokens": "send max_output_tokens",
+             "max_completion_tokens": "send max_output_tokens", "response_format": "send text.format",
+             "n": "send one request per answer", "logprobs": "leave it out", "top_logprobs": "leave it out"}
+# fields of OpenAI's that need responses kept on the server, or hosted runs
+KEPT = {"previous_response_id": "send the whole conversation in input", "conversation": "send it in input",
+        "prompt": "send the prompt's text in instructions and input"}
+# include values that change nothing here (the reasoning comes back as text, not encrypted)
+INCLUDED = ("reasoning.encrypted_content",)
+TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal",
+              "reasoning_text": "text", "summary_text": "text"}
+
+
+class ResponsesBody(BaseModel):
+    """A /v1/responses request. Fields beyond OpenAI's (vLLM's top_k, seed, stop, ...) go to the chat as sent, and
+    are checked there as a chat's."""
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: dict | None = None
+    text: dict | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: StrictBool | None = None
+    reasoning: dict | None = None
+    store: StrictBool | None = None
+    background: StrictBool | None = None
+    metadata: dict | None = None
+    user: str | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    max_tool_calls: StrictInt | None = None
+
+
+def chat_fields(body: ResponsesBody) -> dict:
+    """The chat request (ChatBody's fields) that answers `body`; APIError for what it cannot."""
+    extra = body.model_extra or {}
+    for name, instead in CHAT_ONLY.items():
+        if extra.get(name) is not None:
+            raise APIError(400, f"{name} is a chat completion's field, not one of /v1/responses; {instead}", name)
+    for name, instead in KEPT.items():
+        if extra.get(name) is not None:
+            raise APIError(400, f"{name} is not supported: this server keeps no responses; {instead}", name)
+    for name in extra:
+        if near := difflib.get_close_matches(name.strip().lower().replace("-", "_"), ResponsesBody.model_fields,
+                                             1, 0.85):
+            raise APIError(400, f"{name} is not a field of this request; did you mean {near[0]}?", name)
+    if body.background:
+        raise APIError(400, "background responses are not supported (this server keeps no responses); leave "
+                       "background out and wait for the answer, or stream it", "background")
+    if body.truncation not in (None, "disabled", "auto"):
+        raise APIError(400, f"truncation {body.truncation!r} is not one of disabled, auto", "truncation")
+    for value in body.include or ():
+        if value not in INCLUDED:
+            raise APIError(400, f"include {value!r} is not supported; leave it out", "include")
+    if body.max_output_tokens is not None and body.max_output_tokens < 1:
+        raise APIError(400, "max_output_tokens must be at least 1", "max_output_tokens")
+    if body.max_tool_calls is not None and body.max_tool_calls < 1:
+        raise APIError(400, "max_tool_calls must be at least 1; send tool_choice none for no calls", "max_tool_calls")
+    fields: dict[str, Any] = {**extra, "model": body.model, "messages": messages(body), "stream": body.stream}
+    if body.max_output_tokens is not None:
+        fields["max_completion_tokens"] = body.max_output_tokens
+    if body.stream:  # the last event carries the usage
+        fields["stream_options"] = {"include_usage": True, **(body.stream_options or {})}
+    elif body.stream_options is not None:
+        raise APIError(400, "stream_options needs stream: true", "stream_options")
+    if body.tools:
+        fields["tools"] = [function_tool(i, t) for i, t in enumerate(body.tools)]
+    if body.tool_choice is not None:
+        fields["tool_choice"] = tool_choice(body.tool_choice)
+    if (fmt := response_format(body.text)) is not None:
+        fields["response_format"] = fmt
+    if body.reasoning is not None:
+        effort = body.reasoning.get("effort")
+        if effort is not None and not isinstance(effort, str):
+            raise APIError(400, "reasoning.effort must be a string such as low, medium or high", "reasoning")
+        if effort is not None:
+            fields["reasoning_effort"] = effort
+    return fields
+
+
+def messages(body: ResponsesBody) -> list[dict]:
+    """The chat's messages: the instructions as a system message, then the input (a text: one user message; or
+    items: messages, function calls and their outputs, reasoning that the next assistant turn carries)."""
+    out = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    if isinstance(body.input, str):
+        return [*out, {"role": "user", "content": body.input}]
+    if not body.input:
+        raise APIError(400, "input is empty; send a text or at least one message", "input")
+    thought: list[str] = []
+    for i, item in enumerate(body.input):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{where} must be an object: a message, a function_call or a function_call_output",
+                           "input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if not isinstance(role, str):
+                raise APIError(400, f"{where}: a message needs a role (user, assistant, system or developer)", "input")
+            message = {"role": role, "content": text_of(item.get("content"), where)}
+            if role == "assistant" and thought:
+                message["reasoning_content"], thought = "".join(thought), []
+            out.append(message)
+        elif kind == "function_call":
+            call = {"id": str_field(item, "call_id", where), "type": "function",
+                    "function": {"name": str_field(item, "name", where),
+                                 "arguments": str_field(item, "arguments", where)}}
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant":  # calls after an answer: that turn's
+                last = {"role": "assistant", "content": None}
+                out.append(last)
+            if thought:
+                last["reasoning_content"], thought = last.get("reasoning_content", "") + "".join(thought), []
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": str_field(item, "call_id", where),
+                        "content": output if isinstance(output, str) else text_of(output, where)})
+        elif kind == "reasoning":  # carried by the assistant turn that follows, as chat templates take it
+            parts = item.get("content") or item.get("summary") or []
+            thought.append(text_of(parts, where) if isinstance(parts, list) else "")
+        elif kind == "item_reference":
+            raise APIError(400, f"{where}: an item_reference needs responses kept on the server, which this one does "
+                           "not keep; send the item itself", "input")
+        else:
+            raise APIError(400, f"{where}: items of type {kind!r} are not supported; send messages, function_call "
+                           "and function_call_output items", "input")
+    return out
+
+
+def text_of(content: Any, where: str) -> str:
+    """A message's content as text: a string, or text parts joined; APIError for other parts (images, files)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: content must be a string or a list of text parts", "input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise APIError(400, f"{where}: only text content parts are supported (input_text, output_text), not "
+                           f"{kind!r}", "input")
+        text = part.get(TEXT_PARTS[kind], "")
+        if not isinstance(text, str):
+            raise APIError(400, f"{where}: a {kind} part's {TEXT_PARTS[kind]} must be a string", "input")
+        texts.append(text)
+    return "".join(texts)
+
+
+def str_field(item: dict, name: str, where: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise APIError(400, f"{where}: a {item.get('type')} item needs {name} (a string)", "input")
+    return value
+
+
+def function_tool(i: int, tool: Any) -> dict:
+    """A Responses function tool ({"type": "function", "name", "parameters", ...}) as a chat's tool."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        raise APIError(400, f"tools[{i}] of type {kind!r} is not supported; this server runs function tools "
+                       '({"type": "function", "name": ..., "parameters": {...}})', "tools")
+    if "function" in tool and "name" not in tool:  # a chat completion's form, sent here
+        raise APIError(400, f'tools[{i}]: a Responses function tool gives its name and parameters at the top '
+                       '({"type": "function", "name": ..., "parameters": {...}}), not under "function"', "tools")
+    keys = ("name", "description", "parameters", "strict")
+    return {"type": "function", "function": {k: tool[k] for k in keys if tool.get(k) is not None}}
+
+
+def tool_choice(choice: str | dict) -> str | dict:
+    """tool_choice as a chat takes it: none, auto, required, or {"type": "function", "name": ...}."""
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(400, 'tool_choice is "none", "auto", "required" or {"type": "function", "name": ...}; '
+                   f"{json.dumps(choice)[:80]} is not supported", "tool_choice")
+
+
+def response_format(text: dict | None) -> dict | None:
+    """text.format as a chat's response_format (None: free text)."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise APIError(400, 'text.format is {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                       '"name": ..., "schema": {...}}', "text")
+    if fmt["type"] == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, 'text.format json_schema needs its schema: {"type": "json_schema", "name": "...", '
+                           '"schema": {...}}', "text")
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    return fmt if fmt["type"] != "text" else None
+
+
+def renamed(e: APIError) -> APIError:
+    """A chat's error as the Responses fields name it."""
+    message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", e.message)
+    message = re.sub(r"\bresponse_format\b", "text.format", message)
+    message = re.sub(r"\bmessages\b", "input", message)
+    return APIError(e.status, message, PARAMS.get(e.param, e.param), e.code, e.kind, e.headers)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def usage(chat_usage: dict | None) -> dict | None:
+    if chat_usage is None:
+        return None
+    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+class Envelope:
+    """The response object's fields that every state of one response shares."""
+
+    def __init__(self, body: ResponsesBody, model: str):
+        self.id, self.created = new_id("resp"), int(time.time())
+        self.body, self.model = body, model
+
+    def __call__(self, status: str, output: list[dict], use: dict | None = None, finish: str | None = None,
+                 error: dict | None = None) -> dict:
+        b = self.body
+        incomplete = status == "incomplete"
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "background": False, "error": error,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+                "max_tool_calls": b.max_tool_calls, "model": self.model, "output": output,
+                "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
+                "reasoning": {"effort": (b.reasoning or {}).get("effort"), "summary": None},
+                "store": False, "temperature": (b.model_extra or {}).get("temperature", 1.0),
+                "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
+                "tools": b.tools or [], "top_p": (b.model_extra or {}).get("top_p", 1.0),
+                "truncation": b.truncation or "disabled", "usage": use, "user": b.user,
+                "metadata": b.metadata or {}}
+
+
+def status_of(finish: str | None) -> str:
+    return "incomplete" if finish == "length" else "completed"
+
+
+def reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"id": new_id("rs"), "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def message_item(text: str, status: str = "completed") -> dict:
+    return {"id": new_id("msg"), "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def call_item(call: dict) -> dict:
+    return {"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+
+
+def whole(chat: dict, envelope: Envelope) -> dict:
+    """A whole chat completion as the response object."""
+    choice = chat["choices"][0]
+    message, finish = choice["message"], choice["finish_reason"]
+    output = []
+    if message.get("reasoning_content"):
+        output.append(reasoning_item(message["reasoning_content"]))
+    if message.get("content") or not message.get("tool_calls"):  # an empty answer is still a message
+        output.append(message_item(message.get("content") or "", "incomplete" if finish == "length" else "completed"))
+    output += [call_item(c) for c in message.get("tool_calls") or ()]
+    return envelope(status_of(finish), output, usage(chat.get("usage")), finish)
+
+
+class Events:
+    """The Responses stream's events of one chat stream's chunks: each item opened, its text's deltas, closed;
+    every event numbered, as server-sent events named by their type."""
+
+    def __init__(self, envelope: Envelope):
+        self.envelope, self.sequence = envelope, 0
+        self.output: list[dict] = []
+        self.open: dict | None = None  # the item whose text is arriving
+
+    def event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    def start(self) -> list[str]:
+        response = self.envelope("in_progress", [])
+        return [self.event("response.created", response=response),
+                self.event("response.in_progress", response=response)]
+
+    def text(self, kind: str, delta: str) -> list[str]:
+        """A delta of the reasoning ("reasoning") or of the answer ("message")."""
+        out = []
+        if self.open is None or self.open["type"] != kind:
+            out += self.close()
+            item = reasoning_item("", "in_progress") if kind == "reasoning" else message_item("", "in_progress")
+            self.open, index = item, len(self.output)
+            self.output.append(item)
+            out.append(self.event("response.output_item.added", output_index=index,
+                                  item={**item, "content": []}))
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                  content_index=0, part=item["content"][0]))
+        item, index = self.open, len(self.output) - 1
+        item["content"][0]["text"] += delta
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return [*out, self.event(name, item_id=item["id"], output_index=index, content_index=0, delta=delta, **extra)]
+
+    def close(self, status: str = "completed") -> list[str]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index, part = self.output.index(item), item["content"][0]
+        item["status"] = status
+        name = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
+        extra = {} if item["type"] == "reasoning" else {"logprobs": []}
+        return [self.event(name, item_id=item["id"], output_index=index, content_index=0, text=part["text"], **extra),
+                self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                           part=part),
+                self.event("response.output_item.done", output_index=index, item=item)]
+
+    def calls(self, calls: list[dict]) -> list[str]:
+        out = self.close()
+        for call in calls:
+            item, index = call_item(call), len(self.output)
+            self.output.append(item)
+            out += [self.event("response.output_item.added", output_index=index,
+                               item={**item, "arguments": "", "status": "in_progress"}),
+                    self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                               delta=item["arguments"]),
+                    self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                               name=item["name"], arguments=item["arguments"]),
+                    self.event("response.output_item.done", output_index=index, item=item)]
+        return out
+
+    def end(self, finish: str | None, use: dict | None) -> list[str]:
+        out = self.close("incomplete" if finish == "length" else "completed")
+        status = status_of(finish)
+        response = self.envelope(status, self.output, usage(use), finish)
+        # response.completed also where the status is incomplete, as vLLM's: the openai client's stream helper
+        # (responses.stream) ends only on that event
+        return [*out, self.event("response.completed", response=response)]
+
+    def failed(self, error: dict) -> list[str]:
+        out = [self.event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))]
+        response = self.envelope("failed", self.output, None, None,
+                                 {"code": error.get("code") or "server_error", "message": error.get("message")})
+        return [*out, self.event("response.failed", response=response)]
+
+
+async def stream(chunks: AsyncIterator[str], envelope: Envelope) -> AsyncIterator[str]:
+    """The Responses events of a chat stream's SSE chunks (one choice, its usage in the last chunk)."""
+    events, finish, use = Events(envelope), None, None
+    try:
+        for e in events.start():
+            yield e
+        async for piece in chunks:
+            data = piece.removeprefix("data: ").strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                for e in events.failed(chunk["error"]):
+                    yield e
+                return
+            use = chunk.get("usage") or use
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                out = []
+                if delta.get("reasoning_content"):
+                    out += events.text("reasoning", delta["reasoning_content"])
+                if delta.get("content"):
+                    out += events.text("message", delta["content"])
+                if delta.get("tool_calls"):
+                    out += events.calls([{k: v for k, v in c.items() if k != "index"} for c in delta["tool_calls"]])
+                finish = choice.get("finish_reason") or finish
+                for e in out:
+                    yield e
+        if not any(item["type"] != "reasoning" for item in events.output):  # an empty answer is still a message
+            for e in events.text("message", ""):
+                yield e
+        for e in events.end(finish, use):
+            yield e
+    finally:  # a client that left ends the chat's generation too
+        await chunks.aclose()

@@ -1,0 +1,212 @@
+"""OpenAI's Responses API (/v1/responses), live on a loopback port, driven by the official openai client: the same
+answers as the chat path, whole and streamed, function calls out and back in, text formats, reasoning items, and
+the fields it cannot take refused with 400s that name them."""
+import json
+import re
+import shutil
+
+import openai
+import pytest
+from test_serve import MODEL, THINKING_TEMPLATE, TOOL_TEMPLATE, call
+
+from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
+from expertcache.serve.app import create_app
+from expertcache.serve.background import BackgroundServer
+from expertcache.serve.responses import Envelope, ResponsesBody, messages, stream
+from expertcache.serve.scheduler import Scheduler
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "the weather in a city", "parameters": {
+          "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+          "additionalProperties": False}}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = Engine(None, EngineConfig(store="ram", max_seq=512))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
+        yield s
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+def test_a_response_is_the_chats_answer_whole_and_streamed(client):
+    chat = client.chat.completions.create(model=MODEL, max_tokens=20, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who goes there?"}])
+    ask = dict(model=MODEL, instructions="Be brief.", input="Who goes there?", max_output_tokens=20, temperature=0)
+    whole = client.responses.create(**ask)
+    assert whole.output_text == chat.choices[0].message.content and whole.object == "response"
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (chat.usage.prompt_tokens, 20)
+    assert [item.type for item in whole.output] == ["message"] and whole.id.startswith("resp_")
+    events = list(client.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text and events[-1].response.usage.output_tokens == 20
+    with client.responses.stream(**ask) as stream:  # the client's helper, which ends on response.completed
+        assert stream.get_final_response().output_text == whole.output_text
+    typed = client.responses.create(model=MODEL, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Who goes "}, {"type": "input_text", "text": "there?"}]}],
+        instructions="Be brief.", max_output_tokens=20, temperature=0)
+    assert typed.output_text == whole.output_text
+
+
+def test_a_function_call_comes_back_as_an_item_and_its_output_goes_back_in(client):
+    ask = dict(model=MODEL, input="Weather in Paris?", tools=TOOLS, max_output_tokens=60)
+    whole = client.responses.create(**ask, tool_choice={"type": "function", "name": "get_weather"})
+    (item,) = whole.output
+    assert item.type == "function_call" and item.name == "get_weather" and whole.status == "completed"
+    assert set(json.loads(item.arguments)) == {"city"} and item.call_id.startswith("call_")
+    events = list(client.responses.create(**ask, tool_choice="required", stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["function_call"] and isinstance(json.loads(done[0].arguments), dict)
+    assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [done[0].arguments]
+    back = [{"role": "user", "content": "Weather in Paris?"}, item.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": item.call_id, "output": "rain"}]
+    answer = client.responses.create(model=MODEL, input=back, tools=TOOLS, max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[
+        {"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": item.call_id, "type": "function", "function": {
+            "name": item.name, "arguments": item.arguments}}]},
+        {"role": "tool", "tool_call_id": item.call_id, "content": "rain"}])
+    assert answer.output_text == chat.choices[0].message.content
+
+
+def test_input_items_become_the_chats_messages():
+    body = ResponsesBody(instructions="Be brief.", input=[
+        {"type": "message", "role": "user", "content": "Rain?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "look"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Let me see."}]},
+        {"type": "function_call", "call_id": "1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call", "call_id": "2", "name": "time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "1", "output": "wet"},
+        {"type": "function_call_output", "call_id": "2", "output": [{"type": "input_text", "text": "noon"}]},
+        {"type": "function_call", "call_id": "3", "name": "weather", "arguments": "{\"day\": 2}"}])
+    calls = lambda *c: [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}  # noqa: E731
+                        for i, n, a in c]
+    assert messages(body) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Rain?"},
+        {"role": "assistant", "content": "Let me see.", "reasoning_content": "look",
+         "tool_calls": calls(("1", "weather", "{}"), ("2", "time", "{}"))},
+        {"role": "tool", "tool_call_id": "1", "content": "wet"},
+        {"role": "tool", "tool_call_id": "2", "content": "noon"},
+        {"role": "assistant", "content": None, "tool_calls": calls(("3", "weather", "{\"day\": 2}"))}]
+
+
+def test_the_input_renders_through_the_template_as_hf_renders_the_chat(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "model"
+    shutil.copytree(BUILTIN_MODEL, path)
+    (path / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    chat = [{"role": "user", "content": "Rain?"},
+            {"role": "assistant", "content": "", "reasoning_content": "look it up", "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+            {"role": "tool", "content": "wet", "tool_call_id": "1"}]
+    tools = [{"type": "function", "name": "weather", "description": "the day's rain", "parameters": {"type": "object"}}]
+    want = transformers.AutoTokenizer.from_pretrained(str(path)).apply_chat_template(
+        chat, tools=[{"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}],
+        tokenize=False, add_generation_prompt=True, reasoning_effort="low")
+    assert "<think>look it up</think>" in want and "<call>weather({})</call>" in want and "EFFORT low." in want
+    engine = Engine(path, EngineConfig(store="ram", max_seq=256))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        items = [{"role": "user", "content": "Rain?"},
+                 {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "look it up"}]},
+                 {"type": "function_call", "call_id": "1", "name": "weather", "arguments": "{}"},
+                 {"type": "function_call_output", "call_id": "1", "output": "wet"}]
+        got = client.responses.create(model=MODEL, tools=tools, max_output_tokens=1, reasoning={"effort": "low"},
+                                      input=items)
+        assert got.usage.input_tokens == len(engine.encode(want, special=False))
+    engine.close()
+
+
+def test_a_text_format_keeps_the_output_to_its_schema(client):
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}, "w": {"type": "string", "maxLength": 6}},
+              "required": ["n", "w"], "additionalProperties": False}
+    for seed in range(3):
+        got = client.responses.create(model=MODEL, input="A number:", max_output_tokens=60, text={"format": {
+            "type": "json_schema", "name": "number", "schema": schema, "strict": True}}, extra_body={"seed": seed})
+        value = json.loads(got.output_text)
+        assert got.status == "completed" and set(value) == {"n", "w"} and value["n"] in (1, 2, 3)
+
+
+def test_reasoning_comes_back_as_its_own_item(tmp_path):
+    path = tmp_path / "model"
+    shutil.copytree(BUILTIN_MODEL, path)
+    (path / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    writes = {"grammar": f"start: {json.dumps('<think>They greet me.</think>Hello!')}"}
+    engine = Engine(path, EngineConfig(store="ram", max_seq=256))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        ask = dict(model=MODEL, input="Hi", max_output_tokens=40, extra_body=writes)
+        whole = client.responses.create(**ask)
+        assert [i.type for i in whole.output] == ["reasoning", "message"] and whole.output_text == "Hello!"
+        assert whole.output[0].content[0].text == "They greet me."
+        events = list(client.responses.create(**ask, stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "They greet me."
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello!"
+        assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+    engine.close()
+
+
+@pytest.mark.parametrize("fields, words, param", [
+    ({"previous_response_id": "resp_1"}, "keeps no responses; send the whole conversation", "previous_response_id"),
+    ({"max_tokens": 5}, "chat completion's field.*send max_output_tokens", "max_tokens"),
+    ({"max_output_tokens": 100000}, "max_output_tokens=100000 .* exceeds the context", "max_output_tokens"),
+    ({"max_output_tokens": 0}, "max_output_tokens must be at least 1", "max_output_tokens"),
+    ({"max_output_token": 5}, "did you mean max_output_tokens", "max_output_token"),
+    ({"temprature": 1}, "did you mean temperature", "temprature"),
+    ({"top_k": "many"}, "top_k: Input should be a valid integer", "top_k"),
+    ({"tools": [{"type": "web_search"}]}, "type 'web_search' is not supported", "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "at the top", "tools"),
+    ({"tool_choice": {"type": "file_search"}}, "is not supported", "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "needs its schema", "text"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format type 'xml' is not supported", "text"),
+    ({"input": []}, "input is empty", "input"),
+    ({"input": [5]}, r"input\[0\] must be an object", "input"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "role 'robot' is not one of", "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "only text", "input"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "needs call_id", "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "which this one does not keep", "input"),
+    ({"background": True}, "background responses are not supported", "background"),
+    ({"include": ["message.output_text.logprobs"]}, "include .* is not supported", "include"),
+    ({"model": "gpt-5"}, "does not exist", "model")])
+def test_what_cannot_be_answered_is_a_400_naming_the_field(server, fields, words, param):
+    status, body = call(server, "/v1/responses", {"input": "Hi", "max_output_tokens": 4, **fields})
+    assert status == (404 if param == "model" else 400), body
+    assert re.search(words, body["error"]["message"]) and body["error"]["param"] == param, body
+
+
+def test_the_server_goes_on_after_a_bad_stream_and_a_client_that_left(server, client):
+    status, body = call(server, "/v1/responses", {"input": "Hi", "stream": True, "max_output_tokens": 10 ** 6})
+    assert status == 400 and body["error"]["param"] == "max_output_tokens"
+    events = client.responses.create(model=MODEL, input="Hi", max_output_tokens=200, stream=True)
+    next(iter(events))
+    events.close()  # the generation ends with the client
+    assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=3).usage.output_tokens == 3
+
+
+def test_a_generation_that_fails_ends_its_stream_with_an_error_and_a_failed_response():
+    import asyncio
+
+    async def chat():
+        yield 'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": null}]}\n\n'
+        yield 'data: {"error": {"message": "generation failed: boom", "type": "server_error", "code": "X"}}\n\n'
+        yield "data: [DONE]\n\n"
+
+    async def events():
+        return [e async for e in stream(chat(), Envelope(ResponsesBody(input="Hi"), MODEL))]
+    got = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(events())]
+    assert [e["type"] for e in got][-3:] == ["response.output_text.delta", "error", "response.failed"]
+    assert got[-2]["message"] == "generation failed: boom" and got[-1]["response"]["status"] == "failed"
+    assert got[-1]["response"]["error"] == {"code": "X", "message": "generation failed: boom"}
+    assert got[-1]["response"]["output"][0]["content"][0]["text"] == "Hi"
