@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator, model_validator
 
 from .schemas import APIError
 
@@ -45,6 +45,12 @@ class ResponsesBody(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
+    @field_validator("input", mode="before")
+    @classmethod
+    def _text_or_items(cls, value: Any) -> Any:
+        if not isinstance(value, (str, list)):
+            raise ValueError("must be a text or a list of items (messages, function calls and their outputs)")
+        return value
     model: str | None = None
     input: str | list[Any]
     instructions: str | None = None
@@ -134,7 +140,9 @@ def messages(body: ResponsesBody) -> list[dict]:
             role = item.get("role")
             if not isinstance(role, str):
                 raise APIError(400, f"{where}: a message needs a role (user, assistant, system or developer)", "input")
-            message = {"role": role, "content": text_of(item.get("content"), where)}
+            content = item.get("content")  # an assistant turn that only called tools may have none
+            message = {"role": role, "content": None if content is None and role == "assistant" else
+                       text_of(content, where)}
             if role == "assistant" and thought:
                 message["reasoning_content"], thought = "".join(thought), []
             out.append(message)
@@ -151,8 +159,11 @@ def messages(body: ResponsesBody) -> list[dict]:
             last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output")
+            if not isinstance(output, (str, list)):
+                raise APIError(400, f"{where}: a function_call_output item needs output (a string or text parts)",
+                               "input")
             out.append({"role": "tool", "tool_call_id": str_field(item, "call_id", where),
-                        "content": output if isinstance(output, str) else text_of(output, where)})
+                        "content": text_of(output, where)})
         elif kind == "reasoning":  # carried by the assistant turn that follows, as chat templates take it
             parts = item.get("content") or item.get("summary") or []
             thought.append(text_of(parts, where) if isinstance(parts, list) else "")
@@ -200,6 +211,9 @@ def function_tool(i: int, tool: Any) -> dict:
     if "function" in tool and "name" not in tool:  # a chat completion's form, sent here
         raise APIError(400, f'tools[{i}]: a Responses function tool gives its name and parameters at the top '
                        '({"type": "function", "name": ..., "parameters": {...}}), not under "function"', "tools")
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise APIError(400, f'tools[{i}]: a function tool needs its name ({{"type": "function", "name": ..., '
+                       '"parameters": {...}})', "tools")
     keys = ("name", "description", "parameters", "strict")
     return {"type": "function", "function": {k: tool[k] for k in keys if tool.get(k) is not None}}
 
