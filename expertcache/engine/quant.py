@@ -80,6 +80,15 @@ class ExpertFormat:
             raise BadInput(f"unknown quantization scheme {scheme!r}; choose asym or sym")
         return cls(name, group_size, scheme)
 
+    @property
+    def flags(self) -> str:
+        """The options that name this format on the command line (`--dtype` of convert, `--store-dtype` of a run,
+        the group size and scheme where not the defaults)."""
+        short = {v: k for k, v in ALIASES.items()}.get(self.dtype, self.dtype)
+        integer = self.dtype in INT_BITS
+        return short + (f" --group-size {self.group_size}" if integer and self.group_size != 32 else "") + \
+            (f" --scheme {self.scheme}" if integer and self.scheme != "asym" else "")
+
     @classmethod
     def of_dtype(cls, dtype: torch.dtype) -> ExpertFormat:
         """The float format storing `dtype` as is."""

@@ -62,8 +62,9 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
         store = DiskStore(store_dir, args, read_mode, verify)
         if fmt is not None and store.format != fmt:
             store.close()
-            raise CheckpointError(f"{store_dir} holds experts as {store.format.tag}, not {fmt.tag}; "
-                                  f"convert to another folder (`expertcache convert --dtype {fmt.dtype} --out DIR`)")
+            raise CheckpointError(f"{store_dir} holds experts as {store.format.tag}, not {fmt.tag}; convert to "
+                                  f"another folder (`expertcache convert --dtype {fmt.flags} --out DIR`), or leave "
+                                  "out --store-dtype to run it as it is stored")
         if given and blob_checksum(ckpt, args, 0, 0, store.format) != store.checksums[0]:
             store.close()  # a store of another checkpoint of this shape: its experts with these dense weights
             raise CheckpointError(f"{store_dir} holds another checkpoint's experts (expert 0 of layer 0 differs from "
