@@ -296,10 +296,11 @@ def test_quantized_slots_are_searched_at_equal_bytes_against_the_exact_model():
     assert res.winner in res.finalists and res.winner in res.validation
 
 
-def test_a_prefetching_winner_is_kept_only_where_it_decodes_faster():
-    """A winner that prefetches is timed on the disk store against its fallback, the fastest by estimate of its own
-    policy and the finalists within budget that do not prefetch on its slots; the faster measured wins. A winner
-    that does not prefetch is not timed."""
+def test_the_winner_is_kept_only_where_it_decodes_faster():
+    """The winner is timed on the disk store against fetch-every-miss, and one that prefetches also against its
+    fallback, the fastest by estimate of its own policy and the finalists within budget that do not prefetch on its
+    slots; the fastest measured wins, and the speed-up is fetch-every-miss's time over its. Fetch-every-miss
+    itself is not timed."""
     from expertcache.lab.costmodel import DECODE_PROMPT, time_runs
     from expertcache.lab.tune import timed_choice
     ids = tune_ids(None, CALIB_TEXT.read_text(encoding="utf-8"), EVAL_TEXT.read_text(encoding="utf-8"),
@@ -316,10 +317,15 @@ def test_a_prefetching_winner_is_kept_only_where_it_decodes_faster():
     est = {winner: 1.0, "threshold:tau=0.15": 1.3, "first-choice": 1.2, "fetch-all @int4": 0.5,
            "threshold:tau=0.05+prefetch/estimator": 0.9}
     got = timed_choice(winner, within, est, timer)
-    assert asked == [[winner, "first-choice"]]  # not int4's slots, nor another prefetching finalist
+    assert asked == [[winner, "first-choice", "fetch-all"]]  # not int4's slots, nor another prefetching finalist
     assert got["fallback"] == "first-choice" and got["estimated"] == winner
-    assert got["winner"] == min(got["measured_ms"], key=got["measured_ms"].get)
-    assert all(ms > 0 for ms in got["measured_ms"].values())
+    ms = got["measured_ms"]
+    assert got["winner"] == min(ms, key=ms.get) and got["speedup"] == ms["fetch-all"] / ms[got["winner"]]
+    assert all(v > 0 for v in ms.values())
     est["threshold:tau=0.15"] = 1.1  # its own policy, estimated faster than the other: the fallback
     assert timed_choice(winner, within, est, timer)["fallback"] == "threshold:tau=0.15"
-    assert timed_choice("first-choice", within, est, timer) == {} and len(asked) == 2
+    alone = timed_choice("first-choice", within, est, timer)  # no fallback: against fetch-every-miss only
+    assert asked[-1] == ["first-choice", "fetch-all"] and alone["fallback"] is None
+    int4 = timed_choice("fetch-all @int4", within, est, lambda labels: {s: 1.0 + len(s) for s in labels})
+    assert set(int4["measured_ms"]) == {"fetch-all @int4", "fetch-all"} and int4["winner"] == "fetch-all"
+    assert timed_choice("fetch-all", within, est, timer) == {} and len(asked) == 3

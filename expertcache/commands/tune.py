@@ -40,8 +40,9 @@ def add_arguments(p):
     p.add_argument("--profile", nargs="+", default=None,
                    help="cost model: a calibrate-hw file, rtx3090-qwen3-next or a6000-qwen3-30b, one per slot format "
                         "in the order auto, then --slot-dtypes (default: a quick profile of each measured now with "
-                        "the disk store, 8 runs, 11 where prefetching is searched, x 1 repetition; a winner that "
-                        "prefetches is then timed against the fastest within budget that does not)")
+                        "the disk store, 8 runs, 11 where prefetching is searched, x 1 repetition; the winner is "
+                        "then timed against fetch-every-miss, and one that prefetches against the fastest within "
+                        "budget that does not: the fastest measured is the policy)")
     p.add_argument("--slot-dtypes", nargs="+", default=[], choices=["int8", "int4"],
                    help="also search fast tiers of these quantized slots (their `convert --dtype` store emulated); "
                         "with --cache-bytes they hold more experts in the same bytes, and their quantization error "
@@ -159,10 +160,18 @@ def run(a) -> int:
               f"[{signed(f['ci'][0])}, {signed(f['ci'][1])}] |")
     if res.timed:
         t, ms = res.timed, res.timed["measured_ms"]
-        kept = "the prefetch is kept" if t["winner"] == t["estimated"] else "the winner is the one without prefetching"
-        print(f"\ntimed on this machine (disk store, {TIMED_TOKENS} decode tokens, median of {TIMED_REPEATS}): "
-              f"`{t['estimated']}` {ms[t['estimated']]:.2f} ms/token, `{t['fallback']}` {ms[t['fallback']]:.2f}: "
-              f"{kept}")
+        kept = "the winner is kept" if t["winner"] == t["estimated"] else \
+            "the winner is the one without prefetching" if t["winner"] == t["fallback"] else \
+            "fetch-every-miss is faster here: it is the policy"
+        times = ", ".join(f"`{name}` {v:.2f}" for name, v in ms.items())
+        print(f"\ntimed on this machine (disk store, {TIMED_TOKENS} decode tokens, median of {TIMED_REPEATS}), "
+              f"ms/token: {times}; {kept}, {t['speedup']:.2f}x over fetch-every-miss")
+        claimed = res.baseline_ms / est[t["winner"]] if t["winner"] in est else None
+        if claimed is not None and not 1 / 1.5 <= t["speedup"] / claimed <= 1.5:  # the quick profile misjudged
+            print(f"warning: the estimates claimed {claimed:.2f}x for it: the quick profile is off on this machine "
+                  "(a busy machine times its few runs unevenly); the timed runs above decide the policy, and for "
+                  "estimates to trust run `expertcache calibrate-hw --out FILE` on a quiet machine and pass "
+                  "--profile FILE")
     print(f"\nheld-out validation ({a.text.name}):\n\n| policy | est. ms/token | est. speed-up | ppl increase | "
           f"95% CI | within {a.budget:g}% |\n|---|---:|---:|---:|---|---|")
     for spec, v in res.validation.items():
