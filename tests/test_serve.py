@@ -337,6 +337,19 @@ def test_calls_written_in_the_templates_tags_come_back_as_tool_calls(tmp_path):
         plain = client.chat.completions.create(**ask, tools=WEATHER).choices[0].message.content
         streamed = client.chat.completions.create(**ask, tools=WEATHER, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == plain
+        two = {"grammar": f"start: {json.dumps(said + said.removeprefix('Let me look. '))}"}  # two calls written
+        assert len(client.chat.completions.create(**ask, tools=WEATHER, extra_body=two).choices[0]
+                   .message.tool_calls) == 2
+        for stream in (False, True):  # parallel_tool_calls false: the first call only
+            got = client.chat.completions.create(**ask, tools=WEATHER, parallel_tool_calls=False, stream=stream,
+                                                 extra_body=two)
+            calls = [t for c in got if c.choices for t in c.choices[0].delta.tool_calls or []] if stream else \
+                got.choices[0].message.tool_calls
+            assert [t.function.name for t in calls] == ["get_time"]
+        response = client.responses.create(model=MODEL, input="Time?", tools=[{"type": "function", **t["function"]}
+                                                                             for t in WEATHER],
+                                           parallel_tool_calls=False, max_output_tokens=120, extra_body=two)
+        assert [i.type for i in response.output] == ["message", "function_call"]
     engine.close()
 
 

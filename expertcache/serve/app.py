@@ -288,7 +288,8 @@ class Server:
         # a constrained output is the answer from its first token, even after a prompt that opened <think>
         reply = {"form": form, "tools": body.tools if calling else None, "reasoning": body.include_reasoning,
                  "opened": False if params.constrained else opens_thinking(text), "calls": self.calls,
-                 "forced": calling and body.tool_choice not in (None, "auto")}
+                 "forced": calling and body.tool_choice not in (None, "auto"),
+                 "parallel": body.parallel_tool_calls is not False}
         return await self.run(http, [prompt], [params], chat=True, stream=body.stream, n=body.n,
                               options=body.stream_options, reply=reply)
 

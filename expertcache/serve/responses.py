@@ -110,6 +110,8 @@ def chat_fields(body: ResponsesBody) -> dict:
         fields["tools"] = [function_tool(i, t) for i, t in enumerate(body.tools)]
     if body.tool_choice is not None:
         fields["tool_choice"] = tool_choice(body.tool_choice)
+    if body.parallel_tool_calls is not None:
+        fields["parallel_tool_calls"] = body.parallel_tool_calls
     if (fmt := response_format(body.text)) is not None:
         fields["response_format"] = fmt
     if body.reasoning is not None:

@@ -134,6 +134,7 @@ class ChatBody(SamplingFields):
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
+    parallel_tool_calls: StrictBool | None = None  # false: at most one call comes back
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     include_reasoning: StrictBool = True
