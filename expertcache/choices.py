@@ -14,6 +14,7 @@ SCHEMES = ("asym", "sym")
 SLOT_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4", "mxfp4")  # fast-tier formats (engine/slots.py)
 DENSE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4")  # dense weights (engine/linear.py)
 IO_BACKENDS = ("auto", "uring", "threads")  # engine/transfer.py
+INITIAL = ("warm", "cold", "auto")  # the cache's residency at a run's start (engine/engine.py, EngineConfig)
 PROMPT_ORDERS = ("experts", "tokens")  # how a prompt's prefill meets the cache (engine/engine.py, EngineConfig)
 PREDICTORS = ("router-ahead", "quasi-hidden", "estimator", "hybrid", "lookahead")  # engine/predictors.py
 SKETCH_RANK, SKETCH_NEURONS = 16, 8  # the lookahead's expert sketches (engine/predictors.py)

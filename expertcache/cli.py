@@ -133,7 +133,7 @@ def _run(argv: list[str] | None) -> int:
         if getattr(args, "model", None) is not None:
             from .commands.options import check_before_download
             from .engine.checkpoint import is_hub_id, model_folder
-            if is_hub_id(str(args.model)):
+            if is_hub_id(args.model):
                 check_before_download(args)
             args.model = model_folder(args.model)  # a Hub id's snapshot, where verbs write beside it (not ./org/name)
         with contextlib.redirect_stdout(sys.stderr) if json_to_stdout else contextlib.nullcontext():

@@ -414,6 +414,10 @@ def make_policy(spec: str) -> MissPolicy:
     if not isinstance(spec, str):
         raise BadInput(f"a policy spec is a string such as 'threshold:tau=0.15', not {type(spec).__name__}; a "
                        "MissPolicy object itself goes to Engine(policy=...) or Engine.set_policy")
+    if "+prefetch/" in spec or "+speculative/" in spec:  # the command line's and bench's spelling of a variant
+        raise UnknownName(f"{spec!r} is a policy with prefetching, as the command line spells it; in Python give them "
+                          "apart, EngineConfig(policy=..., prefetch=PrefetchConfig(...)): "
+                          "expertcache.lab.bench.parse_variant(spec) returns the two")
     name, params = parse_spec(spec)
     chosen_eviction = params.pop("eviction", None)  # any policy: the eviction order it runs with
     if chosen_eviction is not None:

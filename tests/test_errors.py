@@ -325,7 +325,7 @@ def test_os_errors_are_one_line(capsys, ckpt, tmp_path, monkeypatch):
     monkeypatch.delenv("EXPERTCACHE_HOME")
     under_a_file = ("--store", "disk", "--store-dir", str(home / "store"))
     expect_cli_error(capsys, ckpt, "Not a directory", *under_a_file)
-    expect_cli_error(capsys, ckpt, "choose another folder (--store-dir", *under_a_file)  # the fix named
+    expect_cli_error(capsys, ckpt, "give a folder that can be written (store_dir, --store-dir", *under_a_file)
     store = tmp_path / "store"
     store.mkdir()
     (store / "experts.bin.partial").symlink_to("/dev/full")  # every write: no space left on device
@@ -1153,3 +1153,37 @@ def test_measured_json_is_strict_and_signless_at_zero(tmp_path):
                                     "arr": np.array([-0.0, 2]), "n": np.int64(3)})
     text = (tmp_path / "o.json").read_text()
     assert json.loads(text) == {"nan": None, "inf": None, "zero": 0.0, "arr": [0.0, 2.0], "n": 3} and "-0" not in text
+
+
+def test_names_folders_and_ids_of_the_python_api_are_refused_before_anything_loads(tmp_path, monkeypatch):
+    """What the command line checked for its own users, checked where every road goes: an initial residency, a quota
+    or an I/O backend misspelt was named only after the store was converted and the weights loaded; a store_dir that
+    is a file, or under one, was a bare OSError; '~' in store_dir made a folder named '~'; a budget or cache size of
+    0 or less a message about units; './org/name' was looked up on the Hub; bools were token ids; an id past int64
+    was called no list of ints; a policy spelt as the command line spells prefetching named no way to give it."""
+    for kw, words in [(dict(initial="hot"), "unknown initial residency 'hot'"),
+                      (dict(memory_budget=0), "memory_budget=0 must be a positive number of bytes")]:
+        with pytest.raises((BadInput, UnknownName), match=words):
+            EngineConfig(**kw)
+    for kw, words in [(dict(quota="Layer"), "unknown quota 'Layer'"), (dict(io="fast"), "unknown I/O backend"),
+                      (dict(bytes=-1), "must be a positive number of bytes")]:
+        with pytest.raises((BadInput, UnknownName), match=words):
+            CacheConfig(**kw)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(BadInput, match="is a file, not a folder"):
+        EngineConfig(store="disk", store_dir=tmp_path / "file")
+    with pytest.raises(BadInput, match="cannot make the store folder .*file/sub"):
+        Engine(None, EngineConfig(store="disk", store_dir=tmp_path / "file" / "sub"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert EngineConfig(store_dir="~/store").store_dir == tmp_path / "home" / "store"
+    (tmp_path / "org").mkdir()
+    with pytest.raises(CheckpointError, match="no such checkpoint folder"):  # not "no Hub download of it"
+        Engine("./org/model")
+    with pytest.raises(UnknownName, match="parse_variant"):
+        Engine(None, EngineConfig(policy="fetch-all+prefetch/lookahead"))
+    with Engine(None, EngineConfig(max_seq=64)) as engine:
+        with pytest.raises(BadInput, match="not bools"):
+            engine.decode([True, 5])
+        with pytest.raises(BadInput, match=f"token id {2**70} is outside"):
+            engine.decode([5, 2**70])

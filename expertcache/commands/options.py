@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from ..atomic import writable_folder, written_in_place
-from ..choices import DENSE_DTYPES, DTYPES, IO_BACKENDS, PROMPT_ORDERS, SCHEMES, SLOT_DTYPES
+from ..choices import DENSE_DTYPES, DTYPES, INITIAL, IO_BACKENDS, PROMPT_ORDERS, SCHEMES, SLOT_DTYPES
 from ..errors import BadInput
 
 if TYPE_CHECKING:  # the verbs import the engine when they run, so that --help starts without torch
@@ -53,7 +53,8 @@ non_negative = bounded(float, 0.0, what="give a number >= 0")
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
     """The checkpoint to load (--model; default: the built-in model)."""
-    p.add_argument("--model", type=Path, default=None,
+    # a string until cli.main makes it a folder: Path() drops the './' that says './org/name' is no Hub id
+    p.add_argument("--model", type=str, default=None,
                    help="a local HF checkpoint folder, or a Hub id such as Qwen/Qwen3-30B-A3B (downloaded once into huggingface_hub's cache) (default: the built-in model)")
 
 
@@ -232,7 +233,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, store: str = "disk", prompt
                         "predictor, e.g. fetch-all+prefetch/quasi-hidden (each: docs/policies.md)")
     p.add_argument("--eviction", default=None,
                    help="lru, lfu, freq, halving or demand (default: the policy's choice)")
-    p.add_argument("--initial", default="auto", choices=["warm", "cold", "auto"],
+    p.add_argument("--initial", default="auto", choices=INITIAL,
                    help="initial residency: warm, cold or auto (warm when routing counts exist)")
     p.add_argument("--max-seq", type=positive_int, default=2048, help="longest sequence the KV cache holds")
     if prompts:

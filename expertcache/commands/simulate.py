@@ -5,7 +5,7 @@ import argparse
 import functools
 from pathlib import Path
 
-from ..choices import BENCH_POLICIES
+from ..choices import BENCH_POLICIES, INITIAL
 from ..errors import BadInput, CheckpointError
 from .options import add_json_argument, announce_compile, fraction, plot_path, positive_int, write_json
 
@@ -18,7 +18,7 @@ def add_arguments(p):
     p.add_argument("--policies", nargs="+", default=list(BENCH_POLICIES), help="policy specs to replay")
     p.add_argument("--cache", type=fraction, nargs="+", default=[0.25], help="cache fractions to sweep")
     p.add_argument("--eviction", default=None, help="lru, lfu, freq, halving or demand (default: each policy's choice)")
-    p.add_argument("--initial", default="auto", choices=["warm", "cold", "auto"],
+    p.add_argument("--initial", default="auto", choices=INITIAL,
                    help="warm (the model's routing counts), cold or auto")
     p.add_argument("--profile", default=None, help="cost model: a calibrate-hw file, rtx3090-qwen3-next or "
                                                    "a6000-qwen3-30b; adds estimated ms/token")

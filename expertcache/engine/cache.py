@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..choices import IO_BACKENDS
 from ..errors import BadInput, CacheTooSmall, UnknownName, real_number, whole_number
 from ..kernel import decisions as kernel
 from ..kernel.cache_state import LOGGING, N_LOG, PREFETCHES, CacheState
@@ -55,8 +56,16 @@ class CacheConfig:
                            "e.g. 4")
         if not isinstance(self.caller_reads, bool):  # "no" would read as true
             raise BadInput(f"caller_reads={self.caller_reads!r} must be True or False")
+        # names, before a store is converted and the weights load for them (minutes at real size)
+        if self.quota not in QUOTAS:
+            raise UnknownName(f"unknown quota {self.quota!r}; choose 'layer' or 'global'")
+        if self.io not in IO_BACKENDS:
+            raise BadInput(f"unknown I/O backend {self.io!r}; choose one of {', '.join(IO_BACKENDS)}")
+        if self.bytes is not None and self.bytes <= 0:
+            raise BadInput(f"cache bytes={self.bytes} must be a positive number of bytes, e.g. 512 * 2**20")
 
 
+QUOTAS = ("layer", "global")
 DEFAULT_FRACTION = 0.25  # a model with few experts (a tiny test model's 4, top-2) is given its top-k instead
 
 
@@ -101,8 +110,6 @@ class ExpertCache:
     def __init__(self, cfg: CacheConfig, store: ExpertStore | None, top_k: int, device: torch.device | None,
                  dtype: torch.dtype | ExpertFormat, shape: ExpertShape | None = None, fetch_bytes: int | None = None,
                  lowbit_bytes: int = 0):
-        if cfg.quota not in ("layer", "global"):
-            raise UnknownName(f"unknown quota {cfg.quota!r}; choose 'layer' or 'global'")
         shape = store.shape if store is not None else shape
         self.shape, self.store, self.cfg, self.top_k = shape, store, cfg, top_k
         # dtype: a float dtype, or a slot format (`slot_format`): float, or quantized (encoded blobs)

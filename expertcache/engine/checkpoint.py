@@ -171,9 +171,12 @@ HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]  # *.jinja: the
 HUB_SKIPPED = ["consolidated*", "original/*", "metal/*"]
 
 
-def is_hub_id(name: str) -> bool:
-    """An `org/name` model id of the Hugging Face Hub, as opposed to a path."""
-    parts = str(name).split("/")
+def is_hub_id(name: str | Path) -> bool:
+    """An `org/name` model id of the Hugging Face Hub, as opposed to a path: a string (a Path is a folder here,
+    and has lost the './' that would say so)."""
+    if not isinstance(name, str):
+        return False
+    parts = name.split("/")
     return len(parts) == 2 and all(parts) and not str(name).startswith((".", "~")) and not Path(name).exists()
 
 
@@ -226,7 +229,7 @@ def check_token_ids(ids: list[int], vocab_size: int, path: str | Path) -> list[i
 def model_folder(path: str | Path) -> Path:
     """The local folder of a checkpoint given as a folder (`~` expanded) or a Hub id (downloaded into
     huggingface_hub's cache): where its weights are read, and the files `calibrate` writes beside them."""
-    return download(str(path)) if is_hub_id(str(path)) else Path(path).expanduser()
+    return download(path) if is_hub_id(path) else Path(path).expanduser()
 
 
 def model_name(folder: Path) -> str:

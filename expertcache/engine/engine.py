@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..choices import BUILTIN_MODEL, PROMPT_ORDERS  # noqa: F401 (BUILTIN_MODEL re-exported)
+from ..choices import BUILTIN_MODEL, INITIAL, PROMPT_ORDERS  # noqa: F401 (BUILTIN_MODEL re-exported)
 from ..errors import (
     BadInput,
     CacheTooSmall,
@@ -96,6 +96,17 @@ class EngineConfig:
                                            not os.fspath(self.store_dir)):  # '' is the working directory to Path
             raise BadInput(f"store_dir={self.store_dir!r} must be a folder (a str or Path), or None for the default "
                            "one under ~/.cache")
+        if self.store_dir is not None:  # '~/x' made a folder named '~' where the run started
+            store_dir = Path(self.store_dir).expanduser()
+            if store_dir.exists() and not store_dir.is_dir():
+                raise BadInput(f"store_dir {store_dir} is a file, not a folder; give a folder (made where missing), "
+                               "or leave it out for the default one under ~/.cache")
+            object.__setattr__(self, "store_dir", store_dir)
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise BadInput(f"memory_budget={self.memory_budget} must be a positive number of bytes, e.g. 8 * 2**30")
+        # names, before a store is converted and the weights load for them (minutes at real size)
+        if self.initial not in INITIAL:
+            raise UnknownName(f"unknown initial residency {self.initial!r}; choose warm, cold or auto")
         if self.prompt_order not in PROMPT_ORDERS:
             raise UnknownName(f"unknown prompt_order {self.prompt_order!r}; choose one of {', '.join(PROMPT_ORDERS)}")
         if not isinstance(self.verify, bool):  # "no" would read as true
@@ -213,11 +224,11 @@ class Engine:
         if model_path == "":  # an unset variable's value: the built-in model ran in the checkpoint's place, silently
             raise BadInput("model_path='' names no checkpoint; give its folder or Hub id, or None for the built-in "
                            "model")
-        self.path = Path(model_path) if model_path is not None else BUILTIN_MODEL
         self.config = config
         self.device = checked_device(config.device)
         policy = checked_options(config, policy)
-        ckpt = open_checkpoint(self.path)
+        # as given: Path() drops the './' that says './org/name' is a folder here, not a Hub id
+        ckpt = open_checkpoint(model_path if model_path is not None else BUILTIN_MODEL)
         self.path = ckpt.path  # a Hub id's snapshot folder: routing counts and predictors are read beside its weights
         self.args = model_args(ckpt.config)
         ckpt.eos_token_ids(self.args.vocab_size)  # refused at open: a server would fail every request
@@ -321,7 +332,9 @@ class Engine:
             each = slot_bytes(shape, stored) if self.slot_format.quantized else \
                 shape.numel * store_dtype.itemsize
             parts |= held_in_memory(f"the {c.store} store's experts", each, shape)
-        fixes = (["--store disk (the experts stay on the disk)"] if c.store in ("ram", "pinned") else []) + \
+        positions = parts.get("KV cache", 0) + parts.get("workspace", 0)  # they grow with --max-seq, not the cache
+        fixes = (["a smaller --max-seq (serve: --kv-positions)"] if positions > free // 2 else []) + \
+            (["--store disk (the experts stay on the disk)"] if c.store in ("ram", "pinned") else []) + \
             ["a smaller --cache", "--memory-budget"]
         refuse_unless_fits(parts, free, "", "this machine has free", f"{', '.join(fixes[:-1])} or {fixes[-1]}")
 
@@ -382,8 +395,6 @@ class Engine:
         if initial == "warm" and counts is None:
             raise CheckpointError(f"{self.path}: no {ROUTING_COUNTS} for a warm cache; run `expertcache calibrate "
                                   "--model PATH` first (a verb that takes --initial can also start cold)")
-        if initial not in ("warm", "cold", "auto"):
-            raise UnknownName(f"unknown initial residency {initial!r}; choose warm, cold or auto")
         self.cache.clear()
         if counts is not None:
             self.cache.warm(counts)
@@ -549,10 +560,15 @@ class Engine:
         BadInput unless they are integers in the vocabulary: a negative id would index the embeddings from their end
         (another token's output), one past them fail inside the forward, a float id be truncated, uint8 ids read as
         a mask."""
+        if isinstance(ids, (list, tuple)) and any(isinstance(t, bool) for t in ids):  # True would read as id 1
+            raise BadInput("token ids must be ints, not bools; text becomes ids through Engine.encode")
         if not isinstance(ids, torch.Tensor):
             try:
                 ids = torch.as_tensor(ids) if not isinstance(ids, (str, bytes)) else None
             except (TypeError, ValueError, RuntimeError, OverflowError):
+                if isinstance(ids, (list, tuple)) and ids and all(isinstance(t, int) for t in ids):  # past int64
+                    raise BadInput(f"token id {max(ids, key=abs)} is outside the model's vocabulary [0, "
+                                   f"{self.args.vocab_size}); give ids its tokenizer made") from None
                 ids = None
             if ids is None:  # text, None, ragged lists, mixed types
                 raise BadInput("token ids must be a non-empty 1-D integer tensor or list of ints; text becomes ids "

@@ -273,12 +273,19 @@ def batch_logits(engine: Engine, generations: list[TextGeneration]) -> torch.Ten
 def generate(engine: Engine, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, stop: int | None = None) -> Iterator[int]:
     """Yield new token ids (ids only, no EOS handling unless `stop` names a token, which is
-    yielded before the end): one forward over the prompt, then one per token (KV cache)."""
+    yielded before the end): one forward over the prompt, then one per token (KV cache). Its arguments are checked
+    at the call, not at the first token."""
+    if not isinstance(max_new_tokens, bool) and isinstance(max_new_tokens, int) and max_new_tokens < 1:
+        raise BadInput(f"max_new_tokens={max_new_tokens} must be >= 1")  # SamplingParams would name max_tokens
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_new_tokens, ignore_eos=True)
     gen = TextGeneration(engine, prompt, params)
     if stop is not None and not 0 <= whole_number(stop, "stop") < engine.args.vocab_size:  # else never met, silently
         raise BadInput(f"stop={stop} must be a token id in [0, {engine.args.vocab_size}), or None")
     gen.detok = None  # ids only: no text to build
+    return _tokens(gen, stop)
+
+
+def _tokens(gen: TextGeneration, stop: int | None) -> Iterator[int]:
     while gen.finish_reason is None:
         token = gen.step().token
         yield token

@@ -65,6 +65,8 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
     (reset first unless `reset` is False: then the cache carries over from earlier runs). With
     `partial_on_interrupt`, a Ctrl-C after the first window returns the windows scored so far
     (`interrupted` set) instead of raising."""
+    if not hasattr(engine, "token_ids"):  # a path or None: an AttributeError inside
+        raise BadInput(f"perplexity takes an Engine, not {type(engine).__name__}; make one with Engine(path)")
     ids = engine.token_ids(ids, empty=True)  # every id: the last is only a target, which no forward checks
     context = whole_number(context, "context")
     if progress is not None and not callable(progress):  # else a TypeError after the first window ran

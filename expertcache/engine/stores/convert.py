@@ -14,7 +14,7 @@ from pathlib import Path
 import crc32c
 import torch
 
-from ...errors import NotEnoughDisk, size_text
+from ...errors import BadInput, NotEnoughDisk, size_text
 from ...models.args import ModelArgs
 from ...progress import progress_bar
 from ..checkpoint import Checkpoint
@@ -56,11 +56,21 @@ def format_store_dir(ckpt: Checkpoint, fmt: ExpertFormat | None) -> Path:
     return base if fmt is None else base.with_name(f"{base.name}-{fmt.tag}")
 
 
+def make_store_dir(store_dir: Path) -> None:
+    """The store's folder made where missing; BadInput naming the folder where it cannot be (a file on its path,
+    no permission): the Python API's road has no command line to word an OSError."""
+    try:
+        store_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadInput(f"cannot make the store folder {store_dir} ({e.strerror}); give a folder that can be written "
+                       "(store_dir, --store-dir or --out), or set EXPERTCACHE_HOME") from None
+
+
 @contextmanager
 def conversion_lock(store_dir: Path):
     """Held while a store folder is converted: two processes that start on a fresh machine at once (a server and
     a generate) would otherwise write the same file together, and the second find it renamed away."""
-    store_dir.mkdir(parents=True, exist_ok=True)
+    make_store_dir(store_dir)
     with open(store_dir / ".convert.lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         yield
@@ -90,7 +100,7 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     written as it is, not requantised. `progress`: a bar of layers on stderr (None: where stderr is a
     terminal, as a model's first run converts it)."""
     shape = ExpertShape.of(args)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_store_dir(out_dir)
     tmp = out_dir / "experts.bin.partial"
     checksums, flushed = [], 0
     fmt = fmt or ExpertFormat.of_dtype(dtype if dtype is not None else expert_dtype(ckpt, args))
