@@ -303,6 +303,11 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("checkpoint with one expert's tensor a row short", [*ppl, "--model", str(short_expert)]),
         ("sharded checkpoint without a shard its index names", [*ppl, "--model", str(lost_shard)]),
         ("generate a prompt past the model's context", ["generate", "--store", "ram", "-p", "word " * 3000]),
+        ("--model ./org/name that is no folder (no Hub lookup)", [*ppl, "--model", "./org/name"]),
+        ("--store-dir a file", [*ppl, "--store", "disk", "--store-dir", str(bad_text)]),
+        ("--store-dir under a file", [*ppl, "--store", "disk", "--store-dir", str(bad_text / "store")]),
+        ("--store-dtype other than the store's", ["ppl", "--store", "disk", "--store-dir", str(store),
+                                                  "--store-dtype", "int8", "--max-tokens", "64"]),
     ]
 
 

@@ -74,9 +74,13 @@ def checked_number(policy: str, key: str, value, low: float, high: float = math.
         raise BadInput(f"policy {policy!r}: {key}={value!r} is not a number; e.g. {policy}:{key}={EXAMPLES[key]}") \
             from None
     bounds = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
-    if not math.isfinite(x) or (x <= low if above else x < low) or x > high:
+    inside = lambda v: math.isfinite(v) and not (v <= low if above else v < low) and v <= high  # noqa: E731
+    if not inside(x):
+        example = float(EXAMPLES[key])  # the usual example, or one inside bounds another parameter set (hi > lo)
+        if not inside(example):
+            example = (low + high) / 2 if high < math.inf else low + (1 if whole else 0.1)
         raise BadInput(f"policy {policy!r}: {key}={value} is out of range; give a finite {key} {bounds}, "
-                       f"e.g. {policy}:{key}={EXAMPLES[key]}")
+                       f"e.g. {policy}:{key}={int(example) if whole else round(example, 4):g}")
     if whole and x != int(x):
         raise BadInput(f"policy {policy!r}: {key}={value} must be a whole number, e.g. {policy}:{key}={EXAMPLES[key]}")
     return int(x) if whole else x

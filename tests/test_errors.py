@@ -3,6 +3,7 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1187,3 +1188,32 @@ def test_names_folders_and_ids_of_the_python_api_are_refused_before_anything_loa
             engine.decode([True, 5])
         with pytest.raises(BadInput, match=f"token id {2**70} is outside"):
             engine.decode([5, 2**70])
+
+
+def test_a_read_only_models_advice_leaves_no_link_to_a_file_the_verb_writes(tmp_path, monkeypatch, capsys):
+    """The folder of links the refusal names ends with the links to the files the verb writes removed: kept, the
+    writes followed them into the read-only folder (EROFS after the verb's work). Followed, calibrate runs."""
+    import re
+    import subprocess
+    from expertcache.engine import checkpoint
+    model = tmp_path / "ro"
+    shutil.copytree(BUILTIN_MODEL, model)
+    monkeypatch.setattr(checkpoint, "writable_folder", lambda folder: Path(folder).resolve() != model.resolve())
+    code, err = run_cli(capsys, "calibrate", "--model", str(model), "--max-tokens", "64")
+    assert code == 2 and "rm -f MODEL/routing_counts.json MODEL/default_vectors.safetensors" in err, err
+    advice = re.search(r"mkdir MODEL && .*", err).group(0).replace("MODEL", str(tmp_path / "links"))
+    subprocess.run(advice, shell=True, check=True)
+    assert not (tmp_path / "links" / "routing_counts.json").exists() and (tmp_path / "links" / "config.json").exists()
+    assert run_cli(capsys, "calibrate", "--model", str(tmp_path / "links"), "--max-tokens", "64")[0] == 0
+    assert (tmp_path / "links" / "routing_counts.json").is_file() and not \
+        (tmp_path / "links" / "routing_counts.json").is_symlink()
+
+
+def test_an_out_of_range_parameters_example_is_inside_its_bounds():
+    """band:lo=0.9,hi=0.1 suggested hi=0.3, which the same check refuses; the example now lies inside the bounds."""
+    from expertcache.policies import make_policy
+    with pytest.raises(BadInput, match=r"hi > 0.9, e.g. band:hi=1\b") as e:
+        make_policy("band:lo=0.9,hi=0.1")
+    make_policy("band:lo=0.9," + str(e.value).rsplit("band:", 1)[1])  # the example, followed
+    with pytest.raises(BadInput, match=r"e.g. band:hi=0.3"):  # the usual example where it fits
+        make_policy("band:lo=0.2,hi=0.1")

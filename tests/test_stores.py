@@ -342,7 +342,7 @@ def test_a_store_in_another_format_is_refused(tiny, tmp_path):
     with pytest.raises(CheckpointError, match="int8-g64-asym, not int4-g64-asym") as e:
         open_store("disk", ckpt, args, tmp_path, fmt=ExpertFormat.parse("int4", 64))
     # the command it names writes the format asked for (it named torch's dtype, which convert refuses)
-    assert "`expertcache convert --dtype int4 --group-size 64 --out DIR`" in str(e.value)
+    assert f"`expertcache convert --model {ckpt.path} --dtype int4 --group-size 64 --out DIR`" in str(e.value)
     for fmt in ("fp16", "bf16", "int8", "mxfp4"):
         assert ExpertFormat.parse(ExpertFormat.parse(fmt).flags.split()[0]) == ExpertFormat.parse(fmt)
     assert ExpertFormat.parse("int4", 32, "sym").flags == "int4 --scheme sym"

@@ -28,8 +28,8 @@ def run(a) -> int:
     from ..lab.texts import read_text
     from ..progress import progress_bar
     text = read_text(a.text)
-    files = f"{ROUTING_COUNTS} and {DEFAULT_VECTORS}"
-    path = written_model(a, "calibrate", files)
+    files = (ROUTING_COUNTS, DEFAULT_VECTORS)
+    path = written_model(a, "calibrate", " and ".join(files))
     check_writable(path, files)
     ids = encode_text(path, text, a.max_tokens)
     if a.memory_budget is not None:

@@ -6,6 +6,7 @@ expert kernel indexes them like any expert stack; in fp32, fp16 or bf16. Quantiz
 hold each expert's encoded blob as the disk store keeps it instead (`blobs` uint8 [S, bytes])."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,10 +92,12 @@ def slots_per_layer(cfg: CacheConfig, shape: ExpertShape, fast_expert_bytes: int
         what = f"a fraction of {cfg.fraction}"
     if per_layer < least:
         layer_bytes = fast_expert_bytes * shape.num_layers  # one slot a layer
-        fix = f"give at least {least / shape.num_experts:.3f} of the experts or {least * layer_bytes} bytes"
-        if cfg.quota == "layer":
+        fraction = math.ceil(least / shape.num_experts * 1000) / 1000  # rounded up: a rounded-down one is short
+        fix = f"give at least {fraction:.3f} of the experts (--cache {fraction:.3f}) or {least * layer_bytes} bytes"
+        if cfg.quota == "layer":  # the verbs that size the cache in bytes take a quota too
             shared = least_slots_per_layer("global", top_k, shape.num_layers)
-            fix += f", or --quota global (the layers share their slots: {shared * layer_bytes} bytes)"
+            fix += (f"; in bytes, --quota global lets the layers share their slots (--cache-bytes "
+                    f"{shared * layer_bytes} --quota global)")
         slots = per_layer if cfg.quota == "layer" else per_layer * shape.num_layers
         held = f"{slots} expert slot{'s' * (slots != 1)} " + ("per layer" if cfg.quota == "layer" else
                                                                "shared by the layers")

@@ -78,7 +78,8 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise CheckpointError(f"the chat template does not parse ({e}); fix it in chat_template.jinja or "
-                                  "tokenizer_config.json, or use plain completions") from None
+                                  "tokenizer_config.json, or use plain completions (`expertcache generate`, "
+                                  "/v1/completions)") from None
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
 
     @classmethod
@@ -98,7 +99,8 @@ class ChatTemplate:
                           None)
         if not source or not isinstance(source, str):
             raise CheckpointError(f"{engine.path}: no chat template (chat_template.jinja, or chat_template in "
-                                  "tokenizer_config.json); add one or use plain completions")
+                                  "tokenizer_config.json); add one or use plain completions (`expertcache generate`, "
+                                  "/v1/completions)")
         return cls(source, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,

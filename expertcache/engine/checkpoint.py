@@ -326,14 +326,16 @@ def quantization(path: Path, config: dict) -> tuple[int, int] | None:
     return tuple(block)
 
 
-def check_writable(path: Path, files: str) -> None:
-    """CheckpointError, before a verb's work, when the checkpoint folder `path` cannot take the `files` the verb
-    writes beside its weights (a read-only mount, another user's folder): found as they were written, it ended
+def check_writable(path: Path, names: tuple[str, ...]) -> None:
+    """CheckpointError, before a verb's work, when the checkpoint folder `path` cannot take the files `names` the
+    verb writes beside its weights (a read-only mount, another user's folder): found as they were written, it ended
     minutes of work with a fix naming flags the verb does not have."""
     if not writable_folder(Path(path)):
-        raise CheckpointError(f"{path} cannot be written (read-only, or not yours), and {files} go beside the "
-                              "weights; give --model a writable folder of links to its files: mkdir MODEL && "
-                              f"ln -s {Path(path).resolve()}/* MODEL")
+        # the links to the files it writes go, or the writes follow them into the read-only folder
+        raise CheckpointError(f"{path} cannot be written (read-only, or not yours), and {' and '.join(names)} go "
+                              "beside the weights; give --model a writable folder of links to its files: mkdir MODEL "
+                              f"&& ln -s {Path(path).resolve()}/* MODEL && rm -f "
+                              f"{' '.join(f'MODEL/{n}' for n in names)}")
 
 
 def load_routing_counts(model_path: Path, shape: tuple[int, int] | None = None) -> np.ndarray | None:
@@ -347,10 +349,10 @@ def load_routing_counts(model_path: Path, shape: tuple[int, int] | None = None) 
             raise ValueError(f"a negative count, {counts.min()}")
     except (KeyError, TypeError, ValueError, OverflowError, OSError) as e:  # not a table of whole numbers >= 0
         raise CheckpointError(f"{p}: not a routing-counts file ({type(e).__name__}: {e}); rerun `expertcache "
-                              "calibrate` or delete the file") from None
+                              f"calibrate --model {model_path}` or delete the file") from None
     if shape is not None and counts.shape != shape:
         raise CheckpointError(f"{p}: counts of shape {counts.shape} do not fit the model; "
-                              "rerun `expertcache calibrate` or delete the file")
+                              f"rerun `expertcache calibrate --model {model_path}` or delete the file")
     return counts
 
 

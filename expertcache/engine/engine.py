@@ -374,13 +374,13 @@ class Engine:
         if left < one:
             parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.plan.parts().items())
             need = "per layer" if quota == "layer" else "shared by the layers (--quota global)"
-            shared = "" if quota == "global" else ", or --quota global (the layers share their slots)"
+            shared = "" if quota == "global" else " or --quota global (the layers share their slots)"
             given = f"{budget / 2**20:.1f} MiB" if budget >= 2**20 else \
                 f"{budget} bytes (a plain number is bytes: give a unit, e.g. {budget}M)"
             raise CacheTooSmall(f"--memory-budget {given} leaves {max(left, 0) / 2**20:.1f} MiB for "
                                 f"experts after {parts}; top-{k} experts {need} need {one / 2**20:.1f} MiB: raise it "
-                                f"to at least {math.ceil((budget - left + one) / 2**20 * 10) / 10:.1f}M or lower "
-                                f"--max-seq (serve: --kv-positions){shared}")
+                                f"to at least {math.ceil((budget - left + one) / 2**20 * 10) / 10:.1f}M; or, where "
+                                f"the verb takes them, lower --max-seq (serve: --kv-positions){shared}")
         return left
 
     # -- residency -----------------------------------------------------------------------

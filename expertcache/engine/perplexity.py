@@ -74,8 +74,10 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
     if len(ids) < 2:
         raise BadInput(f"perplexity needs at least 2 tokens of text, got {len(ids)}; give a longer text")
     if min(context, len(ids) - 1) > engine.model.max_seq:  # the forward's refusal would name --max-seq alone
-        raise BadInput(f"--context {context} is longer than --max-seq {engine.model.max_seq}; lower --context, or "
-                       f"raise --max-seq (at most {max_seq_limit(engine.args)}, the model's context)")
+        limit = max_seq_limit(engine.args)
+        raise BadInput(f"--context {context} is longer than --max-seq {engine.model.max_seq}; lower --context" +
+                       (f", or raise --max-seq where the verb takes it (at most {limit}, the model's context)"
+                        if engine.model.max_seq < limit else f" (the model's context is {limit})"))
     if reset:
         engine.reset()
     nll_parts, window_nll, window_stats = [], [], []

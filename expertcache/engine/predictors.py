@@ -115,7 +115,8 @@ class QuasiHidden(Predictor):
         if tuple(default_vectors.shape) != (a.num_moe_layers, a.num_experts, a.hidden_size):
             raise CheckpointError(f"the default vectors ({DEFAULT_VECTORS}) of shape {tuple(default_vectors.shape)} do "
                                   f"not fit the model's {a.num_moe_layers} MoE layers x {a.num_experts} experts x "
-                                  f"hidden size {a.hidden_size}; rerun `expertcache calibrate` on it")
+                                  f"hidden size {a.hidden_size}; rerun `expertcache calibrate --model MODEL` on "
+                                  "its folder")
         self.default_vectors = default_vectors.to(model.device, model.dtype)
         self._decode: list[tuple] | None = None  # per layer, the compiled call's arrays (decode_logits)
 
@@ -371,7 +372,7 @@ class Lookahead(Estimator):
         a = model.args
         if sketch.shape != (a.num_moe_layers - 1, a.num_experts, a.hidden_size):
             raise CheckpointError(f"the lookahead's expert sketches of shape {sketch.shape} do not fit "
-                                  f"the model; run `expertcache predict --train`")
+                                  "the model; run `expertcache predict --train --model MODEL` on its folder")
         self.sketch = sketch if model.device.type == "cpu" else sketch.to(model.device)
         self._sketch: list[tuple[np.ndarray, ...]] | None = None  # per layer, its arrays (decode_logits)
 

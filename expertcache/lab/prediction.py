@@ -256,7 +256,7 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
     rank and neurons and its net of `width`, saved beside it too. `progress(stage, done, total)`: the tokens
     recorded, the estimator's epochs, the lookahead's inputs (tokens of every transition), its epochs."""
     dv = load_default_vectors(model_path)  # before the minutes of recording
-    check_writable(model_path, f"{ESTIMATOR_FILE} and {LOOKAHEAD_FILE}")
+    check_writable(model_path, (ESTIMATOR_FILE, LOOKAHEAD_FILE))
     model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))),
                                   pre=True, sketch=sketch)
     k = model.args.top_k

@@ -174,7 +174,7 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
         raise BadInput(f"window {window} must be at least 1 token; e.g. --window 1 (decode order)")
     if counts is not None and np.shape(counts) != (L, E):
         raise BadInput(f"routing counts of shape {np.shape(counts)} do not fit the trace's {L} layers x {E} experts; "
-                       "run `expertcache calibrate` on the trace's model")
+                       "run `expertcache calibrate --model MODEL` on the trace's model")
     if routes is not None:
         R = routes.ranked.shape[-1]
         if routes.ranked.shape[:2] != (L, N) or not k <= R <= E or routes.weights.shape != (L, N, k) \

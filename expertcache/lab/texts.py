@@ -33,7 +33,7 @@ def read_bounded(f, source: str) -> bytes:
         size += len(chunk)
         if size > MAX_TEXT_BYTES:
             raise BadInput(f"{source} goes on past {MAX_TEXT_BYTES / 2**20:,.0f} MiB; give a shorter text, e.g. its "
-                           "start: head -c 100M FILE > part.txt")
+                           "start, whole characters kept: head -c 100M FILE | iconv -c -f UTF-8 -t UTF-8 > part.txt")
     return b"".join(chunks)
 
 
@@ -86,14 +86,14 @@ def text_segments(path: Path, offsets: tuple[int, ...] | None = None) -> tuple[s
             segs = json.loads(segments_file.read_text())["segments"]
             segments = [Segment(str(s["domain"]), int(s["start_char"]), int(s["chars"])) for s in segs]
         except (ValueError, KeyError, TypeError) as e:
-            raise BadInput(f"{segments_file}: not a segments file ({e}); remove it or pass --domains") from None
+            raise BadInput(f"{segments_file}: not a segments file ({e}); remove it, or give study --domains") from None
         for s in segments:  # a segment past the text would be an empty domain, scored as nothing
             if s.start_char < 0 or s.chars <= 0 or s.start_char + s.chars > len(text):
                 raise BadInput(f"{segments_file}: segment {s.domain!r} (start_char {s.start_char}, chars {s.chars}) "
-                               f"is not inside the {len(text)} characters of {path}; correct it, remove the file "
-                               f"or pass --domains")
+                               f"is not inside the {len(text)} characters of {path}; correct it, remove the file, "
+                               "or give study --domains")
         if not segments:
-            raise BadInput(f"{segments_file} lists no segments; remove it or pass --domains")
+            raise BadInput(f"{segments_file} lists no segments; remove it, or give study --domains")
         return text, segments
     return text, [Segment(path.stem, 0, len(text))]
 

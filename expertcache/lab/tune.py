@@ -392,8 +392,8 @@ def check_profile_for(profile: HardwareProfile, slots: str, engine: Engine, mode
         if recorded and recorded != given:
             raise BadInput(f"the hardware profile given for --slot-dtype {slots} ({held} slots), --mode {mode} was "
                            f"measured with {recorded} {what}: give the --profile files in the order auto, then "
-                           f"--slot-dtypes, each measured by `expertcache calibrate-hw --mode {mode} --slot-dtype "
-                           "SLOTS --out FILE`")
+                           f"--slot-dtypes, each measured by `expertcache calibrate-hw --mode {mode} --out FILE` "
+                           "(for int8 or int4 slots S, with --slot-dtype S --store-dtype S)")
 
 
 def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: HardwareProfile | dict[str, HardwareProfile],

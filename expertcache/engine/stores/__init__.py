@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ...choices import BUILTIN_MODEL
 from ...errors import CheckpointError, UnknownName
 from ...models.args import ModelArgs
 from ..checkpoint import Checkpoint
@@ -63,19 +64,27 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
         if fmt is not None and store.format != fmt:
             store.close()
             raise CheckpointError(f"{store_dir} holds experts as {store.format.tag}, not {fmt.tag}; convert to "
-                                  f"another folder (`expertcache convert --dtype {fmt.flags} --out DIR`), or leave "
-                                  "out --store-dtype to run it as it is stored")
+                                  f"another folder (`{convert_command(ckpt, fmt, 'DIR')}`), or leave out "
+                                  "--store-dtype to run it as it is stored")
         if given and blob_checksum(ckpt, args, 0, 0, store.format) != store.checksums[0]:
             store.close()  # a store of another checkpoint of this shape: its experts with these dense weights
             raise CheckpointError(f"{store_dir} holds another checkpoint's experts (expert 0 of layer 0 differs from "
-                                  f"{ckpt.path}'s); convert this model into another folder (`expertcache convert "
-                                  "--out DIR`), or leave out --store-dir")
+                                  f"{ckpt.path}'s); convert this model into another folder "
+                                  f"(`{convert_command(ckpt, fmt, 'DIR')}`), or leave out --store-dir")
         now, then = checkpoint_stamp(ckpt), store.checkpoint
         if given and then is not None and then != now:
             store.close()  # the checkpoint changed after the conversion: an edited expert past the first is not seen
             changed = next(n for n in sorted(now.keys() | then.keys()) if now.get(n) != then.get(n))
             raise CheckpointError(f"{store_dir} was converted from {ckpt.path} before {changed} changed (its size or "
-                                  f"time differs); convert it again (`expertcache convert --model {ckpt.path} --out "
-                                  f"{store_dir}`), or leave out --store-dir")
+                                  f"time differs); convert it again (`{convert_command(ckpt, store.format, store_dir)} "
+                                  "--force`), or leave out --store-dir")
         return store
     raise AssertionError(name)  # check_store knows no other
+
+
+def convert_command(ckpt: Checkpoint, fmt: ExpertFormat | None, out) -> str:
+    """The `expertcache convert` command that writes `ckpt`'s experts as `fmt` (None: as stored) into `out`, as an
+    error names it: the model given unless it is the built-in one, which convert takes by default."""
+    model = "" if Path(ckpt.path).resolve() == BUILTIN_MODEL.resolve() else f" --model {ckpt.path}"
+    dtype = f" --dtype {fmt.flags}" if fmt is not None else ""
+    return f"expertcache convert{model}{dtype} --out {out}"
