@@ -70,6 +70,13 @@ def whole_number(value, what: str) -> int:
     raise BadInput(f"{what}={value!r} must be a whole number (an int), not {type(value).__name__}")
 
 
+def truth(value, what: str) -> bool:
+    """`value` where it is a bool (a NumPy one too); BadInput naming `what` otherwise: "no" would read as true."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):  # NumPy's, without importing it here
+        return bool(value)
+    raise BadInput(f"{what}={value!r} must be True or False")
+
+
 def real_number(value, what: str) -> float:
     """`value` as a float where it is a real number (not a bool); BadInput naming `what` otherwise."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):

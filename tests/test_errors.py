@@ -1188,6 +1188,15 @@ def test_names_folders_and_ids_of_the_python_api_are_refused_before_anything_loa
             engine.decode([True, 5])
         with pytest.raises(BadInput, match=f"token id {2**70} is outside"):
             engine.decode([5, 2**70])
+        with pytest.raises(BadInput, match="last='no' must be True or False"):  # it ran as True
+            engine.forward([1, 2], 0, last="no")
+        with pytest.raises(BadInput, match="reset='no'"):
+            perplexity(engine, [1, 2, 3], reset="no")
+        with pytest.raises(BadInput, match="perplexity takes an Engine, not str"):  # an AttributeError inside
+            perplexity("model", [1, 2, 3])
+        from expertcache.engine.generate import generate
+        with pytest.raises(BadInput, match="max_new_tokens=0 must be >= 1"):  # at the call, not at next()
+            generate(engine, [1, 2], 0)
 
 
 def test_a_read_only_models_advice_leaves_no_link_to_a_file_the_verb_writes(tmp_path, monkeypatch, capsys):

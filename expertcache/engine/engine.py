@@ -24,6 +24,7 @@ from ..errors import (
     NotEnoughMemory,
     UnknownName,
     size_text,
+    truth,
     whole_number,
 )
 from ..kernel.eviction import eviction_code
@@ -535,6 +536,7 @@ class Engine:
         `prompt_order`. Raises NonFiniteOutput rather than return a NaN or infinite logit."""
         self._check_open()
         ids, pos = self.token_ids(ids), whole_number(pos, "position")
+        last, prompt = truth(last, "last"), truth(prompt, "prompt")
         if pos < 0:  # the rotary angles and the cache's slice would silently take it
             raise BadInput(f"position {pos} is negative; a sequence's first token is at position 0")
         T = ids.shape[0]

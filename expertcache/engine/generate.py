@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import BadInput, whole_number
+from ..errors import BadInput, truth, whole_number
 from ..policies import MissPolicy
 from .engine import Engine
 from .sampling import IncrementalDetokenizer, Sampler, SamplingParams, StopStrings
@@ -102,6 +102,7 @@ class TextGeneration:
             raise BadInput(f"TextGeneration takes an Engine and a SamplingParams, e.g. SamplingParams(max_tokens=16), "
                            f"not {type(engine).__name__} and {type(params).__name__}")
         prompt = engine.token_ids(prompt, empty=True).tolist()  # a tensor, an array or a list, checked once
+        own_kv = truth(own_kv, "own_kv")
         cached = whole_number(cached, "cached")  # a float failed at the prefill's slice, a string in the comparison
         check_length(engine, len(prompt), params.max_tokens)
         if not 0 <= cached < len(prompt) or cached and (own_kv or params.prompt_logprobs is not None):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..choices import EVAL_TEXT  # noqa: F401 (re-exported)
-from ..errors import BadInput, whole_number
+from ..errors import BadInput, truth, whole_number
 from .engine import Engine, max_seq_limit
 
 
@@ -68,7 +68,7 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
     if not hasattr(engine, "token_ids"):  # a path or None: an AttributeError inside
         raise BadInput(f"perplexity takes an Engine, not {type(engine).__name__}; make one with Engine(path)")
     ids = engine.token_ids(ids, empty=True)  # every id: the last is only a target, which no forward checks
-    context = whole_number(context, "context")
+    context, reset = whole_number(context, "context"), truth(reset, "reset")
     if progress is not None and not callable(progress):  # else a TypeError after the first window ran
         raise BadInput(f"progress={progress!r} must be a function of the tokens scored, or None")
     if len(ids) < 2:
