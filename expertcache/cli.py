@@ -144,14 +144,22 @@ def _run(argv: list[str] | None) -> int:
             compiled_ok()
         return code
     except Exception as e:  # noqa: BLE001 -- what is not a known error is raised again, traceback and all
-        if (code := reported(e, "expertcache")) is None:
+        flags = {f for action in parsers[args.verb]._actions for f in action.option_strings}
+        if (code := reported(e, "expertcache", flags)) is None:
             raise
         return code
 
 
-def reported(e: Exception, prog: str) -> int | None:
+# what gives a run less memory, by the flag it takes: those of the verb that ran are named
+MEMORY_FIXES = (("--cache", "a smaller --cache"), ("--memory-budget", "--memory-budget"),
+                ("--slot-dtype", "--slot-dtype int4 --store-dtype int4"), ("--dense-dtype", "--dense-dtype int8"),
+                ("--max-seq", "a shorter --max-seq"), ("--max-tokens", "fewer --max-tokens"))
+
+
+def reported(e: Exception, prog: str, flags: set[str] | None = None) -> int | None:
     """The exit code of an error that ends a run with one line on stderr (printed here): bad input, a corrupt
-    file, a refused allocation (2), stdout's reader gone (141); None for any other error, a bug to show whole."""
+    file, a refused allocation (2), stdout's reader gone (141); None for any other error, a bug to show whole.
+    `flags`: the options of the verb that ran, which the out-of-memory advice names (None: every one)."""
     if isinstance(e, (ExpertCacheError, UnicodeDecodeError, json.JSONDecodeError)):  # bad input or a corrupt file
         print(f"{prog}: error: {e}", file=sys.stderr)
     elif isinstance(e, BrokenPipeError):  # stdout's reader left (`| head`): end quietly, as SIGPIPE would
@@ -159,10 +167,12 @@ def reported(e: Exception, prog: str) -> int | None:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     elif isinstance(e, OSError):
-        print(f"{prog}: error: {e}; {os_error_fix(e)}", file=sys.stderr)
+        print(f"{prog}: error: {e}; {os_error_fix(e, flags)}", file=sys.stderr)
     elif isinstance(e, (MemoryError, RuntimeError)) and (sizes := out_of_memory(e)) is not None:  # torch: RuntimeError
-        print(f"{prog}: error: out of memory{f' ({sizes})' if sizes else ''}; give the run less: a smaller "
-              "--cache or --memory-budget, --slot-dtype int4, --dense-dtype int8, or a shorter --max-seq",
+        fixes = [fix for flag, fix in MEMORY_FIXES if flags is None or flag in flags]
+        advice = f": {', '.join(fixes[:-1])}{' or ' if len(fixes) > 1 else ''}{fixes[-1]}" if fixes else \
+            " (or run it on a machine with more memory)"
+        print(f"{prog}: error: out of memory{f' ({sizes})' if sizes else ''}; give the run less{advice}",
               file=sys.stderr)
     else:
         return None
@@ -202,17 +212,20 @@ def version() -> str:
         return "(not installed)"
 
 
-def os_error_fix(e: OSError) -> str:
-    """What to do about an operating-system error the library did not expect (mostly under ~/.cache)."""
+def os_error_fix(e: OSError, flags: set[str] | None = None) -> str:
+    """What to do about an operating-system error the library did not expect (mostly under ~/.cache); the folders'
+    options named where the verb that ran takes them (`flags`; None: every one)."""
+    named = [f for f in ("--store-dir", "--out") if flags is None or f in flags]
+    where = f"({' or '.join(named)}, or EXPERTCACHE_HOME)" if named else \
+        "(a writable copy of the model folder, or EXPERTCACHE_HOME for the cache)"
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return "make the path writable, or choose another folder (--store-dir or --out, or EXPERTCACHE_HOME)"
+        return f"make the path writable, or choose another folder {where}"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return "free disk space, or choose a folder on another disk (--store-dir or --out, or EXPERTCACHE_HOME)"
+        return f"free disk space, or choose a folder on another disk {where}"
     if e.errno in (errno.ENOTDIR, errno.EEXIST):  # a file where a folder must go ($HOME unset, or /dev/null)
-        return ("a file stands where a folder must go: choose another folder (--store-dir or --out, or "
-                "EXPERTCACHE_HOME)")
+        return f"a file stands where a folder must go: choose another folder {where}"
     if e.errno == errno.EINVAL:
-        return "the filesystem refused the operation; choose a folder on another filesystem (--store-dir)"
+        return f"the filesystem refused the operation; choose a folder on another filesystem {where}"
     return "check the path and the disk"
 
 

@@ -1039,6 +1039,10 @@ def test_running_out_of_memory_is_one_line_naming_the_fixes(capsys, monkeypatch,
     code, err = run_cli(capsys, "ppl")
     assert code == 2 and len(err.splitlines()) == 1 and "out of memory" in err and "--memory-budget" in err
     assert ("allocate" in err) and ("2.00 GiB" in err if fail == "cuda" else "bytes" in err)
+    from expertcache.commands import trace
+    monkeypatch.setattr(trace, "run", run)  # a verb without the engine's flags is told what it takes
+    code, err = run_cli(capsys, "trace", "--out", "x.ectrace")
+    assert code == 2 and "give the run less: fewer --max-tokens" in err and "--cache" not in err, err
 
 
 def test_a_file_whose_write_is_interrupted_is_left_as_it_was(tmp_path, ckpt):
