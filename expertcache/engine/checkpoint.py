@@ -177,7 +177,7 @@ def is_hub_id(name: str | Path) -> bool:
     if not isinstance(name, str):
         return False
     parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not str(name).startswith((".", "~")) and not Path(name).exists()
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and not Path(name).exists()
 
 
 def download(repo_id: str) -> Path:

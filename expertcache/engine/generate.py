@@ -287,6 +287,7 @@ def generate(engine: Engine, prompt: list[int], max_new_tokens: int, temperature
 
 
 def _tokens(gen: TextGeneration, stop: int | None) -> Iterator[int]:
+    """generate's tokens, one a step: its checks ran at the call, before the first `next`."""
     while gen.finish_reason is None:
         token = gen.step().token
         yield token
