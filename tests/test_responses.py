@@ -155,6 +155,14 @@ def test_reasoning_comes_back_as_its_own_item(tmp_path):
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "They greet me."
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello!"
         assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+        # the reasoning's tokens among the output's (they read 0)
+        assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
+        assert events[-1].response.usage.output_tokens_details.reasoning_tokens == \
+            whole.usage.output_tokens_details.reasoning_tokens
+        cut = dict(ask, max_output_tokens=6)  # inside the reasoning: it is cut short, whole and streamed
+        streamed = list(client.responses.create(**cut, stream=True))[-1].response
+        for response in (client.responses.create(**cut), streamed):
+            assert response.status == "incomplete" and [i.status for i in response.output] == ["incomplete"] * 2
     engine.close()
 
 
@@ -168,12 +176,29 @@ def test_reasoning_comes_back_as_its_own_item(tmp_path):
     ({"top_k": "many"}, "top_k: Input should be a valid integer", "top_k"),
     ({"tools": [{"type": "web_search"}]}, "type 'web_search' is not supported", "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "at the top", "tools"),
-    ({"tool_choice": {"type": "file_search"}}, "is not supported", "tool_choice"),
+    ({"tool_choice": {"type": "file_search"}}, "is not one", "tool_choice"),
+    ({"tool_choice": "any"}, r'is "none", "auto", "required" or \{"type": "function", "name"', "tool_choice"),
+    ({"tool_choice": 5}, "tool_choice: must be", "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "needs its schema", "text"),
     ({"text": {"format": {"type": "xml"}}}, "text.format type 'xml' is not supported", "text"),
     ({"input": []}, "input is empty", "input"),
     ({"input": [5]}, r"input\[0\] must be an object", "input"),
-    ({"input": [{"role": "robot", "content": "x"}]}, "role 'robot' is not one of", "input"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "has role 'robot', not one of user", "input"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "a tool's output is a function_call_output item", "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input_text part's text must be", "input"),
+    ({"input": [{"type": "reasoning", "summary": "x"}, "Hi"]}, "lists of text parts", "input"),
+    # echoed as sent: what JSON cannot carry was a 500 (and NaN a stream's invalid JSON)
+    ({"user": "\ud800"}, "what JSON cannot carry", "user"),
+    ({"metadata": {"k": float("nan")}}, "what JSON cannot carry", "metadata"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "at most 16 keys", "metadata"),
+    ({"text": {"formt": {"type": "json_object"}}}, "text.formt is not a field of it; did you mean format", "text"),
+    ({"reasoning": {"efort": "high"}}, "did you mean effort", "reasoning"),
+    ({"tools": [{"type": "function", "name": "f", "parameter": {}}]}, "did you mean parameters", "tools"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": "x"}], "tool_choice": "required"},
+     r"tools\[0\]\.parameters is not a JSON schema", "tools"),
+    ({"text": {"format": {"type": "text", "schema": {"type": "object"}}}}, "text.format gives schema", "text"),
+    ({"stream": True, "stream_options": {"include_usage": False}}, "include_obfuscation only", "stream_options"),
+    ({"top_logprobs": 2}, "not supported on /v1/responses", "top_logprobs"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "only text", "input"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "needs call_id", "input"),
     ({"input": [{"type": "function_call_output", "call_id": "1"}]}, "needs output", "input"),

@@ -282,7 +282,7 @@ class Server:
         calling = bool(body.tools) and body.tool_choice != "none" and \
             (self.reads_calls or body.tool_choice not in (None, "auto"))
         form = "plain" if (body.reasoning_format or self.reasoning_format) == "none" else self.form
-        # harmony's parts, and DeepSeek's and Kimi K2's calls, are marked by special tokens, which the text leaves out
+        # harmony's parts, and DeepSeek's and Kimi K2's calls, are marked by special tokens the text leaves out
         if form == "harmony" or calling and len(self.calls) > 1:
             params = replace(params, skip_special_tokens=False)
         # a constrained output is the answer from its first token, even after a prompt that opened <think>
@@ -308,7 +308,8 @@ class Server:
             answer = await self.chat(http, chat)
         except APIError as e:
             raise responses.renamed(e) from None
-        envelope = responses.Envelope(body, self.model_name)
+        tokens = (lambda text: len(self.engine.encode(text, special=False))) if self.engine.tokenizer else None
+        envelope = responses.Envelope(body, self.model_name, tokens)
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(responses.stream(answer.body_iterator, envelope), media_type="text/event-stream")
         if not answer.body:  # a client that left (499)

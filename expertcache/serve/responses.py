@@ -11,7 +11,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator, model_validator
@@ -24,12 +24,20 @@ PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "ma
 # the chat's own fields a Responses body does not take, and what it sends instead
 CHAT_ONLY = {"messages": "send input", "max_tokens": "send max_output_tokens",
              "max_completion_tokens": "send max_output_tokens", "response_format": "send text.format",
-             "n": "send one request per answer", "logprobs": "leave it out", "top_logprobs": "leave it out"}
+             "n": "send one request per answer", "logprobs": "leave it out"}
 # fields of OpenAI's that need responses kept on the server, or hosted runs
 KEPT = {"previous_response_id": "send the whole conversation in input", "conversation": "send it in input",
         "prompt": "send the prompt's text in instructions and input"}
 # include values that change nothing here (the reasoning comes back as text, not encrypted)
 INCLUDED = ("reasoning.encrypted_content",)
+# the keys of the objects a request nests, as the Responses API names them: another is a misspelling or refused
+KEYS = {"text": ("format", "verbosity"), "reasoning": ("effort", "summary", "generate_summary"),
+        "tool": ("type", "name", "description", "parameters", "strict"),
+        "format": ("type", "name", "description", "schema", "strict")}
+ROLES = ("user", "assistant", "system", "developer")  # a tool's output is a function_call_output item
+# fields that come back in the response as sent: what JSON cannot carry (NaN, a lone surrogate) is refused first
+ECHOED = ("user", "metadata", "tools", "text", "reasoning", "tool_choice", "instructions")
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal",
               "reasoning_text": "text", "summary_text": "text"}
 
@@ -50,6 +58,13 @@ class ResponsesBody(BaseModel):
     def _text_or_items(cls, value: Any) -> Any:
         if not isinstance(value, (str, list)):
             raise ValueError("must be a text or a list of items (messages, function calls and their outputs)")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _name_or_object(cls, value: Any) -> Any:  # else pydantic names its union's branches (tool_choice.str)
+        if not isinstance(value, (str, dict)):
+            raise ValueError('must be "none", "auto", "required" or {"type": "function", "name": ...}')
         return value
     model: str | None = None
     input: str | list[Any]
@@ -80,6 +95,9 @@ def chat_fields(body: ResponsesBody) -> dict:
     for name, instead in CHAT_ONLY.items():
         if extra.get(name) is not None:
             raise APIError(400, f"{name} is a chat completion's field, not one of /v1/responses; {instead}", name)
+    if extra.get("top_logprobs"):
+        raise APIError(400, "top_logprobs is not supported on /v1/responses; leave it out, or ask /v1/chat/completions "
+                       "with logprobs: true", "top_logprobs")
     for name, instead in KEPT.items():
         if extra.get(name) is not None:
             raise APIError(400, f"{name} is not supported: this server keeps no responses; {instead}", name)
@@ -99,6 +117,12 @@ def chat_fields(body: ResponsesBody) -> dict:
         raise APIError(400, "max_output_tokens must be at least 1", "max_output_tokens")
     if body.max_tool_calls is not None and body.max_tool_calls < 1:
         raise APIError(400, "max_tool_calls must be at least 1; send tool_choice none for no calls", "max_tool_calls")
+    check_echoed(body)
+    known("text", body.text, KEYS["text"], "text")
+    known("reasoning", body.reasoning, KEYS["reasoning"], "reasoning")
+    if body.stream_options and (more := sorted(set(body.stream_options) - {"include_obfuscation"})):
+        raise APIError(400, f"stream_options takes include_obfuscation only, not {', '.join(more)}; the usage comes "
+                       "with response.completed", "stream_options")
     fields: dict[str, Any] = {**extra, "model": body.model, "messages": messages(body), "stream": body.stream}
     if body.max_output_tokens is not None:
         fields["max_completion_tokens"] = body.max_output_tokens
@@ -123,6 +147,35 @@ def chat_fields(body: ResponsesBody) -> dict:
     return fields
 
 
+def check_echoed(body: ResponsesBody) -> None:
+    """APIError for an echoed field JSON cannot carry (NaN or Infinity, which the body's parser takes; a lone
+    surrogate, which UTF-8 cannot encode: the answer failed as it was written), or metadata past OpenAI's bounds."""
+    for name in ECHOED:
+        value = getattr(body, name)
+        try:
+            json.dumps(value, allow_nan=False, ensure_ascii=False).encode()
+        except (ValueError, UnicodeEncodeError):
+            raise APIError(400, f"{name} holds what JSON cannot carry (NaN or Infinity, or a lone surrogate escape "
+                           "such as \\ud800); send finite numbers and UTF-8 text", name) from None
+    meta = body.metadata or {}
+    if len(meta) > METADATA_KEYS or any(not isinstance(v, str) or len(k) > METADATA_KEY_CHARS or
+                                        len(v) > METADATA_VALUE_CHARS for k, v in meta.items()):
+        raise APIError(400, f"metadata holds at most {METADATA_KEYS} keys of at most {METADATA_KEY_CHARS} characters, "
+                       f"each with a string of at most {METADATA_VALUE_CHARS}", "metadata")
+
+
+def known(where: str, value: Any, keys: tuple[str, ...], param: str) -> None:
+    """APIError (on `param`) for a key of the object `value` (at `where`) that is not among `keys`: a misspelling
+    named, as a top-level field's is, rather than dropped."""
+    if not isinstance(value, dict):
+        return
+    for key in value:
+        if key not in keys:
+            near = difflib.get_close_matches(key, keys, 1, 0.6)
+            hint = f"did you mean {near[0]}?" if near else f"it takes {', '.join(keys)}"
+            raise APIError(400, f"{where}.{key} is not a field of it; {hint}", param)
+
+
 def messages(body: ResponsesBody) -> list[dict]:
     """The chat's messages: the instructions as a system message, then the input (a text: one user message; or
     items: messages, function calls and their outputs, reasoning that the next assistant turn carries)."""
@@ -140,8 +193,10 @@ def messages(body: ResponsesBody) -> list[dict]:
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if not isinstance(role, str):
-                raise APIError(400, f"{where}: a message needs a role (user, assistant, system or developer)", "input")
+            if role not in ROLES:
+                what = "needs a role" if role is None else f"has role {role!r}, not one"
+                tool = "; a tool's output is a function_call_output item" if role in ("tool", "function") else ""
+                raise APIError(400, f"{where}: a message {what} of {', '.join(ROLES)}{tool}", "input")
             content = item.get("content")  # an assistant turn that only called tools may have none
             message = {"role": role, "content": None if content is None and role == "assistant" else
                        text_of(content, where)}
@@ -168,7 +223,10 @@ def messages(body: ResponsesBody) -> list[dict]:
                         "content": text_of(output, where)})
         elif kind == "reasoning":  # carried by the assistant turn that follows, as chat templates take it
             parts = item.get("content") or item.get("summary") or []
-            thought.append(text_of(parts, where) if isinstance(parts, list) else "")
+            if not isinstance(parts, list):
+                raise APIError(400, f"{where}: a reasoning item's content and summary are lists of text parts",
+                               "input")
+            thought.append(text_of(parts, where))
         elif kind == "item_reference":
             raise APIError(400, f"{where}: an item_reference needs responses kept on the server, which this one does "
                            "not keep; send the item itself", "input")
@@ -190,7 +248,7 @@ def text_of(content: Any, where: str) -> str:
         if kind not in TEXT_PARTS:
             raise APIError(400, f"{where}: only text content parts are supported (input_text, output_text), not "
                            f"{kind!r}", "input")
-        text = part.get(TEXT_PARTS[kind], "")
+        text = part.get(TEXT_PARTS[kind])
         if not isinstance(text, str):
             raise APIError(400, f"{where}: a {kind} part's {TEXT_PARTS[kind]} must be a string", "input")
         texts.append(text)
@@ -213,6 +271,7 @@ def function_tool(i: int, tool: Any) -> dict:
     if "function" in tool and "name" not in tool:  # a chat completion's form, sent here
         raise APIError(400, f'tools[{i}]: a Responses function tool gives its name and parameters at the top '
                        '({"type": "function", "name": ..., "parameters": {...}}), not under "function"', "tools")
+    known(f"tools[{i}]", tool, KEYS["tool"], "tools")
     if not isinstance(tool.get("name"), str) or not tool["name"]:
         raise APIError(400, f'tools[{i}]: a function tool needs its name ({{"type": "function", "name": ..., '
                        '"parameters": {...}})', "tools")
@@ -222,12 +281,12 @@ def function_tool(i: int, tool: Any) -> dict:
 
 def tool_choice(choice: str | dict) -> str | dict:
     """tool_choice as a chat takes it: none, auto, required, or {"type": "function", "name": ...}."""
-    if isinstance(choice, str):
+    if isinstance(choice, str) and choice in ("none", "auto", "required"):
         return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise APIError(400, 'tool_choice is "none", "auto", "required" or {"type": "function", "name": ...}; '
-                   f"{json.dumps(choice)[:80]} is not supported", "tool_choice")
+                   f"{json.dumps(choice)[:80]} is not one", "tool_choice")
 
 
 def response_format(text: dict | None) -> dict | None:
@@ -238,12 +297,14 @@ def response_format(text: dict | None) -> dict | None:
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
         raise APIError(400, 'text.format is {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
                        '"name": ..., "schema": {...}}', "text")
+    known("text.format", fmt, KEYS["format"], "text")
     if fmt["type"] == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise APIError(400, 'text.format json_schema needs its schema: {"type": "json_schema", "name": "...", '
                            '"schema": {...}}', "text")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
-    return fmt if fmt["type"] != "text" else None
+    # a text format given more than its type goes on as it is, for the chat's check to refuse
+    return fmt if fmt["type"] != "text" or set(fmt) - {"type"} else None
 
 
 def renamed(e: APIError) -> APIError:
@@ -251,6 +312,7 @@ def renamed(e: APIError) -> APIError:
     message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", e.message)
     message = re.sub(r"\bresponse_format\b", "text.format", message)
     message = re.sub(r"\bmessages\b", "input", message)
+    message = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", message)  # a Responses tool has no "function"
     return APIError(e.status, message, PARAMS.get(e.param, e.param), e.code, e.kind, e.headers)
 
 
@@ -258,20 +320,23 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def usage(chat_usage: dict | None) -> dict | None:
-    if chat_usage is None:
-        return None
-    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": chat_usage["total_tokens"]}
-
-
 class Envelope:
-    """The response object's fields that every state of one response shares."""
+    """The response object's fields that every state of one response shares. `tokens`: a text's token count (the
+    reasoning's, which the usage reports; None: not counted)."""
 
-    def __init__(self, body: ResponsesBody, model: str):
+    def __init__(self, body: ResponsesBody, model: str, tokens: Callable[[str], int] | None = None):
         self.id, self.created = new_id("resp"), int(time.time())
-        self.body, self.model = body, model
+        self.body, self.model, self.tokens = body, model, tokens
+
+    def usage(self, chat_usage: dict | None, output: list[dict]) -> dict | None:
+        """The chat's usage as the Responses API gives it, the reasoning items' tokens counted among the output's."""
+        if chat_usage is None:
+            return None
+        thought = "".join(i["content"][0]["text"] for i in output if i["type"] == "reasoning")
+        reasoning = min(self.tokens(thought), chat_usage["completion_tokens"]) if thought and self.tokens else 0
+        return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": chat_usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": chat_usage["total_tokens"]}
 
     def __call__(self, status: str, output: list[dict], use: dict | None = None, finish: str | None = None,
                  error: dict | None = None) -> dict:
@@ -314,13 +379,14 @@ def whole(chat: dict, envelope: Envelope) -> dict:
     """A whole chat completion as the response object."""
     choice = chat["choices"][0]
     message, finish = choice["message"], choice["finish_reason"]
-    output = []
-    if message.get("reasoning_content"):
-        output.append(reasoning_item(message["reasoning_content"]))
+    output, cut = [], "incomplete" if finish == "length" else "completed"
+    if message.get("reasoning_content"):  # cut short where nothing came after it
+        output.append(reasoning_item(message["reasoning_content"], "completed" if message.get("content") or
+                                     message.get("tool_calls") else cut))
     if message.get("content") or not message.get("tool_calls"):  # an empty answer is still a message
-        output.append(message_item(message.get("content") or "", "incomplete" if finish == "length" else "completed"))
+        output.append(message_item(message.get("content") or "", cut))
     output += [call_item(c) for c in message.get("tool_calls") or ()]
-    return envelope(status_of(finish), output, usage(chat.get("usage")), finish)
+    return envelope(status_of(finish), output, envelope.usage(chat.get("usage"), output), finish)
 
 
 class Events:
@@ -390,7 +456,7 @@ class Events:
     def end(self, finish: str | None, use: dict | None) -> list[str]:
         out = self.close("incomplete" if finish == "length" else "completed")
         status = status_of(finish)
-        response = self.envelope(status, self.output, usage(use), finish)
+        response = self.envelope(status, self.output, self.envelope.usage(use, self.output), finish)
         # response.completed also where the status is incomplete, as vLLM's: the openai client's stream helper
         # (responses.stream) ends only on that event
         return [*out, self.event("response.completed", response=response)]
@@ -431,8 +497,8 @@ async def stream(chunks: AsyncIterator[str], envelope: Envelope) -> AsyncIterato
                 for e in out:
                     yield e
         if not any(item["type"] != "reasoning" for item in events.output):  # an empty answer is still a message
-            for e in events.text("message", ""):
-                yield e
+            for e in [*events.close("incomplete" if finish == "length" else "completed"), *events.text("message", "")]:
+                yield e  # the reasoning cut short where nothing came after it
         for e in events.end(finish, use):
             yield e
     finally:  # a client that left ends the chat's generation too
