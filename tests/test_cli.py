@@ -501,3 +501,27 @@ def test_help_shows_a_default_of_zero(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "0 is greedy (default: 0.0)" in out and "sampling seed (default: 0)" in out
     assert "--ignore-eos" in out and "(default: False)" not in out  # a flag's off is no default to show
+
+
+def test_study_speculation_and_tune_size_their_engines_to_the_context(monkeypatch):
+    """A --context past the default max_seq was refused naming --max-seq, which study and tune do not take; their
+    engines hold the context's positions."""
+    from expertcache.lab import speculation, study, tune
+    from expertcache.lab.study import StudyConfig
+    from expertcache.lab.tune import TuneConfig
+    made = []
+
+    class Stop(Exception):
+        pass
+
+    def engine(model, config):
+        made.append(config.max_seq)
+        raise Stop
+    for module in (study, speculation, tune):
+        monkeypatch.setattr(module, "exact_engine", engine)
+    for run in (lambda: study.run_study(None, StudyConfig(context=3000)),
+                lambda: speculation.speculative_quality(None, StudyConfig(context=3000)),
+                lambda: tune.slot_engine(None, TuneConfig(context=3000), "auto")):
+        with pytest.raises(Stop):
+            run()
+    assert made == [3000, 3000, 3000]

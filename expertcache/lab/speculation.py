@@ -19,7 +19,7 @@ def speculative_quality(model: Path | None, cfg: StudyConfig, predictors=PREDICT
     experts run in place of the true router's. `progress(label, n, total=None)` as `run_study`'s: a phase
     starts with its total (perplexity of every variant, then the generation test)."""
     engine = exact_engine(model, EngineConfig(store="ram", cache=CacheConfig(fraction=cfg.cache_fraction),
-                                              initial="warm"))
+                                              initial="warm", max_seq=max(EngineConfig.max_seq, cfg.context)))
     seq = study_sequences(engine, cfg)
     setups = {BASELINE: lambda e: (e.set_policy(BASELINE), e.set_prefetch(None))}
     for name in predictors:

@@ -175,7 +175,7 @@ def run_study(model: Path | None, cfg: StudyConfig, progress: Callable[..., None
     carried over), then the analyses and the generation test. `progress(label, n)` counts tokens; each phase opens with
     `progress(label, 0, total=T)`, its whole count."""
     engine = exact_engine(model, EngineConfig(store="ram", cache=CacheConfig(fraction=cfg.cache_fraction),
-                                              initial="warm"))
+                                              initial="warm", max_seq=max(EngineConfig.max_seq, cfg.context)))
     seq = study_sequences(engine, cfg)
     result = StudyResult(cfg.__dict__ | {"policies": list(cfg.policies), "store": engine.config.store},
                          str(engine.path),

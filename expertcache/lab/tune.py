@@ -366,7 +366,8 @@ def slot_engine(model: Path | None, cfg: TuneConfig, slots: str) -> Engine:
     """The exact `ram` engine of one slot format, emulating the store it reads (`slot_store_format`); where the
     experts do not fit in memory, the `disk` store of that format, whose reads give the same weights."""
     return exact_engine(model, EngineConfig(store="ram", cache=cfg.cache, initial="auto", slot_dtype=slots,
-                                            store_format=slot_store_format(slots)))
+                                            store_format=slot_store_format(slots),
+                                            max_seq=max(EngineConfig.max_seq, cfg.context)))
 
 
 def tune_ids(model: Path | None, calib_text: str, eval_text: str, cfg: TuneConfig) -> tuple[list[int], list[int]]:
