@@ -445,6 +445,31 @@ def test_a_chat_turn_prefills_only_what_its_prompt_adds(monkeypatch, capsys):
     assert cached[0] == 0 and cached[1] >= len(first)  # the first turn's prompt at least
 
 
+def test_a_generation_that_says_it_continues_the_cache_must_find_its_tokens_there():
+    """TextGeneration(cached=k) on an engine whose KV cache holds another text (or none) continued that text in
+    silence; it is refused, naming the tokens the cache shares with the prompt. A sequence's own cache swapped in
+    leaves the engine's record as it was."""
+    from expertcache.engine.engine import Engine, EngineConfig
+    from expertcache.engine.generate import TextGeneration
+    from expertcache.errors import BadInput
+    engine = Engine(None, EngineConfig(store="ram", max_seq=256))
+    prompt = engine.encode("USER.\nWho goes there?\n\nASSISTANT.\n")
+    with pytest.raises(BadInput, match="holds 0 of the prompt's first tokens .* give cached=0"):
+        TextGeneration(engine, prompt, SamplingParams(max_tokens=2), cached=4)  # a fresh engine
+    gen = TextGeneration(engine, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    list(gen)
+    held = (prompt + gen.tokens)[:gen.kv_end]
+    assert engine.kv_ids == held
+    list(TextGeneration(engine, engine.encode("ROMEO."), SamplingParams(max_tokens=2), own_kv=True))
+    assert engine.kv_ids == held  # its own cache: the engine's holds what it held
+    more = held + engine.encode("\n\nUSER.\nNay.\n\nASSISTANT.\n")
+    assert len(list(TextGeneration(engine, more, SamplingParams(max_tokens=2, ignore_eos=True), cached=len(held))))
+    engine.forward(engine.encode("JULIET. Ay me!"), 0)  # another text over the cache
+    with pytest.raises(BadInput, match="its last forward ran another text"):
+        TextGeneration(engine, more, SamplingParams(max_tokens=2), cached=len(held))
+    engine.close()
+
+
 def test_chat_verb_answers_each_stdin_line(monkeypatch, capsys):
     import io
 

@@ -286,6 +286,11 @@ class Engine:
         self.stats = RunStats()
         # forwards run over the model's KV cache: a generation continuing it checks that none ran since its own
         self.kv_writes = 0
+        # the token ids whose keys and values the engine's own cache holds from position 0 (-1: unknown), which a
+        # generation that says it continues them checks (TextGeneration's `cached`); not while a sequence's own
+        # cache is swapped in (`kv_swapped`)
+        self.kv_ids: list[int] = []
+        self.kv_swapped = False
         self.runner = MoELayerRunner(self.args, self.model.router, self.cache, self.policy, self.stats)
         self.runner.exact = self.bind_policy(make_policy("fetch-all"))
         self.model.moe = self.runner
@@ -547,6 +552,9 @@ class Engine:
 
     def _forward(self, ids: torch.Tensor, pos: int, T: int, last: bool, prompt: bool) -> torch.Tensor:
         self.kv_writes += 1  # before it runs: a forward that fails may have written some positions
+        if not self.kv_swapped:
+            del self.kv_ids[pos:]  # rewritten from here, or unknown if it fails
+            self.kv_ids += [-1] * (pos - len(self.kv_ids))
         self.runner.start_forward(id(self.model.k_cache), pos, T)  # a swapped-in sequence has other keys
         self.runner.by_expert = prompt and self.config.prompt_order == "experts"
         try:
@@ -554,6 +562,8 @@ class Engine:
         finally:
             self.runner.by_expert = False
         self.runner.end_forward(id(self.model.k_cache), pos + T)  # the keys as they may have grown
+        if not self.kv_swapped:
+            self.kv_ids += ids.tolist()
         self._check_finite(logits, lambda t: f"at position {pos + (T - 1 if last else t)}")
         return logits
 

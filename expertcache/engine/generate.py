@@ -108,6 +108,15 @@ class TextGeneration:
         if not 0 <= cached < len(prompt) or cached and (own_kv or params.prompt_logprobs is not None):
             raise BadInput(f"cached={cached} must leave at least one of the prompt's {len(prompt)} tokens to run, "
                            "on the engine's own cache, without prompt_logprobs")
+        held = engine.kv_ids
+        # the cache must hold these tokens (else the generation silently continues another text), and a recurrent
+        # state all of what it holds, which cannot be cut back
+        if cached and (held[:cached] != prompt[:cached] or engine.model.linear and len(held) != cached):
+            shared = next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b), min(len(held), len(prompt)))
+            fit = 0 if engine.model.linear else min(shared, cached)
+            raise BadInput(f"cached={cached}, but the engine's KV cache holds {shared} of the prompt's first tokens "
+                           f"(its last forward ran {'another' if shared < len(held) else 'a shorter'} text); give "
+                           f"cached={fit}" + (", or 0" if fit else ""))
         self.kv_end = cached
         self.kv_mark = engine.kv_writes  # the engine's forwards when its KV cache last held this sequence's keys
         vocab = engine.args.vocab_size
@@ -149,10 +158,12 @@ class TextGeneration:
         m = self.engine.model
         if self.kv is not None:
             keep, (m.k_cache, m.v_cache) = (m.k_cache, m.v_cache), self.kv
+            swapped, self.engine.kv_swapped = self.engine.kv_swapped, True
             try:
                 return run()
             finally:
                 self.kv, (m.k_cache, m.v_cache) = (m.k_cache, m.v_cache), keep
+                self.engine.kv_swapped = swapped
         if self.kv_end and self.engine.kv_writes != self.kv_mark:
             raise BadInput("another forward ran over the engine's KV cache since this generation's last step (a "
                            "generation or perplexity on the same engine); finish one generation before the next "
