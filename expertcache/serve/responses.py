@@ -53,6 +53,7 @@ class ResponsesBody(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
+
     @field_validator("input", mode="before")
     @classmethod
     def _text_or_items(cls, value: Any) -> Any:
@@ -66,6 +67,7 @@ class ResponsesBody(BaseModel):
         if not isinstance(value, (str, dict)):
             raise ValueError('must be "none", "auto", "required" or {"type": "function", "name": ...}')
         return value
+
     model: str | None = None
     input: str | list[Any]
     instructions: str | None = None
@@ -303,8 +305,10 @@ def response_format(text: dict | None) -> dict | None:
             raise APIError(400, 'text.format json_schema needs its schema: {"type": "json_schema", "name": "...", '
                            '"schema": {...}}', "text")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
-    # a text format given more than its type goes on as it is, for the chat's check to refuse
-    return fmt if fmt["type"] != "text" or set(fmt) - {"type"} else None
+    if fmt["type"] == "text" and (more := sorted(set(fmt) - {"type"})):  # dropped, the text unconstrained
+        raise APIError(400, f"text.format gives {', '.join(more)} with type 'text', which takes nothing more; for a "
+                       'schema send {"type": "json_schema", "name": "...", "schema": {...}}', "text")
+    return fmt if fmt["type"] != "text" else None
 
 
 def renamed(e: APIError) -> APIError:
