@@ -1175,7 +1175,7 @@ def test_names_folders_and_ids_of_the_python_api_are_refused_before_anything_loa
         with pytest.raises((BadInput, UnknownName), match=words):
             CacheConfig(**kw)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(BadInput, match="is a file, not a folder"):
+    with pytest.raises(BadInput, match="the store folder .* is a file"):
         EngineConfig(store="disk", store_dir=tmp_path / "file")
     with pytest.raises(BadInput, match="cannot make the store folder .*file/sub"):
         Engine(None, EngineConfig(store="disk", store_dir=tmp_path / "file" / "sub"))

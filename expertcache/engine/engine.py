@@ -100,8 +100,8 @@ class EngineConfig:
         if self.store_dir is not None:  # '~/x' made a folder named '~' where the run started
             store_dir = Path(self.store_dir).expanduser()
             if store_dir.exists() and not store_dir.is_dir():
-                raise BadInput(f"store_dir {store_dir} is a file, not a folder; give a folder (made where missing), "
-                               "or leave it out for the default one under ~/.cache")
+                raise BadInput(f"the store folder {store_dir} is a file; give a folder (made where missing) to "
+                               "store_dir (--store-dir), or leave it out for the default one under ~/.cache")
             object.__setattr__(self, "store_dir", store_dir)
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise BadInput(f"memory_budget={self.memory_budget} must be a positive number of bytes, e.g. 8 * 2**30")
