@@ -2,8 +2,10 @@
 file as it was, not cut short, and a process that reads it meanwhile (a server starting) sees the old one."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +22,8 @@ def replaced(path: Path) -> Iterator[Path]:
         yield path
         return
     path = path.resolve() if path.is_symlink() else path
-    tmp = path.with_name(f".{path.name}.partial")
+    # its own name: two processes writing the same file wrote into one temporary, and one published the other's half
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
     try:
         yield tmp
         # a writer may make its file private (safetensors' save_file: 0600); the file takes the mode it replaces, or
@@ -30,6 +33,14 @@ def replaced(path: Path) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def replaced_together(*paths: Path) -> Iterator[tuple[Path, ...]]:
+    """`replaced` of several files that belong together (a calibration's counts and vectors): every one is written
+    before any replaces its file, so that a write that fails (a full disk) leaves the old set, not half of each."""
+    with contextlib.ExitStack() as stack:
+        yield tuple(stack.enter_context(replaced(p)) for p in paths)
 
 
 def written_in_place(path: Path) -> bool:

@@ -160,6 +160,9 @@ def reported(e: Exception, prog: str, flags: set[str] | None = None) -> int | No
     """The exit code of an error that ends a run with one line on stderr (printed here): bad input, a corrupt
     file, a refused allocation (2), stdout's reader gone (141); None for any other error, a bug to show whole.
     `flags`: the options of the verb that ran, which the out-of-memory advice names (None: every one)."""
+    if type(e).__name__ == "SafetensorError" and (code := re.search(r"os error (\d+)", str(e))):
+        # safetensors' writer reports the system's error in its own type (a full disk while a file is saved)
+        e = OSError(int(code.group(1)), os.strerror(int(code.group(1))))
     if isinstance(e, (ExpertCacheError, UnicodeDecodeError, json.JSONDecodeError)):  # bad input or a corrupt file
         print(f"{prog}: error: {e}", file=sys.stderr)
     elif isinstance(e, BrokenPipeError):  # stdout's reader left (`| head`): end quietly, as SIGPIPE would

@@ -1230,3 +1230,34 @@ def test_an_out_of_range_parameters_example_is_inside_its_bounds():
     make_policy("band:lo=0.9," + str(e.value).rsplit("band:", 1)[1])  # the example, followed
     with pytest.raises(BadInput, match=r"e.g. band:hi=0.3"):  # the usual example where it fits
         make_policy("band:lo=0.2,hi=0.1")
+
+
+def test_a_full_disk_while_calibration_saves_leaves_the_old_pair_and_one_line(tmp_path, monkeypatch, capsys):
+    """safetensors reports a full disk in its own error type: it ended in a traceback, with routing_counts.json
+    already replaced beside the old default vectors. Both files are written before either replaces its own."""
+    from safetensors import SafetensorError
+    from expertcache.lab import calibrate
+    model = tmp_path / "m"
+    shutil.copytree(BUILTIN_MODEL, model)
+    before = {n: (model / n).read_bytes() for n in ("routing_counts.json", "default_vectors.safetensors")}
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(calibrate, "save_file", full)
+    code, err = run_cli(capsys, "calibrate", "--model", str(model), "--max-tokens", "64")
+    last = err.splitlines()[-1]  # after the progress bar
+    assert code == 2 and last.startswith("expertcache: error:") and "No space left on device" in last and \
+        "free disk space" in last, err
+    assert {n: (model / n).read_bytes() for n in before} == before and not list(model.glob(".*.partial"))
+
+
+def test_two_writers_of_one_file_write_their_own_temporaries(tmp_path):
+    """Two writes of one file at once shared one temporary name: one failed with FileNotFoundError and the other
+    could publish both writers' bytes mixed. Each now writes a file of its own, and the last to finish wins whole."""
+    from expertcache.atomic import replaced
+    path = tmp_path / "out.json"
+    with replaced(path) as first, replaced(path) as second:
+        assert first != second
+        first.write_text('{"a": 1}')
+        second.write_text('{"b": 2}')
+    assert json.loads(path.read_text()) == {"a": 1} and not list(tmp_path.glob(".*.partial"))

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..atomic import replaced, write_text
+from ..atomic import replaced_together
 from ..choices import CALIB_TEXT  # noqa: F401 (re-exported)
 from ..engine.checkpoint import (
     DEFAULT_VECTORS,
@@ -181,7 +181,6 @@ def calibrate(model_path: Path, ids: list[int], context: int = 512,
 
 def save_calibration(c: Calibration, model_path: Path, source: str) -> None:
     """Write routing_counts.json and default_vectors.safetensors beside the model; `source` names the text."""
-    write_text(model_path / ROUTING_COUNTS, json.dumps({"counts": c.counts.tolist(), "tokens": c.tokens,
-                                                        "text": source}))
-    with replaced(model_path / DEFAULT_VECTORS) as tmp:
-        save_file({"default_vectors": c.default_vectors.contiguous(), "counts": c.counts.contiguous()}, str(tmp))
+    with replaced_together(model_path / ROUTING_COUNTS, model_path / DEFAULT_VECTORS) as (counts, vectors):
+        counts.write_text(json.dumps({"counts": c.counts.tolist(), "tokens": c.tokens, "text": source}))
+        save_file({"default_vectors": c.default_vectors.contiguous(), "counts": c.counts.contiguous()}, str(vectors))
