@@ -1261,3 +1261,21 @@ def test_two_writers_of_one_file_write_their_own_temporaries(tmp_path):
         first.write_text('{"a": 1}')
         second.write_text('{"b": 2}')
     assert json.loads(path.read_text()) == {"a": 1} and not list(tmp_path.glob(".*.partial"))
+
+
+def test_a_plot_whose_write_fails_leaves_the_one_it_replaces(tmp_path, monkeypatch):
+    """Plots were saved in place: a full disk mid-write left a truncated PNG where a good one was."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+    from expertcache.lab.plots import lines
+    path = tmp_path / "recall.png"
+    lines({"a": [0.5, 0.6]}, ["0->1", "1->2"], "x", "y", path)
+    good = path.read_bytes()
+
+    def full(self, fname, **kw):
+        Path(fname).write_bytes(good[:100])
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Figure, "savefig", full)
+    with pytest.raises(OSError):
+        lines({"a": [0.1, 0.2]}, ["0->1", "1->2"], "x", "y", path)
+    assert path.read_bytes() == good and not list(tmp_path.glob(".*.partial"))

@@ -29,6 +29,14 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: Path) -> None:
+    """The figure written whole or not at all: a full disk or a Ctrl-C mid-write cut the plot it replaced short.
+    Its format is the path's suffix's (the temporary's name ends in .partial)."""
+    from ..atomic import replaced
+    with replaced(Path(path)) as tmp:
+        fig.savefig(tmp, dpi=150, format=Path(path).suffix.lstrip(".").lower() or "png")
+
+
 def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
     """Labels of the points no other point beats on both axes (lower is better on both), by x."""
     ordered = sorted(points, key=lambda k: (points[k][0], points[k][1]))
@@ -96,7 +104,7 @@ def scatter(points: dict[str, tuple[float, float]], xlabel: str, ylabel: str, ti
     ax.grid(alpha=0.3, lw=0.5)
     _place_labels(ax, texts)
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -123,6 +131,6 @@ def lines(series: dict[str, list[float]], xticks: list[str], xlabel: str, ylabel
     ax.grid(alpha=0.3, lw=0.5)
     ax.legend(frameon=False, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    _save(fig, path)
     plt.close(fig)
     return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..atomic import write_text
 from ..jsonout import dump_json
 from .plots import scatter
 from .study import BASELINE, StudyResult, increase_text
@@ -82,7 +83,7 @@ def write_report(res: StudyResult, out: Path) -> list[Path]:
             lines.append(f"| `{spec}` | {r['identical_token_share']:.1%} | {r['mean_first_divergence']:.1f} | "
                          f"{_r(r['r_mass_vs_disagreement'])} |")
     lines += ["", "![pareto](pareto.png)", "", "![bytes fetched](bytes.png)", ""]
-    (out / "README.md").write_text("\n".join(lines))
+    write_text(out / "README.md", "\n".join(lines))  # whole or not at all, as the plots beside it
     return [out / "README.md", out / "study.json", *plots]
 
 
