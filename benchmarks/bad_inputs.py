@@ -168,6 +168,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     png = tmp / "plot.png"
     png.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
     ppl = ["ppl", "--store", "ram", "--max-tokens", "64"]
+    fifo = tmp / "fifo"
+    os.mkfifo(fifo)
     return [
         ("--context 0", [*ppl, "--context", "0"]),
         ("--context -5", [*ppl, "--context", "-5"]),
@@ -308,6 +310,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("--store-dir under a file", [*ppl, "--store", "disk", "--store-dir", str(bad_text / "store")]),
         ("--store-dtype other than the store's", ["ppl", "--store", "disk", "--store-dir", str(store),
                                                   "--store-dtype", "int8", "--max-tokens", "64"]),
+        ("simulate a FIFO (its open waited for a writer)", ["simulate", str(fifo), "--policies", "fetch-all"]),
     ]
 
 

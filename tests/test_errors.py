@@ -1279,3 +1279,16 @@ def test_a_plot_whose_write_fails_leaves_the_one_it_replaces(tmp_path, monkeypat
     with pytest.raises(OSError):
         lines({"a": [0.1, 0.2]}, ["0->1", "1->2"], "x", "y", path)
     assert path.read_bytes() == good and not list(tmp_path.glob(".*.partial"))
+
+
+def test_a_pipe_given_as_a_trace_or_a_profile_is_refused_not_waited_on(tmp_path):
+    """A FIFO's open waited for a writer forever (simulate hung, printing nothing)."""
+    import subprocess
+    from expertcache.lab.costmodel import load_profile
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    run = subprocess.run([sys.executable, "-m", "expertcache.cli", "simulate", str(fifo), "--policies", "fetch-all"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "is not a regular file" in run.stderr.splitlines()[-1], run.stderr
+    with pytest.raises(UnknownName, match="not a regular file"):
+        load_profile(str(fifo))

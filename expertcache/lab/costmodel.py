@@ -205,6 +205,9 @@ def load_profile(name_or_path: str, model: tuple[int, int, str] | None = None) -
     if not Path(name_or_path).exists():
         raise UnknownName(f"unknown hardware profile {name_or_path!r}; give a file from `expertcache calibrate-hw` "
                           f"or one of {', '.join(DATASHEET)}")
+    if not Path(name_or_path).is_file():  # a FIFO's read waited for a writer forever
+        raise UnknownName(f"hardware profile {name_or_path} is not a regular file; give a file from `expertcache "
+                          f"calibrate-hw` or one of {', '.join(DATASHEET)}")
     profile = HardwareProfile.load(Path(name_or_path))
     if model is not None:
         check_model(profile, *model, name_or_path)

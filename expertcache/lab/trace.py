@@ -111,6 +111,9 @@ def read_trace(path: Path) -> Trace:
     """Open a trace file, its tokens and logits memory-mapped; raises CheckpointError on a missing, foreign,
     truncated or corrupt file, or a header a replay cannot take (`header_problem`)."""
     path, again = Path(path), "record it again with `expertcache trace`"
+    if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO's open waited for a writer forever
+        raise CheckpointError(f"{path} is not a regular file (a pipe or a device); give a trace file written by "
+                              "`expertcache trace`")
     try:
         with open(path, "rb") as f:
             head = f.read(len(MAGIC) + 8)
