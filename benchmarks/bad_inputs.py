@@ -146,6 +146,9 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     huge_experts = tmp / "huge_experts"
     shutil.copytree(BUILTIN_MODEL, huge_experts)
     (huge_experts / "config.json").write_text(json.dumps({**cfg, "num_experts": 10**9}))
+    many_layers, dense_type = tmp / "many_layers.json", tmp / "dense_type.json"  # configs alone, for info --config
+    many_layers.write_text(json.dumps({**cfg, "num_hidden_layers": 3 * 10**6}))
+    dense_type.write_text(json.dumps({**cfg, "model_type": "llama"}))
     expert = "model.layers.1.mlp.experts.5.up_proj.weight"
     no_expert = tmp / "no_expert"  # one expert's tensor left out of the export
     shutil.copytree(BUILTIN_MODEL, no_expert)
@@ -311,6 +314,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("--store-dtype other than the store's", ["ppl", "--store", "disk", "--store-dir", str(store),
                                                   "--store-dtype", "int8", "--max-tokens", "64"]),
         ("simulate a FIFO (its open waited for a writer)", ["simulate", str(fifo), "--policies", "fetch-all"]),
+        ("info on a config of 3,000,000 layers (ran for minutes)", ["info", "--config", str(many_layers)]),
+        ("info on a config of a dense family's model_type", ["info", "--config", str(dense_type)]),
     ]
 
 

@@ -85,3 +85,20 @@ def test_info_sizes_slots_of_the_dtype_asked_for_and_takes_sizes(tmp_path, capsy
     with pytest.raises(SystemExit) as bad:  # bytes without a unit: read as MiB, everything would fit
         cli.main(["info", "--budget", "16000000000"])
     assert bad.value.code == 2 and "16000000000B" in capsys.readouterr().err
+
+
+def test_configs_of_too_many_layers_or_a_dense_model_type_are_one_line(tmp_path, capsys):
+    """info --config ran for minutes naming 3,000,000 layers, ended in a ZeroDivisionError where transformers built
+    a dense model of the config's model_type, and called num_experts 0 a missing num_local_experts."""
+    import json
+
+    from expertcache import cli
+    from expertcache.engine.engine import BUILTIN_MODEL
+    cfg = json.loads((BUILTIN_MODEL / "config.json").read_text())
+    for over, words in [({"num_hidden_layers": 3 * 10**6}, "more than 10,000"),
+                        ({"model_type": "llama"}, "without routed experts"),
+                        ({"num_experts": 0}, "number of experts 0")]:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({**cfg, **over}))
+        assert cli.main(["info", "--config", str(path)]) == 2
+        assert words in capsys.readouterr().err.strip().splitlines()[-1]

@@ -88,6 +88,10 @@ def size_config(config: dict, budget_mib: float | None = None, slot: str = "fp16
     a = model_args(config)
     layers = getattr(a, "num_moe_layers", a.num_layers)
     total, expert_params = parameter_counts(config)
+    if not expert_params:  # transformers built a dense model: its model_type is another family's
+        raise BadInput(f"transformers builds this config (model_type {config.get('model_type')!r}) without routed "
+                       "experts; give the MoE family's model_type (architectures says "
+                       f"{(config.get('architectures') or ['none'])[0]!r})")
     per_expert = expert_params // (layers * a.num_experts)
     dense = total - expert_params
     attn = [i for i in range(a.num_layers) if getattr(a, "layer_type", lambda i: "full_attention")(i)

@@ -46,6 +46,7 @@ def _number(v) -> bool:
 
 
 MAX_EXPERTS = 65_536  # per layer: 128 times the most of any released model (512)
+MAX_LAYERS = 10_000  # 100 times the most of any released MoE model: each is named before any weight is read
 
 
 def model_args(config: dict) -> ModelArgs:
@@ -57,6 +58,10 @@ def model_args(config: dict) -> ModelArgs:
     if flags:
         raise CheckpointError(f"config.json gives {', '.join(flags)}; each must be true or false (a JSON boolean, "
                               "unquoted): restore the config from the model's release")
+    layers = config.get("num_hidden_layers")
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers > MAX_LAYERS:  # 3 million ran for minutes
+        raise CheckpointError(f"config.json gives {layers:,} layers (num_hidden_layers), more than {MAX_LAYERS:,}; "
+                              "restore the config from the model's release")
     try:
         a = family.args_from_config(config)
     except KeyError as e:

@@ -114,7 +114,8 @@ def head_dim(config: dict, default: int | None = None) -> int:
 
 def num_experts(config: dict) -> int:
     """Released Qwen3 checkpoints say num_experts; transformers 5 writes num_local_experts."""
-    return config.get("num_experts") or config["num_local_experts"]
+    # present with 0 it is that value, refused by the size checks, not "lacks num_local_experts"
+    return config["num_experts"] if config.get("num_experts") is not None else config["num_local_experts"]
 
 
 def rope_type(params: dict | None) -> str:
