@@ -13,8 +13,9 @@ def add_arguments(p):
     add_text_arguments(p, EVAL_TEXT)
     p.add_argument("--out", type=output_path, required=True, help="trace file to write")
     p.add_argument("--context", type=positive_int, default=512, help="window length in tokens")
-    p.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="how the logits are stored (float32: the simulator's fetch-every-miss counts equal the engine's; "
-                        "float16 rounds near-ties in routing)")
+    p.add_argument("--dtype", default="float16", choices=["float16", "float32"],
+                   help="how the logits are stored (float32: the simulator's fetch-every-miss counts equal the "
+                        "engine's; float16 rounds near-ties in routing)")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="record only the first N tokens")
 
 
