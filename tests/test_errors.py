@@ -1292,3 +1292,14 @@ def test_a_pipe_given_as_a_trace_or_a_profile_is_refused_not_waited_on(tmp_path)
     assert run.returncode == 2 and "is not a regular file" in run.stderr.splitlines()[-1], run.stderr
     with pytest.raises(UnknownName, match="not a regular file"):
         load_profile(str(fifo))
+
+
+def test_options_another_mode_reads_are_refused(capsys):
+    """predict's training options without --train and --plot with --train or --speculative were dropped in silence;
+    simulate's refusal of a prefetching variant named a Python function."""
+    for argv, words in ((["predict", "--hybrid-below", "1"], "--hybrid-below set how --train fits"),
+                        (["predict", "--epochs", "3"], "--epochs set how --train fits"),
+                        (["predict", "--train", "--plot", "r.png"], "--plot draws the recall table"),
+                        (["predict", "--speculative", "--plot", "r.png"], "--plot draws the recall table")):
+        code, err = run_cli(capsys, *argv)
+        assert code == 2 and words in err, err

@@ -67,6 +67,15 @@ def run(a) -> int:
     path = a.model or BUILTIN_MODEL
     if a.train and a.speculative:
         raise BadInput("--speculative measures trained predictors: run --train first, then --speculative")
+    # options that only another mode reads: given, they were dropped in silence
+    training = {"--epochs": (a.epochs, 30), "--sketch-rank": (a.sketch_rank, SKETCH_RANK),
+                "--sketch-neurons": (a.sketch_neurons, SKETCH_NEURONS),
+                "--lookahead-width": (a.lookahead_width, LOOKAHEAD_WIDTH), "--hybrid-below": (a.hybrid_below, 0.85)}
+    if not a.train and (given := [flag for flag, (value, default) in training.items() if value != default]):
+        raise BadInput(f"{', '.join(given)} set how --train fits the predictors; add --train, or leave them out")
+    if (a.train or a.speculative) and a.plot:
+        raise BadInput(f"--plot draws the recall table, which --{'train' if a.train else 'speculative'} does not "
+                       "print; leave it out, or run predict without it")
     if a.train:
         text = read_text(a.text or CALIB_TEXT)
         from ..engine.checkpoint import ESTIMATOR_FILE, LOOKAHEAD_FILE

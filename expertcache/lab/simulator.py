@@ -156,7 +156,8 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
                        "replay '+prefetch/...' or time it with `expertcache bench`")
     if pre is not None and (predictions is None or pre.predictor not in predictions):
         raise BadInput(f"replaying '+prefetch/{pre.predictor}' needs that predictor's predictions over the trace's "
-                       "tokens (lab.prediction.prediction_routes)")
+                       "tokens, which simulate does not make; `expertcache tune` replays prefetching, and `bench` "
+                       "times it")
     budget = 0 if pre is None else pre.budget or k
     if not 0 <= budget <= k:
         raise BadInput(f"prefetch budget {budget} is beyond the {k} experts a prediction ranks; give budget=1..{k}")
