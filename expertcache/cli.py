@@ -127,6 +127,7 @@ def _run(argv: list[str] | None) -> int:
         args.json = io.StringIO()
     try:
         check_environment()
+        check_outputs_apart(args)
         if sys.stdout is None and args.verb != "serve":  # fd 1 closed (`>&-`): Python's stdout is None, where a
             # print is lost in silence and a write is an AttributeError after the run; serve writes to stderr only
             raise BadInput("stdout is closed; run with stdout open (`> FILE`, or `> /dev/null` to discard it)")
@@ -154,6 +155,24 @@ def _run(argv: list[str] | None) -> int:
 MEMORY_FIXES = (("--cache", "a smaller --cache"), ("--memory-budget", "--memory-budget"),
                 ("--slot-dtype", "--slot-dtype int4 --store-dtype int4"), ("--dense-dtype", "--dense-dtype int8"),
                 ("--max-seq", "a shorter --max-seq"), ("--max-tokens", "fewer --max-tokens"))
+
+
+INPUTS, OUTPUTS = ("trace", "text", "calib_text", "profile"), ("out", "json", "plot")
+
+
+def check_outputs_apart(args: argparse.Namespace) -> None:
+    """BadInput where an output file is an input of the same run (`simulate T --json T` wrote JSON over the
+    trace, `trace --text F --out F` a trace over the text), before the run overwrites it."""
+    def paths(names: tuple[str, ...]) -> list[Path]:
+        values = [getattr(args, n, None) for n in names]
+        flat = [p for v in values for p in (v if isinstance(v, list) else [v])]
+        return [Path(p) for p in flat if isinstance(p, (str, Path)) and str(p) != "-"]
+    for out in paths(OUTPUTS):
+        for source in paths(INPUTS):
+            with contextlib.suppress(OSError):
+                if out.is_file() and source.is_file() and os.path.samefile(out, source):
+                    raise BadInput(f"{out} is both an input of this run and where it writes its output; give the "
+                                   "output another path")
 
 
 def reported(e: Exception, prog: str, flags: set[str] | None = None) -> int | None:

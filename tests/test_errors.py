@@ -1303,3 +1303,12 @@ def test_options_another_mode_reads_are_refused(capsys):
                         (["predict", "--speculative", "--plot", "r.png"], "--plot draws the recall table")):
         code, err = run_cli(capsys, *argv)
         assert code == 2 and words in err, err
+
+
+def test_an_output_that_is_an_input_of_the_run_is_refused(tmp_path, capsys):
+    """`trace --text F --out F` wrote a trace over the text it read, `simulate T --json T` JSON over the trace."""
+    text = tmp_path / "text.txt"
+    text.write_text("ROMEO. But soft, what light through yonder window breaks?\n" * 20)
+    code, err = run_cli(capsys, "trace", "--text", str(text), "--out", str(text), "--max-tokens", "32")
+    assert code == 2 and "is both an input of this run and where it writes" in err, err
+    assert text.read_text().startswith("ROMEO.")
