@@ -1312,3 +1312,14 @@ def test_an_output_that_is_an_input_of_the_run_is_refused(tmp_path, capsys):
     code, err = run_cli(capsys, "trace", "--text", str(text), "--out", str(text), "--max-tokens", "32")
     assert code == 2 and "is both an input of this run and where it writes" in err, err
     assert text.read_text().startswith("ROMEO.")
+
+
+def test_sketches_or_a_net_past_the_models_sizes_are_refused_before_training(tmp_path, capsys):
+    """--sketch-rank 100000 ran out of memory after recording, told to give fewer --max-tokens."""
+    model = tmp_path / "m"
+    shutil.copytree(BUILTIN_MODEL, model)
+    for flag, words in (("--sketch-rank", "hidden size"), ("--sketch-neurons", "an expert's neurons"),
+                        ("--lookahead-width", "eight times its hidden size")):
+        code, err = run_cli(capsys, "predict", "--train", "--model", str(model), "--max-tokens", "64", flag,
+                            "100000")
+        assert code == 2 and words in err.splitlines()[-1], err

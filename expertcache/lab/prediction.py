@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.checkpoint import ESTIMATOR_FILE, LOOKAHEAD_FILE, check_writable, load_default_vectors
+from ..engine.checkpoint import ESTIMATOR_FILE, LOOKAHEAD_FILE, check_writable, load_default_vectors, open_checkpoint
 from ..engine.experts import ExpertKind
 from ..engine.moe import router_logits
 from ..engine.predictors import (
@@ -38,7 +38,9 @@ from ..engine.predictors import (
     save_estimator,
 )
 from ..engine.transformer import Transformer
+from ..errors import BadInput
 from ..kernel.routing import Router
+from ..models import model_args
 from .calibrate import RecordingMoE, run_exact
 
 
@@ -257,6 +259,12 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
     recorded, the estimator's epochs, the lookahead's inputs (tokens of every transition), its epochs."""
     dv = load_default_vectors(model_path)  # before the minutes of recording
     check_writable(model_path, (ESTIMATOR_FILE, LOOKAHEAD_FILE))
+    a = model_args(open_checkpoint(model_path).config)  # past these a sketch or the net only grows (out of memory)
+    for flag, value, most, what in (("--sketch-rank", sketch[0], a.hidden_size, "its hidden size"),
+                                    ("--sketch-neurons", sketch[1], a.expert_dim, "an expert's neurons"),
+                                    ("--lookahead-width", width, 8 * a.hidden_size, "eight times its hidden size")):
+        if value > most:
+            raise BadInput(f"{flag} {value} is more than this model's {most} ({what}); give at most {most}")
     model, states = record_states(model_path, ids, progress=progress and (lambda n: progress("record", n, len(ids))),
                                   pre=True, sketch=sketch)
     k = model.args.top_k
