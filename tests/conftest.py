@@ -22,3 +22,26 @@ def tiny(tmp_path_factory):
 def _store_home(tmp_path_factory, monkeypatch):
     # Disk stores converted by tests live in a temporary home, never in ~/.cache.
     monkeypatch.setenv("EXPERTCACHE_HOME", str(tmp_path_factory.getbasetemp() / "home"))
+
+
+SERVED = "expertcache-builtin"  # the model id the server fixture serves the built-in model under
+
+
+@pytest.fixture(scope="module")
+def server():
+    """An OpenAI-compatible server over the built-in model on a loopback port, one a test module."""
+    from expertcache.engine.engine import Engine, EngineConfig
+    from expertcache.serve.app import create_app
+    from expertcache.serve.background import BackgroundServer
+    from expertcache.serve.scheduler import Scheduler
+    engine = Engine(None, EngineConfig(store="ram", max_seq=512))
+    with BackgroundServer(create_app(Scheduler(engine), SERVED)) as s:
+        yield s
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client of `server`."""
+    import openai
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)

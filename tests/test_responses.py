@@ -20,19 +20,6 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "the weather
           "additionalProperties": False}}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    engine = Engine(None, EngineConfig(store="ram", max_seq=512))
-    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
-        yield s
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-
-
 def test_a_response_is_the_chats_answer_whole_and_streamed(client):
     chat = client.chat.completions.create(model=MODEL, max_tokens=20, temperature=0, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who goes there?"}])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from conftest import SERVED as MODEL  # the server and client fixtures' model (conftest.py)
 
 from expertcache.engine.chat import ChatTemplate
 from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
@@ -25,7 +26,6 @@ from expertcache.serve.background import BackgroundServer
 from expertcache.serve.limits import ServerLimits
 from expertcache.serve.scheduler import Scheduler
 
-MODEL = "expertcache-builtin"
 SERVER_DOC = Path(__file__).parents[1] / "docs" / "server.md"
 
 
@@ -41,19 +41,6 @@ def reference():
     complete.engine = engine
     yield complete
     engine.close()
-
-
-@pytest.fixture(scope="module")
-def server():
-    engine = Engine(None, EngineConfig(store="ram", max_seq=512))
-    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
-        yield s
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
 
 
 def get(url: str) -> str:

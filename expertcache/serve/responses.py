@@ -14,9 +14,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import StrictBool, StrictInt, field_validator
 
-from .schemas import APIError
+from .schemas import APIError, OpenAIBody
 
 # what a Responses body holds that the chat path has under another name, and where an error's param points then
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -42,17 +42,9 @@ TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refu
               "reasoning_text": "text", "summary_text": "text"}
 
 
-class ResponsesBody(BaseModel):
+class ResponsesBody(OpenAIBody):
     """A /v1/responses request. Fields beyond OpenAI's (vLLM's top_k, seed, stop, ...) go to the chat as sent, and
     are checked there as a chat's."""
-    model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
-        return data
 
     @field_validator("input", mode="before")
     @classmethod

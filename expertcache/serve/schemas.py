@@ -44,10 +44,9 @@ class StreamOptions(BaseModel):
 NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by both endpoints; top_k, min_p, repetition_penalty, stop_token_ids are extensions (as in
-    vLLM). Fields that would change the output and are not implemented are refused (`refuse_unsupported`), not
-    ignored. A null means the field's default, as in OpenAI's schema."""
+class OpenAIBody(BaseModel):
+    """A request body as OpenAI's API takes one: fields of other APIs kept (each endpoint refuses or passes them on),
+    a null read as the field's default."""
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="before")
@@ -56,6 +55,12 @@ class SamplingFields(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
+
+
+class SamplingFields(OpenAIBody):
+    """Fields shared by both endpoints; top_k, min_p, repetition_penalty, stop_token_ids are extensions (as in
+    vLLM). Fields that would change the output and are not implemented are refused (`refuse_unsupported`), not
+    ignored. A null means the field's default, as in OpenAI's schema."""
 
     @field_validator(*NUMBERS, mode="before")
     @classmethod
