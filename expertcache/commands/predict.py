@@ -29,6 +29,9 @@ HELP = ("train the estimators (--train), report each predictor's recall@k per la
         "running its predictions in place of the router costs in perplexity and greedy tokens")
 
 
+EPOCHS, HYBRID_BELOW = 30, 0.85  # --train's defaults, which predict without --train refuses set otherwise
+
+
 def add_arguments(p):
     """The verb's options."""
     add_model_argument(p)
@@ -43,14 +46,14 @@ def add_arguments(p):
     p.add_argument("--max-tokens", type=positive_int, default=None,
                    help="use only the first N tokens (default: the whole text; with --speculative, N tokens of "
                         "each domain, default 4096)")
-    p.add_argument("--epochs", type=positive_int, default=30, help="training epochs of each net (per layer transition)")
+    p.add_argument("--epochs", type=positive_int, default=EPOCHS, help="training epochs of each net (per layer transition)")
     p.add_argument("--sketch-rank", type=non_negative_int, default=SKETCH_RANK,
                    help="rank of the linear map in the lookahead's expert sketches")
     p.add_argument("--sketch-neurons", type=non_negative_int, default=SKETCH_NEURONS,
                    help="neurons each expert sketch keeps exact (0 and rank 0: each expert's mean output alone)")
     p.add_argument("--lookahead-width", type=positive_int, default=LOOKAHEAD_WIDTH,
                    help="hidden width of the lookahead's net on top of the router (its bytes read a decode call)")
-    p.add_argument("--hybrid-below", type=fraction, default=0.85,
+    p.add_argument("--hybrid-below", type=fraction, default=HYBRID_BELOW,
                    help="hybrid: estimator where quasi-hidden recall is below")
     p.add_argument("--predictors", nargs="+", default=list(PREDICTORS), choices=PREDICTORS, help="predictors to score")
     p.add_argument("--plot", type=plot_path, default=None, help="per-layer recall PNG")
@@ -68,9 +71,10 @@ def run(a) -> int:
     if a.train and a.speculative:
         raise BadInput("--speculative measures trained predictors: run --train first, then --speculative")
     # options that only another mode reads: given, they were dropped in silence
-    training = {"--epochs": (a.epochs, 30), "--sketch-rank": (a.sketch_rank, SKETCH_RANK),
+    training = {"--epochs": (a.epochs, EPOCHS), "--sketch-rank": (a.sketch_rank, SKETCH_RANK),
                 "--sketch-neurons": (a.sketch_neurons, SKETCH_NEURONS),
-                "--lookahead-width": (a.lookahead_width, LOOKAHEAD_WIDTH), "--hybrid-below": (a.hybrid_below, 0.85)}
+                "--lookahead-width": (a.lookahead_width, LOOKAHEAD_WIDTH),
+                "--hybrid-below": (a.hybrid_below, HYBRID_BELOW)}
     if not a.train and (given := [flag for flag, (value, default) in training.items() if value != default]):
         raise BadInput(f"{', '.join(given)} set how --train fits the predictors; add --train, or leave them out")
     if (a.train or a.speculative) and a.plot:
