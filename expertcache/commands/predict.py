@@ -46,7 +46,8 @@ def add_arguments(p):
     p.add_argument("--max-tokens", type=positive_int, default=None,
                    help="use only the first N tokens (default: the whole text; with --speculative, N tokens of "
                         "each domain, default 4096)")
-    p.add_argument("--epochs", type=positive_int, default=EPOCHS, help="training epochs of each net (per layer transition)")
+    p.add_argument("--epochs", type=positive_int, default=EPOCHS,
+                   help="training epochs of each net (per layer transition)")
     p.add_argument("--sketch-rank", type=non_negative_int, default=SKETCH_RANK,
                    help="rank of the linear map in the lookahead's expert sketches")
     p.add_argument("--sketch-neurons", type=non_negative_int, default=SKETCH_NEURONS,
