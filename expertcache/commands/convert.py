@@ -28,9 +28,7 @@ def run(a) -> int:
     args = model_args(ckpt.config)
     fmt = format_from_args(a, a.dtype)
     out = a.out or format_store_dir(ckpt, fmt)
-    flags = ([f"--store-dir {out}"] if a.out is not None else []) + ([f"--store-dtype {a.dtype}"] if fmt else []) + \
-        ([f"--group-size {a.group_size}"] if fmt and a.group_size != 32 else []) + \
-        ([f"--scheme {a.scheme}"] if fmt and a.scheme != "asym" else [])
+    flags = ([f"--store-dir {out}"] if a.out is not None else []) + ([f"--store-dtype {fmt.flags}"] if fmt else [])
     use = f" (a run reads it with {' '.join(flags)})" if flags else ""
     with conversion_lock(out):  # not while a run converts the same folder
         if not a.force and current_store(ckpt, args, out, fmt):  # a real model's conversion takes minutes

@@ -123,16 +123,16 @@ def check_routers(ckpt: Checkpoint, args: ModelArgs) -> None:
     """CheckpointError where a MoE layer's router, from its header, does not route config.json's number of experts
     over its hidden size: a config of another model read as this one was blamed on the files beside it (routing
     counts, predictors) or, read alone (`info`), reported as it says."""
-    names = dense_names(ckpt, args)
+    names, want = dense_names(ckpt, args), dense_shapes(args)["router"]
     for decoder in args.moe_layers:
         name = names.get(f"layers.{decoder}.router")
         if name is None or name not in ckpt.files:
             continue  # a family's own storage: its loading checks it
         shape = tuple(ckpt.info(name).shape)
-        if shape != (args.num_experts, args.hidden_size):
-            raise CheckpointError(f"tensor {name} has shape {shape}, config.json implies "
-                                  f"{(args.num_experts, args.hidden_size)} ({args.num_experts} experts over hidden "
-                                  f"size {args.hidden_size}); the config does not belong to these weights")
+        if shape != want:
+            raise CheckpointError(f"tensor {name} has shape {shape}, config.json implies {want} ({args.num_experts} "
+                                  f"experts over hidden size {args.hidden_size}); the config does not belong to these "
+                                  "weights")
 
 
 def layer_experts(ckpt: Checkpoint, args: ModelArgs, layer: int) -> LayerExperts:

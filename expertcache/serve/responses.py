@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import StrictBool, StrictInt, field_validator
 
-from .schemas import APIError, OpenAIBody
+from .schemas import APIError, OpenAIBody, refuse_misspelt
 
 # what a Responses body holds that the chat path has under another name, and where an error's param points then
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -96,9 +96,7 @@ def chat_fields(body: ResponsesBody) -> dict:
         if extra.get(name) is not None:
             raise APIError(400, f"{name} is not supported: this server keeps no responses; {instead}", name)
     for name in extra:
-        if near := difflib.get_close_matches(name.strip().lower().replace("-", "_"), ResponsesBody.model_fields,
-                                             1, 0.85):
-            raise APIError(400, f"{name} is not a field of this request; did you mean {near[0]}?", name)
+        refuse_misspelt(name, ResponsesBody.model_fields)
     if body.background:
         raise APIError(400, "background responses are not supported (this server keeps no responses); leave "
                        "background out and wait for the answer, or stream it", "background")

@@ -207,6 +207,14 @@ GUIDED = {"guided_json": "json_schema", "json_schema": "json_schema", "guided_re
 KNOWN = {*UNIMPLEMENTED, *GUIDED, "structured_outputs", *CompletionBody.model_fields, *ChatBody.model_fields}
 
 
+def refuse_misspelt(name: str, fields) -> None:
+    """APIError where the extra field `name` is one of `fields` misspelt (temprature, top-p, Temperature): it would
+    have been taken for another API's and ignored."""
+    spelt = name.strip().lower().replace("-", "_")
+    if near := difflib.get_close_matches(spelt, fields, 1, 0.85):
+        raise APIError(400, f"{name} is not a field of this request; did you mean {near[0]}?", name)
+
+
 def refuse_unsupported(body: SamplingFields) -> None:
     """APIError for a field this server does not implement and that would change the answer, or one that is a
     known field misspelt (temprature); fields that do not change it (user, tools the model may leave uncalled, ...)
@@ -215,9 +223,8 @@ def refuse_unsupported(body: SamplingFields) -> None:
         if name in UNIMPLEMENTED and value is not None and value not in UNIMPLEMENTED[name]:
             raise APIError(400, f"{name} is not supported by this server; {INSTEAD.get(name, 'leave it out')}",
                            name)
-        spelt = name.strip().lower().replace("-", "_")  # top-p, Temperature
-        if name not in KNOWN and (near := difflib.get_close_matches(spelt, type(body).model_fields, 1, 0.85)):
-            raise APIError(400, f"{name} is not a field of this request; did you mean {near[0]}?", name)
+        if name not in KNOWN:
+            refuse_misspelt(name, type(body).model_fields)
     unsupported = [  # chat's tool_choice is taken (structure)
         (body.tool_choice not in (None, "none", "auto") and not isinstance(body, ChatBody), "tool_choice",
          "a completion has no tools; leave it out"),
