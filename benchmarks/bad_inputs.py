@@ -33,6 +33,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     utf16.write_text("ROMEO.\nWhat light\n", encoding="utf-16-le")
     short = tmp / "short.txt"
     short.write_text("a")
+    five_tokens = tmp / "five_tokens.txt"
+    five_tokens.write_text("hello world. ")
     no_config = tmp / "no_config"
     no_config.mkdir()
     bad_json = tmp / "bad_json"
@@ -118,6 +120,14 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     other_model_profile = tmp / "measured_profile.json"  # measured on a 48-layer, top-8 model
     replace(DATASHEET["a6000-qwen3-30b"], calibration=({"cache": 0.25, "policy": "fetch-all"},)).save(
         other_model_profile)
+    from expertcache.engine.checkpoint import open_checkpoint
+    from expertcache.models import model_args
+    builtin = model_args(open_checkpoint(BUILTIN_MODEL).config)
+    other_size_profile = tmp / "measured_profile_9mib.json"  # the built-in model's depth and top-k, 9 MiB experts
+    replace(DATASHEET["a6000-qwen3-30b"], layers=builtin.num_moe_layers, top_k=builtin.top_k,
+            calibration=({"cache": 0.25, "policy": "fetch-all"},)).save(other_size_profile)
+    writable = tmp / "writable"  # a copy the verbs that write beside the weights may write in
+    shutil.copytree(BUILTIN_MODEL, writable)
     trace = tmp / "short.ectrace"
     subprocess.run([sys.executable, "-m", "expertcache.cli", "trace", "--max-tokens", "128", "--context", "64",
                     "--out", str(trace)], check=True, capture_output=True)
@@ -316,6 +326,12 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("simulate a FIFO (its open waited for a writer)", ["simulate", str(fifo), "--policies", "fetch-all"]),
         ("info on a config of 3,000,000 layers (ran for minutes)", ["info", "--config", str(many_layers)]),
         ("info on a config of a dense family's model_type", ["info", "--config", str(dense_type)]),
+        ("simulate with a profile measured on experts of another size", ["simulate", str(trace), "--policies",
+                                                                         "fetch-all", "--profile",
+                                                                         str(other_size_profile)]),
+        ("calibrate on a text of 5 tokens", ["calibrate", "--model", str(writable), "--text", str(five_tokens)]),
+        ("predict --train on a text of 5 tokens", ["predict", "--train", "--model", str(writable), "--text",
+                                                   str(five_tokens)]),
     ]
 
 

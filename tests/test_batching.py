@@ -93,6 +93,28 @@ def test_batched_forward_refuses_bad_input(builtin, tiny):
     engine.close()
 
 
+def test_batched_forward_refuses_positions_and_caches_unlike_the_models(builtin):
+    """The compiled attention reads and writes a sequence's keys and values without bounds checks: a negative
+    position, a buffer of half the head size, of twice the heads or of float64 decoded garbage in silence, and
+    a missing pair or a float position failed inside the forward. Each is one BadInput, before anything runs."""
+    gen = TextGeneration(builtin, [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), own_kv=True)
+    k, v = gen.kv
+    L, heads, N, D = k.shape
+    ids = torch.tensor([5])
+    for positions, kv, words in (
+            ([-1], [(k, v)], "position -1 of sequence 0 must be a whole number"),
+            ([0.5], [(k, v)], "position 0.5"), ([True], [(k, v)], "position True"),
+            ([0, 1], [(k, v)], "a list of 1 positions"), ([0], [], "got 1 and 0"),
+            ([0], [None], "kv\\[0\\] must be a \\(keys, values\\) pair"), ([0], [(k, v, k)], "pair"),
+            ([0], [(k[..., :D // 2].contiguous(), v)], "keys must be a contiguous"),
+            ([0], [(k, torch.zeros(L, 2 * heads, N, D))], "values must be"),
+            ([0], [(k.double(), v)], "torch.float64"), ([0], [(k[:1].contiguous(), v)], "keys must be"),
+            ([0], [(k.transpose(2, 3), v)], "contiguous"), ([0], [(k, v.numpy())], "got ndarray")):
+        with pytest.raises(BadInput, match=words):
+            builtin.forward_batch(ids, positions, kv)
+    assert torch.isfinite(builtin.forward_batch(ids, [3], [(k, v)])).all()  # the model's own layout runs
+
+
 def run_requests(engine: Engine, config: SchedulerConfig, requests: list[Request]) -> None:
     """Submit all requests at once and wait until every one has ended."""
     done = threading.Semaphore(0)

@@ -653,6 +653,27 @@ def test_verbs_that_write_beside_the_weights_take_no_default_model(capsys, monke
         assert f"cp -r {BUILTIN_MODEL} build/model" in err, err
     assert {f.name: f.stat().st_mtime_ns for f in BUILTIN_MODEL.iterdir()} == before
 
+
+def test_a_text_too_short_to_fit_from_is_refused_before_the_models_files_change(tmp_path, capsys):
+    """`predict --train` on a 5-token text reported a recall of 100% for every predictor (on those 5 tokens) and
+    replaced the model's predictors with what it learned from one sentence; `calibrate` wrote default vectors of
+    the few experts 5 tokens route to. Both are refused in one line, the files as they were."""
+    from expertcache.lab.calibrate import MIN_FIT_TOKENS, calibrate
+    from expertcache.lab.prediction import fit_estimator
+    model = tmp_path / "m"
+    shutil.copytree(BUILTIN_MODEL, model)
+    text = tmp_path / "short.txt"
+    text.write_text("hello world. ")
+    before = {f.name: f.read_bytes() for f in model.iterdir()}
+    for verb in (["calibrate"], ["predict", "--train"]):
+        code, err = run_cli(capsys, *verb, "--model", str(model), "--text", str(text))
+        assert code == 2 and err.count("\n") == 0 and f"at least {MIN_FIT_TOKENS} tokens" in err, err
+        assert "the text gave 5" in err and "longer --text" in err, err
+    assert {f.name: f.read_bytes() for f in model.iterdir()} == before
+    for fit in (calibrate, fit_estimator):  # the Python API's road
+        with pytest.raises(BadInput, match=f"at least {MIN_FIT_TOKENS} tokens"):
+            fit(model, list(range(MIN_FIT_TOKENS - 1)))
+
 def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(ckpt):
     """The Python API's road: Engine.forward and generate refuse an id outside the vocabulary in one line. A
     negative one indexed the embeddings from their end (another token's output); one past them was an IndexError

@@ -590,21 +590,28 @@ def test_a_profile_field_of_another_type_is_one_line(traced, tmp_path, capsys, f
 
 def test_a_profile_measured_on_another_model_is_refused(traced, tmp_path, capsys):
     """A calibrate-hw profile prices the model it was measured on: one of 48 layers and top-8 priced a 2-layer,
-    top-2 trace's replay as if it were that model and printed the number. A datasheet profile projects onto its
-    own model by design, and a measured one of the trace's model runs."""
+    top-2 trace's replay as if it were that model and printed the number; one of the trace's depth and top-k but
+    of 9 MiB experts priced the trace's small ones at its reads' speed. A datasheet profile projects onto its own
+    model by design, and a measured one of the trace's model runs."""
     import json
     from dataclasses import asdict, replace
 
     from expertcache import cli
     from expertcache.lab.costmodel import DATASHEET
+    from expertcache.lab.trace import read_trace
     _, _, _, out = traced
+    params = read_trace(out).header["expert_params"]
     measured = replace(DATASHEET["a6000-qwen3-30b"], calibration=({"cache": 0.25, "policy": "fetch-all"},))
-    for name, profile in (("other", measured), ("same", replace(measured, layers=2, top_k=2))):
+    for name, profile in (("other", measured), ("other size", replace(measured, layers=2, top_k=2)),
+                          ("same", replace(measured, layers=2, top_k=2, expert_bytes=2 * params))):
         (tmp_path / f"{name}.json").write_text(json.dumps(asdict(profile)))
     run = ["simulate", str(out), "--policies", "fetch-all", "--initial", "cold", "--profile"]
     assert cli.main([*run, str(tmp_path / "other.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "measured on a model of 48 MoE layers, top-8" in err and str(out) in err, err
     assert "has 2, top-2" in err and "calibrate-hw --model" in err
+    assert cli.main([*run, str(tmp_path / "other size.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"have {params:,} parameters" in err and "calibrate-hw --model" in err, err
     assert cli.main([*run, str(tmp_path / "same.json")]) == 0
     assert cli.main([*run, "a6000-qwen3-30b"]) == 0

@@ -24,7 +24,13 @@ def add_arguments(p):
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     from ..engine.checkpoint import DEFAULT_VECTORS, ROUTING_COUNTS, check_writable
-    from ..lab.calibrate import calibrate, check_calibration_budget, encode_text, save_calibration
+    from ..lab.calibrate import (
+        calibrate,
+        check_calibration_budget,
+        check_fit_tokens,
+        encode_text,
+        save_calibration,
+    )
     from ..lab.texts import read_text
     from ..progress import progress_bar
     text = read_text(a.text)
@@ -32,6 +38,7 @@ def run(a) -> int:
     path = written_model(a, "calibrate", " and ".join(files))
     check_writable(path, files)
     ids = encode_text(path, text, a.max_tokens)
+    check_fit_tokens(ids, "calibrate")  # before the progress bar
     if a.memory_budget is not None:
         check_calibration_budget(path, len(ids), a.memory_budget)
     with progress_bar(total=len(ids), unit="tok", desc="calibrate") as bar:

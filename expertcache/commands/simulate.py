@@ -73,7 +73,8 @@ def task(trace_path: str, policy: str, fraction: float, eviction: str | None, in
     from ..lab.simulator import replay
     trace, routes, counts = _load(trace_path, initial)
     h = trace.header
-    cost = load_profile(profile, (h["num_layers"], h["top_k"], f"trace {trace_path}")) if profile else None
+    cost = load_profile(profile, (h["num_layers"], h["top_k"], h["expert_params"], f"trace {trace_path}")) \
+        if profile else None
     r = replay(trace, policy, CacheConfig(fraction=fraction), eviction, counts, routes=routes, window=window)
     est = cost.ms_per_token(r.stats) if cost else None  # no profile, no estimate
     # a replay counts; it times and holds nothing of the engine's: those fields are null, not a measured zero

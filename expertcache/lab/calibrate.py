@@ -170,9 +170,22 @@ def check_calibration_budget(model_path: Path, tokens: int, budget: int, context
                             f"{math.ceil(need / 2**20 * 10) / 10:.1f}M or lower --max-tokens")
 
 
+# fewer tokens than this route too few times to fit anything from: a 5-token text gave every predictor a recall
+# of 100% on itself and replaced the model's files with what it learned from one sentence
+MIN_FIT_TOKENS = 64
+
+
+def check_fit_tokens(ids: list[int], what: str) -> None:
+    """BadInput when `ids` are too few tokens to fit `what` from (MIN_FIT_TOKENS)."""
+    if len(ids) < MIN_FIT_TOKENS:
+        raise BadInput(f"{what} needs at least {MIN_FIT_TOKENS} tokens of text to fit from; the text gave "
+                       f"{len(ids)}: give a longer --text (or a larger --max-tokens)")
+
+
 def calibrate(model_path: Path, ids: list[int], context: int = 512,
               progress: Callable[[int], None] | None = None) -> Calibration:
     """Routing counts and default vectors of the exact model over `ids`, in windows of `context`."""
+    check_fit_tokens(ids, "calibrate")
     _, moe, _ = run_exact(model_path, ids, lambda ckpt, a, router: RecordingMoE(ckpt, a, router, ExpertKind.of(a)),
                           context, progress)
     vectors = (moe.sums / moe.counts.clamp(min=1).unsqueeze(-1)).float()

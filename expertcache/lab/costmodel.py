@@ -196,9 +196,9 @@ DATASHEET = {
 }
 
 
-def load_profile(name_or_path: str, model: tuple[int, int, str] | None = None) -> HardwareProfile:
+def load_profile(name_or_path: str, model: tuple[int, int, int | None, str] | None = None) -> HardwareProfile:
     """A datasheet profile by name, or a profile file from `expertcache calibrate-hw`; with `model` (MoE layers,
-    top-k, what it is), checked to be able to price that model (`check_model`)."""
+    top-k, parameters of an expert or None, what it is), checked to be able to price that model (`check_model`)."""
     if name_or_path in DATASHEET:
         return DATASHEET[name_or_path]
     from ..errors import UnknownName
@@ -214,18 +214,30 @@ def load_profile(name_or_path: str, model: tuple[int, int, str] | None = None) -
     return profile
 
 
-def check_model(profile: HardwareProfile, layers: int, top_k: int, what: str, name: str | None = None) -> None:
-    """BadInput when `profile` was measured (it keeps its calibration runs) on a model of other MoE layers or top-k
-    than `what` has: its dense time, expert costs and depth are that model's, and the estimates priced another
-    model's routing as if it were that one, silently. A datasheet profile (no runs) projects any model's per-layer
-    rates onto the model it describes, by design."""
-    if not profile.calibration or (profile.layers, profile.top_k) == (layers, top_k):
+# Bytes a stored expert parameter takes in any store format: int4 with its group scales (0.5-1) up to fp32 (4)
+STORED_BYTES_PER_PARAM = (0.45, 4.5)
+
+
+def check_model(profile: HardwareProfile, layers: int, top_k: int, expert_params: int | None, what: str,
+                name: str | None = None) -> None:
+    """BadInput when `profile` was measured (it keeps its calibration runs) on a model of other MoE layers, top-k or
+    (given `expert_params`) expert size than `what` has: its dense time, expert costs and depth are that model's,
+    and the estimates priced another model's routing as if it were that one, silently (a profile of the built-in
+    model's 60 KiB experts priced a trace of 9 MiB ones at its reads' speed). A datasheet profile (no runs)
+    projects any model's per-layer rates onto the model it describes, by design."""
+    if not profile.calibration:
         return
     from ..errors import BadInput
-    raise BadInput(f"hardware profile {name or profile.name} was measured on a model of {profile.layers} MoE layers, "
-                   f"top-{profile.top_k}; {what} has {layers}, top-{top_k}: measure one on that model with "
-                   f"`expertcache calibrate-hw --model MODEL --out FILE` (or give a datasheet profile, "
-                   f"{', '.join(DATASHEET)}, to project onto the model it describes)")
+    fix = ("measure one on that model with `expertcache calibrate-hw --model MODEL --out FILE` (or give a datasheet "
+           f"profile, {', '.join(DATASHEET)}, to project onto the model it describes)")
+    if (profile.layers, profile.top_k) != (layers, top_k):
+        raise BadInput(f"hardware profile {name or profile.name} was measured on a model of {profile.layers} MoE "
+                       f"layers, top-{profile.top_k}; {what} has {layers}, top-{top_k}: {fix}")
+    low, high = STORED_BYTES_PER_PARAM
+    if expert_params is not None and not low <= profile.expert_bytes / expert_params <= high:
+        raise BadInput(f"hardware profile {name or profile.name} was measured on experts of {profile.expert_bytes:,} "
+                       f"bytes; {what}'s have {expert_params:,} parameters, which no store format holds in that "
+                       f"size (a model of another expert size): {fix}")
 
 
 # Calibration runs: (cache fraction, variant). Together they vary every term independently: cache

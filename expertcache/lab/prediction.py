@@ -41,7 +41,7 @@ from ..engine.transformer import Transformer
 from ..errors import BadInput
 from ..kernel.routing import Router
 from ..models import model_args
-from .calibrate import RecordingMoE, run_exact
+from .calibrate import RecordingMoE, check_fit_tokens, run_exact
 
 
 @dataclass
@@ -257,6 +257,7 @@ def fit_estimator(model_path: Path, ids: list[int], hybrid_below: float = 0.85, 
     below `hybrid_below` there) and save it beside the model; then the lookahead's expert sketches of `sketch`'s
     rank and neurons and its net of `width`, saved beside it too. `progress(stage, done, total)`: the tokens
     recorded, the estimator's epochs, the lookahead's inputs (tokens of every transition), its epochs."""
+    check_fit_tokens(ids, "predict --train")
     dv = load_default_vectors(model_path)  # before the minutes of recording
     check_writable(model_path, (ESTIMATOR_FILE, LOOKAHEAD_FILE))
     a = model_args(open_checkpoint(model_path).config)  # past these a sketch or the net only grows (out of memory)

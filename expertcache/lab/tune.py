@@ -34,6 +34,7 @@ from ..engine.cache import CacheConfig
 from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL, Engine, EngineConfig
 from ..engine.perplexity import perplexity
+from ..engine.stores import ExpertShape
 from ..errors import BadInput, NotEnoughMemory
 from ..models import model_args
 from ..policies import make_policy
@@ -414,7 +415,8 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
         raise BadInput(f"no cost profile for slots {', '.join(missing)}; give one profile per slot format")
     args = model_args(open_checkpoint(model or BUILTIN_MODEL).config)
     for p in profiles.values():  # before any engine loads: a profile measured on another model is refused
-        check_model(p, args.num_moe_layers, args.top_k, f"model {model or BUILTIN_MODEL}")
+        check_model(p, args.num_moe_layers, args.top_k, ExpertShape.of(args).numel,
+                    f"model {model or BUILTIN_MODEL}")
     engines: dict[str, Engine] = {}
     skipped: dict[str, str] = {}  # predictors left out of the search, and why
     left_out: dict[str, str] = {}  # finalists not scored, as their policy does not fit in memory, and why
