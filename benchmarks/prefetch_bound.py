@@ -5,7 +5,7 @@ against an oracle that knows every next layer's experts, in decode on the disk s
                                         [--predictors estimator lookahead] [--budgets 8 4] [--tokens 64]
                                         [--repeats 15] [--feed greedy|text] [--json FILE]
                                         [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
-                                        [--lookahead-from DIR ...]
+                                        [--lookahead-from DIR ...] [--one-call]
 
 The policy alone decodes greedily first; every variant then decodes those tokens again, one a forward, so that all
 of them run the same inputs. `--feed text` feeds the evaluation text's own tokens after the prompt instead, one a
@@ -20,6 +20,9 @@ waiting. `--fetched` prefetches only what the policy would fetch were it a miss 
 lies what the call's time costs, between it and the predictor what its wrong and missed reads cost. Each predictor
 runs at each of `budgets` (prefetches per layer among its top-k; default top-k), the oracle at the first, and so
 does the lookahead trained in each `--lookahead-from` folder (a copy of the model's trained with other options).
+`--one-call` adds each variant with a decode token's experts run in one call after its last wait rather than each
+as it lands (where experts are large enough for that, `CompiledExperts.one_by_one`); its shares are of its own
+on-demand and oracle runs.
 "Of the oracle's gain" is (on demand / variant - 1) / (on demand / oracle - 1) on the three's mean times over the
 rounds (every variant runs in every round, seconds apart, where this disk's speed drifts over minutes), with a 90%
 interval from resampling the rounds; "predict" the wall time of a token's predictions (the attention run ahead
@@ -178,6 +181,9 @@ def main() -> None:
     p.add_argument("--feed", choices=("greedy", "text"), default="greedy",
                    help="decode the policy's greedy continuation of the prompt, or the text's own next tokens")
     p.add_argument("--repeats", type=int, default=15, help="rounds: fewer let this disk's drift decide the share")
+    p.add_argument("--one-call", action="store_true",
+                   help="also each variant with a decode token's experts run in one call after its last wait, "
+                        "rather than each as its read lands")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if a.repeats < 1 or a.tokens < 1 or a.prompt_tokens < 1:
@@ -216,6 +222,8 @@ def main() -> None:
     paying = f"{oracle}, paying {a.predictors[0]}'s call"
     if a.split:
         variants[paying] = variants[oracle]
+    one_call = {f"{name}, one call": name for name in variants} if a.one_call else {}  # -> the variant it runs
+    variants |= {name: variants[base] for name, base in one_call.items()}
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     ppl = {}  # the decoded tokens' perplexity, scored in the warm-up round (its time is not kept)
     known = None  # the share of the routed experts the oracle knew: runs of the same tokens from a reset are alike,
@@ -224,12 +232,14 @@ def main() -> None:
         for round_ in range(a.repeats + 1):  # round 0 warms up
             for name, cfg in list(variants.items())[::1 if round_ % 2 else -1]:
                 engine.set_prefetch(cfg)  # the engine makes each predictor once and keeps it for every round
-                if name == oracle:
+                engine.runner.as_landed = name not in one_call
+                base = one_call.get(name, name)
+                if base == oracle:
                     engine.runner.predictor = oracle_predictor(engine.model, routes)
-                elif name == paying:  # the predictor that set_prefetch made
+                elif base == paying:  # the predictor that set_prefetch made
                     engine.runner.predictor = oracle_predictor(engine.model, routes, engine.runner.predictor)
-                elif name in others:
-                    engine.runner.predictor = made[others[name]]
+                elif base in others:
+                    engine.runner.predictor = made[others[base]]
                 recorder.on = name == oracle and not round_
                 bar.set_description(f"{f'round {round_}/{a.repeats}' if round_ else 'warm-up'}, {name}")
                 figures = decode(engine, prompt, tokens, score=not round_)
@@ -244,12 +254,12 @@ def main() -> None:
                     runs[name].append(figures)
     rows = {name: {k: None if rs[0][k] is None else statistics.median(r[k] for r in rs) for k in rs[0]} | {
             "ppl": ppl[name]} for name, rs in runs.items()}
-    base = rows["on demand"]["ms_per_token"]
     times = {name: np.array([f["ms_per_token"] for f in rs]) for name, rs in runs.items()}
     resamples = np.random.default_rng(0).integers(0, a.repeats, (2000, a.repeats))
+    suffix = lambda name: ", one call" if name in one_call else ""  # noqa: E731 -- its baselines ran as it did
     for name, r in rows.items():
-        r["of_oracle_gain"], r["of_oracle_gain_interval"] = share_of_gain(times["on demand"], times[name],
-                                                                          times[oracle], resamples)
+        r["of_oracle_gain"], r["of_oracle_gain_interval"] = share_of_gain(
+            times["on demand" + suffix(name)], times[name], times[oracle + suffix(name)], resamples)
     print(f"disk store, cache {a.cache}, {a.policy}{' (prefetching what it would fetch)' if a.fetched else ''}, "
           f"{a.tokens} decode tokens ({'greedy' if a.feed == 'greedy' else 'the text'}'s), medians of {a.repeats}; "
           f"the oracle knew {known:.1%} of the routed experts of layers 1 on\n")
@@ -261,6 +271,7 @@ def main() -> None:
     share = lambda r: "n/a" if r["of_oracle_gain"] is None else \
         "{:.0%} ({:.0%} to {:.0%})".format(r["of_oracle_gain"], *r["of_oracle_gain_interval"])  # noqa: E731
     for name, r in rows.items():
+        base = rows["on demand" + suffix(name)]["ms_per_token"]
         print(f"| {name} | {r['ms_per_token']:.2f} | {base / r['ms_per_token']:.2f}x | {share(r)} | "
               f"{r['sync_fetches']:.1f} | {r['prefetches']:.1f} | {r['stall_ms']:.2f} | {r['predict_ms']:.3f} | "
               f"{na(r['disk_busy_ms'], '.2f')} | {r['thread_cpu_ms']:.2f} | {r['ppl']:.3f} |")

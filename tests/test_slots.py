@@ -8,7 +8,7 @@ import torch
 
 from expertcache import cli
 from expertcache.engine.cache import CacheConfig
-from expertcache.engine.engine import Engine, EngineConfig
+from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
 from expertcache.engine.experts import CompiledExperts, ExpertKind, experts_grouped
 from expertcache.engine.quant import (
     ExpertFormat,
@@ -272,3 +272,57 @@ def test_each_dot_product_path_sums_each_lanes_own_four_products(isa, small):
     out = np.zeros(16, np.int32)
     _dot_kernel(isa, small)(codes, x, out)
     np.testing.assert_array_equal(out, ((codes.astype(np.int32) - 128 * centred) * x).reshape(16, 4).sum(1))
+
+
+@pytest.mark.parametrize("dtype,group,scheme", [("float32", 1, None), ("float16", 1, None), *FORMATS])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_experts_run_as_they_land_sum_to_the_one_calls_output_bit_for_bit(dtype, group, scheme, bias, parts,
+                                                                          monkeypatch):
+    """A decode token's experts run in groups as their reads land (`some`, then `total`) give the output of the
+    one call over all of them exactly, whatever the groups and their order: the same products over the same
+    row ranges, summed in the plan's order, biases (GPT-OSS's) and quantized slots included."""
+    from expertcache.engine import threads
+    monkeypatch.setattr(threads, "parts", lambda nbytes: parts)
+    g = torch.Generator().manual_seed(3)
+    S, F, H, k = 6, 32, 64, 4
+    shape = ExpertShape(1, S, (2 * F, H), (H, F), bias)
+    kind = ExpertKind(bias, 7.0 if bias else None)
+    if group == 1:
+        floats = [torch.randn(S, *p, generator=g).to(getattr(torch, dtype)) for p in shape.parts]
+        experts = CompiledExperts.of_floats(*floats, *([None, None] if not bias else []), kind)
+    else:
+        fmt = ExpertFormat.parse(dtype, group, scheme or "asym")
+        experts = CompiledExperts.of_blobs(random_blobs(fmt, shape.parts, S, g), decode_plan(shape.parts, fmt), kind)
+    x = torch.randn(1, H, generator=g)
+    slots, gates = np.array([4, 0, 5, 2]), np.array([0.4, 0.3, 0.2, 0.1], np.float32)
+    want = experts(x, slots, gates)
+    for groups in ([[0, 1, 2, 3]], [[2], [0, 3], [1]], [[3], [2], [1], [0]]):
+        for i, which in enumerate(groups):
+            experts.some(x, slots, gates, np.array(which, np.int64), i == 0)
+        assert torch.equal(experts.total(slots, gates), want), groups
+
+
+def test_a_decode_tokens_experts_run_as_their_reads_land(tmp_path, monkeypatch):
+    """On the disk store a decode token whose reads are in flight runs its resident experts before its first
+    wait and each read one after its wait (here with the size at which that starts lowered to the built-in
+    model's experts); the logits are those of the one call after the last wait, bit for bit."""
+    from expertcache.engine.experts import CompiledExperts as Compiled
+    calls = []
+    some = Compiled.some
+    monkeypatch.setattr(Compiled, "some", lambda self, x, s, g, which, first: calls.append(len(which)) or
+                        some(self, x, s, g, which, first))
+    ids = torch.arange(5, 30)
+
+    def decode(one_by_one: bool) -> torch.Tensor:
+        monkeypatch.setattr(Compiled, "one_by_one", property(lambda self: one_by_one))
+        e = Engine(BUILTIN_MODEL, EngineConfig(store="disk", store_dir=tmp_path, cache=CacheConfig(fraction=0.25)))
+        out = torch.cat([e.forward(ids[:8], 0, last=True)] +
+                        [e.forward(ids[p:p + 1], p, last=True) for p in range(8, len(ids))])
+        assert e.stats.sync_fetches > 0
+        e.close()
+        return out
+    want = decode(False)
+    assert not calls
+    assert torch.equal(decode(True), want)
+    assert len(calls) > len(ids) - 8 and 0 < min(calls) < max(calls)  # in groups, not the token at once

@@ -301,11 +301,13 @@ class ExpertCache:
             raise self.too_small(layer)
         return self.carry_out() if started else 0.0
 
-    def carry_out(self, compute=None, started=None) -> float:
+    def carry_out(self, compute=None, started=None, landed=None) -> float:
         """Carry out the logged actions in order: start transfers, wait for them, run the
         expert work owed before a slot is overwritten (`compute(slot, end)`: the slot's work for
         tokens [0, end) of the call). `started()`, if given, runs once the transfers logged before
-        the first wait are under way (before that wait), so that work it starts overlaps them.
+        the first wait are under way (before that wait), so that work it starts overlaps them;
+        `landed(slot)`, if given, after it (slot None) and after each wait (the slot waited for), so that
+        the experts resident by then run while the reads still in flight go on.
         An admission or upgrade that this call does not wait for (decode: nothing waits for it before
         the next token) starts once the reads of the wait after it have landed: issued with those
         synchronous fetches, it would share the slow tier with them and lengthen the wait. One that a
@@ -320,6 +322,7 @@ class ExpertCache:
         waited = {r[1]: i for i, r in enumerate(rows) if r[0] == kernel.WAIT}  # slot -> its last wait's row
         last_wait = max(waited.values(), default=-1)
         held: list[list[int]] = []  # background loads not started yet
+        first_wait = True
 
         def start_held():
             while held:
@@ -345,10 +348,15 @@ class ExpertCache:
                 if started is not None:
                     started, run = None, started
                     run()
+                if landed is not None and first_wait:
+                    first_wait = False
+                    landed(None)
                 if op == kernel.WAIT:
                     stall += self.wait(a)
                 else:
                     stall += self.finish_all()
+                if landed is not None:
+                    landed(a if op == kernel.WAIT else None)
                 if i + 1 == len(rows) or rows[i + 1][0] != kernel.WAIT:  # the wait's reads have landed
                     start_held()
             self.transfers.flush()

@@ -12,7 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from ..kernel.decode_blob import COLS, ENCODING, GROUP, PLAN_COLUMNS, RAW_BF16, RAW_F16, RAW_F32, ROWS, VALUES
-from ..kernel.expert_compute import activation_group, experts_token, experts_window, token_work, window_work
+from ..kernel.expert_compute import (
+    activation_group,
+    experts_of_token,
+    experts_token,
+    experts_token_sum,
+    experts_window,
+    token_work,
+    window_work,
+)
 from . import threads
 
 
@@ -150,15 +158,41 @@ class CompiledExperts:
     def _matrices(self) -> tuple:
         return (self.buf13, self.row13, self.buf2, self.row2, *self.biases, self.limit, self.alpha)
 
+    def _token_work(self, k: int, parts: int) -> tuple:
+        work = self.token_work.get((k, parts))
+        if work is None:
+            work = self.token_work[k, parts] = token_work(k, self.H, self.F, *self.groups, parts)
+        return work
+
     def __call__(self, x: torch.Tensor, slots: np.ndarray, gates: np.ndarray) -> torch.Tensor:
         """Decode: x [1, H] fp32, slots [k] int64, gates [k] float32 -> [1, H]."""
         k = slots.shape[0]
         parts = threads.parts(k * self.expert_bytes)
-        work = self.token_work.get((k, parts))
-        if work is None:
-            work = self.token_work[k, parts] = token_work(k, self.H, self.F, *self.groups, parts)
         out = torch.empty_like(x)
-        experts_token(x.numpy()[0], slots, gates, *self._matrices(), work, out.numpy()[0], parts)
+        experts_token(x.numpy()[0], slots, gates, *self._matrices(), self._token_work(k, parts), out.numpy()[0],
+                      parts)
+        return out
+
+    @property
+    def one_by_one(self) -> bool:
+        """Whether a decode token's experts are worth running one by one as their reads land (`some`, `total`):
+        where an expert streams as much as a split over the threads pays for. Below that a call's own cost is
+        more than the compute it hides (the built-in model's 60 KiB experts)."""
+        return self.expert_bytes >= threads.MIN_PARALLEL_BYTES
+
+    def some(self, x: torch.Tensor, slots: np.ndarray, gates: np.ndarray, which: np.ndarray, first: bool) -> None:
+        """The experts `which` (int64 indices into slots) of a decode token, the arguments as `__call__`'s, into
+        the scratch, not yet summed; `first`: the token's first such call. `total` ends the token: the same
+        output as `__call__`'s, bit for bit (the same products over the same row ranges, summed in order)."""
+        parts = threads.parts(self.expert_bytes)
+        experts_of_token(x.numpy()[0], which, first, slots, gates, self.buf13, self.row13, self.buf2, self.row2,
+                         *self.biases[:2], self.limit, self.alpha, self._token_work(slots.shape[0], parts), parts)
+
+    def total(self, slots: np.ndarray, gates: np.ndarray) -> torch.Tensor:
+        """The token's output [1, H] once `some` has run each of its experts."""
+        out = torch.empty(1, self.H)
+        work = self._token_work(slots.shape[0], threads.parts(self.expert_bytes))
+        experts_token_sum(slots, gates, *self.biases[2:], work, out.numpy()[0])
         return out
 
     def window(self, x: torch.Tensor, slots: np.ndarray, gates: np.ndarray) -> torch.Tensor:

@@ -84,13 +84,15 @@ class LayerPlan:
 
 def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer: int, routing: Routing,
                  token_base: int, flush: Callable[[int, int, np.ndarray, np.ndarray], None],
-                 started: Callable[[np.ndarray, np.ndarray], None] | None = None) -> LayerPlan:
+                 started: Callable[[np.ndarray, np.ndarray], None] | None = None,
+                 landed: Callable[[int | None, np.ndarray, np.ndarray], None] | None = None) -> LayerPlan:
     """Decide one layer's tokens in order (the compiled decision kernel, shared with the
     simulator) and carry out its actions: transfers, waits, and expert work that must run
     before a slot it uses is overwritten (`flush(slot, end, slots, gates)`: the slot's entries
     among tokens [0, end)). `started(experts, gates)` (the decided [T, k] arrays) runs as soon as
     the layer's transfers are under way, before any wait: the next layer's prefetches then
-    overlap this layer's fetches as well as its compute. The work that no flush ran is left to
+    overlap this layer's fetches as well as its compute. `landed(slot, slots, gates)` runs after it and after
+    each wait (ExpertCache.carry_out). The work that no flush ran is left to
     the caller. The kernel's counters stay in the cache state until the caller absorbs them
     into `stats` (the engine does, once per forward)."""
     T, k = routing.ids.shape
@@ -102,10 +104,40 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
     cache.decide_routed(policy, layer, routing, token_base, slots_h, exec_h, gates_h)
     begun = None if started is None else (lambda: started(exec_h, gates_h))
     if cache.state.misc[N_LOG]:
-        stats.stall_s += cache.carry_out(lambda slot, end: flush(slot, end, slots_h, gates_h), begun)
+        stats.stall_s += cache.carry_out(lambda slot, end: flush(slot, end, slots_h, gates_h), begun,
+                                         None if landed is None else lambda slot: landed(slot, slots_h, gates_h))
     elif begun is not None:
         begun()
     return LayerPlan(slots_h, exec_h, gates_h)
+
+
+class LandingExperts:
+    """A decode token's experts run as they become resident (CompiledExperts.some): those already resident
+    while its reads are in flight, each read one once its wait returns, so that their compute hides under the
+    reads still to land rather than following the last one. The sum is the one call's, bit for bit."""
+
+    def __init__(self, compiled: CompiledExperts, x: torch.Tensor, cache: ExpertCache):
+        self.compiled, self.x, self.cache = compiled, x, cache
+        self.done: np.ndarray | None = None  # [k] whether expert j of the plan has run
+        self.ran = False
+
+    def landed(self, slot: int | None, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
+        """ExpertCache.carry_out's hook: run the plan's experts whose slots hold them now."""
+        slots, gates = slots_h[0], gates_h[0]
+        if self.done is None:
+            self.done = np.zeros(len(slots), np.bool_)
+        pending = self.cache.pending
+        ready = [j for j in range(len(slots)) if not self.done[j] and int(slots[j]) not in pending]
+        if ready:
+            self.compiled.some(self.x, slots, gates, np.array(ready, np.int64), not self.ran)
+            self.done[ready] = self.ran = True
+
+    def total(self, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
+        """The token's output [1, H]: the experts not run yet, then the sum."""
+        slots, gates = slots_h[0], gates_h[0]
+        if not self.done.all():
+            self.compiled.some(self.x, slots, gates, np.flatnonzero(~self.done).astype(np.int64), False)
+        return self.compiled.total(slots, gates)
 
 
 def check_predictor(name: object) -> None:
@@ -170,6 +202,9 @@ class MoELayerRunner:
         self.previous: list[tuple[np.ndarray, np.ndarray] | None] = [None] * args.num_moe_layers
         self.follows = False
         self.sequence: tuple[int, int] | None = None  # (sequence, next position) the routes in `previous` lead to
+        # a decode token of large experts runs each one as soon as it is resident, while its other reads land
+        # (LandingExperts); False: all of them in one call after its last wait (benchmarks compare the two)
+        self.as_landed = True
         self.compiled = None  # the compiled expert calls over CPU slots, float or quantized
         if CompiledExperts.applies(cache.w13):
             self.compiled = CompiledExperts.of_floats(cache.w13, cache.w2, cache.b13, cache.b2, self.kind)
@@ -371,12 +406,16 @@ class MoELayerRunner:
                 tokens, gates = zip(*run)
                 add(tokens, [slot] * n, gates)
 
+        landing = LandingExperts(self.compiled, x, cache) \
+            if T == 1 and compiled and self.as_landed and self.compiled.one_by_one else None
+
         def finish(slots_h: np.ndarray, gates_h: np.ndarray) -> None:
             """The work that no flush ran."""
             nonlocal out
             if T == 1:
                 if out is None:
-                    out = decode_out(slots_h, gates_h)
+                    out = landing.total(slots_h, gates_h) if landing is not None and landing.ran \
+                        else decode_out(slots_h, gates_h)
             elif not by_slot:  # no flush: one pass over the whole window
                 out = experts_out(x, slots_h, gates_h)
             else:
@@ -392,7 +431,7 @@ class MoELayerRunner:
             return out if self.router.scale == 1.0 else out * self.router.scale
         # decode: the next layer's prefetches start as soon as this layer's fetches are under way
         plan = decide_layer(cache, self.policy, stats, layer, routing, self.token_base, flush,
-                            predict if ahead and T == 1 else None)
+                            predict if ahead and T == 1 else None, landing and landing.landed)
         # a window's predictions serve speculation and a decode batch's prefetches; a prefill issues no prefetch
         if ahead and T > 1 and (self.decoding or self.prefetch.mode == "speculative"):
             predict(plan.experts, plan.gates)

@@ -50,7 +50,7 @@ def token_work(k: int, H: int, F: int, G13: int, G2: int, parts: int) -> tuple[n
     xq, xd, xs, xqs = _codes(1, H, G13)
     return (xq[0], xd[0], xs[0], xqs[0], np.empty((k, 2 * F), np.float32), np.empty((k, F), np.float32),
             *_codes(k, F, G2), np.empty((k, H), np.float32), np.empty(2 * F, np.float32),
-            np.empty((parts, H), np.float32))
+            np.empty((parts, H), np.float32), np.empty(H, np.float32))
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
@@ -63,6 +63,26 @@ def _gate_up_units(x, slots, buf13, row13, xq, xd, xs, xqs, h, first, end, n13):
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _down_one(j, slots, buf2, row2, act, aq, ad, asum, aqs, y, first, end):
+    """Output row units [first, end) of expert j's down products into y[j]."""
+    unit, H = row_unit(row2), row2[ROWS]
+    r0, r1 = first * unit, min(H, end * unit)
+    if r0 < r1:
+        matvec_rows(buf2[slots[j]], row2, act[j], aq[j], ad[j], asum[j], aqs[j], y[j], r0, r1)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _sum_rows(bsum, y, k, out, r0, r1):
+    """out[r] = bsum[r] + y[0, r] + ... + y[k - 1, r] for rows [r0, r1), in that order: a token's experts run
+    together or one by one give the same sums."""
+    for r in range(r0, r1):
+        s = bsum[r]
+        for j in range(k):
+            s += y[j, r]
+        out[r] = s
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
 def _down_units(slots, buf2, row2, act, aq, ad, asum, aqs, y, bsum, out, first, end):
     """Output row units [first, end) of a token's down products, summed over its k experts into out."""
     unit, H = row_unit(row2), row2[ROWS]
@@ -70,12 +90,8 @@ def _down_units(slots, buf2, row2, act, aq, ad, asum, aqs, y, bsum, out, first, 
     if r0 >= r1:
         return
     for j in range(slots.shape[0]):
-        matvec_rows(buf2[slots[j]], row2, act[j], aq[j], ad[j], asum[j], aqs[j], y[j], r0, r1)
-    for r in range(r0, r1):
-        s = bsum[r]
-        for j in range(slots.shape[0]):
-            s += y[j, r]
-        out[r] = s
+        _down_one(j, slots, buf2, row2, act, aq, ad, asum, aqs, y, first, end)
+    _sum_rows(bsum, y, slots.shape[0], out, r0, r1)
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
@@ -86,29 +102,42 @@ def _quantize(x, g, xq, xd, xs, xqs):
 
 
 @njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
-def _token_activations(slots, gates, bbuf13, brow13, bbuf2, brow2, row2, limit, alpha, h, act, aq, ad, asum, aqs, y,
-                       b13, bsum):
-    """A token's gated activations act [k, F] times its gates (and their quantized form for quantized down
-    matrices), from its gate/up products h [k, 2F] and the gate/up biases; bsum [H] = the gate-weighted sum of
-    the down biases (y [k, H] as scratch)."""
-    k, F, H = slots.shape[0], row2[COLS], bsum.shape[0]
-    biased = bbuf13.shape[0] > 0
-    for r in range(H):
+def _activation(j, slots, gates, bbuf13, brow13, row2, limit, alpha, h, act, aq, ad, asum, aqs, b13):
+    """Expert j's gated activations act[j] [F] times its gate (and their quantized form for a quantized down
+    matrix), from its gate/up products h[j] [2F] and gate/up biases (b13 [2F] as scratch)."""
+    F, gate = row2[COLS], gates[j]
+    if bbuf13.shape[0] > 0:
+        decode_row(bbuf13[slots[j]], brow13, 0, b13)
+        for f in range(F):
+            act[j, f] = gate * gated(h[j, f] + b13[f], h[j, F + f] + b13[F + f], limit, alpha)
+    else:
+        for f in range(F):
+            act[j, f] = gate * gated(h[j, f], h[j, F + f], limit, alpha)
+    if is_quantized(row2):
+        quantize_activations(act[j], row2[GROUP], aq[j], ad[j], asum[j], aqs[j])
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _down_bias_sum(slots, gates, bbuf2, brow2, b2, bsum):
+    """bsum [H] = the gate-weighted sum of a token's experts' down biases (0 where the family has none; b2 [H] as
+    scratch)."""
+    for r in range(bsum.shape[0]):
         bsum[r] = 0.0
-    for j in range(k):
-        gate = gates[j]
-        if biased:
-            decode_row(bbuf13[slots[j]], brow13, 0, b13)
-            decode_row(bbuf2[slots[j]], brow2, 0, y[j])
-            for r in range(H):
-                bsum[r] += gate * y[j, r]
-            for f in range(F):
-                act[j, f] = gate * gated(h[j, f] + b13[f], h[j, F + f] + b13[F + f], limit, alpha)
-        else:
-            for f in range(F):
-                act[j, f] = gate * gated(h[j, f], h[j, F + f], limit, alpha)
-        if is_quantized(row2):
-            quantize_activations(act[j], row2[GROUP], aq[j], ad[j], asum[j], aqs[j])
+    if bbuf2.shape[0] > 0:
+        for j in range(slots.shape[0]):
+            decode_row(bbuf2[slots[j]], brow2, 0, b2)
+            for r in range(bsum.shape[0]):
+                bsum[r] += gates[j] * b2[r]
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _token_activations(slots, gates, bbuf13, brow13, bbuf2, brow2, row2, limit, alpha, h, act, aq, ad, asum, aqs,
+                       b13, b2, bsum):
+    """A token's gated activations act [k, F] times its gates (`_activation` of each expert) and the
+    gate-weighted sum of its down biases bsum [H]."""
+    _down_bias_sum(slots, gates, bbuf2, brow2, b2, bsum)
+    for j in range(slots.shape[0]):
+        _activation(j, slots, gates, bbuf13, brow13, row2, limit, alpha, h, act, aq, ad, asum, aqs, b13)
 
 
 @njit(cache=True, nogil=True, fastmath=FAST, parallel=True)
@@ -116,7 +145,7 @@ def experts_token(x, slots, gates, buf13, row13, buf2, row2, bbuf13, brow13, bbu
                   parts):
     """x [H] float32, slots [k] int64, gates [k] float32, the slots' matrices (see the module) ->
     out [H] = sum_j gates[j] * expert_{slots[j]}(x), over `parts` threads; work: token_work's scratch."""
-    xq, xd, xs, xqs, h, act, aq, ad, asum, aqs, y, b13, bias2 = work
+    xq, xd, xs, xqs, h, act, aq, ad, asum, aqs, y, b13, bias2, b2 = work
     k, H = slots.shape[0], x.shape[0]
     if is_quantized(row13):
         _quantize(x, row13[GROUP], xq, xd, xs, xqs)
@@ -128,8 +157,8 @@ def experts_token(x, slots, gates, buf13, row13, buf2, row2, bbuf13, brow13, bbu
             first, end = split(k * n13, p, parts)
             _gate_up_units(x, slots, buf13, row13, xq, xd, xs, xqs, h, first, end, n13)
     bsum = bias2[0]
-    _token_activations(slots, gates, bbuf13, brow13, bbuf2, brow2, row2, limit, alpha, h, act, aq, ad, asum, aqs, y,
-                       b13, bsum)
+    _token_activations(slots, gates, bbuf13, brow13, bbuf2, brow2, row2, limit, alpha, h, act, aq, ad, asum, aqs,
+                       b13, b2, bsum)
     n2 = (H + row_unit(row2) - 1) // row_unit(row2)
     if parts == 1:
         _down_units(slots, buf2, row2, act, aq, ad, asum, aqs, y, bsum, out, 0, n2)
@@ -137,6 +166,56 @@ def experts_token(x, slots, gates, buf13, row13, buf2, row2, bbuf13, brow13, bbu
         for p in prange(parts):
             first, end = split(n2, p, parts)
             _down_units(slots, buf2, row2, act, aq, ad, asum, aqs, y, bsum, out, first, end)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def _gate_up_which(x, which, slots, buf13, row13, xq, xd, xs, xqs, h, first, end, n13):
+    """Units [first, end) of the gate/up products of the token's experts `which`: unit u is expert
+    which[u // n13]'s row unit u % n13 (as `_gate_up_units`' rows)."""
+    unit, rows = row_unit(row13), row13[ROWS]
+    for u in range(first, end):
+        j, blk = which[u // n13], u % n13
+        matvec_rows(buf13[slots[j]], row13, x, xq, xd, xs, xqs, h[j], blk * unit, min(rows, (blk + 1) * unit))
+
+
+@njit(cache=True, nogil=True, fastmath=FAST, parallel=True)
+def experts_of_token(x, which, first, slots, gates, buf13, row13, buf2, row2, bbuf13, brow13, limit, alpha, work,
+                     parts):
+    """The token's experts `which` [m] (indices into slots) alone, experts_token's other arguments as it takes
+    them: their gate/up products, activations and down products into the scratch's y[j], not yet summed, so
+    that experts resident while the token's other reads land run meanwhile (`experts_token_sum` ends the
+    token, with experts_token's sums). `first`: the token's first such call, which quantizes x for quantized
+    gate/up matrices."""
+    xq, xd, xs, xqs, h, act, aq, ad, asum, aqs, y, b13, bias2, b2 = work
+    if first and is_quantized(row13):
+        _quantize(x, row13[GROUP], xq, xd, xs, xqs)
+    m, n13 = which.shape[0], (row13[ROWS] + row_unit(row13) - 1) // row_unit(row13)
+    if parts == 1:
+        _gate_up_which(x, which, slots, buf13, row13, xq, xd, xs, xqs, h, 0, m * n13, n13)
+    else:
+        for p in prange(parts):
+            u0, u1 = split(m * n13, p, parts)
+            _gate_up_which(x, which, slots, buf13, row13, xq, xd, xs, xqs, h, u0, u1, n13)
+    for i in range(m):
+        _activation(which[i], slots, gates, bbuf13, brow13, row2, limit, alpha, h, act, aq, ad, asum, aqs, b13)
+    n2 = (x.shape[0] + row_unit(row2) - 1) // row_unit(row2)  # the down products by experts_token's row ranges
+    if parts == 1:
+        for i in range(m):
+            _down_one(which[i], slots, buf2, row2, act, aq, ad, asum, aqs, y, 0, n2)
+    else:
+        for p in prange(parts):
+            r0, r1 = split(n2, p, parts)
+            for i in range(m):
+                _down_one(which[i], slots, buf2, row2, act, aq, ad, asum, aqs, y, r0, r1)
+
+
+@njit(cache=True, _nrt=False, nogil=True, fastmath=FAST)
+def experts_token_sum(slots, gates, bbuf2, brow2, work, out):
+    """out [H] = the gate-weighted down biases plus y[0] + ... + y[k - 1], once `experts_of_token` has run every
+    expert of the token: the same sums as experts_token's."""
+    y, bias2, b2 = work[10], work[12], work[13]
+    _down_bias_sum(slots, gates, bbuf2, brow2, b2, bias2[0])
+    _sum_rows(bias2[0], y, slots.shape[0], out, 0, out.shape[0])
 
 
 def window_work(T: int, k: int, S: int, H: int, F: int, G13: int, G2: int, parts: int) -> tuple[np.ndarray, ...]:
