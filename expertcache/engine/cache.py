@@ -317,8 +317,8 @@ class ExpertCache:
         slots free, and no transfer is left in flight."""
         rows, stall = self._take_log(), 0.0
         E = self.shape.num_experts
-        # a lone fetch is read by the waiting thread, unless `started` has work to overlap with it
-        here = self._read_here(rows) if self.cfg.caller_reads and started is None else set()
+        # a lone fetch is read by the waiting thread, unless `started` or `landed` has work to overlap with it
+        here = self._read_here(rows) if self.cfg.caller_reads and started is None and landed is None else set()
         waited = {r[1]: i for i, r in enumerate(rows) if r[0] == kernel.WAIT}  # slot -> its last wait's row
         last_wait = max(waited.values(), default=-1)
         held: list[list[int]] = []  # background loads not started yet

@@ -406,8 +406,8 @@ class MoELayerRunner:
                 tokens, gates = zip(*run)
                 add(tokens, [slot] * n, gates)
 
-        landing = LandingExperts(self.compiled, x, cache) \
-            if T == 1 and compiled and self.as_landed and self.compiled.one_by_one else None
+        landing = LandingExperts(self.compiled, x, cache) if T == 1 and compiled and self.as_landed and \
+            self.compiled.one_by_one and not cache.transfers.store.inline else None  # inline: copied as logged
 
         def finish(slots_h: np.ndarray, gates_h: np.ndarray) -> None:
             """The work that no flush ran."""
