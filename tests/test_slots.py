@@ -285,7 +285,7 @@ def test_experts_run_as_they_land_sum_to_the_one_calls_output_bit_for_bit(dtype,
     from expertcache.engine import threads
     monkeypatch.setattr(threads, "parts", lambda nbytes: parts)
     g = torch.Generator().manual_seed(3)
-    S, F, H, k = 6, 32, 64, 4
+    S, F, H = 6, 32, 64
     shape = ExpertShape(1, S, (2 * F, H), (H, F), bias)
     kind = ExpertKind(bias, 7.0 if bias else None)
     if group == 1:
@@ -303,26 +303,40 @@ def test_experts_run_as_they_land_sum_to_the_one_calls_output_bit_for_bit(dtype,
         assert torch.equal(experts.total(slots, gates), want), groups
 
 
-def test_a_decode_tokens_experts_run_as_their_reads_land(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model, policy", [("builtin", "fetch-all"), ("builtin", "fetch-all+prefetch/quasi-hidden"),
+                                           ("builtin", "quality-first"), ("builtin", "lowbit:tau=0.15"),
+                                           ("qwen3_moe", "fetch-all+prefetch/router-ahead")])
+def test_a_decode_tokens_experts_run_as_their_reads_land(tiny, tmp_path, monkeypatch, model, policy):
     """On the disk store a decode token whose reads are in flight runs its resident experts before its first
-    wait and each read one after its wait (here with the size at which that starts lowered to the built-in
-    model's experts); the logits are those of the one call after the last wait, bit for bit."""
+    wait and each read one after its wait (here with the size at which that starts lowered to the models'
+    small experts); the logits are those of the one call after the last wait, bit for bit, under prefetches,
+    admissions and low-precision copies too. In a cache of few slots (the tiny model's) a load can be logged
+    after a wait, into a slot that is the kernel's already but still holds the expert it replaces: run at that
+    wait, it gave that expert's output."""
     from expertcache.engine.experts import CompiledExperts as Compiled
+    from expertcache.lab.bench import parse_variant
     calls = []
     some = Compiled.some
     monkeypatch.setattr(Compiled, "some", lambda self, x, s, g, which, first: calls.append(len(which)) or
                         some(self, x, s, g, which, first))
-    ids = torch.arange(5, 30)
+    monkeypatch.setattr(Compiled, "one_by_one", property(lambda self: True))
+    path, fraction = (BUILTIN_MODEL, 0.125) if model == "builtin" else (tiny[model][0], 0.25)
+    ids = torch.arange(5, 40) if model == "builtin" else \
+        torch.randint(0, 96, (96,), generator=torch.Generator().manual_seed(6))
+    rule, prefetch = parse_variant(policy)
+    top_k = []
 
-    def decode(one_by_one: bool) -> torch.Tensor:
-        monkeypatch.setattr(Compiled, "one_by_one", property(lambda self: one_by_one))
-        e = Engine(BUILTIN_MODEL, EngineConfig(store="disk", store_dir=tmp_path, cache=CacheConfig(fraction=0.25)))
+    def decode(as_landed: bool) -> torch.Tensor:
+        e = Engine(path, EngineConfig(store="disk", store_dir=tmp_path, cache=CacheConfig(fraction=fraction),
+                                      policy=rule, prefetch=prefetch))
+        e.runner.as_landed = as_landed
         out = torch.cat([e.forward(ids[:8], 0, last=True)] +
                         [e.forward(ids[p:p + 1], p, last=True) for p in range(8, len(ids))])
-        assert e.stats.sync_fetches > 0
+        assert e.stats.sync_fetches + e.stats.lowbit_fetches > 0
+        top_k.append(e.args.top_k)
         e.close()
         return out
     want = decode(False)
     assert not calls
     assert torch.equal(decode(True), want)
-    assert len(calls) > len(ids) - 8 and 0 < min(calls) < max(calls)  # in groups, not the token at once
+    assert len(calls) > len(ids) - 8 and 0 < min(calls) and max(calls) < top_k[0]  # not the token at once
