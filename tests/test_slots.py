@@ -339,4 +339,4 @@ def test_a_decode_tokens_experts_run_as_their_reads_land(tiny, tmp_path, monkeyp
     want = decode(False)
     assert not calls
     assert torch.equal(decode(True), want)
-    assert len(calls) > len(ids) - 8 and 0 < min(calls) and max(calls) < top_k[0]  # not the token at once
+    assert len(calls) > len(ids) - 8 and 0 < min(calls) < top_k[0]  # some tokens' experts in groups

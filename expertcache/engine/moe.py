@@ -85,14 +85,14 @@ class LayerPlan:
 def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer: int, routing: Routing,
                  token_base: int, flush: Callable[[int, int, np.ndarray, np.ndarray], None],
                  started: Callable[[np.ndarray, np.ndarray], None] | None = None,
-                 landed: Callable[[int | None, np.ndarray, np.ndarray], None] | None = None) -> LayerPlan:
+                 landed: Callable[[int | None, set[int], np.ndarray, np.ndarray], None] | None = None) -> LayerPlan:
     """Decide one layer's tokens in order (the compiled decision kernel, shared with the
     simulator) and carry out its actions: transfers, waits, and expert work that must run
     before a slot it uses is overwritten (`flush(slot, end, slots, gates)`: the slot's entries
     among tokens [0, end)). `started(experts, gates)` (the decided [T, k] arrays) runs as soon as
     the layer's transfers are under way, before any wait: the next layer's prefetches then
-    overlap this layer's fetches as well as its compute. `landed(slot, slots, gates)` runs after it and after
-    each wait (ExpertCache.carry_out). The work that no flush ran is left to
+    overlap this layer's fetches as well as its compute. `landed(slot, later, slots, gates)` runs after it and
+    after each wait (ExpertCache.carry_out). The work that no flush ran is left to
     the caller. The kernel's counters stay in the cache state until the caller absorbs them
     into `stats` (the engine does, once per forward)."""
     T, k = routing.ids.shape
@@ -105,7 +105,8 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
     begun = None if started is None else (lambda: started(exec_h, gates_h))
     if cache.state.misc[N_LOG]:
         stats.stall_s += cache.carry_out(lambda slot, end: flush(slot, end, slots_h, gates_h), begun,
-                                         None if landed is None else lambda slot: landed(slot, slots_h, gates_h))
+                                         None if landed is None else
+                                         lambda slot, later: landed(slot, later, slots_h, gates_h))
     elif begun is not None:
         begun()
     return LayerPlan(slots_h, exec_h, gates_h)
@@ -121,13 +122,15 @@ class LandingExperts:
         self.done: np.ndarray | None = None  # [k] whether expert j of the plan has run
         self.ran = False
 
-    def landed(self, slot: int | None, slots_h: np.ndarray, gates_h: np.ndarray) -> None:
-        """ExpertCache.carry_out's hook: run the plan's experts whose slots hold them now."""
+    def landed(self, slot: int | None, later: set[int], slots_h: np.ndarray, gates_h: np.ndarray) -> None:
+        """ExpertCache.carry_out's hook: run the plan's experts whose slots hold them now (not in flight, and no
+        load of the call still to start on them)."""
         slots, gates = slots_h[0], gates_h[0]
         if self.done is None:
             self.done = np.zeros(len(slots), np.bool_)
         pending = self.cache.pending
-        ready = [j for j in range(len(slots)) if not self.done[j] and int(slots[j]) not in pending]
+        ready = [j for j in range(len(slots)) if not self.done[j] and int(slots[j]) not in pending
+                 and int(slots[j]) not in later]
         if ready:
             self.compiled.some(self.x, slots, gates, np.array(ready, np.int64), not self.ran)
             self.done[ready] = self.ran = True
