@@ -8,7 +8,9 @@ in both, or a float slot's w13 and w2 bytes) with plan rows row13 / row2, and th
 (bbuf13 / bbuf2 with rows brow13 / brow2, float; buffers of shape [0, 0] where the family has none).
 
 A decode token runs in two parallel phases: every expert's gate/up rows shared among the threads, then
-the down products by output rows (each thread adds up its rows over the k experts). A window sorts its
+the down products by output rows (each thread adds up its rows over the k experts). Its experts can also
+run some at a time as their reads land (`experts_of_token`, then `experts_token_sum`), over the same row
+ranges and summed in the same order: the same output, bit for bit. A window sorts its
 (token, expert) assignments by slot, gathers each slot's inputs into consecutive rows and runs the same
 two phases on passes of at most PASS assignments (their scratch stays that size whatever the window; a
 slot with more assignments than that takes several passes):
