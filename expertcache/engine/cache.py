@@ -323,7 +323,7 @@ class ExpertCache:
         waited = {r[1]: i for i, r in enumerate(rows) if r[0] == kernel.WAIT}  # slot -> its last wait's row
         last_wait = max(waited.values(), default=-1)
         held: list[list[int]] = []  # background loads not started yet
-        loads = [(i, r[1]) for i, r in enumerate(rows) if r[0] == kernel.LOAD]  # (row, slot)
+        loads = [] if landed is None else [(i, r[1]) for i, r in enumerate(rows) if r[0] == kernel.LOAD]  # row, slot
         first_wait = True
 
         def start_held():

@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..choices import BUILTIN_MODEL, INITIAL, PROMPT_ORDERS  # noqa: F401 (BUILTIN_MODEL re-exported)
@@ -621,42 +620,8 @@ class Engine:
         values in kv[b] -> logits [B, V] (fp32); the B tokens count as B decode tokens."""
         self._check_open()
         ids = self.token_ids(ids)
-        self._check_batch(ids.shape[0], positions, kv)
         with self._one_call():
             return self._forward_batch(ids, positions, kv)
-
-    def _check_batch(self, B: int, positions: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """BadInput unless `positions` are B whole numbers >= 0 and `kv` B (keys, values) pairs laid out as the
-        model's own cache (its dtype, device, layers, heads and head size, contiguous) holding each position: the
-        compiled attention reads and writes them without bounds checks, and a negative position, a buffer of half
-        the head size or of float64 decoded garbage in silence."""
-        m = self.model
-        if m.latent is not None or m.linear:  # no batched decode at all: Transformer.forward_batch says so
-            return
-        if not isinstance(positions, (list, tuple)) or not isinstance(kv, (list, tuple)) or \
-                len(positions) != B or len(kv) != B:
-            got = f"{len(positions)} and {len(kv)}" if isinstance(positions, (list, tuple)) and \
-                isinstance(kv, (list, tuple)) else f"a {type(positions).__name__} and a {type(kv).__name__}"
-            raise BadInput(f"forward_batch takes a list of {B} positions and a list of {B} (keys, values) pairs for "
-                           f"{B} token ids, one of each per sequence; got {got}")
-        for b, (pos, pair) in enumerate(zip(positions, kv)):
-            if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not 0 <= pos < m.max_seq:
-                raise BadInput(f"forward_batch: position {pos!r} of sequence {b} must be a whole number in "
-                               f"[0, {m.max_seq})")
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise BadInput(f"forward_batch: kv[{b}] must be a (keys, values) pair of tensors")
-            for name, t, own in (("keys", pair[0], m.k_cache), ("values", pair[1], m.v_cache)):
-                want = "[" + ", ".join(map(str, (*own.shape[:2], "N", *own.shape[3:]))) + "]"
-                if not isinstance(t, torch.Tensor) or t.dim() != own.dim() or t.shape[:2] != own.shape[:2] or \
-                        t.shape[3:] != own.shape[3:] or t.dtype != own.dtype or t.device != own.device or \
-                        not t.is_contiguous():
-                    got = f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else \
-                        type(t).__name__
-                    raise BadInput(f"forward_batch: kv[{b}]'s {name} must be a contiguous {own.dtype} tensor of "
-                                   f"shape {want} on {own.device}, as the model's own cache; got {got}")
-                if pos >= t.shape[2]:
-                    raise BadInput(f"position {pos} is beyond its KV buffer of {t.shape[2]} positions; "
-                                   "allocate the buffer for the whole sequence")
 
     def _forward_batch(self, ids: torch.Tensor, positions: list[int],
                        kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

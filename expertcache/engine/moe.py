@@ -117,23 +117,25 @@ class LandingExperts:
     while its reads are in flight, each read one once its wait returns, so that their compute hides under the
     reads still to land rather than following the last one. The sum is the one call's, bit for bit."""
 
-    def __init__(self, compiled: CompiledExperts, x: torch.Tensor, cache: ExpertCache):
+    def __init__(self, compiled: CompiledExperts, x: torch.Tensor, cache: ExpertCache, k: int):
         self.compiled, self.x, self.cache = compiled, x, cache
-        self.done: np.ndarray | None = None  # [k] whether expert j of the plan has run
-        self.ran = False
+        self.done = np.zeros(k, np.bool_)  # whether expert j of the plan has run
+
+    @property
+    def ran(self) -> bool:
+        """Whether any of the token's experts has run."""
+        return bool(self.done.any())
 
     def landed(self, slot: int | None, later: set[int], slots_h: np.ndarray, gates_h: np.ndarray) -> None:
         """ExpertCache.carry_out's hook: run the plan's experts whose slots hold them now (not in flight, and no
         load of the call still to start on them)."""
         slots, gates = slots_h[0], gates_h[0]
-        if self.done is None:
-            self.done = np.zeros(len(slots), np.bool_)
         pending = self.cache.pending
         ready = [j for j in range(len(slots)) if not self.done[j] and int(slots[j]) not in pending
                  and int(slots[j]) not in later]
         if ready:
             self.compiled.some(self.x, slots, gates, np.array(ready, np.int64), not self.ran)
-            self.done[ready] = self.ran = True
+            self.done[ready] = True
 
     def total(self, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
         """The token's output [1, H]: the experts not run yet, then the sum."""
@@ -409,7 +411,7 @@ class MoELayerRunner:
                 tokens, gates = zip(*run)
                 add(tokens, [slot] * n, gates)
 
-        landing = LandingExperts(self.compiled, x, cache) if T == 1 and compiled and self.as_landed and \
+        landing = LandingExperts(self.compiled, x, cache, a.top_k) if T == 1 and compiled and self.as_landed and \
             self.compiled.one_by_one and not cache.transfers.store.inline else None  # inline: copied as logged
 
         def finish(slots_h: np.ndarray, gates_h: np.ndarray) -> None:

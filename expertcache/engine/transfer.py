@@ -195,8 +195,7 @@ class TransferEngine:
         self.workers: list[threading.Thread] = []  # started by the first read handed to a worker (`_hand_off`)
 
     def _ring(self, io: str) -> RingReads | None:
-        if io not in IO_BACKENDS:
-            raise BadInput(f"unknown I/O backend {io!r}; choose one of {', '.join(IO_BACKENDS)}")
+        """The ring for `io` (one of IO_BACKENDS, which CacheConfig checks) where the reads can take one."""
         usable = (self.direct is not None or (self.encoded and not self.cuda)) and \
             getattr(self.store, "read_mode", "") == "o_direct"
         ring = RingReads.open() if usable and io != "threads" else None

@@ -340,6 +340,40 @@ class Transformer:
         return h + y
 
     @torch.inference_mode()
+    def check_batch(self, B: int, positions: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """BadInput unless this model decodes in batches (keys and values are its only per-sequence state),
+        `positions` are B whole numbers >= 0 and `kv` B (keys, values) pairs laid out as its own cache (dtype,
+        device, layers, heads and head size, contiguous) holding each position: the compiled attention reads and
+        writes them without bounds checks, and a negative position, a buffer of half the head size or of float64
+        decoded garbage in silence."""
+        if self.latent is not None or self.linear:
+            raise BadInput("batched decode needs a model whose per-sequence state is its keys and values; "
+                           "this one has latent or linear attention: decode one sequence at a time")
+        if not isinstance(positions, (list, tuple)) or not isinstance(kv, (list, tuple)) or \
+                len(positions) != B or len(kv) != B:
+            got = f"{len(positions)} and {len(kv)}" if isinstance(positions, (list, tuple)) and \
+                isinstance(kv, (list, tuple)) else f"a {type(positions).__name__} and a {type(kv).__name__}"
+            raise BadInput(f"forward_batch takes a list of {B} positions and a list of {B} (keys, values) pairs for "
+                           f"{B} token ids, one of each per sequence; got {got}")
+        for b, (pos, pair) in enumerate(zip(positions, kv)):
+            if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not 0 <= pos < self.max_seq:
+                raise BadInput(f"forward_batch: position {pos!r} of sequence {b} must be a whole number in "
+                               f"[0, {self.max_seq})")
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise BadInput(f"forward_batch: kv[{b}] must be a (keys, values) pair of tensors")
+            for name, t, own in (("keys", pair[0], self.k_cache), ("values", pair[1], self.v_cache)):
+                want = "[" + ", ".join(map(str, (*own.shape[:2], "N", *own.shape[3:]))) + "]"
+                if not isinstance(t, torch.Tensor) or t.dim() != own.dim() or t.shape[:2] != own.shape[:2] or \
+                        t.shape[3:] != own.shape[3:] or t.dtype != own.dtype or t.device != own.device or \
+                        not t.is_contiguous():
+                    got = f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else \
+                        type(t).__name__
+                    raise BadInput(f"forward_batch: kv[{b}]'s {name} must be a contiguous {own.dtype} tensor of "
+                                   f"shape {want} on {own.device}, as the model's own cache; got {got}")
+                if pos >= t.shape[2]:
+                    raise BadInput(f"position {pos} is beyond its KV buffer of {t.shape[2]} positions; "
+                                   "allocate the buffer for the whole sequence")
+
     def forward_batch(self, ids: torch.Tensor, positions: list[int],
                       kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Decode B sequences one token each: ids [B], sequence b's token at position positions[b] with its keys
@@ -348,17 +382,9 @@ class Transformer:
         sequence against its own cache, through decode's compiled attention block where it applies, else with
         the projections on the batch. Models with state beyond keys and values (latent attention, linear
         attention) decode one sequence at a time through `forward`."""
-        assert ids.dim() == 1 and len(positions) == len(kv) == ids.shape[0], \
-            f"ids [B], B positions and B caches expected, got {tuple(ids.shape)}, {len(positions)}, {len(kv)}"
-        if self.latent is not None or self.linear:
-            raise BadInput("batched decode needs a model whose per-sequence state is its keys and values; "
-                           "this one has latent or linear attention: decode one sequence at a time")
+        self.check_batch(ids.shape[0], positions, kv)
         a = self.args
         self.position = None  # several sequences: no attention runs ahead
-        for pos, (k_cache, _) in zip(positions, kv):
-            if pos >= k_cache.shape[2]:
-                raise BadInput(f"position {pos} is beyond its KV buffer of {k_cache.shape[2]} positions; "
-                               "allocate the buffer for the whole sequence")
         h = self.embed[ids].to(self.dtype)  # a copy: the compiled attention block updates its rows in place
         for i, L in enumerate(self.layers):
             if self.compiled:
