@@ -2,21 +2,28 @@
 with prompts of different lengths from the evaluation text, each with its own KV cache, decode
 `--steps` tokens each, either as one batched forward per step (Engine.forward_batch, what
 `serve --schedule batch` runs) or as B one-token forwards per step (`--schedule interleave`).
-The two run in alternating trials on the same engine and cache; medians of trials.
+The variants run in alternating trials on the same engine and cache; medians of trials.
+`--one-call` adds the batched step with each token's experts run in one call after the layer's last
+wait, against as their reads land (the disk store at real expert sizes).
 
     PYTHONPATH=. python benchmarks/batch_decode.py [--batch 1,4,16] [--steps 16] [--trials 3]
+    PYTHONPATH=. python benchmarks/batch_decode.py --model build/q30b16 --store disk --store-dtype int4 \
+        --slot-dtype int4 --dense-dtype int4 --batch 1,4 --one-call
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from expertcache.cli import run_script
+from expertcache.engine.cache import CacheConfig
 from expertcache.engine.engine import Engine, EngineConfig
 from expertcache.engine.generate import TextGeneration, batch_logits
+from expertcache.engine.quant import ExpertFormat
 from expertcache.engine.sampling import SamplingParams
 
 
@@ -44,27 +51,45 @@ def timed(engine: Engine, gens: list[TextGeneration], steps: int, batched: bool)
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--model", type=Path, default=None, help="a checkpoint folder (default: the built-in model)")
+    p.add_argument("--store", choices=("ram", "disk"), default="ram")
+    p.add_argument("--cache", type=float, default=0.25)
+    p.add_argument("--store-dtype", default=None, help="the disk store's format (default: the checkpoint's)")
+    p.add_argument("--slot-dtype", default="auto")
+    p.add_argument("--dense-dtype", default="auto")
     p.add_argument("--batch", default="1,4,16")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--one-call", action="store_true",
+                   help="also the batched step with each token's experts in one call after the last wait")
     a = p.parse_args()
+    if a.steps < 1 or a.trials < 1:
+        p.error("--steps and --trials must be at least 1")
     torch.set_num_threads(1)
-    engine = Engine(None, EngineConfig(store="ram"))
+    fmt = ExpertFormat.parse(a.store_dtype, 32) if a.store_dtype else None
+    engine = Engine(a.model, EngineConfig(store=a.store, cache=CacheConfig(fraction=a.cache), store_format=fmt,
+                                          slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype))
     ids = engine.encode(open("expertcache/data/eval.txt").read()[:20000])
-    print("| B | batched ms/step | one-by-one ms/step | speed-up | batched tokens/s | one-by-one tokens/s | "
-          "fetches/token batched | fetches/token one by one |")
-    print("|---|---|---|---|---|---|---|---|")
+    variants = ["batched"] + (["batched, one call"] if a.one_call else []) + ["one by one"]
+    print("| B | " + " | ".join(f"{v} ms/step" for v in variants) + " | batched vs one by one | " +
+          ("as landed vs one call | " if a.one_call else "") + "batched tokens/s | fetches/token batched | "
+          "fetches/token one by one |")
+    print("|---" * (len(variants) + 5 + a.one_call) + "|")
     for B in map(int, a.batch.split(",")):
-        runs: dict[bool, list[tuple[float, int]]] = {True: [], False: []}
+        runs: dict[str, list[tuple[float, int]]] = {v: [] for v in variants}
         for trial in range(a.trials + 1):  # trial 0 warms up
-            for batched in (True, False):
-                r = timed(engine, sequences(engine, ids, B, a.steps), a.steps, batched)
+            for v in variants if trial % 2 else variants[::-1]:
+                engine.runner.as_landed = v != "batched, one call"
+                r = timed(engine, sequences(engine, ids, B, a.steps), a.steps, v != "one by one")
                 if trial:
-                    runs[batched].append(r)
-        ms = {k: statistics.median(s for s, _ in v) * 1000 / a.steps for k, v in runs.items()}
-        fetches = {k: sum(f for _, f in v) / (B * a.steps * a.trials) for k, v in runs.items()}
-        print(f"| {B} | {ms[True]:.1f} | {ms[False]:.1f} | {ms[False] / ms[True]:.2f}x | "
-              f"{B * 1000 / ms[True]:.0f} | {B * 1000 / ms[False]:.0f} | {fetches[True]:.2f} | {fetches[False]:.2f} |")
+                    runs[v].append(r)
+        engine.runner.as_landed = True
+        ms = {v: statistics.median(s for s, _ in r) * 1000 / a.steps for v, r in runs.items()}
+        fetches = {v: sum(f for _, f in r) / (B * a.steps * a.trials) for v, r in runs.items()}
+        landed = f"{ms['batched, one call'] / ms['batched']:.3f}x | " if a.one_call else ""
+        print(f"| {B} | " + " | ".join(f"{ms[v]:.1f}" for v in variants) +
+              f" | {ms['one by one'] / ms['batched']:.2f}x | {landed}{B * 1000 / ms['batched']:.0f} | "
+              f"{fetches['batched']:.2f} | {fetches['one by one']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -317,8 +317,8 @@ def test_a_decode_tokens_experts_run_as_their_reads_land(tiny, tmp_path, monkeyp
     from expertcache.lab.bench import parse_variant
     calls = []
     some = Compiled.some
-    monkeypatch.setattr(Compiled, "some", lambda self, x, s, g, which, first: calls.append(len(which)) or
-                        some(self, x, s, g, which, first))
+    monkeypatch.setattr(Compiled, "some", lambda self, x, s, g, which, *rest: calls.append(len(which)) or
+                        some(self, x, s, g, which, *rest))
     monkeypatch.setattr(Compiled, "one_by_one", property(lambda self: True))
     path, fraction = (BUILTIN_MODEL, 0.125) if model == "builtin" else (tiny[model][0], 0.25)
     ids = torch.arange(5, 40) if model == "builtin" else \
@@ -340,3 +340,44 @@ def test_a_decode_tokens_experts_run_as_their_reads_land(tiny, tmp_path, monkeyp
     assert not calls
     assert torch.equal(decode(True), want)
     assert len(calls) > len(ids) - 8 and 0 < min(calls) < top_k[0]  # some tokens' experts in groups
+
+
+@pytest.mark.parametrize("model, policy", [("builtin", "fetch-all"), ("builtin", "quality-first"),
+                                           ("qwen3_moe", "fetch-all")])
+def test_a_decode_batchs_experts_run_as_their_reads_land(tiny, tmp_path, monkeypatch, model, policy):
+    """A decode batch (the server's sequences, one forward a step) runs each token's experts as their reads land,
+    each token's in its own scratch: every sequence's logits are those of the calls after the last wait, bit
+    for bit, in caches where the batch's tokens share slots and evict each other's experts (flushes)."""
+    from expertcache.engine.experts import CompiledExperts as Compiled
+    from expertcache.engine.generate import TextGeneration, batch_logits
+    from expertcache.engine.sampling import SamplingParams
+    tokens = []
+    some = Compiled.some
+    monkeypatch.setattr(Compiled, "some", lambda self, x, s, g, which, first, token=0: tokens.append(token) or
+                        some(self, x, s, g, which, first, token))
+    monkeypatch.setattr(Compiled, "one_by_one", property(lambda self: True))
+    path, fraction = (BUILTIN_MODEL, 0.125) if model == "builtin" else (tiny[model][0], 0.5)
+    ids = torch.randint(5, 90, (160,), generator=torch.Generator().manual_seed(8)).tolist()
+
+    def decode(as_landed: bool) -> list[torch.Tensor]:
+        e = Engine(path, EngineConfig(store="disk", store_dir=tmp_path, cache=CacheConfig(fraction=fraction),
+                                      policy=policy))
+        e.runner.as_landed = as_landed
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        gens = [TextGeneration(e, ids[40 * b:40 * b + 6 + 3 * b], params, own_kv=True) for b in range(4)]
+        for g in gens:
+            g.step()
+        rows = []
+        for _ in range(12):
+            step = batch_logits(e, gens)
+            rows.append(step.clone())
+            for g, row in zip(gens, step):
+                g.advance(row)
+        assert e.stats.sync_fetches > 0
+        e.close()
+        return rows
+    want = decode(False)
+    assert not tokens
+    got = decode(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert max(tokens) == 3  # every token of the batch ran in its own scratch

@@ -129,7 +129,7 @@ class CompiledExperts:
         self.H, self.F = int(row2[ROWS]), int(row2[COLS])
         self.groups = activation_group(row13), activation_group(row2)
         self.expert_bytes = expert_bytes
-        self.token_work: dict[tuple[int, int], tuple] = {}  # by (k, parts)
+        self.token_work: dict[tuple[int, int, int], tuple] = {}  # by (k, parts, token of a decode batch)
         self.window_work: tuple | None = None
         self.window_shape = (0, 0, 0)  # (tokens, k, parts) the window scratch holds
 
@@ -158,10 +158,10 @@ class CompiledExperts:
     def _matrices(self) -> tuple:
         return (self.buf13, self.row13, self.buf2, self.row2, *self.biases, self.limit, self.alpha)
 
-    def _token_work(self, k: int, parts: int) -> tuple:
-        work = self.token_work.get((k, parts))
+    def _token_work(self, k: int, parts: int, token: int = 0) -> tuple:
+        work = self.token_work.get((k, parts, token))
         if work is None:
-            work = self.token_work[k, parts] = token_work(k, self.H, self.F, *self.groups, parts)
+            work = self.token_work[k, parts, token] = token_work(k, self.H, self.F, *self.groups, parts)
         return work
 
     def __call__(self, x: torch.Tensor, slots: np.ndarray, gates: np.ndarray) -> torch.Tensor:
@@ -180,18 +180,21 @@ class CompiledExperts:
         more than the compute it hides (the built-in model's 60 KiB experts)."""
         return self.expert_bytes >= threads.MIN_PARALLEL_BYTES
 
-    def some(self, x: torch.Tensor, slots: np.ndarray, gates: np.ndarray, which: np.ndarray, first: bool) -> None:
+    def some(self, x: torch.Tensor, slots: np.ndarray, gates: np.ndarray, which: np.ndarray, first: bool,
+             token: int = 0) -> None:
         """The experts `which` (int64 indices into slots) of a decode token, the arguments as `__call__`'s, into
-        the scratch, not yet summed; `first`: the token's first such call. `total` ends the token: the same
-        output as `__call__`'s, bit for bit (the same products over the same row ranges, summed in order)."""
+        the scratch of `token` (a decode batch's tokens each have their own), not yet summed; `first`: the
+        token's first such call. `total` ends the token: the same output as `__call__`'s, bit for bit (the same
+        products over the same row ranges, summed in order)."""
         parts = threads.parts(self.expert_bytes)
         experts_of_token(x.numpy()[0], which, first, slots, gates, self.buf13, self.row13, self.buf2, self.row2,
-                         *self.biases[:2], self.limit, self.alpha, self._token_work(slots.shape[0], parts), parts)
+                         *self.biases[:2], self.limit, self.alpha, self._token_work(slots.shape[0], parts, token),
+                         parts)
 
-    def total(self, slots: np.ndarray, gates: np.ndarray) -> torch.Tensor:
+    def total(self, slots: np.ndarray, gates: np.ndarray, token: int = 0) -> torch.Tensor:
         """The token's output [1, H] once `some` has run each of its experts."""
         out = torch.empty(1, self.H)
-        work = self._token_work(slots.shape[0], threads.parts(self.expert_bytes))
+        work = self._token_work(slots.shape[0], threads.parts(self.expert_bytes), token)
         experts_token_sum(slots, gates, *self.biases[2:], work, out.numpy()[0])
         return out
 

@@ -113,36 +113,43 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
 
 
 class LandingExperts:
-    """A decode token's experts run as they become resident (CompiledExperts.some): those already resident
-    while its reads are in flight, each read one once its wait returns, so that their compute hides under the
-    reads still to land rather than following the last one. The sum is the one call's, bit for bit."""
+    """A decode token's experts, or each token's of a decode batch, run as they become resident
+    (CompiledExperts.some): those already resident while the reads are in flight, each read one once its wait
+    returns, so that their compute hides under the reads still to land rather than following the last one.
+    Each token's sum is its one call's, bit for bit."""
 
     def __init__(self, compiled: CompiledExperts, x: torch.Tensor, cache: ExpertCache, k: int):
         self.compiled, self.x, self.cache = compiled, x, cache
-        self.done = np.zeros(k, np.bool_)  # whether expert j of the plan has run
+        self.done = np.zeros((x.shape[0], k), np.bool_)  # whether token t's expert j of the plan has run
+        self.stopped = False  # a flush ran experts the caller's way: the call's output is not this one's
 
     @property
     def ran(self) -> bool:
-        """Whether any of the token's experts has run."""
+        """Whether any expert has run."""
         return bool(self.done.any())
 
     def landed(self, slot: int | None, later: set[int], slots_h: np.ndarray, gates_h: np.ndarray) -> None:
         """ExpertCache.carry_out's hook: run the plan's experts whose slots hold them now (not in flight, and no
         load of the call still to start on them)."""
-        slots, gates = slots_h[0], gates_h[0]
+        if self.stopped:
+            return
         pending = self.cache.pending
-        ready = [j for j in range(len(slots)) if not self.done[j] and int(slots[j]) not in pending
-                 and int(slots[j]) not in later]
-        if ready:
-            self.compiled.some(self.x, slots, gates, np.array(ready, np.int64), not self.ran)
-            self.done[ready] = True
+        for t, (slots, gates, done) in enumerate(zip(slots_h, gates_h, self.done)):
+            ready = [j for j in range(len(slots)) if not done[j] and int(slots[j]) not in pending
+                     and int(slots[j]) not in later]
+            if ready:
+                self.compiled.some(self.x[t:t + 1], slots, gates, np.array(ready, np.int64), not done.any(), t)
+                done[ready] = True
 
     def total(self, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
-        """The token's output [1, H]: the experts not run yet, then the sum."""
-        slots, gates = slots_h[0], gates_h[0]
-        if not self.done.all():
-            self.compiled.some(self.x, slots, gates, np.flatnonzero(~self.done).astype(np.int64), False)
-        return self.compiled.total(slots, gates)
+        """The tokens' outputs [T, H]: the experts not run yet, then each token's sum."""
+        rows = []
+        for t, (slots, gates, done) in enumerate(zip(slots_h, gates_h, self.done)):
+            if not done.all():
+                self.compiled.some(self.x[t:t + 1], slots, gates, np.flatnonzero(~done).astype(np.int64),
+                                   not done.any(), t)
+            rows.append(self.compiled.total(slots, gates, t))
+        return torch.cat(rows)
 
 
 def check_predictor(name: object) -> None:
@@ -387,6 +394,8 @@ class MoELayerRunner:
             """`slot` is about to be overwritten: its entries among tokens [0, end) run now (decode: the
             whole token, once, before an upgrade overwrites a slot it uses)."""
             nonlocal out
+            if landing is not None:
+                landing.stopped = True
             if T == 1:
                 if out is None:
                     out = decode_out(slots_h, gates_h)
@@ -411,18 +420,20 @@ class MoELayerRunner:
                 tokens, gates = zip(*run)
                 add(tokens, [slot] * n, gates)
 
-        landing = LandingExperts(self.compiled, x, cache, a.top_k) if T == 1 and compiled and self.as_landed and \
-            self.compiled.one_by_one and not cache.transfers.store.inline else None  # inline: copied as logged
+        # a decode token's or batch's experts as their reads land, up to a flush (which runs them the way above);
+        # not over an inline store, whose copies are made as logged
+        landing = LandingExperts(self.compiled, x, cache, a.top_k) if (T == 1 or per_token) and compiled and \
+            self.as_landed and self.compiled.one_by_one and not cache.transfers.store.inline else None
 
         def finish(slots_h: np.ndarray, gates_h: np.ndarray) -> None:
             """The work that no flush ran."""
             nonlocal out
+            landed = landing is not None and landing.ran and not landing.stopped
             if T == 1:
                 if out is None:
-                    out = landing.total(slots_h, gates_h) if landing is not None and landing.ran \
-                        else decode_out(slots_h, gates_h)
+                    out = landing.total(slots_h, gates_h) if landed else decode_out(slots_h, gates_h)
             elif not by_slot:  # no flush: one pass over the whole window
-                out = experts_out(x, slots_h, gates_h)
+                out = landing.total(slots_h, gates_h) if landed else experts_out(x, slots_h, gates_h)
             else:
                 rest = [(t, s, g) for s, entries in by_slot.items() for t, g in entries]
                 if rest:
