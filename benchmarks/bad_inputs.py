@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from expertcache.cli import run_script
 from expertcache.engine.engine import BUILTIN_MODEL
+from expertcache.engine.tensor_file import CHECKSUM, tensors_checksum
 from expertcache.progress import progress_bar
 
 
@@ -131,6 +132,19 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     trace = tmp / "short.ectrace"
     subprocess.run([sys.executable, "-m", "expertcache.cli", "trace", "--max-tokens", "128", "--context", "64",
                     "--out", str(trace)], check=True, capture_output=True)
+    flipped_trace = tmp / "flipped.ectrace"  # a byte of its last logit: another finite number
+    raw = bytearray(trace.read_bytes())
+    raw[-1] ^= 0x01
+    flipped_trace.write_bytes(bytes(raw))
+    flipped_lookahead = tmp / "flipped_lookahead"  # written with its checksum (the shipped one has none), then flipped
+    shutil.copytree(BUILTIN_MODEL, flipped_lookahead)
+    with safe_open(str(flipped_lookahead / "lookahead.safetensors"), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    save_file(tensors, str(flipped_lookahead / "lookahead.safetensors"),
+              metadata={**meta, CHECKSUM: tensors_checksum(tensors)})
+    raw = bytearray((flipped_lookahead / "lookahead.safetensors").read_bytes())
+    raw[-3] ^= 0x10
+    (flipped_lookahead / "lookahead.safetensors").write_bytes(bytes(raw))
     negative_counts = tmp / "negative_counts"
     shutil.copytree(BUILTIN_MODEL, negative_counts)
     counts = json.loads((negative_counts / "routing_counts.json").read_text())
@@ -332,6 +346,11 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("calibrate on a text of 5 tokens", ["calibrate", "--model", str(writable), "--text", str(five_tokens)]),
         ("predict --train on a text of 5 tokens", ["predict", "--train", "--model", str(writable), "--text",
                                                    str(five_tokens)]),
+        ("simulate a trace with a flipped byte in its logits", ["simulate", str(flipped_trace), "--policies",
+                                                                "fetch-all"]),
+        ("generate with a flipped byte in lookahead.safetensors", ["generate", "--model", str(flipped_lookahead),
+                                                                   "--store", "ram", "--policy",
+                                                                   "fetch-all+prefetch/lookahead", "hi"]),
     ]
 
 

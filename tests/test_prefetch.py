@@ -511,20 +511,27 @@ def test_expert_sketches_explain_more_of_a_layers_output_than_default_vectors():
 
 
 @pytest.mark.parametrize("case", ["older", "another model", "corrupt", "truncated", "corrupt default vectors",
-                                  "a NaN weight", "integer weights", "hybrid layers out of range",
-                                  "NaN default vectors", "integer default vectors", "another model's default vectors"])
+                                  "a NaN weight", "integer weights", "hybrid layers out of range", "a flipped byte",
+                                  "NaN default vectors", "integer default vectors", "another model's default vectors",
+                                  "a flipped byte in the default vectors"])
 def test_an_estimator_that_does_not_fit_is_refused_in_one_line(calibrated, tmp_path, case):
     """An estimator.safetensors of the format before the per-transition nets, one trained for another model, or
     one that is not a safetensors file names the command that retrains it (and corrupt default vectors, the
     command that recomputes them); the model itself still loads without a predictor. A NaN weight or vector, or
     integer ones, predicted silently worse (or failed in a compiled call), and hybrid layers out of range were
-    ignored."""
+    ignored; a flipped byte in a weight read as another number (the checksum the file was written with)."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     from expertcache.engine.checkpoint import ESTIMATOR_FILE
     from expertcache.engine.predictors import EstimatorNet, save_estimator
+    from expertcache.engine.tensor_file import CHECKSUM, tensors_checksum
     from expertcache.errors import CheckpointError
+
+    def flip(file):  # a byte of the last tensor's data, which safetensors lays out at the end
+        raw = bytearray(file.read_bytes())
+        raw[-3] ^= 0x10
+        file.write_bytes(bytes(raw))
     path = tmp_path / "model"
     shutil.copytree(calibrated[0], path)
     f = path / ESTIMATOR_FILE
@@ -546,9 +553,13 @@ def test_an_estimator_that_does_not_fit_is_refused_in_one_line(calibrated, tmp_p
             tensors = {k: v.long() for k, v in tensors.items()}
         else:
             meta["hybrid_layers"] = "[0, 9]"
-        save_file(tensors, str(f), metadata=meta)
+        save_file(tensors, str(f), metadata=meta | {CHECKSUM: tensors_checksum(tensors)})
+    elif case == "a flipped byte":
+        flip(f)
     elif case == "corrupt default vectors":
         (path / "default_vectors.safetensors").write_bytes(b"\x00" * 100)
+    elif case == "a flipped byte in the default vectors":
+        flip(path / "default_vectors.safetensors")
     else:
         dv = path / "default_vectors.safetensors"
         vectors = load_file(dv)
@@ -565,6 +576,9 @@ def test_an_estimator_that_does_not_fit_is_refused_in_one_line(calibrated, tmp_p
                "a NaN weight": r"tensor transitions.0.fc2.weight holds NaN or infinite values.*predict --train",
                "integer weights": r"holds int64, not floats.*predict --train",
                "hybrid layers out of range": r"hybrid layers \[0, 9\] are not among its 1 layer transitions",
+               "a flipped byte": r"estimator.safetensors: its tensors do not match the checksum.*predict --train",
+               "a flipped byte in the default vectors": r"default_vectors.safetensors: its tensors do not match the "
+                                                        r"checksum.*calibrate",
                "NaN default vectors": r"default_vectors.safetensors holds default vectors with NaN.*calibrate",
                "integer default vectors": r"default_vectors.safetensors holds default vectors of int64.*calibrate",
                "another model's default vectors": r"default_vectors.safetensors\) of shape \(2, 8, 31\) do not fit "

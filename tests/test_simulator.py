@@ -482,15 +482,18 @@ def test_admission_with_top_k_slots_is_skipped_not_fatal(traced, policy):
 
 def rewritten(out, dest, header=None, logits=None, raw_header=None):
     """The trace at `out` written to `dest` with `header` fields changed (a key given None: left out) and its logits
-    replaced, byte for byte as write_trace lays it out but with no field recomputed; or with `raw_header` bytes."""
+    replaced, byte for byte as write_trace lays it out but with no field recomputed but the checksum of new
+    logits; or with `raw_header` bytes."""
     import json
+
+    import crc32c
 
     from expertcache.lab.trace import FORMAT_VERSION
     t = read_trace(out)
-    h = {k: v for k, v in {**t.header, **(header or {})}.items() if v is not None}
+    body = np.asarray(t.tokens).tobytes() + np.asarray(t.logits if logits is None else logits).tobytes()
+    h = {k: v for k, v in {**t.header, "crc32c": crc32c.crc32c(body), **(header or {})}.items() if v is not None}
     raw = raw_header if raw_header is not None else json.dumps(h).encode()
     pad = (-(len(MAGIC) + 8 + len(raw))) % 64
-    body = np.asarray(t.tokens).tobytes() + np.asarray(t.logits if logits is None else logits).tobytes()
     dest.write_bytes(MAGIC + struct.pack("<II", FORMAT_VERSION, len(raw) + pad) + raw + b" " * pad + body)
     return dest
 
@@ -507,13 +510,15 @@ def rewritten(out, dest, header=None, logits=None, raw_header=None):
     ("header not JSON", "unreadable trace header"),
     ("header a list", "a JSON list, not an object"),
     ("header length past the end", "is truncated (its header runs to byte"),
+    ("a flipped byte in the logits", "its tokens or logits do not match the checksum written with them"),
     ("a folder", "is a folder, not a trace"),
 ])
 def test_a_corrupt_trace_is_one_line_not_a_traceback_or_a_replay(traced, tmp_path, capsys, case, words):
     """Every field of a trace's header is checked as it loads, and its logits before they are routed: a field of the
     wrong type or missing failed deep in the replay with a traceback, a header whose shape disagreed with its
     token count or whose dtype was not float replayed other numbers than the logits', NaN or infinite logits
-    replayed routes no model made, and a corrupt header failed with a JSON message naming no file."""
+    replayed routes no model made, a corrupt header failed with a JSON message naming no file, and a flipped byte
+    in the logits replayed as a number the model never gave."""
     from expertcache import cli
     _, _, trace, out = traced
     bad = tmp_path / "bad.ectrace"
@@ -540,6 +545,10 @@ def test_a_corrupt_trace_is_one_line_not_a_traceback_or_a_replay(traced, tmp_pat
     elif case == "header length past the end":
         raw = bytearray(out.read_bytes())
         raw[len(MAGIC) + 4:len(MAGIC) + 8] = struct.pack("<I", 2**31)
+        bad.write_bytes(bytes(raw))
+    elif case == "a flipped byte in the logits":  # another finite number, which replayed as the model's
+        raw = bytearray(out.read_bytes())
+        raw[-5] ^= 0x01
         bad.write_bytes(bytes(raw))
     else:
         bad.mkdir()

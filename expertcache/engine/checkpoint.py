@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from ..atomic import writable_folder
 from ..errors import CheckpointError
-from .tensor_file import TensorFile, TensorInfo
+from .tensor_file import TensorFile, TensorInfo, check_checksum
 
 DEFAULT_VECTORS = "default_vectors.safetensors"
 ESTIMATOR_FILE = "estimator.safetensors"  # the next-layer estimator (engine/predictors.py)
@@ -361,11 +361,15 @@ def load_default_vectors(model_path: Path) -> torch.Tensor:
     p = Path(model_path) / DEFAULT_VECTORS
     if not p.exists():
         raise CheckpointError(f"{p} is missing; run `expertcache calibrate --model {model_path}`")
+    again = f"run `expertcache calibrate --model {model_path}` again"
     try:
-        vectors = load_file(str(p))["default_vectors"]
+        with safe_open(str(p), "pt") as f:
+            meta = f.metadata()
+        tensors = load_file(str(p))
+        vectors = tensors["default_vectors"]
     except (SafetensorError, OSError, KeyError) as e:
-        raise CheckpointError(f"{p} is unreadable ({str(e).splitlines()[0][:200]}); run `expertcache calibrate "
-                              f"--model {model_path}` again") from None
+        raise CheckpointError(f"{p} is unreadable ({str(e).splitlines()[0][:200]}); {again}") from None
+    check_checksum(p, tensors, meta, again)
     bad = f"of {str(vectors.dtype).removeprefix('torch.')}, not floats" if not vectors.dtype.is_floating_point \
         else "with NaN or infinite values" if not torch.isfinite(vectors).all() else None
     if bad:  # predictions from them were silently worse

@@ -38,6 +38,7 @@ from . import threads
 from .checkpoint import DEFAULT_VECTORS, ESTIMATOR_FILE, LOOKAHEAD_FILE
 from .experts import KERNEL_VIEWS, SWIGLU, ExpertKind, kernel_view
 from .moe import check_predictor, decode_router_logits, router_logits
+from .tensor_file import CHECKSUM, check_checksum, tensors_checksum
 from .transformer import Transformer
 
 
@@ -464,6 +465,7 @@ def save_estimator(net: EstimatorNet, path: Path, hybrid_layers: list[int], reca
     if sketch is not None:
         meta["sketch_rank"], meta["sketch_neurons"] = str(sketch.rank), str(sketch.neurons)
         tensors.update(sketch.tensors())
+    meta[CHECKSUM] = tensors_checksum(tensors)
     with replaced(path / file) as tmp:  # a server may be loading the one it replaces
         save_file(tensors, str(tmp), metadata=meta)
 
@@ -493,6 +495,7 @@ def load_estimator(path: Path, model: Transformer | None = None, file: str = EST
             raise CheckpointError(f"{f} was trained for another model (hidden size, experts and layer transitions "
                                   f"{shape[:3]}); {retrain}")
         tensors = load_file(str(f))
+        check_checksum(f, tensors, meta, retrain)
         # an integer tensor was read as numbers it is not (or failed in a compiled call), a NaN one predicted
         # silently worse: both are a corrupt file
         for name, t in tensors.items():

@@ -1,7 +1,9 @@
 """safetensors files read tensor by tensor with plain reads, each range's pages dropped from the page cache
 once it is read: loading a model then charges the process (and the memory cgroup it runs in) the tensors it
 keeps and at most one chunk of page cache, not every file it has read. The header alone gives each tensor's
-dtype and shape, so a model's memory can be sized before any weight is read."""
+dtype and shape, so a model's memory can be sized before any weight is read. The files expertcache writes
+itself (predictors, default vectors) carry a checksum of their tensors in their metadata (`tensors_checksum`):
+safetensors has none, and a flipped byte in a float reads as another number."""
 from __future__ import annotations
 
 import json
@@ -12,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import crc32c
 import torch
 
 from ..errors import CheckpointError
@@ -23,6 +26,28 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 CHUNK = 64 * 2**20  # bytes read (and then dropped from the page cache) at a time
 MAX_HEADER = 100 * 2**20
 F_NOCACHE = 48  # macOS: this descriptor's reads bypass the page cache
+
+
+CHECKSUM = "crc32c"  # the metadata key of tensors_checksum's value
+
+
+def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """CRC32C of the tensors by name: each one's name, dtype, shape and bytes, in the names' order (hex)."""
+    crc = 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous()
+        crc = crc32c.crc32c(f"{name}:{t.dtype}:{tuple(t.shape)}".encode(), crc)
+        crc = crc32c.crc32c(t.reshape(-1).view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
+
+
+def check_checksum(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None, fix: str) -> None:
+    """CheckpointError where the file's metadata records a checksum its tensors do not match (a file written
+    before checksums were recorded has none, and passes)."""
+    want = (meta or {}).get(CHECKSUM)
+    if want is not None and tensors_checksum(tensors) != want:
+        raise CheckpointError(f"{path}: its tensors do not match the checksum written with them (a corrupt file); "
+                              f"{fix}")
 
 
 @dataclass(frozen=True)

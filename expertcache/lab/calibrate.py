@@ -32,6 +32,7 @@ from ..engine.engine import max_seq_limit
 from ..engine.experts import SWIGLU, ExpertKind, expert_groups, swiglu
 from ..engine.moe import route
 from ..engine.perplexity import windows
+from ..engine.tensor_file import CHECKSUM, tensors_checksum
 from ..engine.threads import kernels_own_the_cores
 from ..engine.transformer import Transformer
 from ..engine.weights import dense_weights, expert_parts, router_of
@@ -196,4 +197,5 @@ def save_calibration(c: Calibration, model_path: Path, source: str) -> None:
     """Write routing_counts.json and default_vectors.safetensors beside the model; `source` names the text."""
     with replaced_together(model_path / ROUTING_COUNTS, model_path / DEFAULT_VECTORS) as (counts, vectors):
         counts.write_text(json.dumps({"counts": c.counts.tolist(), "tokens": c.tokens, "text": source}))
-        save_file({"default_vectors": c.default_vectors.contiguous(), "counts": c.counts.contiguous()}, str(vectors))
+        tensors = {"default_vectors": c.default_vectors.contiguous(), "counts": c.counts.contiguous()}
+        save_file(tensors, str(vectors), metadata={CHECKSUM: tensors_checksum(tensors)})

@@ -4,7 +4,8 @@ shape, the token ids and document boundaries, in one versioned file.
 Layout (little-endian): b"ECTRACE\\0", uint32 format version, uint32 header length, the
 header as UTF-8 JSON (the model's shape and its router: kind, groups, scaling factor and
 selection bias, see kernel/routing.Router.header), zero padding to a multiple of 64 bytes, token ids int32 [N], then the
-logits [N, L, E] in the header's dtype (float16 or float32). Logits are recorded from the
+logits [N, L, E] in the header's dtype (float16 or float32); the header's `crc32c` is the CRC32C of those
+bytes (a trace written before it has none, and is read unchecked). Logits are recorded from the
 exact model over windows of `context` tokens (the KV cache restarts at each window), the
 way `ppl` and the simulator read the text.
 """
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import crc32c
 import numpy as np
 
 from ..atomic import replaced
@@ -45,14 +47,16 @@ def write_trace(path: Path, header: dict, tokens: np.ndarray, logits: np.ndarray
     """Write tokens [N] and logits [N, L, E] with `header` in the trace layout."""
     assert logits.ndim == 3 and logits.shape[0] == len(tokens), \
         f"logits must be [N, L, E] for {len(tokens)} tokens, got {logits.shape}"
+    tokens, logits = np.ascontiguousarray(tokens, dtype="<i4"), np.ascontiguousarray(logits)
     header = {**header, "format_version": FORMAT_VERSION, "tokens": int(len(tokens)),
-              "dtype": str(logits.dtype), "shape": list(logits.shape)}
+              "dtype": str(logits.dtype), "shape": list(logits.shape),
+              "crc32c": crc32c.crc32c(logits, crc32c.crc32c(tokens))}
     raw = json.dumps(header).encode()
     pad = (-(len(MAGIC) + 8 + len(raw))) % 64
     with replaced(path) as tmp, open(tmp, "wb") as f:  # an interrupted write keeps the trace it replaces
         f.write(MAGIC + struct.pack("<II", FORMAT_VERSION, len(raw) + pad) + raw + b" " * pad)
-        f.write(np.ascontiguousarray(tokens, dtype="<i4").tobytes())
-        f.write(np.ascontiguousarray(logits).tobytes())
+        f.write(tokens.tobytes())
+        f.write(logits.tobytes())
 
 
 SIZES = ("num_layers", "num_experts", "top_k", "hidden_size", "expert_params", "context")  # whole numbers >= 1
@@ -151,6 +155,9 @@ def read_trace(path: Path) -> Trace:
         raise CheckpointError(f"{path} is truncated ({size} of {want} bytes); {again}")
     tokens = np.memmap(path, dtype="<i4", mode="r", offset=offset, shape=(n,))
     logits = np.memmap(path, dtype=dtype, mode="r", offset=offset + 4 * n, shape=shape)
+    if "crc32c" in header and crc32c.crc32c(logits, crc32c.crc32c(tokens)) != header["crc32c"]:
+        raise CheckpointError(f"{path}: its tokens or logits do not match the checksum written with them (a "
+                              f"corrupt file); {again}")
     return Trace(header, tokens, logits, path)
 
 
