@@ -192,6 +192,31 @@ def test_softmax_selection_router_matches_hf():
     assert (np.sort(plain.ids) != np.sort(r.ids)).any(1).mean() > 0.1
 
 
+def test_group_limited_router_matches_hf():
+    """DeepSeek-V2's group-limited greedy router: the top-k of the softmax within the topk_group groups of the best
+    single scores, weighed by those scores unnormalised; the kernel ranks the selection row."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    c = hf_config("deepseek_v2", topk_method="group_limited_greedy", n_group=4, topk_group=2)
+    hf = DeepseekV2TopkRouter(c)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        hf.weight.copy_(2.0 * torch.randn(hf.weight.shape, generator=g))
+    x = torch.randn(256, c.hidden_size, generator=g)
+    logits, w_ref, ids_ref = (t.detach() for t in hf(x))
+    r = Router(c.num_experts_per_tok, False, "softmax_limited", 4, 2, c.routed_scaling_factor).route(logits.numpy(), 0)
+    for t in range(len(x)):  # HF's top-k is unsorted: compare as expert -> gate
+        ref = dict(zip(ids_ref[t].tolist(), (w_ref[t] / c.routed_scaling_factor).tolist()))
+        got = dict(zip(r.ids[t].tolist(), r.weights[t].tolist()))
+        assert got.keys() == ref.keys()
+        np.testing.assert_allclose([got[e] for e in ref], list(ref.values()), rtol=1e-5)
+    sel = np.take_along_axis(r.rows, r.ids, 1)
+    assert (np.diff(sel, axis=1) <= 0).all() and np.isfinite(sel).all()
+    greedy = Router(c.num_experts_per_tok, False).route(logits.numpy(), 0)  # the groups change the choice
+    assert (np.sort(greedy.ids) != np.sort(r.ids)).any(1).mean() > 0.2
+    summed = Router(c.num_experts_per_tok, False, "softmax_selection", 4, 2).route(logits.numpy(), 0)
+    assert (np.sort(summed.ids) != np.sort(r.ids)).any(1).any()  # a group's worth is its best, not its two best
+
+
 @pytest.mark.parametrize("family", GROUPED)
 def test_sigmoid_router_matches_hf(family):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -313,7 +338,8 @@ def test_short_study(tokenized):
 def test_deepseek_v2_runs_every_model_verb_and_replays_as_the_engine(tmp_path, capsys):
     """DeepSeek-V2-Lite's layout (a dense first layer, q projected without a low rank, greedy softmax top-k,
     scaled routed output; parity with HF is in test_parity): the text verbs run, and the replay of its trace
-    counts what the engine does. Group-limited routing is refused in one line."""
+    counts what the engine does; so with V2's group-limited routing, whose logits are HF's too. An unknown
+    topk_method is refused in one line."""
     vocab = json.loads((BUILTIN_MODEL / "config.json").read_text())["vocab_size"]
     save_tiny("deepseek_v2", tmp_path / "m", vocab_size=vocab)
     shutil.copy(BUILTIN_MODEL / "tokenizer.json", tmp_path / "m" / "tokenizer.json")
@@ -325,13 +351,24 @@ def test_deepseek_v2_runs_every_model_verb_and_replays_as_the_engine(tmp_path, c
     replayed, engine, trace = replay_and_engine_counts(tmp_path / "m", tmp_path)
     assert trace.header["router"] == "softmax" and trace.header["routed_scaling_factor"] == 2.5
     assert replayed == engine and engine[1] > 0
+    hf = save_tiny("deepseek_v2", tmp_path / "g", vocab_size=vocab, topk_method="group_limited_greedy", n_group=4,
+                   topk_group=2)
+    ids = torch.randint(0, vocab, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    engine = Engine(tmp_path / "g", EngineConfig(store="disk", store_dir=tmp_path / "store",
+                                                 cache=CacheConfig(fraction=0.25)))
+    torch.testing.assert_close(engine.forward(ids, 0), ref, atol=1e-4, rtol=0)
+    engine.close()
+    replayed, engine, trace = replay_and_engine_counts(tmp_path / "g", tmp_path / "g")
+    assert trace.header["router"] == "softmax_limited" and trace.header["n_group"] == 4
+    assert replayed == engine and engine[1] > 0
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    (tmp_path / "m" / "config.json").write_text(json.dumps(
-        {**config, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}))
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "topk_method": "noaux_tc"}))
     capsys.readouterr()
     assert cli.main(["info", "--model", m]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "group_limited_greedy" in err, err
+    assert err.count("\n") == 0 and "topk_method 'noaux_tc'" in err, err
 
 
 @pytest.fixture(scope="module")

@@ -29,25 +29,25 @@ def route_all_biased(logits, table, norm, ranked, weights, vals, comp, block_max
 
 @compiled
 def route_all_selection(logits, table, norm, ranked, weights, vals, comp, block_max, bias, n_group, topk_group,
-                        softmax, sel, scores, group_score):
-    """route_all for a selection router (softmax scores with `softmax`, else sigmoid): bias [L, E], groups;
+                        scoring, sel, scores, group_score):
+    """route_all for a selection router (`scoring`: routing.SIGMOID, SOFTMAX or SOFTMAX_BEST): bias [L, E], groups;
     sel, scores [E] and group_score [n_group]: working arrays."""
     N, L, E = logits.shape
     for n in range(N):
         for layer in range(L):
-            route_row_selection(logits[n, layer], table, bias[layer], n_group, topk_group, softmax, norm,
+            route_row_selection(logits[n, layer], table, bias[layer], n_group, topk_group, scoring, norm,
                                 ranked[layer, n], vals, weights[layer, n], sel, scores, group_score, comp,
                                 block_max)
 
 
 @compiled
-def replay_window(st, p, account, sc, logits, w0, ranked, weights, slots, experts, gates, selection, softmax, biased,
+def replay_window(st, p, account, sc, logits, w0, ranked, weights, slots, experts, gates, selection, scoring, biased,
                   bias, n_group, topk_group, sel, group_score, pred_ids, pred_w, budget, fetched, confidence, chosen):
     """One window of the trace, the tokens w0 .. w0 + T - 1, layer by layer, token by token; -1 on success, else
     the layer whose cache was too small. logits [T, L, E] float32: the window's router logits (one type whatever
     the trace holds, so that one compiled replay serves every trace: each is about a minute of compiling);
     ranked, weights: the trace's routes, layer-major [L, N, *]; slots, experts, gates [k]: working arrays. With
-    `selection`, the kernel ranks each row's selection row (softmax scores with `softmax`, else sigmoid; bias
+    `selection`, the kernel ranks each row's selection row (scored as `scoring` says, routing.select_row; bias
     [L, E], groups; sel [E], group_score [n_group]: working arrays); with `biased` (a softmax router's logit bias
     [L, E]), each row plus the bias, in sel; else the row as it is. With a `budget`, a decode token (T == 1)
     prefetches at each layer l the predicted routes of layer l + 1 (pred_ids, pred_w [L, N, k], layer-major) after
@@ -70,7 +70,7 @@ def replay_window(st, p, account, sc, logits, w0, ranked, weights, slots, expert
                     prefetch(ahead, e)
             row = logits[t, layer]
             if selection:
-                select_row(row, None, bias[layer], n_group, topk_group, softmax, sel, sc.gate_row, group_score)
+                select_row(row, None, bias[layer], n_group, topk_group, scoring, sel, sc.gate_row, group_score)
                 row = sel
             elif biased:
                 biased_row(row, None, bias[layer], sel)

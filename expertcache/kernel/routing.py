@@ -5,14 +5,15 @@ simulator (a trace's rows, float16 bit patterns read through a table: numba has 
 so both break ties alike: equal logits go to the lower expert id. Rankings compare integer
 keys (`rank_key`) in the order of the values, which vectorises.
 
-Three router kinds. softmax: experts ranked by logit, gates the softmax (renormalised over the
+Four router kinds. softmax: experts ranked by logit, gates the softmax (renormalised over the
 top-k when `norm`); a per-expert logit bias (GPT-OSS), where the router has one, is added to
-the logits before both, so the decision kernel ranks the biased logits. The two *selection*
+the logits before both, so the decision kernel ranks the biased logits. The three *selection*
 routers score each expert in float32, sigmoid(logit) (`sigmoid`: DeepSeek-V3, GLM-4.5) or the
-softmax over the logits (`softmax_selection`: ERNIE 4.5); experts are *selected* by score + a
-per-expert correction bias, only within the `topk_group` best of `n_group` groups (a group's
-worth: the sum of its two best biased scores); the gates are the unbiased scores of the chosen
-experts, divided by their sum (+1e-20) when `norm`. The routed_scaling_factor multiplies the
+softmax over the logits (`softmax_selection`: ERNIE 4.5; `softmax_limited`: DeepSeek-V2's
+group-limited greedy routing); experts are *selected* by score + a per-expert correction bias
+(none in DeepSeek-V2), only within the `topk_group` best of `n_group` groups (a group's worth:
+the sum of its two best biased scores, or under `softmax_limited` its best score); the gates are
+the unbiased scores of the chosen experts, divided by their sum (+1e-20) when `norm`. The routed_scaling_factor multiplies the
 layer's combined output, not the gates, so that gate weights stay shares of a token's routed
 mass for every router (the policies' thresholds mean the same on every family). For a selection
 router the decision kernel ranks the *selection row*: biased scores, -inf outside the token's
@@ -28,8 +29,10 @@ from numba.extending import overload
 
 from .compiled import compiled
 
-KINDS = ("softmax", "sigmoid", "softmax_selection")
-SELECTION = ("sigmoid", "softmax_selection")  # the routers that select by a biased score and weigh by the score
+KINDS = ("softmax", "sigmoid", "softmax_selection", "softmax_limited")
+# the routers that select by a biased score and weigh by the score, and the scoring code each passes the kernels
+SELECTION = ("sigmoid", "softmax_selection", "softmax_limited")
+SIGMOID, SOFTMAX, SOFTMAX_BEST = 0, 1, 2  # scores sigmoid(logit); softmax (a group's worth: its two best); its best
 
 # float16 bit pattern -> its value as float32
 HALF_TO_FLOAT = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -129,14 +132,14 @@ def biased_row(row, table, bias, out):
 
 
 @compiled
-def select_row(row, table, bias, n_group, topk_group, softmax, sel, scores, group_score):
-    """Selection router, one token: scores [E] <- sigmoid(row), or with `softmax` the softmax of
-    row (float32); sel [E] <- scores + bias inside the token's topk_group best groups (a group's
-    worth: its two best biased scores summed; ties to the lower group), -inf outside them.
-    group_score [n_group]: working array."""
+def select_row(row, table, bias, n_group, topk_group, scoring, sel, scores, group_score):
+    """Selection router, one token: scores [E] <- sigmoid(row) (`scoring` SIGMOID), or the softmax of
+    row (SOFTMAX, SOFTMAX_BEST; float32); sel [E] <- scores + bias inside the token's topk_group best
+    groups (a group's worth: its two best biased scores summed, under SOFTMAX_BEST its best one; ties to
+    the lower group), -inf outside them. group_score [n_group]: working array."""
     E = len(row)
     one = np.float32(1.0)
-    if softmax:
+    if scoring != SIGMOID:
         top, total = np.float32(-np.inf), np.float32(0.0)
         for e in range(E):
             top = max(top, np.float32(value(row, table, e)))
@@ -162,7 +165,7 @@ def select_row(row, table, bias, n_group, topk_group, softmax, sel, scores, grou
                 a, b = v, a
             elif v > b:
                 b = v
-        group_score[g] = np.float32(a + b)
+        group_score[g] = np.float32(a) if scoring == SOFTMAX_BEST else np.float32(a + b)
     for _ in range(n_group - topk_group):  # drop the worst groups, ties: the higher group goes first
         worst = 0
         for g in range(1, n_group):
@@ -174,14 +177,14 @@ def select_row(row, table, bias, n_group, topk_group, softmax, sel, scores, grou
 
 
 @compiled
-def route_row_selection(row, table, bias, n_group, topk_group, softmax, norm, ranked, vals, w, sel, scores,
+def route_row_selection(row, table, bias, n_group, topk_group, scoring, norm, ranked, vals, w, sel, scores,
                         group_score, comp, block_max):
     """Selection router, one token: ranked [R] <- experts in selection order (allowed groups by
     biased score, then the rest by id), of which the first k = len(w) are routed; w [k] <- their
     unbiased scores, divided by their sum when `norm`. sel, scores [E] <- the selection row and the
     scores (see select_row)."""
     k = len(w)
-    select_row(row, table, bias, n_group, topk_group, softmax, sel, scores, group_score)
+    select_row(row, table, bias, n_group, topk_group, scoring, sel, scores, group_score)
     top_m(sel, None, len(ranked), ranked, vals, comp, block_max)
     total = np.float32(0.0)
     for j in range(k):
@@ -194,11 +197,11 @@ def route_row_selection(row, table, bias, n_group, topk_group, softmax, norm, ra
 
 
 @compiled
-def route_rows_selection(logits, table, bias, n_group, topk_group, softmax, norm, ids, weights, sel, scores, vals,
+def route_rows_selection(logits, table, bias, n_group, topk_group, scoring, norm, ids, weights, sel, scores, vals,
                          group_score, comp, block_max):
     """route_row_selection over every row of logits [T, E] into ids, weights [T, k], sel, scores [T, E]."""
     for t in range(logits.shape[0]):
-        route_row_selection(logits[t], table, bias, n_group, topk_group, softmax, norm, ids[t], vals, weights[t],
+        route_row_selection(logits[t], table, bias, n_group, topk_group, scoring, norm, ids[t], vals, weights[t],
                             sel[t], scores[t], group_score, comp, block_max)
 
 
@@ -207,7 +210,7 @@ class Router:
     """How a model routes, for every place that routes (engine, calibrate, predictors, simulator)."""
     top_k: int
     norm_topk: bool
-    kind: str = "softmax"  # softmax | sigmoid | softmax_selection
+    kind: str = "softmax"  # one of KINDS
     n_group: int = 1
     topk_group: int = 1
     scale: float = 1.0  # routed_scaling_factor: multiplies the combined routed output
@@ -221,9 +224,9 @@ class Router:
         return self.kind in SELECTION
 
     @property
-    def softmax_scores(self) -> bool:
-        """True for a selection router whose scores are the softmax over the logits (not each one's sigmoid)."""
-        return self.kind == "softmax_selection"
+    def scoring(self) -> int:
+        """A selection router's scores and groups' worth as the kernels take them: SIGMOID, SOFTMAX or SOFTMAX_BEST."""
+        return {"softmax_selection": SOFTMAX, "softmax_limited": SOFTMAX_BEST}.get(self.kind, SIGMOID)
 
     @property
     def logit_bias(self) -> bool:
@@ -256,7 +259,7 @@ class Router:
         ids, weights = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
         sel, scores = np.empty((T, E), np.float32), np.empty((T, E), np.float32)
         route_rows_selection(logits, None, self.layer_bias(layer, E), self.n_group, self.topk_group,
-                             self.softmax_scores, self.norm_topk, ids, weights, sel, scores, np.empty(k),
+                             self.scoring, self.norm_topk, ids, weights, sel, scores, np.empty(k),
                              np.empty(self.n_group, np.float32), np.empty(E, np.int64), np.empty(E // 16 + 1, np.int64))
         return Routing(sel, scores, weights, ids)
 

@@ -122,7 +122,7 @@ def route_trace(trace: Trace, ranks: int = 32) -> Routes:
     work = (np.empty(R), np.empty(E, np.int64), np.empty(E // 16 + 1, np.int64))
     if router.selects:
         route_all_selection(logits, table, router.norm_topk, ranked, weights, *work, router.bias_table(L, E),
-                            router.n_group, router.topk_group, router.softmax_scores, np.empty(E, np.float32),
+                            router.n_group, router.topk_group, router.scoring, np.empty(E, np.float32),
                             np.empty(E, np.float32), np.empty(router.n_group, np.float32))
     elif router.logit_bias:
         route_all_biased(logits, table, router.norm_topk, ranked, weights, *work, router.bias_table(L, E),
@@ -196,7 +196,7 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
     router = trace_router(trace)
     params, account, scratch = pol.params(), pol.bind(L, E), Scratch.make(k, E)
     work = (np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.float32), router.selects,
-            router.softmax_scores, router.logit_bias,
+            router.scoring, router.logit_bias,
             router.bias_table(L, E), router.n_group, router.topk_group, np.empty(E, np.float32),
             np.empty(router.n_group, np.float32), pred_ids, pred_w, budget, bool(pre and pre.fetched),
             float(pre.confidence if pre else 0.0), np.empty(k, np.int64))

@@ -55,7 +55,7 @@ class ModelArgs:
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
     # The router (see kernel/routing.py)
-    router: str = "softmax"  # softmax | sigmoid
+    router: str = "softmax"  # one of kernel.routing.KINDS
     # a per-expert bias of each MoE layer: added to the logits before top-k and softmax (GPT-OSS), or a
     # sigmoid router's selection bias (e_score_correction_bias: GLM-4.5, DeepSeek-V3)
     router_bias: bool = False

@@ -1,8 +1,9 @@
 """DeepSeek-V2 / V2-Lite: DeepSeek-V3's multi-head latent attention, shared experts and dense first
 layers, with a softmax router: the top-k of the softmax over every expert, not renormalised (HF's
 DeepseekV2TopkRouter ignores norm_topk_prob; the released checkpoints set it false), the layer's
-output scaled by routed_scaling_factor. Group-limited routing (`topk_method: group_limited_greedy`,
-V2 and V2.5 at 236B) is refused; V2-Lite routes greedily."""
+output scaled by routed_scaling_factor. V2-Lite routes greedily; V2 and V2.5 (236B) group-limited
+(`topk_method: group_limited_greedy`): the top-k within the topk_group groups of the best single scores
+(router kind `softmax_limited`)."""
 from ..errors import UnsupportedArchitecture
 from .args import ModelArgs, rope_scaling, rope_theta
 from .deepseek_v3 import layer_names  # noqa: F401 -- DeepSeek-V3's tensor names, this family's too
@@ -12,12 +13,12 @@ ARCHITECTURE = "DeepseekV2ForCausalLM"
 
 def args_from_config(c: dict) -> ModelArgs:
     """ModelArgs from a DeepSeek-V2 config.json."""
-    n_group, topk_group = c.get("n_group") or 1, c.get("topk_group") or 1
-    if c.get("topk_method", "greedy") not in ("greedy", "group_limited_greedy") or \
-            (c.get("topk_method") == "group_limited_greedy" and topk_group < n_group):
-        raise UnsupportedArchitecture(f"deepseek_v2: topk_method {c.get('topk_method')!r} with {topk_group} of "
-                                      f"{n_group} groups is not supported; expertcache routes DeepSeek-V2 greedily "
-                                      "(topk_method 'greedy', as DeepSeek-V2-Lite)")
+    method = c.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedArchitecture(f"deepseek_v2: topk_method {method!r} is not supported; expertcache routes "
+                                      "DeepSeek-V2 by 'greedy' (V2-Lite) or 'group_limited_greedy' (V2, V2.5)")
+    # greedy ignores the groups (HF's router does): one group, every expert allowed
+    n_group, topk_group = (c.get("n_group"), c.get("topk_group")) if method == "group_limited_greedy" else (1, 1)
     if c.get("scoring_func", "softmax") != "softmax" or (c.get("moe_layer_freq") or 1) != 1:
         raise UnsupportedArchitecture("deepseek_v2: only softmax scoring with every layer after "
                                       "first_k_dense_replace routed (moe_layer_freq 1) is supported")
@@ -29,7 +30,8 @@ def args_from_config(c: dict) -> ModelArgs:
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
         num_kv_heads=c["num_attention_heads"], head_dim=c["qk_nope_head_dim"] + c["qk_rope_head_dim"],
         num_experts=c["n_routed_experts"], top_k=c["num_experts_per_tok"], expert_dim=c["moe_intermediate_size"],
-        norm_topk_prob=False, rope_theta=rope_theta(c, 10000.0), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+        norm_topk_prob=False, router="softmax" if method == "greedy" else "softmax_limited", n_group=n_group,
+        topk_group=topk_group, rope_theta=rope_theta(c, 10000.0), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=c.get("tie_word_embeddings", False), attention_bias=c.get("attention_bias", False),
         max_position_embeddings=c.get("max_position_embeddings", 2048), attention="mla",
         q_lora_rank=c.get("q_lora_rank", 1536),  # HF: omitted means 1536; null, q projected directly
