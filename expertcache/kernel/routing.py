@@ -13,11 +13,11 @@ softmax over the logits (`softmax_selection`: ERNIE 4.5; `softmax_limited`: Deep
 group-limited greedy routing); experts are *selected* by score + a per-expert correction bias
 (none in DeepSeek-V2), only within the `topk_group` best of `n_group` groups (a group's worth:
 the sum of its two best biased scores, or under `softmax_limited` its best score); the gates are
-the unbiased scores of the chosen experts, divided by their sum (+1e-20) when `norm`. The routed_scaling_factor multiplies the
-layer's combined output, not the gates, so that gate weights stay shares of a token's routed
-mass for every router (the policies' thresholds mean the same on every family). For a selection
-router the decision kernel ranks the *selection row*: biased scores, -inf outside the token's
-allowed groups.
+the unbiased scores of the chosen experts, divided by their sum (+1e-20) when `norm`. The
+routed_scaling_factor multiplies the layer's combined output, not the gates, so that gate weights
+stay shares of a token's routed mass for every router (the policies' thresholds mean the same on
+every family). For a selection router the decision kernel ranks the *selection row*: biased
+scores, -inf outside the token's allowed groups.
 """
 from __future__ import annotations
 

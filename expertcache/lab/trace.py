@@ -4,8 +4,8 @@ shape, the token ids and document boundaries, in one versioned file.
 Layout (little-endian): b"ECTRACE\\0", uint32 format version, uint32 header length, the
 header as UTF-8 JSON (the model's shape and its router: kind, groups, scaling factor and
 selection bias, see kernel/routing.Router.header), zero padding to a multiple of 64 bytes, token ids int32 [N], then the
-logits [N, L, E] in the header's dtype (float16 or float32); the header's `crc32c` is the CRC32C of those
-bytes (a trace written before it has none, and is read unchecked). Logits are recorded from the
+logits [N, L, E] in the header's dtype (float16 or float32); the header's `crc32c` is the CRC32C of the ids' and
+the logits' bytes (a trace written before it has none, and is read unchecked). Logits are recorded from the
 exact model over windows of `context` tokens (the KV cache restarts at each window), the
 way `ppl` and the simulator read the text.
 """
