@@ -192,6 +192,18 @@ def test_softmax_selection_router_matches_hf():
     assert (np.sort(plain.ids) != np.sort(r.ids)).any(1).mean() > 0.1
 
 
+def assert_selected_as_hf(r, ids_ref, w_ref, scale: float) -> None:
+    """A selection router's routes r equal HF's top-k ids and weights (scaled by `scale` there), compared as
+    expert -> gate since HF's top-k is unsorted; r's ranking follows its selection row, falling and finite."""
+    for t in range(len(r.ids)):
+        ref = dict(zip(ids_ref[t].tolist(), (w_ref[t] / scale).tolist()))
+        got = dict(zip(r.ids[t].tolist(), r.weights[t].tolist()))
+        assert got.keys() == ref.keys()
+        np.testing.assert_allclose([got[e] for e in ref], list(ref.values()), rtol=1e-5)
+    sel = np.take_along_axis(r.rows, r.ids, 1)
+    assert (np.diff(sel, axis=1) <= 0).all() and np.isfinite(sel).all()
+
+
 def test_group_limited_router_matches_hf():
     """DeepSeek-V2's group-limited greedy router: the top-k of the softmax within the topk_group groups of the best
     single scores, weighed by those scores unnormalised; the kernel ranks the selection row."""
@@ -204,13 +216,7 @@ def test_group_limited_router_matches_hf():
     x = torch.randn(256, c.hidden_size, generator=g)
     logits, w_ref, ids_ref = (t.detach() for t in hf(x))
     r = Router(c.num_experts_per_tok, False, "softmax_limited", 4, 2, c.routed_scaling_factor).route(logits.numpy(), 0)
-    for t in range(len(x)):  # HF's top-k is unsorted: compare as expert -> gate
-        ref = dict(zip(ids_ref[t].tolist(), (w_ref[t] / c.routed_scaling_factor).tolist()))
-        got = dict(zip(r.ids[t].tolist(), r.weights[t].tolist()))
-        assert got.keys() == ref.keys()
-        np.testing.assert_allclose([got[e] for e in ref], list(ref.values()), rtol=1e-5)
-    sel = np.take_along_axis(r.rows, r.ids, 1)
-    assert (np.diff(sel, axis=1) <= 0).all() and np.isfinite(sel).all()
+    assert_selected_as_hf(r, ids_ref, w_ref, c.routed_scaling_factor)
     greedy = Router(c.num_experts_per_tok, False).route(logits.numpy(), 0)  # the groups change the choice
     assert (np.sort(greedy.ids) != np.sort(r.ids)).any(1).mean() > 0.2
     summed = Router(c.num_experts_per_tok, False, "softmax_selection", 4, 2).route(logits.numpy(), 0)
@@ -232,14 +238,7 @@ def test_sigmoid_router_matches_hf(family):
     bias = hf.e_score_correction_bias.numpy()[None]
     router = Router(c.num_experts_per_tok, True, "sigmoid", c.n_group, c.topk_group, c.routed_scaling_factor, bias)
     r = router.route(logits.numpy(), 0)
-    for t in range(len(x)):  # HF's top-k is unsorted: compare as expert -> gate
-        ref = dict(zip(ids_ref[t].tolist(), (w_ref[t] / c.routed_scaling_factor).tolist()))
-        got = dict(zip(r.ids[t].tolist(), r.weights[t].tolist()))
-        assert got.keys() == ref.keys()
-        np.testing.assert_allclose([got[e] for e in ref], list(ref.values()), rtol=1e-5)
-    # the ranking follows the selection: biased scores, falling
-    sel = np.take_along_axis(r.rows, r.ids, 1)
-    assert (np.diff(sel, axis=1) <= 0).all() and np.isfinite(sel).all()
+    assert_selected_as_hf(r, ids_ref, w_ref, c.routed_scaling_factor)
     # the bias and the groups both change the choice on this routing
     unbiased = Router(c.num_experts_per_tok, True, "sigmoid", c.n_group, c.topk_group).route(logits.numpy(), 0)
     ungrouped = Router(c.num_experts_per_tok, True, "sigmoid", 1, 1, 1.0, bias).route(logits.numpy(), 0)
