@@ -133,13 +133,12 @@ class LandingExperts:
         load of the call still to start on them)."""
         if self.stopped:
             return
-        pending = self.cache.pending
-        for t, (slots, gates, done) in enumerate(zip(slots_h, gates_h, self.done)):
-            ready = [j for j in range(len(slots)) if not done[j] and int(slots[j]) not in pending
-                     and int(slots[j]) not in later]
-            if ready:
-                self.compiled.some(self.x[t:t + 1], slots, gates, np.array(ready, np.int64), not done.any(), t)
-                done[ready] = True
+        blocked = np.fromiter(self.cache.pending.keys() | later, np.int64)
+        ready = ~self.done & ~np.isin(slots_h, blocked)
+        for t in np.flatnonzero(ready.any(1)):
+            which = np.flatnonzero(ready[t])
+            self.compiled.some(self.x[t:t + 1], slots_h[t], gates_h[t], which, not self.done[t].any(), int(t))
+            self.done[t, which] = True
 
     def total(self, slots_h: np.ndarray, gates_h: np.ndarray) -> torch.Tensor:
         """The tokens' outputs [T, H]: the experts not run yet, then each token's sum."""
