@@ -306,9 +306,9 @@ class ExpertCache:
         expert work owed before a slot is overwritten (`compute(slot, end)`: the slot's work for
         tokens [0, end) of the call). `started()`, if given, runs once the transfers logged before
         the first wait are under way (before that wait), so that work it starts overlaps them;
-        `landed(slot, later)`, if given, after it (slot None) and after each wait (the slot waited for), so that
-        the experts resident by then run while the reads still in flight go on; `later`: the slots of loads
-        logged after that point, which are the kernel's already but may still hold the experts they replace.
+        `landed(later)`, if given, after it and after each wait, so that the experts resident by then run while
+        the reads still in flight go on; `later`: the slots of loads logged after that point, which are the
+        kernel's already but may still hold the experts they replace.
         An admission or upgrade that this call does not wait for (decode: nothing waits for it before
         the next token) starts once the reads of the wait after it have landed: issued with those
         synchronous fetches, it would share the slow tier with them and lengthen the wait. One that a
@@ -353,13 +353,13 @@ class ExpertCache:
                 later = None if landed is None else {slot for row, slot in loads if row > i}
                 if landed is not None and first_wait:
                     first_wait = False
-                    landed(None, later)
+                    landed(later)
                 if op == kernel.WAIT:
                     stall += self.wait(a)
                 else:
                     stall += self.finish_all()
                 if landed is not None:
-                    landed(a if op == kernel.WAIT else None, later)
+                    landed(later)
                 if i + 1 == len(rows) or rows[i + 1][0] != kernel.WAIT:  # the wait's reads have landed
                     start_held()
             self.transfers.flush()

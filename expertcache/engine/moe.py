@@ -85,13 +85,13 @@ class LayerPlan:
 def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer: int, routing: Routing,
                  token_base: int, flush: Callable[[int, int, np.ndarray, np.ndarray], None],
                  started: Callable[[np.ndarray, np.ndarray], None] | None = None,
-                 landed: Callable[[int | None, set[int], np.ndarray, np.ndarray], None] | None = None) -> LayerPlan:
+                 landed: Callable[[set[int], np.ndarray, np.ndarray], None] | None = None) -> LayerPlan:
     """Decide one layer's tokens in order (the compiled decision kernel, shared with the
     simulator) and carry out its actions: transfers, waits, and expert work that must run
     before a slot it uses is overwritten (`flush(slot, end, slots, gates)`: the slot's entries
     among tokens [0, end)). `started(experts, gates)` (the decided [T, k] arrays) runs as soon as
     the layer's transfers are under way, before any wait: the next layer's prefetches then
-    overlap this layer's fetches as well as its compute. `landed(slot, later, slots, gates)` runs after it and
+    overlap this layer's fetches as well as its compute. `landed(later, slots, gates)` runs after it and
     after each wait (ExpertCache.carry_out). The work that no flush ran is left to
     the caller. The kernel's counters stay in the cache state until the caller absorbs them
     into `stats` (the engine does, once per forward)."""
@@ -106,7 +106,7 @@ def decide_layer(cache: ExpertCache, policy: MissPolicy, stats: RunStats, layer:
     if cache.state.misc[N_LOG]:
         stats.stall_s += cache.carry_out(lambda slot, end: flush(slot, end, slots_h, gates_h), begun,
                                          None if landed is None else
-                                         lambda slot, later: landed(slot, later, slots_h, gates_h))
+                                         lambda later: landed(later, slots_h, gates_h))
     elif begun is not None:
         begun()
     return LayerPlan(slots_h, exec_h, gates_h)
@@ -128,7 +128,7 @@ class LandingExperts:
         """Whether any expert has run."""
         return bool(self.done.any())
 
-    def landed(self, slot: int | None, later: set[int], slots_h: np.ndarray, gates_h: np.ndarray) -> None:
+    def landed(self, later: set[int], slots_h: np.ndarray, gates_h: np.ndarray) -> None:
         """ExpertCache.carry_out's hook: run the plan's experts whose slots hold them now (not in flight, and no
         load of the call still to start on them)."""
         if self.stopped:
@@ -145,8 +145,7 @@ class LandingExperts:
         rows = []
         for t, (slots, gates, done) in enumerate(zip(slots_h, gates_h, self.done)):
             if not done.all():
-                self.compiled.some(self.x[t:t + 1], slots, gates, np.flatnonzero(~done).astype(np.int64),
-                                   not done.any(), t)
+                self.compiled.some(self.x[t:t + 1], slots, gates, np.flatnonzero(~done), not done.any(), t)
             rows.append(self.compiled.total(slots, gates, t))
         return torch.cat(rows)
 
