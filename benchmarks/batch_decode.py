@@ -6,13 +6,14 @@ The variants run in alternating trials on the same engine and cache; medians of 
 `--one-call` adds the batched step with each token's experts run in one call after the layer's last
 wait, against as their reads land (the disk store at real expert sizes).
 
-    PYTHONPATH=. python benchmarks/batch_decode.py [--batch 1,4,16] [--steps 16] [--trials 3]
+    PYTHONPATH=. python benchmarks/batch_decode.py [--batch 1,4,16] [--steps 16] [--trials 3] [--json OUT]
     PYTHONPATH=. python benchmarks/batch_decode.py --model build/q30b16 --store disk --store-dtype int4 \
         --slot-dtype int4 --dense-dtype int4 --batch 1,4 --one-call
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -49,6 +50,17 @@ def timed(engine: Engine, gens: list[TextGeneration], steps: int, batched: bool)
     return time.perf_counter() - start, engine.stats.sync_fetches - fetches
 
 
+def batch_sizes(text: str) -> list[int]:
+    """--batch: comma-separated whole numbers >= 1."""
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of sequence counts >= 1, e.g. 1,4,16")
+    return sizes
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", type=Path, default=None, help="a checkpoint folder (default: the built-in model)")
@@ -57,11 +69,12 @@ def main() -> None:
     p.add_argument("--store-dtype", default=None, help="the disk store's format (default: the checkpoint's)")
     p.add_argument("--slot-dtype", default="auto")
     p.add_argument("--dense-dtype", default="auto")
-    p.add_argument("--batch", default="1,4,16")
+    p.add_argument("--batch", type=batch_sizes, default=[1, 4, 16], help="comma-separated sequence counts")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--one-call", action="store_true",
                    help="also the batched step with each token's experts in one call after the last wait")
+    p.add_argument("--json", type=Path, default=None, help="write every batch size's medians and trials as JSON")
     a = p.parse_args()
     if a.steps < 1 or a.trials < 1:
         p.error("--steps and --trials must be at least 1")
@@ -75,7 +88,8 @@ def main() -> None:
           ("as landed vs one call | " if a.one_call else "") + "batched tokens/s | fetches/token batched | "
           "fetches/token one by one |")
     print("|---" * (len(variants) + 5 + a.one_call) + "|")
-    for B in map(int, a.batch.split(",")):
+    results = []
+    for B in a.batch:
         runs: dict[str, list[tuple[float, int]]] = {v: [] for v in variants}
         for trial in range(a.trials + 1):  # trial 0 warms up
             for v in variants if trial % 2 else variants[::-1]:
@@ -90,6 +104,11 @@ def main() -> None:
         print(f"| {B} | " + " | ".join(f"{ms[v]:.1f}" for v in variants) +
               f" | {ms['one by one'] / ms['batched']:.2f}x | {landed}{B * 1000 / ms['batched']:.0f} | "
               f"{fetches['batched']:.2f} | {fetches['one by one']:.2f} |", flush=True)
+        results.append({"batch": B, "ms_per_step": ms, "fetches_per_token": fetches,
+                        "trials_s": {v: [s for s, _ in r] for v, r in runs.items()}})
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "results": results}, indent=1))
 
 
 if __name__ == "__main__":
