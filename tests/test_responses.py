@@ -116,6 +116,30 @@ def test_the_input_renders_through_the_template_as_hf_renders_the_chat(tmp_path)
     engine.close()
 
 
+def test_truncation_auto_drops_the_oldest_items_until_the_input_fits(client):
+    """truncation "auto" (OpenAI's): an input longer than the context loses its oldest items, the instructions and
+    the last item kept, where "disabled" (the default) is a 400 that says the context is exceeded; an input whose
+    last item alone is too long is that 400 under auto too."""
+    long = "ROMEO. " * 50  # ~100 tokens of the built-in model's; the test server's context is 512
+    items = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i}: {long}"} for i in range(6)]
+    items.append({"role": "user", "content": "Who goes there?"})
+    ask = dict(model=MODEL, instructions="Be brief.", input=items, max_output_tokens=4, temperature=0)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.responses.create(**ask)
+    kept = client.responses.create(**ask, truncation="auto")
+    assert kept.truncation == "auto" and kept.usage.output_tokens == 4
+    for first in range(1, len(items)):  # the longest tail of the input that fits
+        try:
+            fits = client.responses.create(**dict(ask, input=items[first:]))
+            break
+        except openai.BadRequestError:
+            continue
+    assert 1 < first < len(items) - 1 and kept.usage.input_tokens == fits.usage.input_tokens
+    assert kept.output_text == fits.output_text
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.responses.create(**dict(ask, input=[{"role": "user", "content": long * 5}]), truncation="auto")
+
+
 def test_a_text_format_keeps_the_output_to_its_schema(client):
     schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}, "w": {"type": "string", "maxLength": 6}},
               "required": ["n", "w"], "additionalProperties": False}

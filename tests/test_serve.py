@@ -175,18 +175,29 @@ def test_a_forced_tool_choice_comes_back_as_a_call_of_its_tool(client):
 
 
 
-@pytest.mark.parametrize("max_tokens", [1, 3, 8])
-def test_a_forced_call_cut_short_gives_no_content(client, max_tokens):
-    """A forced call that max_tokens cuts ends with finish_reason length and neither a call nor content: its text
-    is the template's markup (it came back as content "<tool"), whole and streamed alike."""
+def test_a_forced_call_cut_short_gives_the_call_so_far(client):
+    """A forced call that max_tokens cuts ends with finish_reason length, whole and streamed alike, and never with
+    its markup as content: cut before its name ends, with nothing; after, with the call so far, its arguments cut
+    (as OpenAI and vLLM give it; it came back empty, whatever max_tokens left of it)."""
     ask = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=WEATHER,
-               max_tokens=max_tokens, tool_choice="required")
-    choice = client.chat.completions.create(**ask).choices[0]
-    assert choice.finish_reason == "length" and choice.message.content is None and not choice.message.tool_calls
-    chunks = [c for c in client.chat.completions.create(**ask, stream=True) if c.choices]
-    assert chunks[-1].choices[0].finish_reason == "length"
-    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
-    assert not [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+               tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0)
+    whole = client.chat.completions.create(**ask, max_tokens=60).choices[0]
+    (full,) = whole.message.tool_calls
+    written = []
+    for max_tokens in (1, 3, 8, 12, 16, 24):
+        choice = client.chat.completions.create(**ask, max_tokens=max_tokens).choices[0]
+        chunks = [c for c in client.chat.completions.create(**ask, max_tokens=max_tokens, stream=True) if c.choices]
+        streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        assert choice.finish_reason == chunks[-1].choices[0].finish_reason == "length"
+        assert choice.message.content is None and not "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls = choice.message.tool_calls or []
+        assert [(c.function.name, c.function.arguments) for c in calls] == \
+            [(c.function.name, c.function.arguments) for c in streamed]
+        for call in calls:
+            assert call.function.name == "get_weather" and full.function.arguments.startswith(call.function.arguments)
+        written.append(calls[0].function.arguments if calls else None)
+    assert written[0] is None and written[-1] is not None and written[-1] != full.function.arguments
+
 
 def test_a_forced_call_follows_the_references_in_its_parameters(client):
     """Parameters with $defs, as pydantic writes them: the references resolve (the grammar nests the schema)."""
@@ -667,6 +678,32 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "lines"], "additionalProperties": False}
 
 
+def test_strict_closes_a_schemas_objects_and_a_tool_without_parameters_takes_none(client):
+    """OpenAI's strict: true (a json_schema's, a tool's) allows no key beyond an object's listed properties where
+    the schema does not say (JSON Schema's default lets the model add its own: it wrote "count coord them!"); a
+    tool sent without parameters is a function of none, called with {} (it was called with any object)."""
+    open_person = {k: v for k, v in PERSON.items() if k != "additionalProperties"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": open_person, "strict": True}}
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=60, temperature=1.0)
+    for choice in client.chat.completions.create(**ask, n=4, seed=3, response_format=fmt).choices:
+        if choice.finish_reason == "stop":
+            assert set(json.loads(choice.message.content)) == {"name", "lines"}
+    tools = [{"type": "function", "function": {"name": "now"}},
+             {"type": "function", "function": {"name": "weather", "strict": True, "parameters": {
+                 "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}}}]
+    for name, keys in (("now", set()), ("weather", {"city"})):
+        forced = {"type": "function", "function": {"name": name}}
+        for choice in client.chat.completions.create(**ask, n=3, seed=4, tools=tools, tool_choice=forced).choices:
+            if choice.finish_reason == "tool_calls":
+                (call,) = choice.message.tool_calls
+                assert call.function.name == name and set(json.loads(call.function.arguments)) <= keys
+    from expertcache.engine.structured import closed
+    nested = {"type": "object", "properties": {"a": {"type": "array", "items": {"properties": {"b": {}}}}},
+              "$defs": {"x": {"properties": {}, "additionalProperties": True}}}
+    assert closed(nested) == {**nested, "additionalProperties": False, "properties": {"a": {"type": "array", "items": {
+        "properties": {"b": {}}, "additionalProperties": False}}}} and "additionalProperties" not in nested
+
+
 def test_response_format_keeps_every_choice_to_its_json_schema(client):
     """json_object and json_schema (OpenAI's structured outputs), sampled, streamed and batched with other
     requests: every choice that ends is a JSON value of its schema; the built-in model, trained on plays, writes
@@ -905,7 +942,7 @@ def test_bodies_that_once_failed_inside_the_server_get_400s(server, client):
             return e.code, json.loads(e.read())
     chat = {"model": MODEL, "max_tokens": 2}
     code, out = post({**chat, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]})
-    assert code == 400 and "must be a string" in out["error"]["message"]
+    assert code == 400 and "as a string" in out["error"]["message"]
     code, out = post(b'{"model": "%s", "max_tokens": 2, "prompt": "hi \\ud800"}' % MODEL.encode(), "/completions")
     assert code == 400 and "lone surrogate" in out["error"]["message"], out
     start = time.monotonic()
@@ -1397,6 +1434,32 @@ def test_warm_up_runs_a_requests_steps_and_leaves_fresh_counts(tiny, family, sch
         short.close()
 
 
+def test_text_offsets_place_split_characters_stray_bytes_and_special_tokens():
+    """Each token's text_offset is where its text starts in the text: the bytes of a split character where that
+    character does; a token after a byte that forms no character after its U+FFFD (it was placed on it); a special
+    token's text where skip_special_tokens false keeps it (every one was placed at 0)."""
+    from tokenizers import Tokenizer
+
+    from expertcache.serve.app import _Offsets
+    tokenizer = Tokenizer.from_file(str(BUILTIN_MODEL / "tokenizer.json"))
+    context = tokenizer.encode("ROMEO.\n").ids
+    end = tokenizer.token_to_id("<|endoftext|>")
+    assert _Offsets(tokenizer, context, skip_special=False).of([end] * 3) == [0, 13, 26]
+    assert _Offsets(tokenizer, context).of([end] * 3) == [0, 0, 0]
+    comma = tokenizer.encode(",").ids[0]
+    stray = next(t for t in range(300) if tokenizer.decode([t, comma]) == "\ufffd,")  # a byte of no character
+    assert tokenizer.decode([stray, comma] * 3) == "\ufffd,\ufffd,\ufffd,"
+    assert _Offsets(tokenizer, context).of([stray, comma] * 3) == [0, 1, 2, 3, 4, 5]
+    ids = tokenizer.encode("é€😀 naïve").ids
+    text = tokenizer.decode(ids)
+    offsets = _Offsets(tokenizer, []).of(ids)
+    starts = [text.index(c) for c in "é€😀"]  # the characters split over tokens: each token at its character
+    assert offsets[:8] == [starts[0], *[starts[1]] * 3, *[starts[2]] * 4] and offsets == sorted(offsets)
+    for token, at in zip(ids, offsets):
+        own = tokenizer.decode([token])
+        assert own == "\ufffd" or text[at:at + len(own)] == own
+
+
 def test_text_offsets_stay_in_the_text_past_split_characters(client):
     """A token may end inside a UTF-8 character (its text is U+FFFD); the tokens after it still start where
     text_offset says, echoed or streamed."""
@@ -1522,7 +1585,8 @@ def post(url: str, body: bytes) -> tuple[int, dict, dict]:
 
 def test_bodies_past_the_servers_bounds_get_4xx_not_500(server):
     """A body over 8 MiB: 413; nested 100 deep (json.loads recursion): 400; too many or too long stop
-    strings: 400. The server answers the next request."""
+    strings, over 128 fields, a string for a flag or a number (pydantic read "yes" as true): 400. The server
+    answers the next request."""
     url = f"{server.base_url}/completions"
     import http.client
     conn = http.client.HTTPConnection(server.host, server.port)
@@ -1541,7 +1605,52 @@ def test_bodies_past_the_servers_bounds_get_4xx_not_500(server):
     for stop in (["x"] * 17, ["x" * 300]):
         status, _, body = post(url, json.dumps({"model": MODEL, "prompt": "hi", "stop": stop}).encode())
         assert status == 400 and body["error"]["param"] == "stop"
+    many = {"model": MODEL, "prompt": "hi", **{f"x{i}": 0 for i in range(200)}}  # each checked for a misspelling
+    status, _, body = post(url, json.dumps(many).encode())
+    assert status == 400 and "202 fields" in body["error"]["message"]
+    for field, value in (("stream", "yes"), ("stream", "false"), ("echo", 1), ("temperature", "0"), ("top_p", "1")):
+        status, _, body = post(url, json.dumps({"model": MODEL, "prompt": "hi", field: value}).encode())
+        assert status == 400 and body["error"]["param"] == field, (field, value)
     assert post(url, json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode())[0] == 200
+
+
+def test_json_depth_reads_strings_as_jsons_scanner_does():
+    """The nesting check skips brackets within strings, whose quotes an odd run of backslashes escapes, in linear
+    time: a 64 KB body of escaped quotes held the event loop 19 s (a backtracking pattern), 8 MB would have held it
+    for days."""
+    import random
+    from expertcache.serve.limits import json_depth
+
+    def scanned(text: str) -> int:  # json's own rule, a character at a time
+        depth = deepest = 0
+        inside = escaped = False
+        for c in text:
+            if inside:
+                escaped, inside = (False, True) if escaped else (c == "\\", c != '"')
+            elif c == '"':
+                inside = True
+            elif c in "[{":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif c in "]}":
+                depth -= 1
+        return deepest
+    rng = random.Random(0)
+
+    def value(depth: int):
+        if depth > 5 or rng.random() < 0.3:
+            return rng.choice(["x", "\\", '"', "[", "{", '\\"', "é", "]", "}"]) * rng.randint(0, 4)
+        if rng.random() < 0.5:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(["[", '"', "\\", "k"]) * rng.randint(0, 3) + str(i): value(depth + 1)
+                for i in range(rng.randint(0, 3))}
+    for _ in range(2000):
+        text = json.dumps(value(0), ensure_ascii=rng.random() < 0.5)
+        assert json_depth(text.encode()) == scanned(text), text
+    for body in (b'{"prompt": "' + b'\\"' * 4 * 2**20, b"[" * 8 * 2**20, b'"' * 8 * 2**20, b"\\" * 8 * 2**20):
+        start = time.perf_counter()
+        json_depth(body)
+        assert time.perf_counter() - start < 5
 
 
 def test_a_client_that_sends_no_request_or_no_body_frees_its_connection(tiny):

@@ -77,7 +77,7 @@ class SamplingParams:
         checks = [
             (0 <= self.temperature < math.inf, "temperature", "must be a finite number >= 0 (0 is greedy)"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.top_k >= -1, "top_k", "must be >= 0 (0 or -1 disables it)"),
+            (self.top_k >= -1, "top_k", "must be >= 1, or 0 or -1 to disable it"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (0 < self.repetition_penalty < math.inf, "repetition_penalty",
              "must be a finite number > 0 (1 disables it)"),

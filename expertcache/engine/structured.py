@@ -109,6 +109,20 @@ def grammar_of(params) -> str | None:
     return choice_grammar(params.choice) if params.choice is not None else None
 
 
+def closed(schema):
+    """`schema` with every object schema that lists its properties and says nothing of others taking none beyond
+    them (additionalProperties false), at any depth: OpenAI's `strict: true`, where JSON Schema's own default
+    lets a model add keys of its choosing. A copy; `schema` is left as it is."""
+    if isinstance(schema, list):
+        return [closed(part) for part in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed(value) for key, value in schema.items()}
+    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def schema_text(schema) -> str:
     """A JSON schema (a dict or its JSON text) as the canonical JSON text SamplingParams keeps; ValueError naming
     what is wrong for anything llguidance cannot follow (a boolean schema neither: llguidance takes objects)."""

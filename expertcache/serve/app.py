@@ -23,7 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ..engine.chat import ChatTemplate, ChatTemplateError
 from ..engine.generate import StepOutput
-from ..engine.sampling import IncrementalDetokenizer, SamplingError, SamplingParams
+from ..engine.sampling import SamplingError, SamplingParams
 from ..errors import BadInput, CheckpointError
 from .metrics import ServerMetrics
 from .limits import BodyLimits, RequireApiKey, ServerLimits
@@ -48,21 +48,47 @@ def byte_level_alphabet() -> dict[str, int]:
 
 
 class _Offsets:
-    """Each token's start in the text that tokens decode to, one call after another: incrementally, so that a
-    token ending inside a UTF-8 character (its own text U+FFFD) starts where that character does, and the
-    offsets stay positions in the text."""
+    """Each token's start in the text that tokens decode to, one call after another: a token within a character
+    split over tokens starts where that character does, one after bytes that form no character (each its own
+    U+FFFD) after them, and a special token's text counts where the text keeps it (skip_special false). Tokens
+    are placed once the text of those since it last ended on a whole character ends on one again (or at the end
+    of a call), against that text; decoded after a few tokens of context, as IncrementalDetokenizer does."""
+    CONTEXT, OPEN = 4, 64  # tokens of context; tokens of U+FFFD after which they are taken as final
 
-    def __init__(self, tokenizer, context: list[int]):
-        self.detok = IncrementalDetokenizer(tokenizer, context) if tokenizer is not None else None
-        self.at = 0
+    def __init__(self, tokenizer, context: list[int], skip_special: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special
+        self.context, self.open, self.placed, self.at = list(context[-self.CONTEXT:]), [], 0, 0
+
+    def _text(self, ids: list[int]) -> str:
+        """The text of `ids` after the context's."""
+        decode = lambda x: self.tokenizer.decode(x, skip_special_tokens=self.skip)  # noqa: E731
+        return decode(self.context + ids)[len(decode(self.context)):]
+
+    def _place(self, text: str) -> list[int]:
+        """The offsets of the open tokens not yet placed, in `text` (theirs): each where the text before it first
+        departs from `text` (a split character's U+FFFD), or where it ends."""
+        out = []
+        for k in range(self.placed, len(self.open)):
+            before = self._text(self.open[:k])
+            out.append(self.at + next((i for i, (a, b) in enumerate(zip(before, text)) if a != b), len(before)))
+        self.placed = len(self.open)
+        return out
 
     def of(self, tokens: list[int]) -> list[int]:
         """The offsets of the next `tokens`."""
+        if self.tokenizer is None:  # ids joined by spaces
+            out = [self.at + sum(len(str(t)) + 1 for t in tokens[:i]) for i in range(len(tokens))]
+            self.at += sum(len(str(t)) + 1 for t in tokens)
+            return out
         out = []
         for t in tokens:
-            out.append(self.at)
-            self.at += len(self.detok.push(t)) if self.detok is not None else len(str(t)) + 1  # ids joined by spaces
-        return out
+            self.open.append(t)
+            text = self._text(self.open)
+            if not text.endswith("\ufffd") or len(self.open) > self.OPEN:
+                out += self._place(text)
+                self.at += len(text)
+                self.context, self.open, self.placed = (self.context + self.open)[-self.CONTEXT:], [], 0
+        return out + self._place(self._text(self.open)) if self.open else out
 
 
 class Server:
@@ -258,7 +284,9 @@ class Server:
                 text, scored = echo[i // n] + text, [*(prompt_scored or ()), *scored]
             logprobs = None
             if params[0].logprobs is not None:
-                where = None if chat else self.offsets([] if echo else prompts[i // n]).of([s.token for s in scored])
+                context = [] if echo else prompts[i // n]
+                where = None if chat else \
+                    self.offsets(context, params[i // n].skip_special_tokens).of([s.token for s in scored])
                 logprobs = self._logprobs(scored, chat, where)
             if chat:
                 thought, content, called = split_reply(text, **(reply or {}))
@@ -304,10 +332,16 @@ class Server:
             param = responses.PARAMS.get(loc[0], loc[0])
             raise APIError(400, f"{param}: {first.get('msg', 'invalid').removeprefix('Value error, ')}", param) \
                 from None
-        try:
-            answer = await self.chat(http, chat)
-        except APIError as e:
-            raise responses.renamed(e) from None
+        while True:
+            try:
+                answer = await self.chat(http, chat)
+                break
+            except APIError as e:  # truncation auto: the conversation's oldest items dropped until it fits
+                shorter = responses.without_oldest(chat.messages) if body.truncation == "auto" and \
+                    e.code == "context_length_exceeded" else None
+                if shorter is None:
+                    raise responses.renamed(e) from None
+                chat = chat.model_copy(update={"messages": shorter})
         tokens = (lambda text: len(self.engine.encode(text, special=False))) if self.engine.tokenizer else None
         envelope = responses.Envelope(body, self.model_name, tokens)
         if isinstance(answer, StreamingResponse):
@@ -323,9 +357,9 @@ class Server:
         http.state.usage = (whole["usage"]["prompt_tokens"], whole["usage"]["completion_tokens"])  # the access log's
         return JSONResponse(responses.whole(whole, envelope))
 
-    def offsets(self, context: list[int]) -> _Offsets:
+    def offsets(self, context: list[int], skip_special: bool = True) -> _Offsets:
         """Where tokens decoded after `context` start in their text (completions' text_offset)."""
-        return _Offsets(self.engine.tokenizer, context)
+        return _Offsets(self.engine.tokenizer, context, skip_special)
 
     def _envelope(self, rid: str, chat: bool, stream: bool) -> dict:
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
@@ -400,7 +434,7 @@ class Server:
                                  **({"logprobs": None} if logprobs else {})})
             held = [[] for _ in requests]  # tokens whose logprobs wait for a chunk (their text may come later)
             replies = [Reply(**(reply or {})) if chat else None for _ in requests]
-            offsets = [self.offsets(r.prompt) for r in requests]
+            offsets = [self.offsets(r.prompt, r.params.skip_special_tokens) for r in requests]
             running = len(requests)
             while running:
                 i, item = await merged.get()

@@ -5,7 +5,7 @@ format, the analysis channel is reasoning, the final channel (and commentary to 
 message to=functions.NAME a call. The calls in the answer's text are read by tools.py."""
 from __future__ import annotations
 
-from .tools import OPEN, SYNTAXES, CallStream, CallSyntax, held_tail, tool_call
+from .tools import OPEN, SYNTAXES, CallStream, CallSyntax, cut_call, held_tail, tool_call
 
 THINK, UNTHINK = "<think>", "</think>"
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -151,8 +151,8 @@ class Reply:
     form: reply_form's; tools: the request's, whose calls are read out of the text (None: no calls are read), as
     `calls` writes them (tools.call_syntaxes'); opened: opens_thinking's (the prompt ended inside <think>, or
     with a harmony message's header); reasoning: False leaves the reasoning out (vLLM's include_reasoning); forced: the
-    text is one call (tool_choice required or a named function), so that one cut short gives no content; parallel:
-    False keeps the first call only (OpenAI's parallel_tool_calls)."""
+    text is one call (tool_choice required or a named function), so that one cut short gives the call so far (its
+    arguments cut), not content; parallel: False keeps the first call only (OpenAI's parallel_tool_calls)."""
 
     def __init__(self, form: str = "plain", tools: list | None = None, opened: bool | str = False,
                  reasoning: bool = True, calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],), forced: bool = False,
@@ -200,7 +200,9 @@ class Reply:
             calls += [tool_call(name, arguments.strip()) for name, arguments in self.parts.calls]
         if not self.parallel:  # a client that runs one call a turn
             calls = calls[:1]
-        if self.forced and not calls:  # a call that max_tokens cut: its markup is the template's, not a reply
+        if self.forced and not calls:  # a call that max_tokens cut: its name and arguments so far, not its markup
+            cut = cut_call(self.answer.text) if self.answer is not None else None
+            calls = [cut] if cut is not None else []
             delta.pop("content", None)
             self.edge = ""
         if not (self.thought_sent or calls):  # the answer as written: its held whitespace too

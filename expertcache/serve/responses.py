@@ -168,6 +168,21 @@ def known(where: str, value: Any, keys: tuple[str, ...], param: str) -> None:
             raise APIError(400, f"{where}.{key} is not a field of it; {hint}", param)
 
 
+def without_oldest(messages: list) -> list | None:
+    """A conversation (ChatMessages) without its oldest item, for truncation "auto" (OpenAI's: items dropped from
+    the beginning until the input fits): system and developer messages kept, a call's outputs dropped with the
+    call; None where only the last item is left."""
+    items = [i for i, m in enumerate(messages) if m.role not in ("system", "developer")]
+    if len(items) <= 1:
+        return None
+    dropped = {items[0]}
+    for i in items[1:-1]:  # outputs of a call no longer in the input
+        if messages[i].role not in ("tool", "function"):
+            break
+        dropped.add(i)
+    return [m for i, m in enumerate(messages) if i not in dropped]
+
+
 def messages(body: ResponsesBody) -> list[dict]:
     """The chat's messages: the instructions as a system message, then the input (a text: one user message; or
     items: messages, function calls and their outputs, reasoning that the next assistant turn carries)."""

@@ -3,18 +3,20 @@ fields refused rather than ignored, and the bounds that keep one request from ho
 from __future__ import annotations
 
 import difflib
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator, model_validator
 
 from ..engine.sampling import MAX_LOGPROBS, short
-from ..engine.structured import JSON_OBJECT
+from ..engine.structured import JSON_OBJECT, closed
 from .tools import call_grammar
 
 MAX_CHOICES = 16  # n: choices a prompt
 MAX_GENERATIONS = 2048  # prompts x n in one request: more would hold the server for a single client
 MAX_STOP = 16  # stop strings a request (OpenAI takes 4)
 MAX_STOP_CHARS = 256  # characters of one stop string
+MAX_FIELDS = 128  # fields of a body: each unknown one is checked for a misspelling, and 100,000 held the server
 
 
 class APIError(Exception):
@@ -53,6 +55,8 @@ class OpenAIBody(BaseModel):
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            if len(data) > MAX_FIELDS:
+                raise ValueError(f"the body has {len(data)} fields; send at most {MAX_FIELDS}, those of the API")
             return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
 
@@ -65,8 +69,8 @@ class SamplingFields(OpenAIBody):
     @field_validator(*NUMBERS, mode="before")
     @classmethod
     def _no_bool(cls, value: Any, info) -> Any:  # a field's own check: its error's param names the field
-        if isinstance(value, bool):  # pydantic reads true as 1.0: a client's mistake, not a temperature
-            raise ValueError(f"{info.field_name} must be a number, not {str(value).lower()}")
+        if isinstance(value, (bool, str)):  # pydantic reads true as 1.0 and "0.5" as 0.5: a client's mistake
+            raise ValueError(f"{info.field_name} must be a number, not {json.dumps(value)}")
         return value
     model: str | None = None  # left out: the model served, as vLLM and llama-server take it (OpenAI requires it)
     max_tokens: StrictInt | None = None  # strict: a bool or a string is refused, not read as a number
@@ -79,11 +83,11 @@ class SamplingFields(OpenAIBody):
     repetition_penalty: float = 1.0
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string it reached
+    include_stop_str_in_output: StrictBool = False  # vLLM's: the text ends after the stop string it reached
     n: StrictInt = 1
-    stream: bool = False
+    stream: StrictBool = False  # strict: pydantic reads "false" as false and "yes" as true
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     logprobs: StrictBool | StrictInt | None = None  # chat: true or false; completions: alternatives a token (0-20)
     top_logprobs: StrictInt | None = None  # chat, with logprobs true: alternatives a token (0-20)
     presence_penalty: float = 0.0
@@ -101,8 +105,8 @@ class CompletionBody(SamplingFields):
     (then max_tokens may be 0), as evaluation harnesses ask."""
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # strict: [true] is no token id 1
     add_special_tokens: StrictBool = True  # vLLM's: false encodes a text prompt without the tokenizer's own (a BOS)
-    echo: bool = False
-    best_of: int | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
     suffix: str | None = None
 
 
@@ -137,7 +141,7 @@ class ChatBody(SamplingFields):
     (vLLM's and HF's, for retrieval) go to the template too; add_special_tokens (vLLM's) true adds the tokenizer's
     own (a BOS) to the rendered prompt, which holds the template's."""
     messages: list[ChatMessage]
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
     tools: list[dict] | None = None
     parallel_tool_calls: StrictBool | None = None  # false: at most one call comes back
     chat_template_kwargs: dict[str, Any] | None = None
@@ -161,9 +165,9 @@ class TokenizeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt field would tokenize something else silently
     model: str | None = None
     prompt: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
     tools: list[dict] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None  # as a chat completion passes them to the template
@@ -187,6 +191,7 @@ class DetokenizeBody(BaseModel):
 # not: sent with another, they are refused rather than ignored. (echo is chat's here, vLLM's: it prepends the last
 # message; completions declare their own.)
 UNIMPLEMENTED = {"function_call": ("none", "auto"), "functions": ([],), "modalities": (["text"],), "audio": (),
+                 "web_search_options": (),
                  "continue_final_message": (False,), "bad_words": ([],), "chat_template": (),
                  "allowed_token_ids": (), "logits_processors": ([],),
                  "typical_p": (1, 1.0), "mirostat": (0,), "repeat_penalty": (1, 1.0), "tfs_z": (1, 1.0),
@@ -239,7 +244,8 @@ def refuse_unsupported(body: SamplingFields) -> None:
 def structure(body: SamplingFields) -> tuple[str | None, dict]:
     """What a body asks the output to follow, as (the body's field that asks it, SamplingParams' fields): OpenAI's
     response_format (nothing for {"type": "text"}, any JSON object for json_object, json_schema.schema for
-    json_schema, whose name and strict flag change nothing: the schema is always followed; llama-server's schema
+    json_schema, whose name changes nothing (the schema is always followed) and whose strict true closes its objects,
+    as OpenAI's does: no key beyond an object's listed properties unless the schema allows some; llama-server's schema
     beside either type); vLLM's guided_json, guided_regex, guided_choice, guided_grammar and structured_outputs;
     llama.cpp's json_schema and grammar (whose empty string asks nothing); a chat's tool_choice required or a named
     function (one call of a tool: tools.py). APIError for another format, for a text format given more than its
@@ -282,7 +288,8 @@ def structure(body: SamplingFields) -> tuple[str | None, dict]:
         return "response_format", {"json_schema": fmt["schema"] if isinstance(fmt.get("schema"), dict) else JSON_OBJECT}
     spec = fmt.get("json_schema")
     if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
-        return "response_format", {"json_schema": spec["schema"]}
+        return "response_format", {"json_schema": closed(spec["schema"]) if spec.get("strict") is True
+                                   else spec["schema"]}
     if kind == "json_schema" and spec is None and isinstance(fmt.get("schema"), dict):  # llama-server's form
         return "response_format", {"json_schema": fmt["schema"]}
     if kind == "json_schema":
@@ -343,11 +350,15 @@ def message_text(message: ChatMessage) -> dict:
     (or an assistant's refusal) joined."""
     content = message.content
     if isinstance(content, list):
-        if any(part.get("type") not in TEXT_PARTS for part in content):
-            raise APIError(400, "only text content parts are supported", "messages")
-        texts = [part.get(TEXT_PARTS[part["type"]], "") for part in content]
-        if any(not isinstance(t, str) for t in texts):
-            raise APIError(400, "a text content part's text must be a string", "messages")
+        for part in content:
+            kind = part.get("type")
+            if kind not in TEXT_PARTS:
+                raise APIError(400, f"a content part of type {json.dumps(kind)[:60]} is not supported here: this "
+                               f"server reads text only ({', '.join(TEXT_PARTS)}); send the text as such a part",
+                               "messages")
+            if not isinstance(part.get(TEXT_PARTS[kind]), str):
+                raise APIError(400, f"a {kind} content part needs its {TEXT_PARTS[kind]} as a string", "messages")
+        texts = [part[TEXT_PARTS[part["type"]]] for part in content]
         content = "".join(texts)
     return {**(message.model_extra or {}), "role": message.role, "content": content or ""}
 

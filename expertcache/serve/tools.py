@@ -12,12 +12,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine.structured import LAYOUT, bounded, schema_text
+from ..engine.structured import LAYOUT, bounded, closed, schema_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.S)  # Qwen3-Coder's
 XML_PARAMETER = re.compile(r"<parameter=([^>]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def _function(tool) -> dict | None:
@@ -35,10 +36,12 @@ def functions(tools: list | None) -> dict[str, dict]:
         if not isinstance(name, str) or not name:
             raise ValueError(f'tools[{i}] is not a function tool; give {{"type": "function", "function": {{"name": '
                              '"...", "parameters": {...}}}')
-        parameters = fn.get("parameters") or {"type": "object"}
+        parameters = fn.get("parameters")
+        if parameters is None:  # OpenAI's: a function of no parameters, called with {}
+            parameters = NO_PARAMETERS
         if not isinstance(parameters, dict):
             raise ValueError(f"tools[{i}].function.parameters is not a JSON schema (an object)")
-        out[name] = parameters
+        out[name] = closed(parameters) if fn.get("strict") is True else parameters
     return out
 
 
@@ -156,6 +159,24 @@ def _marked_call(body: str, tools: list | None) -> dict | None:
         name, arguments = name.strip(), arguments.strip().removeprefix("```json").removesuffix("```")
     name = name.removeprefix("functions.").rsplit(":", 1)[0] if sep == KIMI_ARGUMENTS else name
     return tool_call(name, arguments.strip()) if _names_a_tool(name, tools) else None
+
+
+CUT_CALL = re.compile(r'\s*' + re.escape(OPEN) + r'\n\{"name": ("(?:[^"\\]|\\.)*"), "arguments": (.*)\Z', re.S)
+
+
+def cut_call(text: str) -> dict | None:
+    """A forced call (call_grammar's form) that max_tokens cut before its end, as OpenAI and vLLM give one: its name
+    and the arguments written so far, or whole where only the closing markup was cut; None where the name itself
+    was cut."""
+    found = CUT_CALL.match(text)
+    if found is None:
+        return None
+    try:
+        arguments, end = json.JSONDecoder().raw_decode(found.group(2))
+        written = found.group(2)[:end]
+    except ValueError:
+        written = found.group(2)
+    return tool_call(json.loads(found.group(1)), written)
 
 
 @dataclass(frozen=True)
