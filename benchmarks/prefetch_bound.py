@@ -5,7 +5,7 @@ against an oracle that knows every next layer's experts, in decode on the disk s
                                         [--predictors estimator lookahead] [--budgets 8 4] [--tokens 64]
                                         [--repeats 15] [--feed greedy|text] [--json FILE]
                                         [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
-                                        [--lookahead-from DIR ...] [--one-call]
+                                        [--lookahead-from DIR ...] [--one-call] [--disk-mbps 500 1000 0]
 
 The policy alone decodes greedily first; every variant then decodes those tokens again, one a forward, so that all
 of them run the same inputs. `--feed text` feeds the evaluation text's own tokens after the prompt instead, one a
@@ -22,7 +22,10 @@ runs at each of `budgets` (prefetches per layer among its top-k; default top-k),
 does the lookahead trained in each `--lookahead-from` folder (a copy of the model's trained with other options).
 `--one-call` adds each variant with a decode token's experts run in one call after its last wait rather than each
 as it lands (where experts are large enough for that, `CompiledExperts.one_by_one`); its shares are of its own
-on-demand and oracle runs.
+on-demand and oracle runs. `--disk-mbps` runs every variant with the store's disk held at each of these read rates
+(MB/s; 0: its own) by a block-I/O cgroup (root; `expertcache.lab.cgroup.ReadThrottle`), rates and variants
+alternated within each round, a table for each rate: whether the disk or the CPU sets a token's pace decides what
+a prediction's time costs, and this machine's disk drifts between 0.6 and 4 GB/s from hour to hour.
 "Of the oracle's gain" is (on demand / variant - 1) / (on demand / oracle - 1) on the three's mean times over the
 rounds (every variant runs in every round, seconds apart, where this disk's speed drifts over minutes), with a 90%
 interval from resampling the rounds; "predict" the wall time of a token's predictions (the attention run ahead
@@ -37,6 +40,7 @@ the decode tokens' own (the prompt's forward excluded).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -47,6 +51,7 @@ import numpy as np
 import torch
 
 from expertcache.cli import run_script
+from expertcache.lab.cgroup import ReadThrottle
 
 
 class Recorder:
@@ -156,12 +161,9 @@ def decode(engine, prompt: list[int], tokens: list[int], score: bool = False) ->
 def main() -> None:
     from expertcache.engine.cache import CacheConfig
     from expertcache.engine.engine import BUILTIN_MODEL, Engine, EngineConfig
-    from expertcache.engine.generate import generate
-    from expertcache.engine.moe import PrefetchConfig
     from expertcache.engine.perplexity import EVAL_TEXT
     from expertcache.engine.predictors import make_predictor
     from expertcache.engine.quant import ExpertFormat
-    from expertcache.progress import progress_bar
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=BUILTIN_MODEL)
     p.add_argument("--cache", type=float, default=0.25)
@@ -184,11 +186,16 @@ def main() -> None:
     p.add_argument("--one-call", action="store_true",
                    help="also each variant with a decode token's experts run in one call after its last wait, "
                         "rather than each as its read lands")
+    p.add_argument("--disk-mbps", type=float, nargs="+", default=[0],
+                   help="the store's disk held at each of these read rates in turn, MB/s (0: its own rate; root)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if a.repeats < 1 or a.tokens < 1 or a.prompt_tokens < 1:
         p.error("--repeats, --tokens and --prompt-tokens must be at least 1, e.g. --tokens 32 --repeats 15")
+    if not all(0 <= r < 1e7 for r in a.disk_mbps):  # NaN fails too
+        p.error("--disk-mbps takes read rates in MB/s, 0 for the disk's own, e.g. --disk-mbps 500 1000 0")
     recorder = Recorder()
+    rates = list(dict.fromkeys(a.disk_mbps))
     fmt = ExpertFormat.parse(a.store_dtype, 32) if a.store_dtype else None
     engine = Engine(a.model, EngineConfig(store="disk", cache=CacheConfig(fraction=a.cache), policy=a.policy,
                                           store_format=fmt, slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype))
@@ -202,6 +209,21 @@ def main() -> None:
     if a.feed == "text" and len(text) < a.prompt_tokens + a.tokens:
         p.error(f"the evaluation text has {len(text)} tokens, fewer than --prompt-tokens + --tokens")
     prompt = text[:a.prompt_tokens]
+    throttle = None
+    if rates != [0]:
+        try:
+            throttle = ReadThrottle(engine.store.path)
+        except RuntimeError as e:
+            p.error(f"--disk-mbps: {e}")
+    with throttle or contextlib.nullcontext():
+        measure(a, engine, recorder, prompt, text, made, rates, throttle)
+
+
+def measure(a, engine, recorder, prompt, text, made, rates, throttle) -> None:
+    """Every variant at every rate, round robin; the tables and --json."""
+    from expertcache.engine.generate import generate
+    from expertcache.engine.moe import PrefetchConfig
+    from expertcache.progress import progress_bar
     engine.reset()
     tokens = list(generate(engine, prompt, a.tokens)) if a.feed == "greedy" else \
         text[a.prompt_tokens:a.prompt_tokens + a.tokens]  # greedy: the policy alone
@@ -224,14 +246,17 @@ def main() -> None:
         variants[paying] = variants[oracle]
     one_call = {f"{name}, one call": name for name in variants} if a.one_call else {}  # -> the variant it runs
     variants |= {name: variants[base] for name, base in one_call.items()}
-    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    runs: dict[float, dict[str, list[dict]]] = {rate: {name: [] for name in variants} for rate in rates}
     ppl = {}  # the decoded tokens' perplexity, scored in the warm-up round (its time is not kept)
     known = None  # the share of the routed experts the oracle knew: runs of the same tokens from a reset are alike,
     # so the warm-up's is every round's, and the timed rounds record nothing
-    with progress_bar(None, total=(a.repeats + 1) * len(variants), unit="run") as bar:  # where stderr is a terminal
-        for round_ in range(a.repeats + 1):  # round 0 warms up
-            for name, cfg in list(variants.items())[::1 if round_ % 2 else -1]:
-                engine.set_prefetch(cfg)  # the engine makes each predictor once and keeps it for every round
+    schedule = [(rate, name) for rate in rates for name in variants]
+    with progress_bar(None, total=len(variants) + a.repeats * len(schedule), unit="run") as bar:
+        for round_ in range(a.repeats + 1):  # round 0 warms up, at the first rate
+            for rate, name in (schedule[:len(variants)] if not round_ else schedule)[::1 if round_ % 2 else -1]:
+                if throttle is not None:
+                    throttle.set(int(rate * 1e6) or None)
+                engine.set_prefetch(variants[name])  # the engine makes each predictor once and keeps it
                 engine.runner.as_landed = name not in one_call
                 base = one_call.get(name, name)
                 if base == oracle:
@@ -241,7 +266,8 @@ def main() -> None:
                 elif base in others:
                     engine.runner.predictor = made[others[base]]
                 recorder.on = name == oracle and not round_
-                bar.set_description(f"{f'round {round_}/{a.repeats}' if round_ else 'warm-up'}, {name}")
+                at = f", {rate:g} MB/s" if throttle is not None and rate else ""
+                bar.set_description(f"{f'round {round_}/{a.repeats}' if round_ else 'warm-up'}, {name}{at}")
                 figures = decode(engine, prompt, tokens, score=not round_)
                 bar.update()
                 if not round_:
@@ -251,34 +277,42 @@ def main() -> None:
                                      for (ids, _), true in zip(seen[1:], want[1:])])
                     recorder.on, recorder.tokens = False, []
                 if round_:
-                    runs[name].append(figures)
+                    runs[rate][name].append(figures)
+    print(f"disk store, cache {a.cache}, {a.policy}{' (prefetching what it would fetch)' if a.fetched else ''}, "
+          f"{a.tokens} decode tokens ({'greedy' if a.feed == 'greedy' else 'the text'}'s), medians of {a.repeats}; "
+          f"the oracle knew {known:.1%} of the routed experts of layers 1 on")
+    by_rate = {rate: table(a, runs[rate], ppl, one_call, oracle) for rate in rates}
+    for rate, rows in by_rate.items():
+        print(f"\nthe disk held at {rate:g} MB/s\n" if rate else "\nthe disk at its own rate\n")
+        na = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+        share = lambda r: "n/a" if r["of_oracle_gain"] is None else \
+            "{:.0%} ({:.0%} to {:.0%})".format(r["of_oracle_gain"], *r["of_oracle_gain_interval"])  # noqa: E731
+        print("| variant | ms/token | vs on demand | of the oracle's gain (90% interval) | synchronous fetches/token "
+              "| prefetches/token | stall ms/token | predict ms/token | disk busy ms/token | thread CPU ms/token "
+              "| ppl of the decoded tokens |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name, r in rows.items():
+            print(f"| {name} | {r['ms_per_token']:.2f} | {r['vs_on_demand']:.2f}x | {share(r)} | "
+                  f"{r['sync_fetches']:.1f} | {r['prefetches']:.1f} | {r['stall_ms']:.2f} | {r['predict_ms']:.3f} | "
+                  f"{na(r['disk_busy_ms'], '.2f')} | {r['thread_cpu_ms']:.2f} | {r['ppl']:.3f} |")
+    if a.json:
+        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "oracle_knew": float(known),
+                                      "by_disk_mbps": [{"disk_mbps": rate, "medians": by_rate[rate],
+                                                        "runs": runs[rate]} for rate in rates]}, indent=1))
+
+
+def table(a, runs: dict[str, list[dict]], ppl: dict, one_call: dict, oracle: str) -> dict[str, dict]:
+    """Each variant's medians over the rounds, its speed-up over on demand and its share of the oracle's gain."""
     rows = {name: {k: None if rs[0][k] is None else statistics.median(r[k] for r in rs) for k in rs[0]} | {
             "ppl": ppl[name]} for name, rs in runs.items()}
     times = {name: np.array([f["ms_per_token"] for f in rs]) for name, rs in runs.items()}
     resamples = np.random.default_rng(0).integers(0, a.repeats, (2000, a.repeats))
     suffix = lambda name: ", one call" if name in one_call else ""  # noqa: E731 -- its baselines ran as it did
     for name, r in rows.items():
+        r["vs_on_demand"] = rows["on demand" + suffix(name)]["ms_per_token"] / r["ms_per_token"]
         r["of_oracle_gain"], r["of_oracle_gain_interval"] = share_of_gain(
             times["on demand" + suffix(name)], times[name], times[oracle + suffix(name)], resamples)
-    print(f"disk store, cache {a.cache}, {a.policy}{' (prefetching what it would fetch)' if a.fetched else ''}, "
-          f"{a.tokens} decode tokens ({'greedy' if a.feed == 'greedy' else 'the text'}'s), medians of {a.repeats}; "
-          f"the oracle knew {known:.1%} of the routed experts of layers 1 on\n")
-    print("| variant | ms/token | vs on demand | of the oracle's gain (90% interval) | synchronous fetches/token "
-          "| prefetches/token | stall ms/token | predict ms/token | disk busy ms/token | thread CPU ms/token "
-          "| ppl of the decoded tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    na = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
-    share = lambda r: "n/a" if r["of_oracle_gain"] is None else \
-        "{:.0%} ({:.0%} to {:.0%})".format(r["of_oracle_gain"], *r["of_oracle_gain_interval"])  # noqa: E731
-    for name, r in rows.items():
-        base = rows["on demand" + suffix(name)]["ms_per_token"]
-        print(f"| {name} | {r['ms_per_token']:.2f} | {base / r['ms_per_token']:.2f}x | {share(r)} | "
-              f"{r['sync_fetches']:.1f} | {r['prefetches']:.1f} | {r['stall_ms']:.2f} | {r['predict_ms']:.3f} | "
-              f"{na(r['disk_busy_ms'], '.2f')} | {r['thread_cpu_ms']:.2f} | {r['ppl']:.3f} |")
-    if a.json:
-        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "medians": rows,
-                                      "runs": runs, "oracle_knew": float(known)}, indent=1))
-
+    return rows
 
 if __name__ == "__main__":
     run_script(main)

@@ -4,6 +4,8 @@ ring holds are queued in turns."""
 import errno
 import mmap
 import os
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -125,3 +127,47 @@ def test_a_kernel_that_takes_part_of_the_queue_loses_no_read(direct_file, monkey
 def test_read_only_buffers_are_refused():
     with pytest.raises(ValueError, match="writable"):
         RingReads.iovec([np.frombuffer(bytes(PAGE), np.uint8)])
+
+
+def throttle_unavailable() -> str | None:
+    from expertcache.lab.cgroup import ReadThrottle
+    try:
+        ReadThrottle(Path(__file__))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@ring_here
+@pytest.mark.skipif(bool(throttle_unavailable()), reason="no block-I/O cgroup can be made here (needs root)")
+def test_a_read_throttle_holds_the_rings_direct_reads_at_its_rate(tmp_path):
+    """benchmarks/prefetch_bound.py --disk-mbps: the engine's reads (io_uring, O_DIRECT, from its own thread)
+    are charged to the process's block-I/O group, so a disk of another speed is the real reads held back. 8 MiB
+    at 20 MB/s take >= 0.42 s (a bound only a working throttle can meet on any disk); the process leaves the
+    group as it found it."""
+    from expertcache.lab.cgroup import ReadThrottle
+    n = 2048  # pages: 8 MiB
+    data = np.random.default_rng(1).integers(0, 256, n * PAGE, dtype=np.uint8)
+    path = tmp_path / "blobs.bin"
+    data.tofile(path)
+    before = Path("/proc/self/cgroup").read_text()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    ring, out = RingReads.open(), pages(n)
+    iovecs = [ring.iovec([out[i * PAGE:(i + 64) * PAGE]]) for i in range(0, n, 64)]
+    try:
+        with ReadThrottle(path) as throttle:
+            throttle.set(20_000_000)
+            start = time.perf_counter()
+            for i, iov in enumerate(iovecs):  # 256 KiB reads, one at a time
+                ring.read(fd, iov, i * 64 * PAGE, i)
+                assert drain(ring, 1) == [(i, 64 * PAGE)]
+            held = time.perf_counter() - start
+    finally:
+        ring.close()
+        os.close(fd)
+    assert np.array_equal(out, data)
+    assert held >= 0.3, f"8 MiB read in {held:.2f} s at a 20 MB/s throttle: the reads escaped it"
+    assert Path("/proc/self/cgroup").read_text() == before

@@ -1,7 +1,8 @@
 """A command run under a real memory cap: a cgroup whose limit charges the process's resident memory and the
 page cache it brings in together, as the kernel enforces it (the OOM killer ends a process that cannot be
 brought back under it); its peak charge, and whether it was killed. cgroup v1's memory controller or
-cgroup v2, where this process may create groups (root, or a delegated subtree)."""
+cgroup v2, where this process may create groups (root, or a delegated subtree). And a process's reads from a disk
+held at a chosen rate, by a block-I/O group (`ReadThrottle`)."""
 from __future__ import annotations
 
 import os
@@ -135,3 +136,60 @@ def read_ahead_kb(path: Path, value: int | None = None) -> int | None:
     if value is not None:
         f.write_text(str(value))
     return int(f.read_text())
+
+
+class ReadThrottle:
+    """This process's reads from the disk holding `path`, held at a rate of our choosing (`set`), by a block-I/O
+    cgroup it joins for the `with` block: a disk of another speed, with the real reads (O_DIRECT and io_uring's
+    included), where this machine's own drifts. cgroup v1's blkio controller or v2's io controller, as root."""
+
+    def __init__(self, path: Path):
+        dev = device_of(path)
+        if dev is None or not (dev / "dev").exists():
+            raise RuntimeError(f"no block device found under {path} to hold at a rate")
+        self.device = (dev / "dev").read_text().strip()  # "major:minor"
+        v1 = Path("/sys/fs/cgroup/blkio")
+        if (v1 / "blkio.throttle.read_bps_device").exists():
+            self.root, self.limit_file = v1 / _own_group("blkio"), "blkio.throttle.read_bps_device"
+        else:
+            v2 = V2 / "unified" if (V2 / "unified" / "cgroup.procs").exists() else V2
+            self.root, self.limit_file = v2 / _own_group(""), "io.max"
+            if "io" not in _read(self.root / "cgroup.subtree_control"):
+                raise RuntimeError("no block-I/O cgroup controller here: cgroup v1's blkio, or v2's io enabled in "
+                                   f"{self.root / 'cgroup.subtree_control'}")
+        if not os.access(self.root, os.W_OK):
+            raise RuntimeError(f"cannot make a block-I/O cgroup under {self.root} (needs root)")
+        self.group = self.root / f"expertcache-read-{os.getpid()}-{time.monotonic_ns()}"
+
+    def __enter__(self) -> "ReadThrottle":
+        self.group.mkdir()
+        (self.group / "cgroup.procs").write_text(str(os.getpid()))  # every thread of this process, in v1 and v2
+        return self
+
+    def set(self, bytes_per_second: int | None) -> None:
+        """Hold reads at `bytes_per_second`; None: the disk's own rate."""
+        if self.limit_file == "io.max":
+            value = f"rbps={'max' if bytes_per_second is None else bytes_per_second}"
+        else:
+            value = str(bytes_per_second or 0)  # 0 removes v1's rule
+        (self.group / self.limit_file).write_text(f"{self.device} {value}")
+
+    def __exit__(self, *exc) -> None:
+        (self.root / "cgroup.procs").write_text(str(os.getpid()))  # back where it was
+        _remove(self.group)
+
+
+def _own_group(controller: str) -> str:
+    """This process's group under `controller`'s hierarchy ("" : v2's), relative to its root."""
+    for line in _read(Path("/proc/self/cgroup")).splitlines():
+        _, names, group = line.split(":", 2)
+        if controller in names.split(","):
+            return group.lstrip("/")
+    return ""
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
