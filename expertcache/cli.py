@@ -240,8 +240,11 @@ def os_error_fix(e: OSError, flags: set[str] | None = None) -> str:
     named = [f for f in ("--store-dir", "--out") if flags is None or f in flags]
     where = f"({' or '.join(named)}, or EXPERTCACHE_HOME)" if named else \
         "(a writable copy of the model folder, or EXPERTCACHE_HOME for the cache)"
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"make the path writable, or choose another folder {where}"
+    if e.errno == errno.EROFS:
+        return f"the filesystem is read-only: choose another folder {where}"
+    if e.errno in (errno.EACCES, errno.EPERM):  # a model's file or folder it reads, or a folder it writes
+        return f"let this user read it (a model's files and folders) or write it (a store's or the cache's), or " \
+               f"choose another folder {where}"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"free disk space, or choose a folder on another disk {where}"
     if e.errno in (errno.ENOTDIR, errno.EEXIST):  # a file where a folder must go ($HOME unset, or /dev/null)

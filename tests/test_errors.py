@@ -373,7 +373,8 @@ def test_an_end_of_turn_id_outside_the_vocabulary_is_refused_at_open(capsys, ckp
     ("deepseek_v3", "qk_nope_head_dim", -1, "whole number >= 0"),
     ("deepseek_v3", "v_head_dim", 3, "does not belong to these weights"),
     ("deepseek_v2", "num_attention_heads", 3, "does not belong to these weights"),
-    ("deepseek_v2", "rms_norm_eps", -1, "must be >= 0"),
+    ("deepseek_v2", "rms_norm_eps", -1, "must be a number >= 0"),
+    ("deepseek_v2", "rms_norm_eps", "1e-6", "must be a number >= 0"),
     ("qwen3_next", "linear_key_head_dim", 3, "does not belong to these weights"),
     ("qwen3_next", "linear_num_key_heads", 3, "do not divide them"),
     ("deepseek_v3", "n_group", 3, "groups must divide the experts"),
@@ -1344,3 +1345,24 @@ def test_sketches_or_a_net_past_the_models_sizes_are_refused_before_training(tmp
         code, err = run_cli(capsys, "predict", "--train", "--model", str(model), "--max-tokens", "64", flag,
                             "100000")
         assert code == 2 and words in err.splitlines()[-1], err
+
+
+def test_a_model_that_predicts_nothing_has_an_infinite_perplexity_not_a_traceback(tiny, tmp_path):
+    """A mean negative log-likelihood past ~710 nats (a damaged or scaled model) overflowed math.exp: ppl ended in
+    OverflowError. Its perplexity is inf, null in --json."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from expertcache.jsonout import json_ready
+    path = tmp_path / "model"
+    shutil.copytree(tiny["qwen3_moe"][0], path)
+    file = path / "model.safetensors"
+    with safe_open(file, "pt") as f:
+        metadata = f.metadata()
+    sd = load_file(file)
+    head = "lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"
+    sd[head] = sd[head] * 1e5
+    save_file(sd, file, metadata)
+    result = perplexity(Engine(path, EngineConfig(store="ram")), list(range(1, 33)), context=16)
+    assert result.nll > 710 and result.ppl == float("inf")
+    assert json_ready(result.to_dict())["ppl"] is None

@@ -413,6 +413,15 @@ def test_io_backend_errors_name_the_fix():
         Engine(None, EngineConfig(store="ram", cache=CacheConfig(io="fast")))
 
 
+@needs_ring
+def test_io_uring_refused_for_a_float_store_of_unpaged_parts_names_why(tiny, tmp_path):
+    """GPT-OSS's float experts carry biases, whose parts are not whole pages: their reads go through worker
+    threads, and --io uring was refused naming conditions that all held; the message names the parts."""
+    from expertcache.errors import BadInput
+    with pytest.raises(BadInput, match="whole 4 KiB pages.*biases.*--io auto"):
+        Engine(tiny["gpt_oss"][0], EngineConfig(store="disk", store_dir=tmp_path, cache=CacheConfig(io="uring")))
+
+
 def io_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("expert-io-")]
 

@@ -42,7 +42,7 @@ def test_numpy_integers_are_taken_as_ints():
     logits = torch.randn(10, generator=torch.Generator().manual_seed(0))
     assert Sampler(params)(logits, None) == Sampler(SamplingParams(temperature=1.0, seed=7, top_k=5,
                                                                   logit_bias={2: 5.0}))(logits, None)
-    with pytest.raises(SamplingError, match="logit_bias=True:1.0 must give a token id"):
+    with pytest.raises(SamplingError, match="logit_bias True: 1.0 must map a token id"):
         SamplingParams(logit_bias={True: 1.0})
 
 

@@ -612,7 +612,10 @@ def test_a_profile_measured_on_another_model_is_refused(traced, tmp_path, capsys
     params = read_trace(out).header["expert_params"]
     measured = replace(DATASHEET["a6000-qwen3-30b"], calibration=({"cache": 0.25, "policy": "fetch-all"},))
     for name, profile in (("other", measured), ("other size", replace(measured, layers=2, top_k=2)),
-                          ("same", replace(measured, layers=2, top_k=2, expert_bytes=2 * params))):
+                          ("same", replace(measured, layers=2, top_k=2, expert_bytes=2 * params)),
+                          # a small expert's blob, padded to whole pages: past 4.5 bytes a parameter (it was refused)
+                          ("padded", replace(measured, layers=2, top_k=2, expert_bytes=(4 * params + 4095) // 4096
+                                             * 4096))):
         (tmp_path / f"{name}.json").write_text(json.dumps(asdict(profile)))
     run = ["simulate", str(out), "--policies", "fetch-all", "--initial", "cold", "--profile"]
     assert cli.main([*run, str(tmp_path / "other.json")]) == 2
@@ -623,4 +626,6 @@ def test_a_profile_measured_on_another_model_is_refused(traced, tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"have {params:,} parameters" in err and "calibrate-hw --model" in err, err
     assert cli.main([*run, str(tmp_path / "same.json")]) == 0
+    assert (4 * params + 4095) // 4096 * 4096 > 4.5 * params  # fp32, padded
+    assert cli.main([*run, str(tmp_path / "padded.json")]) == 0
     assert cli.main([*run, "a6000-qwen3-30b"]) == 0

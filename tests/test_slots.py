@@ -70,7 +70,7 @@ def test_builtin_fp16_slots_equal_fp32_slots_and_hold_twice_the_experts(tmp_path
     want = logits_of(fp32)
     torch.testing.assert_close(logits_of(fp16), want, atol=1e-5, rtol=1e-5)
     disk = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, initial="cold"))
-    assert disk.cache.w13.dtype == torch.float16 and disk.store._direct_parts
+    assert disk.cache.w13.dtype == torch.float16 and disk.store.direct_parts
     assert disk.cache.w13.data_ptr() % 4096 == 0
     torch.testing.assert_close(logits_of(disk), want, atol=1e-5, rtol=1e-5)
     assert disk.stats.sync_fetches > 0

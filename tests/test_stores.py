@@ -34,6 +34,7 @@ from expertcache.engine.stores import (
     store_format,
 )
 from expertcache.errors import (
+    BadInput,
     CheckpointError,
     FetchError,
     NotEnoughDisk,
@@ -291,7 +292,7 @@ def test_compiled_decoder_equals_the_torch_reference(dtype, group, scheme):
     if fmt.mx:
         tensors[1][:, :5] *= 2.0 ** -130  # blocks whose scale is subnormal or tiny
     blob = (encoded_bytes(parts, fmt) + 4095) // 4096 * 4096
-    buf = np.frombuffer(encode(tensors, parts, fmt, blob), np.uint8).copy()
+    buf = np.frombuffer(encode(tensors, parts, fmt, blob, finite=False), np.uint8).copy()
     want = [torch.empty(p) for p in parts]
     decode_into(torch.from_numpy(buf), parts, fmt, want)
     got = [torch.full(p, float("nan")) for p in parts]
@@ -367,6 +368,62 @@ def test_a_store_of_another_checkpoint_of_the_same_shape_is_refused(tiny, tmp_pa
     Engine(copy, EngineConfig(store="disk", store_dir=tmp_path / "store", store_format=form)).close()
     with pytest.raises(CheckpointError, match="holds another checkpoint's experts"):
         Engine(tuned, EngineConfig(store="disk", store_dir=tmp_path / "store", store_format=form))
+
+
+def test_the_default_store_of_weights_replaced_with_their_size_and_time_is_converted_again(tiny, tmp_path,
+                                                                                           monkeypatch):
+    """The default store's folder is named by its weight files' paths, sizes and times, which a copy can keep
+    (cp -p, rsync -t): other weights put in place that way were served the old experts, silently. Their first
+    expert's checksum differs, and the store is converted again: the engine computes the new weights."""
+    import os
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    monkeypatch.setenv("EXPERTCACHE_HOME", str(tmp_path / "home"))
+    src = tmp_path / "model"
+    shutil.copytree(tiny["qwen3_moe"][0], src)
+    ids = torch.tensor([1, 5, 9, 2])
+    engine = Engine(src, EngineConfig(store="disk"))
+    before = engine.forward(ids, 0)
+    engine.close()
+    file = src / "model.safetensors"
+    st = file.stat()
+    sd = load_file(file)
+    with safe_open(file, "pt") as f:
+        metadata = f.metadata()
+    for name in sd:
+        if ".experts." in name:
+            sd[name] = sd[name].flip(0).contiguous()  # other values, the same size
+    save_file(sd, file, metadata)
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert file.stat().st_size == st.st_size
+    disk, ram = (Engine(src, EngineConfig(store=store)) for store in ("disk", "ram"))
+    after = disk.forward(ids, 0)
+    assert torch.equal(after, ram.forward(ids, 0)) and not torch.equal(after, before)
+    disk.close()
+    ram.close()
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "int8", "int4"])
+def test_weights_past_float16s_range_are_refused_not_stored_as_inf(tiny, tmp_path, fmt):
+    """An fp16 store, and the float16 scales of int8 and int4, cannot hold a weight of 4e5: it was written as inf,
+    and every run then called the store damaged, converting again the same. Refused as the conversion meets it,
+    naming a format that holds it; bf16 does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    src = tmp_path / "model"
+    shutil.copytree(tiny["qwen3_moe"][0], src)
+    sd = load_file(src / "model.safetensors")
+    sd["model.layers.1.mlp.experts.3.down_proj.weight"][0, 0] = -4e5  # an asymmetric group's minimum
+    save_file(sd, src / "model.safetensors")
+    ckpt = open_checkpoint(src)
+    args = model_args(ckpt.config)
+    form = ExpertFormat.parse(fmt, 16) if fmt != "fp16" else ExpertFormat("float16")
+    with pytest.raises(BadInput, match="reach 4e\\+05, past what .* holds .*bf16"):
+        convert_to_disk(ckpt, args, tmp_path / "store", fmt=form)
+    DiskStore(convert_to_disk(ckpt, args, tmp_path / "bf16", fmt=ExpertFormat("bfloat16")), args).close()
 
 
 def test_quantized_blobs_carry_their_checksum(tiny, tmp_path):
@@ -464,5 +521,5 @@ def test_a_store_of_this_checkpoint_before_an_edit_is_refused(tiny, tmp_path):
     sd = load_file(src / "model.safetensors")
     sd["model.layers.1.mlp.experts.5.up_proj.weight"] += 0.5
     save_file(sd, src / "model.safetensors")
-    with pytest.raises(CheckpointError, match="before model.safetensors changed.*`expertcache convert --model"):
+    with pytest.raises(CheckpointError, match="sizes or times differ .*model.safetensors.*`expertcache convert --model"):
         Engine(src, EngineConfig(store="disk", store_dir=tmp_path / "store"))

@@ -184,7 +184,8 @@ def run(a) -> int:
           f"{engine.variant}] finish: {gen.finish_reason}\n{speed_line(timing)}\ncache: {engine.stats.line(speed=False)}",
           file=sys.stderr)
     write_json(a.json, {"prompt": text, "text": "".join(shown), "tokens": gen.tokens,
-                        "finish_reason": gen.finish_reason, **timing, "stats": engine.stats.to_dict(),
+                        "finish_reason": gen.finish_reason, "policy": engine.variant, "store": engine.config.store,
+                        "cache_per_layer": engine.cache.per_layer, **timing, "stats": engine.stats.to_dict(),
                         "budget": engine.budget()})
     engine.close()
     return 0

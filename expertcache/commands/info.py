@@ -141,6 +141,8 @@ def _print_config(path: Path, s: dict) -> None:
 
 def run(a) -> int:
     """Run the verb; returns the exit code."""
+    if a.config is not None and a.model is not None:
+        raise BadInput("--config sizes a checkpoint from its config alone and --model a checkpoint on disk; give one")
     if a.config is not None:
         if a.config.is_dir():  # a downloaded folder of configs, or a checkpoint's: its config.json
             a.config = a.config / "config.json"
@@ -174,7 +176,7 @@ def run(a) -> int:
     if a.dtype_bytes is not None:
         expert, per_weight = m.expert_params * a.dtype_bytes, f"{a.dtype_bytes} B/weight"
     else:
-        stored = ExpertFormat.parse(a.slot_dtype) if a.slot_dtype in ("int8", "int4") else \
+        stored = ExpertFormat.parse(a.slot_dtype) if a.slot_dtype in ("int8", "int4", "mxfp4") else \
             ExpertFormat.of_dtype(layer_experts(ckpt, m, 0).w13.dtype)
         fmt = slot_format(a.slot_dtype, torch.device("cpu"), stored)
         expert, per_weight = slot_bytes(ExpertShape.of(m), fmt), f"{fmt.tag} slots"

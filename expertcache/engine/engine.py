@@ -235,8 +235,10 @@ class Engine:
         ckpt.eos_token_ids(self.args.vocab_size)  # refused at open: a server would fail every request
         limit = max_seq_limit(self.args)
         if not 1 <= config.max_seq <= limit:
+            context = "max_position_embeddings" if limit == self.args.max_position_embeddings else \
+                f"at least the default {limit}, past the config's {self.args.max_position_embeddings}"
             raise BadInput(f"--max-seq {config.max_seq} (or a study's or tune's --context) is outside the model's "
-                           f"context of {limit} positions (max_position_embeddings); give 1 to {limit}")
+                           f"context of {limit} positions ({context}); give 1 to {limit}")
         if config.kv_positions is not None and config.kv_positions < config.max_seq:
             raise BadInput(f"--kv-positions {config.kv_positions} holds less than one --max-seq {config.max_seq} "
                            f"sequence; give at least {config.max_seq}")

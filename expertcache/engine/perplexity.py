@@ -101,5 +101,11 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
     mean = float(token_nll.mean(dtype=np.float64))  # a float32 mean resolves perplexity to ~1e-6 only
     # one token has no spread to estimate: NaN (null in JSON), not a standard error of 0
     se = float(token_nll.std(ddof=1, dtype=np.float64) / math.sqrt(len(token_nll))) if len(token_nll) > 1 else math.nan
-    return PerplexityResult(math.exp(mean), mean, math.exp(mean) * se, len(token_nll), window_nll,
+    return PerplexityResult(exp(mean), mean, exp(mean) * se, len(token_nll), window_nll,
                             window_stats, token_nll, engine.stats.to_dict(), interrupted)
+
+
+def exp(nll: float) -> float:
+    """A perplexity from a mean negative log-likelihood: inf past what a float holds (a model that predicts
+    nothing, ~710 nats a token), not OverflowError."""
+    return math.exp(nll) if nll < math.log(np.finfo(np.float64).max) else math.inf

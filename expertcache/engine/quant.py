@@ -378,10 +378,12 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
     return w.reshape(rows, -1)[:, :cols]
 
 
-def encode(tensors: list, parts: list[tuple[int, ...]], fmt: ExpertFormat, blob: int) -> bytes:
+def encode(tensors: list, parts: list[tuple[int, ...]], fmt: ExpertFormat, blob: int, finite: bool = True) -> bytes:
     """One expert's parts (w13, w2, then the biases) as a blob of `blob` bytes in `fmt`: each a float
     tensor, or, for a part a checkpoint holds in MXFP4 already, {"codes": [rows, blocks * 16] (two FP4 codes
-    a byte), "scales": [rows, blocks]}, whose codes and scales are repacked as they are, not requantised."""
+    a byte), "scales": [rows, blocks]}, whose codes and scales are repacked as they are, not requantised.
+    `finite`: BadInput for finite weights that the format's float16 parts cannot hold (written as inf, a store
+    was later read as damaged)."""
     out = torch.zeros(blob, dtype=torch.uint8)
     quantized = {}
     for seg in layout(parts, fmt):
@@ -397,6 +399,11 @@ def encode(tensors: list, parts: list[tuple[int, ...]], fmt: ExpertFormat, blob:
             if seg.part not in quantized:
                 quantized[seg.part] = quantize_mxfp4(t) if fmt.mx else quantize(t, fmt)
             src = quantized[seg.part][seg.role]
+        if finite and src.is_floating_point() and not isinstance(t, dict) and not bool(torch.isfinite(src).all()) \
+                and bool(torch.isfinite(t).all()):
+            raise BadInput(f"an expert's weights reach {float(t.float().abs().amax()):.4g}, past what {fmt.tag} holds "
+                           "(float16's 65,504); store them as bf16 or fp32 (convert --dtype bf16, or --store-dtype "
+                           "bf16)")
         out[seg.offset:seg.offset + seg.nbytes] = src.flatten().view(torch.uint8)
     return out.numpy().tobytes()
 

@@ -107,8 +107,8 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0 or \
                     not isinstance(bias, numbers.Real) or not -100 <= bias <= 100:
-                raise SamplingError("logit_bias", f"logit_bias={token!r}:{bias!r} must give a token id (an int) >= 0 "
-                                                  "a bias in [-100, 100]")
+                raise SamplingError("logit_bias", f"logit_bias {token!r}: {bias!r} must map a token id (an int "
+                                                  ">= 0) to a bias in [-100, 100]")
         object.__setattr__(self, "logit_bias", tuple((int(t), b) for t, b in self.logit_bias))
         self._check_structure()
 

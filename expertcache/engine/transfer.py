@@ -200,6 +200,12 @@ class TransferEngine:
             getattr(self.store, "read_mode", "") == "o_direct"
         ring = RingReads.open() if usable and io != "threads" else None
         if io == "uring" and ring is None:
+            if RingReads.open() is not None and getattr(self.store, "read_mode", "") == "o_direct" and \
+                    not self.encoded and not self.cuda and getattr(self.store, "direct_parts", True) is False:
+                raise BadInput("--io uring reads a float store straight into its slots, which needs each part of "
+                               "a blob in whole 4 KiB pages, and this model's are not (its experts' biases); "
+                               "use --io auto, or a quantized store and slots (--store-dtype int8 --slot-dtype "
+                               "int8)")
             raise BadInput("--io uring needs Linux on x86-64 with io_uring allowed, an O_DIRECT disk store and "
                            "float slots of the store's dtype or quantized slots; use --io auto or --io threads")
         return ring

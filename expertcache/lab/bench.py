@@ -23,7 +23,7 @@ from ..engine.checkpoint import open_checkpoint
 from ..engine.engine import BUILTIN_MODEL, Engine, EngineConfig, max_seq_limit
 from ..engine.generate import generate
 from ..engine.moe import PrefetchConfig
-from ..engine.perplexity import EVAL_TEXT, teacher_forced
+from ..engine.perplexity import EVAL_TEXT, exp, teacher_forced
 from ..engine.predictors import predictor_bytes
 from ..engine.quant import ExpertFormat
 from ..errors import BadInput, NotEnoughMemory
@@ -231,7 +231,7 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
                     res.decode_ms.setdefault(v, []).append(d)
                     res.stream_ms.setdefault(v, []).append(st)
                     res.forced_ms.setdefault(v, []).append(f)
-                    res.ppl[v] = math.exp(nll)
+                    res.ppl[v] = exp(nll)
                     res.fetches_per_token[v] = c["fetches"]
                     res.fetched_kib_per_token[v] = c["kib"]
                     res.stall_ms_per_token[v] = c["stall"]

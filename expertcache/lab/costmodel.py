@@ -234,7 +234,8 @@ def check_model(profile: HardwareProfile, layers: int, top_k: int, expert_params
         raise BadInput(f"hardware profile {name or profile.name} was measured on a model of {profile.layers} MoE "
                        f"layers, top-{profile.top_k}; {what} has {layers}, top-{top_k}: {fix}")
     low, high = STORED_BYTES_PER_PARAM
-    if expert_params is not None and not low <= profile.expert_bytes / expert_params <= high:
+    page = 4096  # a blob is padded to whole pages: a small expert's bytes a parameter are more than its format's
+    if expert_params is not None and not low * expert_params <= profile.expert_bytes < high * expert_params + page:
         raise BadInput(f"hardware profile {name or profile.name} was measured on experts of {profile.expert_bytes:,} "
                        f"bytes; {what}'s have {expert_params:,} parameters, which no store format holds in that "
                        f"size (a model of another expert size): {fix}")

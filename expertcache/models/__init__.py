@@ -112,8 +112,8 @@ def model_args(config: dict) -> ModelArgs:
         raise CheckpointError(f"config.json gives clip_qkv {a.clip_qkv!r}; it must be a number > 0, or null for no "
                               "clipping: restore the config from the model's release")
     if not _number(a.rms_norm_eps) or not a.rms_norm_eps >= 0:
-        raise CheckpointError(f"config.json gives rms_norm_eps {a.rms_norm_eps!r}; it must be >= 0: restore the "
-                              "config from the model's release")
+        raise CheckpointError(f"config.json gives rms_norm_eps {a.rms_norm_eps!r}; it must be a number >= 0: restore "
+                              "the config from the model's release")
     if not _whole(a.num_kv_heads) or a.num_heads % a.num_kv_heads:
         raise CheckpointError(f"config.json gives {a.num_heads} attention heads over {a.num_kv_heads!r} key-value "
                               "heads, which must be a whole number >= 1 that divides them: restore the config from "

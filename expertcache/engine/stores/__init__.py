@@ -39,7 +39,8 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
     """The slow tier `name` of a checkpoint's experts; `fmt`: the format they are stored in (None:
     the checkpoint's dtype). A disk store missing from `store_dir` is converted first; the default
     folder (`format_store_dir`, under ~/.cache) is also reconverted when it was written in an older
-    format version; a store there in another format is refused."""
+    format version, or from other weights than the checkpoint's now (its first expert's checksum: a folder is named
+    by its weight files' sizes and times, which a copy can keep); a store there in another format is refused."""
     check_store(name)
     store_dir = Path(store_dir) if store_dir is not None else None  # a str from the Python API, too
     if name == "ram":
@@ -66,6 +67,14 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
             raise CheckpointError(f"{store_dir} holds experts as {store.format.tag}, not {fmt.tag}; convert to "
                                   f"another folder (`{convert_command(ckpt, fmt, 'DIR')}`), or leave out "
                                   "--store-dtype to run it as it is stored")
+        if not given and blob_checksum(ckpt, args, 0, 0, store.format) != store.checksums[0]:
+            store.close()  # weights replaced with their sizes and times kept (cp -p, rsync -t): their folder is stale
+            with conversion_lock(store_dir):
+                store = DiskStore(store_dir, args, read_mode, verify)
+                if blob_checksum(ckpt, args, 0, 0, store.format) != store.checksums[0]:  # not already converted
+                    store.close()
+                    convert_to_disk(ckpt, args, store_dir, fmt=fmt)
+                    store = DiskStore(store_dir, args, read_mode, verify)
         if given and blob_checksum(ckpt, args, 0, 0, store.format) != store.checksums[0]:
             store.close()  # a store of another checkpoint of this shape: its experts with these dense weights
             raise CheckpointError(f"{store_dir} holds another checkpoint's experts (expert 0 of layer 0 differs from "
@@ -75,9 +84,10 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
         if given and then is not None and then != now:
             store.close()  # the checkpoint changed after the conversion: an edited expert past the first is not seen
             changed = next(n for n in sorted(now.keys() | then.keys()) if now.get(n) != then.get(n))
-            raise CheckpointError(f"{store_dir} was converted from {ckpt.path} before {changed} changed (its size or "
-                                  f"time differs); convert it again (`{convert_command(ckpt, store.format, store_dir)} "
-                                  "--force`), or leave out --store-dir")
+            raise CheckpointError(f"{store_dir} was converted from weight files whose sizes or times differ from "
+                                  f"{ckpt.path}'s ({changed}): this checkpoint's before an edit, or another's; convert "
+                                  f"this model into a folder of its own (`{convert_command(ckpt, store.format, 'DIR')}`"
+                                  "), or leave out --store-dir")
         return store
     raise AssertionError(name)  # check_store knows no other
 

@@ -120,7 +120,7 @@ class DiskStore(ExpertStore):
         self._raw = raw  # float blobs: the parts' values back to back, no padding between them
         self._segments = layout(shape.parts, self.format)
         # a float blob that is whole pages per part can be read straight into slot rows of its dtype
-        self._direct_parts = reads_into_slots(shape, self.format, self.format)
+        self.direct_parts = reads_into_slots(shape, self.format, self.format)
 
     @property
     def stored_format(self) -> ExpertFormat:
@@ -185,7 +185,7 @@ class DiskStore(ExpertStore):
     def direct_targets(self, dsts):
         """The bytes of dsts as uint8 arrays when the blob's float parts are whole pages of their
         dtype and dsts are contiguous CPU tensors of that dtype and shape at page-aligned addresses."""
-        if not self._direct_parts or len(dsts) != len(self.shape.parts):
+        if not self.direct_parts or len(dsts) != len(self.shape.parts):
             return None
         if self._cpu_slots(dsts) and all(d.dtype == self._raw and d.data_ptr() % ALIGN == 0 for d in dsts):
             return [d.view(-1).view(torch.uint8).numpy() for d in dsts]
