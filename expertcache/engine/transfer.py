@@ -200,8 +200,8 @@ class TransferEngine:
             getattr(self.store, "read_mode", "") == "o_direct"
         ring = RingReads.open() if usable and io != "threads" else None
         if io == "uring" and ring is None:
-            if RingReads.open() is not None and getattr(self.store, "read_mode", "") == "o_direct" and \
-                    not self.encoded and not self.cuda and getattr(self.store, "direct_parts", True) is False:
+            if getattr(self.store, "read_mode", "") == "o_direct" and not self.encoded and not self.cuda and \
+                    getattr(self.store, "direct_parts", True) is False:
                 raise BadInput("--io uring reads a float store straight into its slots, which needs each part of "
                                "a blob in whole 4 KiB pages, and this model's are not (its experts' biases); "
                                "use --io auto, or a quantized store and slots (--store-dtype int8 --slot-dtype "

@@ -76,11 +76,12 @@ class _Offsets:
 
     def of(self, tokens: list[int]) -> list[int]:
         """The offsets of the next `tokens`."""
-        if self.tokenizer is None:  # ids joined by spaces
-            out = [self.at + sum(len(str(t)) + 1 for t in tokens[:i]) for i in range(len(tokens))]
-            self.at += sum(len(str(t)) + 1 for t in tokens)
-            return out
         out = []
+        if self.tokenizer is None:  # ids joined by spaces
+            for t in tokens:
+                out.append(self.at)
+                self.at += len(str(t)) + 1
+            return out
         for t in tokens:
             self.open.append(t)
             text = self._text(self.open)
