@@ -25,7 +25,8 @@ as it lands (where experts are large enough for that, `CompiledExperts.one_by_on
 on-demand and oracle runs. `--disk-mbps` runs every variant with the store's disk held at each of these read rates
 (MB/s; 0: its own) by a block-I/O cgroup (root; `expertcache.lab.cgroup.ReadThrottle`), rates and variants
 alternated within each round, a table for each rate: whether the disk or the CPU sets a token's pace decides what
-a prediction's time costs, and this machine's disk drifts between 0.6 and 4 GB/s from hour to hour.
+a prediction's time costs, and this machine's disk drifts between 0.6 and 4 GB/s from hour to hour (held, reads
+wait in the group's queue before they reach the device, which "disk busy" counts alone).
 "Of the oracle's gain" is (on demand / variant - 1) / (on demand / oracle - 1) on the three's mean times over the
 rounds (every variant runs in every round, seconds apart, where this disk's speed drifts over minutes), with a 90%
 interval from resampling the rounds; "predict" the wall time of a token's predictions (the attention run ahead
