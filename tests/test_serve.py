@@ -698,10 +698,12 @@ def test_strict_closes_a_schemas_objects_and_a_tool_without_parameters_takes_non
                 (call,) = choice.message.tool_calls
                 assert call.function.name == name and set(json.loads(call.function.arguments)) <= keys
     from expertcache.engine.structured import closed
-    nested = {"type": "object", "properties": {"a": {"type": "array", "items": {"properties": {"b": {}}}}},
+    nested = {"type": "object", "properties": {"a": {"type": "array", "items": {"properties": {"b": {}}}},
+                                               "properties": {"const": {"properties": 1}}},
               "$defs": {"x": {"properties": {}, "additionalProperties": True}}}
     assert closed(nested) == {**nested, "additionalProperties": False, "properties": {"a": {"type": "array", "items": {
-        "properties": {"b": {}}, "additionalProperties": False}}}} and "additionalProperties" not in nested
+        "properties": {"b": {}}, "additionalProperties": False}}, "properties": {"const": {"properties": 1}}}}
+    assert "additionalProperties" not in nested  # a property named "properties", and a const's value, kept as sent
 
 
 def test_response_format_keeps_every_choice_to_its_json_schema(client):

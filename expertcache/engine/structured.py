@@ -109,15 +109,27 @@ def grammar_of(params) -> str | None:
     return choice_grammar(params.choice) if params.choice is not None else None
 
 
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+SCHEMA_VALUES = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not", "if", "then",
+                 "else", "contains", "propertyNames", "unevaluatedItems")  # a schema, or a list of them
+
+
 def closed(schema):
     """`schema` with every object schema that lists its properties and says nothing of others taking none beyond
     them (additionalProperties false), at any depth: OpenAI's `strict: true`, where JSON Schema's own default
-    lets a model add keys of its choosing. A copy; `schema` is left as it is."""
+    lets a model add keys of its choosing. Only schemas are walked (not a const's, an enum's or a default's
+    values, nor a property's name). A copy; `schema` is left as it is."""
     if isinstance(schema, list):
         return [closed(part) for part in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: closed(value) for key, value in schema.items()}
+    out = dict(schema)
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(part) for name, part in out[key].items()}
+    for key in SCHEMA_VALUES:
+        if key in out:
+            out[key] = closed(out[key])
     if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
