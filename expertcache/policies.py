@@ -6,6 +6,7 @@ the engine (a layer at a time) and the replay (a whole trace per call).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,6 +63,9 @@ class Decision:
     low: list[bool] = field(default_factory=list)  # per fetch: of the expert's low-precision copy
 
 
+DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|[+-]?(?:inf|nan)", re.ASCII | re.IGNORECASE)
+
+
 def checked_number(policy: str, key: str, value, low: float, high: float = math.inf, whole: bool = False,
            above: bool = False) -> float:
     """A policy parameter given as a number or a spec's string, checked: finite, whole if
@@ -69,6 +73,8 @@ def checked_number(policy: str, key: str, value, low: float, high: float = math.
     try:
         if isinstance(value, bool):  # float(True) is 1.0: a flag given where a number belongs would run as one
             raise TypeError
+        if isinstance(value, str) and not DECIMAL.fullmatch(value.strip()):  # float() reads 0_1 as 1.0, and ٠.١
+            raise ValueError
         x = float(value)
     except (TypeError, ValueError):
         raise BadInput(f"policy {policy!r}: {key}={value!r} is not a number; e.g. {policy}:{key}={EXAMPLES[key]}") \

@@ -77,6 +77,18 @@ def test_chat_names_its_flags_when_a_reply_cannot_fit(monkeypatch, capsys):
     assert "-n 8 exceed --max-seq 16" in err and "max_tokens" not in err, err
 
 
+@pytest.mark.parametrize("flags, words", [(["--logit-bias", "99999=1"], "logit_bias names token 99999"),
+                                          (["-n", "100000"], "-n 100000 leaves no room")])
+def test_chat_refuses_at_start_what_would_refuse_every_message(monkeypatch, capsys, flags, words):
+    """A bias on a token past the vocabulary, or -n past --max-seq, refused each message in turn ("the conversation
+    goes on") where none could: refused once, before the banner."""
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nhello\n"))
+    assert cli.main(["chat", "--store", "ram", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and words in err and "goes on" not in err, err
+
+
 def test_chat_leaves_out_a_message_too_long_and_goes_on(monkeypatch, capsys):
     """A message that cannot fit even alone ended the session (exit 2), and the exchanges before it had been dropped
     for it: the conversation was lost. It is left out, named on stderr, and the next message is answered with the

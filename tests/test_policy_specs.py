@@ -223,13 +223,17 @@ def test_fuzzed_per_layer_taus_give_an_error_or_a_finite_perplexity(tiny):
                                      "fetch-all+prefetch/quasi-hidden:budget=0", "fetch-all+prefetch/quasi-hidden:x=1",
                                      "fetch-all+prefetch/lookahead:confidence=1.5",
                                      "fetch-all+prefetch/lookahead:confidence=nan",
-                                     "fetch-all+prefetch/lookahead:confidence=sure"])
+                                     "fetch-all+prefetch/lookahead:confidence=sure",
+                                     "fetch-all+prefetch/lookahead:confidence=0_1",
+                                     "fetch-all+prefetch/router-ahead:budget=2,budget=3", "fetch-all+",
+                                     "fetch-all+prefetch/", "+prefetch/router-ahead", "fetch-all+prefetch/estimator:"])
 def test_prefetch_options_take_only_their_values(variant):
-    """drop and fetched are 0 or 1, budget a count >= 1, confidence a weight in [0, 1]: any other value is
-    refused, not read as something else."""
+    """drop and fetched are 0 or 1, budget a count >= 1, confidence a weight in [0, 1], each given once, and a spec
+    whole: any other is refused, not read as something else (budget=2,budget=3 ran with 3, "fetch-all+" as
+    fetch-all, "prefetch/" with quasi-hidden)."""
     from expertcache.errors import BadInput
     from expertcache.lab.bench import parse_variant
-    with pytest.raises(BadInput, match="prefetch option"):
+    with pytest.raises(BadInput, match="prefetch option|incomplete"):
         parse_variant(variant)
     assert parse_variant("fetch-all+prefetch/quasi-hidden:drop=0,fetched=1,budget=4")[1].budget == 4
     sure = parse_variant("fetch-all+prefetch/lookahead:confidence=0.1")[1]
@@ -393,3 +397,14 @@ def test_one_policy_object_runs_one_engine_at_a_time(tiny):
     with pytest.raises(UnknownName):
         Engine(path, EngineConfig(initial="cold", eviction="nope"), policy=policy)
     Engine(path, EngineConfig(initial="cold"), policy=policy).close()
+
+
+@pytest.mark.parametrize("value", ["0_1", "\u0660.\u0661", "0x1p-3", " "])
+def test_a_policy_number_is_a_plain_decimal(value):
+    """Python's float() reads 0_1 as 1.0 and Arabic-Indic digits as theirs: threshold:tau=0_1 ran as tau=1,
+    silently. A spec's number is a plain ASCII decimal."""
+    from expertcache.errors import BadInput
+    from expertcache.policies import make_policy
+    with pytest.raises(BadInput, match="is not a number"):
+        make_policy(f"threshold:tau={value}")
+    assert make_policy("threshold:tau=.5").tau == 0.5 and make_policy("threshold:tau=1e-1").tau == 0.1

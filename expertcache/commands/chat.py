@@ -74,10 +74,14 @@ def run(a) -> int:
     """Run the verb; returns the exit code."""
     from ..engine.chat import ChatTemplate
     from ..engine.checkpoint import model_name
-    from ..engine.generate import TextGeneration
+    from ..engine.generate import TextGeneration, check_token_ids
     from ..serve.reasoning import Reply, opens_thinking, reply_form
     params = sampling_from_args(a)
     engine = engine_from_args(a)
+    check_token_ids(engine, params)  # once, here: refused with every message, no conversation could go on
+    if params.max_tokens >= engine.model.max_seq:
+        raise BadInput(f"-n {params.max_tokens} leaves no room for a message in --max-seq {engine.model.max_seq}; "
+                       "lower -n")
     template = ChatTemplate.of(engine)
     form = reply_form(template.source)
     if form == "harmony":  # its parts are told apart by special tokens, which the reply leaves out

@@ -88,6 +88,16 @@ def prompt_scores(logits: torch.Tensor, prompt: list[int], n: int) -> tuple[Step
                      if j))
 
 
+def check_token_ids(engine, params: SamplingParams) -> None:
+    """BadInput for `params`' token ids outside the engine's vocabulary: a stop id is never sampled (a stop that
+    silently never ends), a bias on no token is silently without effect."""
+    vocab = engine.args.vocab_size
+    if any(not 0 <= t < vocab for t in params.stop_token_ids):
+        raise BadInput(f"stop_token_ids {list(params.stop_token_ids)} must be token ids in [0, {vocab})")
+    if any(t >= vocab for t, _ in params.logit_bias):
+        raise BadInput(f"logit_bias names token {max(t for t, _ in params.logit_bias)}; token ids are in [0, {vocab})")
+
+
 class TextGeneration:
     """One sequence being generated: call `step()` until `finish_reason` is set.
 
@@ -120,11 +130,7 @@ class TextGeneration:
         self.kv_end = cached
         self.kv_mark = engine.kv_writes  # the engine's forwards when its KV cache last held this sequence's keys
         vocab = engine.args.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):  # never sampled: a stop that silently never ends
-            raise BadInput(f"stop_token_ids {list(params.stop_token_ids)} must be token ids in [0, {vocab})")
-        if any(t >= vocab for t, _ in params.logit_bias):  # a bias on no token: silently without effect
-            raise BadInput(f"logit_bias names token {max(t for t, _ in params.logit_bias)}; token ids are in "
-                           f"[0, {vocab})")
+        check_token_ids(engine, params)
         self.engine, self.prompt, self.params = engine, prompt, params
         self.prefill_policy = prefill_policy and engine.bind_policy(prefill_policy)  # refused here, not mid-step
         self.sampler = Sampler(params)

@@ -27,6 +27,7 @@ from ..engine.perplexity import EVAL_TEXT, exp, teacher_forced
 from ..engine.predictors import predictor_bytes
 from ..engine.quant import ExpertFormat
 from ..errors import BadInput, NotEnoughMemory
+from ..policies import DECIMAL
 from ..models import model_args
 from .study import signed
 
@@ -38,19 +39,22 @@ def parse_variant(v: str) -> tuple[str, PrefetchConfig | None]:
     'fetch-all+prefetch/quasi-hidden' or 'fetch-all+prefetch/quasi-hidden:budget=4' (the next layer's N best
     predicted experts); fetched=1 prefetches only those the policy would fetch were they misses, confidence=W
     only those predicted at a gate weight of at least W (0 <= W <= 1)."""
-    policy, _, pre = v.partition("+")
-    if not pre:
+    policy, plus, pre = v.partition("+")
+    pre, colon, options = pre.partition(":")
+    mode, slash, predictor = pre.partition("/")
+    if not policy or plus and not mode or slash and not predictor or colon and not options:
+        raise BadInput(f"{v!r} is incomplete: give 'policy' or 'policy+mode/predictor[:options]', e.g. "
+                       "'fetch-all+prefetch/quasi-hidden:budget=4'")
+    if not plus:
         return policy, None
-    pre, _, options = pre.partition(":")
-    mode, _, predictor = pre.partition("/")
-    config = PrefetchConfig(predictor or "quasi-hidden", mode)
+    config, given = PrefetchConfig(predictor or "quasi-hidden", mode), set()
     for item in filter(None, options.split(",")):
         key, _, value = item.partition("=")
+        if key in given:
+            raise BadInput(f"prefetch option {key} is given twice in {v!r}; give it once")
+        given.add(key)
         if key == "confidence":
-            try:
-                weight = float(value)
-            except ValueError:
-                weight = math.nan
+            weight = float(value) if DECIMAL.fullmatch(value.strip()) else math.nan
             if not 0 <= weight <= 1:
                 raise BadInput(f"prefetch option {item!r} in {v!r}: confidence=W takes a gate weight 0 <= W <= 1, "
                                "e.g. confidence=0.1")
