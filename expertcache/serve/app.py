@@ -57,12 +57,19 @@ class _Offsets:
 
     def __init__(self, tokenizer, context: list[int], skip_special: bool = True):
         self.tokenizer, self.skip = tokenizer, skip_special
-        self.context, self.open, self.placed, self.at = list(context[-self.CONTEXT:]), [], 0, 0
+        self.open, self.placed, self.at = [], 0, 0
+        self._context(list(context[-self.CONTEXT:]))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip) if self.tokenizer is not None else ""
+
+    def _context(self, ids: list[int]) -> None:
+        """Decode after `ids`, whose own text is decoded once here, not at every token."""
+        self.context, self.context_chars = ids, len(self._decode(ids))
 
     def _text(self, ids: list[int]) -> str:
         """The text of `ids` after the context's."""
-        decode = lambda x: self.tokenizer.decode(x, skip_special_tokens=self.skip)  # noqa: E731
-        return decode(self.context + ids)[len(decode(self.context)):]
+        return self._decode(self.context + ids)[self.context_chars:]
 
     def _place(self, text: str) -> list[int]:
         """The offsets of the open tokens not yet placed, in `text` (theirs): each where the text before it first
@@ -88,7 +95,8 @@ class _Offsets:
             if not text.endswith("\ufffd") or len(self.open) > self.OPEN:
                 out += self._place(text)
                 self.at += len(text)
-                self.context, self.open, self.placed = (self.context + self.open)[-self.CONTEXT:], [], 0
+                self._context((self.context + self.open)[-self.CONTEXT:])
+                self.open, self.placed = [], 0
         return out + self._place(self._text(self.open)) if self.open else out
 
 

@@ -68,7 +68,7 @@ class SamplingFields(OpenAIBody):
 
     @field_validator(*NUMBERS, mode="before")
     @classmethod
-    def _no_bool(cls, value: Any, info) -> Any:  # a field's own check: its error's param names the field
+    def _a_number(cls, value: Any, info) -> Any:  # a field's own check: its error's param names the field
         if isinstance(value, (bool, str)):  # pydantic reads true as 1.0 and "0.5" as 0.5: a client's mistake
             raise ValueError(f"{info.field_name} must be a number, not {json.dumps(value)}")
         return value

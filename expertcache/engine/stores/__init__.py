@@ -67,19 +67,21 @@ def open_store(name: str, ckpt: Checkpoint, args: ModelArgs, store_dir: Path | N
             raise CheckpointError(f"{store_dir} holds experts as {store.format.tag}, not {fmt.tag}; convert to "
                                   f"another folder (`{convert_command(ckpt, fmt, 'DIR')}`), or leave out "
                                   "--store-dtype to run it as it is stored")
-        if not given and blob_checksum(ckpt, args, 0, 0, store.format) != store.checksums[0]:
-            store.close()  # weights replaced with their sizes and times kept (cp -p, rsync -t): their folder is stale
+        # its first expert encoded again from the checkpoint: a store of other weights than these
+        matches = lambda s: blob_checksum(ckpt, args, 0, 0, s.format) == s.checksums[0]  # noqa: E731
+        if not matches(store):
+            store.close()
+            if given:  # a store of another checkpoint of this shape: its experts with these dense weights
+                raise CheckpointError(f"{store_dir} holds another checkpoint's experts (expert 0 of layer 0 differs "
+                                      f"from {ckpt.path}'s); convert this model into another folder "
+                                      f"(`{convert_command(ckpt, fmt, 'DIR')}`), or leave out --store-dir")
+            # the default folder, of weights replaced with their sizes and times kept (cp -p, rsync -t): converted again
             with conversion_lock(store_dir):
                 store = DiskStore(store_dir, args, read_mode, verify)
-                if blob_checksum(ckpt, args, 0, 0, store.format) != store.checksums[0]:  # not already converted
+                if not matches(store):  # not already converted by another process while this one waited
                     store.close()
                     convert_to_disk(ckpt, args, store_dir, fmt=fmt)
                     store = DiskStore(store_dir, args, read_mode, verify)
-        if given and blob_checksum(ckpt, args, 0, 0, store.format) != store.checksums[0]:
-            store.close()  # a store of another checkpoint of this shape: its experts with these dense weights
-            raise CheckpointError(f"{store_dir} holds another checkpoint's experts (expert 0 of layer 0 differs from "
-                                  f"{ckpt.path}'s); convert this model into another folder "
-                                  f"(`{convert_command(ckpt, fmt, 'DIR')}`), or leave out --store-dir")
         now, then = checkpoint_stamp(ckpt), store.checkpoint
         if given and then is not None and then != now:
             store.close()  # the checkpoint changed after the conversion: an edited expert past the first is not seen
