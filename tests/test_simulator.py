@@ -511,6 +511,7 @@ def rewritten(out, dest, header=None, logits=None, raw_header=None):
     ("header a list", "a JSON list, not an object"),
     ("header length past the end", "is truncated (its header runs to byte"),
     ("a flipped byte in the logits", "its tokens or logits do not match the checksum written with them"),
+    ("bytes appended", "has 7 bytes past its logits"),
     ("a folder", "is a folder, not a trace"),
 ])
 def test_a_corrupt_trace_is_one_line_not_a_traceback_or_a_replay(traced, tmp_path, capsys, case, words):
@@ -518,7 +519,7 @@ def test_a_corrupt_trace_is_one_line_not_a_traceback_or_a_replay(traced, tmp_pat
     wrong type or missing failed deep in the replay with a traceback, a header whose shape disagreed with its
     token count or whose dtype was not float replayed other numbers than the logits', NaN or infinite logits
     replayed routes no model made, a corrupt header failed with a JSON message naming no file, and a flipped byte
-    in the logits replayed as a number the model never gave."""
+    in the logits replayed as a number the model never gave, and bytes appended past the logits went unnoticed."""
     from expertcache import cli
     _, _, trace, out = traced
     bad = tmp_path / "bad.ectrace"
@@ -550,6 +551,8 @@ def test_a_corrupt_trace_is_one_line_not_a_traceback_or_a_replay(traced, tmp_pat
         raw = bytearray(out.read_bytes())
         raw[-5] ^= 0x01
         bad.write_bytes(bytes(raw))
+    elif case == "bytes appended":  # another file's bytes after the logits: its header's counts read as the trace's
+        bad.write_bytes(out.read_bytes() + b"trailer")
     else:
         bad.mkdir()
     assert cli.main(["simulate", str(bad), "--policies", "fetch-all", "--initial", "cold"]) == 2

@@ -191,6 +191,18 @@ def test_tune_refuses_a_short_text_before_measuring(tmp_path, capsys):
     assert err.count("\n") == 1 and "fewer than two windows" in err and "quick profile" not in err
 
 
+@pytest.mark.parametrize("argv", [["--cache-bytes", "1"], ["--cache", "0.01"],
+                                  ["--cache-bytes", "2949119", "--slot-dtypes", "int4"]])
+def test_tune_refuses_a_cache_too_small_before_measuring(argv, capsys):
+    """A cache of fewer slots than top-k was refused by the first engine after the quick profile (minutes at real
+    size), naming --quota, which tune does not take; with --slot-dtypes int4, by auto's float slots, a byte short
+    of 8 a layer, whatever the int4 ones hold in those bytes."""
+    assert cli.main(["tune", "--budget", "1%", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fewer than top-k=8" in err and "quick profile" not in err, err
+    assert "--quota" not in err, err
+
+
 @pytest.fixture(scope="module")
 def user_text(tmp_path_factory):
     """A user's own text: two topics (verse, then scripture), changing at a known character."""

@@ -88,6 +88,7 @@ def run(a) -> int:
         TIMED_REPEATS,
         TIMED_TOKENS,
         TuneConfig,
+        check_cache_size,
         slot_store_format,
         tune,
         tune_ids,
@@ -106,6 +107,7 @@ def run(a) -> int:
         raise BadInput(f"{len(a.profile)} --profile files for {len(slots)} slot formats ({', '.join(slots)}); "
                        "give one per format, in that order")
     ids = tune_ids(a.model, calib_text, eval_text, cfg)  # texts too short fail here, before any measuring
+    check_cache_size(a.model, cfg)  # and so does a cache too small
     if a.profile:
         profile = {s: load_profile(f) for s, f in zip(slots, a.profile)}
         how = f"profile {', '.join(a.profile)}"

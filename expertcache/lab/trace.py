@@ -153,6 +153,9 @@ def read_trace(path: Path) -> Trace:
     want = offset + 4 * n + int(np.prod(shape)) * dtype.itemsize
     if size < want:
         raise CheckpointError(f"{path} is truncated ({size} of {want} bytes); {again}")
+    if size > want:  # bytes past the logits: another file appended, or a header that lies about its counts
+        raise CheckpointError(f"{path} has {size - want} bytes past its logits (a damaged or appended-to file); "
+                              f"{again}")
     tokens = np.memmap(path, dtype="<i4", mode="r", offset=offset, shape=(n,))
     logits = np.memmap(path, dtype=dtype, mode="r", offset=offset + 4 * n, shape=shape)
     if "crc32c" in header and crc32c.crc32c(logits, crc32c.crc32c(tokens)) != header["crc32c"]:

@@ -385,6 +385,24 @@ def tune_ids(model: Path | None, calib_text: str, eval_text: str, cfg: TuneConfi
     return calib, held
 
 
+def check_cache_size(model: Path | None, cfg: TuneConfig) -> None:
+    """CacheTooSmall, before anything is measured, where `cfg`'s cache holds fewer than a token's experts a layer in
+    one of the slot formats searched (a cache in bytes holds fewer float slots than quantized ones): the engines
+    made after the quick profile found it minutes into a run at real size."""
+    import torch
+
+    from ..engine.cache import slots_per_layer
+    from ..engine.quant import ExpertFormat
+    from ..engine.slots import slot_bytes, slot_format
+    from ..engine.weights import expert_dtype
+    ckpt = open_checkpoint(model or BUILTIN_MODEL)
+    args = model_args(ckpt.config)
+    shape, stored = ExpertShape.of(args), ExpertFormat.of_dtype(expert_dtype(ckpt, args))
+    for slots in cfg.slot_dtypes:
+        fmt = slot_format(slots, torch.device("cpu"), slot_store_format(slots) or stored)
+        slots_per_layer(cfg.cache, shape, slot_bytes(shape, fmt), args.top_k, quota_hint=False)  # tune has none
+
+
 def check_profile_for(profile: HardwareProfile, slots: str, engine: Engine, mode: str) -> None:
     """BadInput when `profile` records that its runs had other slots than `engine` has for --slot-dtype `slots`
     (their format: auto's is the checkpoint's), or timed another mode than `mode` (a profile without the record, a
