@@ -887,6 +887,23 @@ def test_other_apis_fields_that_change_the_answer_are_refused(client, fields):
                                                "top_n_sigma": -1, "dry_multiplier": 0, "xtc_probability": 0.0})
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_end_token_is_counted_as_logprobs_list_it(client, stream):
+    """A choice that ends at an end token lists it in logprobs; the usage counted one token fewer (vLLM counts it),
+    so a client summing its logprobs' tokens disagreed with the usage; never past max_tokens."""
+    for max_tokens in (8, 4):
+        kw = dict(model=MODEL, prompt="ROMEO.\n", max_tokens=max_tokens, temperature=0, logprobs=1,
+                  extra_body={"min_tokens": 3, "logit_bias": {"0": 100}})
+        if stream:
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            tokens = [t for c in chunks for ch in c.choices for t in ch.logprobs.tokens]
+            reason, usage = [ch.finish_reason for c in chunks for ch in c.choices][-1], chunks[-1].usage
+        else:
+            got = client.completions.create(**kw)
+            tokens, reason, usage = got.choices[0].logprobs.tokens, got.choices[0].finish_reason, got.usage
+        assert reason == "stop" and tokens[-1] == "<|endoftext|>" and usage.completion_tokens == len(tokens) == 4
+
+
 def test_nulls_stop_ids_and_the_generation_prompt(client, reference):
     """null is a field's default, as OpenAI's schema has it; stop_token_ids end the output as EOS does;
     add_generation_prompt false renders the conversation without the assistant's opening."""
@@ -901,7 +918,7 @@ def test_nulls_stop_ids_and_the_generation_prompt(client, reference):
     ids = engine.encode(plain.choices[0].message.content, special=False)
     stopped = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
                                              extra_body={"stop_token_ids": [ids[1]]})
-    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 2  # the stop id too
     template = ChatTemplate.of(engine)
     turn = messages + [{"role": "assistant", "content": "Nay"}]
     want = reference(engine.encode(template.render(turn, add_generation_prompt=False), special=False), 6)
@@ -1616,6 +1633,53 @@ def test_bodies_past_the_servers_bounds_get_4xx_not_500(server):
     assert post(url, json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode())[0] == 200
 
 
+def test_past_max_connections_a_request_gets_the_apis_503_and_health_its_answer(tiny):
+    """uvicorn's limit answered text/plain "Service Unavailable" without Retry-After, /health too: a liveness probe
+    could have a server restarted for being busy. Past --max-connections a request gets an OpenAI error body with
+    Retry-After, /health its answer, and once connections close requests are served again."""
+    from expertcache.serve.limits import ServerLimits
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    app = create_app(Scheduler(engine), MODEL, ServerLimits(max_connections=2))
+    body = json.dumps({"prompt": [1, 2], "max_tokens": 1}).encode()
+    with BackgroundServer(app) as s:
+        idle = [socket.create_connection((s.host, s.port)) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while app.state.connections.count < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        status, headers, error = post(f"{s.base_url}/completions", body)
+        assert status == 503 and headers.get("retry-after") == "1", (status, error)
+        assert error["error"]["code"] == "too_many_connections" and "--max-connections" in error["error"]["message"]
+        assert json.loads(get(f"{s.url}/health"))["status"] == "ok"
+        for sock in idle:
+            sock.close()
+        while app.state.connections.count > 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert post(f"{s.base_url}/completions", body)[0] == 200
+    engine.close()
+
+
+def test_a_body_of_a_content_coding_gets_415(server):
+    """The server reads bodies as they come: a gzip body got a 400 saying it was not UTF-8, and a plain JSON body
+    labelled gzip a 200, as if it had been decoded. Any coding but identity is refused, and the connection
+    answers the next request."""
+    import gzip
+    import http.client
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    conn = http.client.HTTPConnection(server.host, server.port)
+    for coding, sent in (("gzip", gzip.compress(body)), ("gzip", body), ("br", body), ("identity", body)):
+        conn.request("POST", "/v1/completions", sent, {"Content-Type": "application/json",
+                                                        "Content-Encoding": coding})
+        got = conn.getresponse()
+        answer = json.loads(got.read())
+        if coding == "identity":
+            assert got.status == 200, answer
+        else:
+            assert got.status == 415 and f"Content-Encoding '{coding}'" in answer["error"]["message"], answer
+    conn.close()
+
+
 def test_json_depth_reads_strings_as_jsons_scanner_does():
     """The nesting check skips brackets within strings, whose quotes an odd run of backslashes escapes, in linear
     time: a 64 KB body of escaped quotes held the event loop 19 s (a backtracking pattern), 8 MB would have held it
@@ -1736,6 +1800,22 @@ def test_a_full_queue_answers_429_with_retry_after(tiny):
                                      json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 1}).encode())
         assert status == 429 and headers.get("retry-after") == "1" and body["error"]["code"] == "queue_full"
         running.cancel(), waiting.cancel()
+    engine.close()
+
+
+def test_the_queue_bound_counts_only_what_the_free_slots_do_not_take(tiny):
+    """--max-waiting bounds requests that wait for a slot: a burst of --max-active + --max-waiting requests on an idle
+    server got 429s for the requests the worker had not yet moved into its free slots (7 of 60 in bursts of 6 with 2
+    slots and 4 waiting)."""
+    from expertcache.serve.scheduler import SchedulerConfig
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(initial="cold"))
+    scheduler = Scheduler(engine, SchedulerConfig(max_active=2))  # not started: nothing admitted
+    for _ in range(2):
+        _submit(scheduler, [1, 2], 4)
+    assert scheduler.queue_length == 2 and scheduler.backlog() == 0 and scheduler.backlog(4) == 4
+    assert scheduler._admit() and scheduler.backlog() == 0 and scheduler.backlog(5) == 5
+    _submit(scheduler, [1, 2], 4)
+    assert scheduler.backlog() == 1
     engine.close()
 
 

@@ -8,7 +8,7 @@ import socket
 import sys
 
 from ..errors import ExpertCacheError
-from ..serve.limits import ServerLimits, http_protocol
+from ..serve.limits import CONNECTION_HEADROOM, ServerLimits, http_protocol
 from .options import add_engine_arguments, bounded, engine_from_args, positive_int
 
 HELP = "serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"
@@ -62,7 +62,7 @@ def add_arguments(p):
     p.add_argument("--max-waiting", type=positive_int, default=ServerLimits.max_waiting,
                    help="requests waiting for a slot; more get 429 with Retry-After")
     p.add_argument("--max-connections", type=positive_int, default=ServerLimits.max_connections,
-                   help="open connections; more get 503")
+                   help="open connections; requests on more get 503 with Retry-After (/health is answered)")
     p.add_argument("--max-body-bytes", type=positive_int, default=ServerLimits.max_body_bytes,
                    help="bytes of a request body; larger get 413")
     p.add_argument("--allowed-origins", nargs="*", default=list(ServerLimits.allowed_origins), metavar="ORIGIN",
@@ -154,8 +154,9 @@ def run(a) -> int:
                 asyncio.get_running_loop().call_later(max(0.0, grace - min(1.0, grace / 4)), scheduler.stop, False)
             await super().shutdown(sockets)
 
-    server = Server(uvicorn.Config(app, log_level="warning", limit_concurrency=limits.max_connections,
-                                   timeout_graceful_shutdown=grace, http=http_protocol(limits)))
+    server = Server(uvicorn.Config(app, log_level="warning",
+                                   limit_concurrency=limits.max_connections + CONNECTION_HEADROOM,
+                                   timeout_graceful_shutdown=grace, http=http_protocol(limits, app.state.connections)))
     scheduler.on_fatal = lambda e: setattr(server, "should_exit", True)
     bound = sock.getsockname()[1]  # the port the system chose for --port 0
     keyed = " (requests need the API key)" if limits.api_key is not None else ""

@@ -142,7 +142,8 @@ class TextGeneration:
         self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
         grammar = grammar_of(params)
         self.constraint = Constraint(engine, grammar) if grammar is not None else None
-        self.tokens: list[int] = []
+        self.tokens: list[int] = []  # the output's tokens, not the end token that ended it
+        self.end_token: int | None = None  # the end token sampled last, where one ended it
         self.finish_reason: str | None = None
         self.scored: tuple[StepOutput, ...] | None = None  # the prompt's tokens with their logprobs, once prefilled
         self.seen = None
@@ -237,6 +238,12 @@ class TextGeneration:
             out.prompt = self.scored
         return out
 
+    @property
+    def completion_tokens(self) -> int:
+        """The tokens sampled: the output's and the end token that ended it (listed in logprobs too), as vLLM
+        counts them; never more than max_tokens."""
+        return len(self.tokens) + (self.end_token is not None)
+
     def advance(self, logits: torch.Tensor) -> StepOutput:
         """Sample the next token from this sequence's logits [V] and apply EOS, max_tokens and stop strings."""
         early = len(self.tokens) < self.params.min_tokens  # min_tokens: no end token yet
@@ -250,7 +257,7 @@ class TextGeneration:
             self.counts[token] += 1
         # a complete value ends at an end id of the grammar's even under ignore_eos, which would keep it as text
         if token in self.eos or self.constraint is not None and token in self.constraint.ends:
-            self.finish_reason = "stop"
+            self.finish_reason, self.end_token = "stop", token
         else:
             self.tokens.append(token)
             if self.constraint is not None:

@@ -26,7 +26,7 @@ from ..engine.generate import StepOutput
 from ..engine.sampling import SamplingError, SamplingParams
 from ..errors import BadInput, CheckpointError
 from .metrics import ServerMetrics
-from .limits import BodyLimits, RequireApiKey, ServerLimits
+from .limits import BodyLimits, ConnectionLimit, OpenConnections, RequireApiKey, ServerLimits
 from .schemas import (MAX_CHOICES, MAX_GENERATIONS, APIError, ChatBody, CompletionBody, DetokenizeBody, SamplingFields,
                       StreamOptions, TokenizeBody, checked_stop, logit_bias_pairs, logprobs_count, message_text,
                       refuse_unsupported, structure)
@@ -247,8 +247,8 @@ class Server:
             raise APIError(400, f"{len(prompts)} prompts x n={n} ask for more generations than the server queues "
                            f"({self.limits.max_waiting}, its --max-waiting); send them in several requests",
                            "n" if len(prompts) == 1 else "prompt")
-        if self.scheduler.queue_length + len(prompts) * n > self.limits.max_waiting:
-            raise APIError(429, f"the server has {self.scheduler.queue_length} requests waiting (at most "
+        if self.scheduler.backlog(len(prompts) * n) > self.limits.max_waiting:
+            raise APIError(429, f"the server has {self.scheduler.backlog()} requests waiting (at most "
                            f"{self.limits.max_waiting}); retry shortly", None, "queue_full", "server_error",
                            {"Retry-After": str(self.limits.retry_after_s)})
         loop = asyncio.get_running_loop()
@@ -456,7 +456,7 @@ class Server:
                     return
                 if item.logprob is not None:
                     held[i].append(item)
-                if item.token is not None:  # the last may be an end token, which the usage does not count
+                if item.token is not None:
                     made[i] = requests[i].completion_tokens if item.finish_reason else made[i] + 1
                 delta, called = {}, []
                 if chat:
@@ -538,10 +538,11 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
             scheduler.stop()
 
     app = FastAPI(title="expertcache", lifespan=lifespan)
-    app.state.server = server
+    app.state.server, app.state.connections = server, OpenConnections()  # counted by the protocol (http_protocol)
     app.add_middleware(BodyLimits, limits=limits)
     if limits.api_key is not None:  # outside the body's limits: a caller without the key is refused unparsed
         app.add_middleware(RequireApiKey, key=limits.api_key, limits=limits)
+    app.add_middleware(ConnectionLimit, limits=limits, connections=app.state.connections)
     if limits.allowed_origins:  # a chat page in a browser calls the API from another origin: its preflight answered
         app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])

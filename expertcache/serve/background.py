@@ -20,7 +20,8 @@ class BackgroundServer:
         self.sock.bind((host, 0))  # a free port, held from here on: no race with other processes
         self.host, self.port = host, self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    http=http_protocol(app.state.server.limits)))
+                                                    http=http_protocol(app.state.server.limits,
+                                                                       app.state.connections)))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property

@@ -1,9 +1,9 @@
 """Bounds on what one client can send before its body reaches an endpoint: who may call the API at all (its
-key, 401), the body's size (413), its JSON nesting (400) and how long it takes to come (408), checked by ASGI
+key, 401), the body's size (413), its coding (415), its JSON nesting (400) and how long it takes to come (408), checked by ASGI
 wrappers; the body's is read once and handed on. The other bounds (the waiting queue, a request's share of the
 active slots, stop strings, connections, the time a request's head takes, the time a response waits on its
-client) are applied where their objects live: the scheduler, the schemas, uvicorn's limit_concurrency and its
-protocol (`http_protocol`)."""
+client) are applied where their objects live: the scheduler, the schemas, the connections the protocol counts
+(`http_protocol`, ConnectionLimit) and its deadlines."""
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +27,7 @@ class ServerLimits:
     max_body_bytes: int = 8 * 2**20  # a request body; larger: 413
     max_json_depth: int = 32  # nested arrays and objects in a body; deeper: 400 (json.loads recurses)
     max_waiting: int = 256  # requests waiting for admission; more: 429 with Retry-After
-    max_connections: int = 512  # open connections (uvicorn's limit_concurrency); more: its 503
+    max_connections: int = 512  # open connections; more: 503 with Retry-After (ConnectionLimit)
     retry_after_s: int = 1  # what a 429 asks the client to wait
     allowed_origins: tuple[str, ...] = ("*",)  # web pages that may call the API from a browser (CORS), as vLLM's
     api_key: str | None = None  # when set, requests must send "Authorization: Bearer KEY" (as vLLM's --api-key)
@@ -71,19 +71,50 @@ async def refuse(send, status: int, message: str, code: str, headers: tuple[tupl
     await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
-def http_protocol(limits: ServerLimits) -> type:
+CONNECTION_HEADROOM = 32  # connections past max_connections that still reach the app (/health, its 503s): past
+# them uvicorn's limit_concurrency answers its own bare 503
+
+
+class OpenConnections:
+    """The server's open connections, counted by its protocol (`http_protocol`), read by ConnectionLimit."""
+
+    def __init__(self):
+        self.count = 0
+
+
+class ConnectionLimit:
+    """ASGI wrapper: a request on a connection past `max_connections` gets a 503 with Retry-After and the API's error
+    body, and /health its answer (uvicorn's limit gave both its bare text 503, so that a liveness probe could have
+    a server restarted for being busy)."""
+
+    def __init__(self, app, limits: ServerLimits, connections: OpenConnections):
+        self.app, self.limits, self.connections = app, limits, connections
+
+    async def __call__(self, scope, receive, send):
+        count = self.connections.count
+        if scope["type"] == "http" and count > self.limits.max_connections and scope["path"] != "/health":
+            await discard_body(scope, receive, self.limits)
+            return await refuse(send, 503, f"the server has {count} connections open (at most "
+                                f"{self.limits.max_connections}, its --max-connections); retry shortly",
+                                "too_many_connections", ((b"retry-after", str(self.limits.retry_after_s).encode()),))
+        await self.app(scope, receive, send)
+
+
+def http_protocol(limits: ServerLimits, connections: OpenConnections | None = None) -> type:
     """uvicorn's h11 protocol with deadlines (`limits.read_timeout_s`) for each request's head and for each response's
     bytes: uvicorn waits for a head forever, so clients that connect and send nothing (or leave without a FIN) held
     every --max-connections slot, and every other client got a 503 until they closed; and it waits forever for a
     client that stops reading (a full socket buffer), so stalled streams held their connections, and their queued
-    chunks, as long as their clients kept the socket open."""
+    chunks, as long as their clients kept the socket open. It counts the open ones in `connections`."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
+    connections = connections or OpenConnections()
 
     class HeadDeadline(H11Protocol):
         deadline = writes = None
         unsent = 0  # the bytes the transport held when `writes` was armed
 
         def connection_made(self, transport):
+            connections.count += 1
             super().connection_made(transport)
             self.arm()
 
@@ -92,6 +123,7 @@ def http_protocol(limits: ServerLimits) -> type:
             self.arm()
 
         def connection_lost(self, exc):
+            connections.count -= 1
             super().connection_lost(exc)
             self.deadline.cancel()
             if self.writes is not None:
@@ -187,7 +219,8 @@ class RequireApiKey:
 
 class BodyLimits:
     """ASGI wrapper: a POST body over `max_body_bytes` (by its Content-Length, or as it arrives) gets a 413,
-    one nested deeper than `max_json_depth` a 400; others reach `app` unchanged."""
+    one nested deeper than `max_json_depth` a 400, one of a Content-Encoding (gzip, br, ...) a 415; others reach
+    `app` unchanged."""
 
     def __init__(self, app, limits: ServerLimits):
         self.app, self.limits = app, limits
@@ -195,8 +228,14 @@ class BodyLimits:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        limit = self.limits.max_body_bytes
-        declared = dict(scope.get("headers", ())).get(b"content-length", b"0")
+        limit, headers = self.limits.max_body_bytes, dict(scope.get("headers", ()))
+        coding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if coding not in (b"identity", b""):  # a gzip body read as JSON was a misleading 400, a plain one labelled
+            await discard_body(scope, receive, self.limits)  # gzip a 200: neither is what the client sent
+            return await refuse(send, 415, f"a request body of Content-Encoding {coding.decode('latin-1')!r} is not "
+                                "taken; send it uncompressed, without the header", "unsupported_media_type",
+                                ((b"accept-encoding", b"identity"),))
+        declared = headers.get(b"content-length", b"0")
         too_big = f"the request body is over {limit} bytes; send a smaller one (the server's --max-body-bytes)"
         if declared.isdigit() and int(declared) > limit:
             return await refuse(send, 413, too_big, "body_too_large")

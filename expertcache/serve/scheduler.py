@@ -51,7 +51,7 @@ class Request:
     first_token: float | None = None
     finished: float | None = None
     generation: TextGeneration | None = None
-    completion_tokens: int = 0  # output tokens (an EOS that ended it is not one)
+    completion_tokens: int = 0  # tokens sampled, an end token that ended it included
     group: object = None  # the client's call it belongs to (its n choices, its prompts): they share its slots
 
     def cancel(self) -> None:
@@ -170,6 +170,12 @@ class Scheduler:
         """Requests waiting for admission."""
         return len(self.waiting)
 
+    def backlog(self, more: int = 0) -> int:
+        """Requests that would wait with `more` submitted, past those the free active slots take at the worker's
+        next round: what --max-waiting bounds (a burst the slots had room for got 429s while the worker had not
+        yet admitted its first requests)."""
+        return max(0, len(self.waiting) + more - max(0, self.max_active - len(self.active)))
+
     def _admit(self) -> bool:
         """Move waiting requests (FIFO) into the active set; False when stopping."""
         with self.lock:
@@ -200,7 +206,7 @@ class Scheduler:
         request.finished = time.perf_counter()
         self.active.remove(request)
         if request.generation is not None:
-            request.completion_tokens = len(request.generation.tokens)
+            request.completion_tokens = request.generation.completion_tokens
         request.generation = None  # frees its KV buffers
         if outcome is not None:
             request.emit(outcome)
