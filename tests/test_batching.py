@@ -93,6 +93,39 @@ def test_batched_forward_refuses_bad_input(builtin, tiny):
     engine.close()
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "qwen3_next"])
+def test_sequences_of_their_own_kv_run_one_at_a_time_where_the_state_is_the_engines(tiny, family):
+    """Latent attention's cache and linear attention's state are not swapped with a sequence's keys and values: two
+    generations stepped in turn read each other's (10-50% of their logits off on tiny models). The second step
+    after another's is refused; run one to its end, and the next matches it run alone."""
+    engine = Engine(tiny[family][0], EngineConfig(initial="cold", max_seq=32))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    alone = list(TextGeneration(engine, [5, 6, 7], params, own_kv=True))
+    first, second = (TextGeneration(engine, p, params, own_kv=True) for p in ([1, 2, 3], [5, 6, 7]))
+    first.step()
+    second.step()
+    with pytest.raises(BadInput, match="finish one generation before the next starts"):
+        first.step()
+    again = TextGeneration(engine, [5, 6, 7], params, own_kv=True)
+    assert [o.token for o in again] == [o.token for o in alone]
+    engine.close()
+
+
+def test_linear_attention_runs_on_from_its_state_or_again_from_0(tiny):
+    """Qwen3-Next's recurrent state holds every position it ran: a forward from an earlier position (a rerun after
+    an edit) or a later one ran on from it silently (up to 9% of the logits off). Refused, naming where it may go
+    on; position 0 starts again and gives the logits of a fresh run."""
+    engine = Engine(tiny["qwen3_next"][0], EngineConfig(initial="cold", max_seq=32))
+    ids = torch.arange(1, 13)
+    whole = engine.forward(ids, 0)
+    engine.forward(ids[:10], 0)
+    for pos in (5, 11):
+        with pytest.raises(BadInput, match="run position 10 next, or start again at 0"):
+            engine.forward(ids[pos:pos + 1], pos)
+    torch.testing.assert_close(engine.forward(ids[10:], 10), whole[10:])
+    engine.close()
+
+
 def test_batched_forward_refuses_positions_and_caches_unlike_the_models(builtin):
     """The compiled attention reads and writes a sequence's keys and values without bounds checks: a negative
     position, a buffer of half the head size, of twice the heads or of float64 decoded garbage in silence, and

@@ -536,3 +536,28 @@ def test_tied_embeddings_saved_only_as_the_output_matrix_run_as_hfs_model(tiny, 
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     computes_as_hf(tmp_path / "m", ids, ref, tmp_path / "store")
+
+
+@pytest.mark.parametrize("family, rope", [
+    ("qwen3_moe", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}),  # over a top-level 500
+    ("qwen3_moe", {"rope_type": "default", "rope_theta": 1000.0}),
+    ("glm4_moe", {"rope_type": "default", "partial_rotary_factor": 0.25, "rope_theta": 10000.0}),
+])
+def test_rope_theta_and_partial_rotary_inside_a_legacy_rope_scaling_are_read_as_hf_reads_them(tmp_path, family, rope):
+    """transformers takes rope_theta and partial_rotary_factor from a config's rope_scaling where it has no
+    rope_parameters; the engine read them from rope_parameters or the top level only, and ran another model's
+    positions (5-11% of the logits on these tiny models, from position 1 on)."""
+    from transformers import AutoModelForCausalLM
+    save_tiny(family, tmp_path, **({"head_dim": 16} if family == "glm4_moe" else {}))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.pop("partial_rotary_factor", None)
+    config.update(rope_theta=500.0, rope_scaling=rope)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    engine = Engine(tmp_path, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
+    torch.testing.assert_close(engine.forward(ids, 0), ref, atol=1e-4, rtol=0)
+    engine.close()

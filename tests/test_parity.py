@@ -210,6 +210,22 @@ def test_rope_scaling_that_varies_with_the_length_is_refused(tmp_path):
         Engine(tmp_path, EngineConfig(store="ram"))
 
 
+@pytest.mark.parametrize("norm_min", [0.5, "0.5"])
+def test_ernies_floor_on_the_gates_sum_is_refused_where_it_could_change_them(tmp_path, norm_min):
+    """HF divides ERNIE's gates by max(their sum, moe_norm_min); the router divides by the sum, which at 0.5 moved
+    every logit (0.7% on a tiny model): refused past the released 1e-12, which changes nothing."""
+    from hf_models import save_tiny
+
+    from expertcache.errors import UnsupportedArchitecture
+    save_tiny("ernie4_5_moe", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "moe_norm_min": norm_min}))
+    with pytest.raises(UnsupportedArchitecture, match="moe_norm_min"):
+        Engine(tmp_path, EngineConfig(store="ram"))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "moe_norm_min": 1e-12}))
+    Engine(tmp_path, EngineConfig(store="ram")).close()
+
+
 def rope_theta(theta: float) -> dict:
     return dict(rope_parameters=dict(rope_type="default", rope_theta=theta))
 

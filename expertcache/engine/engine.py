@@ -293,6 +293,9 @@ class Engine:
         # cache is swapped in (`kv_swapped`)
         self.kv_ids: list[int] = []
         self.kv_swapped = False
+        # the positions linear attention's recurrent state holds (-1: unknown, after a forward that failed); it
+        # cannot be cut back, swapped out or skipped ahead: a forward goes on from there or starts again at 0
+        self.linear_end = 0
         self.runner = MoELayerRunner(self.args, self.model.router, self.cache, self.policy, self.stats)
         self.runner.exact = self.bind_policy(make_policy("fetch-all"))
         self.model.moe = self.runner
@@ -553,7 +556,14 @@ class Engine:
             return self._forward(ids, pos, T, last, prompt)
 
     def _forward(self, ids: torch.Tensor, pos: int, T: int, last: bool, prompt: bool) -> torch.Tensor:
+        linear = bool(self.model.linear)
+        if linear and pos not in (0, self.linear_end):  # it ran on from the state of other tokens, in silence
+            held = "an unknown number of" if self.linear_end < 0 else f"the first {self.linear_end}"
+            raise BadInput(f"position {pos}: this model's linear attention keeps one recurrent state of {held} "
+                           f"positions, which cannot be cut back or skipped; run position "
+                           f"{max(self.linear_end, 0)} next, or start again at 0")
         self.kv_writes += 1  # before it runs: a forward that fails may have written some positions
+        self.linear_end = -1 if linear else 0
         if not self.kv_swapped:
             del self.kv_ids[pos:]  # rewritten from here, or unknown if it fails
             self.kv_ids += [-1] * (pos - len(self.kv_ids))
@@ -566,6 +576,8 @@ class Engine:
         self.runner.end_forward(id(self.model.k_cache), pos + T)  # the keys as they may have grown
         if not self.kv_swapped:
             self.kv_ids += ids.tolist()
+        if linear:
+            self.linear_end = pos + T
         self._check_finite(logits, lambda t: f"at position {pos + (T - 1 if last else t)}")
         return logits
 

@@ -101,10 +101,12 @@ def check_token_ids(engine, params: SamplingParams) -> None:
 class TextGeneration:
     """One sequence being generated: call `step()` until `finish_reason` is set.
 
-    own_kv: the sequence keeps its KV cache in its own buffers, swapped into the transformer
-    for each step, so other sequences can run steps in between on the same engine. cached: the engine's own cache
-    already holds the keys and values of the prompt's first `cached` tokens (a chat's earlier turns, `kv_end` of the
-    generation before), so the prefill runs only the rest; `kv_end` counts the positions this one leaves written."""
+    own_kv: the sequence keeps its KV cache in its own buffers, swapped into the transformer for each step, so other
+    sequences can run steps in between on the same engine (not where the model has latent or linear attention, whose
+    state is the engine's: there one generation runs to its end before the next steps). cached: the engine's own
+    cache already holds the keys and values of the prompt's first `cached` tokens (a chat's earlier turns, `kv_end`
+    of the generation before), so the prefill runs only the rest; `kv_end` counts the positions this one leaves
+    written."""
 
     def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, own_kv: bool = False,
                  prefill_policy: MissPolicy | None = None, cached: int = 0):
@@ -164,6 +166,12 @@ class TextGeneration:
         over it since this sequence's last (it wrote its own keys over these: silently another continuation)."""
         m = self.engine.model
         if self.kv is not None:
+            # latent attention's cache and linear attention's state are the engine's, not swapped: another
+            # sequence's steps in between leaked into this one's logits (10-50% of them on tiny models)
+            if (m.latent is not None or m.linear) and self.kv_end and self.engine.kv_writes != self.kv_mark:
+                raise BadInput("another sequence ran on the engine since this generation's last step, and this "
+                               "model's latent or linear attention state is the engine's, not a sequence's own; "
+                               "finish one generation before the next starts")
             keep, (m.k_cache, m.v_cache) = (m.k_cache, m.v_cache), self.kv
             swapped, self.engine.kv_swapped = self.engine.kv_swapped, True
             try:
@@ -171,6 +179,7 @@ class TextGeneration:
             finally:
                 self.kv, (m.k_cache, m.v_cache) = (m.k_cache, m.v_cache), keep
                 self.engine.kv_swapped = swapped
+                self.kv_mark = self.engine.kv_writes
         if self.kv_end and self.engine.kv_writes != self.kv_mark:
             raise BadInput("another forward ran over the engine's KV cache since this generation's last step (a "
                            "generation or perplexity on the same engine); finish one generation before the next "

@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import CheckpointError
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -100,10 +102,20 @@ class ModelArgs:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def rope_parameters(config: dict) -> dict:
+    """The config's RoPE dict: rope_parameters (transformers 5), else rope_scaling (before it), which transformers
+    reads the same way, rope_theta and partial_rotary_factor included (over the top-level keys)."""
+    name = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    params = config.get(name) or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"config.json's {name} is a JSON {type(params).__name__}, not an object of RoPE "
+                              "parameters; restore the model's own config.json")
+    return params
+
+
 def rope_theta(config: dict, default: float) -> float:
-    """transformers 5 writes rope_parameters.rope_theta; older configs say rope_theta."""
-    params = config.get("rope_parameters") or {}
-    return float(params.get("rope_theta", config.get("rope_theta", default)))
+    """transformers 5 writes rope_parameters.rope_theta; older configs say rope_theta (or put it in rope_scaling)."""
+    return float(rope_parameters(config).get("rope_theta", config.get("rope_theta", default)))
 
 
 def head_dim(config: dict, default: int | None = None) -> int:
@@ -127,8 +139,7 @@ def rope_type(params: dict | None) -> str:
 def rope_scaling(config: dict) -> dict | None:
     """The RoPE parameters beyond rope_theta (rope_parameters in transformers 5, rope_scaling before),
     or None for plain RoPE."""
-    params = {k: v for k, v in (config.get("rope_parameters") or config.get("rope_scaling") or {}).items()
-              if k not in ("rope_theta", "partial_rotary_factor")}
+    params = {k: v for k, v in rope_parameters(config).items() if k not in ("rope_theta", "partial_rotary_factor")}
     return None if rope_type(params) == "default" else params
 
 
@@ -142,9 +153,8 @@ def sliding_fields(window, sliding: list[bool]) -> dict:
 
 
 def partial_rotary_factor(config: dict, default: float = 1.0) -> float:
-    """The share of each head that RoPE rotates (rope_parameters or the top-level key; `default` if absent)."""
-    params = config.get("rope_parameters") or {}
-    return float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", default)))
+    """The share of each head that RoPE rotates (the RoPE dict's or the top-level key; `default` if absent)."""
+    return float(rope_parameters(config).get("partial_rotary_factor", config.get("partial_rotary_factor", default)))
 
 
 class LayerExperts(NamedTuple):

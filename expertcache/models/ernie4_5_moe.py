@@ -17,6 +17,12 @@ def args_from_config(c: dict) -> ModelArgs:
     if c.get("use_bias"):
         raise UnsupportedArchitecture("ernie4_5_moe with use_bias: true (biases on every projection) is not "
                                       "supported; the released checkpoints have none")
+    norm_min = c.get("moe_norm_min", 1e-12)
+    if not isinstance(norm_min, (int, float)) or isinstance(norm_min, bool) or not 0 <= norm_min <= 1e-12:
+        # HF divides the gates by max(their sum, moe_norm_min), the router by the sum: the same wherever the chosen
+        # experts' probabilities sum past the floor, which at the released 1e-12 is everywhere but underflow
+        raise UnsupportedArchitecture(f"ernie4_5_moe with moe_norm_min {norm_min!r} (a floor on the gates' sum) is "
+                                      "not supported; the released checkpoints use 1e-12")
     layers = c["num_hidden_layers"]
     start, interval = c.get("moe_layer_start_index", 1), c.get("moe_layer_interval", 1)
     end = c.get("moe_layer_end_index", -1)
