@@ -383,7 +383,7 @@ def test_an_end_of_turn_id_outside_the_vocabulary_is_refused_at_open(capsys, ckp
     ("mixtral", "sliding_window", 0, "sliding_window 0"),
     ("qwen3_moe", "rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}, "'llama3' is not"),
     ("qwen3_moe", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "needs a factor > 0 and"),
-    ("qwen3_moe", "rope_parameters", ["yarn"], "cannot take ('list' object has no attribute"),
+    ("qwen3_moe", "rope_parameters", ["yarn"], "rope_parameters is a JSON list, not an object"),
     ("qwen3_moe", "rope_parameters", {"rope_type": "default", "rope_theta": 0}, "rope_theta 0.0; it must be"),
     ("mixtral", "rope_parameters", {"rope_type": "default", "rope_theta": float("nan")}, "rope_theta nan"),
     ("glm4_moe", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 2.0},
