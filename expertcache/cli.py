@@ -240,6 +240,11 @@ def os_error_fix(e: OSError, flags: set[str] | None = None) -> str:
     named = [f for f in ("--store-dir", "--out") if flags is None or f in flags]
     where = f"({' or '.join(named)}, or EXPERTCACHE_HOME)" if named else \
         "(a writable copy of the model folder, or EXPERTCACHE_HOME for the cache)"
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return "too many open files for this process's limit: raise it (ulimit -n 4096) and run it again"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT) and e.filename is None:  # a write to stdout, or to an open file
+        return ("free disk space where the run writes: its output (stdout), its --json file, or its store and cache "
+                "(EXPERTCACHE_HOME)")
     if e.errno == errno.EROFS:
         return f"the filesystem is read-only: choose another folder {where}"
     if e.errno in (errno.EACCES, errno.EPERM):  # a model's file or folder it reads, or a folder it writes

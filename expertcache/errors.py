@@ -46,6 +46,10 @@ class BadInput(ExpertCacheError):
     """An argument or an input text the library cannot work with (too short, too long)."""
 
 
+class OutputError(ExpertCacheError):
+    """A file a run writes (its --json) could not be written: a full disk, a read-only one."""
+
+
 class ReadModeUnsupported(ExpertCacheError):
     """The disk store cannot be read the way asked (no O_DIRECT on this platform or filesystem)."""
 

@@ -37,5 +37,9 @@ def dump_json(path: Path | TextIO, data) -> None:
     text = json.dumps(json_ready(data), indent=1, allow_nan=False)
     if hasattr(path, "write"):
         path.write(text + "\n")
-    else:
+        return
+    try:
         write_text(Path(path), text)  # a run's earlier output is not cut short by a failed write
+    except OSError as e:  # a full disk's error names no file (the write's, not the open's): the advice blamed the
+        from .errors import OutputError  # store; the file named, with a fix of its own
+        raise OutputError(f"cannot write {path} ({e.strerror}); free space there, or give another path") from None

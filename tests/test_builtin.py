@@ -82,8 +82,11 @@ def test_the_study_of_a_model_larger_than_memory_reads_its_experts_from_the_disk
     assert disk.generation["samples"] == ram.generation["samples"]
 
 
-def test_study_and_bench_run(tmp_path):
+def test_study_and_bench_run(tmp_path, monkeypatch):
+    import dataclasses
+
     from expertcache.engine.generate import generate
+    from expertcache.lab import report
     from expertcache.lab.bench import BenchConfig, run_bench
     from expertcache.lab.report import write_report
     from expertcache.lab.study import StudyConfig, run_study, study_sequences
@@ -94,6 +97,11 @@ def test_study_and_bench_run(tmp_path):
     res = run_study(None, cfg)
     files = write_report(res, tmp_path)
     assert all(f.exists() for f in files)
+    before = {f.name: f.read_bytes() for f in files}
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):  # a later run's, cut short at its README:
+        m.setattr(report, "write_text", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))  # the earlier one stays
+        write_report(dataclasses.replace(res, model="another"), tmp_path)
+    assert {f.name: f.read_bytes() for f in files} == before and sorted(tmp_path.iterdir()) == sorted(files)
     runs = res.runs
     # the baseline is the full model: every expert resident gives its perplexity and its text
     floor = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))

@@ -326,12 +326,28 @@ def test_os_errors_are_one_line(capsys, ckpt, tmp_path, monkeypatch):
     monkeypatch.delenv("EXPERTCACHE_HOME")
     under_a_file = ("--store", "disk", "--store-dir", str(home / "store"))
     expect_cli_error(capsys, ckpt, "Not a directory", *under_a_file)
-    expect_cli_error(capsys, ckpt, "give a folder that can be written (store_dir, --store-dir", *under_a_file)
+    expect_cli_error(capsys, ckpt, "give a folder that can be written (--store-dir or --out; store_dir in Python)",
+                     *under_a_file)
     store = tmp_path / "store"
     store.mkdir()
     (store / "experts.bin.partial").symlink_to("/dev/full")  # every write: no space left on device
     code, err = run_cli(capsys, "convert", "--model", str(ckpt), "--out", str(store))
     assert code == 2 and err.count("\n") == 0 and "No space left on device" in err and "free disk space" in err, err
+
+
+def test_a_full_disk_under_the_output_and_too_many_open_files_name_their_own_fix(capsys, monkeypatch):
+    """A write that fails on a full disk names no file: `info > /dev/full` and `--json` on a full disk were told to
+    choose another store folder (the fix of a store's write). The JSON's path is named now, and stdout among the
+    places a run writes; a process out of file descriptors was told to check the path and the disk."""
+    import errno
+
+    from expertcache.cli import os_error_fix
+    code, err = run_cli(capsys, "info", "--json", "/dev/full")
+    assert code == 2 and err.strip() == "expertcache: error: cannot write /dev/full (No space left on device); free " \
+        "space there, or give another path", err
+    full = os_error_fix(OSError(errno.ENOSPC, "No space left on device"), {"--json"})
+    assert "its output (stdout), its --json file" in full and "store" in full
+    assert "ulimit -n" in os_error_fix(OSError(errno.EMFILE, "Too many open files", "/x/numpy/__init__.py"))
 
 
 @pytest.mark.parametrize("key,value,words", [("num_experts_per_tok", 0, "whole number >= 1"),

@@ -94,6 +94,7 @@ def add_arguments(p):
 def build_app(a):
     """The engine, scheduler and ASGI app for parsed serve arguments."""
     from ..engine.checkpoint import model_name
+    from ..errors import FetchError
     from ..policies import make_policy
     from ..serve.access_log import AccessLog
     from ..serve.app import create_app
@@ -116,6 +117,10 @@ def build_app(a):
         engine.close()
         raise
     app.add_middleware(AccessLog, log=lambda line: print(f"expertcache: {line}", file=sys.stderr, flush=True))
+    app.state.server.scheduler.on_error = lambda request, e: print(
+        f"expertcache: a request failed: {type(e).__name__}: {e}" + (
+            "; after converting the store again, restart the server (it holds the old file open)"
+            if isinstance(e, FetchError) else ""), file=sys.stderr, flush=True)
     return app
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -83,6 +83,7 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
     nll_parts, window_nll, window_stats = [], [], []
     counted = ("moe_calls", "substituted_mass", "substitutions", "sync_fetches")
     before = [getattr(engine.stats, c) for c in counted]
+    scored = replace(engine.stats)  # the statistics of the windows scored, to go back to when one is cut short
     interrupted = False
     try:
         for logits, targets in teacher_forced(lambda x: engine.forward(x, 0), ids, context, progress):
@@ -92,11 +93,15 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
             before = now
             nll_parts.append(nll)
             window_nll.append(float(nll.double().mean()))
+            scored = replace(engine.stats)
     except KeyboardInterrupt:
         if not (partial_on_interrupt and nll_parts):
             raise
         interrupted = True
         del window_stats[len(nll_parts):]
+        # the window cut short counted its fetches and calls but no token: fetches a token and time a token came out
+        # inflated, over tokens it did not score (the engine's runner holds the same object: updated in place)
+        vars(engine.stats).update(vars(scored))
     token_nll = torch.cat(nll_parts).cpu().numpy()
     mean = float(token_nll.mean(dtype=np.float64))  # a float32 mean resolves perplexity to ~1e-6 only
     # one token has no spread to estimate: NaN (null in JSON), not a standard error of 0

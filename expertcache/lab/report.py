@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from ..atomic import write_text
@@ -22,8 +25,21 @@ def _r(x) -> str:
 
 def write_report(res: StudyResult, out: Path) -> list[Path]:
     """Write the study's README.md (tables and findings), study.json and plots into `out`; returns the
-    files written."""
+    files written. They are made in a folder of their own inside `out` and moved in together at the end: a run
+    interrupted (or a disk full) while they were written one by one left a new study.json beside an earlier run's
+    README and plots."""
     out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".study.", suffix=".partial", dir=out))
+    try:
+        written = _write_files(res, staging)
+        for f in written:
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [out / f.name for f in written]
+
+
+def _write_files(res: StudyResult, out: Path) -> list[Path]:
     dump_json(out / "study.json", res.to_dict())
     plots = _plots(res, out)
     s, a = res.sequences, res.analyses

@@ -87,6 +87,9 @@ class Scheduler:
         if config.prefill_policy is not None:  # refused at start-up, not on the first prompt
             engine.bind_policy(config.prefill_policy)
         self.engine, self.config, self.on_finish = engine, config, on_finish
+        # told of each step that fails, with its exception whole: a client's answer names files without their
+        # folders, and the server's own log had only the status (`serve` prints it)
+        self.on_error: Callable[[Request, Exception], None] | None = None
         # a sequence brings only its keys and values to its step (swapped in, or batched): a model that
         # keeps other per-sequence state (MLA's latent cache, DeltaNet's recurrent state) runs one at a time
         m = engine.model
@@ -228,6 +231,8 @@ class Scheduler:
         except Exception as e:  # the request ends with an error; the server keeps serving
             if isinstance(e, FetchError):
                 repair_cache(self.engine)
+            if self.on_error is not None and not isinstance(e, BadInput):
+                self.on_error(request, e)
             return self._finish(request, e, "error")
         self._deliver(request, out)
 

@@ -63,7 +63,7 @@ def make_store_dir(store_dir: Path) -> None:
         store_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise BadInput(f"cannot make the store folder {store_dir} ({e.strerror}); give a folder that can be written "
-                       "(store_dir, --store-dir or --out), or set EXPERTCACHE_HOME") from None
+                       "(--store-dir or --out; store_dir in Python), or set EXPERTCACHE_HOME") from None
 
 
 @contextmanager

@@ -9,6 +9,7 @@ import fcntl
 import json
 import mmap
 import os
+import shlex
 import sys
 import threading
 from pathlib import Path
@@ -62,8 +63,10 @@ def open_blob_file(path: Path, read_mode: str) -> tuple[int, str]:
 def reconvert(store_dir: Path) -> str:
     """The fix of a damaged store: its folder converted again. Without --out, convert wrote the default folder,
     which left a store of the user's (--store-dir) as it was; without --force, a store whose header is whole is
-    taken as current, its damaged blobs with it."""
-    return f"rerun `expertcache convert --force --out {store_dir}` with the --model and --dtype it was made from"
+    taken as current, its damaged blobs with it. The folder absolute: a server's log or a client reads it elsewhere
+    than where the store was named relative to (`--store-dir sv`)."""
+    return (f"rerun `expertcache convert --force --out {shlex.quote(str(Path(store_dir).absolute()))}` with the "
+            "--model and --dtype it was made from")
 
 
 class DiskStore(ExpertStore):
