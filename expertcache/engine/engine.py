@@ -176,6 +176,17 @@ def max_seq_limit(args: ModelArgs) -> int:
     return max(args.max_position_embeddings, EngineConfig.max_seq)
 
 
+COMPILE_BYTES = 2**30  # what compiling the kernels adds to a first run's peak (1.07 GB on the built-in model, AVX-512)
+
+
+def kernels_cached() -> bool:
+    """Whether this version's kernels are in numba's cache (a run loads them in a fraction of a second), or must be
+    compiled."""
+    from ..kernel.compiled import cache_dir
+    folder = cache_dir()
+    return folder.is_dir() and any(folder.glob("*.nbi"))
+
+
 def refuse_unless_fits(parts: dict[str, int], free: int, where: str, free_where: str, fixes: str) -> None:
     """NotEnoughMemory naming the parts (bytes by name) a run would hold `where` and the fixes, when together they
     are clearly more than `free` bytes: past the budget's own tolerance (a run the plan puts just past what is free
@@ -339,6 +350,9 @@ class Engine:
             return
         shape, c = ExpertShape.of(self.args), self.config
         parts = {**self.plan.parts(), "expert slots": self._slots_bytes(cache)} if self.device.type == "cpu" else {}
+        first_run = not kernels_cached()
+        if first_run:  # LLVM's, for the minutes it compiles: a first run under a cap was killed with nothing said
+            parts["compiling the kernels (a first run's, once)"] = COMPILE_BYTES
         if c.store in ("ram", "pinned"):  # every expert, as the store holds them (quantized slots: encoded)
             each = slot_bytes(shape, stored) if self.slot_format.quantized else \
                 shape.numel * store_dtype.itemsize
@@ -346,7 +360,8 @@ class Engine:
         positions = parts.get("KV cache", 0) + parts.get("workspace", 0)  # they grow with --max-seq, not the cache
         fixes = (["a smaller --max-seq (serve: --kv-positions)"] if positions > free // 2 else []) + \
             (["--store disk (the experts stay on the disk)"] if c.store in ("ram", "pinned") else []) + \
-            ["a smaller --cache", "--memory-budget"]
+            ["a smaller --cache", "--memory-budget"] + \
+            (["a first run where more memory is free (the kernels are cached for later runs)"] if first_run else [])
         refuse_unless_fits(parts, free, "", "this machine has free", f"{', '.join(fixes[:-1])} or {fixes[-1]}")
 
     def _check_device_memory(self, cache: CacheConfig) -> None:
