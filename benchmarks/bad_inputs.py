@@ -280,6 +280,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("bench prefetch drop=2", ["bench", "--policies", "fetch-all+prefetch/quasi-hidden:drop=2"]),
         ("generate prefetch confidence=2", ["generate", "--policy", "fetch-all+prefetch/lookahead:confidence=2"]),
         ("tune --profile with a negative term", ["tune", "--profile", str(bad_profile)]),
+        ("tune --cache-bytes 1 (fewer slots than top-k)", ["tune", "--cache-bytes", "1"]),
+        ("--json onto a full disk (/dev/full)", ["info", "--json", "/dev/full"]),
         ("config quantized with GPTQ", [*ppl, "--model", str(gptq)]),
         ("a weight stored as integers", [*ppl, "--model", str(int_weights)]),
         ("--store-dir of another checkpoint of the same shape", ["ppl", "--model", str(tuned), "--store", "disk",
