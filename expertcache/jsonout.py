@@ -41,5 +41,10 @@ def dump_json(path: Path | TextIO, data) -> None:
     try:
         write_text(Path(path), text)  # a run's earlier output is not cut short by a failed write
     except OSError as e:  # a full disk's error names no file (the write's, not the open's): the advice blamed the
-        from .errors import OutputError  # store; the file named, with a fix of its own
-        raise OutputError(f"cannot write {path} ({e.strerror}); free space there, or give another path") from None
+        import errno  # store; the file named, with a fix of its own
+
+        from .errors import OutputError
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise OutputError(f"cannot write {path} ({e.strerror}); " +
+                          ("free space there, or give another path" if full else "give a path that can be written")
+                          ) from None

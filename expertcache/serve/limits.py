@@ -1,9 +1,9 @@
 """Bounds on what one client can send before its body reaches an endpoint: who may call the API at all (its
-key, 401), the body's size (413), its coding (415), its JSON nesting (400) and how long it takes to come (408), checked by ASGI
-wrappers; the body's is read once and handed on. The other bounds (the waiting queue, a request's share of the
-active slots, stop strings, connections, the time a request's head takes, the time a response waits on its
-client) are applied where their objects live: the scheduler, the schemas, the connections the protocol counts
-(`http_protocol`, ConnectionLimit) and its deadlines."""
+key, 401), the body's size (413), its coding (415), its JSON nesting (400) and how long it takes to come (408),
+checked by ASGI wrappers; the body's is read once and handed on. The other bounds (the waiting queue, a request's
+share of the active slots, stop strings, connections, the time a request's head takes, the time a response waits
+on its client) are applied where their objects live: the scheduler, the schemas, the connections the protocol
+counts (`http_protocol`, ConnectionLimit) and its deadlines."""
 from __future__ import annotations
 
 import asyncio
