@@ -1348,9 +1348,21 @@ def test_failed_fetch_ends_the_request_and_the_server_keeps_serving(tmp_path, re
             client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=8, temperature=0)
         assert str(tmp_path) not in str(refused.value)
         assert len(failed) == 1 and f"--out {tmp_path.absolute()}" in str(failed[0]), failed
+        with pytest.raises(urllib.error.HTTPError) as health:  # it said ok while every such request failed
+            get(f"{s.url}/health")
+        status = json.loads(health.value.read())["status"]
+        assert health.value.code == 503 and f"experts.bin is {len(original) // 2} bytes" in status, status
+        assert str(tmp_path) not in status
         blob.write_bytes(original)
+        assert json.loads(get(f"{s.url}/health"))["status"] == "ok"
         got = client.completions.create(model=MODEL, prompt="ROMEO.\n", max_tokens=8, temperature=0)
         assert got.choices[0].text == want
+        os.replace(tmp_path / "experts.json", tmp_path / "header")  # a store converted again: another file
+        shutil.copy(blob, tmp_path / "copy")
+        os.replace(tmp_path / "copy", blob)
+        with pytest.raises(urllib.error.HTTPError) as health:
+            get(f"{s.url}/health")
+        assert "replaced since it was opened; restart" in json.loads(health.value.read())["status"]
     engine.close()
 
 

@@ -379,7 +379,7 @@ class Server:
         """A failed generation's 500, its 400 where the request was at fault (BadInput: a JSON schema too large to
         follow), or a 503 where the server stopped before it ended: the failure by its type and message, files named
         without their folders."""
-        message = re.sub(r"(?:/[^/\s'\"]+)+/", "", str(e))
+        message = without_folders(str(e))
         if isinstance(e, ShuttingDown):
             return APIError(503, message, None, "shutting_down", "server_error")
         if isinstance(e, BadInput):
@@ -521,6 +521,11 @@ class Server:
                 scored.append(item)
 
 
+def without_folders(text: str) -> str:
+    """`text` with its files named without their folders: what a client is told of the server's disk."""
+    return re.sub(r"(?:/[^/\s'\"]+)+/", "", text)
+
+
 def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = ServerLimits(),
                reasoning_format: str = "auto") -> FastAPI:
     """The ASGI app; its lifespan starts and stops the scheduler's worker thread. reasoning_format: a chat's
@@ -637,8 +642,11 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
                                      "details", None, type(e).__name__, "server_error").body(), status_code=500)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # probes that ask with HEAD
-    async def health():  # 'ok', or what stopped the worker ('failed: ...', 'stopped'), with a 503
-        state = scheduler.state
+    async def health():  # 'ok', or what stopped the worker ('failed: ...', 'stopped'), with a 503; or the store's
+        state = scheduler.state  # file cut short or replaced (requests failed while /health said ok)
+        store = getattr(scheduler.engine, "store", None)  # None once the engine is closed
+        if state == "serving" and store is not None and (problem := store.problem()) is not None:
+            state = without_folders(f"store damaged: {problem}")
         return JSONResponse({"status": "ok" if state == "serving" else state},
                             status_code=200 if state == "serving" else 503)
 

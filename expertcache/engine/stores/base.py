@@ -89,6 +89,11 @@ class ExpertStore(ABC):
         """Fast-tier memory the store's reads need besides the slots (per-worker staging)."""
         return 0
 
+    def problem(self) -> str | None:
+        """What has happened to the store's files since it opened them, that its reads will meet (a server's health
+        check); None when nothing has. A store held in memory has none."""
+        return None
+
     def direct_targets(self, dsts: list[torch.Tensor]) -> list[np.ndarray] | None:
         """When `read_into(..., *dsts)` reads a blob straight into the bytes of dsts (one slot's
         parts), those bytes as uint8 arrays, taken once for `read_direct`; else None."""

@@ -256,6 +256,22 @@ class DiskStore(ExpertStore):
             crc = crc32c.crc32c(b, crc)
         return crc
 
+    def problem(self) -> str | None:
+        """The file it reads cut short (every read past its end fails), or replaced on the disk by another (a store
+        converted again: this one keeps reading the old file until it is opened again)."""
+        if getattr(self, "fd", None) is None:
+            return None
+        held, expected = os.fstat(self.fd), self.blob * self.shape.num_layers * self.shape.num_experts
+        if held.st_size != expected:
+            return f"{self.path} is {held.st_size} bytes, not {expected}: {reconvert(self.path.parent)}, then restart"
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return None  # removed: the open file is still read whole
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            return f"{self.path} was replaced since it was opened; restart to read the new one"
+        return None
+
     def close(self):
         """Close the store file; a second call does nothing."""
         if getattr(self, "fd", None) is not None:
