@@ -224,8 +224,12 @@ def test_sweep_on_ray_equals_the_local_sweep(traced, monkeypatch):
              for f in (0.5, 0.75) for p in ("fetch-all", "threshold:tau=0.3,beta=0.5,eviction=demand")]
     timing = ("events_per_second", "routing_seconds")
     strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
+    import signal
+    handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
     on_ray = run_tasks(tasks, "ray", ray_init={"num_cpus": 1, "include_dashboard": False})
     assert not ray.is_initialized()  # shut down after the sweep it started
+    # and without Ray's SIGTERM handler, which raised SystemExit in whatever ran later (a `timeout` on the tests)
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == handlers
     assert strip(on_ray) == strip(run_tasks(tasks))
     assert [r["policy"] for r in on_ray] == [t[1] for t in tasks] and on_ray[0]["sync_fetches"] > 0
 

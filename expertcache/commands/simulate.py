@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import signal
+import threading
 from pathlib import Path
 
 from ..choices import BENCH_POLICIES, INITIAL
@@ -96,6 +98,9 @@ def run_tasks(tasks: list[tuple], jobs: int | str = 1, ray_address: str | None =
         except ImportError:
             raise BadInput("--jobs ray needs Ray: pip install 'expertcache[cluster]' (or pip install ray)") from None
         started = not ray.is_initialized()
+        # ray.init sets its own SIGTERM handler, which raises SystemExit wherever the thread is, and shutdown leaves
+        # it: a later `timeout` on the caller (a test run) failed one test and went on instead of ending it
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
         if started:
             ray.init(address=ray_address, **(ray_init or {}))
         try:
@@ -104,6 +109,9 @@ def run_tasks(tasks: list[tuple], jobs: int | str = 1, ray_address: str | None =
         finally:
             if started:
                 ray.shutdown()
+                if threading.current_thread() is threading.main_thread():
+                    for s, handler in handlers.items():
+                        signal.signal(s, handler if handler is not None else signal.SIG_DFL)
     if jobs > 1:
         import multiprocessing
         # spawn, not fork: a forked child of a process whose OpenMP threads have run can hang
