@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import importlib
 import io
 import json
@@ -68,7 +69,12 @@ class Terminated(BaseException):
     reply, report the windows so far) would catch it and go on."""
 
 
+SIGTERMS = []  # the SIGTERMs this run took: one raised where Python cannot pass it on (a C library's callback drops
+# it) leaves that library failing in its own way, an error that is the signal's
+
+
 def _terminated(signum, frame):
+    SIGTERMS.append(signum)
     raise Terminated
 
 
@@ -79,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     _escape_unencodable(sys.stdout)
     here = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
     previous = (signal.signal(signal.SIGTERM, _terminated) or signal.SIG_DFL) if here else None  # None: set in C
+    SIGTERMS.clear()
+    unraisable, sys.unraisablehook = sys.unraisablehook, functools.partial(_quiet_termination, sys.unraisablehook)
     try:
         return _run(argv)
     except KeyboardInterrupt:
@@ -88,8 +96,16 @@ def main(argv: list[str] | None = None) -> int:
         signal.raise_signal(signal.SIGTERM)  # dies of it, as its supervisor expects (the default handler)
         return 128 + signal.SIGTERM
     finally:
+        sys.unraisablehook = unraisable
         if here:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _quiet_termination(hook, unraisable) -> None:
+    """sys.unraisablehook that drops a Terminated raised where it could not propagate (a C library's callback):
+    the run ends by the signal, not with "Exception ignored" and a traceback."""
+    if not isinstance(unraisable.exc_value, Terminated):
+        hook(unraisable)
 
 
 def _stand_in_for_closed_streams() -> None:
@@ -145,6 +161,8 @@ def _run(argv: list[str] | None) -> int:
             compiled_ok()
         return code
     except Exception as e:  # noqa: BLE001 -- what is not a known error is raised again, traceback and all
+        if SIGTERMS:  # numba's compile, its callback's Terminated dropped: "no compiled object yet"
+            raise Terminated from None
         flags = {f for action in parsers[args.verb]._actions for f in action.option_strings}
         if (code := reported(e, "expertcache", flags)) is None:
             raise

@@ -508,6 +508,30 @@ def test_sigterm_during_a_conversion_removes_its_partial_file(tiny, tmp_path):
     assert out.is_dir() and not list(out.glob("experts.*")), list(out.iterdir())
 
 
+def test_sigterm_inside_a_c_librarys_callback_still_ends_the_run_by_the_signal():
+    """A SIGTERM that lands while a C library calls back into Python (numba's cache notification, during a first
+    run's compile) raises where it cannot propagate: Python printed "Exception ignored" and dropped it, the library
+    then failed in its own way ("no compiled object yet"), and the run ended in that traceback, not by the signal."""
+    import signal
+    import subprocess
+    import sys
+    script = """if True:
+        import ctypes, os, signal, sys
+        from expertcache import cli
+        from expertcache.commands import info
+        def run(a):
+            def callback():
+                os.kill(os.getpid(), signal.SIGTERM)
+                sum(range(1000))  # the handler runs here, inside the callback
+            ctypes.CFUNCTYPE(None)(callback)()
+            raise RuntimeError("no compiled object yet")
+        info.run = run
+        sys.exit(cli.main(["info"]))"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGTERM and "Traceback" not in proc.stderr, proc.stderr
+    assert "Exception ignored" not in proc.stderr, proc.stderr
+
+
 def test_a_conversion_whose_header_cannot_be_written_leaves_no_store_file(capsys, tiny, tmp_path):
     """The disk fills after experts.bin is written whole, as experts.json is: the conversion fails in one line and
     removes experts.bin too (a real model's tens of GB, which no run uses without its header and none removed);
