@@ -12,7 +12,7 @@ HELP = ("compute routing counts (warm cache) and per-expert default vectors on c
 
 def add_arguments(p):
     """The verb's options."""
-    add_model_argument(p)
+    add_model_argument(p, default="none: it writes beside the model, and the built-in model's files ship with it")
     p.add_argument("--text", type=Path, default=CALIB_TEXT, help="calibration text, disjoint from evaluation text")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="use only the first N tokens")
     p.add_argument("--memory-budget", type=byte_size, default=None,

@@ -51,11 +51,13 @@ cache_fraction = bounded(float, 0.0, 1.0, lo_open=True,
 non_negative = bounded(float, 0.0, what="give a number >= 0")
 
 
-def add_model_argument(p: argparse.ArgumentParser) -> None:
-    """The checkpoint to load (--model; default: the built-in model)."""
+def add_model_argument(p: argparse.ArgumentParser, default: str = "the built-in model") -> None:
+    """The checkpoint to load (--model; default: the built-in model, or as `default` says where the verb writes
+    beside it, which it refuses for the built-in model's shipped files: `written_model`)."""
     # a string until cli.main makes it a folder: Path() drops the './' that says './org/name' is no Hub id
     p.add_argument("--model", type=str, default=None,
-                   help="a local HF checkpoint folder, or a Hub id such as Qwen/Qwen3-30B-A3B (downloaded once into huggingface_hub's cache) (default: the built-in model)")
+                   help="a local HF checkpoint folder, or a Hub id such as Qwen/Qwen3-30B-A3B (downloaded once into "
+                        f"huggingface_hub's cache) (default: {default})")
 
 
 def written_model(a: argparse.Namespace, verb: str, files: str) -> Path:

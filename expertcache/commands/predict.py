@@ -34,7 +34,7 @@ EPOCHS, HYBRID_BELOW = 30, 0.85  # --train's defaults, which predict without --t
 
 def add_arguments(p):
     """The verb's options."""
-    add_model_argument(p)
+    add_model_argument(p, default="the built-in model, to score; --train writes beside the model and needs --model")
     p.add_argument("--train", action="store_true",
                    help="train the estimator and the lookahead's net on calibration text and save them")
     p.add_argument("--speculative", action="store_true",
