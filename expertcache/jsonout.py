@@ -3,6 +3,7 @@ such as a correlation over a single policy, or an infinity) as null, since stric
 and -0.0 as 0.0."""
 from __future__ import annotations
 
+import errno
 import json
 import math
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import TextIO
 import numpy as np
 
 from .atomic import write_text
+from .errors import OutputError
 
 
 def json_ready(x):
@@ -41,10 +43,7 @@ def dump_json(path: Path | TextIO, data) -> None:
     try:
         write_text(Path(path), text)  # a run's earlier output is not cut short by a failed write
     except OSError as e:  # a full disk's error names no file (the write's, not the open's): the advice blamed the
-        import errno  # store; the file named, with a fix of its own
-
-        from .errors import OutputError
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)  # store; the file named, with a fix of its own
         raise OutputError(f"cannot write {path} ({e.strerror}); " +
                           ("free space there, or give another path" if full else "give a path that can be written")
                           ) from None

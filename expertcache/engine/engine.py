@@ -27,6 +27,7 @@ from ..errors import (
     truth,
     whole_number,
 )
+from ..kernel.compiled import kernels_cached
 from ..kernel.eviction import eviction_code
 from ..models import model_args
 from ..models.args import ModelArgs
@@ -177,14 +178,6 @@ def max_seq_limit(args: ModelArgs) -> int:
 
 
 COMPILE_BYTES = 2**30  # what compiling the kernels adds to a first run's peak (1.07 GB on the built-in model, AVX-512)
-
-
-def kernels_cached() -> bool:
-    """Whether this version's kernels are in numba's cache (a run loads them in a fraction of a second), or must be
-    compiled."""
-    from ..kernel.compiled import cache_dir
-    folder = cache_dir()
-    return folder.is_dir() and any(folder.glob("*.nbi"))
 
 
 def refuse_unless_fits(parts: dict[str, int], free: int, where: str, free_where: str, fixes: str) -> None:

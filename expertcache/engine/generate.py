@@ -168,7 +168,7 @@ class TextGeneration:
         if self.kv is not None:
             # latent attention's cache and linear attention's state are the engine's, not swapped: another
             # sequence's steps in between leaked into this one's logits (10-50% of them on tiny models)
-            if (m.latent is not None or m.linear) and self.kv_end and self.engine.kv_writes != self.kv_mark:
+            if m.state_beyond_kv and self.kv_end and self.engine.kv_writes != self.kv_mark:
                 raise BadInput("another sequence ran on the engine since this generation's last step, and this "
                                "model's latent or linear attention state is the engine's, not a sequence's own; "
                                "finish one generation before the next starts")

@@ -82,15 +82,12 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
         engine.reset()
     nll_parts, window_nll, window_stats = [], [], []
     counted = ("moe_calls", "substituted_mass", "substitutions", "sync_fetches")
-    before = [getattr(engine.stats, c) for c in counted]
     scored = replace(engine.stats)  # the statistics of the windows scored, to go back to when one is cut short
     interrupted = False
     try:
         for logits, targets in teacher_forced(lambda x: engine.forward(x, 0), ids, context, progress):
             nll = F.cross_entropy(logits, targets, reduction="none")
-            now = [getattr(engine.stats, c) for c in counted]
-            window_stats.append({c: a - b for c, a, b in zip(counted, now, before)})
-            before = now
+            window_stats.append({c: getattr(engine.stats, c) - getattr(scored, c) for c in counted})
             nll_parts.append(nll)
             window_nll.append(float(nll.double().mean()))
             scored = replace(engine.stats)

@@ -110,6 +110,12 @@ class Transformer:
         return 2 * k.shape[0] * k.shape[1] * positions * k.shape[3] * k.element_size() + latent
 
     @property
+    def state_beyond_kv(self) -> bool:
+        """Whether a sequence's state is more than its keys and values (latent attention's cache, linear
+        attention's recurrent state): held by the model, not swapped or batched with a sequence's keys and values."""
+        return self.latent is not None or bool(self.linear)
+
+    @property
     def kv_positions(self) -> int:
         """Positions the KV cache holds now (it grows as a sequence needs)."""
         return self.k_cache.shape[2]
@@ -346,7 +352,7 @@ class Transformer:
         device, layers, heads and head size, contiguous) holding each position: the compiled attention reads and
         writes them without bounds checks, and a negative position, a buffer of half the head size or of float64
         decoded garbage in silence."""
-        if self.latent is not None or self.linear:
+        if self.state_beyond_kv:
             raise BadInput("batched decode needs a model whose per-sequence state is its keys and values; "
                            "this one has latent or linear attention: decode one sequence at a time")
         if not isinstance(positions, (list, tuple)) or not isinstance(kv, (list, tuple)) or \

@@ -31,6 +31,14 @@ def kernels_compiled(kernels: str = "engine") -> Path:
     return cache_dir() / ("compiled" if kernels == "engine" else f"compiled-{kernels}")
 
 
+def kernels_cached() -> bool:
+    """Whether this version's kernels are in numba's cache (a run loads them in a fraction of a second), or must be
+    compiled: numba's own index files, which a run through the Python API leaves too, where `kernels_compiled`'s
+    mark is the command line's."""
+    folder = cache_dir()
+    return folder.is_dir() and any(folder.glob("*.nbi"))
+
+
 class KernelCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
     """numba's cache locator for the functions of this folder only (`cache_dir`); numba's own
     locators keep serving every other function, and numba's configuration is left as it is."""

@@ -93,7 +93,7 @@ class Scheduler:
         # a sequence brings only its keys and values to its step (swapped in, or batched): a model that
         # keeps other per-sequence state (MLA's latent cache, DeltaNet's recurrent state) runs one at a time
         m = engine.model
-        self.interleaves = config.schedule != "serial" and m.latent is None and not m.linear
+        self.interleaves = config.schedule != "serial" and not m.state_beyond_kv
         self.batches = self.interleaves and config.schedule == "batch"
         self.max_active = config.max_active if self.interleaves else 1
         # the keys and values of the active requests, reserved at admission (prompt + max_tokens positions each),

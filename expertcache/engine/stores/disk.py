@@ -111,9 +111,9 @@ class DiskStore(ExpertStore):
         self.checkpoint = stamp  # the weight files converted (convert.checkpoint_stamp; None: an older store)
         self.verify = verify
         self.path = store_dir / "experts.bin"
-        expected = self.blob * shape.num_layers * shape.num_experts
-        if not self.path.exists() or self.path.stat().st_size != expected:
-            raise CheckpointError(f"{self.path}: missing or truncated (expected {expected} bytes); "
+        self.file_bytes = self.blob * shape.num_layers * shape.num_experts
+        if not self.path.exists() or self.path.stat().st_size != self.file_bytes:
+            raise CheckpointError(f"{self.path}: missing or truncated (expected {self.file_bytes} bytes); "
                                   f"{reconvert(store_dir)}")
         self.fd, self.read_mode = open_blob_file(self.path, read_mode)
         self._local = threading.local()
@@ -261,9 +261,10 @@ class DiskStore(ExpertStore):
         converted again: this one keeps reading the old file until it is opened again)."""
         if getattr(self, "fd", None) is None:
             return None
-        held, expected = os.fstat(self.fd), self.blob * self.shape.num_layers * self.shape.num_experts
-        if held.st_size != expected:
-            return f"{self.path} is {held.st_size} bytes, not {expected}: {reconvert(self.path.parent)}, then restart"
+        held = os.fstat(self.fd)
+        if held.st_size != self.file_bytes:
+            return (f"{self.path} is {held.st_size} bytes, not {self.file_bytes}: {reconvert(self.path.parent)}, "
+                    "then restart")
         try:
             now = os.stat(self.path)
         except OSError:
