@@ -41,9 +41,11 @@ def test_a_response_is_the_chats_answer_whole_and_streamed(client):
     with client.responses.stream(**ask) as stream:  # the client's helper, which ends on response.completed
         assert stream.get_final_response().output_text == whole.output_text
     typed = client.responses.create(model=MODEL, input=[{"role": "user", "content": [
-        {"type": "input_text", "text": "Who goes "}, {"type": "input_text", "text": "there?"}]}],
+        {"type": "input_text", "text": "Who goes"}, {"type": "input_text", "text": "there?"}]}],
         instructions="Be brief.", max_output_tokens=20, temperature=0)
-    assert typed.output_text == whole.output_text
+    parts = client.chat.completions.create(model=MODEL, max_tokens=20, temperature=0, messages=[  # joined by a newline
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who goes\nthere?"}])
+    assert typed.output_text == parts.choices[0].message.content != whole.output_text
 
 
 def test_a_function_call_comes_back_as_an_item_and_its_output_goes_back_in(client):
@@ -66,6 +68,26 @@ def test_a_function_call_comes_back_as_an_item_and_its_output_goes_back_in(clien
             "name": item.name, "arguments": item.arguments}}]},
         {"role": "tool", "tool_call_id": item.call_id, "content": "rain"}])
     assert answer.output_text == chat.choices[0].message.content
+
+
+def test_a_function_tool_is_strict_unless_turned_off_and_a_call_cut_short_is_incomplete(client):
+    """OpenAI's Responses take a function tool as strict where it does not say (its chat's are not): no key beyond
+    the listed ones. A call cut at max_output_tokens is an incomplete item, whole and streamed."""
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "required": ["x"], "properties": {
+        "x": {"type": "integer", "minimum": 0, "maximum": 9}, "y": {"type": "string", "maxLength": 5}}}}
+    ask = dict(model=MODEL, input="Hi", tool_choice="required", max_output_tokens=60, temperature=1)
+    keys = lambda t, seed: set(json.loads(client.responses.create(  # noqa: E731
+        **ask, tools=[t], extra_body={"seed": seed}).output[0].arguments))
+    assert all(keys(tool, seed) <= {"x", "y"} for seed in range(3))
+    assert any(keys({**tool, "strict": False}, seed) - {"x", "y"} for seed in range(3))  # the model's own keys
+    unbounded = {**tool, "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}
+    cut = dict(model=MODEL, input="Hi", tools=[unbounded], tool_choice="required", max_output_tokens=30, temperature=0)
+    whole = client.responses.create(**cut)  # the built-in model writes digits without end
+    assert whole.status == "incomplete"
+    assert [(i.type, i.status) for i in whole.output] == [("function_call", "incomplete")]
+    done = [e.item for e in client.responses.create(**cut, stream=True) if e.type == "response.output_item.done"]
+    assert [(i.type, i.status, i.arguments) for i in done] == \
+        [("function_call", "incomplete", whole.output[0].arguments)]
 
 
 def test_input_items_become_the_chats_messages():
@@ -100,7 +122,8 @@ def test_the_input_renders_through_the_template_as_hf_renders_the_chat(tmp_path)
             {"role": "tool", "content": "wet", "tool_call_id": "1"}]
     tools = [{"type": "function", "name": "weather", "description": "the day's rain", "parameters": {"type": "object"}}]
     want = transformers.AutoTokenizer.from_pretrained(str(path)).apply_chat_template(
-        chat, tools=[{"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}],
+        chat, tools=[{"type": "function", "function": {**{k: v for k, v in tools[0].items() if k != "type"},
+                                                       "strict": True}}],  # Responses' tools are strict by default
         tokenize=False, add_generation_prompt=True, reasoning_effort="low")
     assert "<think>look it up</think>" in want and "<call>weather({})</call>" in want and "EFFORT low." in want
     engine = Engine(path, EngineConfig(store="ram", max_seq=256))
@@ -218,6 +241,11 @@ def test_reasoning_comes_back_as_its_own_item(tmp_path):
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "which this one does not keep", "input"),
     ({"background": True}, "background responses are not supported", "background"),
     ({"include": ["message.output_text.logprobs"]}, "include .* is not supported", "include"),
+    ({"service_tier": "bogus"}, "service_tier: Input should be 'auto'", "service_tier"),
+    ({"input": [{"type": "function_call_output", "call_id": "zz", "output": "1"}]},
+     'no function_call item with call_id "zz" comes before this output', "input"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "json_schema needs its name",
+     "text"),
     ({"model": "gpt-5"}, "does not exist", "model")])
 def test_what_cannot_be_answered_is_a_400_naming_the_field(server, fields, words, param):
     status, body = call(server, "/v1/responses", {"input": "Hi", "max_output_tokens": 4, **fields})

@@ -87,6 +87,9 @@ def test_sampler_filters():
         return [sampler(logits, none) for _ in range(64)]
     assert draws() == draws()  # a seed makes sampling repeatable
     assert draws(seed=8) != draws()  # and it is the seed that draws
+    # all of a 64-bit seed: torch's generator keeps 32 bits, and seeds 2**32 apart drew alike
+    assert len({tuple(draws(seed=s)) for s in (7, 2**32 + 7, 2**63 + 7, -2**32 + 7)}) == 4
+    assert draws(seed=-1) == draws(seed=2**64 - 1)  # a negative seed is its 64 bits, as torch reads it
     assert draws(temperature=0.1).count(0) > draws(temperature=5.0).count(0)  # colder: the best token more often
     assert set(draws(top_k=2)) == {0, 1} and len(set(draws())) > 2
 

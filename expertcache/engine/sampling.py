@@ -179,6 +179,19 @@ class SamplingError(BadInput):
         self.param = param
 
 
+def generator_seed(seed: int) -> int:
+    """The seed the host generator takes for a request's `seed` (a whole number in [-2**63, 2**64), a negative one
+    read as its 64 bits, as torch reads it): itself below 2**32; past that mixed down to 32 bits (splitmix64's
+    finalizer), since torch's CPU generator keeps only a seed's low 32 bits, and seeds 2**32 apart drew the same
+    tokens."""
+    s = seed % 2**64
+    if s < 2**32:
+        return s
+    s = (s ^ (s >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    s = (s ^ (s >> 27)) * 0x94D049BB133111EB % 2**64
+    return (s ^ (s >> 31)) >> 32
+
+
 class Sampler:
     """Picks the next token from logits [V] (on any device) given the ids seen so far (prompt + output) and how
     often the output has each token; the random draw is made on the host with a host generator."""
@@ -189,7 +202,7 @@ class Sampler:
         if params.seed is None:
             self.generator.seed()
         else:
-            self.generator.manual_seed(params.seed)
+            self.generator.manual_seed(generator_seed(params.seed))
         bias = dict(params.logit_bias)  # a token given twice takes its last bias
         self.bias = (torch.tensor(list(bias), dtype=torch.long), torch.tensor(list(bias.values()))) if bias else None
 

@@ -36,6 +36,7 @@ from .scheduler import Request, Scheduler, ShuttingDown
 from .reasoning import Reply, opens_thinking, reply_form, split_reply
 from .tools import call_syntaxes
 
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback: a byte no piece spells
 DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
 
 
@@ -145,12 +146,14 @@ class Server:
             raise APIError(400, f"the prompt has {prompt_len} tokens, the context is {self.engine.model.max_seq}; "
                            "shorten the prompt", "messages" if chat else "prompt", "context_length_exceeded")
         max_tokens = asked[0] if asked else min(default_max or room, room)
-        if max_tokens == 0 and not echo:
-            raise APIError(400, "max_tokens=0 generates nothing; send echo: true to score the prompt, or max_tokens "
-                           ">= 1", "max_tokens")
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"  # as sent
+        if max_tokens < 0 or max_tokens == 0 and not echo:
+            fix = "send echo: true to score the prompt, or max_tokens >= 1" if not chat else f"send {field} >= 1"
+            raise APIError(400, f"{field}=0 generates nothing; {fix}" if max_tokens == 0 else
+                           f"{field}={max_tokens} must be >= 1", field)
         if max_tokens > room:
-            raise APIError(400, f"max_tokens={max_tokens} with a {prompt_len}-token prompt exceeds the context of "
-                           f"{self.engine.model.max_seq} tokens; ask for at most {room}", "max_tokens",
+            raise APIError(400, f"{field}={max_tokens} with a {prompt_len}-token prompt exceeds the context of "
+                           f"{self.engine.model.max_seq} tokens; ask for at most {room}", field,
                            "context_length_exceeded")
         stop = checked_stop(body.stop)
         field, constraint = structure(body)
@@ -205,8 +208,8 @@ class Server:
         if not body.messages:
             raise APIError(400, "messages is empty; send at least one message", "messages")
         try:
-            text = self.template.render([message_text(m) for m in body.messages], body.add_generation_prompt,
-                                        body.tools, body.template_kwargs())
+            text = self.template.render([message_text(m, i) for i, m in enumerate(body.messages)],
+                                        body.add_generation_prompt, body.tools, body.template_kwargs())
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
         ids = self.encode(text, "messages", special=body.add_special_tokens)
@@ -398,12 +401,28 @@ class Server:
         return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else str(token)
 
     def _bytes(self, token: int, text: str) -> list[int]:
-        """A token's bytes: exact for a byte-level vocabulary, where a token may hold part of a character that
-        its text shows as U+FFFD; else its text's UTF-8."""
-        piece = self.engine.tokenizer.id_to_token(token) if self.byte_of is not None else None
-        if piece is not None and all(c in self.byte_of for c in piece):
+        """A token's bytes: exact for a byte-level vocabulary and for SentencePiece's byte tokens (<0xE2>), where a
+        token may hold part of a character that its text shows as U+FFFD; else its text's UTF-8."""
+        tokenizer = self.engine.tokenizer
+        piece = tokenizer.id_to_token(token) if tokenizer is not None else None
+        if piece is not None and self.byte_of is not None and all(c in self.byte_of for c in piece):
             return [self.byte_of[c] for c in piece]
+        if piece is not None and (byte := BYTE_PIECE.fullmatch(piece)):
+            return [int(byte[1], 16)]
         return list(text.encode())
+
+    def _completion_token(self, token: int) -> str:
+        """A token as completions' logprobs name it: its text, or where that is part of a character, its bytes
+        as OpenAI writes them ("bytes:\\xe2\\x80"), so that such tokens do not all read U+FFFD and fall onto one
+        key of top_logprobs."""
+        text = self._token(token)
+        if "\ufffd" not in text:
+            return text
+        raw = bytes(self._bytes(token, text))
+        try:
+            return raw.decode()  # a whole U+FFFD of its own
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def _logprobs(self, items: list[StepOutput], chat: bool, offsets: list[int] | None = None) -> dict:
         """The logprobs of `items` (tokens that carry them) as OpenAI writes them: chat's content list, or
@@ -412,9 +431,9 @@ class Server:
             entry = lambda t, lp: {"token": (s := self._token(t)), "logprob": lp, "bytes": self._bytes(t, s)}  # noqa: E731
             return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]}
                                 for i in items], "refusal": None}
-        tokens = [self._token(i.token) for i in items]
+        tokens = [self._completion_token(i.token) for i in items]
         # OpenAI's completions list the chosen token among the alternatives, up to logprobs + 1 of them
-        tops = [None if i.logprob is None else {self._token(t): lp for t, lp in (
+        tops = [None if i.logprob is None else {self._completion_token(t): lp for t, lp in (
             i.top if any(t == i.token for t, _ in i.top) else (*i.top, (i.token, i.logprob)))} for i in items]
         return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],  # None: a prompt's first token
                 "top_logprobs": tops, "text_offset": offsets}
@@ -595,7 +614,7 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
     async def models():
         return {"object": "list", "data": [card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
         if model_id != model_name:
             raise APIError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}", "model",
@@ -624,8 +643,15 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
         return {"prompt": server.engine.decode(body.tokens)}
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_, e: StarletteHTTPException):  # an unknown path or method, an unreadable body
+    async def http_error(http: HTTPRequest, e: StarletteHTTPException):  # an unknown path or method, an unreadable body
         message = str(e.detail)
+        where = f"{http.method} {http.url.path}"[:200]
+        if e.status_code == 404 and message == "Not Found":  # OpenAI's words: the request named
+            message = (f"Invalid URL ({where}); this server answers /v1/completions, /v1/chat/completions, "
+                       "/v1/responses, /v1/models, /tokenize, /detokenize, /health and /metrics")
+        elif e.status_code == 405:
+            allowed = next((v for k, v in (e.headers or {}).items() if k.lower() == "allow"), "another method")
+            message = f"{where} is not allowed; this path takes {allowed}"
         # FastAPI's, for what json cannot decode: bytes not UTF-8, or an integer of more digits than int() reads
         if e.status_code == 400 and message == "There was an error parsing the body":
             cause = e.__cause__
@@ -650,7 +676,7 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
         return JSONResponse({"status": "ok" if state == "serving" else state},
                             status_code=200 if state == "serving" else 503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
         return Response(metrics.render(), media_type=metrics.content_type)
 

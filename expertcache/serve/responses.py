@@ -12,11 +12,12 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import StrictBool, StrictInt, field_validator
 
-from .schemas import APIError, OpenAIBody, refuse_misspelt
+from .schemas import (METADATA_KEY_CHARS, METADATA_KEYS, METADATA_VALUE_CHARS, SERVICE_TIERS, APIError, OpenAIBody,
+                      refuse_misspelt)
 
 # what a Responses body holds that the chat path has under another name, and where an error's param points then
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -37,7 +38,6 @@ KEYS = {"text": ("format", "verbosity"), "reasoning": ("effort", "summary", "gen
 ROLES = ("user", "assistant", "system", "developer")  # a tool's output is a function_call_output item
 # fields that come back in the response as sent: what JSON cannot carry (NaN, a lone surrogate) is refused first
 ECHOED = ("user", "metadata", "tools", "text", "reasoning", "tool_choice", "instructions")
-METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal",
               "reasoning_text": "text", "summary_text": "text"}
 
@@ -77,7 +77,7 @@ class ResponsesBody(OpenAIBody):
     user: str | None = None
     include: list[str] | None = None
     truncation: str | None = None
-    service_tier: str | None = None
+    service_tier: Literal[SERVICE_TIERS] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     max_tool_calls: StrictInt | None = None
@@ -192,6 +192,7 @@ def messages(body: ResponsesBody) -> list[dict]:
     if not body.input:
         raise APIError(400, "input is empty; send a text or at least one message", "input")
     thought: list[str] = []
+    called: set[str] = set()  # the call_ids of the function_call items so far
     for i, item in enumerate(body.input):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -221,13 +222,17 @@ def messages(body: ResponsesBody) -> list[dict]:
             if thought:
                 last["reasoning_content"], thought = last.get("reasoning_content", "") + "".join(thought), []
             last.setdefault("tool_calls", []).append(call)
+            called.add(call["id"])
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(output, (str, list)):
                 raise APIError(400, f"{where}: a function_call_output item needs output (a string or text parts)",
                                "input")
-            out.append({"role": "tool", "tool_call_id": str_field(item, "call_id", where),
-                        "content": text_of(output, where)})
+            call_id = str_field(item, "call_id", where)
+            if call_id not in called:  # the output of no call: with no responses kept, its call must be sent
+                raise APIError(400, f"{where}: no function_call item with call_id {json.dumps(call_id)[:80]} comes "
+                               "before this output; send the call's item before it", "input")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text_of(output, where)})
         elif kind == "reasoning":  # carried by the assistant turn that follows, as chat templates take it
             parts = item.get("content") or item.get("summary") or []
             if not isinstance(parts, list):
@@ -259,7 +264,7 @@ def text_of(content: Any, where: str) -> str:
         if not isinstance(text, str):
             raise APIError(400, f"{where}: a {kind} part's {TEXT_PARTS[kind]} must be a string", "input")
         texts.append(text)
-    return "".join(texts)
+    return "\n".join(texts)  # as a chat's text parts are joined
 
 
 def str_field(item: dict, name: str, where: str) -> str:
@@ -282,8 +287,10 @@ def function_tool(i: int, tool: Any) -> dict:
     if not isinstance(tool.get("name"), str) or not tool["name"]:
         raise APIError(400, f'tools[{i}]: a function tool needs its name ({{"type": "function", "name": ..., '
                        '"parameters": {...}})', "tools")
-    keys = ("name", "description", "parameters", "strict")
-    return {"type": "function", "function": {k: tool[k] for k in keys if tool.get(k) is not None}}
+    keys = ("name", "description", "parameters")
+    # strict where it is not turned off, as OpenAI's Responses take a function tool (its chat's are not)
+    return {"type": "function", "function": {**{k: tool[k] for k in keys if tool.get(k) is not None},
+                                             "strict": tool.get("strict") is not False}}
 
 
 def tool_choice(choice: str | dict) -> str | dict:
@@ -379,8 +386,8 @@ def message_item(text: str, status: str = "completed") -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def call_item(call: dict) -> dict:
-    return {"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": call["id"],
+def call_item(call: dict, status: str = "completed") -> dict:
+    return {"id": new_id("fc"), "type": "function_call", "status": status, "call_id": call["id"],
             "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
 
 
@@ -394,7 +401,8 @@ def whole(chat: dict, envelope: Envelope) -> dict:
                                      message.get("tool_calls") else cut))
     if message.get("content") or not message.get("tool_calls"):  # an empty answer is still a message
         output.append(message_item(message.get("content") or "", cut))
-    output += [call_item(c) for c in message.get("tool_calls") or ()]
+    calls = message.get("tool_calls") or ()  # the last one's arguments cut short where the answer was
+    output += [call_item(c, cut if j == len(calls) - 1 else "completed") for j, c in enumerate(calls)]
     return envelope(status_of(finish), output, envelope.usage(chat.get("usage"), output), finish)
 
 
@@ -448,10 +456,12 @@ class Events:
                            part=part),
                 self.event("response.output_item.done", output_index=index, item=item)]
 
-    def calls(self, calls: list[dict]) -> list[str]:
+    def calls(self, calls: list[dict], finish: str | None) -> list[str]:
+        """The items of the answer's last calls (`finish`: its finish reason, which cuts the last one short)."""
         out = self.close()
-        for call in calls:
-            item, index = call_item(call), len(self.output)
+        for j, call in enumerate(calls):
+            cut = finish == "length" and j == len(calls) - 1
+            item, index = call_item(call, "incomplete" if cut else "completed"), len(self.output)
             self.output.append(item)
             out += [self.event("response.output_item.added", output_index=index,
                                item={**item, "arguments": "", "status": "in_progress"}),
@@ -500,9 +510,10 @@ async def stream(chunks: AsyncIterator[str], envelope: Envelope) -> AsyncIterato
                     out += events.text("reasoning", delta["reasoning_content"])
                 if delta.get("content"):
                     out += events.text("message", delta["content"])
-                if delta.get("tool_calls"):
-                    out += events.calls([{k: v for k, v in c.items() if k != "index"} for c in delta["tool_calls"]])
                 finish = choice.get("finish_reason") or finish
+                if delta.get("tool_calls"):
+                    out += events.calls([{k: v for k, v in c.items() if k != "index"} for c in delta["tool_calls"]],
+                                        finish)
                 for e in out:
                     yield e
         if not any(item["type"] != "reasoning" for item in events.output):  # an empty answer is still a message

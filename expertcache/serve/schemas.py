@@ -17,6 +17,8 @@ MAX_GENERATIONS = 2048  # prompts x n in one request: more would hold the server
 MAX_STOP = 16  # stop strings a request (OpenAI takes 4)
 MAX_STOP_CHARS = 256  # characters of one stop string
 MAX_FIELDS = 128  # fields of a body: each unknown one is checked for a misspelling, and 100,000 held the server
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # OpenAI's
 
 
 class APIError(Exception):
@@ -97,6 +99,20 @@ class SamplingFields(OpenAIBody):
     tool_choice: str | dict | None = None
     stop_token_ids: list[StrictInt] | None = None  # vLLM's: ids that end the output as EOS does
     skip_special_tokens: StrictBool = True  # vLLM's: false keeps special tokens' text (GPT-OSS's <|channel|>...)
+    # OpenAI's fields that change no answer, checked as OpenAI checks them: a client's mistake shows at once
+    user: str | None = None
+    metadata: dict | None = None
+    service_tier: Literal[SERVICE_TIERS] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _strings(cls, value: dict | None) -> dict | None:
+        if value is not None and (len(value) > METADATA_KEYS or any(
+                not isinstance(v, str) or len(k) > METADATA_KEY_CHARS or len(v) > METADATA_VALUE_CHARS
+                for k, v in value.items())):
+            raise ValueError(f"holds at most {METADATA_KEYS} keys of at most {METADATA_KEY_CHARS} characters, each "
+                             f"with a string of at most {METADATA_VALUE_CHARS}")
+        return value
 
 
 class CompletionBody(SamplingFields):
@@ -104,6 +120,15 @@ class CompletionBody(SamplingFields):
     choice each). echo puts the prompt before the completion, and with logprobs scores the prompt's tokens
     (then max_tokens may be 0), as evaluation harnesses ask."""
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # strict: [true] is no token id 1
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_form(cls, value: Any) -> Any:  # else pydantic names its union's branches (prompt.str, ...)
+        forms = (lambda v: isinstance(v, str), _is_id, lambda v: isinstance(v, list) and all(map(_is_id, v)))
+        if not (isinstance(value, str) or isinstance(value, list) and any(all(map(f, value)) for f in forms)):
+            raise ValueError("must be a text, a list of texts, a list of token ids (integers) or a list of lists of "
+                             "token ids")
+        return value
     add_special_tokens: StrictBool = True  # vLLM's: false encodes a text prompt without the tokenizer's own (a BOS)
     echo: StrictBool = False
     best_of: StrictInt | None = None
@@ -111,6 +136,10 @@ class CompletionBody(SamplingFields):
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class ChatMessage(BaseModel):
@@ -287,6 +316,9 @@ def structure(body: SamplingFields) -> tuple[str | None, dict]:
     if kind == "json_object":  # llama-server's takes a schema beside the type
         return "response_format", {"json_schema": fmt["schema"] if isinstance(fmt.get("schema"), dict) else JSON_OBJECT}
     spec = fmt.get("json_schema")
+    if kind == "json_schema" and isinstance(spec, dict) and not (isinstance(spec.get("name"), str) and spec["name"]):
+        raise APIError(400, 'response_format json_schema needs its name, as OpenAI\'s does: {"type": "json_schema", '
+                       '"json_schema": {"name": "...", "schema": {...}}}', "response_format")
     if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
         return "response_format", {"json_schema": closed(spec["schema"]) if spec.get("strict") is True
                                    else spec["schema"]}
@@ -332,8 +364,8 @@ def logprobs_count(body: SamplingFields, chat: bool) -> int | None:
             raise APIError(400, "top_logprobs is chat's field; completions take logprobs: N (alternatives a token)",
                            "top_logprobs")
         if isinstance(body.logprobs, bool):
-            raise APIError(400, "logprobs is a number of alternatives a token in completions (e.g. logprobs: 1)",
-                           "logprobs")
+            raise APIError(400, "logprobs in completions is how many alternatives to list for each token (0 to "
+                           f"{MAX_LOGPROBS}, e.g. logprobs: 1), not true or false", "logprobs")
         n, param = body.logprobs, "logprobs"
     if n is not None and not 0 <= n <= MAX_LOGPROBS:
         raise APIError(400, f"{param}={n} must be in [0, {MAX_LOGPROBS}]", param)
@@ -345,22 +377,36 @@ def logprobs_count(body: SamplingFields, chat: bool) -> int | None:
 TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 
 
-def message_text(message: ChatMessage) -> dict:
-    """A message as the template sees it: its fields as sent (a tool call's, a name), content parts of type text
-    (or an assistant's refusal) joined."""
-    content = message.content
+def message_text(message: ChatMessage, index: int) -> dict:
+    """A message (messages[index]) as the template sees it: its fields as sent (a tool call's, a name), content
+    parts of type text (or an assistant's refusal) joined by newlines, as vLLM joins them. APIError for another
+    part, or an assistant's tool_calls that are not OpenAI's list of calls."""
+    where, content = f"messages[{index}]", message.content
     if isinstance(content, list):
         for part in content:
             kind = part.get("type")
             if kind not in TEXT_PARTS:
-                raise APIError(400, f"a content part of type {json.dumps(kind)[:60]} is not supported here: this "
-                               f"server reads text only ({', '.join(TEXT_PARTS)}); send the text as such a part",
+                raise APIError(400, f"{where}: a content part of type {json.dumps(kind)[:60]} is not supported here: "
+                               f"this server reads text only ({', '.join(TEXT_PARTS)}); send the text as such a part",
                                "messages")
             if not isinstance(part.get(TEXT_PARTS[kind]), str):
-                raise APIError(400, f"a {kind} content part needs its {TEXT_PARTS[kind]} as a string", "messages")
-        texts = [part[TEXT_PARTS[part["type"]]] for part in content]
-        content = "".join(texts)
-    return {**(message.model_extra or {}), "role": message.role, "content": content or ""}
+                raise APIError(400, f"{where}: a {kind} content part needs its {TEXT_PARTS[kind]} as a string",
+                               "messages")
+        content = "\n".join(part[TEXT_PARTS[part["type"]]] for part in content)
+    extra = message.model_extra or {}
+    calls = extra.get("tool_calls")
+    if calls is not None:  # the template writes each call's name and arguments
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and _is_call(c.get("function")) for c in calls):
+            raise APIError(400, f'{where}: tool_calls must be a list of calls {{"id": "...", "type": "function", '
+                           '"function": {"name": "...", "arguments": "{...}"}}', "messages")
+    return {**extra, "role": message.role, "content": content or ""}
+
+
+def _is_call(function: Any) -> bool:
+    """Whether a tool call's function object names its function and gives its arguments (JSON text, or the
+    object some clients send)."""
+    return isinstance(function, dict) and isinstance(function.get("name"), str) and \
+        isinstance(function.get("arguments", "{}"), (str, dict))
 
 
 def checked_stop(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_val
 XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.S)  # Qwen3-Coder's
 XML_PARAMETER = re.compile(r"<parameter=([^>]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+MAX_NAME = 64  # characters of a function's name (OpenAI's bound)
 
 
 def _function(tool) -> dict | None:
@@ -36,11 +37,18 @@ def functions(tools: list | None) -> dict[str, dict]:
         if not isinstance(name, str) or not name:
             raise ValueError(f'tools[{i}] is not a function tool; give {{"type": "function", "function": {{"name": '
                              '"...", "parameters": {...}}}')
+        if len(name) > MAX_NAME or any(c.isspace() or c in "<>" for c in name):  # no call could name it
+            raise ValueError(f"tools[{i}].function.name {json.dumps(name[:80])} is not a tool's name: a model writes "
+                             f"it in its call, so give at most {MAX_NAME} characters without spaces or markup "
+                             "(e.g. get_weather)")
         parameters = fn.get("parameters")
         if parameters is None:  # OpenAI's: a function of no parameters, called with {}
             parameters = NO_PARAMETERS
         if not isinstance(parameters, dict):
             raise ValueError(f"tools[{i}].function.parameters is not a JSON schema (an object)")
+        if parameters.get("type", "object") != "object":  # a call's arguments are an object, in every form
+            raise ValueError(f"tools[{i}].function.parameters must be a schema of type object, not "
+                             f"{json.dumps(parameters['type'])[:40]}: a call's arguments are an object of named values")
         out[name] = closed(parameters) if fn.get("strict") is True else parameters
     return out
 
@@ -49,9 +57,9 @@ def call_grammar(tools: list | None, choice) -> str | None:
     """The grammar (llguidance's Lark) of one call in tags: to any of the tools for tool_choice "required", to the
     named function for {"type": "function", "function": {"name": ...}}; None for "auto", "none" or no choice.
     ValueError for a choice that is none of these, or that names no tool."""
+    tools_by_name = functions(tools)  # checked whatever the choice: a tool the model may call must be one
     if choice in (None, "auto", "none"):
         return None
-    tools_by_name = functions(tools)
     if choice == "required":
         names = list(tools_by_name)
         if not names:
