@@ -405,6 +405,39 @@ def test_the_default_store_of_weights_replaced_with_their_size_and_time_is_conve
     ram.close()
 
 
+def test_a_default_store_of_the_weights_as_they_were_is_removed_when_they_are_converted_again(tiny, tmp_path,
+                                                                                               monkeypatch, capsys):
+    """A default store's folder is named by its weight files' sizes and times: an edited or downloaded-again
+    checkpoint is converted into a folder of its own, and the old one (tens of GB at real size) was never used or
+    removed again. Converting the weights as they are now removes the stores of them as they were, in every
+    format; a store of another folder's checkpoint, and one still read, are kept (the run keeps its open file)."""
+    import os
+    import shutil
+    monkeypatch.setenv("EXPERTCACHE_HOME", str(tmp_path / "home"))
+    src, other = tmp_path / "model", tmp_path / "elsewhere" / "model"
+    shutil.copytree(tiny["qwen3_moe"][0], src)
+    shutil.copytree(tiny["qwen3_moe"][0], other)
+    ids = torch.tensor([1, 5, 9, 2])
+    running = Engine(src, EngineConfig(store="disk"))
+    want = running.forward(ids, 0)
+    Engine(src, EngineConfig(store="disk", store_format="int8")).close()
+    Engine(other, EngineConfig(store="disk")).close()
+    stores = tmp_path / "home" / "stores"
+    before = sorted(p.name for p in stores.iterdir())
+    assert len(before) == 3
+    capsys.readouterr()
+    file = src / "model.safetensors"
+    os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns + 10**9))  # touched, as a download does
+    Engine(src, EngineConfig(store="disk")).close()
+    after = sorted(p.name for p in stores.iterdir())
+    old = [stores / name for name in before if name not in after]
+    assert len(old) == 2 and len(after) == 2  # the two of the weights as they were; the other folder's kept
+    err = capsys.readouterr().err
+    assert all(f"removed {p} (" in err for p in old), err
+    assert torch.equal(running.forward(ids, 0), want)  # a run of the old store reads its open file on
+    running.close()
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "int8", "int4"])
 def test_weights_past_float16s_range_are_refused_not_stored_as_inf(tiny, tmp_path, fmt):
     """An fp16 store, and the float16 scales of int8 and int4, cannot hold a weight of 4e5: it was written as inf,

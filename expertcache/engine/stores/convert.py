@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import json
 import os
 import shutil
 import stat
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -101,6 +103,7 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     terminal, as a model's first run converts it)."""
     shape = ExpertShape.of(args)
     make_store_dir(out_dir)
+    remove_outdated_stores(ckpt, out_dir)
     tmp = out_dir / "experts.bin.partial"
     checksums, flushed = [], 0
     fmt = fmt or ExpertFormat.of_dtype(dtype if dtype is not None else expert_dtype(ckpt, args))
@@ -129,7 +132,8 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
         meta = {"format_version": DISK_FORMAT_VERSION, **fmt.meta(),
                 "num_layers": shape.num_layers, "num_experts": shape.num_experts, "w13": list(shape.w13),
                 "w2": list(shape.w2), "bias": shape.bias, "blob_bytes": blob, "align": ALIGN,
-                "checksum": "crc32c", "checksums": checksums, "checkpoint": checkpoint_stamp(ckpt)}
+                "checksum": "crc32c", "checksums": checksums, "checkpoint": checkpoint_stamp(ckpt),
+                "source": str(ckpt.path.resolve())}
         with open(out_dir / "experts.json.partial", "w") as f:
             f.write(json.dumps(meta))
             f.flush()
@@ -142,6 +146,29 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
         raise
     _fsync_folder(out_dir)  # the two renames too: a power loss after a conversion of hours keeps the store
     return out_dir
+
+
+def remove_outdated_stores(ckpt: Checkpoint, out_dir: Path) -> None:
+    """Where `out_dir` is one of the default folders, remove the default folders of this checkpoint's weight files as
+    they were before (edited, downloaded again: each a folder of its own, in every format), each named on stderr: a
+    real model's store is tens of GB, and none of them would be read again. A run still reading one keeps its open
+    file. Stores that do not record their checkpoint's folder (written by earlier versions) are left."""
+    stores, source = expertcache_home() / "stores", ckpt.path.resolve()
+    if out_dir.resolve().parent != stores.resolve():
+        return
+    stamp = checkpoint_stamp(ckpt)
+    for folder in sorted(stores.glob(f"{glob.escape(source.name)}-*")):
+        if folder.resolve() == out_dir.resolve():  # the one converted now, whatever it held
+            continue
+        try:
+            meta = json.loads((folder / "experts.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and meta.get("source") == str(source) and meta.get("checkpoint") != stamp:
+            size = sum(_file_bytes(f) for f in folder.iterdir())
+            shutil.rmtree(folder, ignore_errors=True)
+            print(f"removed {folder} ({size_text(size)}), a store of {source}'s weight files as they were before",
+                  file=sys.stderr)
 
 
 def blob_checksum(ckpt: Checkpoint, args: ModelArgs, layer: int, expert: int, fmt: ExpertFormat) -> int:
