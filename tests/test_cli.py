@@ -357,6 +357,19 @@ def test_a_reader_that_leaves_the_pipe_ends_the_run_quietly():
     assert p.wait(timeout=300) == 141 and "error" not in err and "Traceback" not in err, err
 
 
+def test_a_prompt_awaited_on_an_open_pipe_is_said_to_be_awaited():
+    """Without a prompt, generate reads a stdin that is not a terminal; one that stays open (an IDE's, a job's)
+    looked like a hang, nothing said. A line on stderr says what it waits for, then the prompt is read as before."""
+    p = subprocess.Popen([sys.executable, "-m", "expertcache.cli", "generate", "--store", "ram", "-n", "1"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = ""
+    while "reading the prompt from stdin" not in line:  # a first run's compile notice may come first
+        line = p.stderr.readline()
+        assert line, "generate ended without saying it waits for a prompt"
+    out, err = p.communicate("JULIET.\n", timeout=300)
+    assert p.returncode == 0 and out.startswith("JULIET."), err
+
+
 @pytest.mark.parametrize("argv, said", [
     (["generate", "--policy", "fetch-most"], "fetch-most"),
     (["serve", "--store", "tape"], "unknown store 'tape'"),

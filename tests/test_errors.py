@@ -48,7 +48,9 @@ def test_missing_folder(capsys, tmp_path):
 
 def test_a_plain_number_for_a_memory_budget_is_said_to_be_bytes(capsys):
     code, err = run_cli(capsys, "generate", "--memory-budget", "128", "-n", "2", "-p", "ROMEO.")
-    assert code == 2 and "128 bytes (a plain number is bytes: give a unit, e.g. 128M)" in err
+    assert code == 2 and "128 bytes (a number without a unit is bytes; MiB are written e.g. 512M)" in err
+    code, err = run_cli(capsys, "generate", "--memory-budget", "100K", "-n", "2", "-p", "ROMEO.")
+    assert code == 2 and "102400 bytes" in err and "102400M" not in err  # a unit given: no hint that it is 1000x
 
 
 def test_missing_and_corrupt_config(capsys, ckpt):

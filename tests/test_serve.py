@@ -1408,6 +1408,24 @@ def test_a_tokenizer_of_another_model_gets_400_and_token_ids_still_serve(tiny, t
     engine.close()
 
 
+def test_without_a_tokenizer_the_text_is_the_ids_joined_by_spaces_whole_streamed_and_echoed(tiny):
+    """A checkpoint without tokenizer.json serves prompts of token ids; its completions' text was empty, where its
+    echo and text_offset read the ids joined by spaces (Engine.decode)."""
+    engine = Engine(tiny["qwen3_moe"][0], EngineConfig(store="ram", max_seq=64))
+    with BackgroundServer(create_app(Scheduler(engine), MODEL)) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        ask = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0, logprobs=0)
+        got = client.completions.create(**ask).choices[0]
+        ids = got.logprobs.tokens
+        assert len(ids) == 4 and all(t.isdigit() for t in ids) and got.text == " ".join(ids)
+        assert all(got.text[o:o + len(t)] == t for t, o in zip(ids, got.logprobs.text_offset))
+        assert "".join(c.choices[0].text for c in client.completions.create(**ask, stream=True)) == got.text
+        echoed = client.completions.create(**ask, echo=True).choices[0]
+        assert echoed.text == "5 6 7 " + got.text and echoed.logprobs.tokens == ["5", "6", "7", *ids]
+        assert all(echoed.text[o:o + len(t)] == t for t, o in zip(echoed.logprobs.tokens, echoed.logprobs.text_offset))
+    engine.close()
+
+
 def test_serve_verb_refuses_a_taken_port(capsys):
     from expertcache import cli
     with socket.socket() as taken:

@@ -1,6 +1,7 @@
 """expertcache generate: prompt -> streamed text until EOS or the token limit, then a statistics line."""
 from __future__ import annotations
 
+import io
 import sys
 import time
 from pathlib import Path
@@ -146,11 +147,22 @@ def prompt_text(a) -> str:
         from ..lab.texts import read_bounded, utf8_text
         source = "the prompt read from stdin"
         raw = getattr(sys.stdin, "buffer", None)  # a test's StringIO has none
+        if given is None and raw is not None and not _readable_soon(raw):  # an open pipe (an IDE's, a job's) waits
+            print("reading the prompt from stdin until it ends (give -p PROMPT to pass one)", file=sys.stderr)
         data = read_bounded(raw, source) if raw is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
         text = utf8_text(data, source)
     if not text and given is not None:  # asked for explicitly, so the default prompt would be a silent substitute
         raise BadInput("the prompt is empty; give some text (or no prompt at all for the default one)")
     return text or DEFAULT_PROMPT
+
+
+def _readable_soon(stream, seconds: float = 1.0) -> bool:
+    """Whether `stream` has something to read (or its end) within `seconds`; True where it cannot be asked."""
+    import select
+    try:
+        return bool(select.select([stream], [], [], seconds)[0])
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return True
 
 
 def run(a) -> int:

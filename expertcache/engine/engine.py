@@ -395,7 +395,7 @@ class Engine:
             need = "per layer" if quota == "layer" else "shared by the layers (--quota global)"
             shared = "" if quota == "global" else " or --quota global (the layers share their slots)"
             given = f"{budget / 2**20:.1f} MiB" if budget >= 2**20 else \
-                f"{budget} bytes (a plain number is bytes: give a unit, e.g. {budget}M)"
+                f"{budget} bytes (a number without a unit is bytes; MiB are written e.g. 512M)"
             raise CacheTooSmall(f"--memory-budget {given} leaves {max(left, 0) / 2**20:.1f} MiB for "
                                 f"experts after {parts}; top-{k} experts {need} need {one / 2**20:.1f} MiB: raise it "
                                 f"to at least {math.ceil((budget - left + one) / 2**20 * 10) / 10:.1f}M; or, where "

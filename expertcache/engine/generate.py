@@ -265,7 +265,8 @@ class TextGeneration:
         if self.counts is not None:
             self.counts[token] += 1
         # a complete value ends at an end id of the grammar's even under ignore_eos, which would keep it as text
-        if token in self.eos or self.constraint is not None and token in self.constraint.ends:
+        kept = not (token in self.eos or self.constraint is not None and token in self.constraint.ends)
+        if not kept:
             self.finish_reason, self.end_token = "stop", token
         else:
             self.tokens.append(token)
@@ -280,6 +281,8 @@ class TextGeneration:
             text = self.detok.push(token) if token not in self.eos else ""
             if self.finish_reason is not None:
                 text += self.detok.flush()
+        elif kept:  # no tokenizer: the ids joined by spaces, as Engine.decode writes them
+            text = ("" if len(self.tokens) == 1 else " ") + str(token)
         # nor a stop string that ends before the min_tokens-th token's text (vLLM reads them from that token on)
         text, stopped = self.stops.feed(text, match=len(self.tokens) >= self.params.min_tokens)
         if stopped:

@@ -292,8 +292,9 @@ class Server:
             return failed[0]
         choices = []
         for i, (text, finish, scored, prompt_scored) in enumerate(outcomes):
-            if echo:
-                text, scored = echo[i // n] + text, [*(prompt_scored or ()), *scored]
+            if echo:  # without a tokenizer the texts are ids joined by spaces (Engine.decode): one between them
+                joint = " " if self.engine.tokenizer is None and echo[i // n] and text else ""
+                text, scored = echo[i // n] + joint + text, [*(prompt_scored or ()), *scored]
             logprobs = None
             if params[0].logprobs is not None:
                 context = [] if echo else prompts[i // n]
