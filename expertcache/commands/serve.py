@@ -141,9 +141,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(a) -> int:
-    """Run the verb; returns the exit code: 0 after a shutdown on Ctrl-C, 1 when uvicorn failed or the engine's
-    worker stopped on an error it cannot recover from (so that a supervisor restarts the server). On SIGTERM it
-    shuts down the same way, then the process dies of the signal (cli.main), as a supervisor expects."""
+    """Run the verb; returns the exit code: 1 when uvicorn failed or the engine's worker stopped on an error it
+    cannot recover from (so that a supervisor restarts the server), else 0. Ctrl-C and SIGTERM shut it down, then
+    uvicorn raises the signal again: 130 (cli.main), or death by SIGTERM, as a supervisor expects."""
     import uvicorn
     sock = bind(a.host, a.port)
     app = build_app(a)
