@@ -47,12 +47,12 @@ def quality(cache: float, cfg: StudyConfig) -> list[dict]:
     engine = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=cache), initial="warm"))
     seq = study_sequences(engine, cfg)
     per_domain = cfg.tokens_per_domain // cfg.context
-    after = [s // cfg.context + j for s in seq.starts[1:] for j in range(min(2, per_domain))]
+    after = [w + j for w in seq.first_windows(cfg.context)[1:] for j in range(min(2, per_domain))]
     nll = {}
     rows = []
     for spec, eviction in RUNS:
         engine.set_policy(spec, eviction)
-        r = perplexity(engine, seq.ids, cfg.context)
+        r = perplexity(engine, seq.ids, cfg.context, segments=seq.starts)
         nll[spec, eviction] = w = np.asarray(r.window_nll)
         base = nll[BASELINE, "lru"]
         rows.append({"policy": spec, "eviction": eviction, "ppl": r.ppl,

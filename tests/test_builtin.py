@@ -106,7 +106,8 @@ def test_study_and_bench_run(tmp_path, monkeypatch):
     # the baseline is the full model: every expert resident gives its perplexity and its text
     floor = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
     seq = study_sequences(floor, cfg)
-    assert runs["fetch-all"]["ppl"] == pytest.approx(perplexity(floor, seq.ids, cfg.context).ppl, rel=1e-5)
+    assert runs["fetch-all"]["ppl"] == pytest.approx(perplexity(floor, seq.ids, cfg.context,
+                                                                segments=seq.starts).ppl, rel=1e-5)
     floor.reset()
     assert res.generation["samples"]["fetch-all"] == floor.decode(list(generate(floor, seq.prompts[0][1],
                                                                                 cfg.new_tokens)))
@@ -127,6 +128,27 @@ def test_study_and_bench_run(tmp_path, monkeypatch):
     from expertcache.lab.bench import table
     rows = table(b).splitlines()
     assert len(rows) == len(s) + 1 and max(map(len, rows)) <= 100  # the terminal's table fits 100 columns
+
+
+def test_the_studys_exact_perplexity_is_ppls_each_domain_scoring_its_own_next_token(tmp_path):
+    """A domain's last window scored the next domain's first token (and the text's last, a copy of itself), so the
+    study's fetch-every-miss perplexity was not `ppl`'s over the same tokens and windows."""
+    from expertcache.lab.study import StudyConfig, run_study, study_sequences
+    text = tmp_path / "text.txt"
+    text.write_text(EVAL_TEXT.read_text()[:3000])
+    floor = Engine(None, EngineConfig(store="ram", cache=CacheConfig(fraction=1.0)))
+    one = StudyConfig(text=str(text), tokens_per_domain=256, context=128, prompts_per_domain=1, new_tokens=2,
+                      bootstrap=10, policies=("fetch-all",), generation_policies=("fetch-all",))
+    res = run_study(None, one)
+    want = perplexity(floor, floor.encode(text.read_text())[:257], 128)
+    assert (res.runs["fetch-all"]["ppl"], res.sequences["tokens"]) == (pytest.approx(want.ppl, rel=1e-6), 256)
+    two = StudyConfig(**{**one.__dict__, "domains": (1500,)})  # each domain's windows as its own text's
+    seq = study_sequences(floor, two)
+    res = run_study(None, two)
+    texts = [text.read_text()[:1500], text.read_text()[1500:]]
+    each = [perplexity(floor, floor.encode(t)[:257], 128).window_nll for t in texts]
+    assert seq.starts == [0, 257] and res.runs["fetch-all"]["window_nll"] == pytest.approx(each[0] + each[1])
+    floor.close()
 
 
 def test_a_policy_too_long_for_the_terminal_table_keeps_its_whole_name():

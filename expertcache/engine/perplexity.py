@@ -35,23 +35,25 @@ class PerplexityResult:
                 "interrupted": self.interrupted}
 
 
-def windows(n_tokens: int, context: int) -> list[tuple[int, int]]:
-    """Non-overlapping [start, end) spans of at most context+1 tokens sharing one boundary token."""
+def windows(n_tokens: int, context: int, segments: list[int] | None = None) -> list[tuple[int, int]]:
+    """Non-overlapping [start, end) spans of at most context+1 tokens sharing one boundary token; with `segments`
+    (the offsets where texts joined one after another start, 0 first), within each text: none ends in the next."""
     if whole_number(context, "context") < 1:
         raise BadInput(f"context {context} must be at least 1 token; e.g. --context 512")
-    return [(s, min(s + context + 1, n_tokens)) for s in range(0, n_tokens - 1, context)]
+    bounds = [*(segments or [0]), n_tokens]
+    return [(s, min(s + context + 1, b)) for a, b in zip(bounds, bounds[1:]) for s in range(a, b - 1, context)]
 
 
 def teacher_forced(forward: Callable[[torch.Tensor], torch.Tensor], ids: list[int] | torch.Tensor, context: int,
-                   progress: Callable[[int], None] | None = None,
-                   score: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                   progress: Callable[[int], None] | None = None, score: bool = True,
+                   segments: list[int] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The one teacher-forced loop: for each window of `windows`, forward(inputs [T]) -> logits
     [T, V] with the KV cache restarted, yielded with the targets [T] (the next tokens, on the logits'
     device). With
     score=False every token is an input (calibration records them all) and the last window's
     targets are one short."""
     x = torch.as_tensor(ids, dtype=torch.long)
-    for start, end in windows(len(x) + (not score), context):
+    for start, end in windows(len(x) + (not score), context, segments):
         logits = forward(x[start:end - 1])
         assert logits.shape[0] == end - 1 - start, (tuple(logits.shape), start, end)
         yield logits, x[start + 1:end].to(logits.device)
@@ -60,10 +62,12 @@ def teacher_forced(forward: Callable[[torch.Tensor], torch.Tensor], ids: list[in
 
 
 def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool = True,
-               progress: Callable[[int], None] | None = None, partial_on_interrupt: bool = False) -> PerplexityResult:
+               progress: Callable[[int], None] | None = None, partial_on_interrupt: bool = False,
+               segments: list[int] | None = None) -> PerplexityResult:
     """Score `ids` teacher-forced in windows of `context` under the engine's cache and policy
-    (reset first unless `reset` is False: then the cache carries over from earlier runs). With
-    `partial_on_interrupt`, a Ctrl-C after the first window returns the windows scored so far
+    (reset first unless `reset` is False: then the cache carries over from earlier runs). `segments`: where texts
+    joined in `ids` start (0 first; each ends with the token that follows its last scored one), windows kept within
+    each. With `partial_on_interrupt`, a Ctrl-C after the first window returns the windows scored so far
     (`interrupted` set) instead of raising."""
     if not hasattr(engine, "token_ids"):  # a path or None: an AttributeError inside
         raise BadInput(f"perplexity takes an Engine, not {type(engine).__name__}; make one with Engine(path)")
@@ -73,6 +77,10 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
         raise BadInput(f"progress={progress!r} must be a function of the tokens scored, or None")
     if len(ids) < 2:
         raise BadInput(f"perplexity needs at least 2 tokens of text, got {len(ids)}; give a longer text")
+    if segments is not None and not (list(segments)[:1] == [0] and all(
+            type(b) is int and a + 2 <= b <= len(ids) - 2 for a, b in zip(segments, list(segments)[1:]))):
+        raise BadInput(f"segments={list(segments)[:8]} must be increasing offsets into ids, 0 first, each text "
+                       "at least 2 tokens")
     if min(context, len(ids) - 1) > engine.model.max_seq:  # the forward's refusal would name --max-seq alone
         limit = max_seq_limit(engine.args)
         raise BadInput(f"--context {context} is longer than --max-seq {engine.model.max_seq}; lower --context" +
@@ -85,7 +93,8 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
     scored = replace(engine.stats)  # the statistics of the windows scored, to go back to when one is cut short
     interrupted = False
     try:
-        for logits, targets in teacher_forced(lambda x: engine.forward(x, 0), ids, context, progress):
+        for logits, targets in teacher_forced(lambda x: engine.forward(x, 0), ids, context, progress,
+                                              segments=segments):
             nll = F.cross_entropy(logits, targets, reduction="none")
             window_stats.append({c: getattr(engine.stats, c) - getattr(scored, c) for c in counted})
             nll_parts.append(nll)

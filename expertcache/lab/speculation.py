@@ -27,10 +27,10 @@ def speculative_quality(model: Path | None, cfg: StudyConfig, predictors=PREDICT
                                                           e.set_prefetch(PrefetchConfig(n, "speculative")))
     runs = {}
     if progress:  # the perplexity phase: every variant over the same tokens
-        progress(BASELINE, 0, total=len(seq.ids) * len(setups))
+        progress(BASELINE, 0, total=seq.scored * len(setups))
     for label, setup in setups.items():
         setup(engine)
-        runs[label] = perplexity(engine, seq.ids, cfg.context, reset=False,
+        runs[label] = perplexity(engine, seq.ids, cfg.context, reset=False, segments=seq.starts,
                                  progress=(lambda n, s=label: progress(s, n)) if progress else None)
     base = runs[BASELINE]
     out = {"tokens": base.tokens, "ppl": {k: r.ppl for k, r in runs.items()},

@@ -56,7 +56,16 @@ class StudySequences:
     """The study's evaluation tokens (whole windows per domain) and generation prompts held out from them."""
     ids: list[int]
     domains: list[str]
-    starts: list[int]  # token offset of each domain in ids (topic changes)
+    starts: list[int]  # token offset of each domain in ids (topic changes); each ends with its next token
+
+    @property
+    def scored(self) -> int:
+        """The tokens scored: each domain's but its last, which is only a target."""
+        return len(self.ids) - len(self.starts)
+
+    def first_windows(self, context: int) -> list[int]:
+        """The index of each domain's first window (of `context` tokens) among all windows."""
+        return [(s - d) // context for d, s in enumerate(self.starts)]
     prompts: list[tuple[str, list[int]]]  # (domain, prompt ids), disjoint from ids
 
 
@@ -77,8 +86,8 @@ def study_sequences(engine: Engine, cfg: StudyConfig) -> StudySequences:
             continue  # a domain too short for one window and its prompts
         starts.append(len(ids))
         domains.append(domain)
-        ids += toks[:n]
-        rest = toks[n:]
+        ids += toks[:n + 1]  # and the token after its last window: that window's last target, not the next domain's
+        rest = toks[n + 1:]
         step = max(cfg.prompt_tokens, len(rest) // cfg.prompts_per_domain)
         for p in range(cfg.prompts_per_domain):
             prompt = rest[p * step: p * step + cfg.prompt_tokens]
@@ -88,7 +97,7 @@ def study_sequences(engine: Engine, cfg: StudyConfig) -> StudySequences:
         raise BadInput(f"no domain of {cfg.text or EVAL_TEXT} holds one window of {cfg.context} tokens and "
                        f"{cfg.prompts_per_domain} prompts of {cfg.prompt_tokens}; give a longer text (`study`: or a "
                        "smaller --context)")
-    return StudySequences(ids + ids[-1:], domains, starts, prompts)
+    return StudySequences(ids, domains, starts, prompts)
 
 
 def paired_increase(base: list[float], other: list[float], n_boot: int, seed: int) -> dict:
@@ -179,15 +188,15 @@ def run_study(model: Path | None, cfg: StudyConfig, progress: Callable[..., None
     seq = study_sequences(engine, cfg)
     result = StudyResult(cfg.__dict__ | {"policies": list(cfg.policies), "store": engine.config.store},
                          str(engine.path),
-                         {"tokens": len(seq.ids) - 1, "domains": seq.domains, "topic_change_tokens": seq.starts,
+                         {"tokens": seq.scored, "domains": seq.domains, "topic_change_tokens": seq.starts,
                           "prompts": len(seq.prompts), "slots_per_layer": engine.cache.per_layer,
                           "experts": engine.args.num_experts})
     ppl: dict[str, PerplexityResult] = {}
     if progress:
-        progress(cfg.policies[0], 0, total=(len(seq.ids) - 1) * len(cfg.policies))
+        progress(cfg.policies[0], 0, total=seq.scored * len(cfg.policies))
     for spec in cfg.policies:
         engine.set_policy(spec)
-        ppl[spec] = perplexity(engine, seq.ids, cfg.context, reset=False,
+        ppl[spec] = perplexity(engine, seq.ids, cfg.context, reset=False, segments=seq.starts,
                                progress=(lambda n, s=spec: progress(s, n)) if progress else None)
     base = ppl[BASELINE]
     result.runs = {spec: {"name": make_name(spec), **run_metrics(r, base, cfg)} for spec, r in ppl.items()}
@@ -229,7 +238,7 @@ def analyses(runs: dict, seq: StudySequences, cfg: StudyConfig) -> dict:
                              "light_sweep": {p: pick(p, ("mass_per_call", "pct", "ci")) for p in LIGHT if p in runs}}
     if "quality-first" in runs and NO_ADMISSION in runs:
         per_domain = cfg.tokens_per_domain // cfg.context
-        after = [s // cfg.context + j for s in seq.starts[1:] for j in range(min(2, per_domain))]
+        after = [w + j for w in seq.first_windows(cfg.context)[1:] for j in range(min(2, per_domain))]
         w_with = np.asarray(runs["quality-first"]["window_nll"])
         w_without = np.asarray(runs[NO_ADMISSION]["window_nll"])
         sel = lambda w: [w[i] for i in after]  # noqa: E731

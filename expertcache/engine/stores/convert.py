@@ -103,7 +103,7 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     terminal, as a model's first run converts it)."""
     shape = ExpertShape.of(args)
     make_store_dir(out_dir)
-    remove_outdated_stores(ckpt, out_dir)
+    outdated = outdated_stores(ckpt, out_dir)
     tmp = out_dir / "experts.bin.partial"
     checksums, flushed = [], 0
     fmt = fmt or ExpertFormat.of_dtype(dtype if dtype is not None else expert_dtype(ckpt, args))
@@ -111,7 +111,7 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     # checked before anything is removed, so that a refused conversion leaves an earlier store as it was; the files
     # this one replaces (an earlier store, a partial file a killed conversion left) are space it gets back
     _check_space(out_dir, shape.num_layers * shape.num_experts * blob,
-                 _file_bytes(out_dir / "experts.bin") + _file_bytes(tmp))
+                 _file_bytes(out_dir / "experts.bin") + _file_bytes(tmp) + sum(outdated.values()))
     (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
     (out_dir / "experts.bin").unlink(missing_ok=True)  # its space, counted above (a reader keeps its open file)
     try:
@@ -145,18 +145,23 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
             (out_dir / name).unlink(missing_ok=True)
         raise
     _fsync_folder(out_dir)  # the two renames too: a power loss after a conversion of hours keeps the store
+    for folder, size in outdated.items():
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"removed {folder} ({size_text(size)}), a store of {ckpt.path.resolve()}'s weight files as they were "
+              "before", file=sys.stderr)
     return out_dir
 
 
-def remove_outdated_stores(ckpt: Checkpoint, out_dir: Path) -> None:
-    """Where `out_dir` is one of the default folders, remove the default folders of this checkpoint's weight files as
-    they were before (edited, downloaded again: each a folder of its own, in every format), each named on stderr: a
-    real model's store is tens of GB, and none of them would be read again. A run still reading one keeps its open
-    file. Stores that do not record their checkpoint's folder (written by earlier versions) are left."""
+def outdated_stores(ckpt: Checkpoint, out_dir: Path) -> dict[Path, int]:
+    """Where `out_dir` is one of the default folders, the default folders of this checkpoint's weight files as they
+    were before (edited, downloaded again: each converted into a folder of its own, in every format) and their
+    bytes: a conversion removes them once it has written its own (a real model's store is tens of GB, and none of
+    them would be read again; a run still reading one keeps its open file). Stores that do not record their
+    checkpoint's folder (written by earlier versions) are left."""
     stores, source = expertcache_home() / "stores", ckpt.path.resolve()
     if out_dir.resolve().parent != stores.resolve():
-        return
-    stamp = checkpoint_stamp(ckpt)
+        return {}
+    stamp, out = checkpoint_stamp(ckpt), {}
     for folder in sorted(stores.glob(f"{glob.escape(source.name)}-*")):
         if folder.resolve() == out_dir.resolve():  # the one converted now, whatever it held
             continue
@@ -165,10 +170,8 @@ def remove_outdated_stores(ckpt: Checkpoint, out_dir: Path) -> None:
         except (OSError, ValueError):
             continue
         if isinstance(meta, dict) and meta.get("source") == str(source) and meta.get("checkpoint") != stamp:
-            size = sum(_file_bytes(f) for f in folder.iterdir())
-            shutil.rmtree(folder, ignore_errors=True)
-            print(f"removed {folder} ({size_text(size)}), a store of {source}'s weight files as they were before",
-                  file=sys.stderr)
+            out[folder] = sum(_file_bytes(f) for f in folder.iterdir())
+    return out
 
 
 def blob_checksum(ckpt: Checkpoint, args: ModelArgs, layer: int, expert: int, fmt: ExpertFormat) -> int:
