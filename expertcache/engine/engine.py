@@ -271,10 +271,18 @@ class Engine:
         self.plan = self._memory_plan(stored, dtype, held_dense)
         cache_cfg = replace(config.cache, eviction=self._eviction())
         if config.memory_budget is not None:
-            for passes in SMALLER_PASSES:  # a budget short of a full pass's workspace takes smaller passes first
-                if config.memory_budget - self.plan.total >= self._least_slots_bytes():
-                    break
-                self.forward_tokens, self.plan = passes, self._memory_plan(stored, dtype, held_dense, passes)
+            # a larger pass takes no more workspace beyond the smallest's than it leaves the expert slots: one just
+            # past a full pass's budget left them a top-k set, fewer than a smaller budget kept (105M: 43 slots a
+            # layer, 110M: 13)
+            plans = [(FORWARD_CHUNK, self.plan)] + [(p, self._memory_plan(stored, dtype, held_dense, p))
+                                                    for p in SMALLER_PASSES]
+            slots = [config.memory_budget - plan.total for _, plan in plans]
+            least, smallest = self._least_slots_bytes(), plans[-1][1].workspace
+            pick = next((i for i, (left, (_, plan)) in enumerate(zip(slots, plans))
+                         if left >= max(least, plan.workspace - smallest)), None)
+            if pick is None:  # else the largest pass that leaves a top-k set (CacheTooSmall where none does)
+                pick = next((i for i, left in enumerate(slots) if left >= least), len(plans) - 1)
+            self.forward_tokens, self.plan = plans[pick]
             cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget))
         self._check_memory(cache_cfg, stored, held_dtype(ckpt, self.args, store_dtype, config.store_format))
         self._check_device_memory(cache_cfg)
