@@ -125,6 +125,7 @@ class MissPolicy:
     parameters: tuple[str, ...] = ()  # the keys its spec takes
     fetches_small = False  # some misses fetch the expert's low-precision copy (a second store)
     spec = ""  # the spec make_policy read, every option in it (what statistics lines name the policy by)
+    named_eviction: str | None = None  # the spec's own eviction=ORDER, which no other order may override
     engine = None  # a weak reference to the Engine that bound it (Engine._fit): its `account` is that engine's run's
 
     def __init__(self):
@@ -453,6 +454,17 @@ def make_policy(spec: str) -> MissPolicy:
     if eviction is not None:
         policy.eviction, policy.name = eviction, name
     if chosen_eviction is not None:
-        policy.eviction = chosen_eviction
+        policy.eviction = policy.named_eviction = chosen_eviction
     policy.spec = spec.strip()
     return policy
+
+
+def eviction_order(policy: MissPolicy, *given: str | None) -> str:
+    """The eviction order a run of `policy` takes: the first of `given` (a call's, a config's) that is not None,
+    else the one the policy prefers; BadInput where the policy's spec names another (eviction=lfu with --eviction
+    lru ran lru under the spec's name)."""
+    order = next((g for g in given if g is not None), None)
+    if order is not None and policy.named_eviction not in (None, order):
+        raise BadInput(f"policy {policy.spec!r} names eviction={policy.named_eviction}, and eviction {order} is "
+                       f"asked too (--eviction); give the order once")
+    return order or policy.eviction

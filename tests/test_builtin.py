@@ -38,10 +38,17 @@ def test_generate_and_ppl_verbs(capsys, tmp_path):
     assert "prefill: " in out.err and "generation: " in out.err  # prompt and generated tokens timed apart
     g = json.loads((tmp_path / "g.json").read_text())
     assert len(g["tokens"]) == 8 and g["stats"]["tokens"] > 8
-    assert cli.main(["ppl", "--max-tokens", "300", "--context", "128", "--policy", "quality-first",
+    assert cli.main(["ppl", "--max-tokens", "300", "--context", "128", "--policy", "quality-first:beta=0",
                      "--json", str(tmp_path / "p.json")]) == 0
     p = json.loads((tmp_path / "p.json").read_text())
     assert p["tokens"] == 300 and p["ppl"] > 1 and len(p["window_nll"]) == 3
+    # the policy as given, every option (its name alone read quality-first), and how the cache ran it
+    assert (p["policy"], p["eviction"], p["quota"]) == ("quality-first:beta=0", "demand", "layer")
+    # an eviction order the spec names and another asked: refused, where the other ran under the spec's name
+    capsys.readouterr()
+    assert cli.main(["ppl", "--max-tokens", "8", "--policy", "threshold:tau=0.15,eviction=lfu", "--eviction",
+                     "lru"]) == 2
+    assert "names eviction=lfu, and eviction lru is asked too" in capsys.readouterr().err
     assert cli.main(["info", "--budget", "16"]) == 0
     assert "experts per MoE layer" in capsys.readouterr().out
 

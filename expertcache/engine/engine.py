@@ -31,7 +31,7 @@ from ..kernel.compiled import kernels_cached
 from ..kernel.eviction import eviction_code
 from ..models import model_args
 from ..models.args import ModelArgs
-from ..policies import MissPolicy, as_policy, make_policy
+from ..policies import MissPolicy, as_policy, eviction_order, make_policy
 from .cache import CacheConfig, ExpertCache, least_slots_per_layer, slots_per_layer
 from .compile_clock import compile_seconds
 from .slots import slot_bytes, slot_format
@@ -445,14 +445,16 @@ class Engine:
             self._set_policy(policy, eviction)
 
     def _set_policy(self, policy: MissPolicy | str, eviction: str | None) -> None:
-        self.policy = self.runner.policy = self.bind_policy(policy)
-        self.cache.cfg = replace(self.cache.cfg, eviction=self._eviction(eviction))
+        policy = self.bind_policy(policy)
+        order = self._eviction(eviction, policy)  # refused before anything changes
+        self.policy = self.runner.policy = policy
+        self.cache.cfg = replace(self.cache.cfg, eviction=order)
         self.reset()
 
-    def _eviction(self, eviction: str | None = None) -> str:
+    def _eviction(self, eviction: str | None = None, policy: MissPolicy | None = None) -> str:
         """The eviction order the cache runs: the call's, else EngineConfig's, else CacheConfig's, else the one the
-        policy prefers."""
-        return eviction or self.config.eviction or self.config.cache.eviction or self.policy.eviction
+        policy (the engine's, or `policy`) prefers; BadInput where its spec names another."""
+        return eviction_order(policy or self.policy, eviction, self.config.eviction, self.config.cache.eviction)
 
     def _open_small(self, policy: MissPolicy) -> None:
         """Open the slow tier's low-precision copies (a second store, converted once) the first

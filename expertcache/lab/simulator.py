@@ -26,7 +26,7 @@ from ..kernel.cache_state import LOGGING, CacheState
 from ..kernel.policy import Scratch
 from ..kernel.replay import replay_window, route_all, route_all_biased, route_all_selection
 from ..kernel.routing import HALF_TO_FLOAT, Router
-from ..policies import make_policy
+from ..policies import eviction_order, make_policy
 from .trace import Trace, header_problem
 
 
@@ -183,7 +183,7 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
             raise BadInput(f"routes of shape {routes.ranked.shape} do not fit the trace ({L} layers, {N} tokens, "
                            f"{E} experts, top-k {k}); pass route_trace(trace) of this trace")
     cfg = CacheConfig(fraction=cache.fraction, bytes=cache.bytes, quota=cache.quota,
-                      eviction=eviction or cache.eviction or pol.eviction)
+                      eviction=eviction_order(pol, eviction, cache.eviction))
     slots = slot_format or ExpertFormat.parse("fp16" if fetch_dtype_bytes == 2 else "fp32")
     fetch_bytes = encoded_bytes(shape.parts, slots) if slots.quantized else numel * fetch_dtype_bytes
     vc = ExpertCache(cfg, None, k, None, slots, shape=shape, fetch_bytes=fetch_bytes,
