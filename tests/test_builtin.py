@@ -158,6 +158,21 @@ def test_the_studys_exact_perplexity_is_ppls_each_domain_scoring_its_own_next_to
     floor.close()
 
 
+def test_a_policys_generation_in_the_study_is_the_same_beside_a_lowbit_policy():
+    """A lowbit policy run earlier left its low-precision copies' store attached, and every later policy's prompts
+    were decided under the policy rather than run exactly, expert by expert: threshold's generation test read
+    4.7% identical tokens beside lowbit, 9.4% alone."""
+    from expertcache.lab.study import StudyConfig, run_study
+    alone = StudyConfig(tokens_per_domain=256, context=128, prompts_per_domain=1, new_tokens=8, bootstrap=10,
+                        policies=("fetch-all", "threshold:tau=0.15"),
+                        generation_policies=("fetch-all", "threshold:tau=0.15"))
+    beside = StudyConfig(**{**alone.__dict__, "policies": ("fetch-all", "lowbit:tau=0.15", "threshold:tau=0.15"),
+                            "generation_policies": ("fetch-all", "lowbit:tau=0.15", "threshold:tau=0.15")})
+    runs = [run_study(None, cfg) for cfg in (alone, beside)]
+    assert runs[0].generation["threshold:tau=0.15"] == runs[1].generation["threshold:tau=0.15"]
+    assert runs[0].runs["threshold:tau=0.15"]["ppl"] == runs[1].runs["threshold:tau=0.15"]["ppl"]
+
+
 def test_a_policy_too_long_for_the_terminal_table_keeps_its_whole_name():
     """Cut to its column, quality-first+prefetch/lookahead:fetched=1 and :fetched=1,confidence=0.1 read the same."""
     from types import SimpleNamespace

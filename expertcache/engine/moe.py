@@ -439,7 +439,10 @@ class MoELayerRunner:
 
         def predict(experts: np.ndarray, gates: np.ndarray) -> None:  # this token's slots stay protected
             self._predict_next(layer, x, experts, gates)
-        if T > 1 and self.by_expert and cache.small is None and self.prefetch.mode != "speculative":
+        # not where low-precision copies are fetched or still held (a by-expert prompt runs a resident copy as the
+        # expert); a policy run after a lowbit one, its cache reset, takes it as it would alone
+        if T > 1 and self.by_expert and not (self.policy.fetches_small or cache.state.low.any()) and \
+                self.prefetch.mode != "speculative":
             out = torch.zeros_like(x)
             self._run_by_expert(layer, routing, add)
             return out if self.router.scale == 1.0 else out * self.router.scale
