@@ -209,6 +209,10 @@ def test_a_text_of_one_domain_reports_no_interval_where_it_has_no_windows(tmp_pa
     assert increase_text({"pct": -0.001, "ci": [-0.004, 0.003]}) == "+0.00% [+0.00, +0.00]"
     two = paired_increase([2.0, 2.1], [2.01, 2.2], 100, 0)
     assert two["ci"][0] <= two["pct"] <= two["ci"][1]
+    # two windows whose increases differ: Student's t interval spans both signs, where the bootstrap's (the two
+    # windows' own values) called a -3.4% change significant
+    few = paired_increase([1.0, 1.2], [0.96, 1.17], 2000, 0)
+    assert few["ci"][0] < 0 < few["ci"][1] and few["pct"] == pytest.approx(-3.44, abs=0.01)
     text = tmp_path / "one_domain.txt"  # no segments file beside it: one domain
     text.write_text((BUILTIN_MODEL.parent / "eval.txt").read_text(encoding="utf-8")[:1500], encoding="utf-8")
     assert cli.main(["study", "--text", str(text), "--policies", "quality-first", "quality-first:beta=0",
