@@ -196,7 +196,8 @@ def run_study(model: Path | None, cfg: StudyConfig, progress: Callable[..., None
     seq = study_sequences(engine, cfg)
     result = StudyResult(cfg.__dict__ | {"policies": list(cfg.policies), "store": engine.config.store},
                          str(engine.path),
-                         {"tokens": seq.scored, "domains": seq.domains, "topic_change_tokens": seq.starts,
+                         {"tokens": seq.scored, "domains": seq.domains,  # among the scored tokens
+                          "topic_change_tokens": [s - d for d, s in enumerate(seq.starts)],
                           "prompts": len(seq.prompts), "slots_per_layer": engine.cache.per_layer,
                           "experts": engine.args.num_experts})
     ppl: dict[str, PerplexityResult] = {}
