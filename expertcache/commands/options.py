@@ -89,7 +89,8 @@ def add_text_arguments(p: argparse.ArgumentParser, default: Path | None = None) 
                    help="UTF-8 text file (default: the built-in evaluation text, with its domains)")
     p.add_argument("--domains", type=domain_offsets, default=None,
                    help="comma-separated character offsets where a new topic starts (default: the segments "
-                        "file beside the text, else one domain)")
+                        "file beside the text, TEXT.json with {\"segments\": [{\"domain\", \"start_char\", "
+                        "\"chars\"}]}, else one domain)")
 
 
 def output_path(text: str) -> Path:

@@ -81,21 +81,34 @@ def text_segments(path: Path, offsets: tuple[int, ...] | None = None) -> tuple[s
                            f"{len(text)} characters of {path}; e.g. --domains {len(text) // 2}")
         return text, [Segment(f"{path.stem}:{i}", a, b - a) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     segments_file = path.with_suffix(".json")
-    if segments_file.exists():
+    if (listed := _segments_listed(segments_file)) is not None:
         try:
-            segs = json.loads(segments_file.read_text())["segments"]
-            segments = [Segment(str(s["domain"]), int(s["start_char"]), int(s["chars"])) for s in segs]
+            segments = [Segment(str(s["domain"]), int(s["start_char"]), int(s["chars"])) for s in listed]
         except (ValueError, KeyError, TypeError) as e:
-            raise BadInput(f"{segments_file}: not a segments file ({e}); remove it, or give study --domains") from None
+            raise BadInput(f"{segments_file}: not a segments file ({e}); correct it, remove it, or give "
+                           "--domains") from None
         for s in segments:  # a segment past the text would be an empty domain, scored as nothing
             if s.start_char < 0 or s.chars <= 0 or s.start_char + s.chars > len(text):
                 raise BadInput(f"{segments_file}: segment {s.domain!r} (start_char {s.start_char}, chars {s.chars}) "
                                f"is not inside the {len(text)} characters of {path}; correct it, remove the file, "
-                               "or give study --domains")
+                               "or give --domains")
         if not segments:
-            raise BadInput(f"{segments_file} lists no segments; remove it, or give study --domains")
+            raise BadInput(f"{segments_file} lists no segments; remove it, or give --domains")
         return text, segments
     return text, [Segment(path.stem, 0, len(text))]
+
+
+def _segments_listed(path: Path):
+    """The "segments" a JSON object at `path` lists, or None where there is none that lists them (no file, or
+    another JSON file beside the text, such as a `ppl --json` of it); BadInput for a file that is not JSON."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError:
+        return None
+    except ValueError as e:
+        raise BadInput(f"{path}: not a segments file (not JSON: {e}); correct it, remove it, or give --domains") \
+            from None
+    return data["segments"] if isinstance(data, dict) and "segments" in data else None
 
 
 def domain_texts(path: Path, offsets: tuple[int, ...] | None = None) -> list[tuple[str, str]]:
