@@ -62,7 +62,7 @@ def child_engine(a) -> dict:
     from expertcache.engine.generate import prefill
     from expertcache.engine.quant import ExpertFormat
     ids = text_ids(a.model, max(a.tokens + 8, a.prompt_tokens))
-    cache = CacheConfig(fraction=0.25, quota=a.quota)  # sized by --memory-budget
+    cache = CacheConfig(quota=a.quota)  # sized by --memory-budget
     engine = Engine(a.model, EngineConfig(store="disk", cache=cache, policy=a.policy,
                                           store_format=ExpertFormat.parse("int4", 32), slot_dtype="int4",
                                           dense_dtype="int4", memory_budget=a.budget,

@@ -1213,7 +1213,10 @@ def test_names_folders_and_ids_of_the_python_api_are_refused_before_anything_loa
     0 or less a message about units; './org/name' was looked up on the Hub; bools were token ids; an id past int64
     was called no list of ints; a policy spelt as the command line spells prefetching named no way to give it."""
     for kw, words in [(dict(initial="hot"), "unknown initial residency 'hot'"),
-                      (dict(memory_budget=0), "memory_budget=0 must be a positive number of bytes")]:
+                      (dict(memory_budget=0), "memory_budget=0 must be a positive number of bytes"),
+                      # a size asked for, replaced without a word by what the budget left
+                      (dict(memory_budget=2**27, cache=CacheConfig(fraction=0.1)), "give it or a cache size"),
+                      (dict(memory_budget=2**27, cache=CacheConfig(bytes=2**22)), "not both")]:
         with pytest.raises((BadInput, UnknownName), match=words):
             EngineConfig(**kw)
     for kw, words in [(dict(quota="Layer"), "unknown quota 'Layer'"), (dict(io="fast"), "unknown I/O backend"),

@@ -43,7 +43,8 @@ del warm
 gc.collect()
 base = status("VmRSS")
 Path("/proc/self/clear_refs").write_text("5")
-e = Engine(None, EngineConfig(**{**cfg.__dict__, "memory_budget": int(sys.argv[1]), "prefetch": prefetch}))
+e = Engine(None, EngineConfig(**{**cfg.__dict__, "memory_budget": int(sys.argv[1]), "prefetch": prefetch,
+                                 "cache": CacheConfig(io_workers=2)}))
 list(generate(e, list(range(1, 33)), 32))
 print(json.dumps({"base": base, "peak": status("VmHWM"), "anon": status("RssAnon"), "file": status("RssFile"),
                   **e.budget()}))

@@ -77,7 +77,7 @@ class EngineConfig:
     # admits a request only while its prompt + max_tokens fit); None: max_seq, one sequence
     kv_positions: int | None = None
     prefetch: PrefetchConfig | None = None  # predict the next layer's experts and prefetch them
-    memory_budget: int | None = None  # bytes of the whole fast tier; sizes the expert cache (overrides cache size)
+    memory_budget: int | None = None  # bytes of the whole fast tier; sizes the expert cache (no cache size beside it)
     slot_dtype: str = "auto"  # the fast tier's expert format: auto, fp32, fp16, bf16, int8, int4 (slots.slot_format)
     dense_dtype: str = "auto"  # the dense weights' format: auto (the checkpoint's 16 bits), fp32, fp16, bf16, int8, int4
     # how a prompt's prefill meets the cache (generate, chat, serve; a scored window always runs in token order):
@@ -116,6 +116,10 @@ class EngineConfig:
         if not isinstance(self.cache, CacheConfig):
             raise BadInput(f"cache must be a CacheConfig, e.g. CacheConfig(fraction=0.25), not "
                            f"{type(self.cache).__name__}")
+        if self.memory_budget is not None and (self.cache.fraction is not None or self.cache.bytes is not None):
+            # a size asked for would be silently replaced by what the budget leaves
+            raise BadInput("a memory budget sizes the expert cache from what it leaves; give it or a cache size "
+                           "(--cache or --cache-bytes; CacheConfig's fraction or bytes), not both")
         if self.prefetch is not None and not isinstance(self.prefetch, PrefetchConfig):
             raise BadInput(f"prefetch must be a PrefetchConfig, e.g. PrefetchConfig('lookahead'), not "
                            f"{type(self.prefetch).__name__}")

@@ -79,7 +79,7 @@ class BenchConfig:
     slot_dtype: str = "auto"  # the fast tier's expert format (EngineConfig.slot_dtype)
     dense_dtype: str = "auto"  # the dense weights' format (EngineConfig.dense_dtype)
     device: str = "cpu"
-    cache_fraction: float = 0.25
+    cache_fraction: float | None = None  # None: CacheConfig's default (a quarter), or what a memory budget leaves
     cache_bytes: int | None = None  # overrides cache_fraction (CacheConfig.bytes)
     memory_budget: int | None = None  # the whole fast tier's bytes (EngineConfig.memory_budget); no floor then
     policies: tuple[str, ...] = POLICIES
