@@ -53,6 +53,36 @@ def test_a_plain_number_for_a_memory_budget_is_said_to_be_bytes(capsys):
     assert code == 2 and "102400 bytes" in err and "102400M" not in err  # a unit given: no hint that it is 1000x
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["tune", "--budget", "1000%"], "from 0 up to (not including) 1000"),
+    (["ppl", "--memory-budget", "1Q"], "a number of bytes, or of K, M, G or T"),
+    (["ppl", "--text", "-"], "a text is read from a file, not stdin"),
+    (["trace", "--out", "/dev/null"], "is not a regular file (a device or a pipe): the file written is read back"),
+])
+def test_messages_name_what_the_option_takes(capsys, argv, said):
+    """A budget of 1000% was told to be >= 0; a size in T, that it was no size; --text - that there was no such
+    file; trace --out /dev/null, that it was no trace file to read."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's refusal of an option's value
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and said in err and err.count("\n") == 0, err
+
+
+def test_a_warm_start_without_routing_counts_names_the_models_folder(capsys, ckpt):
+    code, err = run_cli(capsys, "ppl", "--model", str(ckpt), "--initial", "warm", "--max-tokens", "8")
+    assert code == 2 and f"run `expertcache calibrate --model {ckpt}` first" in err, err
+
+
+def test_simulates_too_small_cache_names_no_option_it_lacks(capsys, tmp_path):
+    trace = tmp_path / "t.ectrace"
+    assert cli.main(["trace", "--out", str(trace), "--max-tokens", "64"]) == 0
+    capsys.readouterr()
+    code, err = run_cli(capsys, "simulate", str(trace), "--cache", "0.25", "0.01")
+    assert code == 2 and "--cache 0.063" in err and "--quota global" not in err, err
+
+
 def test_missing_and_corrupt_config(capsys, ckpt):
     config = (ckpt / "config.json").read_text()
     for text in ("[]", '"qwen3_moe"'):  # valid JSON, no object: one line too, from a checkpoint or --config

@@ -33,14 +33,15 @@ positive_int = bounded(int, 1, what="give a whole number >= 1")
 
 
 def byte_size(text: str) -> int:
-    """An argparse type: bytes, with an optional K, M or G suffix (powers of 1024), e.g. 64M."""
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    """An argparse type: bytes, with an optional K, M, G or T suffix (powers of 1024), e.g. 64M."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     scale = units.get(t[-1:], 1)
     try:
         n = float(t[:-1] if t[-1:] in units else t) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; e.g. 64M, 2G or 1048576") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: a number of bytes, or of K, M, G or T (powers of "
+                                         "1024), e.g. 64M, 2G or 1048576") from None
     if not n >= 1 or n != n or n == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is out of range: give a size of at least 1 byte")
     return int(n)
@@ -111,6 +112,16 @@ def output_path(text: str) -> Path:
     if not (os.access(path, os.W_OK) if written_in_place(path) else writable_folder(path.parent)):
         raise argparse.ArgumentTypeError(f"{text} cannot be written here (permission denied or a read-only "
                                          "filesystem); give another path")
+    return path
+
+
+def file_output_path(text: str) -> Path:
+    """A file the verb writes and reads back (a trace, memory-mapped), as `output_path`: not a device or a pipe,
+    which take bytes and give none back (argparse type)."""
+    path = output_path(text)
+    if path.exists() and not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a regular file (a device or a pipe): the file written is "
+                                         "read back; give a file path")
     return path
 
 

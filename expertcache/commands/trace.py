@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..choices import BUILTIN_MODEL, EVAL_TEXT
-from .options import add_model_argument, add_text_arguments, output_path, positive_int
+from .options import add_model_argument, add_text_arguments, file_output_path, positive_int
 
 HELP = "record every token's router logits at every MoE layer into a trace file"
 
@@ -11,7 +11,7 @@ def add_arguments(p):
     """The verb's options."""
     add_model_argument(p)
     add_text_arguments(p, EVAL_TEXT)
-    p.add_argument("--out", type=output_path, required=True, help="trace file to write")
+    p.add_argument("--out", type=file_output_path, required=True, help="trace file to write")
     p.add_argument("--context", type=positive_int, default=512, help="window length in tokens")
     p.add_argument("--dtype", default="float16", choices=["float16", "float32"],
                    help="how the logits are stored (float32: the simulator's fetch-every-miss counts equal the "

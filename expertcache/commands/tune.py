@@ -26,7 +26,8 @@ def budget(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a percentage; e.g. --budget 1%") from None
     if not 0 <= v < 1000:
-        raise argparse.ArgumentTypeError(f"{text!r} is out of range: give a percentage >= 0, e.g. --budget 1%")
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: give a percentage from 0 up to (not "
+                                         "including) 1000, e.g. --budget 1%")
     return v
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import shlex
 import sys
 import threading
 import time
@@ -424,8 +425,9 @@ class Engine:
         initial = self.config.initial
         counts = self.routing_counts if initial in ("warm", "auto") else None
         if initial == "warm" and counts is None:
-            raise CheckpointError(f"{self.path}: no {ROUTING_COUNTS} for a warm cache; run `expertcache calibrate "
-                                  "--model PATH` first (a verb that takes --initial can also start cold)")
+            model = "" if self.path == BUILTIN_MODEL else f" --model {shlex.quote(str(self.path))}"
+            raise CheckpointError(f"{self.path}: no {ROUTING_COUNTS} for a warm cache; run `expertcache calibrate"
+                                  f"{model}` first (a verb that takes --initial can also start cold)")
         self.cache.clear()
         if counts is not None:
             self.cache.warm(counts)

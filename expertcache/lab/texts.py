@@ -46,7 +46,8 @@ def read_text(path: Path) -> str:
         with open(path, "rb") as f:
             data = read_bounded(f, str(path))
     except FileNotFoundError:
-        raise BadInput(f"{path}: no such text file; give a UTF-8 text file") from None
+        stdin = "; a text is read from a file, not stdin: save it to one" if str(path) == "-" else ""
+        raise BadInput(f"{path}: no such text file; give a UTF-8 text file{stdin}") from None
     except OSError as e:  # a folder, no permission
         raise BadInput(f"cannot read text {path} ({e.strerror}); give a UTF-8 text file") from None
     text = utf8_text(data, str(path))
