@@ -219,6 +219,7 @@ def test_a_text_of_one_domain_reports_no_interval_where_it_has_no_windows(tmp_pa
                      "--tokens-per-domain", "128", "--context", "64", "--out", str(tmp_path / "report")]) == 0
     report = (tmp_path / "report" / "README.md").read_text()
     assert "after each topic change n/a (no window)" in report and "+nan" not in report
+    assert "teacher-forced tokens of one_domain.txt (" in report  # the user's text, not "the evaluation text"
 
 
 def test_chat_prints_a_banner_and_leaves_at_quit(monkeypatch, capsys):

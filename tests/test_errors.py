@@ -58,10 +58,14 @@ def test_a_plain_number_for_a_memory_budget_is_said_to_be_bytes(capsys):
     (["ppl", "--memory-budget", "1Q"], "a number of bytes, or of K, M, G or T"),
     (["ppl", "--text", "-"], "a text is read from a file, not stdin"),
     (["trace", "--out", "/dev/null"], "is not a regular file (a device or a pipe): the file written is read back"),
+    # past the model's positions whatever the text's length (a trace recorded --context 5000 as its context)
+    (["ppl", "--context", "5000", "--max-tokens", "64"], "--context 5000 is longer than the model's context of 2048"),
+    (["trace", "--out", "t.ectrace", "--context", "5000", "--max-tokens", "64"], "longer than the model's context"),
 ])
-def test_messages_name_what_the_option_takes(capsys, argv, said):
+def test_messages_name_what_the_option_takes(capsys, argv, said, tmp_path, monkeypatch):
     """A budget of 1000% was told to be >= 0; a size in T, that it was no size; --text - that there was no such
     file; trace --out /dev/null, that it was no trace file to read."""
+    monkeypatch.chdir(tmp_path)
     try:
         code = cli.main(argv)
     except SystemExit as e:  # argparse's refusal of an option's value

@@ -189,6 +189,10 @@ def test_tune_refuses_a_short_text_before_measuring(tmp_path, capsys):
     assert cli.main(["tune", "--budget", "1%", "--text", str(short)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "fewer than two windows" in err and "quick profile" not in err
+    # the calibration text given as the held-out one: nothing held out, refused before measuring
+    assert cli.main(["tune", "--budget", "1%", "--text", str(CALIB_TEXT)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "validated on what it was tuned on" in err and "quick profile" not in err
 
 
 @pytest.mark.parametrize("argv", [["--cache-bytes", "1"], ["--cache", "0.01"],

@@ -111,7 +111,8 @@ def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[Checkpoint, 
     windows)` sees each decoder layer's input, window by window, before its attention runs."""
     ckpt = open_checkpoint(model_path)
     args = model_args(ckpt.config)
-    if min(context, len(ids)) > max_seq_limit(args):  # positions the model never saw: routing it never learned
+    if context > max_seq_limit(args):  # positions the model never saw, even where the text is shorter (a trace
+        # recorded its context as given)
         raise BadInput(f"--context {context} is longer than the model's context of {max_seq_limit(args)} positions; "
                        "lower --context")
     weights = dense_weights(ckpt, args)

@@ -46,10 +46,13 @@ def _write_files(res: StudyResult, out: Path) -> list[Path]:
     numbered = iter(range(1, 10))
     section = lambda title: f"## {next(numbered)}. {title}"  # noqa: E731 -- numbered as they appear
     lines = [f"# Emulation study: {Path(res.model).name}", "",
-             f"{s['tokens']} teacher-forced tokens of the evaluation text ({', '.join(s['domains'])}), "
+             f"{s['tokens']} teacher-forced tokens of "
+             f"{'the evaluation text' if res.config.get('text') is None else Path(res.config['text']).name} "
+             f"({', '.join(s['domains'])}), "
              f"windows of {res.config['context']}, cache {s['slots_per_layer']}/{s['experts']} experts per layer "
              f"(fraction {res.config['cache_fraction']}), warm start, `ram` store (exact). Perplexity increase is over "
-             f"fetch-every-miss on the same windows, with a paired bootstrap 95% CI over windows.", "",
+             "fetch-every-miss on the same windows, with a paired bootstrap 95% CI over windows (Student's t from "
+             "fewer than 20).", "",
              ("| policy | ppl | increase [95% CI] | calls subst. | slots subst. | mass/call | hit rate | fetches/token "
               "| admissions + upgrades/token |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

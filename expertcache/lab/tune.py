@@ -382,6 +382,10 @@ def tune_ids(model: Path | None, calib_text: str, eval_text: str, cfg: TuneConfi
         if len(ids) < 2 * cfg.context + 1:
             raise BadInput(f"the {name} text gives {max(len(ids) - 1, 0)} tokens to predict, fewer than two windows "
                            f"of {cfg.context}; give a longer text or a smaller --context (asked for {want})")
+    shared = min(len(calib), len(held))
+    if calib[:shared] == held[:shared]:  # the same text (or one the start of the other): nothing held out
+        raise BadInput("the held-out text begins with the calibration text's tokens (the same file?): the winner "
+                       "would be validated on what it was tuned on; give another --text or --calib-text")
     return calib, held
 
 
