@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from expertcache.choices import CALIB_TEXT
 from expertcache.cli import run_script
 from expertcache.engine.engine import BUILTIN_MODEL
 from expertcache.engine.tensor_file import CHECKSUM, tensors_checksum
@@ -208,6 +209,11 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("--cache-bytes 10", [*ppl, "--cache-bytes", "10"]),
         ("--memory-budget 1M", [*ppl, "--memory-budget", "1M"]),
         ("--memory-budget lots", [*ppl, "--memory-budget", "lots"]),
+        ("--memory-budget 128M with --cache 0.5", [*ppl, "--memory-budget", "128M", "--cache", "0.5"]),
+        ("--context 5000 (past the model's positions)", [*ppl, "--context", "5000"]),
+        ("eviction=lfu in the spec and --eviction lru", [*ppl, "--policy", "threshold:tau=0.15,eviction=lfu",
+                                                          "--eviction", "lru"]),
+        ("trace --out /dev/null", ["trace", "--out", "/dev/null", "--max-tokens", "64"]),
         ("--max-seq 0", [*ppl, "--max-seq", "0"]),
         ("--max-seq 16 with a 64-token window", [*ppl, "--max-seq", "16"]),
         ("--quota nope", [*ppl, "--quota", "nope"]),
@@ -281,6 +287,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("generate prefetch confidence=2", ["generate", "--policy", "fetch-all+prefetch/lookahead:confidence=2"]),
         ("tune --profile with a negative term", ["tune", "--profile", str(bad_profile)]),
         ("tune --cache-bytes 1 (fewer slots than top-k)", ["tune", "--cache-bytes", "1"]),
+        ("tune --text the calibration text", ["tune", "--text", str(CALIB_TEXT)]),
         ("--json onto a full disk (/dev/full)", ["info", "--json", "/dev/full"]),
         ("config quantized with GPTQ", [*ppl, "--model", str(gptq)]),
         ("a weight stored as integers", [*ppl, "--model", str(int_weights)]),
