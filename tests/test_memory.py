@@ -246,6 +246,11 @@ def test_bench_under_a_memory_budget_skips_the_floor():
                                       memory_budget=40 * 2**20, decode_tokens=2, forced_tokens=32, context=32,
                                       repeats=1))
     assert 0 < res.config["slots_per_layer"] < alone
+    from expertcache import cli  # the verb too, whose --cache is no size asked for unless given
+    assert cli.main(["bench", "--store", "ram", "--memory-budget", "40M", "--decode-tokens", "2", "--forced-tokens",
+                     "16", "--repeats", "1", "--policies", "fetch-all"]) == 0
+    assert cli.main(["bench", "--store", "ram", "--memory-budget", "40M", "--cache", "0.5", "--decode-tokens", "2",
+                     "--policies", "fetch-all"]) == 2
 
 
 RAM_STORE_PEAK = """

@@ -26,7 +26,9 @@ def add_arguments(p):
     """The verb's options."""
     add_model_argument(p)
     add_store_arguments(p)
-    p.add_argument("--cache", type=fraction, default=0.25, help="cache size as a fraction of each layer's experts")
+    p.add_argument("--cache", type=fraction, default=None,
+                   help="cache size as a fraction of each layer's experts (default: 0.25, or what --memory-budget "
+                        "leaves)")
     p.add_argument("--memory-budget", type=byte_size, default=None,
                    help="bytes of the whole fast tier (dense weights, KV cache, buffers, expert slots), e.g. 2G; "
                         "sizes the cache instead of --cache, and skips the all-resident floor, which would exceed it")
