@@ -58,6 +58,7 @@ class StudySequences:
     ids: list[int]
     domains: list[str]
     starts: list[int]  # token offset of each domain in ids (topic changes); each ends with its next token
+    prompts: list[tuple[str, list[int]]]  # (domain, prompt ids), disjoint from ids
 
     @property
     def scored(self) -> int:
@@ -67,7 +68,6 @@ class StudySequences:
     def first_windows(self, context: int) -> list[int]:
         """The index of each domain's first window (of `context` tokens) among all windows."""
         return [(s - d) // context for d, s in enumerate(self.starts)]
-    prompts: list[tuple[str, list[int]]]  # (domain, prompt ids), disjoint from ids
 
 
 def study_sequences(engine: Engine, cfg: StudyConfig) -> StudySequences:
