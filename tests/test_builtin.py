@@ -43,7 +43,8 @@ def test_generate_and_ppl_verbs(capsys, tmp_path):
     p = json.loads((tmp_path / "p.json").read_text())
     assert p["tokens"] == 300 and p["ppl"] > 1 and len(p["window_nll"]) == 3
     # the policy as given, every option (its name alone read quality-first), and how the cache ran it
-    assert (p["policy"], p["eviction"], p["quota"]) == ("quality-first:beta=0", "demand", "layer")
+    assert (p["policy"], p["eviction"], p["quota"], p["initial"]) == ("quality-first:beta=0", "demand", "layer",
+                                                                      "warm")  # auto, with routing counts: warm
     # an eviction order the spec names and another asked: refused, where the other ran under the spec's name
     capsys.readouterr()
     assert cli.main(["ppl", "--max-tokens", "8", "--policy", "threshold:tau=0.15,eviction=lfu", "--eviction",

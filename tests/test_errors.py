@@ -286,12 +286,15 @@ def test_a_segment_outside_its_text_is_refused(tmp_path, segment):
     (tmp_path / "t.json").write_text(json.dumps({"segments": []}))
     with pytest.raises(BadInput, match="lists no segments"):
         domain_texts(tmp_path / "t.txt")
-    (tmp_path / "t.json").write_text("{")
+    (tmp_path / "t.json").write_text(json.dumps({"segments": [{"domain": "a", "start_char": "x", "chars": 6}]}))
     with pytest.raises(BadInput, match="not a segments file .*give --domains"):
         domain_texts(tmp_path / "t.txt")
-    # another JSON beside the text (a `ppl --json` of it) is not its segments: one domain, as without it
-    (tmp_path / "t.json").write_text(json.dumps({"text": "t.txt", "ppl": 9.1}))
-    assert domain_texts(tmp_path / "t.txt") == [("t", "ROMEO.\nWhat light\n")]
+    # another file beside the text is not its segments: one domain, as without it (a `ppl --json` of it, a
+    # transcript's segments, JSON Lines)
+    for other in (json.dumps({"text": "t.txt", "ppl": 9.1}), json.dumps({"segments": [{"id": 0, "start": 0.0}]}),
+                  '{"a": 1}\n{"b": 2}\n'):
+        (tmp_path / "t.json").write_text(other)
+        assert domain_texts(tmp_path / "t.txt") == [("t", "ROMEO.\nWhat light\n")]
 
 
 def test_bad_input_is_typed_and_programming_errors_are_not_bad_input(capsys, ckpt, monkeypatch, tmp_path):

@@ -79,6 +79,8 @@ def test_a_function_tool_is_strict_unless_turned_off_and_a_call_cut_short_is_inc
     keys = lambda t, seed: set(json.loads(client.responses.create(  # noqa: E731
         **ask, tools=[t], extra_body={"seed": seed}).output[0].arguments))
     assert all(keys(tool, seed) <= {"x", "y"} for seed in range(3))
+    echoed = client.responses.create(**ask, tools=[tool, {**tool, "name": "g", "strict": False}]).tools
+    assert [(t.name, t.strict) for t in echoed] == [("f", True), ("g", False)]  # as they ran, as OpenAI echoes them
     assert any(keys({**tool, "strict": False}, seed) - {"x", "y"} for seed in range(3))  # the model's own keys
     unbounded = {**tool, "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}
     cut = dict(model=MODEL, input="Hi", tools=[unbounded], tool_choice="required", max_output_tokens=30, temperature=0)

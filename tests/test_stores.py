@@ -423,15 +423,21 @@ def test_a_default_store_of_the_weights_as_they_were_is_removed_when_they_are_co
     Engine(src, EngineConfig(store="disk", store_format="int8")).close()
     Engine(other, EngineConfig(store="disk")).close()
     stores = tmp_path / "home" / "stores"
+    ckpt = open_checkpoint(src)
+    convert_to_disk(ckpt, model_args(ckpt.config), stores / "model-keep")  # a folder the user named (--out)
     before = sorted(p.name for p in stores.iterdir())
-    assert len(before) == 3
+    assert len(before) == 4
     capsys.readouterr()
     file = src / "model.safetensors"
-    os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns + 10**9))  # touched, as a download does
+    touch = lambda: os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns + 10**9))  # noqa: E731
+    touch()  # as a download does
+    convert_to_disk(open_checkpoint(src), model_args(ckpt.config), tmp_path / "mine")  # the user's: nothing removed
+    assert sorted(p.name for p in stores.iterdir()) == before
     Engine(src, EngineConfig(store="disk")).close()
     after = sorted(p.name for p in stores.iterdir())
     old = [stores / name for name in before if name not in after]
-    assert len(old) == 2 and len(after) == 2  # the two of the weights as they were; the other folder's kept
+    # the two default ones of the weights as they were; the other folder's and the one the user named kept
+    assert len(old) == 2 and len(after) == 3 and "model-keep" in after
     err = capsys.readouterr().err
     assert all(f"removed {p} (" in err for p in old), err
     assert torch.equal(running.forward(ids, 0), want)  # a run of the old store reads its open file on

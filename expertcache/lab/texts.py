@@ -100,16 +100,15 @@ def text_segments(path: Path, offsets: tuple[int, ...] | None = None) -> tuple[s
 
 
 def _segments_listed(path: Path):
-    """The "segments" a JSON object at `path` lists, or None where there is none that lists them (no file, or
-    another JSON file beside the text, such as a `ppl --json` of it); BadInput for a file that is not JSON."""
+    """The "segments" a JSON object at `path` lists with their start_char, or None where there is none (no file, or
+    another file beside the text: a `ppl --json` of it, a transcript's segments, JSON Lines)."""
     try:
         data = json.loads(path.read_text())
-    except OSError:
+    except (OSError, ValueError):
         return None
-    except ValueError as e:
-        raise BadInput(f"{path}: not a segments file (not JSON: {e}); correct it, remove it, or give --domains") \
-            from None
-    return data["segments"] if isinstance(data, dict) and "segments" in data else None
+    listed = data.get("segments") if isinstance(data, dict) else None
+    ours = isinstance(listed, list) and any(isinstance(s, dict) and "start_char" in s for s in listed)
+    return listed if ours or listed == [] else None
 
 
 def domain_texts(path: Path, offsets: tuple[int, ...] | None = None) -> list[tuple[str, str]]:

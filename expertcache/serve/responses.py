@@ -367,7 +367,8 @@ class Envelope:
                 "reasoning": {"effort": (b.reasoning or {}).get("effort"), "summary": None},
                 "store": False, "temperature": (b.model_extra or {}).get("temperature", 1.0),
                 "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
-                "tools": b.tools or [], "top_p": (b.model_extra or {}).get("top_p", 1.0),
+                "tools": [{**t, "strict": t.get("strict") is not False} for t in b.tools or ()],  # as they ran
+                "top_p": (b.model_extra or {}).get("top_p", 1.0),
                 "truncation": b.truncation or "disabled", "usage": use, "user": b.user,
                 "metadata": b.metadata or {}}
 

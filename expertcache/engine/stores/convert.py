@@ -7,6 +7,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import sys
@@ -158,12 +159,14 @@ def outdated_stores(ckpt: Checkpoint, out_dir: Path) -> dict[Path, int]:
     bytes: a conversion removes them once it has written its own (a real model's store is tens of GB, and none of
     them would be read again; a run still reading one keeps its open file). Stores that do not record their
     checkpoint's folder (written by earlier versions) are left."""
-    stores, source = expertcache_home() / "stores", ckpt.path.resolve()
-    if out_dir.resolve().parent != stores.resolve():
-        return {}
+    source, base = ckpt.path.resolve(), default_store_dir(ckpt)
+    default = re.compile(rf"{re.escape(source.name)}-[0-9a-f]{{12}}(-.+)?")  # default_store_dir's, format_store_dir's
+    if out_dir.resolve().parent != base.parent.resolve() or not (out_dir.name == base.name or
+                                                                  out_dir.name.startswith(f"{base.name}-")):
+        return {}  # a folder of the user's (--out, --store-dir): nothing else is touched
     stamp, out = checkpoint_stamp(ckpt), {}
-    for folder in sorted(stores.glob(f"{glob.escape(source.name)}-*")):
-        if folder.resolve() == out_dir.resolve():  # the one converted now, whatever it held
+    for folder in sorted(base.parent.glob(f"{glob.escape(source.name)}-*")):
+        if folder.resolve() == out_dir.resolve() or not default.fullmatch(folder.name):  # a folder the user named
             continue
         try:
             meta = json.loads((folder / "experts.json").read_text())
