@@ -276,19 +276,9 @@ class Engine:
         self.plan = self._memory_plan(stored, dtype, held_dense)
         cache_cfg = replace(config.cache, eviction=self._eviction())
         if config.memory_budget is not None:
-            # a larger pass takes no more workspace beyond the smallest's than it leaves the expert slots: one just
-            # past a full pass's budget left them a top-k set, fewer than a smaller budget kept (105M: 43 slots a
-            # layer, 110M: 13)
-            plans = [(FORWARD_CHUNK, self.plan)] + [(p, self._memory_plan(stored, dtype, held_dense, p))
-                                                    for p in SMALLER_PASSES]
-            slots = [config.memory_budget - plan.total for _, plan in plans]
-            least, smallest = self._least_slots_bytes(), plans[-1][1].workspace
-            pick = next((i for i, (left, (_, plan)) in enumerate(zip(slots, plans))
-                         if left >= max(least, plan.workspace - smallest)), None)
-            if pick is None:  # else the largest pass that leaves a top-k set (CacheTooSmall where none does)
-                pick = next((i for i, left in enumerate(slots) if left >= least), len(plans) - 1)
-            self.forward_tokens, self.plan = plans[pick]
-            cache_cfg = replace(cache_cfg, bytes=self._expert_budget(config.memory_budget))
+            self.forward_tokens, self.plan, slots = self._budget_passes(config.memory_budget, stored, dtype,
+                                                                        held_dense)
+            cache_cfg = replace(cache_cfg, bytes=min(self._expert_budget(config.memory_budget), slots))
         self._check_memory(cache_cfg, stored, held_dtype(ckpt, self.args, store_dtype, config.store_format))
         self._check_device_memory(cache_cfg)
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, store_dtype, config.store_format,
@@ -328,6 +318,28 @@ class Engine:
                 raise CheckpointError(f"{ckpt.tokenizer_file}: not a readable tokenizer ({e}); re-export the "
                                       "model's tokenizer.json") from None
         self.reset()
+
+    def _budget_passes(self, budget: int, stored: ExpertFormat, dtype: torch.dtype, held_dense: torch.dtype | None
+                       ) -> tuple[int, MemoryPlan, int]:
+        """The forward pass (its tokens), plan and expert slots' bytes a memory budget takes: of what the smallest
+        pass leaves, the slots take three quarters, in whole slots (all of it but a full pass's extra workspace,
+        where that is less: a token's decode reads its experts from them), and a pass of the most tokens whose
+        workspace fits the rest. The slots grow with the budget, never
+        fewer for more: a budget just past a full pass's workspace left them a top-k set (110M: 13 slots a layer
+        where 105M had 43), and passes of powers of two still dipped them by a quarter where one doubled."""
+        plan = lambda tokens: self._memory_plan(stored, dtype, held_dense, tokens)  # noqa: E731
+        smallest, largest = SMALLER_PASSES[-1], FORWARD_CHUNK
+        left = budget - plan(smallest).total
+        one, a = slot_bytes(ExpertShape.of(self.args), self.slot_format), self.args
+        whole = one * (a.num_moe_layers if self.config.cache.quota == "layer" else 1)  # what one more slot takes
+        slots = left - min(left // 4, plan(largest).total - plan(smallest).total)
+        slots = min(slots, one * a.num_moe_layers * a.num_experts)  # every expert held: the rest to the pass
+        slots = min(max(slots // whole * whole, self._least_slots_bytes()), max(left, 0))
+        lo, hi = smallest, largest  # the most tokens whose plan fits beside the slots (its total grows with them)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if plan(mid).total + slots <= budget else (lo, mid - 1)
+        return lo, plan(lo), slots
 
     def _memory_plan(self, stored: ExpertFormat, dtype: torch.dtype, held_dense: torch.dtype | None,
                      passes: int = FORWARD_CHUNK) -> MemoryPlan:
