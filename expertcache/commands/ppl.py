@@ -36,10 +36,9 @@ def run(a) -> int:
     print(f"perplexity {r.ppl:.3f} {spread} over {scored} "
           f"({a.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, {engine.variant})")
     print(engine.stats.line())
-    started = "cold" if engine.config.initial == "cold" or engine.routing_counts is None else "warm"  # auto's too
     # the policy as --policy spells it, every option (its repr drops them: quality-first:beta=0 read quality-first)
     write_json(a.json, {"text": str(a.text), "context": a.context, "policy": engine.variant,
-                        "eviction": engine.cache.cfg.eviction, "initial": started,
+                        "eviction": engine.cache.cfg.eviction, "initial": "warm" if engine.warm_start else "cold",
                         "quota": engine.cache.cfg.quota, "slot_format": engine.slot_format.tag,
                         "store": a.store, "cache_fraction": engine.cache.per_layer / engine.args.num_experts,
                         **r.to_dict(), "budget": engine.budget()})

@@ -126,11 +126,11 @@ def run(a) -> int:
     from ..lab.trace import read_trace
     trace = read_trace(a.trace)
     from ..engine.cache import CacheConfig, slots_per_layer
-    from ..engine.stores import ExpertShape
+    from ..lab.simulator import trace_shape
     h = trace.header
-    shape = ExpertShape(h["num_layers"], h["num_experts"], (0, 0), (0, 0))  # slots_per_layer reads the counts
     for size in a.cache:  # checked before any replay; its fix without --quota global, which simulate lacks
-        slots_per_layer(CacheConfig(fraction=size), shape, 2 * h["expert_params"], h["top_k"], quota_hint=False)
+        slots_per_layer(CacheConfig(fraction=size), trace_shape(h), 2 * h["expert_params"], h["top_k"],
+                        quota_hint=False)
     # a policy or cache size given twice is replayed once, as bench and study run it: not a second identical row
     tasks = [(str(a.trace), policy, fraction, a.eviction, a.initial, a.profile, a.window)
             for fraction in dict.fromkeys(a.cache) for policy in dict.fromkeys(a.policies)]

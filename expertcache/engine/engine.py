@@ -182,6 +182,14 @@ def max_seq_limit(args: ModelArgs) -> int:
     return max(args.max_position_embeddings, EngineConfig.max_seq)
 
 
+def check_context(context: int, args: ModelArgs) -> None:
+    """BadInput where windows of `context` tokens reach past the positions the model was made for (whatever the
+    text's length: a trace recorded its context as given), where its routing was never learned."""
+    if context > (limit := max_seq_limit(args)):
+        raise BadInput(f"--context {context} is longer than the model's context of {limit} positions; lower "
+                       "--context")
+
+
 COMPILE_BYTES = 2**30  # what compiling the kernels adds to a first run's peak (1.07 GB on the built-in model, AVX-512)
 
 
@@ -319,14 +327,20 @@ class Engine:
                                       "model's tokenizer.json") from None
         self.reset()
 
+    @property
+    def warm_start(self) -> bool:
+        """Whether a run starts from the most-routed experts (initial warm, or auto with routing counts beside the
+        model), not from an empty cache."""
+        return self.config.initial in ("warm", "auto") and self.routing_counts is not None
+
     def _budget_passes(self, budget: int, stored: ExpertFormat, dtype: torch.dtype, held_dense: torch.dtype | None
                        ) -> tuple[int, MemoryPlan, int]:
         """The forward pass (its tokens), plan and expert slots' bytes a memory budget takes: of what the smallest
         pass leaves, the slots take three quarters, in whole slots (all of it but a full pass's extra workspace,
         where that is less: a token's decode reads its experts from them), and a pass of the most tokens whose
-        workspace fits the rest. The slots grow with the budget, never
-        fewer for more: a budget just past a full pass's workspace left them a top-k set (110M: 13 slots a layer
-        where 105M had 43), and passes of powers of two still dipped them by a quarter where one doubled."""
+        workspace fits the rest. The slots grow with the budget, never fewer for more: a budget just past a full
+        pass's workspace left them a top-k set (110M: 13 slots a layer where 105M had 43), and passes of powers of
+        two still dipped them by a quarter where one doubled."""
         plan = lambda tokens: self._memory_plan(stored, dtype, held_dense, tokens)  # noqa: E731
         smallest, largest = SMALLER_PASSES[-1], FORWARD_CHUNK
         left = budget - plan(smallest).total
@@ -434,9 +448,8 @@ class Engine:
             self._reset()
 
     def _reset(self) -> None:
-        initial = self.config.initial
-        counts = self.routing_counts if initial in ("warm", "auto") else None
-        if initial == "warm" and counts is None:
+        counts = self.routing_counts if self.warm_start else None
+        if self.config.initial == "warm" and counts is None:
             model = "" if self.path == BUILTIN_MODEL else f" --model {shlex.quote(str(self.path))}"
             raise CheckpointError(f"{self.path}: no {ROUTING_COUNTS} for a warm cache; run `expertcache calibrate"
                                   f"{model}` first (a verb that takes --initial can also start cold)")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..choices import EVAL_TEXT  # noqa: F401 (re-exported)
 from ..errors import BadInput, truth, whole_number
-from .engine import Engine, max_seq_limit
+from .engine import Engine, check_context, max_seq_limit
 
 
 @dataclass
@@ -81,9 +81,7 @@ def perplexity(engine: Engine, ids: list[int], context: int = 512, reset: bool =
             type(b) is int and a + 2 <= b <= len(ids) - 2 for a, b in zip(segments, list(segments)[1:]))):
         raise BadInput(f"segments={list(segments)[:8]} must be increasing offsets into ids, 0 first, each text "
                        "at least 2 tokens")
-    if context > (limit := max_seq_limit(engine.args)):  # whatever the text's length: a mistake, and reported so
-        raise BadInput(f"--context {context} is longer than the model's context of {limit} positions; lower "
-                       "--context")
+    check_context(context, engine.args)
     if min(context, len(ids) - 1) > engine.model.max_seq:  # the forward's refusal would name --max-seq alone
         limit = max_seq_limit(engine.args)
         raise BadInput(f"--context {context} is longer than --max-seq {engine.model.max_seq}; lower --context" +

@@ -28,7 +28,7 @@ from ..engine.checkpoint import (
     encode_prefix,
     open_checkpoint,
 )
-from ..engine.engine import max_seq_limit
+from ..engine.engine import check_context
 from ..engine.experts import SWIGLU, ExpertKind, expert_groups, swiglu
 from ..engine.moe import route
 from ..engine.perplexity import windows
@@ -111,10 +111,7 @@ def run_exact(model_path: Path, ids: list[int], make_moe: Callable[[Checkpoint, 
     windows)` sees each decoder layer's input, window by window, before its attention runs."""
     ckpt = open_checkpoint(model_path)
     args = model_args(ckpt.config)
-    if context > max_seq_limit(args):  # positions the model never saw, even where the text is shorter (a trace
-        # recorded its context as given)
-        raise BadInput(f"--context {context} is longer than the model's context of {max_seq_limit(args)} positions; "
-                       "lower --context")
+    check_context(context, args)
     weights = dense_weights(ckpt, args)
     moe = make_moe(ckpt, args, router_of(args, weights))
     model = Transformer(args, weights, moe, torch.device("cpu"), context)

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..atomic import write_text
 from ..jsonout import dump_json
 from .plots import scatter
-from .study import BASELINE, StudyResult, increase_text
+from .study import BASELINE, FEW_WINDOWS, StudyResult, increase_text
 
 
 def _ci(r: dict) -> str:
@@ -52,7 +52,7 @@ def _write_files(res: StudyResult, out: Path) -> list[Path]:
              f"windows of {res.config['context']}, cache {s['slots_per_layer']}/{s['experts']} experts per layer "
              f"(fraction {res.config['cache_fraction']}), warm start, `ram` store (exact). Perplexity increase is over "
              "fetch-every-miss on the same windows, with a paired bootstrap 95% CI over windows (Student's t from "
-             "fewer than 20).", "",
+             f"fewer than {FEW_WINDOWS}).", "",
              ("| policy | ppl | increase [95% CI] | calls subst. | slots subst. | mass/call | hit rate | fetches/token "
               "| admissions + upgrades/token |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -132,6 +132,13 @@ def route_trace(trace: Trace, ranks: int = 32) -> Routes:
     return Routes(ranked, weights, time.perf_counter() - start)
 
 
+def trace_shape(header: dict) -> ExpertShape:
+    """The expert shape a trace's header records (its layers, experts, hidden size and parameters an expert)."""
+    hidden, numel = header["hidden_size"], header["expert_params"]
+    F = numel // (3 * hidden)
+    return ExpertShape(header["num_layers"], header["num_experts"], (2 * F, hidden), (hidden, F))
+
+
 def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), eviction: str | None = None,
            counts: np.ndarray | None = None, fetch_dtype_bytes: int = 2, routes: Routes | None = None,
            window: int | None = None, small_format: ExpertFormat = SMALL_FORMAT,
@@ -167,8 +174,7 @@ def replay(trace: Trace, policy: str, cache: CacheConfig = CacheConfig(), evicti
                             or pred_ids[1:].min(initial=0) < 0 or pred_ids.max(initial=0) >= E):
         raise BadInput(f"predicted routes of shape {pred_ids.shape} do not fit the trace ({L} layers, {N} tokens, "
                        f"{E} experts, top-k {k}); compute them over the trace's own tokens")
-    hidden, numel = h["hidden_size"], h["expert_params"]
-    shape = ExpertShape(L, E, (2 * (numel // (3 * hidden)), hidden), (hidden, numel // (3 * hidden)))
+    shape, numel = trace_shape(h), h["expert_params"]
     pol = make_policy(policy).fit(k, E, bool(h["norm_topk_prob"]))
     window = int(window or h["context"])
     if window < 1:

@@ -146,14 +146,14 @@ class Server:
             raise APIError(400, f"the prompt has {prompt_len} tokens, the context is {self.engine.model.max_seq}; "
                            "shorten the prompt", "messages" if chat else "prompt", "context_length_exceeded")
         max_tokens = asked[0] if asked else min(default_max or room, room)
-        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"  # as sent
+        sent = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"  # as named
         if max_tokens < 0 or max_tokens == 0 and not echo:
-            fix = "send echo: true to score the prompt, or max_tokens >= 1" if not chat else f"send {field} >= 1"
-            raise APIError(400, f"{field}=0 generates nothing; {fix}" if max_tokens == 0 else
-                           f"{field}={max_tokens} must be >= 1", field)
+            fix = "send echo: true to score the prompt, or max_tokens >= 1" if not chat else f"send {sent} >= 1"
+            raise APIError(400, f"{sent}=0 generates nothing; {fix}" if max_tokens == 0 else
+                           f"{sent}={max_tokens} must be >= 1", sent)
         if max_tokens > room:
-            raise APIError(400, f"{field}={max_tokens} with a {prompt_len}-token prompt exceeds the context of "
-                           f"{self.engine.model.max_seq} tokens; ask for at most {room}", field,
+            raise APIError(400, f"{sent}={max_tokens} with a {prompt_len}-token prompt exceeds the context of "
+                           f"{self.engine.model.max_seq} tokens; ask for at most {room}", sent,
                            "context_length_exceeded")
         stop = checked_stop(body.stop)
         field, constraint = structure(body)
