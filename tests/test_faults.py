@@ -508,6 +508,36 @@ def test_sigterm_during_a_conversion_removes_its_partial_file(tiny, tmp_path):
     assert out.is_dir() and not list(out.glob("experts.*")), list(out.iterdir())
 
 
+def test_an_interrupted_reconversion_leaves_the_earlier_store_usable(tiny, tmp_path):
+    """`convert --force` over a store, stopped midway (SIGTERM, Ctrl-C), leaves the earlier store as it was where
+    the disk holds both: it had removed it first, and a run then found no store and converted for minutes."""
+    import signal
+    import subprocess
+    import sys
+    from expertcache.engine.stores.convert import current_store
+    path, out = tiny[FAMILY][0], tmp_path / "store"
+    assert cli.main(["convert", "--model", str(path), "--out", str(out)]) == 0
+    before = [(out / name).read_bytes() for name in ("experts.json", "experts.bin")]
+    script = """if True:
+        import os, signal, sys
+        import expertcache.engine.stores.convert as convert
+        from expertcache import cli
+        real, calls = convert.encode, []
+        def encode(*a, **k):
+            calls.append(1)
+            if len(calls) == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real(*a, **k)
+        convert.encode = encode
+        sys.exit(cli.main(["convert", "--force", "--model", sys.argv[1], "--out", sys.argv[2]]))"""
+    proc = subprocess.run([sys.executable, "-c", script, str(path), str(out)], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert [(out / name).read_bytes() for name in ("experts.json", "experts.bin")] == before
+    assert not (out / "experts.bin.partial").exists()
+    ckpt = open_checkpoint(path)
+    assert current_store(ckpt, model_args(ckpt.config), out)
+
+
 def test_sigterm_inside_a_c_librarys_callback_still_ends_the_run_by_the_signal():
     """A SIGTERM that lands while a C library calls back into Python (numba's cache notification, during a first
     run's compile) raises where it cannot propagate: Python printed "Exception ignored" and dropped it, the library

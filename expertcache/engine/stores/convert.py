@@ -111,10 +111,16 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     blob = blob_bytes(shape, fmt)
     # checked before anything is removed, so that a refused conversion leaves an earlier store as it was; the files
     # this one replaces (an earlier store, a partial file a killed conversion left) are space it gets back
-    _check_space(out_dir, shape.num_layers * shape.num_experts * blob,
-                 _file_bytes(out_dir / "experts.bin") + _file_bytes(tmp) + sum(outdated.values()))
-    (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
-    (out_dir / "experts.bin").unlink(missing_ok=True)  # its space, counted above (a reader keeps its open file)
+    need, earlier, partial = shape.num_layers * shape.num_experts * blob, _file_bytes(out_dir / "experts.bin"), \
+        _file_bytes(tmp)
+    _check_space(out_dir, need, earlier + partial + sum(outdated.values()))
+    # an earlier store in this folder is kept whole until the new one is written, so that an interrupted conversion
+    # leaves it usable; where the disk cannot hold both it goes first (its space, counted above)
+    keep = need <= shutil.disk_usage(out_dir).free + partial
+    if not keep:
+        (out_dir / "experts.json").unlink(missing_ok=True)  # no header may describe a half-written file
+        (out_dir / "experts.bin").unlink(missing_ok=True)  # a reader keeps its open file
+    replaced = not keep  # whether experts.bin is this conversion's (removed again if it fails before its header)
     try:
         bar_args = dict(total=args.num_moe_layers, unit="layer", desc=f"convert to {out_dir.name}")
         with progress_bar(progress, **bar_args) as bar, open(tmp, "wb") as f:
@@ -129,6 +135,8 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
                         flushed = _written(f, flushed)
                 bar.update()
             _written(f, flushed)
+        (out_dir / "experts.json").unlink(missing_ok=True)  # the earlier header, from here on the wrong one
+        replaced = True
         os.replace(tmp, out_dir / "experts.bin")
         meta = {"format_version": DISK_FORMAT_VERSION, **fmt.meta(),
                 "num_layers": shape.num_layers, "num_experts": shape.num_experts, "w13": list(shape.w13),
@@ -142,7 +150,7 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
         os.replace(out_dir / "experts.json.partial", out_dir / "experts.json")
     except BaseException:  # a full disk, an interrupt: no partial file is left to fill the disk, nor a whole
         # experts.bin without the header that makes it a store (tens of GB that no run would use or remove)
-        for name in (tmp.name, "experts.bin", "experts.json.partial"):
+        for name in (tmp.name, "experts.json.partial") + (("experts.bin",) if replaced else ()):
             (out_dir / name).unlink(missing_ok=True)
         raise
     _fsync_folder(out_dir)  # the two renames too: a power loss after a conversion of hours keeps the store
