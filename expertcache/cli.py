@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import errno
 import functools
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     also while the verbs' modules load). On SIGTERM the verb unwinds, then the process dies of the signal."""
     _stand_in_for_closed_streams()
     _escape_unencodable(sys.stdout)
+    _read_utf8(sys.stdin)
     here = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
     previous = (signal.signal(signal.SIGTERM, _terminated) or signal.SIG_DFL) if here else None  # None: set in C
     SIGTERMS.clear()
@@ -120,9 +122,19 @@ def _stand_in_for_closed_streams() -> None:
 
 def _escape_unencodable(stream) -> None:
     """Write what the stream's encoding cannot hold (a generation's emoji under PYTHONIOENCODING=ascii, a C
-    locale) as backslash escapes, as Python's stderr does, rather than end the run in a UnicodeEncodeError."""
-    if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+    locale) as backslash escapes, as Python's stderr does, rather than end the run in a UnicodeEncodeError. A C
+    locale without UTF-8 mode gives stdout surrogateescape, which passes bytes read through but fails on text."""
+    errors = getattr(stream, "errors", None)
+    if hasattr(stream, "reconfigure") and (errors == "strict" or errors == "surrogateescape" and
+                                           codecs.lookup(stream.encoding).name != "utf-8"):
         stream.reconfigure(errors="backslashreplace")
+
+
+def _read_utf8(stream) -> None:
+    """Read stdin as UTF-8 under a C locale without UTF-8 mode (LC_ALL=C PYTHONUTF8=0): Python reads it as ASCII
+    there, and a chat's every non-ASCII message was refused as not UTF-8."""
+    if hasattr(stream, "reconfigure") and codecs.lookup(getattr(stream, "encoding", None) or "utf-8").name == "ascii":
+        stream.reconfigure(encoding="utf-8", errors="surrogateescape")
 
 
 def _run(argv: list[str] | None) -> int:

@@ -143,6 +143,28 @@ def test_generate_escapes_what_an_ascii_stdout_cannot_hold(monkeypatch):
     assert out.buffer.getvalue().startswith(b"caf\\xe9 \\u2615")
 
 
+def test_a_c_locale_without_utf8_mode_takes_and_writes_text_outside_ascii():
+    """Under LC_ALL=C PYTHONUTF8=0 Python reads arguments and stdin as ASCII, non-ASCII as lone surrogates, and
+    writes stdout with surrogateescape: a prompt, a stop string or a system message outside ASCII was refused as
+    not UTF-8, and the generation's echo of it ended in a UnicodeEncodeError's traceback. Bytes that are not UTF-8
+    are still refused in one line."""
+    import subprocess
+    import sys
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    run = ["-m", "expertcache", "generate", "--store", "ram", "-n", "2"]
+    proc = subprocess.run([sys.executable, *run, "-p", "caf\u00e9 \u2615", "--stop", "\u00e9t\u00e9"],
+                          capture_output=True, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith(b"caf\\xe9 \\u2615"), proc.stderr.decode()
+    proc = subprocess.run([sys.executable, *run], input="caf\u00e9\n".encode(), capture_output=True, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith(b"caf\\xe9"), proc.stderr.decode()
+    proc = subprocess.run([sys.executable, "-m", "expertcache", "chat", "--store", "ram", "-n", "2", "--system",
+                           "\u00e9t\u00e9"], input="caf\u00e9\n".encode(), capture_output=True, env=env)
+    assert proc.returncode == 0 and b"error" not in proc.stderr, proc.stderr.decode()
+    proc = subprocess.run([sys.executable, *run, "-p", b"caf\xe9"], capture_output=True, env=env)
+    err = proc.stderr.decode().strip()
+    assert proc.returncode == 2 and err.count("\n") == 0 and "not UTF-8 text" in err, err
+
+
 def test_perplexity_interrupted_keeps_the_windows_scored():
     from expertcache import Engine, EngineConfig, perplexity
     engine = Engine(None, EngineConfig(store="ram", max_seq=64))

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 from ..errors import BadInput
 from .generate import add_sampling_arguments, check_fits, sampling_from_args
-from .options import add_engine_arguments, engine_from_args
+from .options import add_engine_arguments, command_text, engine_from_args
 
 EXIT = ("/exit", "/quit")
 HELP = "chat with the model: one message per stdin line, replies streamed (uses the chat template); /exit or /quit leaves"
@@ -22,7 +22,7 @@ HELP = "chat with the model: one message per stdin line, replies streamed (uses 
 def add_arguments(p):
     """The verb's options."""
     add_engine_arguments(p)
-    p.add_argument("--system", default=None, help="a system message that starts the conversation")
+    p.add_argument("--system", default=None, type=command_text, help="a system message that starts the conversation")
     add_sampling_arguments(p, max_tokens=128)
 
 

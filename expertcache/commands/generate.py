@@ -11,7 +11,7 @@ from ..errors import BadInput
 
 if TYPE_CHECKING:
     from ..engine.sampling import SamplingParams
-from .options import add_engine_arguments, engine_from_args, json_output, write_json
+from .options import add_engine_arguments, command_text, engine_from_args, json_output, write_json
 
 HELP = "generate text from a prompt, streamed, with cache statistics"
 DEFAULT_PROMPT = "ROMEO.\n"
@@ -42,7 +42,7 @@ def add_sampling_arguments(p, max_tokens: int = 64) -> None:
     p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS",
                    help="add BIAS (-100..100) to a token's logit before sampling (repeatable; -100 bans it)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=[], type=command_text, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--json-schema", default=None, metavar="SCHEMA",
                    help="the output is a JSON value of this JSON schema (its JSON text, or a file holding it), e.g. "
@@ -127,8 +127,8 @@ def check_fits(engine, prompt_len: int, max_new_tokens: int) -> None:
 def add_arguments(p):
     """The verb's options."""
     add_engine_arguments(p)
-    p.add_argument("prompt", nargs="?", default=None, help=f"prompt text (or use -p; default: {DEFAULT_PROMPT!r})")
-    p.add_argument("-p", "--prompt", dest="prompt_option", default=None,
+    p.add_argument("prompt", nargs="?", default=None, type=command_text, help=f"prompt text (or use -p; default: {DEFAULT_PROMPT!r})")
+    p.add_argument("-p", "--prompt", dest="prompt_option", default=None, type=command_text,
                    help="prompt text; '-' reads it from stdin (also read when stdin is not a terminal)")
     add_sampling_arguments(p)
     p.add_argument("--json", type=json_output, default=None, help="write statistics as JSON to FILE (- for stdout)")

@@ -45,6 +45,23 @@ def byte_size(text: str) -> int:
     if not n >= 1 or n != n or n == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is out of range: give a size of at least 1 byte")
     return int(n)
+
+
+def command_text(text: str) -> str:
+    """An argparse type for text given on the command line (a prompt, a stop string): its bytes read as UTF-8.
+    Under a C locale without UTF-8 mode (LC_ALL=C PYTHONUTF8=0) Python hands non-ASCII arguments over as lone
+    surrogates, which the tokenizer refused as not UTF-8; paths keep Python's form, which opens the file."""
+    try:
+        data = os.fsencode(text)
+    except UnicodeEncodeError:  # characters the filesystem encoding cannot hold: text as Python read it
+        return text
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not UTF-8 text ({e.reason} at byte {e.start}); give UTF-8 text, or "
+                                         "read the text from a file or stdin") from None
+
+
 non_negative_int = bounded(int, 0, what="give a whole number >= 0")
 fraction = bounded(float, 0.0, 1.0, lo_open=True, what="give a fraction in (0, 1], e.g. 0.25")
 cache_fraction = bounded(float, 0.0, 1.0, lo_open=True,
