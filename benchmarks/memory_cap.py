@@ -220,6 +220,10 @@ def main() -> None:
             hit = statistics.median(r["hit_rate"] for r in done) if done and "hit_rate" in done[0] else None
             disk = statistics.median(r["disk_bytes_per_token"] for r in done) if done else float("nan")
             killed = sum(r["oom_killed"] for r in rows)
+            if rows and not done and not killed:  # refused in every round: its one line, not a row of nan
+                print(f"| {f:.0%} | {rows[0]['extra_bytes'] / 2**20:.0f} | {name} | refused (exit "
+                      f"{rows[-1]['returncode']}): {' '.join(rows[-1]['error'])} |||||||| ")
+                continue
             pp = statistics.median(r["prefill_ms_per_token"] for r in done) if done and a.prompt_tokens else \
                 float("nan")
             print(f"| {f:.0%} | {rows[0]['extra_bytes'] / 2**20:.0f} | {name} | {pp:.1f} | {llama_pp / pp:.2f}x | "

@@ -204,6 +204,14 @@ def refuse_unless_fits(parts: dict[str, int], free: int, where: str, free_where:
                               f"{size_text(free)} {free_where}; use {fixes}")
 
 
+def _most(lo: int, hi: int, ok) -> int:
+    """The largest n in [lo, hi] with ok(n), ok falling from true to false as n grows; lo where none is."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
 def held_in_memory(what: str, each: int, shape: ExpertShape) -> dict[str, int]:
     """What a ram or pinned store holds of every expert (`each` bytes apiece), named `what`, and the layer read from
     the checkpoint while it fills them: the parts refuse_unless_fits weighs."""
@@ -335,25 +343,34 @@ class Engine:
 
     def _budget_passes(self, budget: int, stored: ExpertFormat, dtype: torch.dtype, held_dense: torch.dtype | None
                        ) -> tuple[int, MemoryPlan, int]:
-        """The forward pass (its tokens), plan and expert slots' bytes a memory budget takes: of what the smallest
-        pass leaves, the slots take three quarters, in whole slots (all of it but a full pass's extra workspace,
-        where that is less: a token's decode reads its experts from them), and a pass of the most tokens whose
-        workspace fits the rest. The slots grow with the budget, never fewer for more: a budget just past a full
-        pass's workspace left them a top-k set (110M: 13 slots a layer where 105M had 43), and passes of powers of
-        two still dipped them by a quarter where one doubled."""
+        """The forward pass (its tokens), plan and expert slots' bytes a memory budget takes. The pass is the one
+        that reads fewest experts for a prompt token and a decoded token together (`_pass_reads`), or the largest
+        that leaves a top-k set of slots; the slots take the rest, in whole slots, up to every expert, and past
+        that the pass grows. Slots never fewer for more budget: a budget just past a full pass's workspace had
+        left them a top-k set (110M: 13 slots a layer where 105M had 43). Slots past a top-k set before the pass
+        halved a prompt's passes: 24 slots in all and passes of 67 tokens prefilled at half the speed of 12 and
+        128, and decoded no faster (real shape at a tenth of the experts)."""
         plan = lambda tokens: self._memory_plan(stored, dtype, held_dense, tokens)  # noqa: E731
-        smallest, largest = SMALLER_PASSES[-1], FORWARD_CHUNK
-        left = budget - plan(smallest).total
         one, a = slot_bytes(ExpertShape.of(self.args), self.slot_format), self.args
+        least, smallest = self._least_slots_bytes(), SMALLER_PASSES[-1]
+        target = min(SMALLER_PASSES + (FORWARD_CHUNK,), key=lambda n: self._pass_reads(n, plan(n).total, one))
+        fits = lambda tokens, slots: plan(tokens).total + slots <= budget  # noqa: E731
+        tokens = _most(smallest, target, lambda n: fits(n, least))
         whole = one * (a.num_moe_layers if self.config.cache.quota == "layer" else 1)  # what one more slot takes
-        slots = left - min(left // 4, plan(largest).total - plan(smallest).total)
-        slots = min(slots, one * a.num_moe_layers * a.num_experts)  # every expert held: the rest to the pass
-        slots = min(max(slots // whole * whole, self._least_slots_bytes()), max(left, 0))
-        lo, hi = smallest, largest  # the most tokens whose plan fits beside the slots (its total grows with them)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if plan(mid).total + slots <= budget else (lo, mid - 1)
-        return lo, plan(lo), slots
+        slots = min((budget - plan(tokens).total) // whole * whole, one * a.num_moe_layers * a.num_experts)
+        slots = min(max(slots, least), max(budget - plan(smallest).total, 0))  # short of a top-k set: refused later
+        tokens = _most(tokens, FORWARD_CHUNK, lambda n: fits(n, slots))  # every expert held: the rest to the pass
+        return tokens, plan(tokens), slots
+
+    def _pass_reads(self, tokens: int, plan_bytes: int, slot: int) -> float:
+        """Experts read for a prompt token and a decoded token, less a constant, where forward passes of `tokens`
+        take `plan_bytes` of the budget and the slots the rest (`slot` bytes each): a pass reads each expert its
+        tokens route to once (top-k of E uniformly, every layer), and each slot's bytes the plan takes are a slot
+        that a decoded token's k experts a layer would have hit one time in E. A prompt counts as long as its
+        reply: a chat's are, and a reply decoded from a short prompt takes every slot but the smallest pass's."""
+        a = self.args
+        E, k = a.num_experts, a.top_k
+        return E * a.num_moe_layers * (1 - (1 - k / E) ** tokens) / tokens + k * plan_bytes / (E * slot)
 
     def _memory_plan(self, stored: ExpertFormat, dtype: torch.dtype, held_dense: torch.dtype | None,
                      passes: int = FORWARD_CHUNK) -> MemoryPlan:
