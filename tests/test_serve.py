@@ -1478,6 +1478,47 @@ def test_sigterm_ends_running_streams_after_the_shutdown_timeout(tmp_path):
         proc.stderr.close()
 
 
+def test_a_server_short_of_open_files_serves_fewer_connections_and_says_so_once():
+    """Under a low open-files limit (ulimit -n) the server takes as many connections as the limit holds and says
+    so in one line; clients past every file wait, said once, not in a traceback per accept (asyncio wrote
+    thousands a second), and are served once others close. Too few files for any connection are refused."""
+    import resource
+    import socket
+    import subprocess
+    import sys
+
+    def limited(n):
+        return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+    serve = [sys.executable, "-m", "expertcache.cli", "serve", "--store", "ram", "--port", "0"]
+    proc = subprocess.Popen(serve, stderr=subprocess.PIPE, text=True, preexec_fn=limited(80))
+    socks = []
+    try:
+        line, said = "", []
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line, "the server exited before serving"
+            said.append(line)
+        assert any("open files are allowed (ulimit -n): at most" in x for x in said), said
+        url = re.search(r"http://\S+/v1", line).group(0)
+        host, port = re.search(r"//([^:/]+):(\d+)", url).groups()
+        socks = [socket.create_connection((host, int(port))) for _ in range(120)]  # past the server's 80 files
+        time.sleep(2)
+        for s in socks:
+            s.close()
+        socks = []
+        assert urllib.request.urlopen(f"{url}/models", timeout=30).status == 200
+        proc.terminate()
+        log = proc.stderr.read()
+        assert "Traceback" not in log and log.count("cannot accept connections") == 1, log[:2000]
+    finally:
+        for s in socks:
+            s.close()
+        proc.kill()
+        proc.stderr.close()
+    done = subprocess.run(serve, capture_output=True, text=True, preexec_fn=limited(30), timeout=300)
+    assert done.returncode == 2 and "too few to serve" in done.stderr.strip().splitlines()[-1], done.stderr
+
+
 @pytest.mark.parametrize("family,interleaves", [("qwen3_moe", True), ("qwen3_next", False), ("deepseek_v3", False)])
 def test_models_with_more_than_kv_state_serve_one_request_at_a_time(tiny, family, interleaves):
     """A turn swaps in a request's keys and values only: a model with MLA's latent cache or

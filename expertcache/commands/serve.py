@@ -107,7 +107,8 @@ def build_app(a):
     engine = engine_from_args(a)
     name = a.served_model_name or (model_name(engine.path) if a.model else "expertcache-builtin")
     limits = ServerLimits(max_body_bytes=a.max_body_bytes, max_waiting=a.max_waiting,
-                          max_connections=a.max_connections, allowed_origins=tuple(a.allowed_origins),
+                          max_connections=connections_within_open_files(a.max_connections),
+                          allowed_origins=tuple(a.allowed_origins),
                           api_key=a.api_key, read_timeout_s=a.read_timeout)
     try:
         scheduler = Scheduler(engine, config)
@@ -122,6 +123,55 @@ def build_app(a):
             "; after converting the store again, restart the server (it holds the old file open)"
             if isinstance(e, FetchError) else ""), file=sys.stderr, flush=True)
     return app
+
+
+FILE_HEADROOM = 16  # files a serving process opens past its connections and what it holds once loaded
+
+
+def connections_within_open_files(wanted: int) -> int:
+    """--max-connections, within the files the process may open (each connection is one): the soft limit is raised
+    toward the hard one for them; where the hard one is short, fewer are served, said in one line. Past its open
+    files every accept failed and asyncio wrote a traceback for each, thousands a second."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        used = FILE_HEADROOM
+    need = used + FILE_HEADROOM + wanted + CONNECTION_HEADROOM
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):
+            pass
+    room = wanted if soft == resource.RLIM_INFINITY else min(wanted, soft - need + wanted)
+    if room < 1:
+        raise ExpertCacheError(f"only {soft} open files are allowed (ulimit -n), {used} of them in use: too few "
+                               "to serve; raise the limit, e.g. ulimit -n 1024")
+    if room < wanted:
+        print(f"expertcache: {soft} open files are allowed (ulimit -n): at most {room} connections at once, not "
+              f"--max-connections {wanted}; requests on more get a 503 (raise the limit for more)", file=sys.stderr)
+    return room
+
+
+def quiet_accept_failures(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The event loop's exception handler: a listening socket that cannot accept (out of open files, or of memory
+    for sockets) is said in one line every ten seconds, not a traceback per try; the waiting clients stay in the
+    backlog until connections close. Each failed accept leaves a retry a second later, thousands of them, which
+    fail once the server has closed its socket: said by nobody. Anything else as asyncio reports it."""
+    if getattr(getattr(context.get("handle"), "_callback", None), "__name__", None) == "_start_serving" and \
+            isinstance(context.get("exception"), (ValueError, OSError)):  # its socket closed (fd -1): stopped
+        return None
+    if context.get("message") != "socket.accept() out of system resource":
+        return loop.default_exception_handler(context)
+    now = loop.time()
+    if now - getattr(quiet_accept_failures, "said", -10.0) >= 10.0:
+        quiet_accept_failures.said = now
+        e = context.get("exception")
+        print(f"expertcache: cannot accept connections ({getattr(e, 'strerror', None) or e}); clients wait until "
+              "some close (raise ulimit -n or lower --max-connections)", file=sys.stderr, flush=True)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -152,6 +202,10 @@ def run(a) -> int:
     grace = None if a.shutdown_timeout == float("inf") else a.shutdown_timeout
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            asyncio.get_running_loop().set_exception_handler(quiet_accept_failures)
+            await super().startup(sockets)
+
         async def shutdown(self, sockets=None):
             # the requests still running when the grace ends: uvicorn cancels their tasks, which cut a stream off
             # without a word (and logged a traceback); ended by the worker a little before, a stream sends its 503
