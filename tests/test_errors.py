@@ -84,7 +84,7 @@ def test_simulates_too_small_cache_names_no_option_it_lacks(capsys, tmp_path):
     assert cli.main(["trace", "--out", str(trace), "--max-tokens", "64"]) == 0
     capsys.readouterr()
     code, err = run_cli(capsys, "simulate", str(trace), "--cache", "0.25", "0.01")
-    assert code == 2 and "--cache 0.063" in err and "--quota global" not in err, err
+    assert code == 2 and "--cache 0.063" in err and "--quota global" not in err and "bytes" not in err, err
 
 
 def test_missing_and_corrupt_config(capsys, ckpt):

@@ -128,9 +128,9 @@ def run(a) -> int:
     from ..engine.cache import CacheConfig, slots_per_layer
     from ..lab.simulator import trace_shape
     h = trace.header
-    for size in a.cache:  # checked before any replay; its fix without --quota global, which simulate lacks
+    for size in a.cache:  # checked before any replay; its fix names neither bytes nor --quota, which simulate lacks
         slots_per_layer(CacheConfig(fraction=size), trace_shape(h), 2 * h["expert_params"], h["top_k"],
-                        quota_hint=False)
+                        quota_hint=False, bytes_hint=False)
     # a policy or cache size given twice is replayed once, as bench and study run it: not a second identical row
     tasks = [(str(a.trace), policy, fraction, a.eviction, a.initial, a.profile, a.window)
             for fraction in dict.fromkeys(a.cache) for policy in dict.fromkeys(a.policies)]

@@ -77,9 +77,10 @@ def least_slots_per_layer(quota: str, top_k: int, num_layers: int) -> int:
 
 
 def slots_per_layer(cfg: CacheConfig, shape: ExpertShape, fast_expert_bytes: int, top_k: int,
-                    quota_hint: bool = True) -> int:
+                    quota_hint: bool = True, bytes_hint: bool = True) -> int:
     """Expert slots per layer under `cfg`, at most the layer's experts; CacheTooSmall when fewer than a token needs
-    (`least_slots_per_layer`) or the fraction is out of range (`quota_hint`: its fix may name --quota global)."""
+    (`least_slots_per_layer`) or the fraction is out of range (`quota_hint`, `bytes_hint`: its fix may name
+    --quota global, a size in bytes: where the verb takes them)."""
     least = least_slots_per_layer(cfg.quota, top_k, shape.num_layers)
     if cfg.bytes is not None:
         per_layer = cfg.bytes // fast_expert_bytes // shape.num_layers
@@ -94,8 +95,9 @@ def slots_per_layer(cfg: CacheConfig, shape: ExpertShape, fast_expert_bytes: int
     if per_layer < least:
         layer_bytes = fast_expert_bytes * shape.num_layers  # one slot a layer
         fraction = math.ceil(least / shape.num_experts * 1000) / 1000  # rounded up: a rounded-down one is short
-        fix = f"give at least {fraction:.3f} of the experts (--cache {fraction:.3f}) or {least * layer_bytes} bytes"
-        if cfg.quota == "layer" and quota_hint:
+        fix = f"give at least {fraction:.3f} of the experts (--cache {fraction:.3f})" + \
+            (f" or {least * layer_bytes} bytes" if bytes_hint else "")
+        if cfg.quota == "layer" and quota_hint and bytes_hint:
             shared = least_slots_per_layer("global", top_k, shape.num_layers)
             fix += (f"; in bytes, --quota global lets the layers share their slots (--cache-bytes "
                     f"{shared * layer_bytes} --quota global)")
