@@ -735,6 +735,12 @@ def test_a_text_too_short_to_fit_from_is_refused_before_the_models_files_change(
     for fit in (calibrate, fit_estimator):  # the Python API's road
         with pytest.raises(BadInput, match=f"at least {MIN_FIT_TOKENS} tokens"):
             fit(model, list(range(MIN_FIT_TOKENS - 1)))
+    text.write_text("ha " * 2000)  # long enough, but a few tokens repeated: nets fit to it replaced the model's
+    for verb in (["calibrate"], ["predict", "--train"]):
+        code, err = run_cli(capsys, *verb, "--model", str(model), "--text", str(text))
+        assert code == 2 and err.count("\n") == 0 and "distinct ones repeated" in err, err
+    assert {f.name: f.read_bytes() for f in model.iterdir()} == before
+
 
 def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(ckpt):
     """The Python API's road: Engine.forward and generate refuse an id outside the vocabulary in one line. A

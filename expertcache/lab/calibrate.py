@@ -172,13 +172,19 @@ def check_calibration_budget(model_path: Path, tokens: int, budget: int, context
 # fewer tokens than this route too few times to fit anything from: a 5-token text gave every predictor a recall
 # of 100% on itself and replaced the model's files with what it learned from one sentence
 MIN_FIT_TOKENS = 64
+MIN_FIT_DISTINCT = 16  # distinct tokens a text to fit from must hold: a line repeated, or one character, routes as
+# no text a model is run on does, and a fit from it replaced the model's files without a word
 
 
 def check_fit_tokens(ids: list[int], what: str) -> None:
-    """BadInput when `ids` are too few tokens to fit `what` from (MIN_FIT_TOKENS)."""
+    """BadInput when `ids` are too few tokens to fit `what` from (MIN_FIT_TOKENS), or too few distinct ones
+    (MIN_FIT_DISTINCT)."""
     if len(ids) < MIN_FIT_TOKENS:
         raise BadInput(f"{what} needs at least {MIN_FIT_TOKENS} tokens of text to fit from; the text gave "
                        f"{len(ids)}: give a longer --text (or a larger --max-tokens)")
+    if (distinct := len(set(ids))) < MIN_FIT_DISTINCT:
+        raise BadInput(f"{what} needs varied text to fit from: the text's {len(ids):,} tokens are {distinct} "
+                       f"distinct ones repeated (at least {MIN_FIT_DISTINCT}); give text like what the model is run on")
 
 
 def calibrate(model_path: Path, ids: list[int], context: int = 512,
