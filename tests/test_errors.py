@@ -556,7 +556,7 @@ def test_bad_cli_values_are_one_line(capsys, ckpt, tmp_path):
                         (["ppl", "--model", str(ckpt), "--store", "ram", "--read-mode", "direct"],
                          "--read-mode direct is how the disk store reads"),
                         (["tune", "--model", str(ckpt), "--cache-bytes", "lots"], "is not a size"),
-                        (["generate", "--store", "ram", "caf\udce9"], "not valid UTF-8"),  # needs a tokenizer
+                        (["generate", "--store", "ram", "caf\udce9"], "not UTF-8 text"),  # bytes not UTF-8
                         (["generate", "--model", str(ckpt), "-p", "a", "b"], "two prompts"),
                         (["generate", "--model", str(ckpt), "--temperature", "inf", "hi"], "--temperature inf"),
                         (["serve", "--model", str(ckpt), "--port", "70000"], "not a port"),
