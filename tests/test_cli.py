@@ -219,6 +219,34 @@ def test_study_policies_restrict_the_generation_test_too(tmp_path, capsys):
     assert set(res["generation"]) - {"samples", "prompt0"} == {"fetch-all", "substitute-all"}
 
 
+def test_an_interrupted_study_writes_the_report_of_what_ran(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during a study's third policy: its report holds the baseline and the policy measured, names what did
+    not run, and the run ends with an interrupt's exit code; everything was lost, hours of a real model's runs.
+    Interrupted within the baseline, nothing is written."""
+    import expertcache.lab.study as study
+    real, calls = study.perplexity, []
+
+    def perplexity(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == stop:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(study, "perplexity", perplexity)
+    out = tmp_path / "report"
+    argv = ["study", "--policies", "substitute-all", "threshold:tau=0.15", "--tokens-per-domain", "64", "--context",
+            "64", "--out", str(out), "--json", str(tmp_path / "study.json")]
+    stop = 3
+    assert cli.main(argv) == 130
+    res = json.loads((out / "study.json").read_text())
+    assert set(res["runs"]) == {"fetch-all", "substitute-all"} and res["generation"] == {}
+    assert res["interrupted"] and res["not_run"] == ["threshold:tau=0.15", "generation test"]
+    assert "not run `threshold:tau=0.15`, nor the generation test" in (out / "README.md").read_text()
+    assert "not run: threshold:tau=0.15, generation test" in capsys.readouterr().err
+    calls.clear()
+    stop, out = 1, tmp_path / "none"
+    assert cli.main([*argv[:-4], "--out", str(out)]) == 130 and not out.exists()
+
+
 def test_a_text_of_one_domain_reports_no_interval_where_it_has_no_windows(tmp_path):
     """A text without topic changes has no window after one, and one window has no bootstrap interval: the study
     says so where it printed NaN, and a paired increase of one window has no CI."""

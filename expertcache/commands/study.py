@@ -64,4 +64,7 @@ def run(a) -> int:
     write_json(a.json, res.to_dict())
     print((a.out / "README.md").read_text())
     print("wrote " + ", ".join(map(str, files)), file=sys.stderr)
+    if res.not_run:  # Ctrl-C past the baseline and a policy: the report of what ran, and the exit code of an interrupt
+        print(f"interrupted: the report holds what ran; not run: {', '.join(res.not_run)}", file=sys.stderr)
+        return 130
     return 0

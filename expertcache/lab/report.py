@@ -60,6 +60,9 @@ def _write_files(res: StudyResult, out: Path) -> list[Path]:
         lines.append(f"| `{spec}` | {r['ppl']:.2f} | {_ci(r)} | {r['calls_substituted_pct']:.1f}% | "
                      f"{r['slots_substituted_pct']:.1f}% | {r['mass_per_call']:.4f} | {r['hit_rate']:.1%} | "
                      f"{r['sync_fetches_per_token']:.2f} | {r['admissions_per_token']:.3f} |")
+    if res.not_run:  # the policies an interrupt left out, then the generation test
+        policies = ", ".join(f"`{p}`" for p in res.not_run if p != "generation test")
+        lines += ["", f"Interrupted (Ctrl-C): not run {policies + ', nor ' if policies else ''}the generation test."]
     if "where_loss_comes_from" in a:
         w = a["where_loss_comes_from"]
         sa, th = w["substitute-all"], w["threshold:tau=0.15"]

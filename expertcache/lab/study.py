@@ -151,11 +151,13 @@ class StudyResult:
     runs: dict = field(default_factory=dict)  # policy -> metrics
     analyses: dict = field(default_factory=dict)
     generation: dict = field(default_factory=dict)
+    not_run: list = field(default_factory=list)  # what an interrupt (Ctrl-C) left out: policies, "generation test"
 
     def to_dict(self) -> dict:
         """The result as JSON-ready values."""
         return {"config": self.config, "model": self.model, "sequences": self.sequences, "runs": self.runs,
-                "analyses": self.analyses, "generation": self.generation}
+                "analyses": self.analyses, "generation": self.generation} | \
+            ({"interrupted": True, "not_run": self.not_run} if self.not_run else {})
 
 
 def run_metrics(r: PerplexityResult, base: PerplexityResult, cfg: StudyConfig) -> dict:
@@ -203,14 +205,25 @@ def run_study(model: Path | None, cfg: StudyConfig, progress: Callable[..., None
     ppl: dict[str, PerplexityResult] = {}
     if progress:
         progress(cfg.policies[0], 0, total=seq.scored * len(cfg.policies))
-    for spec in cfg.policies:
-        engine.set_policy(spec)
-        ppl[spec] = perplexity(engine, seq.ids, cfg.context, reset=False, segments=seq.starts,
-                               progress=(lambda n, s=spec: progress(s, n)) if progress else None)
+    try:  # interrupted (Ctrl-C) past the baseline and one policy, the study keeps what it measured: a real
+        # model's policies take hours
+        for spec in cfg.policies:
+            engine.set_policy(spec)
+            ppl[spec] = perplexity(engine, seq.ids, cfg.context, reset=False, segments=seq.starts,
+                                   progress=(lambda n, s=spec: progress(s, n)) if progress else None)
+    except KeyboardInterrupt:
+        if len(ppl) < 2:
+            engine.close()
+            raise
+        result.not_run = [spec for spec in cfg.policies if spec not in ppl] + ["generation test"]
     base = ppl[BASELINE]
     result.runs = {spec: {"name": make_name(spec), **run_metrics(r, base, cfg)} for spec, r in ppl.items()}
     result.analyses = analyses(result.runs, seq, cfg)
-    result.generation = generation_test(engine, seq, cfg, progress)
+    if not result.not_run:
+        try:
+            result.generation = generation_test(engine, seq, cfg, progress)
+        except KeyboardInterrupt:
+            result.not_run = ["generation test"]
     engine.close()
     return result
 
