@@ -127,7 +127,8 @@ def check_fits(engine, prompt_len: int, max_new_tokens: int) -> None:
 def add_arguments(p):
     """The verb's options."""
     add_engine_arguments(p)
-    p.add_argument("prompt", nargs="?", default=None, type=command_text, help=f"prompt text (or use -p; default: {DEFAULT_PROMPT!r})")
+    p.add_argument("prompt", nargs="?", default=None, type=command_text,
+                   help=f"prompt text (or use -p; default: {DEFAULT_PROMPT!r})")
     p.add_argument("-p", "--prompt", dest="prompt_option", default=None, type=command_text,
                    help="prompt text; '-' reads it from stdin (also read when stdin is not a terminal)")
     add_sampling_arguments(p)

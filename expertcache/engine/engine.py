@@ -367,7 +367,8 @@ class Engine:
         take `plan_bytes` of the budget and the slots the rest (`slot` bytes each): a pass reads each expert its
         tokens route to once (top-k of E uniformly, every layer), and each slot's bytes the plan takes are a slot
         that a decoded token's k experts a layer would have hit one time in E. A prompt counts as long as its
-        reply: a chat's are, and a reply decoded from a short prompt takes every slot but the smallest pass's."""
+        reply, as a chat's are; a long reply to a short prompt would rather have every slot the smallest pass
+        leaves."""
         a = self.args
         E, k = a.num_experts, a.top_k
         return E * a.num_moe_layers * (1 - (1 - k / E) ** tokens) / tokens + k * plan_bytes / (E * slot)
