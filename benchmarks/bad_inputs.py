@@ -37,6 +37,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     short.write_text("a")
     five_tokens = tmp / "five_tokens.txt"
     five_tokens.write_text("hello world. ")
+    one_word = tmp / "one_word.txt"
+    one_word.write_text("ha " * 2000)
     no_config = tmp / "no_config"
     no_config.mkdir()
     bad_json = tmp / "bad_json"
@@ -273,6 +275,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("tokenizer.json of a model with more tokens", [*ppl, "--model", str(other_tokenizer)]),
         ("generate --device tpu", ["generate", "--store", "ram", "--device", "tpu", "hi"]),
         ("generate a prompt that is not UTF-8", ["generate", "--store", "ram", "caf\udce9"]),
+        ("generate a stop string that is not UTF-8", ["generate", "--store", "ram", "--stop", "\udcff"]),
         ("generate two prompts", ["generate", "--store", "ram", "-p", "a", "b"]),
         ("generate --temperature inf", ["generate", "--store", "ram", "--temperature", "inf", "hi"]),
         ("serve --port 70000", ["serve", "--port", "70000"]),
@@ -358,6 +361,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("calibrate on a text of 5 tokens", ["calibrate", "--model", str(writable), "--text", str(five_tokens)]),
         ("predict --train on a text of 5 tokens", ["predict", "--train", "--model", str(writable), "--text",
                                                    str(five_tokens)]),
+        ("predict --train on a word repeated 2,000 times", ["predict", "--train", "--model", str(writable),
+                                                            "--text", str(one_word)]),
         ("simulate a trace with a flipped byte in its logits", ["simulate", str(flipped_trace), "--policies",
                                                                 "fetch-all"]),
         ("generate with a flipped byte in lookahead.safetensors", ["generate", "--model", str(flipped_lookahead),

@@ -36,10 +36,12 @@ def check_batched_logits(engine: Engine, lengths: list[int], steps: int) -> None
         g.step()  # the prompt
     for _ in range(steps):
         alone = []
+        engine.kv_swapped = True  # each sequence's own keys swapped in, as a generation with its own cache does
         for g in gens:
             engine.model.k_cache, engine.model.v_cache = (t.clone() for t in g.kv)
             alone.append((engine.forward(torch.tensor(g.tokens[-1:]), g.position)[-1],
                           engine.model.k_cache, engine.model.v_cache))
+        engine.kv_swapped = False
         logits = batch_logits(engine, gens)
         for b, (g, (want, k, v)) in enumerate(zip(gens, alone)):
             torch.testing.assert_close(logits[b], want, atol=1e-5, rtol=1e-5)

@@ -450,7 +450,16 @@ def test_an_end_of_turn_id_outside_the_vocabulary_is_refused_at_open(capsys, ckp
     ("glm4_moe", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 2.0},
      "partial_rotary_factor 2.0"),
     ("olmoe", "clip_qkv", "3", "clip_qkv '3'"),
-    ("gpt_oss", "layer_types", ["full_attention", "global"], "layer_types 'global'")])
+    ("gpt_oss", "layer_types", ["full_attention", "global"], "layer_types 'global'"),
+    # values that ran silently to another model's output: no group allowed read as one, a scaling or a clamp below
+    # zero, a MoE step of 0 (HF divides by it), weights of layers past the config's left unread
+    ("deepseek_v3", "topk_group", 0, "groups must divide the experts"),
+    ("deepseek_v3", "routed_scaling_factor", -1, "routed_scaling_factor -1.0; it must be a finite number > 0"),
+    ("gpt_oss", "swiglu_limit", -1, "swiglu_limit -1.0; it must be"),
+    ("qwen3_moe", "decoder_sparse_step", 0, "decoder_sparse_step 0"),
+    ("qwen3_moe", "num_hidden_layers", 1, "the weights hold decoder layers up to 1, config.json gives "
+                                          "num_hidden_layers 1"),
+    ("qwen3_moe", "vocab_size", 10**12, "more than 16,777,216")])
 def test_config_dimensions_that_do_not_fit_the_weights_or_each_other_are_one_line(capsys, tiny, tmp_path, family, key,
                                                                                value, words):
     """Each attention dimension of a config is checked against its tensors at load, and the router's groups against
@@ -465,6 +474,97 @@ def test_config_dimensions_that_do_not_fit_the_weights_or_each_other_are_one_lin
     (path / "config.json").write_text(json.dumps({**cfg, key: value}))
     expect_cli_error(capsys, path, words)
 
+
+
+def test_damaged_checkpoint_files_are_named_in_one_line(capsys, ckpt):
+    """A config found by its architecture (no model_type) and lacking a key failed in a KeyError's traceback; one
+    without num_experts named num_local_experts, which Qwen releases do not use. A tokenizer_config.json whose
+    eos_token is no text was a TypeError's traceback; a config.json not UTF-8 named no file; an integer of thousands
+    of digits was a ValueError's traceback. Two tensors sharing bytes (one read as the other, a silent wrong model)
+    are refused, as safetensors refuses them."""
+    import struct
+    config = json.loads((ckpt / "config.json").read_text())
+    for edit, words in ((lambda c: {k: v for k, v in c.items() if k not in ("model_type", "hidden_size")},
+                         "lacks 'hidden_size' required by qwen3_moe"),
+                        (lambda c: {k: v for k, v in c.items() if k not in ("num_experts", "num_local_experts")},
+                         "lacks 'num_experts' required by qwen3_moe")):
+        (ckpt / "config.json").write_text(json.dumps(edit(config)))
+        expect_cli_error(capsys, ckpt, words)
+    (ckpt / "config.json").write_bytes(b"\xb0\xff" * 50)
+    expect_cli_error(capsys, ckpt, "config.json is not valid JSON")
+    (ckpt / "config.json").write_text(json.dumps(config).replace('"hidden_size": 32', '"hidden_size": 1' + "0" * 5000))
+    expect_cli_error(capsys, ckpt, "config.json is not valid JSON")
+    (ckpt / "config.json").write_text(json.dumps(config))
+    tokenizer = ckpt / "tokenizer_config.json"
+    saved = json.loads(tokenizer.read_text()) if tokenizer.exists() else {}
+    tokenizer.write_text(json.dumps({**saved, "eos_token": ["<eos>"]}))
+    from expertcache.engine.generate import eos_token_ids
+    engine = Engine(ckpt, EngineConfig(store="ram"))
+    with pytest.raises(CheckpointError, match=r"eos_token is \['<eos>'\], not a token's text"):
+        eos_token_ids(engine)  # as every generation reads them
+    engine.close()
+    tokenizer.write_text(json.dumps(saved))
+    weights = ckpt / "model.safetensors"
+    data = weights.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    names = sorted(k for k in header if k.endswith("experts.1.up_proj.weight") or k.endswith("experts.0.up_proj.weight"))
+    header[names[1]]["data_offsets"] = header[names[0]]["data_offsets"]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    weights.write_bytes(struct.pack("<Q", n) + text.ljust(n) + data[8 + n:])
+    expect_cli_error(capsys, ckpt, "share bytes")
+
+
+def test_a_forward_past_the_positions_the_cache_holds_is_refused():
+    """A forward at position 100 of an engine whose cache held none attended to keys no forward wrote (zeros, or a
+    run's before), a silent wrong answer; it is refused, naming the position to run next."""
+    engine = Engine(None, EngineConfig(store="ram"))
+    with pytest.raises(BadInput, match="the KV cache holds the first 0 positions; run position 0 next"):
+        engine.forward(torch.tensor([5]), 100)
+    engine.forward(torch.tensor([5, 6, 7]), 0)
+    with pytest.raises(BadInput, match="holds the first 3 positions"):
+        engine.forward(torch.tensor([5]), 4)
+    engine.forward(torch.tensor([8]), 3)  # the next, and one before it, rewriting from there
+    engine.forward(torch.tensor([9]), 1)
+    engine.close()
+
+
+def test_odd_values_of_the_python_api_are_named_or_taken():
+    """A Fraction temperature passed the checks and failed in the sampler's tensor arithmetic; ids on the meta device
+    failed in torch's .item(); a template's raise_exception said its words alone, not that the template refused."""
+    from fractions import Fraction
+
+    from expertcache.engine.chat import ChatTemplate, ChatTemplateError
+    from expertcache.engine.sampling import SamplingParams
+    assert SamplingParams(temperature=Fraction(1, 2)).temperature == 0.5
+    engine = Engine(None, EngineConfig(store="ram"))
+    with pytest.raises(BadInput, match="meta device hold no values"):
+        engine.forward(torch.tensor([1, 2], device="meta"), 0)
+    engine.close()
+    template = ChatTemplate("{{ raise_exception('Only user roles supported') }}")
+    with pytest.raises(ChatTemplateError, match="^the chat template refused these messages: Only user roles"):
+        template.render([{"role": "system", "content": "x"}])
+
+
+def test_the_built_in_models_predictor_files_carry_their_checksums(tmp_path, capsys):
+    """The shipped estimator, lookahead and default vectors were written before checksums were: a flipped byte in
+    them changed the predictions, and a speculative run's text, without a word."""
+    from safetensors import safe_open
+
+    from expertcache.engine.tensor_file import CHECKSUM
+    for name in ("estimator.safetensors", "lookahead.safetensors", "default_vectors.safetensors"):
+        with safe_open(str(BUILTIN_MODEL / name), "pt") as f:
+            assert CHECKSUM in (f.metadata() or {}), name
+    model = tmp_path / "m"
+    shutil.copytree(BUILTIN_MODEL, model)
+    estimator = model / "estimator.safetensors"
+    data = bytearray(estimator.read_bytes())
+    data[2_000_000] ^= 0xFF
+    estimator.write_bytes(bytes(data))
+    code, err = run_cli(capsys, "generate", "--model", str(model), "-n", "2", "--store", "ram", "-p", "a",
+                        "--policy", "fetch-all+speculative/estimator")
+    assert code == 2 and "do not match the checksum" in err, err
 
 
 def test_a_config_of_another_number_of_experts_is_named_before_the_files_beside_it(capsys, tmp_path):

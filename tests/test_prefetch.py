@@ -423,7 +423,7 @@ def test_a_decode_token_predicts_with_its_own_sequences_previous_token(calibrate
     assert [l for l, _ in seen] == [0] and seen[0][1] is not None
     np.testing.assert_array_equal(seen[0][1][0], last[1])
     seen.clear()
-    engine.forward(ids[7:8], 9)  # not where the sequence stopped
+    engine.forward(ids[7:8], 3)  # not where the sequence stopped: rewriting from an earlier position
     assert seen == [(0, None)]
     seen.clear()
     gens = [TextGeneration(engine, ids[:4].tolist(), SamplingParams(max_tokens=3), own_kv=True) for _ in range(2)]

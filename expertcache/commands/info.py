@@ -150,7 +150,7 @@ def run(a) -> int:
                 raise CheckpointError(f"{a.config.parent} holds no config.json; give a model's config.json")
         try:
             config = json.loads(a.config.read_text())
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # not JSON, not UTF-8, or an integer of thousands of digits
             raise CheckpointError(f"{a.config} is not valid JSON ({e}); give a model's config.json") from None
         if not isinstance(config, dict):
             raise CheckpointError(f"{a.config} is a JSON {type(config).__name__}, not an object; give a model's "
@@ -168,11 +168,11 @@ def run(a) -> int:
     from ..engine.checkpoint import open_checkpoint
     from ..engine.quant import ExpertFormat
     from ..engine.stores import ExpertShape
-    from ..engine.weights import check_routers, layer_experts
+    from ..engine.weights import check_config_fits_weights, layer_experts
     from ..models import model_args
     ckpt = open_checkpoint(a.model or BUILTIN_MODEL)
     m = model_args(ckpt.config)
-    check_routers(ckpt, m)
+    check_config_fits_weights(ckpt, m)
     if a.dtype_bytes is not None:
         expert, per_weight = m.expert_params * a.dtype_bytes, f"{a.dtype_bytes} B/weight"
     else:

@@ -21,7 +21,7 @@ class ChatTemplateError(BadInput):
 
 
 def _raise_exception(message: str):
-    raise ChatTemplateError(message)
+    raise ChatTemplateError(f"the chat template refused these messages: {message}")  # its words alone named no source
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

@@ -121,7 +121,7 @@ class Checkpoint:
             return {}
         try:
             out = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # not JSON, not UTF-8, or an integer of thousands of digits
             raise CheckpointError(f"{p} is not valid JSON ({e}); restore it from the model's release or delete it") \
                 from None
         if not isinstance(out, dict):
@@ -250,7 +250,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         config = json.loads((path / "config.json").read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: config.json is missing; copy it from the model's release") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # not JSON, not UTF-8 (it named no file), or an integer of thousands of digits
         raise CheckpointError(f"{path}/config.json is not valid JSON ({e}); restore it from the release") from None
     if not isinstance(config, dict):  # valid JSON of another shape: every reader below takes keys from it
         raise CheckpointError(f"{path}/config.json is a JSON {type(config).__name__}, not an object; restore it from "
@@ -264,7 +264,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             weight_map = json.loads(index.read_text())["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError("its weight_map is no object of tensor names to shard files")
-        except (json.JSONDecodeError, KeyError, TypeError) as e:  # TypeError: an index that is no object
+        except (ValueError, KeyError, TypeError) as e:  # TypeError: an index that is no object; ValueError: not
+            # JSON, not UTF-8, or an integer of thousands of digits
             raise CheckpointError(f"{index}: not a safetensors index ({e}); restore it from the release") from None
         for name, shard in weight_map.items():
             if not (path / shard).exists():

@@ -55,7 +55,7 @@ from .stats import RunStats
 from .stores import ExpertShape, ExpertStore, check_store, open_store, staging_bytes
 from .stores.ram import held_dtype
 from .transformer import Transformer
-from .weights import check_routers, dense_names, dense_weights, expert_dtype
+from .weights import check_config_fits_weights, dense_names, dense_weights, expert_dtype
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ class Engine:
             raise BadInput(f"--kv-positions {config.kv_positions} holds less than one --max-seq {config.max_seq} "
                            f"sequence; give at least {config.max_seq}")
         self.policy = self._fit(policy)  # refused before any weight is read; bound in full below
-        check_routers(ckpt, self.args)  # before the files beside the weights, which a config of another fits no better
+        check_config_fits_weights(ckpt, self.args)  # before the files beside the weights, which a config of another fits no better
         self.routing_counts = load_routing_counts(self.path, (self.args.num_moe_layers, self.args.num_experts))
         self.checkpoint = ckpt
         self.dense_format = dense_format(config.dense_dtype, self.device)
@@ -311,9 +311,9 @@ class Engine:
         self.stats = RunStats()
         # forwards run over the model's KV cache: a generation continuing it checks that none ran since its own
         self.kv_writes = 0
-        # the token ids whose keys and values the engine's own cache holds from position 0 (-1: unknown), which a
-        # generation that says it continues them checks (TextGeneration's `cached`); not while a sequence's own
-        # cache is swapped in (`kv_swapped`)
+        # the token ids whose keys and values the engine's own cache holds from position 0, which a generation that
+        # says it continues them checks (TextGeneration's `cached`), and past which no forward starts; not while a
+        # sequence's own cache is swapped in (`kv_swapped`)
         self.kv_ids: list[int] = []
         self.kv_swapped = False
         # the positions linear attention's recurrent state holds (-1: unknown, after a forward that failed); it
@@ -629,11 +629,14 @@ class Engine:
             raise BadInput(f"position {pos}: this model's linear attention keeps one recurrent state of {held} "
                            f"positions, which cannot be cut back or skipped; run position "
                            f"{max(self.linear_end, 0)} next, or start again at 0")
+        if not self.kv_swapped and pos > len(self.kv_ids):  # its attention read keys no forward wrote (zeros, or
+            # a run's before): a silent wrong answer
+            raise BadInput(f"position {pos}: the KV cache holds the first {len(self.kv_ids)} positions; run position "
+                           f"{len(self.kv_ids)} next (or one before it, rewriting from there), or start again at 0")
         self.kv_writes += 1  # before it runs: a forward that fails may have written some positions
         self.linear_end = -1 if linear else 0
         if not self.kv_swapped:
             del self.kv_ids[pos:]  # rewritten from here, or unknown if it fails
-            self.kv_ids += [-1] * (pos - len(self.kv_ids))
         self.runner.start_forward(id(self.model.k_cache), pos, T)  # a swapped-in sequence has other keys
         self.runner.by_expert = prompt and self.config.prompt_order == "experts"
         try:
@@ -668,6 +671,8 @@ class Engine:
                                "through Engine.encode")
             if not ids.numel():  # [] is float32 to torch
                 ids = ids.long()
+        if ids.is_meta:  # no values to read: torch's own error named .item()
+            raise BadInput("token ids on the meta device hold no values; give ids on the CPU or the engine's device")
         if ids.dim() != 1 or not (ids.numel() or empty) or ids.dtype.is_floating_point or ids.dtype.is_complex or \
                 ids.dtype == torch.bool:
             raise BadInput(f"token ids must be a {'' if empty else 'non-empty '}1-D integer tensor, not {ids.dtype} "

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import BadInput, truth, whole_number
+from ..errors import BadInput, CheckpointError, truth, whole_number
 from ..policies import MissPolicy
 from .engine import Engine
 from .sampling import IncrementalDetokenizer, Sampler, SamplingParams, StopStrings
@@ -22,6 +22,9 @@ def eos_token_ids(engine: Engine) -> frozenset[int]:
     found = engine.checkpoint.eos_token_ids(engine.args.vocab_size)
     token = tokenizer_config(engine).get("eos_token")
     token = token.get("content") if isinstance(token, dict) else token
+    if token is not None and not isinstance(token, str):  # the tokenizer's TypeError was a traceback
+        raise CheckpointError(f"{engine.path}: tokenizer_config.json's eos_token is {token!r}, not a token's text; "
+                              "restore the file from the model's release")
     if token and engine.tokenizer is not None and engine.tokenizer.token_to_id(token) is not None:
         found.add(engine.tokenizer.token_to_id(token))
     return frozenset(found)

@@ -71,8 +71,9 @@ class SamplingParams:
             if not (value is None and name in OPTIONAL) and (isinstance(value, bool) or not isinstance(value, kind)):
                 raise SamplingError(name, f"{name}={value!r} must be a {'whole ' * whole}number, "
                                           f"not {type(value).__name__}")
-            if whole and value is not None:  # a NumPy integer as an int: torch's manual_seed refused np.int64
-                object.__setattr__(self, name, int(value))
+            if value is not None:  # a NumPy integer as an int: torch's manual_seed refused np.int64; a Fraction or
+                # a Decimal as a float: the sampler's tensor arithmetic refused them
+                object.__setattr__(self, name, int(value) if whole else float(value))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         checks = [
             (0 <= self.temperature < math.inf, "temperature", "must be a finite number >= 0 (0 is greedy)"),

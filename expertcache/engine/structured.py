@@ -141,7 +141,7 @@ def schema_text(schema) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # not JSON, or an integer of more digits than int() takes
             raise ValueError(f"is not JSON ({e})") from None
     if not isinstance(schema, dict):
         raise ValueError(f"is a JSON {type(schema).__name__}, not a schema (an object such as {JSON_OBJECT})")

@@ -117,6 +117,10 @@ class TensorFile:
             if not (8 + n <= start <= end <= size) or end - start != math.prod(shape) * dtype.itemsize:
                 raise self._corrupt(f"tensor {name!r}'s bytes do not fit the file or its shape")
             out[name] = TensorInfo(dtype, shape, start, end)
+        spans = sorted((info.start, info.end, name) for name, info in out.items() if info.end > info.start)
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):  # safetensors refuses these too: one
+            if start < end:  # tensor's bytes read as another's, a silent wrong model
+                raise self._corrupt(f"tensors {first!r} and {second!r} share bytes")
         return out
 
     def keys(self) -> list[str]:

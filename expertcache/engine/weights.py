@@ -1,6 +1,7 @@
 """Translate a family's checkpoint tensors into our layout: dense weights and stacked experts."""
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -119,11 +120,20 @@ def _check_shapes(w: dict[str, torch.Tensor], a: ModelArgs, names: dict[str, str
                                   f"{want}; the config does not belong to these weights")
 
 
-def check_routers(ckpt: Checkpoint, args: ModelArgs) -> None:
-    """CheckpointError where a MoE layer's router, from its header, does not route config.json's number of experts
-    over its hidden size: a config of another model read as this one was blamed on the files beside it (routing
-    counts, predictors) or, read alone (`info`), reported as it says."""
+def check_config_fits_weights(ckpt: Checkpoint, args: ModelArgs) -> None:
+    """CheckpointError where the weights hold more decoder layers than config.json gives, or a MoE layer's router,
+    from its header, does not route its number of experts over its hidden size: a config of another model read as
+    this one was blamed on the files beside it (routing counts, predictors) or, read alone (`info`), reported as
+    it says."""
     names, want = dense_names(ckpt, args), dense_shapes(args)["router"]
+    # layers past the config's (less the multi-token-prediction layers DeepSeek-V3 and GLM-4.5 ship after theirs)
+    # were left unread: a config cut to fewer layers ran a shallower model in silence
+    mtp = ckpt.config.get("num_nextn_predict_layers") or 0
+    named = [int(m.group(1)) for n in ckpt.files if (m := re.match(r"model\.layers\.(\d+)\.", n))]
+    if named and max(named) >= args.num_layers + (mtp if isinstance(mtp, int) else 0):
+        raise CheckpointError(f"the weights hold decoder layers up to {max(named)}, config.json gives "
+                              f"num_hidden_layers {args.num_layers}; the config does not belong to these weights: "
+                              "restore it from the model's release")
     for decoder in args.moe_layers:
         name = names.get(f"layers.{decoder}.router")
         if name is None or name not in ckpt.files:

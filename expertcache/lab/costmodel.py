@@ -153,7 +153,7 @@ class HardwareProfile:
         from ..errors import BadInput
         try:
             data = json.loads(Path(path).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:  # not UTF-8, not JSON, or an integer of thousands of digits
             raise BadInput(f"{path}: not a readable hardware profile ({e}); write one with `expertcache "
                            "calibrate-hw --out FILE`") from None
         if not isinstance(data, dict):

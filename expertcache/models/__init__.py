@@ -47,6 +47,7 @@ def _number(v) -> bool:
 
 MAX_EXPERTS = 65_536  # per layer: 128 times the most of any released model (512)
 MAX_LAYERS = 10_000  # 100 times the most of any released MoE model: each is named before any weight is read
+MAX_VOCAB = 2**24  # 64 times the largest released tokenizer's: past it the memory check blamed --max-seq
 
 
 def model_args(config: dict) -> ModelArgs:
@@ -62,14 +63,15 @@ def model_args(config: dict) -> ModelArgs:
     if isinstance(layers, int) and not isinstance(layers, bool) and layers > MAX_LAYERS:  # 3 million ran for minutes
         raise CheckpointError(f"config.json gives {layers:,} layers (num_hidden_layers), more than {MAX_LAYERS:,}; "
                               "restore the config from the model's release")
+    name = next(k for k, m in FAMILIES.items() if m is family)  # found by its architecture, model_type may be absent
     try:
         a = family.args_from_config(config)
     except KeyError as e:
-        raise CheckpointError(f"config.json lacks {e.args[0]!r} required by {config['model_type']}; "
+        raise CheckpointError(f"config.json lacks {e.args[0]!r} required by {name}; "
                               "restore the config from the model's release") from None
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # a value of the wrong type (a list
         # where an object of RoPE parameters goes), or 0 where it divides
-        raise CheckpointError(f"config.json has a value {config['model_type']} cannot take ({e}); restore the "
+        raise CheckpointError(f"config.json has a value {name} cannot take ({e}); restore the "
                               "config from the model's release") from None
     sizes = {"vocab_size": a.vocab_size, "hidden_size": a.hidden_size, "num_hidden_layers": a.num_layers,
              "num_attention_heads": a.num_heads, "number of experts": a.num_experts,
@@ -87,6 +89,9 @@ def model_args(config: dict) -> ModelArgs:
     if bad:
         raise CheckpointError(f"config.json gives {', '.join(bad)}; each must be a whole number >= 1: restore the "
                               "config from the model's release")
+    if a.vocab_size > MAX_VOCAB:
+        raise CheckpointError(f"config.json gives vocab_size {a.vocab_size:,}, more than {MAX_VOCAB:,}; restore the "
+                              "config from the model's release")
     if a.num_experts > MAX_EXPERTS:  # each expert is named before any weight is read: 10^9 of them ate the memory
         raise CheckpointError(f"config.json gives {a.num_experts:,} experts per layer, more than {MAX_EXPERTS:,}; "
                               "restore the config from the model's release")
@@ -97,9 +102,13 @@ def model_args(config: dict) -> ModelArgs:
         raise CheckpointError(f"config.json gives {a.linear_num_value_heads} linear-attention value heads over "
                               f"{a.linear_num_key_heads} key heads, which do not divide them: restore the config "
                               "from the model's release")
-    if not math.isfinite(a.routed_scaling_factor):
-        raise CheckpointError(f"config.json gives routed_scaling_factor {a.routed_scaling_factor!r}; restore the "
-                              "config from the model's release")
+    if not (math.isfinite(a.routed_scaling_factor) and a.routed_scaling_factor > 0):  # below 0 the experts' sum
+        # flipped sign in silence
+        raise CheckpointError(f"config.json gives routed_scaling_factor {a.routed_scaling_factor!r}; it must be a "
+                              "finite number > 0: restore the config from the model's release")
+    if a.swiglu_limit is not None and not (math.isfinite(a.swiglu_limit) and a.swiglu_limit > 0):
+        raise CheckpointError(f"config.json gives swiglu_limit {a.swiglu_limit!r}; it must be a finite number > 0: "
+                              "restore the config from the model's release")
     if not (math.isfinite(a.rope_theta) and a.rope_theta > 0):  # 0, negative or NaN: non-finite logits, blamed on
         # the weights; infinite: positions never rotated
         raise CheckpointError(f"config.json gives rope_theta {a.rope_theta!r}; it must be a finite number > 0: restore "

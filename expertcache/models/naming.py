@@ -8,7 +8,8 @@ from .args import ModelArgs
 def qwen_dense_fields(c: dict) -> dict:
     """ModelArgs fields of the Qwen families' dense layers: those in mlp_only_layers, and all but every
     decoder_sparse_step-th (HF's rule), each a SwiGLU MLP of intermediate_size."""
-    step, only = c.get("decoder_sparse_step") or 1, c.get("mlp_only_layers") or []
+    step, only = c.get("decoder_sparse_step"), c.get("mlp_only_layers") or []
+    step = 1 if step is None else step  # 0 is refused below, as HF divides by it, not read as 1
     if type(step) is not int or step < 1 or not all(type(i) is int for i in only):
         raise UnsupportedArchitecture(f"{c.get('model_type')}: decoder_sparse_step {step!r} or mlp_only_layers "
                                       f"{only!r} is not whole layer numbers; restore the config from the release")
@@ -77,8 +78,9 @@ def sigmoid_router_fields(c: dict, n_group: int, topk_group: int, routed_scaling
     """ModelArgs fields of the DeepSeek-V3 / GLM-4.5 router, dense layers and shared experts. The keyword
     arguments are the family's HF config defaults: transformers reads a key config.json omits as its default,
     and the families' differ (DeepSeek-V3's 2.5 scaling, 8 groups, 3 dense layers)."""
-    return dict(router="sigmoid", router_bias=True, n_group=c.get("n_group", n_group) or 1,
-                topk_group=c.get("topk_group", topk_group) or 1,
+    given = lambda key, default: default if (v := c.get(key, default)) is None else v  # noqa: E731 -- 0 refused later
+    return dict(router="sigmoid", router_bias=True, n_group=given("n_group", 1),
+                topk_group=given("topk_group", 1),
                 routed_scaling_factor=float(c.get("routed_scaling_factor", routed_scaling_factor)),
                 norm_topk_prob=bool(c.get("norm_topk_prob", True)),
                 first_dense_layers=c.get("first_k_dense_replace", first_k_dense_replace) or 0,

@@ -77,7 +77,7 @@ class DiskStore(ExpertStore):
     def __init__(self, store_dir: Path, args: ModelArgs, read_mode: str = "auto", verify: bool = True):
         try:
             meta = json.loads((store_dir / "experts.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError) as e:  # not UTF-8: a corrupt file too
+        except (FileNotFoundError, ValueError) as e:  # not JSON or not UTF-8 (a corrupt file too)
             raise CheckpointError(f"{store_dir}: no valid experts.json ({e}); {reconvert(store_dir)}") from None
         if not isinstance(meta, dict):  # valid JSON of another shape: a corrupt or foreign file, not a traceback
             raise CheckpointError(f"{store_dir}: experts.json is corrupted (a JSON {type(meta).__name__}, not an "
