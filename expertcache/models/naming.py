@@ -78,9 +78,10 @@ def sigmoid_router_fields(c: dict, n_group: int, topk_group: int, routed_scaling
     """ModelArgs fields of the DeepSeek-V3 / GLM-4.5 router, dense layers and shared experts. The keyword
     arguments are the family's HF config defaults: transformers reads a key config.json omits as its default,
     and the families' differ (DeepSeek-V3's 2.5 scaling, 8 groups, 3 dense layers)."""
-    given = lambda key, default: default if (v := c.get(key, default)) is None else v  # noqa: E731 -- 0 refused later
-    return dict(router="sigmoid", router_bias=True, n_group=given("n_group", 1),
-                topk_group=given("topk_group", 1),
+    given = lambda key, default: 1 if (v := c.get(key, default)) is None else v  # noqa: E731 -- null: one group;
+    # 0 is refused with the groups, not read as one
+    return dict(router="sigmoid", router_bias=True, n_group=given("n_group", n_group),
+                topk_group=given("topk_group", topk_group),
                 routed_scaling_factor=float(c.get("routed_scaling_factor", routed_scaling_factor)),
                 norm_topk_prob=bool(c.get("norm_topk_prob", True)),
                 first_dense_layers=c.get("first_k_dense_replace", first_k_dense_replace) or 0,
