@@ -10,7 +10,9 @@ import importlib
 import io
 import json
 import os
+import pickle
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -72,6 +74,9 @@ class Terminated(BaseException):
 
 SIGTERMS = []  # the SIGTERMs this run took: one raised where Python cannot pass it on (a C library's callback drops
 # it) leaves that library failing in its own way, an error that is the signal's
+# ended as SIGTERM is: a hang-up (an ssh session dropped during a conversion of hours) and a soft CPU-time limit
+# left a partial store file of tens of GB, which only SIGTERM's and Ctrl-C's unwinding removes
+ENDING = (signal.SIGTERM, signal.SIGHUP, signal.SIGXCPU)
 
 
 def _terminated(signum, frame):
@@ -86,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     _escape_unencodable(sys.stdout)
     _read_utf8(sys.stdin)
     here = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
-    previous = (signal.signal(signal.SIGTERM, _terminated) or signal.SIG_DFL) if here else None  # None: set in C
+    # None: a handler set in C; one ignored (nohup's SIGHUP) stays ignored
+    previous = {sig: signal.signal(sig, _terminated) or signal.SIG_DFL for sig in ENDING
+                if signal.getsignal(sig) != signal.SIG_IGN} if here else {}
     SIGTERMS.clear()
     unraisable, sys.unraisablehook = sys.unraisablehook, functools.partial(_quiet_termination, sys.unraisablehook)
     try:
@@ -94,13 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Terminated:
-        signal.signal(signal.SIGTERM, previous)
-        signal.raise_signal(signal.SIGTERM)  # dies of it, as its supervisor expects (the default handler)
-        return 128 + signal.SIGTERM
+        sig = SIGTERMS[-1] if SIGTERMS else signal.SIGTERM
+        signal.signal(sig, previous.get(sig, signal.SIG_DFL))
+        signal.raise_signal(sig)  # dies of it, as its supervisor expects (the default handler)
+        return 128 + sig
     finally:
         sys.unraisablehook = unraisable
-        if here:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _quiet_termination(hook, unraisable) -> None:
@@ -220,6 +228,11 @@ def reported(e: Exception, prog: str, flags: set[str] | None = None) -> int | No
         return 128 + signal.SIGPIPE
     elif isinstance(e, OSError):
         print(f"{prog}: error: {e}; {os_error_fix(e, flags)}", file=sys.stderr)
+    elif isinstance(e, (EOFError, pickle.UnpicklingError)) and _from_numba_cache(e):  # a truncated index or object
+        # file of the kernels' cache failed every run the same way, the folder never named
+        from .kernel.compiled import cache_dir
+        print(f"{prog}: error: the compiled kernels' cache is damaged ({type(e).__name__}: {e}); delete it (rm -rf "
+              f"{shlex.quote(str(cache_dir()))}) and run again, which compiles them anew", file=sys.stderr)
     elif isinstance(e, (MemoryError, RuntimeError)) and (sizes := out_of_memory(e)) is not None:  # torch: RuntimeError
         fixes = [fix for flag, fix in MEMORY_FIXES if flags is None or flag in flags]
         advice = f": {', '.join(fixes[:-1])}{' or ' if len(fixes) > 1 else ''}{fixes[-1]}" if fixes else \
@@ -264,6 +277,16 @@ def version() -> str:
         return "(not installed)"
 
 
+def _from_numba_cache(e: BaseException) -> bool:
+    """Whether `e` was raised while numba read its on-disk cache (numba/core/caching.py)."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace(os.sep, "/").endswith("numba/core/caching.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def os_error_fix(e: OSError, flags: set[str] | None = None) -> str:
     """What to do about an operating-system error the library did not expect (mostly under ~/.cache); the folders'
     options named where the verb that ran takes them (`flags`; None: every one)."""
@@ -284,6 +307,9 @@ def os_error_fix(e: OSError, flags: set[str] | None = None) -> str:
         return f"free disk space, or choose a folder on another disk {where}"
     if e.errno in (errno.ENOTDIR, errno.EEXIST):  # a file where a folder must go ($HOME unset, or /dev/null)
         return f"a file stands where a folder must go: choose another folder {where}"
+    if e.errno == errno.EFBIG:  # a write past ulimit -f, or the filesystem's largest file (FAT's 4 GiB)
+        return f"a file grew past the size limit (ulimit -f) or the filesystem's largest file: raise the limit " \
+               f"(ulimit -f unlimited) or choose a folder on another filesystem {where}"
     if e.errno == errno.EINVAL:
         return f"the filesystem refused the operation; choose a folder on another filesystem {where}"
     return "check the path and the disk"

@@ -483,9 +483,11 @@ def test_an_experts_json_of_another_shape_is_one_line(capsys, model, edit):
     assert code == 2 and err.count("\n") == 0 and "experts.json is corrupted" in err and "expertcache convert" in err
 
 
-def test_sigterm_during_a_conversion_removes_its_partial_file(tiny, tmp_path):
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP", "SIGXCPU"])
+def test_sigterm_during_a_conversion_removes_its_partial_file(tiny, tmp_path, name):
     """SIGTERM (a supervisor, `timeout`, a container stopping) midway through a conversion unwinds it as Ctrl-C
-    does, removing the partial file (tens of GB of a real model's), and the process still dies of the signal."""
+    does, removing the partial file (tens of GB of a real model's), and the process still dies of the signal; so do
+    a hang-up (an ssh session dropped) and a soft CPU-time limit, which left the partial file."""
     import signal
     import subprocess
     import sys
@@ -497,15 +499,34 @@ def test_sigterm_during_a_conversion_removes_its_partial_file(tiny, tmp_path):
         def encode(*a, **k):
             calls.append(1)
             if len(calls) == 4:  # three experts written: the signal lands midway
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), getattr(signal, sys.argv[3]))
             return real(*a, **k)
         convert.encode = encode
         sys.exit(cli.main(["convert", "--model", sys.argv[1], "--out", sys.argv[2]]))"""
     out = tmp_path / "store"
-    proc = subprocess.run([sys.executable, "-c", script, str(tiny[FAMILY][0]), str(out)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", script, str(tiny[FAMILY][0]), str(out), name], capture_output=True,
                           text=True)
-    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert proc.returncode == -getattr(signal, name), proc.stderr
     assert out.is_dir() and not list(out.glob("experts.*")), list(out.iterdir())
+
+
+def test_a_damaged_kernel_cache_is_named_with_its_fix(tmp_path):
+    """A truncated or emptied index file of the compiled kernels' cache (a full disk, a killed write) failed every
+    run in an EOFError's traceback, the folder never named: one line names it and how to recover."""
+    import subprocess
+    import sys
+
+    from expertcache.kernel.compiled import cache_dir
+    Engine(None, EngineConfig(store="ram")).close()  # the kernels compiled and cached
+    copy = tmp_path / "expertcache-numba" / cache_dir().name
+    shutil.copytree(cache_dir(), copy)
+    for index in copy.glob("*.nbi"):
+        index.write_bytes(b"")
+    proc = subprocess.run([sys.executable, "-m", "expertcache", "generate", "--store", "ram", "-n", "1", "-p", "a"],
+                          capture_output=True, text=True, env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)})
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "the compiled kernels' cache is damaged" in err[-1] and f"rm -rf {copy}" in err[-1], err[-1]
 
 
 def test_an_interrupted_reconversion_leaves_the_earlier_store_usable(tiny, tmp_path):

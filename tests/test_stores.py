@@ -410,7 +410,8 @@ def test_a_default_store_of_the_weights_as_they_were_is_removed_when_they_are_co
     """A default store's folder is named by its weight files' sizes and times: an edited or downloaded-again
     checkpoint is converted into a folder of its own, and the old one (tens of GB at real size) was never used or
     removed again. Converting the weights as they are now removes the stores of them as they were, in every
-    format; a store of another folder's checkpoint, and one still read, are kept (the run keeps its open file)."""
+    format, before it writes its own (whose space a check counted on them); a store of another folder's checkpoint,
+    and one still read, are kept (the run keeps its open file)."""
     import os
     import shutil
     monkeypatch.setenv("EXPERTCACHE_HOME", str(tmp_path / "home"))
@@ -433,9 +434,14 @@ def test_a_default_store_of_the_weights_as_they_were_is_removed_when_they_are_co
     touch()  # as a download does
     convert_to_disk(open_checkpoint(src), model_args(ckpt.config), tmp_path / "mine")  # the user's: nothing removed
     assert sorted(p.name for p in stores.iterdir()) == before
+    import expertcache.engine.stores.convert as convert
+    real, left = convert.encode, []
+    monkeypatch.setattr(convert, "encode", lambda *a: left.append(sorted(p.name for p in stores.iterdir())) or real(*a))
     Engine(src, EngineConfig(store="disk")).close()
     after = sorted(p.name for p in stores.iterdir())
     old = [stores / name for name in before if name not in after]
+    # removed before the new store is written: on a disk that holds one store, their space is what it needs
+    assert not any(p.name in left[0] for p in old), left[0]
     # the two default ones of the weights as they were; the other folder's and the one the user named kept
     assert len(old) == 2 and len(after) == 3 and "model-keep" in after
     err = capsys.readouterr().err
@@ -562,3 +568,50 @@ def test_a_store_of_this_checkpoint_before_an_edit_is_refused(tiny, tmp_path):
     save_file(sd, src / "model.safetensors")
     with pytest.raises(CheckpointError, match="sizes or times differ .*model.safetensors.*`expertcache convert --model"):
         Engine(src, EngineConfig(store="disk", store_dir=tmp_path / "store"))
+
+
+def test_a_model_folder_whose_name_is_not_utf8_gets_its_default_store(tiny, tmp_path, monkeypatch):
+    """A folder name of bytes that are not UTF-8 (Latin-1's é) reaches Python as surrogates, which the store's
+    digest encoded in a UnicodeEncodeError's traceback; the digest of any other path is as it was."""
+    import hashlib
+    import os
+    import shutil
+
+    from expertcache.engine.stores.convert import default_store_dir
+    monkeypatch.setenv("EXPERTCACHE_HOME", str(tmp_path / "home"))
+    src = tmp_path / os.fsdecode(b"lat\xe9")
+    shutil.copytree(tiny["qwen3_moe"][0], src)
+    engine = Engine(src, EngineConfig(store="disk"))
+    assert engine.forward(torch.tensor([1, 2]), 0).isfinite().all()
+    engine.close()
+    ckpt = open_checkpoint(tiny["qwen3_moe"][0])
+    h = hashlib.sha1()
+    for f in sorted(set(ckpt.files.values())):
+        h.update(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    assert default_store_dir(ckpt).name.endswith(h.hexdigest()[:12])
+
+
+def test_a_run_waiting_for_another_processes_conversion_says_so(tmp_path, capsys):
+    """A second run waited on the first's conversion (minutes for a real model) without a word: a hang to its user."""
+    import fcntl
+    import threading
+
+    from expertcache.engine.stores.convert import conversion_lock
+    (tmp_path / "store").mkdir()
+    held = open(tmp_path / "store" / ".convert.lock", "a")  # noqa: SIM115 -- another process's lock, held here
+    fcntl.flock(held, fcntl.LOCK_EX)
+    done = []
+
+    def convert():
+        with conversion_lock(tmp_path / "store"):
+            done.append(1)
+    waiting = threading.Thread(target=convert)
+    waiting.start()
+    waiting.join(1)
+    assert not done and f"waiting for another process converting into {tmp_path / 'store'}" in capsys.readouterr().err
+    held.close()
+    waiting.join(30)
+    assert done
+    with conversion_lock(tmp_path / "store"):  # free: nothing said
+        pass
+    assert capsys.readouterr().err == ""

@@ -35,7 +35,8 @@ def default_store_dir(ckpt: Checkpoint) -> Path:
     h = hashlib.sha1()
     for f in sorted(set(ckpt.files.values())):
         st = f.stat()
-        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+        h.update(os.fsencode(f.resolve()) + f":{st.st_size}:{st.st_mtime_ns}".encode())  # a path's own bytes: one
+        # not UTF-8 is held as surrogates, which str.encode refused (the same digest as before for any other)
     return expertcache_home() / "stores" / f"{ckpt.path.resolve().name}-{h.hexdigest()[:12]}"
 
 
@@ -75,7 +76,11 @@ def conversion_lock(store_dir: Path):
     a generate) would otherwise write the same file together, and the second find it renamed away."""
     make_store_dir(store_dir)
     with open(store_dir / ".convert.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a real model's conversion takes minutes: a wait without a word read as a hang
+            print(f"waiting for another process converting into {store_dir}", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         yield
 
 
@@ -114,6 +119,10 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     need, earlier, partial = shape.num_layers * shape.num_experts * blob, _file_bytes(out_dir / "experts.bin"), \
         _file_bytes(tmp)
     _check_space(out_dir, need, earlier + partial + sum(outdated.values()))
+    for folder, size in outdated.items():  # first: their space was counted, and no run would read them again
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"removed {folder} ({size_text(size)}), a store of {ckpt.path.resolve()}'s weight files as they were "
+              "before", file=sys.stderr)
     # an earlier store in this folder is kept whole until the new one is written, so that an interrupted conversion
     # leaves it usable; where the disk cannot hold both it goes first (its space, counted above)
     keep = need <= shutil.disk_usage(out_dir).free + partial
@@ -154,18 +163,15 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
             (out_dir / name).unlink(missing_ok=True)
         raise
     _fsync_folder(out_dir)  # the two renames too: a power loss after a conversion of hours keeps the store
-    for folder, size in outdated.items():
-        shutil.rmtree(folder, ignore_errors=True)
-        print(f"removed {folder} ({size_text(size)}), a store of {ckpt.path.resolve()}'s weight files as they were "
-              "before", file=sys.stderr)
     return out_dir
 
 
 def outdated_stores(ckpt: Checkpoint, out_dir: Path) -> dict[Path, int]:
     """Where `out_dir` is one of the default folders, the default folders of this checkpoint's weight files as they
     were before (edited, downloaded again: each converted into a folder of its own, in every format) and their
-    bytes: a conversion removes them once it has written its own (a real model's store is tens of GB, and none of
-    them would be read again; a run still reading one keeps its open file). Stores that do not record their
+    bytes: a conversion removes them before it writes its own (a real model's store is tens of GB, none of them
+    would be read again, and their space may be what the new one needs; a run still reading one keeps its open
+    file). Stores that do not record their
     checkpoint's folder (written by earlier versions) are left."""
     source, base = ckpt.path.resolve(), default_store_dir(ckpt)
     default = re.compile(rf"{re.escape(source.name)}-[0-9a-f]{{12}}(-.+)?")  # default_store_dir's, format_store_dir's
