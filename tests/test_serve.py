@@ -1478,6 +1478,39 @@ def test_sigterm_ends_running_streams_after_the_shutdown_timeout(tmp_path):
         proc.stderr.close()
 
 
+def test_a_hang_up_drains_the_server_as_sigterm_does():
+    """SIGHUP (the terminal or ssh session that started it gone) ended the server at once, the requests in flight cut
+    off with tracebacks; it drains them as SIGTERM does, then the process dies of the signal."""
+    import signal
+    import subprocess
+    import sys
+    import types
+    proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli", "serve", "--store", "ram", "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line, "the server exited before serving"
+        url = re.search(r"http://\S+/v1", line).group(0)
+        answers = []
+        asking = threading.Thread(target=lambda: answers.append(post(f"{url}/completions", json.dumps(
+            {"prompt": "a", "max_tokens": 200, "ignore_eos": True}).encode())))
+        asking.start()
+        while metric(types.SimpleNamespace(url=url.removesuffix("/v1")), "expertcache_active_requests") < 1:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=60) == -signal.SIGHUP
+        asking.join(30)
+        status, _, body = answers[0]
+        assert status == 200 and body["usage"]["completion_tokens"] == 200, answers
+        log = proc.stderr.read()
+        assert "Traceback" not in log, log
+    finally:
+        proc.kill()
+        proc.stderr.close()
+
+
 def test_a_server_short_of_open_files_serves_fewer_connections_and_says_so_once():
     """Under a low open-files limit (ulimit -n) the server takes as many connections as the limit holds and says
     so in one line; clients past every file wait, said once, not in a traceback per accept (asyncio wrote

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import sys
 
@@ -222,12 +223,22 @@ def run(a) -> int:
     keyed = " (requests need the API key)" if limits.api_key is not None else ""
     print(f"expertcache: serving {app.state.server.model_name!r} on http://{a.host}:{bound}/v1{keyed}",
           file=sys.stderr)
+    hung_up = []  # a hang-up drains the server as SIGTERM does (uvicorn handles only SIGINT and SIGTERM: a SIGHUP
+    # cut the requests in flight off with tracebacks), then the process dies of it; one ignored (nohup) stays so
+    previous = signal.getsignal(signal.SIGHUP)
+    if previous != signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, lambda signum, frame: (hung_up.append(signum),
+                                                            setattr(server, "should_exit", True)))
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
         scheduler.stop()
         app.state.server.engine.close()
+        if previous != signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, previous)
+    if hung_up:  # drained: now as the handler before (the command line's unwinds, then dies of it)
+        signal.raise_signal(signal.SIGHUP)
     if scheduler.failure is not None:
         print(f"expertcache: error: the engine stopped ({scheduler.state}); restart the server", file=sys.stderr)
         return 1
