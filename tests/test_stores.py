@@ -410,8 +410,8 @@ def test_a_default_store_of_the_weights_as_they_were_is_removed_when_they_are_co
     """A default store's folder is named by its weight files' sizes and times: an edited or downloaded-again
     checkpoint is converted into a folder of its own, and the old one (tens of GB at real size) was never used or
     removed again. Converting the weights as they are now removes the stores of them as they were, in every
-    format, before it writes its own (whose space a check counted on them); a store of another folder's checkpoint,
-    and one still read, are kept (the run keeps its open file)."""
+    format, before it writes its own where it needs their space; a store of another folder's checkpoint, and one still
+    read, are kept (the run keeps its open file)."""
     import os
     import shutil
     monkeypatch.setenv("EXPERTCACHE_HOME", str(tmp_path / "home"))
@@ -437,10 +437,12 @@ def test_a_default_store_of_the_weights_as_they_were_is_removed_when_they_are_co
     import expertcache.engine.stores.convert as convert
     real, left = convert.encode, []
     monkeypatch.setattr(convert, "encode", lambda *a: left.append(sorted(p.name for p in stores.iterdir())) or real(*a))
+    monkeypatch.setattr(convert.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(0, 0, 0))  # a full disk
     Engine(src, EngineConfig(store="disk")).close()
     after = sorted(p.name for p in stores.iterdir())
     old = [stores / name for name in before if name not in after]
-    # removed before the new store is written: on a disk that holds one store, their space is what it needs
+    # removed before the new store is written where the disk holds no more: their space is what it needs (a
+    # re-downloaded model on a disk of one store failed every run); with room, once it is written
     assert not any(p.name in left[0] for p in old), left[0]
     # the two default ones of the weights as they were; the other folder's and the one the user named kept
     assert len(old) == 2 and len(after) == 3 and "model-keep" in after

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 
 from ..errors import ExpertCacheError
 from ..serve.limits import CONNECTION_HEADROOM, ServerLimits, http_protocol
@@ -225,8 +226,9 @@ def run(a) -> int:
           file=sys.stderr)
     hung_up = []  # a hang-up drains the server as SIGTERM does (uvicorn handles only SIGINT and SIGTERM: a SIGHUP
     # cut the requests in flight off with tracebacks), then the process dies of it; one ignored (nohup) stays so
-    previous = signal.getsignal(signal.SIGHUP)
-    if previous != signal.SIG_IGN:
+    previous = signal.getsignal(signal.SIGHUP) or signal.SIG_DFL  # None: a handler set in C
+    catch = previous != signal.SIG_IGN and threading.current_thread() is threading.main_thread()  # where it may
+    if catch:
         signal.signal(signal.SIGHUP, lambda signum, frame: (hung_up.append(signum),
                                                             setattr(server, "should_exit", True)))
     try:
@@ -235,7 +237,7 @@ def run(a) -> int:
         sock.close()
         scheduler.stop()
         app.state.server.engine.close()
-        if previous != signal.SIG_IGN:
+        if catch:
             signal.signal(signal.SIGHUP, previous)
     if hung_up:  # drained: now as the handler before (the command line's unwinds, then dies of it)
         signal.raise_signal(signal.SIGHUP)

@@ -119,10 +119,10 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
     need, earlier, partial = shape.num_layers * shape.num_experts * blob, _file_bytes(out_dir / "experts.bin"), \
         _file_bytes(tmp)
     _check_space(out_dir, need, earlier + partial + sum(outdated.values()))
-    for folder, size in outdated.items():  # first: their space was counted, and no run would read them again
-        shutil.rmtree(folder, ignore_errors=True)
-        print(f"removed {folder} ({size_text(size)}), a store of {ckpt.path.resolve()}'s weight files as they were "
-              "before", file=sys.stderr)
+    if need > shutil.disk_usage(out_dir).free + earlier + partial:  # their space was counted: removed first (a
+        # re-downloaded model on a disk holding one store failed every run), else once this one is written
+        _remove_outdated(ckpt, outdated)
+        outdated = {}
     # an earlier store in this folder is kept whole until the new one is written, so that an interrupted conversion
     # leaves it usable; where the disk cannot hold both it goes first (its space, counted above)
     keep = need <= shutil.disk_usage(out_dir).free + partial
@@ -163,14 +163,23 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
             (out_dir / name).unlink(missing_ok=True)
         raise
     _fsync_folder(out_dir)  # the two renames too: a power loss after a conversion of hours keeps the store
+    _remove_outdated(ckpt, outdated)
     return out_dir
+
+
+def _remove_outdated(ckpt: Checkpoint, outdated: dict[Path, int]) -> None:
+    """Remove `outdated_stores`' folders, naming each."""
+    for folder, size in outdated.items():
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"removed {folder} ({size_text(size)}), a store of {ckpt.path.resolve()}'s weight files as they were "
+              "before", file=sys.stderr)
 
 
 def outdated_stores(ckpt: Checkpoint, out_dir: Path) -> dict[Path, int]:
     """Where `out_dir` is one of the default folders, the default folders of this checkpoint's weight files as they
     were before (edited, downloaded again: each converted into a folder of its own, in every format) and their
-    bytes: a conversion removes them before it writes its own (a real model's store is tens of GB, none of them
-    would be read again, and their space may be what the new one needs; a run still reading one keeps its open
+    bytes: a conversion removes them once it has written its own, or before where it needs their space (a real
+    model's store is tens of GB, and none of them would be read again; a run still reading one keeps its open
     file). Stores that do not record their
     checkpoint's folder (written by earlier versions) are left."""
     source, base = ckpt.path.resolve(), default_store_dir(ckpt)
