@@ -508,7 +508,7 @@ def test_damaged_checkpoint_files_are_named_in_one_line(capsys, ckpt):
     data = weights.read_bytes()
     n = struct.unpack("<Q", data[:8])[0]
     header = json.loads(data[8:8 + n])
-    names = sorted(k for k in header if k.endswith("experts.1.up_proj.weight") or k.endswith("experts.0.up_proj.weight"))
+    names = sorted(k for k in header if k.endswith(("experts.0.up_proj.weight", "experts.1.up_proj.weight")))
     header[names[1]]["data_offsets"] = header[names[0]]["data_offsets"]
     text = json.dumps(header, separators=(",", ":")).encode()
     assert len(text) <= n

@@ -148,7 +148,8 @@ def connections_within_open_files(wanted: int) -> int:
             soft = raised
         except (ValueError, OSError):
             pass
-    room = wanted if soft == resource.RLIM_INFINITY else min(wanted, soft - need + wanted)
+    room = wanted if soft == resource.RLIM_INFINITY else \
+        min(wanted, soft - used - FILE_HEADROOM - CONNECTION_HEADROOM)  # the files left for connections
     if room < 1:
         raise ExpertCacheError(f"only {soft} open files are allowed (ulimit -n), {used} of them in use: too few "
                                "to serve; raise the limit, e.g. ulimit -n 1024")

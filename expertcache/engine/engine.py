@@ -2,6 +2,7 @@
 tier, a fast-tier expert cache between them, and a miss policy deciding on every miss."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 import resource
@@ -268,7 +269,8 @@ class Engine:
             raise BadInput(f"--kv-positions {config.kv_positions} holds less than one --max-seq {config.max_seq} "
                            f"sequence; give at least {config.max_seq}")
         self.policy = self._fit(policy)  # refused before any weight is read; bound in full below
-        check_config_fits_weights(ckpt, self.args)  # before the files beside the weights, which a config of another fits no better
+        # before the files beside the weights, which a config of another fits no better
+        check_config_fits_weights(ckpt, self.args)
         self.routing_counts = load_routing_counts(self.path, (self.args.num_moe_layers, self.args.num_experts))
         self.checkpoint = ckpt
         self.dense_format = dense_format(config.dense_dtype, self.device)
@@ -350,7 +352,8 @@ class Engine:
         left them a top-k set (110M: 13 slots a layer where 105M had 43). Slots past a top-k set before the pass
         halved a prompt's passes: 24 slots in all and passes of 67 tokens prefilled at half the speed of 12 and
         128, and decoded no faster (real shape at a tenth of the experts)."""
-        plan = lambda tokens: self._memory_plan(stored, dtype, held_dense, tokens)  # noqa: E731
+        # each size's plan once: the searches below ask for some several times, each read from the headers
+        plan = functools.cache(lambda tokens: self._memory_plan(stored, dtype, held_dense, tokens))
         one, a = slot_bytes(ExpertShape.of(self.args), self.slot_format), self.args
         least, smallest = self._least_slots_bytes(), SMALLER_PASSES[-1]
         target = min(SMALLER_PASSES + (FORWARD_CHUNK,), key=lambda n: self._pass_reads(n, plan(n).total, one))
