@@ -1536,3 +1536,22 @@ def test_a_model_that_predicts_nothing_has_an_infinite_perplexity_not_a_tracebac
     result = perplexity(Engine(path, EngineConfig(store="ram")), list(range(1, 33)), context=16)
     assert result.nll > 710 and result.ppl == float("inf")
     assert json_ready(result.to_dict())["ppl"] is None
+
+
+def test_a_chat_template_that_loops_past_any_need_is_stopped_with_one_line(monkeypatch):
+    """The sandbox bounds each `range` to 100,000, not loops within loops: such a template hung `chat` (and would
+    hold a server's thread) for ever. It is stopped after RENDER_SECONDS with a ChatTemplateError naming the fix, and
+    a template that renders in time is untouched by the timer, also once its deadline has passed."""
+    import time
+
+    from expertcache.engine import chat
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
+    looping = chat.ChatTemplate("{% set r = range(100000) %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}")
+    start = time.perf_counter()
+    with pytest.raises(chat.ChatTemplateError, match="still rendering after 0.5 s.*chat_template.jinja"):
+        looping.render([{"role": "user", "content": "hi"}])
+    assert time.perf_counter() - start < 5
+    plain = chat.ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert plain.render([{"role": "user", "content": "hi"}]) == "hi"
+    time.sleep(1.0)  # its timer, cancelled, raises nothing later in this thread
+    assert sum(range(10**6)) and plain.render([{"role": "user", "content": "ok"}]) == "ok"

@@ -192,6 +192,66 @@ def test_page_cache_read_twice_still_counts_as_free_under_a_cap():
     assert float(run.stdout) < 32
 
 
+def fake_v1_group(tmp_path, rss_file_mib: int, mapped_mib: int) -> Path:
+    """A process's /proc folder in a cgroup v1 memory group of 300 MiB holding 280 (106 of them page cache), as
+    under a cap after the imports; returns the /proc folder, the groups under tmp_path / "cgroup"."""
+    proc, group = tmp_path / "proc", tmp_path / "cgroup" / "memory" / "run"
+    proc.mkdir(parents=True)
+    group.mkdir(parents=True)
+    (proc / "cgroup").write_text("12:memory:/run\n")
+    (proc / "status").write_text(f"VmRSS:\t{(168 + rss_file_mib) * 1024} kB\nRssFile:\t{rss_file_mib * 1024} kB\n")
+    mib = 2**20
+    (group / "memory.limit_in_bytes").write_text(str(300 * mib))
+    (group / "memory.usage_in_bytes").write_text(str(280 * mib))
+    (group / "memory.stat").write_text(f"total_inactive_file {3 * mib}\ntotal_active_file {103 * mib}\n"
+                                       f"total_mapped_file {mapped_mib * mib}\n")
+    return proc
+
+
+def test_the_code_a_run_executes_is_not_counted_as_free_page_cache(tmp_path):
+    """Under a cap, the libraries' code is page cache the group holds, but taking it back makes a run read it again
+    at once: counted as free, a run of the built-in model under 300 MiB passed the check and then read its
+    libraries over and over for minutes. CODE_BYTES of it stay counted as held; code that another group brought
+    in (mapped by the process, charged elsewhere) needs none of this group's room."""
+    from expertcache.engine.budget import CODE_BYTES, _cgroup_room
+    cold = fake_v1_group(tmp_path / "cold", rss_file_mib=49, mapped_mib=49)
+    assert _cgroup_room(cold, tmp_path / "cold" / "cgroup") == (300 - 280 + 106) * 2**20 - CODE_BYTES
+    warm = fake_v1_group(tmp_path / "warm", rss_file_mib=117, mapped_mib=0)
+    assert _cgroup_room(warm, tmp_path / "warm" / "cgroup") == (300 - 280 + 106) * 2**20
+
+
+# a fresh process scoring windows of the evaluation text under a budget, its resident anonymous memory after each
+# quarter of them
+WINDOWS_HELD = """
+import json, re
+from pathlib import Path
+from expertcache import Engine, EngineConfig
+from expertcache.engine.perplexity import EVAL_TEXT, perplexity
+
+engine = Engine(None, EngineConfig(store="disk", memory_budget=100 * 2**20))
+ids = engine.tokenizer.encode(EVAL_TEXT.read_text(encoding="utf-8")[:40000]).ids[:6145]
+held, scored = [], [0]
+
+def after(tokens):
+    scored[0] += tokens
+    if scored[0] % 1536 == 0:
+        held.append(int(re.search(r"RssAnon:\\s+(\\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024)
+perplexity(engine, ids, 512, progress=after)
+print(json.dumps(held))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc/self/status")
+def test_scoring_window_after_window_holds_no_more_memory():
+    """Each window's logits (16 MiB on the built-in model) are freed before the next; glibc's malloc, its mapping
+    threshold raised to them, kept them in its heap instead of giving them back, and a perplexity run grew by 64 MiB
+    every 2,048 tokens until a memory cap killed it. The engine fixes the threshold (budget.map_large_blocks)."""
+    out = subprocess.run([sys.executable, "-c", WINDOWS_HELD], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    held = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(held) == 4 and held[-1] - held[0] < 24 * 2**20, [h >> 20 for h in held]
+
+
 def test_a_run_larger_than_the_gpus_free_memory_is_refused_before_loading(monkeypatch):
     """On CUDA the engine compares what the device would hold with what it has free before any weight is read:
     a GPU with too little free memory gets one line naming the sizes and the fixes, with no weight loaded (the

@@ -9,8 +9,11 @@ kernels loaded (PyTorch, numba's LLVM and the kernels' machine code: ~390 MiB he
 model), which `expertcache info --baseline` measures."""
 from __future__ import annotations
 
+import ctypes
 import math
+import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +30,10 @@ FORWARD_CHUNK = 512  # tokens of one forward pass: Engine.forward runs a longer 
 # the passes a memory budget too small for FORWARD_CHUNK's workspace takes instead, before it is refused: a prompt
 # then runs in more passes (each reading its missing experts again) rather than not at all
 SMALLER_PASSES = (256, 128, 64, 32, 16)
+# the pages of code a run keeps executing (PyTorch's, LLVM's, Python's), which a memory cgroup must leave it: under
+# a cap of 300 MiB a run of the built-in model thrashed with 44 MiB of them, and ran at full speed with 64
+CODE_BYTES = 64 * 2**20
+LARGE_BLOCK = 2**20  # blocks of this many bytes or more are mapped apart from malloc's heap (map_large_blocks)
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,20 @@ def workspace_bytes(args: ModelArgs, max_seq: int, largest_dense: int, passes: i
     return logits + forward + scores + experts + largest_dense
 
 
+def map_large_blocks() -> None:
+    """Have glibc's malloc serve every block of LARGE_BLOCK bytes or more by a mapping of its own, given back to the
+    system when freed. By default it raises that threshold to the largest block freed (up to 32 MiB) and keeps such
+    blocks in its heap, which held on to what later forwards freed: a perplexity run under a memory budget grew by
+    a window's logits every few windows (190 MiB over 8,192 tokens of the built-in model) until a cap killed it.
+    A MALLOC_MMAP_THRESHOLD_ the user set is kept; elsewhere than glibc this does nothing."""
+    if sys.platform != "linux" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    try:
+        ctypes.CDLL(None).mallopt(-3, LARGE_BLOCK)  # M_MMAP_THRESHOLD; a fixed one is no longer raised
+    except (OSError, AttributeError):
+        pass
+
+
 def available_memory() -> int | None:
     """Bytes the machine can still give this process: MemAvailable and free swap (/proc/meminfo), and no more than
     its cgroup's limit less what the group holds (its page cache aside: the kernel takes that back before it
@@ -123,10 +144,20 @@ def available_memory() -> int | None:
     return free if limited is None else min(free, limited)
 
 
-def _cgroup_room() -> int | None:
-    """This process's memory cgroup's limit less its charge, or None where no limit is set or readable."""
+def _mapped_file_bytes(proc: Path) -> int:
+    """This process's resident pages of mapped files (its libraries' code, chiefly), whichever group they are
+    charged to; 0 where Linux does not say."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        return int(re.search(r"^RssFile:\s+(\d+) kB", (proc / "status").read_text(), re.M)[1]) * 1024
+    except (OSError, TypeError):
+        return 0
+
+
+def _cgroup_room(proc: Path = Path("/proc/self"), fs: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The room left in this process's memory cgroup (`proc`: the process's /proc folder; `fs`: where cgroups are
+    mounted), or None where no limit is set or readable."""
+    try:
+        lines = (proc / "cgroup").read_text().splitlines()
     except OSError:
         return None
     for line in lines:
@@ -137,9 +168,10 @@ def _cgroup_room() -> int | None:
         v2 = controllers == ""
         if not v2 and "memory" not in controllers.split(","):
             continue
-        root = Path("/sys/fs/cgroup") if v2 else Path("/sys/fs/cgroup/memory")
-        names = ("memory.max", "memory.current", "inactive_file", "active_file") if v2 else \
-            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file", "total_active_file")
+        root = fs if v2 else fs / "memory"
+        names = ("memory.max", "memory.current", "inactive_file", "active_file", "file_mapped") if v2 else \
+            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file", "total_active_file",
+             "total_mapped_file")
         for group in (root / path.lstrip("/"), root):  # a container sees its own group at the root
             try:
                 limit, used = (group / names[0]).read_text().strip(), int((group / names[1]).read_text())
@@ -149,6 +181,11 @@ def _cgroup_room() -> int | None:
             if limit == "max" or int(limit) >= 2**60:  # no limit (v1 writes a huge number)
                 return None
             # its page cache, active or not, is the kernel's to take back before it kills (as MemAvailable counts
-            # it): a checkpoint read twice (a store's conversion, an engine opened again) is active, not in use
-            return int(limit) - used + int(stat.get(names[2], 0)) + int(stat.get(names[3], 0))
+            # it): a checkpoint read twice (a store's conversion, an engine opened again) is active, not in use. All
+            # but the code a run keeps executing, where this group holds it: taken back, those pages are read again
+            # at once (a run counted on them read its libraries over and over for minutes, rather than end). Code
+            # another group brought in (mapped here, not charged here) stays resident without this group's room
+            elsewhere = max(_mapped_file_bytes(proc) - int(stat.get(names[4], 0)), 0)
+            code = max(CODE_BYTES - elsewhere, 0)
+            return int(limit) - used + int(stat.get(names[2], 0)) + int(stat.get(names[3], 0)) - code
     return None

@@ -4,7 +4,9 @@ HTML, `dict`, `raise_exception`, `strftime_now`, the `{% generation %}` block, b
 config)."""
 from __future__ import annotations
 
+import ctypes
 import json
+import threading
 from datetime import datetime
 
 import jinja2
@@ -16,8 +18,42 @@ from .engine import Engine
 from .generate import tokenizer_config
 
 
+RENDER_SECONDS = 10.0  # a template still rendering after this loops past any conversation's need (a real one: ms)
+
+
 class ChatTemplateError(BadInput):
     """The template rejected the messages (its raise_exception) or failed to render."""
+
+
+class _RenderTooLong(Exception):
+    """Raised in the rendering thread once RENDER_SECONDS have passed."""
+
+
+def _within_render_seconds(render):
+    """render() -> its text, or ChatTemplateError once it has run RENDER_SECONDS. A template is code of the
+    checkpoint's, and the sandbox bounds each `range` but not loops within loops, which ran for ever (a request's
+    template arguments can drive one, and a server thread would be lost to it): a timer raises in this thread, as
+    Ctrl-C would, between two of the template's Python steps."""
+    thread, state, lock = threading.get_ident(), {"rendering": True}, threading.Lock()
+
+    def stop():
+        with lock:  # never once render has returned: the exception would land in whatever this thread ran next
+            if state["rendering"]:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(_RenderTooLong))
+    timer = threading.Timer(RENDER_SECONDS, stop)
+    timer.daemon = True
+    timer.start()
+    try:
+        try:
+            return render()
+        finally:
+            with lock:
+                state["rendering"] = False
+            timer.cancel()  # a call: where a pending exception lands at the latest, still within the outer try
+    except _RenderTooLong:
+        raise ChatTemplateError(f"the chat template was still rendering after {RENDER_SECONDS:g} s: it loops past "
+                                "what any conversation needs; fix it in chat_template.jinja or tokenizer_config.json, "
+                                "or use plain completions (`expertcache generate`, /v1/completions)") from None
 
 
 def _raise_exception(message: str):
@@ -115,8 +151,9 @@ class ChatTemplate:
                                     "send them as fields of the request, or leave them out")
         messages = [_with_reasoning_aliases(m) for m in messages]
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        tools=tools, bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
+            return _within_render_seconds(lambda: self.template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                bos_token=self.bos_token, eos_token=self.eos_token, **kwargs))
         except ChatTemplateError:
             raise
         except Exception as e:  # noqa: BLE001 -- a template is code of the checkpoint's, run on the request's fields

@@ -46,6 +46,7 @@ from .budget import (
     available_memory,
     dense_bytes,
     kv_bytes,
+    map_large_blocks,
     workspace_bytes,
 )
 from .linear import dense_format, float_dtype
@@ -231,6 +232,7 @@ class Engine:
         # one call at a time: two threads' forwards at once freed the same buffers twice (the process aborted); a
         # reentrant lock, as set_policy's reset runs within set_policy
         self._calls = threading.RLock()
+        map_large_blocks()
         try:
             self._load(model_path, config, policy)
         except BaseException:  # what was opened before the failing step: the stores' files, the ring, threads
