@@ -247,6 +247,35 @@ def test_an_interrupted_study_writes_the_report_of_what_ran(tmp_path, capsys, mo
     assert cli.main([*argv[:-4], "--out", str(out)]) == 130 and not out.exists()
 
 
+def test_an_interrupted_bench_keeps_its_whole_repetitions(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during a bench's third repetition: the table and JSON hold the two repetitions completed (the third's
+    first variant left out), say so, and the run ends with an interrupt's exit code; everything was lost. Before a
+    whole repetition, nothing is written."""
+    import expertcache.lab.bench as bench
+    real, calls = bench._timed, []
+
+    def timed(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == stop:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(bench, "_timed", timed)
+    argv = ["bench", "--store", "ram", "--policies", "substitute-all", "--decode-tokens", "4", "--forced-tokens", "64",
+            "--repeats", "5", "--json", str(tmp_path / "bench.json")]
+    stop = 3 * 3 + 2  # the floor, fetch-all and substitute-all a round: the warm-up, two rounds, one variant more
+    assert cli.main(argv) == 130
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert res["config"]["repeats_done"] == 2
+    assert all(len(t) == 2 for t in res["decode_ms"].values()) and len(res["decode_ms"]) == 3
+    out, err = capsys.readouterr()
+    assert "median of 2 interleaved repetitions of 5 (interrupted)" in out
+    assert "interrupted: the table holds 2 of 5 repetitions" in err
+    calls.clear()
+    stop = 3 + 2
+    (tmp_path / "bench.json").unlink()
+    assert cli.main(argv) == 130 and not (tmp_path / "bench.json").exists()
+
+
 def test_a_text_of_one_domain_reports_no_interval_where_it_has_no_windows(tmp_path):
     """A text without topic changes has no window after one, and one window has no bootstrap interval: the study
     says so where it printed NaN, and a paired increase of one window has no CI."""

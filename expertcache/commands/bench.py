@@ -54,10 +54,14 @@ def run(a) -> int:
                       slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype,
                       memory_budget=a.memory_budget, decode_tokens=a.decode_tokens, forced_tokens=a.forced_tokens,
                       repeats=a.repeats)
-    res = run_bench(a.model, cfg, progress=lambda s: print(s, file=sys.stderr))
+    res = run_bench(a.model, cfg, progress=lambda s: print(s, file=sys.stderr), partial_on_interrupt=True)
     setup, _, full = markdown(res).split("\n", 2)
     if not a.markdown:  # the setup line names the full table's columns; the headline table has fewer
         setup += " The ratios to the floor, same-token decode and stalls: --markdown, or --json."
     print(f"{setup}\n\n{full if a.markdown else table(res)}")
     write_json(a.json, res.to_dict())
+    if "repeats_done" in res.config:  # Ctrl-C after a whole repetition: its figures, and the exit code of an interrupt
+        print(f"interrupted: the table holds {res.config['repeats_done']} of {a.repeats} repetitions",
+              file=sys.stderr)
+        return 130
     return 0

@@ -5,8 +5,9 @@ largest transient of loading) and the prefetch predictor's vectors, nets and ske
 the expert cache from what is left, and a budget too small is refused before the model loads.
 
 The budget is what a run holds beyond its baseline: the process after its imports and with its compiled
-kernels loaded (PyTorch, numba's LLVM and the kernels' machine code: ~390 MiB here, the same for every
-model), which `expertcache info --baseline` measures."""
+kernels loaded (PyTorch, numba's LLVM and the kernels' machine code: 390-430 MiB resident here, the same for every
+model), which `benchmarks/memory_cap.py` and `benchmarks/verb_memory.py` measure as a forward of the built-in
+model."""
 from __future__ import annotations
 
 import ctypes

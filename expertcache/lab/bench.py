@@ -170,9 +170,11 @@ def _timed(engine: Engine, prompt: list[int], forced: list[int], stream: list[in
     return decode, stream_ms, forced_ms, nll / n, counters
 
 
-def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:
+def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], None] | None = None,
+              partial_on_interrupt: bool = False) -> BenchResult:
     """Time every variant of `cfg.policies` and the all-resident floor on the same prompt and evaluation tokens,
-    repetitions interleaved round-robin after one warm-up round."""
+    repetitions interleaved round-robin after one warm-up round. With `partial_on_interrupt`, a Ctrl-C after a
+    whole timed repetition returns the repetitions completed (`config["repeats_done"]`) instead of raising."""
     cache = CacheConfig(fraction=cfg.cache_fraction, bytes=cfg.cache_bytes, io=cfg.io)
     # the sequence the decode runs: its prompt, its tokens and the one forward more that generate runs
     sequence = cfg.prompt_tokens + cfg.decode_tokens + 1
@@ -218,34 +220,49 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
         engine.set_policy("fetch-all")
         engine.set_prefetch(None)
         stream = list(generate(engine, prompt, cfg.decode_tokens))  # every variant decodes this text (stream timing)
-        for rep in range(cfg.repeats + 1):  # repetition 0 warms up
-            for v in variants:
-                if v == FLOOR:
-                    e = floor
-                else:
-                    e = engine
-                    policy, prefetch = parse_variant(v)
-                    e.set_policy(policy)
-                    e.set_prefetch(prefetch)
-                d, st, f, nll, c = _timed(e, prompt, forced, stream, cfg)
-                if progress:
-                    progress(f"{f'rep {rep}' if rep else 'warm-up'} {v}: decode {d:.2f} ms/token, fetch-all's "
-                             f"tokens {st:.2f} ms/token, teacher-forced {f:.2f} ms/token")
-                if rep:
-                    res.decode_ms.setdefault(v, []).append(d)
-                    res.stream_ms.setdefault(v, []).append(st)
-                    res.forced_ms.setdefault(v, []).append(f)
-                    res.ppl[v] = exp(nll)
-                    res.fetches_per_token[v] = c["fetches"]
-                    res.fetched_kib_per_token[v] = c["kib"]
-                    res.stall_ms_per_token[v] = c["stall"]
-                    res.decoded[v] = c["decoded"]
-                    res.decode_counts[v] = c["decode_counts"]
+        try:
+            _repetitions(res, cfg, variants, engine, floor, prompt, forced, stream, progress)
+        except KeyboardInterrupt:
+            done = min((len(t) for t in res.decode_ms.values()), default=0)
+            if not (partial_on_interrupt and done and len(res.decode_ms) == len(variants)):
+                raise
+            for timings in (res.decode_ms, res.stream_ms, res.forced_ms):  # the whole repetitions only
+                for times in timings.values():
+                    del times[done:]
+            res.config["repeats_done"] = done
         return res
     finally:  # also when a variant, or the floor's engine, fails: no engine is left open
         engine.close()
         if floor is not None:
             floor.close()
+
+
+def _repetitions(res: BenchResult, cfg: BenchConfig, variants: list[str], engine: Engine, floor: Engine | None,
+                 prompt: list[int], forced: list[int], stream: list[int], progress: Callable[[str], None] | None):
+    """The warm-up round and the timed repetitions, each variant once a round, into `res`."""
+    for rep in range(cfg.repeats + 1):  # repetition 0 warms up
+        for v in variants:
+            if v == FLOOR:
+                e = floor
+            else:
+                e = engine
+                policy, prefetch = parse_variant(v)
+                e.set_policy(policy)
+                e.set_prefetch(prefetch)
+            d, st, f, nll, c = _timed(e, prompt, forced, stream, cfg)
+            if progress:
+                progress(f"{f'rep {rep}' if rep else 'warm-up'} {v}: decode {d:.2f} ms/token, fetch-all's "
+                         f"tokens {st:.2f} ms/token, teacher-forced {f:.2f} ms/token")
+            if rep:
+                res.decode_ms.setdefault(v, []).append(d)
+                res.stream_ms.setdefault(v, []).append(st)
+                res.forced_ms.setdefault(v, []).append(f)
+                res.ppl[v] = exp(nll)
+                res.fetches_per_token[v] = c["fetches"]
+                res.fetched_kib_per_token[v] = c["kib"]
+                res.stall_ms_per_token[v] = c["stall"]
+                res.decoded[v] = c["decoded"]
+                res.decode_counts[v] = c["decode_counts"]
 
 
 def markdown(res: BenchResult) -> str:
@@ -257,8 +274,10 @@ def markdown(res: BenchResult) -> str:
              + (f" (no all-resident floor: {c['no_floor']})" if c.get("no_floor") else "")
              + f"; decode {c['decode_tokens']} tokens after a "
              f"{c['prompt_tokens']}-token prompt (free-running, and fetch-all's greedy tokens one per forward), "
-             f"teacher-force {c['forced_tokens']} tokens in windows of {c['context']}; median of {c['repeats']} "
-             f"interleaved repetitions; speed-ups against fetch-all, ratios to the floor (all resident). "
+             f"teacher-force {c['forced_tokens']} tokens in windows of {c['context']}; median of "
+             + (f"{c['repeats_done']} interleaved repetitions of {c['repeats']} (interrupted); "
+                if "repeats_done" in c else f"{c['repeats']} interleaved repetitions; ")
+             + "speed-ups against fetch-all, ratios to the floor (all resident). "
              "Fetches and stalls are those of the teacher-forced phase.")
     lines = [setup, "",
              "| policy | decode ms/token | speedup | vs floor | same-tokens decode ms/token | speedup | vs floor | "
