@@ -25,8 +25,8 @@ from expertcache.engine.tensor_file import CHECKSUM, tensors_checksum
 from expertcache.progress import progress_bar
 
 
-def cases(tmp: Path) -> list[tuple[str, list[str]]]:
-    """(what, argv) pairs; files they need are made under tmp."""
+def cases(tmp: Path) -> list[tuple]:
+    """(what, argv) pairs, or (what, argv, what stdin reads); files they need are made under tmp."""
     bad_text = tmp / "latin1.txt"
     bad_text.write_bytes("caf\xe9 na\xefve".encode("latin-1"))
     bom_only = tmp / "bom.txt"
@@ -148,6 +148,10 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
     raw = bytearray((flipped_lookahead / "lookahead.safetensors").read_bytes())
     raw[-3] ^= 0x10
     (flipped_lookahead / "lookahead.safetensors").write_bytes(bytes(raw))
+    looping_template = tmp / "looping_template"  # loops within loops, each within the sandbox's bound
+    shutil.copytree(BUILTIN_MODEL, looping_template)
+    (looping_template / "chat_template.jinja").write_text(
+        "{% set r = range(100000) %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}")
     negative_counts = tmp / "negative_counts"
     shutil.copytree(BUILTIN_MODEL, negative_counts)
     counts = json.loads((negative_counts / "routing_counts.json").read_text())
@@ -368,13 +372,15 @@ def cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("generate with a flipped byte in lookahead.safetensors", ["generate", "--model", str(flipped_lookahead),
                                                                    "--store", "ram", "--policy",
                                                                    "fetch-all+prefetch/lookahead", "hi"]),
+        ("chat with a template that loops for ever (a message on stdin)", ["chat", "--model", str(looping_template),
+                                                                           "-n", "4"], "hi\n"),
     ]
 
 
-def run(argv: list[str], home: Path) -> tuple[int, str]:
+def run(argv: list[str], home: Path, stdin: str | None = None) -> tuple[int, str]:
     env = {**os.environ, "EXPERTCACHE_HOME": str(home)}
     out = subprocess.run([sys.executable, "-m", "expertcache.cli", *argv], capture_output=True, text=True,
-                         timeout=600, env=env, stdin=subprocess.DEVNULL)
+                         timeout=600, env=env, input=stdin, stdin=subprocess.DEVNULL if stdin is None else None)
     lines = [line for line in out.stderr.splitlines() if line.strip() and "it/s]" not in line and "tok/s]" not in line]
     return out.returncode, lines[-1] if lines else ""
 
@@ -387,9 +393,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         with progress_bar(None, unit="input") as bar:  # where stderr is a terminal
-            for what, argv in cases(tmp):
+            for what, argv, *stdin in cases(tmp):  # a case may give what its stdin reads
                 bar.set_description(what[:60])
-                code, line = run(argv, tmp / "home")
+                code, line = run(argv, tmp / "home", *stdin)
                 rows.append({"input": what, "exit": code, "message": line.replace(str(tmp), "TMP")})
                 bar.update()
     print("| bad input or fault | exit | what the user sees |\n|---|---:|---|")
