@@ -219,31 +219,38 @@ def test_study_policies_restrict_the_generation_test_too(tmp_path, capsys):
     assert set(res["generation"]) - {"samples", "prompt0"} == {"fetch-all", "substitute-all"}
 
 
+class InterruptAtCall:
+    """Stands in for `module.name`: its `stop`-th call (counting from 1, `calls` so far) raises KeyboardInterrupt, as a
+    Ctrl-C there would; every other call runs the real function."""
+
+    def __init__(self, monkeypatch, module, name: str):
+        self.real, self.calls, self.stop = getattr(module, name), 0, None
+        monkeypatch.setattr(module, name, self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.stop:
+            raise KeyboardInterrupt
+        return self.real(*args, **kwargs)
+
+
 def test_an_interrupted_study_writes_the_report_of_what_ran(tmp_path, capsys, monkeypatch):
     """Ctrl-C during a study's third policy: its report holds the baseline and the policy measured, names what did
     not run, and the run ends with an interrupt's exit code; everything was lost, hours of a real model's runs.
     Interrupted within the baseline, nothing is written."""
     import expertcache.lab.study as study
-    real, calls = study.perplexity, []
-
-    def perplexity(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == stop:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-    monkeypatch.setattr(study, "perplexity", perplexity)
+    cut = InterruptAtCall(monkeypatch, study, "perplexity")
     out = tmp_path / "report"
     argv = ["study", "--policies", "substitute-all", "threshold:tau=0.15", "--tokens-per-domain", "64", "--context",
             "64", "--out", str(out), "--json", str(tmp_path / "study.json")]
-    stop = 3
+    cut.stop = 3
     assert cli.main(argv) == 130
     res = json.loads((out / "study.json").read_text())
     assert set(res["runs"]) == {"fetch-all", "substitute-all"} and res["generation"] == {}
     assert res["interrupted"] and res["not_run"] == ["threshold:tau=0.15", "generation test"]
     assert "not run `threshold:tau=0.15`, nor the generation test" in (out / "README.md").read_text()
     assert "not run: threshold:tau=0.15, generation test" in capsys.readouterr().err
-    calls.clear()
-    stop, out = 1, tmp_path / "none"
+    cut.calls, cut.stop, out = 0, 1, tmp_path / "none"
     assert cli.main([*argv[:-4], "--out", str(out)]) == 130 and not out.exists()
 
 
@@ -252,17 +259,10 @@ def test_an_interrupted_bench_keeps_its_whole_repetitions(tmp_path, capsys, monk
     first variant left out), say so, and the run ends with an interrupt's exit code; everything was lost. Before a
     whole repetition, nothing is written."""
     import expertcache.lab.bench as bench
-    real, calls = bench._timed, []
-
-    def timed(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == stop:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-    monkeypatch.setattr(bench, "_timed", timed)
+    cut = InterruptAtCall(monkeypatch, bench, "_timed")
     argv = ["bench", "--store", "ram", "--policies", "substitute-all", "--decode-tokens", "4", "--forced-tokens", "64",
             "--repeats", "5", "--json", str(tmp_path / "bench.json")]
-    stop = 3 * 3 + 2  # the floor, fetch-all and substitute-all a round: the warm-up, two rounds, one variant more
+    cut.stop = 3 * 3 + 2  # the floor, fetch-all and substitute-all a round: the warm-up, two rounds, one variant more
     assert cli.main(argv) == 130
     res = json.loads((tmp_path / "bench.json").read_text())
     assert res["config"]["repeats_done"] == 2
@@ -270,8 +270,7 @@ def test_an_interrupted_bench_keeps_its_whole_repetitions(tmp_path, capsys, monk
     out, err = capsys.readouterr()
     assert "median of 2 interleaved repetitions of 5 (interrupted)" in out
     assert "interrupted: the table holds 2 of 5 repetitions" in err
-    calls.clear()
-    stop = 3 + 2
+    cut.calls, cut.stop = 0, 3 + 2
     (tmp_path / "bench.json").unlink()
     assert cli.main(argv) == 130 and not (tmp_path / "bench.json").exists()
 

@@ -128,9 +128,10 @@ def num_experts(config: dict) -> int:
     """Released Qwen3 checkpoints say num_experts; transformers 5 writes num_local_experts."""
     # present with 0 it is that value, refused by the size checks, not "lacks num_local_experts"; neither given,
     # the releases' name is the one missing
-    if config.get("num_experts") is None and config.get("num_local_experts") is None:
-        raise KeyError("num_experts")
-    return config["num_experts"] if config.get("num_experts") is not None else config["num_local_experts"]
+    for key in ("num_experts", "num_local_experts"):
+        if config.get(key) is not None:
+            return config[key]
+    raise KeyError("num_experts")
 
 
 def rope_type(params: dict | None) -> str:
