@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,8 @@ from expertcache.progress import progress_bar
 
 
 def cases(tmp: Path) -> list[tuple]:
-    """(what, argv) pairs, or (what, argv, what stdin reads); files they need are made under tmp."""
+    """(what, argv) pairs, or (what, argv, what stdin reads[, soft resource limits]); files they need are made
+    under tmp."""
     bad_text = tmp / "latin1.txt"
     bad_text.write_bytes("caf\xe9 na\xefve".encode("latin-1"))
     bom_only = tmp / "bom.txt"
@@ -374,13 +376,18 @@ def cases(tmp: Path) -> list[tuple]:
                                                                    "fetch-all+prefetch/lookahead", "hi"]),
         ("chat with a template that loops for ever (a message on stdin)", ["chat", "--model", str(looping_template),
                                                                            "-n", "4"], "hi\n"),
+        ("generate under an address-space limit of 1 GB (ulimit -v)", ["generate", "-n", "2", "hi"], None,
+         {resource.RLIMIT_AS: 10**9}),
     ]
 
 
-def run(argv: list[str], home: Path, stdin: str | None = None) -> tuple[int, str]:
+def run(argv: list[str], home: Path, stdin: str | None = None, limits: dict | None = None) -> tuple[int, str]:
+    """The exit code and last line of `expertcache ARGV`, fed `stdin`, under `limits` (soft resource limits)."""
     env = {**os.environ, "EXPERTCACHE_HOME": str(home)}
     out = subprocess.run([sys.executable, "-m", "expertcache.cli", *argv], capture_output=True, text=True,
-                         timeout=600, env=env, input=stdin, stdin=subprocess.DEVNULL if stdin is None else None)
+                         timeout=600, env=env, input=stdin, stdin=subprocess.DEVNULL if stdin is None else None,
+                         preexec_fn=lambda: [resource.setrlimit(k, (v, resource.getrlimit(k)[1]))
+                                             for k, v in (limits or {}).items()])
     lines = [line for line in out.stderr.splitlines() if line.strip() and "it/s]" not in line and "tok/s]" not in line]
     return out.returncode, lines[-1] if lines else ""
 
@@ -393,9 +400,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         with progress_bar(None, unit="input") as bar:  # where stderr is a terminal
-            for what, argv, *stdin in cases(tmp):  # a case may give what its stdin reads
+            for what, argv, *more in cases(tmp):  # a case may give what its stdin reads, and limits
                 bar.set_description(what[:60])
-                code, line = run(argv, tmp / "home", *stdin)
+                code, line = run(argv, tmp / "home", *more)
                 rows.append({"input": what, "exit": code, "message": line.replace(str(tmp), "TMP")})
                 bar.update()
     print("| bad input or fault | exit | what the user sees |\n|---|---:|---|")

@@ -6,7 +6,8 @@
 #   3. bench on Qwen3-30B-A3B's expert shape (benchmarks/make_checkpoint.py, 4 layers): every expert
 #      resident against a quarter cache fed from pinned host memory and from the disk store; then where a
 #      decode token's time goes there and on the built-in model (benchmarks/decode_profile.py: host stages,
-#      device kernel time, launches, copies and syncs per token).
+#      device kernel time, launches, copies and syncs per token); then the prefetch bound on the built-in model
+#      from pinned memory (benchmarks/prefetch_bound.py: on-demand copies, the predictors' prefetches, an oracle).
 # 1 and 2 run side by side (their first run compiles the decision kernel); 3 runs alone after them, so its
 # timings share the machine with nothing. Every output lands under $OUT (default build/gpu_check), the
 # bench figures as JSON; the exit status is the number of checks that failed.
@@ -93,6 +94,10 @@ check profile_q30 300 $py benchmarks/decode_profile.py --model "$q30" --device c
   --json "$out/profile_q30.json"
 check profile_builtin 300 $py benchmarks/decode_profile.py --device cuda --tokens 32 --trials 3 \
   --json "$out/profile_builtin.json"
+# the prefetch bound where a prediction costs kernel launches and a miss a copy over the bus (built-in model: the
+# real-shape checkpoint has no trained predictors here)
+check prefetch_bound_pinned 300 $py benchmarks/prefetch_bound.py --device cuda --store pinned \
+  --predictors lookahead estimator --split --tokens 64 --repeats 8 --json "$out/prefetch_bound_pinned.json"
 cat "$out/verdicts"
 failed=$(grep -c ^FAILED "$out/verdicts")
 echo "$failed check(s) failed; outputs in $out"

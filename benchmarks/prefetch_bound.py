@@ -6,6 +6,7 @@ against an oracle that knows every next layer's experts, in decode on the disk s
                                         [--repeats 15] [--feed greedy|text] [--json FILE]
                                         [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
                                         [--lookahead-from DIR ...] [--one-call] [--disk-mbps 500 1000 0]
+                                        [--device cuda [--store pinned]]
 
 The policy alone decodes greedily first; every variant then decodes those tokens again, one a forward, so that all
 of them run the same inputs. `--feed text` feeds the evaluation text's own tokens after the prompt instead, one a
@@ -26,7 +27,9 @@ on-demand and oracle runs. `--disk-mbps` runs every variant with the store's dis
 (MB/s; 0: its own) by a block-I/O cgroup (root; `expertcache.lab.cgroup.ReadThrottle`), rates and variants
 alternated within each round, a table for each rate: whether the disk or the CPU sets a token's pace decides what
 a prediction's time costs, and this machine's disk drifts between 0.6 and 4 GB/s from hour to hour (held, reads
-wait in the group's queue before they reach the device, which "disk busy" counts alone).
+wait in the group's queue before they reach the device, which "disk busy" counts alone). `--device cuda` runs it
+on a GPU, the fast tier in its memory (a prediction's call then costs kernel launches, not the CPU's streaming of
+its weights), from the disk store or, with `--store pinned`, from pinned host memory over the bus.
 "Of the oracle's gain" is (on demand / variant - 1) / (on demand / oracle - 1) on the three's mean times over the
 rounds (every variant runs in every round, seconds apart, where this disk's speed drifts over minutes), with a 90%
 interval from resampling the rounds; "predict" the wall time of a token's predictions (the attention run ahead
@@ -134,6 +137,12 @@ def busy_ms(path: Path):
     return None
 
 
+def finished(engine) -> None:
+    """Wait for the device's queued work, so that a time read next includes it (CUDA runs asynchronously)."""
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize(engine.model.device)
+
+
 def decode(engine, prompt: list[int], tokens: list[int], score: bool = False) -> dict:
     """The prompt's forward, then `tokens` one a forward, as decode runs them: per-token figures of the decode
     alone. `score`: also the perplexity of `tokens` on the logits of the forwards that precede each (the
@@ -144,14 +153,17 @@ def decode(engine, prompt: list[int], tokens: list[int], score: bool = False) ->
     nll = []
     s = engine.stats
     before = (s.tokens, s.sync_fetches, s.prefetch_fetches, s.stall_s, s.predict_s)
-    busy = busy_ms(engine.store.path)
+    path = engine.store.path if engine.config.store == "disk" else None  # the pinned store reads no disk
+    busy = path and busy_ms(path)
+    finished(engine)
     start, cpu = time.perf_counter(), time.thread_time()
     for i, token in enumerate(tokens):
         if score:
             nll.append(-torch.log_softmax(logits[-1].float(), -1)[token].item())
         logits = engine.forward(torch.tensor([token]), len(prompt) + i, last=True)
+    finished(engine)
     wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
-    busy = None if busy is None else busy_ms(engine.store.path) - busy
+    busy = None if busy is None else busy_ms(path) - busy
     n = s.tokens - before[0]
     return {"ms_per_token": 1e3 * wall / n, "sync_fetches": (s.sync_fetches - before[1]) / n,
             "prefetches": (s.prefetch_fetches - before[2]) / n, "stall_ms": 1e3 * (s.stall_s - before[3]) / n,
@@ -189,16 +201,23 @@ def main() -> None:
                         "rather than each as its read lands")
     p.add_argument("--disk-mbps", type=float, nargs="+", default=[0],
                    help="the store's disk held at each of these read rates in turn, MB/s (0: its own rate; root)")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu, or cuda (the fast tier in its memory)")
+    p.add_argument("--store", default="disk", choices=("disk", "pinned"),
+                   help="the slow tier: the disk store, or pinned host memory (--device cuda)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if a.repeats < 1 or a.tokens < 1 or a.prompt_tokens < 1:
         p.error("--repeats, --tokens and --prompt-tokens must be at least 1, e.g. --tokens 32 --repeats 15")
+    if a.store == "pinned" and (a.device == "cpu" or a.disk_mbps != [0]):
+        p.error("--store pinned is the slow tier of a GPU's cache, without a disk: give --device cuda and no "
+                "--disk-mbps")
     if not all(0 <= r < 1e7 for r in a.disk_mbps):  # NaN fails too
         p.error("--disk-mbps takes read rates in MB/s, 0 for the disk's own, e.g. --disk-mbps 500 1000 0")
     recorder = Recorder()
     rates = list(dict.fromkeys(a.disk_mbps))
     fmt = ExpertFormat.parse(a.store_dtype, 32) if a.store_dtype else None
-    engine = Engine(a.model, EngineConfig(store="disk", cache=CacheConfig(fraction=a.cache), policy=a.policy,
+    engine = Engine(a.model, EngineConfig(device=a.device, store=a.store, cache=CacheConfig(fraction=a.cache),
+                                          policy=a.policy,
                                           store_format=fmt, slot_dtype=a.slot_dtype, dense_dtype=a.dense_dtype))
     # each folder's lookahead, made before anything runs (a folder without one is refused at once) and kept for
     # every round, as the engine keeps its own
@@ -279,7 +298,7 @@ def measure(a, engine, recorder, prompt, text, made, rates, throttle) -> None:
                     recorder.on, recorder.tokens = False, []
                 if round_:
                     runs[rate][name].append(figures)
-    print(f"disk store, cache {a.cache}, {a.policy}{' (prefetching what it would fetch)' if a.fetched else ''}, "
+    print(f"{a.store} store, {a.device}, cache {a.cache}, {a.policy}{' (prefetching what it would fetch)' if a.fetched else ''}, "
           f"{a.tokens} decode tokens ({'greedy' if a.feed == 'greedy' else 'the text'}'s), medians of {a.repeats}; "
           f"the oracle knew {known:.1%} of the routed experts of layers 1 on")
     by_rate = {rate: table(a, runs[rate], ppl, one_call, oracle) for rate in rates}

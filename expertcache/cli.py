@@ -226,6 +226,15 @@ def reported(e: Exception, prog: str, flags: set[str] | None = None) -> int | No
         with contextlib.suppress(OSError, ValueError):  # and Python's flush of stdout at exit finds no pipe to fail
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    elif isinstance(e, (MemoryError, RuntimeError, OSError)) and (sizes := out_of_memory(e)) is not None:
+        # torch's is a RuntimeError, an anonymous map's an OSError (ENOMEM)
+        fixes = [fix for flag, fix in MEMORY_FIXES if flags is None or flag in flags]
+        advice = f": {', '.join(fixes[:-1])}{' or ' if len(fixes) > 1 else ''}{fixes[-1]}" if fixes else \
+            " (or run it on a machine with more memory)"
+        if (limit := address_space_limit()) is not None:  # refused by ulimit -v, not by the machine
+            advice += f"; or raise the address-space limit (ulimit -v {limit >> 10}; ulimit -v unlimited)"
+        print(f"{prog}: error: out of memory{f' ({sizes})' if sizes else ''}; give the run less{advice}",
+              file=sys.stderr)
     elif isinstance(e, OSError):
         print(f"{prog}: error: {e}; {os_error_fix(e, flags)}", file=sys.stderr)
     elif isinstance(e, (EOFError, pickle.UnpicklingError)) and _from_numba_cache(e):  # a truncated index or object
@@ -233,12 +242,6 @@ def reported(e: Exception, prog: str, flags: set[str] | None = None) -> int | No
         from .kernel.compiled import cache_dir
         print(f"{prog}: error: the compiled kernels' cache is damaged ({type(e).__name__}: {e}); delete it (rm -rf "
               f"{shlex.quote(str(cache_dir()))}) and run again, which compiles them anew", file=sys.stderr)
-    elif isinstance(e, (MemoryError, RuntimeError)) and (sizes := out_of_memory(e)) is not None:  # torch: RuntimeError
-        fixes = [fix for flag, fix in MEMORY_FIXES if flags is None or flag in flags]
-        advice = f": {', '.join(fixes[:-1])}{' or ' if len(fixes) > 1 else ''}{fixes[-1]}" if fixes else \
-            " (or run it on a machine with more memory)"
-        print(f"{prog}: error: out of memory{f' ({sizes})' if sizes else ''}; give the run less{advice}",
-              file=sys.stderr)
     else:
         return None
     return 2
@@ -261,10 +264,19 @@ def out_of_memory(e: BaseException) -> str | None:
     """What an allocation the machine refused says of its sizes (numpy's MemoryError, the CPU allocator's or CUDA's
     OutOfMemoryError: a too large run on a GPU), or None for another error; matched by name, since --help loads
     no torch."""
+    if isinstance(e, OSError):
+        return "" if e.errno == errno.ENOMEM else None
     said = " ".join(str(e).split())
     if not (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in said):
         return None
     return re.sub(r"^\[enforce fail[^]]*\]\s*(err == 0\.\s*)?", "", said.split(" Of the allocated")[0])
+
+
+def address_space_limit() -> int | None:
+    """This process's address-space limit in bytes (ulimit -v), or None where it has none."""
+    import resource
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return None if limit == resource.RLIM_INFINITY else limit
 
 
 def version() -> str:

@@ -395,6 +395,17 @@ def test_a_full_disk_under_the_output_and_too_many_open_files_name_their_own_fix
     assert "ulimit -n" in os_error_fix(OSError(errno.EMFILE, "Too many open files", "/x/numpy/__init__.py"))
 
 
+def test_a_map_the_system_refuses_is_out_of_memory_not_a_path_to_check(capsys):
+    """An anonymous map refused (ENOMEM: the slots' region past ulimit -v) was reported as "check the path and the
+    disk"; it is out of memory, with the memory fixes."""
+    import errno
+
+    from expertcache.cli import reported
+    assert reported(OSError(errno.ENOMEM, "Cannot allocate memory"), "expertcache", {"--cache"}) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("expertcache: error: out of memory; give the run less: a smaller --cache"), err
+
+
 @pytest.mark.parametrize("key,value,words", [("num_experts_per_tok", 0, "whole number >= 1"),
                                              ("num_experts_per_tok", "two", "whole number >= 1"),
                                              ("num_experts_per_tok", 100, "experts of only"),

@@ -2,6 +2,7 @@
 KV cache grows to what is used, and a process's peak RSS stays within the budget plus what
 the interpreter and its libraries take before any model (measured in the same way)."""
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -159,6 +160,45 @@ def test_a_run_larger_than_the_free_memory_is_refused_not_killed():
     err = run.stderr.strip()
     assert run.returncode == 2 and not run.oom_killed and err.count("\n") == 0, err[-2000:]
     assert "this machine has free" in err and "--store disk" in err, err
+
+
+def test_an_address_space_limit_below_the_libraries_is_refused_in_one_line():
+    """Under an address-space limit (ulimit -v) smaller than what PyTorch, LLVM and the BLAS map before a model
+    loads, a verb ends at once with one line naming the limit and the fix: OpenBLAS spun for ever in its import
+    under 1.0 GB (2 CPUs), LLVM aborted the process under 1.1 GB, and 1.15 GB ran."""
+    import resource
+
+    from expertcache.commands.options import LIBRARIES_ADDRESS_SPACE, PER_CPU_ADDRESS_SPACE
+    limit = LIBRARIES_ADDRESS_SPACE + PER_CPU_ADDRESS_SPACE * len(os.sched_getaffinity(0)) - (64 << 20)
+    done = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", "-n", "2", "The cache"],
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY)))
+    err = done.stderr.strip()
+    assert done.returncode == 2 and err.count("\n") == 0, err[-2000:]
+    assert f"address-space limit (ulimit -v {limit >> 10})" in err and "ulimit -v unlimited" in err, err
+
+
+ADDRESS_SPACE = """
+import re, resource
+from pathlib import Path
+from expertcache import Engine, EngineConfig
+from expertcache.errors import NotEnoughMemory
+size = int(re.search(r"^VmSize:\\s+(\\d+) kB", Path("/proc/self/status").read_text(), re.M)[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), resource.RLIM_INFINITY))
+try:
+    Engine(None, EngineConfig(store="ram", max_seq=2048))
+except NotEnoughMemory as e:
+    print(e)
+"""
+
+
+def test_a_run_past_the_address_space_limit_is_refused_before_loading_naming_it():
+    """A run whose plan needs more mappings than the address-space limit leaves is refused before any weight is
+    read, naming the limit: the slots' anonymous map failed instead, reported as "check the path and the disk"."""
+    out = subprocess.run([sys.executable, "-c", ADDRESS_SPACE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "its address-space limit leaves (ulimit -v)" in out.stdout and "ulimit -v unlimited" in out.stdout, \
+        out.stdout
 
 
 ACTIVE_PAGE_CACHE = """

@@ -135,14 +135,27 @@ def map_large_blocks() -> None:
 def available_memory() -> int | None:
     """Bytes the machine can still give this process: MemAvailable and free swap (/proc/meminfo), and no more than
     its cgroup's limit less what the group holds (its page cache aside: the kernel takes that back before it
-    kills), cgroup v2 or v1; None where Linux does not say."""
+    kills), cgroup v2 or v1, nor than its address-space limit leaves (address_space_room); None where Linux does
+    not say."""
     try:
         info = dict(re.findall(r"^(\w+):\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M))
         free = (int(info["MemAvailable"]) + int(info.get("SwapFree", 0))) * 1024
     except (OSError, KeyError):
         return None
-    limited = _cgroup_room()
-    return free if limited is None else min(free, limited)
+    return min([free] + [room for room in (_cgroup_room(), address_space_room()) if room is not None])
+
+
+def address_space_room(proc: Path = Path("/proc/self")) -> int | None:
+    """What this process's address-space limit (ulimit -v) leaves for new mappings: the limit less its mapped size
+    (VmSize), every allocation counting whole whether touched or not; None where it has no limit."""
+    import resource
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        return limit - int(re.search(r"^VmSize:\s+(\d+) kB", (proc / "status").read_text(), re.M)[1]) * 1024
+    except (OSError, TypeError):
+        return None
 
 
 def _mapped_file_bytes(proc: Path) -> int:

@@ -43,6 +43,7 @@ from .budget import (
     FORWARD_CHUNK,
     SMALLER_PASSES,
     MemoryPlan,
+    address_space_room,
     available_memory,
     dense_bytes,
     kv_bytes,
@@ -417,7 +418,10 @@ class Engine:
             (["--store disk (the experts stay on the disk)"] if c.store in ("ram", "pinned") else []) + \
             ["a smaller --cache", "--memory-budget"] + \
             (["a first run where more memory is free (the kernels are cached for later runs)"] if first_run else [])
-        refuse_unless_fits(parts, free, "", "this machine has free", f"{', '.join(fixes[:-1])} or {fixes[-1]}")
+        bound = "this machine has free"
+        if (room := address_space_room()) is not None and room <= free:  # ulimit -v, not the machine, sets it
+            bound, fixes = "its address-space limit leaves (ulimit -v)", ["ulimit -v unlimited", *fixes]
+        refuse_unless_fits(parts, free, "", bound, f"{', '.join(fixes[:-1])} or {fixes[-1]}")
 
     def _check_device_memory(self, cache: CacheConfig) -> None:
         """On CUDA, NotEnoughMemory before any weight is read where what the device holds (the dense weights, the KV
