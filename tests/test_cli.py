@@ -275,6 +275,29 @@ def test_an_interrupted_bench_keeps_its_whole_repetitions(tmp_path, capsys, monk
     assert cli.main(argv) == 130 and not (tmp_path / "bench.json").exists()
 
 
+def test_an_interrupted_tune_reports_the_finalists_it_scored(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while tune scores its finalists: the report and JSON hold the search and the finalists scored whole
+    (the one cut short left out), choose no policy, and the run ends with an interrupt's exit code; everything was
+    lost. Within the baseline's scoring, nothing is written."""
+    import expertcache.lab.tune as tune
+    cut = InterruptAtCall(monkeypatch, tune, "perplexity")
+    argv = ["tune", "--budget", "3%", "--profile", "rtx3090-qwen3-next", "--calib-tokens", "600", "--tokens", "600",
+            "--context", "256", "--finalists", "4", "--json", str(tmp_path / "tune.json")]
+    cut.stop = 3  # the baseline and one finalist scored, the next cut short
+    assert cli.main(argv) == 130
+    res = json.loads((tmp_path / "tune.json").read_text())
+    assert res["config"]["interrupted"] == "score" and res["winner"] is None and res["validation"] == {}
+    policies = {tune.without_prefetch(s) for s in res["finalists"]}  # a prefetching one scores as its policy
+    assert len(policies) == 2 and "fetch-all" in policies and len(res["candidates"]) > 4
+    out, err = capsys.readouterr()
+    assert f"interrupted while scoring the finalists: {len(res['finalists']) - 1} scored (above), no policy " \
+        "chosen" in out and "held-out validation" not in out
+    assert err.strip().endswith("interrupted while scoring the finalists: the report holds what was done"), err
+    cut.calls, cut.stop = 0, 1
+    (tmp_path / "tune.json").unlink()
+    assert cli.main(argv) == 130 and not (tmp_path / "tune.json").exists()
+
+
 def test_a_text_of_one_domain_reports_no_interval_where_it_has_no_windows(tmp_path):
     """A text without topic changes has no window after one, and one window has no bootstrap interval: the study
     says so where it printed NaN, and a paired increase of one window has no CI."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..choices import CALIB_TEXT, EVAL_TEXT
@@ -144,7 +145,13 @@ def run(a) -> int:
             bar.set_description(label.split(":")[0])
             bar.update(n)
         # a profile given may be of another machine or store: only the quick one's winner is timed here
-        res = tune(a.model, ids, profile, cfg, progress, None if a.profile else timer)
+        try:
+            res = tune(a.model, ids, profile, cfg, progress, None if a.profile else timer)
+        except KeyboardInterrupt as e:  # past the search, what was scored is reported (lost before)
+            if getattr(e, "result", None) is None:
+                raise
+            res = e.result
+    interrupted = res.config.get("interrupted")
     for name, why in res.config["prefetch_skipped"].items():
         print(f"prefetch/{name} not searched: {why}")
     for name, why in res.config["not_scored"].items():
@@ -175,16 +182,20 @@ def run(a) -> int:
                   "(a busy machine times its few runs unevenly); the timed runs above decide the policy, and for "
                   "estimates to trust run `expertcache calibrate-hw --out FILE` on a quiet machine and pass "
                   "--profile FILE")
-    print(f"\nheld-out validation ({a.text.name}):\n\n| policy | est. ms/token | est. speed-up | ppl increase | "
-          f"95% CI | within {a.budget:g}% |\n|---|---:|---:|---:|---|---|")
-    for spec, v in res.validation.items():
-        if spec == "fetch-all":
-            continue
+    validated = {spec: v for spec, v in res.validation.items() if spec != "fetch-all"}
+    if validated:  # none where interrupted before
+        print(f"\nheld-out validation ({a.text.name}):\n\n| policy | est. ms/token | est. speed-up | ppl increase | "
+              f"95% CI | within {a.budget:g}% |\n|---|---:|---:|---:|---|---|")
+    for spec, v in validated.items():
         print(f"| `{spec}` | {v['estimated_ms']:.2f} | {v['estimated_speedup']:.2f}x | {signed(v['pct'])}% | "
               f"[{signed(v['ci'][0])}, {signed(v['ci'][1])}] | {'yes' if v['within_budget'] else 'no'} |")
-    if res.winner is None:
+    if interrupted == "score":
+        print(f"\ninterrupted while scoring the finalists: {len(res.finalists) - 1} scored (above), no policy chosen")
+    elif res.winner is None:
         print(f"\nno finalist stays within {a.budget:g}% on the calibration text; fetch-all is the policy "
               "(raise --budget or the cache size)")
+    elif res.winner not in res.validation:
+        print(f"\npolicy: {res.winner} (interrupted before it was validated on held-out text)")
     else:
         v = res.validation[res.winner]
         spec, slots = unlabel(res.winner)
@@ -197,8 +208,13 @@ def run(a) -> int:
             print(f"warning: on held-out text the winner is outside the {a.budget:g}% budget; raise --budget, "
                   "tune on more --calib-tokens, or prefer a finalist marked within it above")
     write_json(a.json, res.to_dict())
-    if a.plot:
+    if a.plot and len(res.finalists) > 1:
         plot_search(res, a.plot)
+    if interrupted:
+        doing = {"score": "scoring the finalists", "time": "timing the winner",
+                 "validate": "validating on held-out text"}[interrupted]
+        print(f"interrupted while {doing}: the report holds what was done", file=sys.stderr)
+        return 130
     return 0
 
 

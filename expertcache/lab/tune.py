@@ -267,24 +267,31 @@ def score(engines: dict[str, Engine], labels, ids: list[int], context: int, cfg:
     policies = list(dict.fromkeys(map(without_prefetch, names)))
     if progress:
         progress(phase, 0, len(policies) * (len(ids) - 1))
-    for name in policies:
-        spec, slots = unlabel(name)
-        engine = engines[slots]
-        try:
-            engine.set_policy(spec)
-        except NotEnoughMemory as e:  # a lowbit policy's small copies, held beside the ram store's experts
-            if name == BASELINE:
-                raise
-            left_out[name] = str(e)
-            if progress:
-                progress(name, len(ids) - 1)
-            continue
-        results[name] = perplexity(engine, ids, context,
-                                   progress=(lambda n, s=name: progress(s, n)) if progress else None)
-    base = results[BASELINE]
-    increase = {name: {"ppl": r.ppl, **paired_increase(base.window_nll, r.window_nll, cfg.bootstrap, cfg.seed)}
-                for name, r in results.items()}
-    return {name: increase[without_prefetch(name)] for name in names if without_prefetch(name) in increase}
+
+    def increases() -> dict:
+        base = results[BASELINE]
+        increase = {name: {"ppl": r.ppl, **paired_increase(base.window_nll, r.window_nll, cfg.bootstrap, cfg.seed)}
+                    for name, r in results.items()}
+        return {name: increase[without_prefetch(name)] for name in names if without_prefetch(name) in increase}
+    try:
+        for name in policies:
+            spec, slots = unlabel(name)
+            engine = engines[slots]
+            try:
+                engine.set_policy(spec)
+            except NotEnoughMemory as e:  # a lowbit policy's small copies, held beside the ram store's experts
+                if name == BASELINE:
+                    raise
+                left_out[name] = str(e)
+                if progress:
+                    progress(name, len(ids) - 1)
+                continue
+            results[name] = perplexity(engine, ids, context,
+                                       progress=(lambda n, s=name: progress(s, n)) if progress else None)
+    except KeyboardInterrupt as e:  # Ctrl-C: the candidates scored whole go with it (`tune` reports them)
+        e.scored = increases() if BASELINE in results else {}
+        raise
+    return increases()
 
 
 def default_candidates(trace, cfg: TuneConfig, slots: str = "auto") -> list[str]:
@@ -443,6 +450,20 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
     skipped: dict[str, str] = {}  # predictors left out of the search, and why
     left_out: dict[str, str] = {}  # finalists not scored, as their policy does not fit in memory, and why
     note = (lambda label, n=0, total=None: progress(label, n, total)) if progress else None
+    rows, scored, winner, timed, checked = [], {}, None, {}, {}
+
+    def result(interrupted: str | None = None) -> TuneResult:
+        base_ms = est[BASELINE]
+        validation = {s: {**v, "estimated_ms": est.get(s), "estimated_speedup": base_ms / est[s] if s in est else None,
+                          "within_budget": v["pct"] <= cfg.budget_pct} for s, v in checked.items()}
+        config = {**cfg.__dict__, "cache": cfg.cache.__dict__, "candidates": [r["label"] for r in rows],
+                  "calib_tokens_used": len(calib) - 1, "tokens_used": len(held) - 1, "prefetch_skipped": skipped,
+                  "not_scored": left_out, "store": {s: e.config.store for s, e in engines.items()}}
+        if interrupted:
+            config["interrupted"] = interrupted
+        profile_out = {s: profiles[s].__dict__ for s in searched} if len(searched) > 1 else profiles["auto"].__dict__
+        return TuneResult(config, profile_out, rows, scored, winner, validation, base_ms, timed)
+    phase = "trace"
     try:
         for slots in searched:
             engines[slots] = slot_engine(model, cfg, slots)
@@ -450,7 +471,6 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
                 check_profile_for(profiles[slots], slots, engines[slots], cfg.mode)  # order) priced them silently
         if note:
             note("trace", 0, 1)
-        rows = []
         with tempfile.TemporaryDirectory() as d:
             trace = record_trace(engines["auto"].path, calib, Path(d) / "calib.ectrace", cfg.context, "float32")
             window = 1 if cfg.mode == "decode" else None
@@ -470,27 +490,34 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
                 rows += replay_prefetching(trace, rows, engines, profiles, calib, cfg, skipped, note)
         est = {r["label"]: r["estimated_ms"] for r in rows}
         finalists = pick_finalists(rows, cfg.finalists, cfg.lowbit_finalists, cfg.slot_finalists)
+        phase = "score"
         scored = score(engines, finalists, calib, cfg.context, cfg, progress, left_out=left_out)
         finalists = [s for s in finalists if s in scored]
         within = [s for s in finalists if scored[s]["pct"] <= cfg.budget_pct]
         winner = min(within, key=lambda s: est[s]) if within else None
+        phase = "time"
         timed = timed_choice(winner, within, est, timer) if winner and timer else {}
         winner = timed.get("winner", winner)
         if winner and winner not in scored:  # its own policy, which scores as the prefetching winner did
             scored[winner] = scored[timed["estimated"]]
+        phase = "validate"
         checked = score(engines, [s for s in [winner, *cfg.presets] if s], held, cfg.context, cfg, progress,
                         "validate", left_out)
+    except KeyboardInterrupt as e:
+        # Ctrl-C once the finalists are being scored: what was scored whole goes with it (the verb reports it); the
+        # winner is kept only once chosen over every finalist, and is then not validated or only in part
+        if phase in ("score", "time", "validate"):
+            if phase == "score":
+                scored = getattr(e, "scored", {})
+            elif phase == "validate":
+                checked = getattr(e, "scored", {})
+            if phase == "score" and BASELINE in scored or phase != "score":
+                e.result = result(phase)
+        raise
     finally:
         for engine in engines.values():
             engine.close()
-    base_ms = est[BASELINE]
-    validation = {s: {**v, "estimated_ms": est.get(s), "estimated_speedup": base_ms / est[s] if s in est else None,
-                      "within_budget": v["pct"] <= cfg.budget_pct} for s, v in checked.items()}
-    config = {**cfg.__dict__, "cache": cfg.cache.__dict__, "candidates": [r["label"] for r in rows],
-              "calib_tokens_used": len(calib) - 1, "tokens_used": len(held) - 1, "prefetch_skipped": skipped,
-              "not_scored": left_out, "store": {s: e.config.store for s, e in engines.items()}}
-    profile_out = {s: profiles[s].__dict__ for s in searched} if len(searched) > 1 else profiles["auto"].__dict__
-    return TuneResult(config, profile_out, rows, scored, winner, validation, base_ms, timed)
+    return result()
 
 
 def timed_choice(winner: str, within: list[str], est: dict[str, float],
