@@ -298,7 +298,8 @@ def measure(a, engine, recorder, prompt, text, made, rates, throttle) -> None:
                     recorder.on, recorder.tokens = False, []
                 if round_:
                     runs[rate][name].append(figures)
-    print(f"{a.store} store, {a.device}, cache {a.cache}, {a.policy}{' (prefetching what it would fetch)' if a.fetched else ''}, "
+    fetched = " (prefetching what it would fetch)" if a.fetched else ""
+    print(f"{a.store} store, {a.device}, cache {a.cache}, {a.policy}{fetched}, "
           f"{a.tokens} decode tokens ({'greedy' if a.feed == 'greedy' else 'the text'}'s), medians of {a.repeats}; "
           f"the oracle knew {known:.1%} of the routed experts of layers 1 on")
     by_rate = {rate: table(a, runs[rate], ppl, one_call, oracle) for rate in rates}

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from .address_space import address_space_limit
 from .choices import DATA
 from .commands.options import check_environment, compiled_ok
 from .errors import BadInput, ExpertCacheError, did_you_mean
@@ -270,13 +271,6 @@ def out_of_memory(e: BaseException) -> str | None:
     if not (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in said):
         return None
     return re.sub(r"^\[enforce fail[^]]*\]\s*(err == 0\.\s*)?", "", said.split(" Of the allocated")[0])
-
-
-def address_space_limit() -> int | None:
-    """This process's address-space limit in bytes (ulimit -v), or None where it has none."""
-    import resource
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    return None if limit == resource.RLIM_INFINITY else limit
 
 
 def version() -> str:

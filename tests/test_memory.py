@@ -164,18 +164,24 @@ def test_a_run_larger_than_the_free_memory_is_refused_not_killed():
 
 def test_an_address_space_limit_below_the_libraries_is_refused_in_one_line():
     """Under an address-space limit (ulimit -v) smaller than what PyTorch, LLVM and the BLAS map before a model
-    loads, a verb ends at once with one line naming the limit and the fix: OpenBLAS spun for ever in its import
-    under 1.0 GB (2 CPUs), LLVM aborted the process under 1.1 GB, and 1.15 GB ran."""
+    loads, a verb ends at once with one line naming the limit and the fix, and the Python API with that error as
+    the engine is imported: OpenBLAS spun for ever in its import under 1.0 GB (2 CPUs), LLVM aborted the process
+    under 1.1 GB, and 1.15 GB ran."""
     import resource
 
-    from expertcache.commands.options import LIBRARIES_ADDRESS_SPACE, PER_CPU_ADDRESS_SPACE
+    from expertcache.address_space import LIBRARIES_ADDRESS_SPACE, PER_CPU_ADDRESS_SPACE
     limit = LIBRARIES_ADDRESS_SPACE + PER_CPU_ADDRESS_SPACE * len(os.sched_getaffinity(0)) - (64 << 20)
+    limited = lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))  # noqa: E731
     done = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", "-n", "2", "The cache"],
-                          capture_output=True, text=True, timeout=120,
-                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY)))
+                          capture_output=True, text=True, timeout=120, preexec_fn=limited)
     err = done.stderr.strip()
     assert done.returncode == 2 and err.count("\n") == 0, err[-2000:]
     assert f"address-space limit (ulimit -v {limit >> 10})" in err and "ulimit -v unlimited" in err, err
+    # the Python API's road: refused as the engine's package is imported, before numba is
+    done = subprocess.run([sys.executable, "-c", "from expertcache import Engine; Engine"], capture_output=True,
+                          text=True, timeout=120, preexec_fn=limited)
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(
+        "expertcache.errors.BadInput: the address-space limit (ulimit -v"), done.stderr[-2000:]
 
 
 ADDRESS_SPACE = """

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from ..address_space import check_address_space
 from ..atomic import writable_folder, written_in_place
 from ..choices import DENSE_DTYPES, DTYPES, INITIAL, IO_BACKENDS, PROMPT_ORDERS, SCHEMES, SLOT_DTYPES
 from ..errors import BadInput
@@ -318,31 +319,6 @@ def announce_compile(*kernels: str) -> None:
         def on_end(self, ev):
             pass
     event.register("numba:compile", Notice())
-
-
-# the address space PyTorch, numba's LLVM and the BLAS map before a model loads, and what each CPU adds (a thread of
-# OpenBLAS's and one of OpenMP's, each with glibc's 64 MiB heap reserve and its stack): 0.92 GiB with one thread
-# of each, +0.15 GiB a CPU (VmPeak of `generate` on the built-in model, 2026-12-06); with a margin
-LIBRARIES_ADDRESS_SPACE, PER_CPU_ADDRESS_SPACE = 900 << 20, 160 << 20
-
-
-def check_address_space(limit: int | None = None, cpus: int | None = None) -> None:
-    """BadInput where the address-space limit (ulimit -v; `limit` bytes, default this process's) is below what the
-    libraries map before any model loads: under it OpenBLAS spun for ever in its import, or LLVM aborted the process
-    as it compiled the kernels, or a run ended in an error naming no limit."""
-    import resource
-    if limit is None:
-        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if limit == resource.RLIM_INFINITY:
-        return
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    need = LIBRARIES_ADDRESS_SPACE + PER_CPU_ADDRESS_SPACE * cpus
-    if limit < need:
-        raise BadInput(f"the address-space limit (ulimit -v {limit >> 10}) is below the ~{need / 2 ** 30:.1f} GiB "
-                       f"that PyTorch, the compiled kernels and their threads on {cpus} CPUs map before a model "
-                       "loads; raise it (ulimit -v unlimited), and bound what a run holds with --memory-budget or a "
-                       "cgroup (systemd-run --user -p MemoryMax=8G ...), which count resident memory")
 
 
 def check_environment() -> None:

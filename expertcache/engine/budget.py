@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..address_space import address_space_room
 from ..kernel.expert_compute import PASS
 from ..models.args import ModelArgs
 from .checkpoint import Checkpoint
@@ -143,19 +144,6 @@ def available_memory() -> int | None:
     except (OSError, KeyError):
         return None
     return min([free] + [room for room in (_cgroup_room(), address_space_room()) if room is not None])
-
-
-def address_space_room(proc: Path = Path("/proc/self")) -> int | None:
-    """What this process's address-space limit (ulimit -v) leaves for new mappings: the limit less its mapped size
-    (VmSize), every allocation counting whole whether touched or not; None where it has no limit."""
-    import resource
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if limit == resource.RLIM_INFINITY:
-        return None
-    try:
-        return limit - int(re.search(r"^VmSize:\s+(\d+) kB", (proc / "status").read_text(), re.M)[1]) * 1024
-    except (OSError, TypeError):
-        return None
 
 
 def _mapped_file_bytes(proc: Path) -> int:

@@ -39,11 +39,11 @@ from .compile_clock import compile_seconds
 from .slots import slot_bytes, slot_format
 from .checkpoint import ROUTING_COUNTS, check_token_ids, encode_prefix, load_routing_counts, open_checkpoint
 from . import threads
+from ..address_space import address_space_room
 from .budget import (
     FORWARD_CHUNK,
     SMALLER_PASSES,
     MemoryPlan,
-    address_space_room,
     available_memory,
     dense_bytes,
     kv_bytes,

@@ -435,7 +435,9 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
     of `cfg.slot_dtypes`. `progress(phase, 0, total)` starts each phase (trace, replay, score, validate) with its
     steps in all, `progress(label, steps)` reports steps done. `timer(labels)`: ms/token of each labelled
     candidate on this machine, as the profile was measured; given, the winner must also be faster there than
-    fetch-every-miss, and one that prefetches than its fallback (`timed_choice`)."""
+    fetch-every-miss, and one that prefetches than its fallback (`timed_choice`). A KeyboardInterrupt from the
+    finalists' scoring on carries `result`, the TuneResult of what was done (`config["interrupted"]`: score, time
+    or validate)."""
     calib, held = ids
     searched = list(dict.fromkeys(("auto", *cfg.slot_dtypes)))  # auto's slots: the exact reference, always
     profiles = profile if isinstance(profile, dict) else {s: profile for s in searched}
@@ -511,7 +513,7 @@ def tune(model: Path | None, ids: tuple[list[int], list[int]], profile: Hardware
                 scored = getattr(e, "scored", {})
             elif phase == "validate":
                 checked = getattr(e, "scored", {})
-            if phase == "score" and BASELINE in scored or phase != "score":
+            if phase != "score" or BASELINE in scored:
                 e.result = result(phase)
         raise
     finally:
