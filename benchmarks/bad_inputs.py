@@ -386,8 +386,8 @@ def run(argv: list[str], home: Path, stdin: str | None = None, limits: dict | No
     env = {**os.environ, "EXPERTCACHE_HOME": str(home)}
     out = subprocess.run([sys.executable, "-m", "expertcache.cli", *argv], capture_output=True, text=True,
                          timeout=600, env=env, input=stdin, stdin=subprocess.DEVNULL if stdin is None else None,
-                         preexec_fn=lambda: [resource.setrlimit(k, (v, resource.getrlimit(k)[1]))
-                                             for k, v in (limits or {}).items()])
+                         preexec_fn=(lambda: [resource.setrlimit(k, (v, resource.getrlimit(k)[1]))
+                                              for k, v in limits.items()]) if limits else None)
     lines = [line for line in out.stderr.splitlines() if line.strip() and "it/s]" not in line and "tok/s]" not in line]
     return out.returncode, lines[-1] if lines else ""
 
