@@ -25,11 +25,15 @@ def address_space_limit() -> int | None:
 def address_space_room(proc: Path = Path("/proc/self")) -> int | None:
     """What the limit leaves for new mappings: the limit less the process's mapped size (VmSize), every allocation
     counting whole whether touched or not; None where it has no limit."""
-    limit = address_space_limit()
-    if limit is None:
-        return None
+    limit, mapped = address_space_limit(), status_bytes("VmSize", proc)
+    return None if limit is None or mapped is None else limit - mapped
+
+
+def status_bytes(field: str, proc: Path = Path("/proc/self")) -> int | None:
+    """A size the process's /proc status gives in kB (VmSize, RssFile), in bytes; None where Linux does not say.
+    `proc`: the process's /proc folder."""
     try:
-        return limit - int(re.search(r"^VmSize:\s+(\d+) kB", (proc / "status").read_text(), re.M)[1]) * 1024
+        return int(re.search(rf"^{field}:\s+(\d+) kB", (proc / "status").read_text(), re.M)[1]) * 1024
     except (OSError, TypeError):
         return None
 

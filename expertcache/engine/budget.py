@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..address_space import address_space_room
+from ..address_space import address_space_room, status_bytes
 from ..kernel.expert_compute import PASS
 from ..models.args import ModelArgs
 from .checkpoint import Checkpoint
@@ -146,15 +146,6 @@ def available_memory() -> int | None:
     return min([free] + [room for room in (_cgroup_room(), address_space_room()) if room is not None])
 
 
-def _mapped_file_bytes(proc: Path) -> int:
-    """This process's resident pages of mapped files (its libraries' code, chiefly), whichever group they are
-    charged to; 0 where Linux does not say."""
-    try:
-        return int(re.search(r"^RssFile:\s+(\d+) kB", (proc / "status").read_text(), re.M)[1]) * 1024
-    except (OSError, TypeError):
-        return 0
-
-
 def _cgroup_room(proc: Path = Path("/proc/self"), fs: Path = Path("/sys/fs/cgroup")) -> int | None:
     """The room left in this process's memory cgroup (`proc`: the process's /proc folder; `fs`: where cgroups are
     mounted), or None where no limit is set or readable."""
@@ -186,8 +177,9 @@ def _cgroup_room(proc: Path = Path("/proc/self"), fs: Path = Path("/sys/fs/cgrou
             # it): a checkpoint read twice (a store's conversion, an engine opened again) is active, not in use. All
             # but the code a run keeps executing, where this group holds it: taken back, those pages are read again
             # at once (a run counted on them read its libraries over and over for minutes, rather than end). Code
-            # another group brought in (mapped here, not charged here) stays resident without this group's room
-            elsewhere = max(_mapped_file_bytes(proc) - int(stat.get(names[4], 0)), 0)
+            # another group brought in (mapped here, not charged here) stays resident without this group's room:
+            # the process's resident pages of mapped files (RssFile) beyond the group's
+            elsewhere = max((status_bytes("RssFile", proc) or 0) - int(stat.get(names[4], 0)), 0)
             code = max(CODE_BYTES - elsewhere, 0)
             return int(limit) - used + int(stat.get(names[2], 0)) + int(stat.get(names[3], 0)) - code
     return None
