@@ -25,6 +25,7 @@ from expertcache.serve.app import create_app
 from expertcache.serve.background import BackgroundServer
 from expertcache.serve.limits import ServerLimits
 from expertcache.serve.scheduler import Scheduler
+from expertcache.serve.tools import cut_call
 
 SERVER_DOC = Path(__file__).parents[1] / "docs" / "server.md"
 
@@ -177,8 +178,9 @@ def test_a_forced_tool_choice_comes_back_as_a_call_of_its_tool(client):
 
 def test_a_forced_call_cut_short_gives_the_call_so_far(client):
     """A forced call that max_tokens cuts ends with finish_reason length, whole and streamed alike, and never with
-    its markup as content: cut before its name ends, with nothing; after, with the call so far, its arguments cut
-    (as OpenAI and vLLM give it; it came back empty, whatever max_tokens left of it)."""
+    its markup as content: with the call so far, its arguments cut (as OpenAI and vLLM give it; it came back empty,
+    whatever max_tokens left of it). Cut before its arguments began, a named function's call still names it (it
+    came back with no call); a call of tool_choice required, the tool its name so far can only be, else none."""
     ask = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=WEATHER,
                tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0)
     whole = client.chat.completions.create(**ask, max_tokens=60).choices[0]
@@ -193,10 +195,20 @@ def test_a_forced_call_cut_short_gives_the_call_so_far(client):
         calls = choice.message.tool_calls or []
         assert [(c.function.name, c.function.arguments) for c in calls] == \
             [(c.function.name, c.function.arguments) for c in streamed]
-        for call in calls:
-            assert call.function.name == "get_weather" and full.function.arguments.startswith(call.function.arguments)
-        written.append(calls[0].function.arguments if calls else None)
-    assert written[0] is None and written[-1] is not None and written[-1] != full.function.arguments
+        (call,) = calls
+        assert call.function.name == "get_weather" and full.function.arguments.startswith(call.function.arguments)
+        written.append(call.function.arguments)
+    assert written[0] == "" and written[-1] and written[-1] != full.function.arguments
+    required = dict(ask, tool_choice="required")  # get_weather or get_time: "get_" can be either
+    for max_tokens in (1, 40):
+        choice = client.chat.completions.create(**required, max_tokens=max_tokens).choices[0]
+        assert choice.message.content is None
+        assert [c.function.name for c in choice.message.tool_calls or []] in ([], ["get_weather"], ["get_time"])
+    names = ("get_weather", "get_time")
+    assert cut_call("<tool_call>\n{\"name\": \"get_", names) is None
+    assert cut_call("<tool_call>\n{\"name\": \"get_t", names)["function"] == {"name": "get_time", "arguments": ""}
+    assert cut_call("<tool_call>\n{\"name\": \"get_time\", \"argu", names)["function"]["name"] == "get_time"
+    assert cut_call("<tool_call>\n{\"name\": \"get_tim", ("get_weather",)) is None  # not a name it may call
 
 
 def test_a_forced_call_follows_the_references_in_its_parameters(client):

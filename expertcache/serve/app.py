@@ -34,7 +34,7 @@ from . import responses
 from .responses import ResponsesBody
 from .scheduler import Request, Scheduler, ShuttingDown
 from .reasoning import Reply, opens_thinking, reply_form, split_reply
-from .tools import call_syntaxes
+from .tools import call_syntaxes, forced_names
 
 BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback: a byte no piece spells
 DISCONNECT_CHECK_S = 0.5  # how often a whole (not streamed) request checks that its client is still there
@@ -329,7 +329,7 @@ class Server:
         # a constrained output is the answer from its first token, even after a prompt that opened <think>
         reply = {"form": form, "tools": body.tools if calling else None, "reasoning": body.include_reasoning,
                  "opened": False if params.constrained else opens_thinking(text), "calls": self.calls,
-                 "forced": calling and body.tool_choice not in (None, "auto"),
+                 "forced": forced_names(body.tools, body.tool_choice) if calling else (),
                  "parallel": body.parallel_tool_calls is not False}
         return await self.run(http, [prompt], [params], chat=True, stream=body.stream, n=body.n,
                               options=body.stream_options, reply=reply)

@@ -150,19 +150,20 @@ class Reply:
     now, {"reasoning_content": ..., "content": ...} without empty parts), then `end` the rest and the tool calls.
     form: reply_form's; tools: the request's, whose calls are read out of the text (None: no calls are read), as
     `calls` writes them (tools.call_syntaxes'); opened: opens_thinking's (the prompt ended inside <think>, or
-    with a harmony message's header); reasoning: False leaves the reasoning out (vLLM's include_reasoning); forced: the
-    text is one call (tool_choice required or a named function), so that one cut short gives the call so far (its
-    arguments cut), not content; parallel: False keeps the first call only (OpenAI's parallel_tool_calls)."""
+    with a harmony message's header); reasoning: False leaves the reasoning out (vLLM's include_reasoning);
+    forced: where the text is one call (tool_choice required or a named function), the names it may call, so that
+    one cut short gives the call so far (its arguments cut), not content; parallel: False keeps the first call only
+    (OpenAI's parallel_tool_calls)."""
 
     def __init__(self, form: str = "plain", tools: list | None = None, opened: bool | str = False,
-                 reasoning: bool = True, calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],), forced: bool = False,
-                 parallel: bool = True):
+                 reasoning: bool = True, calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],),
+                 forced: tuple[str, ...] = (), parallel: bool = True):
         if form not in FORMS:
             raise ValueError(f"reply form {form!r} is not one of {', '.join(FORMS)}")
         self.parts = None if form == "plain" else _Think(opened is True) if form == "think" else \
             _Harmony(tools is not None, opened if isinstance(opened, str) else None)
         self.answer = CallStream(tools, calls) if tools is not None else None
-        self.forced = forced  # the text is one call (tool_choice required or named): one cut short is no answer
+        self.forced = forced  # the text is one call to one of these: one cut short is no answer
         self.parallel = parallel
         self.thought, self.reasoning = _Trimmed(), reasoning
         # the answer's trailing whitespace waits for more text: a whole reply with reasoning or calls ends its answer
@@ -201,7 +202,7 @@ class Reply:
         if not self.parallel:  # a client that runs one call a turn
             calls = calls[:1]
         if self.forced and not calls:  # a call that max_tokens cut: its name and arguments so far, not its markup
-            cut = cut_call(self.answer.text) if self.answer is not None else None
+            cut = cut_call(self.answer.text, self.forced) if self.answer is not None else None
             calls = [cut] if cut is not None else []
             delta.pop("content", None)
             self.edge = ""
@@ -215,8 +216,8 @@ class Reply:
 
 
 def split_reply(text: str, form: str = "plain", tools: list | None = None, opened: bool | str = False,
-                reasoning: bool = True, calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],), forced: bool = False,
-                parallel: bool = True) -> tuple[str | None, str | None, list[dict]]:
+                reasoning: bool = True, calls: tuple[CallSyntax, ...] = (SYNTAXES[OPEN],),
+                forced: tuple[str, ...] = (), parallel: bool = True) -> tuple[str | None, str | None, list[dict]]:
     """A whole reply's (reasoning, content, tool calls); None for a part that is not there. The content is the text
     as written where there is neither reasoning nor a call; else without surrounding whitespace."""
     reply = Reply(form, tools, opened, reasoning, calls, forced, parallel)

@@ -53,6 +53,16 @@ def functions(tools: list | None) -> dict[str, dict]:
     return out
 
 
+def forced_names(tools: list | None, choice) -> tuple[str, ...]:
+    """The functions a call forced by `choice` may name (call_grammar's): every tool's for "required", the named
+    one's; () where no call is forced."""
+    if choice == "required":
+        return tuple(functions(tools))
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        return (choice["function"].get("name"),)
+    return ()
+
+
 def call_grammar(tools: list | None, choice) -> str | None:
     """The grammar (llguidance's Lark) of one call in tags: to any of the tools for tool_choice "required", to the
     named function for {"type": "function", "function": {"name": ...}}; None for "auto", "none" or no choice.
@@ -172,13 +182,17 @@ def _marked_call(body: str, tools: list | None) -> dict | None:
 CUT_CALL = re.compile(r'\s*' + re.escape(OPEN) + r'\n\{"name": ("(?:[^"\\]|\\.)*"), "arguments": (.*)\Z', re.S)
 
 
-def cut_call(text: str) -> dict | None:
+def cut_call(text: str, names: tuple[str, ...] = ()) -> dict | None:
     """A forced call (call_grammar's form) that max_tokens cut before its end, as OpenAI and vLLM give one: its name
-    and the arguments written so far, or whole where only the closing markup was cut; None where the name itself
-    was cut."""
+    and the arguments written so far, or whole where only the closing markup was cut. Cut before its arguments
+    began, the call of the one of `names` (the functions it may call) that the text so far can still be, with no
+    arguments yet; None where that is more than one."""
     found = CUT_CALL.match(text)
     if found is None:
-        return None
+        written = text.lstrip()
+        can_be = [name for name in names
+                  if f'{OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '.startswith(written)]
+        return tool_call(can_be[0], "") if len(can_be) == 1 else None
     try:
         arguments, end = json.JSONDecoder().raw_decode(found.group(2))
         written = found.group(2)[:end]
