@@ -1025,6 +1025,25 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client, reference):
         client.completions.create(model=MODEL, prompt="a", max_tokens=0)
 
 
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_an_echo_streamed_sends_what_it_answers_whole(client, max_tokens):
+    """echo with stream: each choice's prompt first, with its tokens' logprobs and offsets, then its completion; the
+    text and logprobs are the whole answer's (it was a 400)."""
+    ask = dict(model=MODEL, prompt=["ROMEO.\nWhat light", "JULIET.\nO"], max_tokens=max_tokens, echo=True,
+               logprobs=1, temperature=0)
+    whole = client.completions.create(**ask).choices
+    chunks = [c.choices[0] for c in client.completions.create(**ask, stream=True) if c.choices]
+    for choice in whole:
+        own = [c for c in chunks if c.index == choice.index]
+        assert own[0].text.startswith("ROMEO" if choice.index == 0 else "JULIET")
+        assert "".join(c.text for c in own) == choice.text and own[-1].finish_reason == "length"
+        lps = [c.logprobs for c in own if c.logprobs]
+        assert [t for lp in lps for t in lp.tokens] == choice.logprobs.tokens
+        assert [o for lp in lps for o in lp.text_offset] == choice.logprobs.text_offset
+        # a batch's products may round apart from another's
+        assert [x for lp in lps for x in lp.token_logprobs] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-4)
+
+
 def test_n_choices_sample_with_successive_seeds(client):
     """n > 1: choice i samples as a request of its own with seed + i would; the prompt counts once in the usage."""
     kw = dict(model=MODEL, prompt="JULIET.\n", max_tokens=8, temperature=1.0)

@@ -196,8 +196,6 @@ class Server:
             if any(not 0 <= t < self.engine.args.vocab_size for t in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {self.engine.args.vocab_size})", "prompt")
             prompts.append((ids, p if isinstance(p, str) else self.engine.decode(ids)))
-        if body.stream and body.echo:
-            raise APIError(400, "echo is answered whole; send it without stream", "echo")
         return prompts
 
     def chat_prompt(self, body: ChatBody) -> tuple[list[int], str]:
@@ -277,7 +275,8 @@ class Server:
         if stream:
             return StreamingResponse(self._stream([r for r, _ in submitted], merged, rid, chat,
                                                   options or StreamOptions(), sum(len(p) for p in prompts),
-                                                  reply or {}, http.state),
+                                                  reply or {}, http.state,
+                                                  echo and [echo[c // n] for c in range(len(submitted))]),
                                      media_type="text/event-stream")
         try:
             outcomes = await asyncio.gather(*(self._collect(http, *s) for s in submitted))
@@ -440,11 +439,12 @@ class Server:
                 "top_logprobs": tops, "text_offset": offsets}
 
     async def _stream(self, requests: list[Request], merged: asyncio.Queue, rid: str, chat: bool,
-                      options: StreamOptions, prompt_tokens: int, reply: dict | None = None, state=None):
+                      options: StreamOptions, prompt_tokens: int, reply: dict | None = None, state=None,
+                      echo: list[str] | None = None):
         """The SSE chunks of `requests` (choice i is requests[i]) as their tokens arrive on `merged`; a chat choice's
         text goes through a Reply of `reply`'s arguments: its reasoning and content apart, its text held back from
         where a call may begin, and its calls last. `state` (the HTTP request's) gets the usage at the end, for the
-        access log."""
+        access log. `echo`: each choice's prompt text, sent as its first chunk (its tokens' logprobs with it)."""
         logprobs = requests[0].params.logprobs is not None
         include_usage = bool(options.include_usage)
         continuous = include_usage and bool(options.continuous_usage_stats)  # vLLM's: only with include_usage
@@ -463,7 +463,9 @@ class Server:
                                  **({"logprobs": None} if logprobs else {})})
             held = [[] for _ in requests]  # tokens whose logprobs wait for a chunk (their text may come later)
             replies = [Reply(**(reply or {})) if chat else None for _ in requests]
-            offsets = [self.offsets(r.prompt, r.params.skip_special_tokens) for r in requests]
+            # echoed, a choice's text and offsets begin at its prompt's
+            offsets = [self.offsets([] if echo else r.prompt, r.params.skip_special_tokens) for r in requests]
+            joint = [""] * len(requests)  # without a tokenizer, a space between the ids of the prompt and the rest
             running = len(requests)
             while running:
                 i, item = await merged.get()
@@ -474,6 +476,16 @@ class Server:
                     yield f"data: {json.dumps(self._error(item).body())}\n\n"
                     yield "data: [DONE]\n\n"
                     return
+                if echo and echo[i] is not None:  # the choice's first item: its prompt goes first
+                    scored = list(item.prompt or ()) if logprobs else []
+                    where = offsets[i].of([h.token for h in scored]) if logprobs else None
+                    yield chunk({"index": i, "text": echo[i], "finish_reason": None,
+                                 "logprobs": self._logprobs(scored, chat, where) if logprobs else None})
+                    joint[i] = " " if self.engine.tokenizer is None and echo[i] else ""
+                    echo[i] = None
+                text = item.text
+                if text and joint[i]:
+                    text, joint[i] = joint[i] + text, ""
                 if item.logprob is not None:
                     held[i].append(item)
                 if item.token is not None:
@@ -484,7 +496,7 @@ class Server:
                     if item.finish_reason:
                         rest, called = replies[i].end()
                         delta = {k: delta.get(k, "") + rest.get(k, "") for k in {**delta, **rest}}
-                if not (delta if chat else item.text) and item.finish_reason is None:
+                if not (delta if chat else text) and item.finish_reason is None:
                     continue
                 choice: dict[str, Any] = {"index": i, "finish_reason": item.finish_reason}
                 if called:  # the text before the calls in a chunk of its own, then the calls
@@ -496,7 +508,7 @@ class Server:
                     choice["delta"] = delta
                 else:
                     where = offsets[i].of([h.token for h in held[i]]) if logprobs else None
-                    choice.update(text=item.text, logprobs=self._logprobs(held[i], chat, where) if logprobs else None)
+                    choice.update(text=text, logprobs=self._logprobs(held[i], chat, where) if logprobs else None)
                 if chat and logprobs:
                     choice["logprobs"] = self._logprobs(held[i], chat)
                 held[i] = []
