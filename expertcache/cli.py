@@ -53,6 +53,9 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kw):
         kw.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kw)
+        # a value that begins with a minus and a digit is a value, so that its own check names it (as Python 3.13's
+        # argparse reads it): 3.11's took `--memory-budget -1G` for an option and said "expected one argument"
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str):
         """Print one line naming the problem, with the nearest spelling of a misspelt verb, option or choice, and

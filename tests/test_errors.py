@@ -56,6 +56,9 @@ def test_a_plain_number_for_a_memory_budget_is_said_to_be_bytes(capsys):
 @pytest.mark.parametrize("argv, said", [
     (["tune", "--budget", "1000%"], "from 0 up to (not including) 1000"),
     (["ppl", "--memory-budget", "1Q"], "a number of bytes, or of K, M, G or T"),
+    # a value with a minus: its own check (it read as an unknown option, "expected one argument")
+    (["ppl", "--memory-budget", "-1G"], "'-1G' is out of range: give a size of at least 1 byte"),
+    (["tune", "--budget", "-5%"], "from 0 up to (not including) 1000"),
     (["ppl", "--text", "-"], "a text is read from a file, not stdin"),
     (["trace", "--out", "/dev/null"], "is not a regular file (a device or a pipe): the file written is read back"),
     # past the model's positions whatever the text's length (a trace recorded --context 5000 as its context)
@@ -64,7 +67,7 @@ def test_a_plain_number_for_a_memory_budget_is_said_to_be_bytes(capsys):
 ])
 def test_messages_name_what_the_option_takes(capsys, argv, said, tmp_path, monkeypatch):
     """A budget of 1000% was told to be >= 0; a size in T, that it was no size; --text - that there was no such
-    file; trace --out /dev/null, that it was no trace file to read."""
+    file; trace --out /dev/null, that it was no trace file to read; a negative size, that it wanted a value."""
     monkeypatch.chdir(tmp_path)
     try:
         code = cli.main(argv)
