@@ -217,6 +217,7 @@ def cases(tmp: Path) -> list[tuple]:
         ("--cache-bytes 10", [*ppl, "--cache-bytes", "10"]),
         ("--memory-budget 1M", [*ppl, "--memory-budget", "1M"]),
         ("--memory-budget lots", [*ppl, "--memory-budget", "lots"]),
+        ("--memory-budget -1G", [*ppl, "--memory-budget", "-1G"]),
         ("--memory-budget 128M with --cache 0.5", [*ppl, "--memory-budget", "128M", "--cache", "0.5"]),
         ("--context 5000 (past the model's positions)", [*ppl, "--context", "5000"]),
         ("eviction=lfu in the spec and --eviction lru", [*ppl, "--policy", "threshold:tau=0.15,eviction=lfu",
