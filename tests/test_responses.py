@@ -70,6 +70,64 @@ def test_a_function_call_comes_back_as_an_item_and_its_output_goes_back_in(clien
     assert answer.output_text == chat.choices[0].message.content
 
 
+def test_a_stored_response_is_continued_by_its_id_as_the_whole_conversation_would_be(client):
+    """store (OpenAI's default) keeps a response, whole or streamed: a request naming it by previous_response_id
+    answers as the conversation sent whole does (the earlier instructions not carried, a call's output in the next
+    request), GET returns it and DELETE drops it; store false keeps none, and an id not kept is a 404 naming the
+    fix (previous_response_id was a 400)."""
+    ask = dict(model=MODEL, max_output_tokens=6, temperature=0)
+    first = client.responses.create(**ask, input="Who goes there?", instructions="Be brief.")
+    assert first.store is True and client.responses.retrieve(first.id).output_text == first.output_text
+    then = client.responses.create(**ask, input="Speak.", previous_response_id=first.id)
+    whole = client.responses.create(**ask, store=False, input=[
+        {"role": "user", "content": "Who goes there?"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Speak."}])
+    assert then.output_text == whole.output_text and then.previous_response_id == first.id and whole.store is False
+    with client.responses.stream(**ask, input="And?", previous_response_id=then.id) as stream:
+        streamed = stream.get_final_response()
+    again = client.responses.create(**ask, store=False, input=[
+        {"role": "user", "content": "Who goes there?"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Speak."}, {"role": "assistant", "content": then.output_text},
+        {"role": "user", "content": "And?"}])
+    assert streamed.output_text == again.output_text and client.responses.retrieve(streamed.id).id == streamed.id
+    called = client.responses.create(model=MODEL, input="Weather in Paris?", tools=TOOLS, max_output_tokens=60,
+                                     tool_choice="required")
+    (item,) = called.output
+    answer = client.responses.create(**ask, tools=TOOLS, previous_response_id=called.id, input=[
+        {"type": "function_call_output", "call_id": item.call_id, "output": "rain"}])
+    sent = client.responses.create(**ask, tools=TOOLS, store=False, input=[
+        {"role": "user", "content": "Weather in Paris?"}, item.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": item.call_id, "output": "rain"}])
+    assert answer.output_text == sent.output_text
+    client.responses.delete(streamed.id)
+    for gone in (streamed.id, whole.id, "resp_1"):
+        with pytest.raises(openai.NotFoundError, match="is kept here.*send the whole conversation in input"):
+            client.responses.create(**ask, input="x", previous_response_id=gone)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone)
+
+
+def test_the_kept_responses_are_the_newest_within_their_bounds(monkeypatch):
+    """At most `limit` responses, and KEPT_BYTES of their own text, the oldest dropped first; none with limit 0."""
+    from expertcache.serve import responses
+    body = lambda text, store=None: ResponsesBody(input=text, store=store)  # noqa: E731
+    answer = lambda i: {"id": f"resp_{i}", "status": "completed", "output": []}  # noqa: E731
+    kept = responses.KeptResponses(2)
+    for i in range(3):
+        kept.keep(answer(i), [], body(f"turn {i}"))
+    kept.keep(answer(3), [], body("not kept", store=False))
+    kept.keep({**answer(4), "status": "failed"}, [], body("failed"))
+    assert list(kept.kept) == ["resp_1", "resp_2"] and kept.conversation("resp_2")[0]["content"] == "turn 2"
+    monkeypatch.setattr(responses, "KEPT_BYTES", 300)
+    kept.keep(answer(5), kept.conversation("resp_2"), body("x" * 200))
+    assert list(kept.kept) == ["resp_5"] and len(kept.conversation("resp_5")) == 2
+    none = responses.KeptResponses(0)
+    none.keep(answer(6), [], body("y"))
+    assert not none.kept and not none.stores(body("y"))
+    with pytest.raises(Exception, match="keeps none"):
+        none.conversation("resp_6")
+
+
 def test_a_function_tool_is_strict_unless_turned_off_and_a_call_cut_short_is_incomplete(client):
     """OpenAI's Responses take a function tool as strict where it does not say (its chat's are not): no key beyond
     the listed ones. A call cut at max_output_tokens is an incomplete item, whole and streamed."""
@@ -203,7 +261,7 @@ def test_reasoning_comes_back_as_its_own_item(tmp_path):
 
 
 @pytest.mark.parametrize("fields, words, param", [
-    ({"previous_response_id": "resp_1"}, "keeps no responses; send the whole conversation", "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation is not supported here; send it in input", "conversation"),
     ({"max_tokens": 5}, "chat completion's field.*send max_output_tokens", "max_tokens"),
     ({"max_output_tokens": 100000}, "max_output_tokens=100000 .* exceeds the context", "max_output_tokens"),
     ({"max_output_tokens": 0}, "max_output_tokens must be at least 1", "max_output_tokens"),
@@ -240,7 +298,7 @@ def test_reasoning_comes_back_as_its_own_item(tmp_path):
     ({"input": [{"type": "function_call_output", "call_id": "1"}]}, "needs output", "input"),
     ({"input": {"role": "user", "content": "Hi"}}, "must be a text or a list of items", "input"),
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "needs its name", "tools"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "which this one does not keep", "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "an item_reference is not supported", "input"),
     ({"background": True}, "background responses are not supported", "background"),
     ({"include": ["message.output_text.logprobs"]}, "include .* is not supported", "include"),
     ({"service_tier": "bogus"}, "service_tier: Input should be 'auto'", "service_tier"),

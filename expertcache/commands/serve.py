@@ -63,6 +63,10 @@ def add_arguments(p):
                    help="slots one call's choices and prompts may hold at once (default: half of --max-active)")
     p.add_argument("--max-waiting", type=positive_int, default=ServerLimits.max_waiting,
                    help="requests waiting for a slot; more get 429 with Retry-After")
+    p.add_argument("--responses-kept", default=ServerLimits.responses_kept,
+                   type=bounded(int, 0, 10**6, what="give a count in [0, 1000000], e.g. 256 (0: keep none)"),
+                   help="the last /v1/responses answers kept in memory (at most 64 MiB of them), which a request "
+                        "continues by previous_response_id; 0 keeps none")
     p.add_argument("--max-connections", type=positive_int, default=ServerLimits.max_connections,
                    help="open connections; requests on more get 503 with Retry-After (/health is answered)")
     p.add_argument("--max-body-bytes", type=positive_int, default=ServerLimits.max_body_bytes,
@@ -111,7 +115,7 @@ def build_app(a):
     limits = ServerLimits(max_body_bytes=a.max_body_bytes, max_waiting=a.max_waiting,
                           max_connections=connections_within_open_files(a.max_connections),
                           allowed_origins=tuple(a.allowed_origins),
-                          api_key=a.api_key, read_timeout_s=a.read_timeout)
+                          api_key=a.api_key, read_timeout_s=a.read_timeout, responses_kept=a.responses_kept)
     try:
         scheduler = Scheduler(engine, config)
         scheduler.warm_up()  # a first run compiles here, under the notice, not in the first request

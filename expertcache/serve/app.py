@@ -108,6 +108,7 @@ class Server:
                  limits: ServerLimits = ServerLimits(), reasoning_format: str = "auto"):
         self.scheduler, self.engine, self.model_name, self.metrics = scheduler, scheduler.engine, model_name, metrics
         self.limits, self.reasoning_format = limits, reasoning_format  # a request's own default (create_app)
+        self.kept = responses.KeptResponses(limits.responses_kept)
         self.template: ChatTemplate | None = None
         self.no_template = ""  # why chat is refused: no template, or one that does not parse
         try:
@@ -336,8 +337,9 @@ class Server:
     async def respond(self, http: HTTPRequest, body: ResponsesBody) -> Response:
         """A /v1/responses answer: the chat that answers it (responses.py), its answer as a response object or
         the Responses stream's events; its errors as the Responses fields name them."""
+        before = self.kept.conversation(body.previous_response_id) if body.previous_response_id is not None else []
         try:
-            chat = ChatBody(**responses.chat_fields(body))
+            chat = ChatBody(**responses.chat_fields(body, before))
         except ValidationError as e:  # a message or a field passed on, as the chat checks it
             first = e.errors()[0] if e.errors() else {}
             loc = [str(x) for x in first.get("loc", ())][:1] or ["input"]
@@ -355,9 +357,11 @@ class Server:
                     raise responses.renamed(e) from None
                 chat = chat.model_copy(update={"messages": shorter})
         tokens = (lambda text: len(self.engine.encode(text, special=False))) if self.engine.tokenizer else None
-        envelope = responses.Envelope(body, self.model_name, tokens)
+        envelope = responses.Envelope(body, self.model_name, tokens, self.kept.stores(body))
+        keep = lambda response: self.kept.keep(response, before, body)  # noqa: E731
         if isinstance(answer, StreamingResponse):
-            return StreamingResponse(responses.stream(answer.body_iterator, envelope), media_type="text/event-stream")
+            return StreamingResponse(responses.stream(answer.body_iterator, envelope, keep),
+                                     media_type="text/event-stream")
         if not answer.body:  # a client that left (499)
             return answer
         whole = json.loads(answer.body)
@@ -367,7 +371,9 @@ class Server:
                                                 e.get("code"), e.get("type", "server_error")))
             return JSONResponse(failed.body(), status_code=answer.status_code)
         http.state.usage = (whole["usage"]["prompt_tokens"], whole["usage"]["completion_tokens"])  # the access log's
-        return JSONResponse(responses.whole(whole, envelope))
+        response = responses.whole(whole, envelope)
+        keep(response)
+        return JSONResponse(response)
 
     def offsets(self, context: list[int], skip_special: bool = True) -> _Offsets:
         """Where tokens decoded after `context` start in their text (completions' text_offset)."""
@@ -620,6 +626,14 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
     async def create_response(body: ResponsesBody, http: HTTPRequest):
         return await server.respond(http, body)
 
+    @app.get("/v1/responses/{response_id}")
+    async def kept_response(response_id: str):
+        return JSONResponse(server.kept.response(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return JSONResponse(server.kept.delete(response_id))
+
     card = lambda: {"id": model_name, "object": "model", "created": server.created,  # noqa: E731
                     "owned_by": "expertcache"}
 
@@ -661,7 +675,8 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
         where = f"{http.method} {http.url.path}"[:200]
         if e.status_code == 404 and message == "Not Found":  # OpenAI's words: the request named
             message = (f"Invalid URL ({where}); this server answers /v1/completions, /v1/chat/completions, "
-                       "/v1/responses, /v1/models, /tokenize, /detokenize, /health and /metrics")
+                       "/v1/responses (and GET or DELETE /v1/responses/ID), /v1/models, /tokenize, /detokenize, "
+                       "/health and /metrics")
         elif e.status_code == 405:
             allowed = next((v for k, v in (e.headers or {}).items() if k.lower() == "allow"), "another method")
             message = f"{where} is not allowed; this path takes {allowed}"

@@ -29,6 +29,7 @@ class ServerLimits:
     max_waiting: int = 256  # requests waiting for admission; more: 429 with Retry-After
     max_connections: int = 512  # open connections; more: 503 with Retry-After (ConnectionLimit)
     retry_after_s: int = 1  # what a 429 asks the client to wait
+    responses_kept: int = 256  # /v1/responses answers kept for previous_response_id (responses.KeptResponses)
     allowed_origins: tuple[str, ...] = ("*",)  # web pages that may call the API from a browser (CORS), as vLLM's
     api_key: str | None = None  # when set, requests must send "Authorization: Bearer KEY" (as vLLM's --api-key)
     read_timeout_s: float = 30.0  # a request's head must arrive this soon after its connection opens (or its last

@@ -1,9 +1,10 @@
 """OpenAI's Responses API (/v1/responses) over the chat path: a request's instructions and input items become a
 chat's messages, its function tools, tool_choice, text format and reasoning effort the chat's own fields, and the
 chat's answer (whole, or its stream's chunks) becomes a response object (or the Responses stream's typed events).
-Every check a chat makes is made on the request so translated, its errors naming the Responses fields. This server
-keeps no responses: previous_response_id, a conversation, an item_reference and background runs are refused, and
-each response says store: false."""
+Every check a chat makes is made on the request so translated, its errors naming the Responses fields. The server
+keeps the last responses asked to be stored (store: true, OpenAI's default; KeptResponses), so that a request may
+continue one by previous_response_id and GET /v1/responses/{id} returns it; a conversation, an item_reference and
+background runs are refused."""
 from __future__ import annotations
 
 import difflib
@@ -11,6 +12,7 @@ import json
 import re
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
@@ -26,8 +28,8 @@ PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "ma
 CHAT_ONLY = {"messages": "send input", "max_tokens": "send max_output_tokens",
              "max_completion_tokens": "send max_output_tokens", "response_format": "send text.format",
              "n": "send one request per answer", "logprobs": "leave it out"}
-# fields of OpenAI's that need responses kept on the server, or hosted runs
-KEPT = {"previous_response_id": "send the whole conversation in input", "conversation": "send it in input",
+# fields of OpenAI's that need conversations kept on the server, or hosted prompts
+KEPT = {"conversation": "send it in input, or continue a response by previous_response_id",
         "prompt": "send the prompt's text in instructions and input"}
 # include values that change nothing here (the reasoning comes back as text, not encrypted)
 INCLUDED = ("reasoning.encrypted_content",)
@@ -72,6 +74,7 @@ class ResponsesBody(OpenAIBody):
     parallel_tool_calls: StrictBool | None = None
     reasoning: dict | None = None
     store: StrictBool | None = None
+    previous_response_id: str | None = None
     background: StrictBool | None = None
     metadata: dict | None = None
     user: str | None = None
@@ -83,8 +86,9 @@ class ResponsesBody(OpenAIBody):
     max_tool_calls: StrictInt | None = None
 
 
-def chat_fields(body: ResponsesBody) -> dict:
-    """The chat request (ChatBody's fields) that answers `body`; APIError for what it cannot."""
+def chat_fields(body: ResponsesBody, before: list[dict] = ()) -> dict:
+    """The chat request (ChatBody's fields) that answers `body`, continuing the conversation `before` (the items
+    of the response it names by previous_response_id); APIError for what it cannot."""
     extra = body.model_extra or {}
     for name, instead in CHAT_ONLY.items():
         if extra.get(name) is not None:
@@ -94,12 +98,12 @@ def chat_fields(body: ResponsesBody) -> dict:
                        "with logprobs: true", "top_logprobs")
     for name, instead in KEPT.items():
         if extra.get(name) is not None:
-            raise APIError(400, f"{name} is not supported: this server keeps no responses; {instead}", name)
+            raise APIError(400, f"{name} is not supported here; {instead}", name)
     for name in extra:
         refuse_misspelt(name, ResponsesBody.model_fields)
     if body.background:
-        raise APIError(400, "background responses are not supported (this server keeps no responses); leave "
-                       "background out and wait for the answer, or stream it", "background")
+        raise APIError(400, "background responses are not supported; leave background out and wait for the answer, "
+                       "or stream it", "background")
     if body.truncation not in (None, "disabled", "auto"):
         raise APIError(400, f"truncation {body.truncation!r} is not one of disabled, auto", "truncation")
     for value in body.include or ():
@@ -115,7 +119,8 @@ def chat_fields(body: ResponsesBody) -> dict:
     if body.stream_options and (more := sorted(set(body.stream_options) - {"include_obfuscation"})):
         raise APIError(400, f"stream_options takes include_obfuscation only, not {', '.join(more)}; the usage comes "
                        "with response.completed", "stream_options")
-    fields: dict[str, Any] = {**extra, "model": body.model, "messages": messages(body), "stream": body.stream}
+    fields: dict[str, Any] = {**extra, "model": body.model, "messages": messages(body, before),
+                              "stream": body.stream}
     if body.max_output_tokens is not None:
         fields["max_completion_tokens"] = body.max_output_tokens
     if body.stream:  # the last event carries the usage
@@ -183,18 +188,25 @@ def without_oldest(messages: list) -> list | None:
     return [m for i, m in enumerate(messages) if i not in dropped]
 
 
-def messages(body: ResponsesBody) -> list[dict]:
-    """The chat's messages: the instructions as a system message, then the input (a text: one user message; or
-    items: messages, function calls and their outputs, reasoning that the next assistant turn carries)."""
+def input_items(body: ResponsesBody) -> list:
+    """The input as items: a text is one user message."""
+    return [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else \
+        list(body.input)
+
+
+def messages(body: ResponsesBody, before: list[dict] = ()) -> list[dict]:
+    """The chat's messages: the instructions as a system message, then the items `before` (a kept conversation)
+    and the input (a text: one user message; or items: messages, function calls and their outputs, reasoning that
+    the next assistant turn carries). The instructions are this request's alone, as OpenAI's."""
     out = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-    if isinstance(body.input, str):
+    if isinstance(body.input, str) and not before:
         return [*out, {"role": "user", "content": body.input}]
     if not body.input:
         raise APIError(400, "input is empty; send a text or at least one message", "input")
     thought: list[str] = []
     called: set[str] = set()  # the call_ids of the function_call items so far
-    for i, item in enumerate(body.input):
-        where = f"input[{i}]"
+    for i, item in enumerate([*before, *input_items(body)]):
+        where = f"input[{i - len(before)}]"  # a kept item was checked when it was sent
         if not isinstance(item, dict):
             raise APIError(400, f"{where} must be an object: a message, a function_call or a function_call_output",
                            "input")
@@ -229,9 +241,10 @@ def messages(body: ResponsesBody) -> list[dict]:
                 raise APIError(400, f"{where}: a function_call_output item needs output (a string or text parts)",
                                "input")
             call_id = str_field(item, "call_id", where)
-            if call_id not in called:  # the output of no call: with no responses kept, its call must be sent
+            if call_id not in called:  # the output of no call in the conversation
                 raise APIError(400, f"{where}: no function_call item with call_id {json.dumps(call_id)[:80]} comes "
-                               "before this output; send the call's item before it", "input")
+                               "before this output; send the call's item before it, or continue the response that "
+                               "made the call (previous_response_id)", "input")
             out.append({"role": "tool", "tool_call_id": call_id, "content": text_of(output, where)})
         elif kind == "reasoning":  # carried by the assistant turn that follows, as chat templates take it
             parts = item.get("content") or item.get("summary") or []
@@ -240,8 +253,8 @@ def messages(body: ResponsesBody) -> list[dict]:
                                "input")
             thought.append(text_of(parts, where))
         elif kind == "item_reference":
-            raise APIError(400, f"{where}: an item_reference needs responses kept on the server, which this one does "
-                           "not keep; send the item itself", "input")
+            raise APIError(400, f"{where}: an item_reference is not supported here; send the item itself, or "
+                           "continue the response that holds it (previous_response_id)", "input")
         else:
             raise APIError(400, f"{where}: items of type {kind!r} are not supported; send messages, function_call "
                            "and function_call_output items", "input")
@@ -332,6 +345,57 @@ def renamed(e: APIError) -> APIError:
     return APIError(e.status, message, PARAMS.get(e.param, e.param), e.code, e.kind, e.headers)
 
 
+KEPT_BYTES = 64 * 2**20  # the kept responses' own text at most, besides their count: a body may hold 8 MB
+
+
+class KeptResponses:
+    """The last responses asked to be stored (store: true, OpenAI's default), by id, at most `limit` of them (0:
+    none is) and KEPT_BYTES of their own text, for as long as the server runs: each its response object and the
+    conversation it ends as items (the one it continued, its input, its output), which a later request continues
+    by previous_response_id."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.kept: OrderedDict[str, tuple[dict, list, int]] = OrderedDict()  # oldest first
+        self.bytes = 0
+
+    def conversation(self, rid: str) -> list:
+        """The items of the conversation that response `rid` ends; a 404 where it is not kept."""
+        return self._get(rid, "previous_response_id")[1]
+
+    def response(self, rid: str) -> dict:
+        return self._get(rid, None)[0]
+
+    def delete(self, rid: str) -> dict:
+        self._get(rid, None)
+        self.bytes -= self.kept.pop(rid)[2]
+        return {"id": rid, "object": "response", "deleted": True}
+
+    def keep(self, response: dict, before: list, body: ResponsesBody) -> None:
+        """Keep `response`, the answer to `body` continuing the conversation `before`, if it was asked to be; the
+        oldest go past the bounds. A failed response is not kept."""
+        if not self.limit or body.store is False or response["status"] not in ("completed", "incomplete"):
+            return
+        own = input_items(body)
+        size = len(json.dumps(own)) + len(json.dumps(response))
+        self.kept[response["id"]] = (response, [*before, *own, *response["output"]], size)
+        self.bytes += size
+        while len(self.kept) > self.limit or self.bytes > KEPT_BYTES and len(self.kept) > 1:
+            self.bytes -= self.kept.popitem(last=False)[1][2]
+
+    def stores(self, body: ResponsesBody) -> bool:
+        """Whether the answer to `body` will be kept (its store field as the response gives it)."""
+        return bool(self.limit) and body.store is not False
+
+    def _get(self, rid: str, param: str | None) -> tuple[dict, list, int]:
+        if rid not in self.kept:
+            why = "this server keeps none (serve --responses-kept 0)" if not self.limit else \
+                f"it keeps the last {self.limit} stored, while it runs"
+            raise APIError(404, f"no response {json.dumps(rid)[:80]} is kept here: {why}; send the whole "
+                           "conversation in input", param, "response_not_found")
+        return self.kept[rid]
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -340,9 +404,10 @@ class Envelope:
     """The response object's fields that every state of one response shares. `tokens`: a text's token count (the
     reasoning's, which the usage reports; None: not counted)."""
 
-    def __init__(self, body: ResponsesBody, model: str, tokens: Callable[[str], int] | None = None):
+    def __init__(self, body: ResponsesBody, model: str, tokens: Callable[[str], int] | None = None,
+                 stored: bool = False):
         self.id, self.created = new_id("resp"), int(time.time())
-        self.body, self.model, self.tokens = body, model, tokens
+        self.body, self.model, self.tokens, self.stored = body, model, tokens, stored
 
     def usage(self, chat_usage: dict | None, output: list[dict]) -> dict | None:
         """The chat's usage as the Responses API gives it, the reasoning items' tokens counted among the output's."""
@@ -363,9 +428,10 @@ class Envelope:
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
                 "max_tool_calls": b.max_tool_calls, "model": self.model, "output": output,
-                "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
+                "parallel_tool_calls": b.parallel_tool_calls is not False,
+                "previous_response_id": b.previous_response_id,
                 "reasoning": {"effort": (b.reasoning or {}).get("effort"), "summary": None},
-                "store": False, "temperature": (b.model_extra or {}).get("temperature", 1.0),
+                "store": self.stored, "temperature": (b.model_extra or {}).get("temperature", 1.0),
                 "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
                 "tools": [{**t, "strict": t.get("strict") is not False} for t in b.tools or ()],  # as they ran
                 "top_p": (b.model_extra or {}).get("top_p", 1.0),
@@ -476,7 +542,7 @@ class Events:
     def end(self, finish: str | None, use: dict | None) -> list[str]:
         out = self.close("incomplete" if finish == "length" else "completed")
         status = status_of(finish)
-        response = self.envelope(status, self.output, self.envelope.usage(use, self.output), finish)
+        response = self.final = self.envelope(status, self.output, self.envelope.usage(use, self.output), finish)
         # response.completed also where the status is incomplete, as vLLM's: the openai client's stream helper
         # (responses.stream) ends only on that event
         return [*out, self.event("response.completed", response=response)]
@@ -488,8 +554,10 @@ class Events:
         return [*out, self.event("response.failed", response=response)]
 
 
-async def stream(chunks: AsyncIterator[str], envelope: Envelope) -> AsyncIterator[str]:
-    """The Responses events of a chat stream's SSE chunks (one choice, its usage in the last chunk)."""
+async def stream(chunks: AsyncIterator[str], envelope: Envelope, ended: Callable[[dict], None] = lambda _: None
+                 ) -> AsyncIterator[str]:
+    """The Responses events of a chat stream's SSE chunks (one choice, its usage in the last chunk); `ended` gets
+    the final response object (not a failed one) before its event is sent."""
     events, finish, use = Events(envelope), None, None
     try:
         for e in events.start():
@@ -520,7 +588,9 @@ async def stream(chunks: AsyncIterator[str], envelope: Envelope) -> AsyncIterato
         if not any(item["type"] != "reasoning" for item in events.output):  # an empty answer is still a message
             for e in [*events.close("incomplete" if finish == "length" else "completed"), *events.text("message", "")]:
                 yield e  # the reasoning cut short where nothing came after it
-        for e in events.end(finish, use):
+        last = events.end(finish, use)
+        ended(events.final)  # kept before the client has it: its next request may name it at once
+        for e in last:
             yield e
     finally:  # a client that left ends the chat's generation too
         await chunks.aclose()
