@@ -374,7 +374,7 @@ class KeptResponses:
     def keep(self, response: dict, before: list, body: ResponsesBody) -> None:
         """Keep `response`, the answer to `body` continuing the conversation `before`, if it was asked to be; the
         oldest go past the bounds. A failed response is not kept."""
-        if not self.limit or body.store is False or response["status"] not in ("completed", "incomplete"):
+        if not self.stores(body) or response["status"] not in ("completed", "incomplete"):
             return
         own = input_items(body)
         size = len(json.dumps(own)) + len(json.dumps(response))
