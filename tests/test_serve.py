@@ -968,7 +968,7 @@ def test_a_template_that_renders_nothing_gets_a_400(monkeypatch):
 def test_bodies_that_once_failed_inside_the_server_get_400s(server, client):
     """A text part that is not a string, a lone surrogate escape, a prompt too long to tokenize, a body that is
     not UTF-8, holds an integer of more digits than int() reads, or is not a JSON object: 400s naming the problem.
-    A seed at the top of its range with n=2 wraps for choice 1."""
+    A JSON body labelled another type is read as JSON. A seed at the top of its range with n=2 wraps for choice 1."""
     def post(body: dict | bytes, path: str = "/chat/completions", content_type: str = "application/json"):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         req = urllib.request.Request(server.base_url + path, data=data, headers={"content-type": content_type})
@@ -990,7 +990,13 @@ def test_bodies_that_once_failed_inside_the_server_get_400s(server, client):
     code, out = post(b'{"prompt": "hi", "max_tokens": %s}' % (b"9" * 5000), "/completions")  # past int()'s digits
     assert code == 400 and "cannot be read as JSON" in out["error"]["message"], out
     code, out = post(b"model=x", "/completions", "application/x-www-form-urlencoded")
-    assert code == 400 and "Content-Type: application/json" in out["error"]["message"]
+    assert code == 400 and "the body is not valid JSON" in out["error"]["message"]
+    code, out = post(b"[1]", "/completions")
+    assert code == 400 and "the body must be a JSON object" in out["error"]["message"]
+    # JSON however it is labelled, as llama-server reads it (`curl -d` sends the form type; both were 400s)
+    for label in ("application/x-www-form-urlencoded", "text/plain", ""):
+        code, out = post({"model": MODEL, "prompt": "a", "max_tokens": 1}, "/completions", label)
+        assert code == 200 and len(out["choices"]) == 1, (label, out)
     got = client.completions.create(model=MODEL, prompt="a", max_tokens=2, n=2, seed=2**64 - 1)
     assert len(got.choices) == 2
     code, out = post({"model": MODEL, "max_tokens": 1, "n": 16, "prompt": ["a"] * 200}, "/completions")

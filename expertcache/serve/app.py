@@ -603,9 +603,8 @@ def create_app(scheduler: Scheduler, model_name: str, limits: ServerLimits = Ser
             message, param = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
         elif not loc and first.get("type") == "value_error":  # a check of the whole body (TokenizeBody's)
             message, param = first.get("msg", "invalid").removeprefix("Value error, "), None
-        elif not loc:  # not an object: a JSON list, or a body sent without Content-Type: application/json
-            message, param = ("the body must be a JSON object, sent with Content-Type: application/json "
-                              f"({first.get('msg', 'invalid')})"), None
+        elif not loc:  # not an object: a JSON list or a number (every body is read as JSON: BodyLimits)
+            message, param = f"the body must be a JSON object ({first.get('msg', 'invalid')})", None
         else:  # a field's own check (a role, a bool for a number) words its message itself
             message, param = f"{'.'.join(loc)}: {first.get('msg', 'invalid').removeprefix('Value error, ')}", loc[0]
         return JSONResponse(APIError(400, message, param).body(), status_code=400)

@@ -221,7 +221,8 @@ class RequireApiKey:
 class BodyLimits:
     """ASGI wrapper: a POST body over `max_body_bytes` (by its Content-Length, or as it arrives) gets a 413,
     one nested deeper than `max_json_depth` a 400, one of a Content-Encoding (gzip, br, ...) a 415; others reach
-    `app` unchanged."""
+    `app` as JSON, whatever their Content-Type says (as llama-server reads them: `curl -d` labels a body
+    application/x-www-form-urlencoded, and one without the header was a 400)."""
 
     def __init__(self, app, limits: ServerLimits):
         self.app, self.limits = app, limits
@@ -259,6 +260,10 @@ class BodyLimits:
         if json_depth(body) > self.limits.max_json_depth:
             return await refuse(send, 400, f"the body nests arrays and objects more than "
                                 f"{self.limits.max_json_depth} deep; flatten it", "body_too_deep")
+        kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if kind != b"application/json" and not kind.endswith(b"+json"):
+            scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"] +
+                     [(b"content-type", b"application/json")]}
         sent = False
 
         async def replay():
