@@ -199,9 +199,7 @@ def messages(body: ResponsesBody, before: list[dict] = ()) -> list[dict]:
     and the input (a text: one user message; or items: messages, function calls and their outputs, reasoning that
     the next assistant turn carries). The instructions are this request's alone, as OpenAI's."""
     out = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-    if isinstance(body.input, str) and not before:
-        return [*out, {"role": "user", "content": body.input}]
-    if not body.input:
+    if isinstance(body.input, list) and not body.input:
         raise APIError(400, "input is empty; send a text or at least one message", "input")
     thought: list[str] = []
     called: set[str] = set()  # the call_ids of the function_call items so far

@@ -54,34 +54,37 @@ def functions(tools: list | None) -> dict[str, dict]:
 
 
 def forced_names(tools: list | None, choice) -> tuple[str, ...]:
-    """The functions a call forced by `choice` may name (call_grammar's): every tool's for "required", the named
-    one's; () where no call is forced."""
+    """The functions a call forced by tool_choice `choice` may name: every tool's for "required", the named one's
+    for {"type": "function", "function": {"name": ...}}; () for "auto", "none" or no choice, which force none.
+    ValueError for a choice that is none of these, or that names no tool."""
+    return _forced(functions(tools), choice)
+
+
+def _forced(tools_by_name: dict[str, dict], choice) -> tuple[str, ...]:
+    """forced_names' on the tools as `functions` gives them."""
+    if choice in (None, "auto", "none"):
+        return ()
     if choice == "required":
-        return tuple(functions(tools))
-    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-        return (choice["function"].get("name"),)
-    return ()
+        if not tools_by_name:
+            raise ValueError("tool_choice required needs tools to call; send tools, or tool_choice auto")
+        return tuple(tools_by_name)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in tools_by_name:
+            raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools "
+                             f"({', '.join(map(repr, tools_by_name)) or 'none'})")
+        return (name,)
+    raise ValueError('tool_choice is "none", "auto", "required" or {"type": "function", "function": {"name": '
+                     '"..."}}')
 
 
 def call_grammar(tools: list | None, choice) -> str | None:
-    """The grammar (llguidance's Lark) of one call in tags: to any of the tools for tool_choice "required", to the
-    named function for {"type": "function", "function": {"name": ...}}; None for "auto", "none" or no choice.
-    ValueError for a choice that is none of these, or that names no tool."""
+    """The grammar (llguidance's Lark) of one call in tags to one of the functions `choice` forces (forced_names);
+    None where it forces none. ValueError for a choice that is no tool_choice, or that names no tool."""
     tools_by_name = functions(tools)  # checked whatever the choice: a tool the model may call must be one
-    if choice in (None, "auto", "none"):
+    names = _forced(tools_by_name, choice)
+    if not names:
         return None
-    if choice == "required":
-        names = list(tools_by_name)
-        if not names:
-            raise ValueError("tool_choice required needs tools to call; send tools, or tool_choice auto")
-    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-        names = [choice["function"].get("name")]
-        if names[0] not in tools_by_name:
-            raise ValueError(f"tool_choice names the function {names[0]!r}, which is not among the tools "
-                             f"({', '.join(map(repr, tools_by_name)) or 'none'})")
-    else:
-        raise ValueError('tool_choice is "none", "auto", "required" or {"type": "function", "function": {"name": '
-                         '"..."}}')
     for name in names:  # a schema llguidance cannot follow, named by its tool rather than by the grammar around it
         try:
             schema_text(tools_by_name[name])
