@@ -2,6 +2,7 @@
 against an oracle that knows every next layer's experts, in decode on the disk store.
 
     python benchmarks/prefetch_bound.py [--model DIR] [--cache 0.25] [--policy fetch-all] [--fetched] [--split]
+                                        [--replayed]
                                         [--predictors estimator lookahead] [--budgets 8 4] [--tokens 64]
                                         [--repeats 15] [--feed greedy|text] [--json FILE]
                                         [--store-dtype int4 --slot-dtype int4 --dense-dtype int4]
@@ -18,9 +19,13 @@ header says what share of the routed experts the oracle knew. Its prediction cos
 bounds what any predictor can gain here: perfect recall and precision, with the real cost of issuing, reading and
 waiting. `--fetched` prefetches only what the policy would fetch were it a miss (`fetched=1`), the oracle included.
 `--split` adds the oracle paying the first predictor's call (run, its answer unused): between it and the oracle
-lies what the call's time costs, between it and the predictor what its wrong and missed reads cost. Each predictor
-runs at each of `budgets` (prefetches per layer among its top-k; default top-k), the oracle at the first, and so
-does the lookahead trained in each `--lookahead-from` folder (a copy of the model's trained with other options).
+lies what the call's time costs, between it and the predictor what its wrong and missed reads cost. `--replayed`
+adds the first predictor's own predictions at a lookup's cost (its logits recorded in a decode of the same tokens,
+replayed): what the predictor would take were its call free, its reads started where the oracle's start (under a
+substituting policy its rows are those of the recording run, as the oracle's routes are). Each predictor runs at
+each of `budgets` (prefetches per layer among its top-k; default top-k), the oracle at the first, and so do the
+replayed predictions and the lookahead trained in each `--lookahead-from` folder (a copy of the model's trained
+with other options).
 `--one-call` adds each variant with a decode token's experts run in one call after its last wait rather than each
 as it lands (where experts are large enough for that, `CompiledExperts.one_by_one`); its shares are of its own
 on-demand and oracle runs. `--disk-mbps` runs every variant with the store's disk held at each of these read rates
@@ -76,26 +81,35 @@ class Recorder:
         return r
 
 
-def oracle_predictor(model, routes: list[list[tuple[np.ndarray, np.ndarray]]], paying=None):
-    """A predictor whose logits give each decode token's true next-layer experts their routed gate weights
-    (`routes`, ids and weights, from a run of the same tokens; the other experts share the rest of the mass),
-    so that a softmax router ranks them first, in their routed order, and a policy's filter sees their true
-    weights; the rows are made beforehand, so that a prediction costs a lookup. With `paying` (a predictor), each
-    prediction first runs that predictor's call and throws its answer away: its cost with the oracle's reads."""
-    from expertcache.engine.predictors import Predictor
+def oracle_rows(model, routes: list[list[tuple[np.ndarray, np.ndarray]]]) -> np.ndarray:
+    """Router logits [tokens, layers, E] that give each decode token's true experts (`routes`, ids and weights,
+    from a run of the same tokens) their routed gate weights, the other experts sharing the rest of the mass: a
+    softmax router ranks them first, in their routed order, and a policy's filter sees their true weights."""
     E = model.args.num_experts
     rows = np.empty((len(routes), len(routes[0]), E), np.float32)
     for t, layers in enumerate(routes):
         for layer, (ids, w) in enumerate(layers):
             rows[t, layer] = np.log(max((1.0 - float(w.sum())) / (E - len(ids)), 1e-12))
             rows[t, layer, ids] = np.log(np.maximum(w, 1e-12))
+    return rows
 
-    class Oracle(Predictor):
-        name = "oracle"
 
+def oracle_predictor(model, routes: list[list[tuple[np.ndarray, np.ndarray]]], paying=None):
+    """A predictor that knows each decode token's next-layer experts (`oracle_rows`); the rows are made
+    beforehand, so that a prediction costs a lookup. With `paying` (a predictor), each prediction first runs that
+    predictor's call and throws its answer away: its cost with the oracle's reads."""
+    return replayed_predictor(model, oracle_rows(model, routes), "oracle", paying)
+
+
+def replayed_predictor(model, rows: np.ndarray, name: str, paying=None):
+    """A predictor whose decode token t's logits for layer l + 1 are rows[t, l + 1] ([tokens, layers, E]), at a
+    lookup's cost; with `paying`, as `oracle_predictor`'s."""
+    from expertcache.engine.predictors import Predictor
+
+    class Replayed(Predictor):
         def __init__(self):
             super().__init__(model)
-            self.token = -1
+            self.name, self.token = name, -1
 
         def decode_logits(self, layer, resid, x, ids, weights, prev=None):
             if layer == 0:
@@ -106,7 +120,35 @@ def oracle_predictor(model, routes: list[list[tuple[np.ndarray, np.ndarray]]], p
 
         def logits(self, layer, resid, x, ids, weights, prev=None):  # the prompt's forward: no prefetch is made from it
             return torch.zeros(x.shape[0], model.args.num_experts)
-    return Oracle()
+    return Replayed()
+
+
+def recorded_rows(engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """The attached predictor's logits for every decode token and layer of a decode of `tokens`, as it ran them
+    ([tokens, layers, E], layer 0's zero): what `replayed_predictor` gives back."""
+    predictor, rows, decoding = engine.runner.predictor, [], [False]
+    shape = (engine.args.num_moe_layers, engine.args.num_experts)
+
+    def kept(method):
+        def call(layer, resid, x, ids, weights, prev=None):
+            out = getattr(type(predictor), method)(predictor, layer, resid, x, ids, weights, prev)
+            if out is not None and decoding[0]:
+                if layer == 0:
+                    rows.append(np.zeros(shape, np.float32))
+                rows[-1][layer + 1] = out.float().numpy()[0] if isinstance(out, torch.Tensor) else out[0]
+            return out
+        return call
+
+    predictor.decode_logits, predictor.logits = kept("decode_logits"), kept("logits")
+    try:
+        engine.reset()
+        engine.forward(torch.tensor(prompt), 0, last=True)
+        decoding[0] = True
+        for i, token in enumerate(tokens):
+            engine.forward(torch.tensor([token]), len(prompt) + i, last=True)
+    finally:
+        del predictor.decode_logits, predictor.logits
+    return np.stack(rows)
 
 
 def share_of_gain(on_demand: np.ndarray, variant: np.ndarray, oracle: np.ndarray, resamples: np.ndarray
@@ -183,6 +225,8 @@ def main() -> None:
     p.add_argument("--policy", default="fetch-all")
     p.add_argument("--fetched", action="store_true", help="prefetch only what the policy would fetch (fetched=1)")
     p.add_argument("--split", action="store_true", help="add the oracle paying the first predictor's call")
+    p.add_argument("--replayed", action="store_true",
+                   help="add the first predictor's own predictions at a lookup's cost (recorded in place, replayed)")
     p.add_argument("--store-dtype", default=None, help="the disk store's format (default: the checkpoint's)")
     p.add_argument("--slot-dtype", default="auto")
     p.add_argument("--dense-dtype", default="auto")
@@ -264,6 +308,13 @@ def measure(a, engine, recorder, prompt, text, made, rates, throttle) -> None:
     paying = f"{oracle}, paying {a.predictors[0]}'s call"
     if a.split:
         variants[paying] = variants[oracle]
+    replayed = {}  # variant -> the first predictor's rows, recorded in place, replayed at a lookup's cost
+    if a.replayed:
+        engine.set_prefetch(PrefetchConfig(a.predictors[0]))
+        rows = recorded_rows(engine, prompt, tokens)
+        for b in a.budgets:
+            name = f"prefetch, {a.predictors[0]} replayed{budget(b)}"
+            replayed[name], variants[name] = rows, PrefetchConfig(a.predictors[0], budget=b, fetched=a.fetched)
     one_call = {f"{name}, one call": name for name in variants} if a.one_call else {}  # -> the variant it runs
     variants |= {name: variants[base] for name, base in one_call.items()}
     runs: dict[float, dict[str, list[dict]]] = {rate: {name: [] for name in variants} for rate in rates}
@@ -285,6 +336,8 @@ def measure(a, engine, recorder, prompt, text, made, rates, throttle) -> None:
                     engine.runner.predictor = oracle_predictor(engine.model, routes, engine.runner.predictor)
                 elif base in others:
                     engine.runner.predictor = made[others[base]]
+                elif base in replayed:
+                    engine.runner.predictor = replayed_predictor(engine.model, replayed[base], "replayed")
                 recorder.on = name == oracle and not round_
                 at = f", {rate:g} MB/s" if throttle is not None and rate else ""
                 bar.set_description(f"{f'round {round_}/{a.repeats}' if round_ else 'warm-up'}, {name}{at}")

@@ -788,15 +788,21 @@ def test_a_prefill_under_prefetch_makes_no_predictions():
         engine.close()
 
 
-def test_the_bounds_share_of_the_oracles_gain_is_paired_over_rounds():
-    """prefetch_bound.py's share: 0 for on-demand loading, 1 for the oracle, from the rounds' mean times; None
-    where the oracle gained nothing; its interval holds the point."""
+def prefetch_bound():
+    """benchmarks/prefetch_bound.py as a module."""
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefetch_bound.py"
     spec = importlib.util.spec_from_file_location("prefetch_bound", path)
     bound = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bound)
+    return bound
+
+
+def test_the_bounds_share_of_the_oracles_gain_is_paired_over_rounds():
+    """prefetch_bound.py's share: 0 for on-demand loading, 1 for the oracle, from the rounds' mean times; None
+    where the oracle gained nothing; its interval holds the point."""
+    bound = prefetch_bound()
     on_demand, oracle = np.array([10.0, 20.0, 11.0]), np.array([8.0, 10.0, 9.0])
     variant = np.array([9.0, 19.0, 10.0])  # the second round's drift dwarfs what the variant saves
     resamples = np.random.default_rng(0).integers(0, 3, (200, 3))
@@ -806,3 +812,24 @@ def test_the_bounds_share_of_the_oracles_gain_is_paired_over_rounds():
     want = (41 / 38 - 1) / (41 / 27 - 1)  # on the mean times (0.15), not the mean of each round's share (0.32)
     assert point == pytest.approx(want) and low <= point <= high
     assert bound.share_of_gain(on_demand, variant, on_demand, resamples) == (None, None)
+
+
+@pytest.mark.parametrize("predictor", ["lookahead", "quasi-hidden"])
+def test_a_predictor_replayed_prefetches_what_it_did_in_place(calibrated, predictor):
+    """prefetch_bound.py --replayed: a predictor's logits recorded in a decode and replayed at a lookup's cost make
+    the same prefetches and synchronous fetches as the predictor run in place, and leave the same slots."""
+    bound = prefetch_bound()
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(9)).tolist()
+    prompt, tokens = ids[:6], ids[6:]
+    engine = Engine(calibrated[0], EngineConfig(store="ram", cache=CacheConfig(fraction=0.25), policy="fetch-all",
+                                                prefetch=PrefetchConfig(predictor)))
+    runs = []
+    for replayed in (False, True):
+        if replayed:
+            rows = bound.recorded_rows(engine, prompt, tokens)
+            assert rows.shape == (len(tokens), 2, 8) and not rows[:, 0].any() and rows[:, 1].any()
+            engine.runner.predictor = bound.replayed_predictor(engine.model, rows, "replayed")
+        figures = bound.decode(engine, prompt, tokens)
+        runs.append((figures["prefetches"], figures["sync_fetches"], engine.cache.slot_of.copy()))
+    assert runs[0][0] > 0 and runs[0][:2] == runs[1][:2] and (runs[0][2] == runs[1][2]).all()
+    engine.close()
