@@ -68,6 +68,21 @@ class Parser(argparse.ArgumentParser):
                              for near in [did_you_mean(word.split("=")[0], options)] if near), "")
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
+    def _print_message(self, message: str, file=None) -> None:
+        """argparse's, except that a --help or --version that cannot be written to stdout (a full disk) ends the run
+        as any failed write to it does, in one line and exit code 2 (141 where its reader left): argparse dropped
+        the error, and the text was lost with exit code 0. A line that stderr cannot take is still dropped."""
+        if not message:
+            return
+        file = file or sys.stderr
+        try:
+            file.write(message)
+            if file is sys.stdout:
+                file.flush()
+        except (AttributeError, OSError) as e:
+            if file is sys.stdout and isinstance(e, OSError):
+                raise SystemExit(reported(e, self.prog.split()[0])) from None
+
 
 class Terminated(BaseException):
     """SIGTERM (a supervisor, `timeout`, a container stopping), raised where the main thread is so that the verb

@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -396,6 +397,19 @@ def test_a_full_disk_under_the_output_and_too_many_open_files_name_their_own_fix
     full = os_error_fix(OSError(errno.ENOSPC, "No space left on device"), {"--json"})
     assert "its output (stdout), its --json file" in full and "store" in full
     assert "ulimit -n" in os_error_fix(OSError(errno.EMFILE, "Too many open files", "/x/numpy/__init__.py"))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["--version"]])
+def test_help_that_cannot_be_written_fails_in_one_line(argv):
+    """`expertcache --help > /dev/full` exited 0 with nothing written: argparse drops a failed write. It fails as
+    a verb's write to a full stdout does, in one line and exit code 2."""
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([sys.executable, "-m", "expertcache", *argv], stdout=full, stderr=subprocess.PIPE,
+                             text=True, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("expertcache: error: ") and "No space left on device" in out.stderr
+    shown = subprocess.run([sys.executable, "-m", "expertcache", *argv], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and shown.stdout and not shown.stderr
 
 
 def test_a_map_the_system_refuses_is_out_of_memory_not_a_path_to_check(capsys):
