@@ -124,15 +124,16 @@ def replayed_predictor(model, rows: np.ndarray, name: str, paying=None):
 
 
 def recorded_rows(engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
-    """The attached predictor's logits for every decode token and layer of a decode of `tokens`, as it ran them
-    ([tokens, layers, E], layer 0's zero): what `replayed_predictor` gives back."""
-    predictor, rows, decoding = engine.runner.predictor, [], [False]
+    """The attached predictor's logits for every one-token forward and layer of a decode of `tokens` (`decode`), as
+    it ran them ([forwards, layers, E], layer 0's zero): what `replayed_predictor` gives back. As the oracle's
+    routes (Recorder), a prompt of one token is such a forward, and so has its row."""
+    predictor, rows = engine.runner.predictor, []
     shape = (engine.args.num_moe_layers, engine.args.num_experts)
 
     def kept(method):
         def call(layer, resid, x, ids, weights, prev=None):
             out = getattr(type(predictor), method)(predictor, layer, resid, x, ids, weights, prev)
-            if out is not None and decoding[0]:
+            if out is not None and x.shape[0] == 1:
                 if layer == 0:
                     rows.append(np.zeros(shape, np.float32))
                 rows[-1][layer + 1] = out.float().numpy()[0] if isinstance(out, torch.Tensor) else out[0]
@@ -141,11 +142,7 @@ def recorded_rows(engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
 
     predictor.decode_logits, predictor.logits = kept("decode_logits"), kept("logits")
     try:
-        engine.reset()
-        engine.forward(torch.tensor(prompt), 0, last=True)
-        decoding[0] = True
-        for i, token in enumerate(tokens):
-            engine.forward(torch.tensor([token]), len(prompt) + i, last=True)
+        decode(engine, prompt, tokens)
     finally:
         del predictor.decode_logits, predictor.logits
     return np.stack(rows)
