@@ -4,6 +4,7 @@ the fields it cannot take refused with 400s that name them."""
 import json
 import re
 import shutil
+import sys
 
 import openai
 import pytest
@@ -105,6 +106,16 @@ def test_a_stored_response_is_continued_by_its_id_as_the_whole_conversation_woul
             client.responses.create(**ask, input="x", previous_response_id=gone)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(gone)
+
+
+def test_the_kept_responses_are_bounded_by_what_they_hold_not_by_their_text():
+    """KEPT_BYTES bounds the kept responses' Python objects: 64 MiB of JSON text in one-character messages held 246
+    MiB."""
+    from expertcache.serve import responses
+    items = json.loads(json.dumps([{"type": "message", "role": "user", "content": "x"}] * 1000))
+    kept = responses.KeptResponses(10)
+    kept.keep({"id": "resp_1", "status": "completed", "output": []}, [], ResponsesBody(input=items))
+    assert kept.bytes >= 1000 * sys.getsizeof(items[0]) > 2 * len(json.dumps(items))
 
 
 def test_the_kept_responses_are_the_newest_within_their_bounds(monkeypatch):
