@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 import sys
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -116,6 +117,8 @@ def test_the_kept_responses_are_bounded_by_what_they_hold_not_by_their_text():
     kept = responses.KeptResponses(10)
     kept.keep({"id": "resp_1", "status": "completed", "output": []}, [], ResponsesBody(input=items))
     assert kept.bytes >= 1000 * sys.getsizeof(items[0]) > 2 * len(json.dumps(items))
+    # anything but JSON's containers is counted alone: not followed into what it holds, its class or its module
+    assert responses.held_bytes({"x": SimpleNamespace(rows=[0] * 100_000)}) < 1000
 
 
 def test_the_kept_responses_are_the_newest_within_their_bounds(monkeypatch):
