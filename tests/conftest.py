@@ -18,6 +18,19 @@ def tiny(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def benchmark_script():
+    """A loader of benchmarks/NAME.py as a module, for the tests of a script's functions."""
+    import importlib.util
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return load
+
+
 @pytest.fixture(autouse=True)
 def _store_home(tmp_path_factory, monkeypatch):
     # Disk stores converted by tests live in a temporary home, never in ~/.cache.

@@ -2,7 +2,6 @@
 and every verb runs on it with the disk store and a 25% cache."""
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -257,15 +256,11 @@ def test_bench_closes_its_first_engine_when_the_floor_fails_to_open(monkeypatch)
     assert len(opened) == 1 and closed == opened
 
 
-def test_the_builtin_model_written_at_a_larger_shape_is_the_same_function(tmp_path, eval_ids):
+def test_the_builtin_model_written_at_a_larger_shape_is_the_same_function(tmp_path, eval_ids, benchmark_script):
     """benchmarks/make_checkpoint.py --from-builtin: the built-in model's weights carried into a larger shape (its
     stream rotated into more channels, its heads among more heads of more channels, its experts' neurons among
     more) compute its logits to fp16's rounding, so that a real-shape checkpoint routes as a trained model does."""
-    import importlib.util
-    path = Path(__file__).parents[1] / "benchmarks" / "make_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_checkpoint", path)
-    make = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make)
+    make = benchmark_script("make_checkpoint")
     shape = {**make.SHAPE, "hidden_size": 384, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
              "moe_intermediate_size": 96}
     config, shards = make.builtin_at_shape(1, shape)

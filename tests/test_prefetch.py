@@ -788,21 +788,10 @@ def test_a_prefill_under_prefetch_makes_no_predictions():
         engine.close()
 
 
-def prefetch_bound():
-    """benchmarks/prefetch_bound.py as a module."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefetch_bound.py"
-    spec = importlib.util.spec_from_file_location("prefetch_bound", path)
-    bound = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bound)
-    return bound
-
-
-def test_the_bounds_share_of_the_oracles_gain_is_paired_over_rounds():
+def test_the_bounds_share_of_the_oracles_gain_is_paired_over_rounds(benchmark_script):
     """prefetch_bound.py's share: 0 for on-demand loading, 1 for the oracle, from the rounds' mean times; None
     where the oracle gained nothing; its interval holds the point."""
-    bound = prefetch_bound()
+    bound = benchmark_script("prefetch_bound")
     on_demand, oracle = np.array([10.0, 20.0, 11.0]), np.array([8.0, 10.0, 9.0])
     variant = np.array([9.0, 19.0, 10.0])  # the second round's drift dwarfs what the variant saves
     resamples = np.random.default_rng(0).integers(0, 3, (200, 3))
@@ -815,10 +804,10 @@ def test_the_bounds_share_of_the_oracles_gain_is_paired_over_rounds():
 
 
 @pytest.mark.parametrize("predictor", ["lookahead", "quasi-hidden"])
-def test_a_predictor_replayed_prefetches_what_it_did_in_place(calibrated, predictor):
+def test_a_predictor_replayed_prefetches_what_it_did_in_place(calibrated, predictor, benchmark_script):
     """prefetch_bound.py --replayed: a predictor's logits recorded in a decode and replayed at a lookup's cost make
     the same prefetches and synchronous fetches as the predictor run in place, and leave the same slots."""
-    bound = prefetch_bound()
+    bound = benchmark_script("prefetch_bound")
     ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(9)).tolist()
     prompt, tokens = ids[:6], ids[6:]
     engine = Engine(calibrated[0], EngineConfig(store="ram", cache=CacheConfig(fraction=0.25), policy="fetch-all",

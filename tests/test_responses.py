@@ -122,7 +122,7 @@ def test_the_kept_responses_are_bounded_by_what_they_hold_not_by_their_text():
 
 
 def test_the_kept_responses_are_the_newest_within_their_bounds(monkeypatch):
-    """At most `limit` responses, and KEPT_BYTES of their own text, the oldest dropped first; none with limit 0."""
+    """At most `limit` responses, and KEPT_BYTES of what they hold, the oldest dropped first; none with limit 0."""
     from expertcache.serve import responses
     body = lambda text, store=None: ResponsesBody(input=text, store=store)  # noqa: E731
     answer = lambda i: {"id": f"resp_{i}", "status": "completed", "output": []}  # noqa: E731
