@@ -389,13 +389,17 @@ stat_at + t * gstride, its 16 results at out[out_at + t * ostride]."""
 # -- float rows ----------------------------------------------------------------------------
 F32_ROWS, F16_ROWS, BF16_ROWS = 0, 1, 2  # how a float matrix's weights are stored
 FLOAT_UNROLL = 2  # 16-lane chunks per row and step: two independent sums per row hide the FMA latency
+# ftile's 4 x 4 tile as the passes its sums fit the registers in: (rows, tokens, lanes) a pass. AVX2 has 16 vector
+# registers of 8 floats, and a 4 x 4 tile of 16 lanes needs 32 for its sums alone: spilled, fp16 windows ran at
+# 50 GFLOP/s on two Zen 3 cores, and as two passes of 4 rows x 2 tokens x 8 lanes at 100-137 (bf16 and fp32 ~1.9x)
+FLOAT_TILE = (4, 4, 16) if ISA.startswith("avx512") else (4, 2, 8)
 
 
-def _widen16(b, raw, kind):
-    """<16 x i16> weights as <16 x float>: fp16 converted, bf16 as the top half of an fp32."""
+def _widen(b, raw, kind, lanes):
+    """<lanes x i16> weights as <lanes x float>: fp16 converted, bf16 as the top half of an fp32."""
     if kind == F16_ROWS:
-        return b.fpext(b.bitcast(raw, _vec(F16, 16)), V16F32)
-    return b.bitcast(b.shl(b.zext(raw, V16I32), _const_vec(I32, 16, 16)), V16F32)
+        return b.fpext(b.bitcast(raw, _vec(F16, lanes)), _vec(F32, lanes))
+    return b.bitcast(b.shl(b.zext(raw, _vec(I32, lanes)), _const_vec(I32, lanes, 16)), _vec(F32, lanes))
 
 
 def _fdot_function(module, kind: int, rows: int):
@@ -437,7 +441,7 @@ def _fdot_function(module, kind: int, rows: int):
                 pf = _intrinsic_fn(module, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
                 b.call(pf, [_gep(b, at, b.mul(stride, ir.Constant(I64, rows))), ir.Constant(I32, 0),
                             ir.Constant(I32, PREFETCH_LOCALITY), ir.Constant(I32, 1)])
-            wv = _load_vec(b, at, V16F32) if kind == F32_ROWS else _widen16(b, _load_vec(b, at, V16I16), kind)
+            wv = _load_vec(b, at, V16F32) if kind == F32_ROWS else _widen(b, _load_vec(b, at, V16I16), kind, 16)
             row_new.append(b.call(fma, [wv, xv, accs[r][u]]))
         new.append(row_new)
     totals = []  # each row's unrolled sums added, for the exit
@@ -528,9 +532,10 @@ fdot1 = _fdot_intrinsic(1)
 fdot1.__doc__ = """fdot4 for one row."""
 
 
-def _fgemm_function(module, kind: int):
-    """The IR function of `ftile`: 4 rows of a float matrix times 4 tokens' fp32 vectors."""
-    name = f"expertcache.ftile.{kind}"
+def _fgemm_function(module, kind: int, rows: int, tokens: int, lanes: int):
+    """The IR function of one pass of `ftile`: `rows` rows of a float matrix times `tokens` tokens' fp32 vectors, in
+    vectors of `lanes` floats (FLOAT_TILE)."""
+    name = f"expertcache.ftile.{kind}.{rows}.{tokens}.{lanes}"
     p8, pf = I8.as_pointer(), F32.as_pointer()
     fnty = ir.FunctionType(ir.VoidType(), [p8, I64, I64, pf, I64, pf, I64])
     fn = cgutils.get_or_insert_function(module, fnty, name)
@@ -542,55 +547,57 @@ def _fgemm_function(module, kind: int):
                                                                            "done"))
     b = ir.IRBuilder(entry)
     size = 4 if kind == F32_ROWS else 2
-    chunks = b.sdiv(cols, ir.Constant(I64, 16))
-    zero = ir.Constant(V16F32, [0.0] * 16)
-    fma = _intrinsic_fn(module, "llvm.fma.v16f32", V16F32, [V16F32, V16F32, V16F32])
+    VF = _vec(F32, lanes)
+    chunks = b.sdiv(cols, ir.Constant(I64, lanes))
+    zero = ir.Constant(VF, [0.0] * lanes)
+    fma = _intrinsic_fn(module, f"llvm.fma.v{lanes}f32", VF, [VF, VF, VF])
     b.cbranch(b.icmp_signed(">", chunks, ir.Constant(I64, 0)), loop, tail_head)
 
     b.position_at_end(loop)
     i = b.phi(I64)
     i.add_incoming(ir.Constant(I64, 0), entry)
-    acc = [[b.phi(V16F32) for _ in range(4)] for _ in range(4)]  # [row][token]
+    acc = [[b.phi(VF) for _ in range(tokens)] for _ in range(rows)]  # [row][token]
     for row in acc:
         for a in row:
             a.add_incoming(zero, entry)
-    c = b.mul(i, ir.Constant(I64, 16))
+    c = b.mul(i, ir.Constant(I64, lanes))
     ws = []
-    for r in range(4):
+    for r in range(rows):
         at = _gep(b, w, b.add(b.mul(ir.Constant(I64, r), stride), b.mul(c, ir.Constant(I64, size))))
-        ws.append(_load_vec(b, at, V16F32) if kind == F32_ROWS else _widen16(b, _load_vec(b, at, V16I16), kind))
-    xs = [_load_vec(b, b.bitcast(_gep(b, x, b.add(b.mul(ir.Constant(I64, t), xstride), c)), p8), V16F32)
-          for t in range(4)]
-    new = [[b.call(fma, [ws[r], xs[t], acc[r][t]]) for t in range(4)] for r in range(4)]
+        ws.append(_load_vec(b, at, VF) if kind == F32_ROWS else _widen(b, _load_vec(b, at, _vec(I16, lanes)), kind,
+                                                                         lanes))
+    xs = [_load_vec(b, b.bitcast(_gep(b, x, b.add(b.mul(ir.Constant(I64, t), xstride), c)), p8), VF)
+          for t in range(tokens)]
+    new = [[b.call(fma, [ws[r], xs[t], acc[r][t]]) for t in range(tokens)] for r in range(rows)]
     i_next = b.add(i, ir.Constant(I64, 1))
-    for r in range(4):
-        for t in range(4):
+    for r in range(rows):
+        for t in range(tokens):
             acc[r][t].add_incoming(new[r][t], loop)
     i.add_incoming(i_next, loop)
     b.cbranch(b.icmp_signed("<", i_next, chunks), loop, tail_head)
 
     b.position_at_end(tail_head)
-    reduce = _intrinsic_fn(module, "llvm.vector.reduce.fadd.v16f32", F32, [F32, V16F32])
-    vs = [[b.phi(V16F32) for _ in range(4)] for _ in range(4)]
-    for r in range(4):
-        for t in range(4):
+    reduce = _intrinsic_fn(module, f"llvm.vector.reduce.fadd.v{lanes}f32", F32, [F32, VF])
+    vs = [[b.phi(VF) for _ in range(tokens)] for _ in range(rows)]
+    for r in range(rows):
+        for t in range(tokens):
             vs[r][t].add_incoming(zero, entry)
             vs[r][t].add_incoming(new[r][t], loop)
-    sums = [[b.call(reduce, [ir.Constant(F32, 0.0), vs[r][t]], fastmath=("reassoc",)) for t in range(4)]
-            for r in range(4)]
-    first = b.mul(chunks, ir.Constant(I64, 16))
+    sums = [[b.call(reduce, [ir.Constant(F32, 0.0), vs[r][t]], fastmath=("reassoc",)) for t in range(tokens)]
+            for r in range(rows)]
+    first = b.mul(chunks, ir.Constant(I64, lanes))
     b.cbranch(b.icmp_signed("<", first, cols), tail, done)
 
     b.position_at_end(tail)
     fma1 = _intrinsic_fn(module, "llvm.fma.f32", F32, [F32, F32, F32])
     j = b.phi(I64)
     j.add_incoming(first, tail_head)
-    part = [[b.phi(F32) for _ in range(4)] for _ in range(4)]
-    for r in range(4):
-        for t in range(4):
+    part = [[b.phi(F32) for _ in range(tokens)] for _ in range(rows)]
+    for r in range(rows):
+        for t in range(tokens):
             part[r][t].add_incoming(sums[r][t], tail_head)
-    nxt = [[None] * 4 for _ in range(4)]
-    for r in range(4):
+    nxt = [[None] * tokens for _ in range(rows)]
+    for r in range(rows):
         at = _gep(b, w, b.add(b.mul(ir.Constant(I64, r), stride), b.mul(j, ir.Constant(I64, size))))
         if kind == F32_ROWS:
             wv = b.load(b.bitcast(at, F32.as_pointer()), align=1)
@@ -598,24 +605,24 @@ def _fgemm_function(module, kind: int):
             raw = b.load(b.bitcast(at, I16.as_pointer()), align=1)
             wv = b.fpext(b.bitcast(raw, F16), F32) if kind == F16_ROWS else \
                 b.bitcast(b.shl(b.zext(raw, I32), ir.Constant(I32, 16)), F32)
-        for t in range(4):
+        for t in range(tokens):
             xv = b.load(_gep(b, x, b.add(b.mul(ir.Constant(I64, t), xstride), j)))
             nxt[r][t] = b.call(fma1, [wv, xv, part[r][t]])
     j_next = b.add(j, ir.Constant(I64, 1))
-    for r in range(4):
-        for t in range(4):
+    for r in range(rows):
+        for t in range(tokens):
             part[r][t].add_incoming(nxt[r][t], tail)
     j.add_incoming(j_next, tail)
     b.cbranch(b.icmp_signed("<", j_next, cols), tail, done)
 
     b.position_at_end(done)
-    results = [[b.phi(F32) for _ in range(4)] for _ in range(4)]
-    for r in range(4):
-        for t in range(4):
+    results = [[b.phi(F32) for _ in range(tokens)] for _ in range(rows)]
+    for r in range(rows):
+        for t in range(tokens):
             results[r][t].add_incoming(sums[r][t], tail_head)
             results[r][t].add_incoming(nxt[r][t], tail)
-    for r in range(4):
-        for t in range(4):
+    for r in range(rows):
+        for t in range(tokens):
             b.store(results[r][t], _gep(b, out, b.add(b.mul(ir.Constant(I64, t), ostride), ir.Constant(I64, r))))
     b.ret_void()
     return fn
@@ -625,7 +632,7 @@ def _fgemm_function(module, kind: int):
 def ftile(typingctx, w, w_at, stride, cols, x, x_at, xstride, out, out_at, ostride):
     """out[out_at + t * ostride + r] = w[w_at + r * stride: + cols] . x[x_at + t * xstride: + cols] for r, t < 4:
     a 4-row by 4-token tile of a float matrix (as fdot4 takes it) times float32 activations, each weight
-    load serving four tokens."""
+    load serving the tokens of a pass (FLOAT_TILE: four, or two where AVX2's registers hold two)."""
     kind = {types.float32: F32_ROWS, types.uint16: F16_ROWS, types.int16: BF16_ROWS}.get(w.dtype)
     if kind is None:
         return None
@@ -633,12 +640,22 @@ def ftile(typingctx, w, w_at, stride, cols, x, x_at, xstride, out, out_at, ostri
     def codegen(context, builder, signature, args):
         w_v, w_at_v, stride_v, cols_v, x_v, x_at_v, xstride_v, out_v, out_at_v, ostride_v = args
         sig = signature.args
-        fn = _fgemm_function(builder.module, kind)
+        rows, tokens, lanes = FLOAT_TILE
+        fn = _fgemm_function(builder.module, kind, rows, tokens, lanes)
         xa = context.make_array(sig[4])(context, builder, x_v)
         oa = context.make_array(sig[7])(context, builder, out_v)
         size = ir.Constant(I64, 4 if kind == F32_ROWS else 2)
-        builder.call(fn, [_pointer(context, builder, sig[0], w_v, w_at_v), builder.mul(stride_v, size), cols_v,
-                          builder.gep(xa.data, [x_at_v]), xstride_v, builder.gep(oa.data, [out_at_v]), ostride_v])
+        wp, wstride = _pointer(context, builder, sig[0], w_v, w_at_v), builder.mul(stride_v, size)
+
+        def at(r, t):  # the pass of rows r.. and tokens t..: its weights, activations and outputs
+            c = lambda n: ir.Constant(I64, n)  # noqa: E731
+            return (builder.gep(wp, [builder.mul(wstride, c(r))]),
+                    builder.gep(xa.data, [builder.add(x_at_v, builder.mul(xstride_v, c(t)))]),
+                    builder.gep(oa.data, [builder.add(out_at_v, builder.add(builder.mul(ostride_v, c(t)), c(r)))]))
+        for r in range(0, 4, rows):
+            for t in range(0, 4, tokens):
+                w_p, x_p, o_p = at(r, t)
+                builder.call(fn, [w_p, wstride, cols_v, x_p, xstride_v, o_p, ostride_v])
         return context.get_dummy_value()
     i = types.intp
     return types.void(w, i, i, i, x, i, i, out, i, i), codegen
