@@ -391,7 +391,7 @@ F32_ROWS, F16_ROWS, BF16_ROWS = 0, 1, 2  # how a float matrix's weights are stor
 FLOAT_UNROLL = 2  # 16-lane chunks per row and step: two independent sums per row hide the FMA latency
 # ftile's 4 x 4 tile as the passes its sums fit the registers in: (rows, tokens, lanes) a pass. AVX2 has 16 vector
 # registers of 8 floats, and a 4 x 4 tile of 16 lanes needs 32 for its sums alone: spilled, fp16 windows ran at
-# 50 GFLOP/s on two Zen 3 cores, and as two passes of 4 rows x 2 tokens x 8 lanes at 100-137 (bf16 and fp32 ~1.9x)
+# 50 GFLOP/s on two Zen 3 cores, and as two passes of 4 rows x 2 tokens x 8 lanes at 114-139 (bf16 and fp32 1.9x)
 FLOAT_TILE = (4, 4, 16) if ISA.startswith("avx512") else (4, 2, 8)
 
 
