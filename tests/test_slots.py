@@ -274,6 +274,37 @@ def test_each_dot_product_path_sums_each_lanes_own_four_products(isa, small):
     np.testing.assert_array_equal(out, ((codes.astype(np.int32) - 128 * centred) * x).reshape(16, 4).sum(1))
 
 
+@pytest.mark.parametrize("tile", [(4, 4, 16), (4, 2, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_each_float_tile_shape_gives_the_4_by_4_products(tile, dtype, monkeypatch):
+    """A window's float tile (simd.ftile) as AVX-512 runs it and as two passes of 2 tokens in 8 lanes (AVX2):
+    both are compiled here, whatever this CPU takes, and each gives the 4 rows x 4 tokens of products at their
+    strides, columns past the last whole vector included (37 = 2 x 16 + 5 = 4 x 8 + 5)."""
+    from numba import njit
+
+    from expertcache.kernel import simd
+    monkeypatch.setattr(simd, "FLOAT_TILE", tile)  # read as the intrinsic compiles
+
+    @njit  # not cached: compiled anew under the tile above
+    def run(w, stride, cols, x, out):
+        simd.ftile(w, stride, stride, cols, x, 3, stride, out, 2, 6)
+
+    g = torch.Generator().manual_seed(5)
+    C, stride = 37, 40  # rows and tokens apart by more than their columns; the tile from row 1 of w, offset 3 of x
+    w = torch.randn(5 * stride, generator=g).to(dtype)
+    x = torch.randn(4 * stride + 3, generator=g)
+    bits = {torch.float32: None, torch.float16: np.uint16, torch.bfloat16: np.int16}[dtype]
+    w_np = w.numpy() if bits is None else w.view(torch.int16).numpy().view(bits)
+    out = np.full(2 + 4 * 6, np.nan, np.float32)
+    run(w_np, stride, C, x.numpy(), out)
+    W = w.double()[stride:].reshape(4, stride)[:, :C]
+    X = x.double()[3:].reshape(4, stride)[:, :C]
+    want = np.full_like(out, np.nan)
+    for t in range(4):
+        want[2 + t * 6: 2 + t * 6 + 4] = (W @ X[t]).numpy()
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype,group,scheme", [("float32", 1, None), ("float16", 1, None), *FORMATS])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("parts", [1, 2])
