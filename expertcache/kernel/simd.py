@@ -646,16 +646,13 @@ def ftile(typingctx, w, w_at, stride, cols, x, x_at, xstride, out, out_at, ostri
         oa = context.make_array(sig[7])(context, builder, out_v)
         size = ir.Constant(I64, 4 if kind == F32_ROWS else 2)
         wp, wstride = _pointer(context, builder, sig[0], w_v, w_at_v), builder.mul(stride_v, size)
-
-        def at(r, t):  # the pass of rows r.. and tokens t..: its weights, activations and outputs
-            c = lambda n: ir.Constant(I64, n)  # noqa: E731
-            return (builder.gep(wp, [builder.mul(wstride, c(r))]),
-                    builder.gep(xa.data, [builder.add(x_at_v, builder.mul(xstride_v, c(t)))]),
-                    builder.gep(oa.data, [builder.add(out_at_v, builder.add(builder.mul(ostride_v, c(t)), c(r)))]))
-        for r in range(0, 4, rows):
+        for r in range(0, 4, rows):  # each pass: rows r.. of the weights, tokens t.. of the activations and outputs
             for t in range(0, 4, tokens):
-                w_p, x_p, o_p = at(r, t)
-                builder.call(fn, [w_p, wstride, cols_v, x_p, xstride_v, o_p, ostride_v])
+                rc, tc = ir.Constant(I64, r), ir.Constant(I64, t)
+                builder.call(fn, [builder.gep(wp, [builder.mul(wstride, rc)]), wstride, cols_v,
+                                  builder.gep(xa.data, [builder.add(x_at_v, builder.mul(xstride_v, tc))]), xstride_v,
+                                  builder.gep(oa.data, [builder.add(out_at_v, builder.add(builder.mul(ostride_v, tc),
+                                                                                           rc))]), ostride_v])
         return context.get_dummy_value()
     i = types.intp
     return types.void(w, i, i, i, x, i, i, out, i, i), codegen
