@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -12,11 +13,12 @@ from pathlib import Path
 
 
 @contextmanager
-def replaced(path: Path) -> Iterator[Path]:
+def replaced(path: Path, named: bool = True) -> Iterator[Path]:
     """A temporary path beside `path` to write; it replaces `path` when the block ends without an error, and is
     removed when it raises. A path that is not a regular file (/dev/stdout, a FIFO) is written in place: renaming
     over it would replace the device or pipe itself (and as root, the system's). Through a symbolic link the file it
-    points to is replaced, and the link kept."""
+    points to is replaced, and the link kept. `named`: a system error of the block's that names no file, or the
+    temporary, is raised naming `path` (`named_error`)."""
     path = Path(path)
     if written_in_place(path):
         yield path
@@ -30,8 +32,10 @@ def replaced(path: Path) -> Iterator[Path]:
         # a new file's under the umask, so that others who share the folder can read it as before
         os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if named and (renamed := named_error(e, path, tmp)) is not None:
+            raise renamed from e
         raise
 
 
@@ -39,8 +43,24 @@ def replaced(path: Path) -> Iterator[Path]:
 def replaced_together(*paths: Path) -> Iterator[tuple[Path, ...]]:
     """`replaced` of several files that belong together (a calibration's counts and vectors): every one is written
     before any replaces its file, so that a write that fails (a full disk) leaves the old set, not half of each."""
-    with contextlib.ExitStack() as stack:
-        yield tuple(stack.enter_context(replaced(p)) for p in paths)
+    try:
+        with contextlib.ExitStack() as stack:
+            yield tuple(stack.enter_context(replaced(p, named=False)) for p in paths)
+    except BaseException as e:  # which of them failed is not known here: their folder is what a full disk needs
+        if (renamed := named_error(e, Path(os.path.commonpath([Path(p).absolute() for p in paths])))) is not None:
+            raise renamed from e
+        raise
+
+
+def named_error(e: BaseException, path: Path, temporary: Path | None = None) -> OSError | None:
+    """The system error `e` of a write of `path` as an OSError that names `path`, where it names no file (a full
+    disk's is the write's, not the open's) or the temporary written in its place, or is safetensors' own type (its
+    writer's "os error N"); None where it names another file already or is no system error."""
+    if isinstance(e, OSError) and e.errno is not None and (e.filename is None or e.filename == str(temporary)):
+        return OSError(e.errno, e.strerror, str(path))
+    if type(e).__name__ == "SafetensorError" and (code := re.search(r"os error (\d+)", str(e))):
+        return OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path))
+    return None
 
 
 def written_in_place(path: Path) -> bool:

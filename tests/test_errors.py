@@ -381,7 +381,8 @@ def test_os_errors_are_one_line(capsys, ckpt, tmp_path, monkeypatch):
     store.mkdir()
     (store / "experts.bin.partial").symlink_to("/dev/full")  # every write: no space left on device
     code, err = run_cli(capsys, "convert", "--model", str(ckpt), "--out", str(store))
-    assert code == 2 and err.count("\n") == 0 and "No space left on device" in err and "free disk space" in err, err
+    assert code == 2 and err.count("\n") == 0 and "No space left on device" in err and "free disk space" in err and \
+        f"'{store}'" in err, err  # where to free it: a full disk's error names no file
 
 
 def test_a_full_disk_under_the_output_and_too_many_open_files_name_their_own_fix(capsys, monkeypatch):
@@ -1454,7 +1455,8 @@ def test_an_out_of_range_parameters_example_is_inside_its_bounds():
 
 def test_a_full_disk_while_calibration_saves_leaves_the_old_pair_and_one_line(tmp_path, monkeypatch, capsys):
     """safetensors reports a full disk in its own error type: it ended in a traceback, with routing_counts.json
-    already replaced beside the old default vectors. Both files are written before either replaces its own."""
+    already replaced beside the old default vectors. Both files are written before either replaces its own, and the
+    line names their folder, where a full disk's error names no file."""
     from safetensors import SafetensorError
     from expertcache.lab import calibrate
     model = tmp_path / "m"
@@ -1467,8 +1469,27 @@ def test_a_full_disk_while_calibration_saves_leaves_the_old_pair_and_one_line(tm
     code, err = run_cli(capsys, "calibrate", "--model", str(model), "--max-tokens", "64")
     last = err.splitlines()[-1]  # after the progress bar
     assert code == 2 and last.startswith("expertcache: error:") and "No space left on device" in last and \
-        "free disk space" in last, err
+        "free disk space" in last and f"'{model}'" in last, err
     assert {n: (model / n).read_bytes() for n in before} == before and not list(model.glob(".*.partial"))
+
+
+def test_a_failed_write_names_the_file_it_was_for(tmp_path):
+    """A full disk's error is the write's, which names no file, and a refused open names the temporary beside the
+    file: the line of `expertcache: error:` named neither the file nor where to free space. Both name the file now;
+    an error that names another file keeps it."""
+    import errno
+
+    from expertcache.atomic import replaced
+    path = tmp_path / "out.json"
+    with pytest.raises(OSError) as e, replaced(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(path)
+    with pytest.raises(PermissionError) as e, replaced(path) as tmp:
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp))
+    assert e.value.filename == str(path) and not path.exists()
+    with pytest.raises(FileNotFoundError) as e, replaced(path):
+        open(tmp_path / "gone" / "input.txt")
+    assert e.value.filename == str(tmp_path / "gone" / "input.txt")
 
 
 def test_two_writers_of_one_file_write_their_own_temporaries(tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import crc32c
 import torch
 
+from ...atomic import named_error
 from ...errors import BadInput, NotEnoughDisk, size_text
 from ...models.args import ModelArgs
 from ...progress import progress_bar
@@ -157,10 +158,12 @@ def convert_to_disk(ckpt: Checkpoint, args: ModelArgs, out_dir: Path, dtype: tor
             f.flush()
             os.fsync(f.fileno())
         os.replace(out_dir / "experts.json.partial", out_dir / "experts.json")
-    except BaseException:  # a full disk, an interrupt: no partial file is left to fill the disk, nor a whole
+    except BaseException as e:  # a full disk, an interrupt: no partial file is left to fill the disk, nor a whole
         # experts.bin without the header that makes it a store (tens of GB that no run would use or remove)
         for name in (tmp.name, "experts.json.partial") + (("experts.bin",) if replaced else ()):
             (out_dir / name).unlink(missing_ok=True)
+        if (named := named_error(e, out_dir, tmp)) is not None:  # a full disk's names no file: the store's folder
+            raise named from e
         raise
     _fsync_folder(out_dir)  # the two renames too: a power loss after a conversion of hours keeps the store
     _remove_outdated(ckpt, outdated)
