@@ -52,14 +52,24 @@ def replaced_together(*paths: Path) -> Iterator[tuple[Path, ...]]:
         raise
 
 
-def named_error(e: BaseException, path: Path, temporary: Path | None = None) -> OSError | None:
-    """The system error `e` of a write of `path` as an OSError that names `path`, where it names no file (a full
-    disk's is the write's, not the open's) or the temporary written in its place, or is safetensors' own type (its
-    writer's "os error N"); None where it names another file already or is no system error."""
-    if isinstance(e, OSError) and e.errno is not None and (e.filename is None or e.filename == str(temporary)):
-        return OSError(e.errno, e.strerror, str(path))
+def system_error(e: BaseException) -> OSError | None:
+    """`e` as the system error it is: itself where it is an OSError; safetensors' own type, which its writer raises
+    for the system's error (a full disk while a file is saved), as the OSError of the "os error N" it names; None
+    for any other error."""
+    if isinstance(e, OSError):
+        return e
     if type(e).__name__ == "SafetensorError" and (code := re.search(r"os error (\d+)", str(e))):
-        return OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path))
+        return OSError(int(code.group(1)), os.strerror(int(code.group(1))))
+    return None
+
+
+def named_error(e: BaseException, path: Path, temporary: Path | None = None) -> OSError | None:
+    """The system error `e` (`system_error`) of a write of `path` as an OSError that names `path`, where it names no
+    file (a full disk's is the write's, not the open's) or the temporary written in its place; None where it names
+    another file already or is no system error."""
+    s = system_error(e)
+    if s is not None and s.errno is not None and (s.filename is None or s.filename == str(temporary)):
+        return OSError(s.errno, s.strerror, str(path))
     return None
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from .address_space import address_space_limit
+from .atomic import system_error
 from .choices import DATA
 from .commands.options import check_environment, compiled_ok
 from .errors import BadInput, ExpertCacheError, did_you_mean
@@ -236,9 +237,7 @@ def reported(e: Exception, prog: str, flags: set[str] | None = None) -> int | No
     """The exit code of an error that ends a run with one line on stderr (printed here): bad input, a corrupt
     file, a refused allocation (2), stdout's reader gone (141); None for any other error, a bug to show whole.
     `flags`: the options of the verb that ran, which the out-of-memory advice names (None: every one)."""
-    if type(e).__name__ == "SafetensorError" and (code := re.search(r"os error (\d+)", str(e))):
-        # safetensors' writer reports the system's error in its own type (a full disk while a file is saved)
-        e = OSError(int(code.group(1)), os.strerror(int(code.group(1))))
+    e = system_error(e) or e  # safetensors' writer reports the system's error in its own type
     if isinstance(e, (ExpertCacheError, UnicodeDecodeError, json.JSONDecodeError)):  # bad input or a corrupt file
         print(f"{prog}: error: {e}", file=sys.stderr)
     elif isinstance(e, BrokenPipeError):  # stdout's reader left (`| head`): end quietly, as SIGPIPE would
