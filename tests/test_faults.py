@@ -301,10 +301,16 @@ def test_io_uring_reads_equal_worker_reads(tmp_path, policy):
 
 
 @needs_ring
-def test_io_uring_staging_buffers_are_bounded(tmp_path):
+@pytest.mark.parametrize("allowed", [3, 1, 0], ids=["registered", "one-registered", "refused"])
+def test_io_uring_staging_buffers_are_bounded(tmp_path, monkeypatch, allowed):
     """int4 slots take their blobs through staging buffers: a window whose misses outnumber them waits for
     buffers to come free, so there are never more than io_workers + 1 (what the memory budget counts), and
-    the logits are those of reads on worker threads."""
+    the logits are those of reads on worker threads. The buffers are registered with the ring (fixed reads);
+    where the kernel refuses that for all of them (the locked-memory limit), as many as it takes, the others
+    taking vectored reads."""
+    register = RingReads.register
+    monkeypatch.setattr(RingReads, "register", lambda ring, buffers: len(buffers) <= allowed and
+                        register(ring, buffers))
     ids = torch.arange(40, 104)
     logits = []
     for io in ("uring", "threads"):
@@ -314,8 +320,12 @@ def test_io_uring_staging_buffers_are_bounded(tmp_path):
         logits.append(engine.forward(ids, 0))
         assert engine.stats.sync_fetches > 6 * 3  # more than three misses a layer
         if io == "uring":
-            assert engine.cache.transfers.staged == {engine.store.expert_bytes: 3}
+            transfers = engine.cache.transfers
+            assert transfers.staged == {engine.store.expert_bytes: 3}
             assert engine.budget()["buffer_bytes"] == 3 * engine.store.expert_bytes
+            assert (transfers.ring.registered is not None) == (allowed > 0)
+            assert [index for _, _, index in transfers.made[engine.store.blob]] == \
+                [i if i < allowed else None for i in range(3)]
         engine.close()
     assert torch.equal(logits[0], logits[1])
 
@@ -385,14 +395,14 @@ def test_a_read_the_ring_refuses_to_queue_leaves_nothing_to_wait_for(tmp_path, m
     fmt = ExpertFormat.parse("int4") if slot_dtype == "int4" else None
     engine = Engine(None, EngineConfig(store="disk", store_dir=tmp_path, initial="cold", slot_dtype=slot_dtype,
                                        store_format=fmt, cache=CacheConfig(fraction=0.25, io="uring")))
-    real, calls = RingReads.read, []
+    real, calls = RingReads._queue, []
 
-    def read(ring, *a):
+    def queue(ring, *a):  # every read, into registered buffers or not
         calls.append(a)
         if len(calls) == 2:
             raise OSError(errno.EAGAIN, "io_uring_enter: the kernel took no read for a second; retry later")
         return real(ring, *a)
-    monkeypatch.setattr(RingReads, "read", read)
+    monkeypatch.setattr(RingReads, "_queue", queue)
     with pytest.raises(OSError, match="the kernel took no read"):
         engine.cache.fill(2, [4, 5, 6])
     cache = engine.cache

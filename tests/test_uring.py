@@ -1,6 +1,6 @@
 """The io_uring ring spoken to through its system calls: reads land the file's bytes in the iovec's
-buffers, errors and short reads come back as results, the queues wrap, and more reads than the
-ring holds are queued in turns."""
+buffers or in registered ones, errors and short reads come back as results, the queues wrap, and more
+reads than the ring holds are queued in turns."""
 import errno
 import mmap
 import os
@@ -53,6 +53,24 @@ def test_vectored_reads_land_the_files_bytes(direct_file):
     assert sorted(got) == [(100 + i, 3 * PAGE) for i in range(6)]
     for b, off in zip(bufs, offsets):
         assert np.array_equal(b, data[off:off + 3 * PAGE])
+    ring.close()
+
+
+@ring_here
+def test_reads_into_registered_buffers_land_the_files_bytes(direct_file):
+    """Registered buffers take fixed reads, each into the buffer its index names, short past the file's end;
+    a second set is refused (its reads would go through `read`)."""
+    fd, data = direct_file
+    ring = RingReads.open()
+    bufs = [pages(3) for _ in range(4)]
+    assert ring.register(bufs) and not ring.register([pages(1)])
+    offsets = [PAGE * k for k in (5, 0, 33, 62)]
+    for i, off in enumerate(offsets):
+        ring.read_fixed(fd, i, off, 200 + i)
+    got = dict(drain(ring, 4))
+    assert got == {200: 3 * PAGE, 201: 3 * PAGE, 202: 3 * PAGE, 203: 2 * PAGE}
+    for b, off in zip(bufs, offsets):
+        assert np.array_equal(b[:len(data[off:off + 3 * PAGE])], data[off:off + 3 * PAGE])
     ring.close()
 
 

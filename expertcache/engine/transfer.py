@@ -4,12 +4,13 @@ Fetches, background admissions and prefetches all go through `submit`, which ret
 a `Transfer`; `wait` blocks until its slot holds the expert and reports the stall.
 On CPU, O_DIRECT reads go through io_uring where the system has it (engine/uring.py: queued
 and reaped by the engine's own thread): straight into float slots of the store's dtype, or into
-a page-aligned staging buffer whose encoded bytes a quantized slot takes, or that a low-precision
-copy is decoded from when reaped; other reads (a dtype conversion, buffered modes) run on worker
-threads (O_DIRECT reads release the GIL). On CUDA (`DeviceCopies`) a read lands in a pinned staging
-buffer on the host, is copied to the slot with non_blocking=True on a copy stream that first waits for
-the compute work queued before the slot was taken, and its completion is an event the compute stream
-waits on: no host synchronisation; a staging buffer is reused only once its copy's event has completed.
+a page-aligned staging buffer (registered with the ring) whose encoded bytes a quantized slot
+takes, or that a low-precision copy is decoded from when reaped; other reads (a dtype conversion,
+buffered modes) run on worker threads (O_DIRECT reads release the GIL). On CUDA (`DeviceCopies`) a
+read lands in a pinned staging buffer on the host, is copied to the slot with non_blocking=True on a
+copy stream that first waits for the compute work queued before the slot was taken, and its completion
+is an event the compute stream waits on: no host synchronisation; a staging buffer is reused only once
+its copy's event has completed.
 
 The workers are a minimal pool rather than concurrent.futures: a read's hand-off, start,
 completion and cancellation are C-level queue and lock operations, so a worker holds the GIL
@@ -240,8 +241,11 @@ class TransferEngine:
             if store is self.small or self.iovecs is None:  # lands in a staging buffer, taken from it when reaped
                 stage = self._stage(store)
             try:
-                self.ring.read(store.fd, self.iovecs[slot] if stage is None else stage[1],
-                               store.offset(layer, expert), self.tickets)
+                if stage is not None and stage[2] is not None:
+                    self.ring.read_fixed(store.fd, stage[2], store.offset(layer, expert), self.tickets)
+                else:
+                    self.ring.read(store.fd, self.iovecs[slot] if stage is None else stage[1],
+                                   store.offset(layer, expert), self.tickets)
             except BaseException:  # not queued: no completion will come (`close` waited for one and raised)
                 if stage is not None:
                     self.staging[store.blob].append(stage)
@@ -282,12 +286,24 @@ class TransferEngine:
         """Blob bytes -> how many staging buffers were made for them."""
         return {nbytes: len(made) for nbytes, made in self.made.items()}
 
-    def _stage(self, store: ExpertStore) -> tuple[np.ndarray, object]:
-        """A free staging buffer for a blob of `store` (and its iovec): a new one while fewer exist than the
-        store's `buffer_bytes` counts, else the next to come free as the reads in flight complete."""
-        nbytes = store.blob
+    def _stage(self, store: ExpertStore) -> tuple[np.ndarray, object, int | None]:
+        """A free staging buffer for a blob of `store`, its iovec and its index among the ring's registered buffers
+        (None: not registered): a new one while fewer exist than the store's `buffer_bytes` counts, else the next
+        to come free as the reads in flight complete. The store's own buffers are all made at its first read and
+        registered with the ring (`RingReads.register`), as many as the locked-memory limit allows: an O_DIRECT read
+        into a registered buffer does not pin its pages each time, the kernel's work that took 3-6x its CPU a byte
+        in fio and 3-7% of the decoding thread's CPU at real shape here (benchmarks/RESULTS.md, "Registered staging
+        buffers")."""
+        nbytes, limit = store.blob, store.buffer_bytes(self.n_workers) // store.blob
         free = self.staging.setdefault(nbytes, [])
-        if not free and len(self.made.get(nbytes, ())) >= store.buffer_bytes(self.n_workers) // nbytes:
+        if store is self.store and nbytes not in self.made and self.ring.registered is None:
+            bufs = [np.frombuffer(mmap.mmap(-1, nbytes), np.uint8) for _ in range(limit)]  # page-aligned, for O_DIRECT
+            fixed = limit
+            while fixed and not self.ring.register(bufs[:fixed]):  # refused past RLIMIT_MEMLOCK: fewer
+                fixed //= 2
+            self.made[nbytes] = [(buf, RingReads.iovec([buf]), i if i < fixed else None) for i, buf in enumerate(bufs)]
+            free += self.made[nbytes][::-1]
+        if not free and len(self.made.get(nbytes, ())) >= limit:
             start = time.perf_counter()
             while not free:
                 self.reap(block=True)
@@ -295,7 +311,7 @@ class TransferEngine:
         if free:
             return free.pop()
         buf = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)  # page-aligned, as O_DIRECT needs
-        made = buf, RingReads.iovec([buf])
+        made = buf, RingReads.iovec([buf]), None
         self.made.setdefault(nbytes, []).append(made)
         return made
 

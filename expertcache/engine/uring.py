@@ -27,9 +27,10 @@ import time
 import numpy as np
 
 # <linux/io_uring.h>
-_SYS_SETUP, _SYS_ENTER = 425, 426  # the same numbers on every architecture since Linux 5.1
+_SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427  # the same numbers on every architecture since Linux 5.1
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
-_OP_READV = 1
+_OP_READV, _OP_READ_FIXED = 1, 4
+_REGISTER_BUFFERS = 0
 _ENTER_GETEVENTS = 1
 # IORING_FEAT_NODROP (5.5: no completion is lost to a full queue) and IORING_FEAT_RW_CUR_POS (5.6: it marked
 # IOSQE_ASYNC, which reads no longer use, and is still required): an older kernel keeps the worker threads
@@ -90,6 +91,7 @@ class RingReads:
         self.queued = 0  # reads prepared but not yet taken by the kernel
         self.inflight = 0  # reads the kernel has taken whose completions are not yet taken
         self.ready: list[tuple[int, int]] = []  # completions taken while making room, for `completions`
+        self.registered: Iovec | None = None  # the buffers `read_fixed` reads into (`register`)
 
     @classmethod
     def open(cls, entries: int = 1024) -> RingReads | None:
@@ -116,8 +118,30 @@ class RingReads:
         O_DIRECT) that reads land in; kept by the caller for as long as reads may use it."""
         return Iovec(buffers)
 
+    def register(self, buffers: list) -> bool:
+        """Register `buffers` (writable, page-aligned) with the kernel, for `read_fixed`: their pages are pinned
+        now, not at every read. False where a set is registered already, or the kernel refuses (more than the
+        locked-memory limit, RLIMIT_MEMLOCK, allows an unprivileged process): reads then go through `read`."""
+        if self.registered is not None:
+            return False
+        iovec = Iovec(buffers)
+        if _call(_SYS_REGISTER, self.fd, _REGISTER_BUFFERS, iovec.address, iovec.count) < 0:
+            return False
+        self.registered = iovec
+        return True
+
+    def read_fixed(self, fd: int, index: int, offset: int, ticket: int) -> None:
+        """Queue a read at `offset` of `fd` filling registered buffer `index` (`register`)."""
+        buffer = self.registered.buffers[index]
+        self._queue(_OP_READ_FIXED, fd, offset, buffer.ctypes.data, buffer.nbytes, ticket, index)
+
     def read(self, fd: int, iovec: Iovec, offset: int, ticket: int) -> None:
         """Queue a read at `offset` of `fd` filling iovec's buffers."""
+        self._queue(_OP_READV, fd, offset, iovec.address, iovec.count, ticket, 0)
+
+    def _queue(self, opcode: int, fd: int, offset: int, address: int, length: int, ticket: int, index: int) -> None:
+        """Queue one read's submission entry: at `address`, `length` iovecs (READV) or bytes (READ_FIXED, into
+        registered buffer `index`)."""
         tries = 0
         while self.queued == self.entries:  # every slot holds a read the kernel has not taken: none may be overwritten
             self._make_room(tries)
@@ -126,8 +150,8 @@ class RingReads:
         # the calling thread ~20 us of block-layer work a read, but waited for a worker to be woken on the busy
         # cores: an oracle's prefetch gained 1.11x over on-demand loading that way, 1.17x inline (built-in model;
         # 1.03x against 1.12x at real scale; benchmarks/RESULTS.md, "Prefetch reads issued inline")
-        _SQE.pack_into(self.sqes, 64 * (self.tail & self.sq_mask), _OP_READV, 0, 0, fd, offset, iovec.address,
-                       iovec.count, 0, ticket, 0, 0, 0, 0, 0)
+        _SQE.pack_into(self.sqes, 64 * (self.tail & self.sq_mask), opcode, 0, 0, fd, offset, address, length, 0,
+                       ticket, index, 0, 0, 0, 0)
         self.tail = (self.tail + 1) & 0xFFFFFFFF
         self.queued += 1
 
