@@ -432,6 +432,17 @@ def test_io_uring_refused_for_a_float_store_of_unpaged_parts_names_why(tiny, tmp
         Engine(tiny["gpt_oss"][0], EngineConfig(store="disk", store_dir=tmp_path, cache=CacheConfig(io="uring")))
 
 
+@needs_ring
+def test_io_uring_refused_for_a_quantized_store_into_float_slots_names_the_slot_dtype(paged_model, tmp_path):
+    """An int8 store decoded into float slots reads on worker threads: --io uring is refused naming that, and the
+    slot dtype that keeps the blobs as they are (not the parts' pages, which are whole here)."""
+    from expertcache.errors import BadInput
+    path, _ = paged_model
+    with pytest.raises(BadInput, match="quantized store .*float slots decode each int8 blob.*--slot-dtype int8"):
+        Engine(path, EngineConfig(store="disk", store_dir=tmp_path / "int8", store_format=ExpertFormat.parse("int8"),
+                                  cache=CacheConfig(io="uring")))
+
+
 def io_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("expert-io-")]
 

@@ -201,8 +201,14 @@ class TransferEngine:
             getattr(self.store, "read_mode", "") == "o_direct"
         ring = RingReads.open() if usable and io != "threads" else None
         if io == "uring" and ring is None:
-            if getattr(self.store, "read_mode", "") == "o_direct" and not self.encoded and not self.cuda and \
-                    getattr(self.store, "direct_parts", True) is False:
+            o_direct_into_cpu_floats = getattr(self.store, "read_mode", "") == "o_direct" and not self.encoded \
+                and not self.cuda
+            fmt = getattr(self.store, "format", None)
+            if o_direct_into_cpu_floats and fmt is not None and fmt.quantized:
+                raise BadInput(f"--io uring reads a quantized store only into slots that keep its blobs as they "
+                               f"are; float slots decode each {fmt.dtype} blob on a worker thread: use --io auto, "
+                               f"or --slot-dtype {fmt.dtype}")
+            if o_direct_into_cpu_floats and getattr(self.store, "direct_parts", True) is False:
                 raise BadInput("--io uring reads a float store straight into its slots, which needs each part of "
                                "a blob in whole 4 KiB pages, and this model's are not (its experts' biases); "
                                "use --io auto, or a quantized store and slots (--store-dtype int8 --slot-dtype "
