@@ -109,6 +109,32 @@ def test_a_larger_budget_never_gives_fewer_slots():
     assert [slots for slots, _ in ran if slots > least][0] < 60, ran  # slots grow with the budget from there
 
 
+def test_short_prompts_known_ahead_give_the_slots_what_longer_passes_would_take(tmp_path):
+    """With longest_prompt a budget plans passes no longer than the prompts, and the slots take the rest: more of
+    them at the same budget, the same logits, a prompt past the bound run in more passes. `generate` counts its
+    prompt's tokens before the engine loads, `ppl` passes its window."""
+    from expertcache import cli
+    from expertcache.engine.generate import prefill
+    budget = 90 * 2**20
+    config = EngineConfig(store="ram", memory_budget=budget, max_seq=2048, initial="cold")
+    planned = Engine(None, config)
+    short = Engine(None, replace(config, longest_prompt=16))
+    assert planned.forward_tokens > 16 >= short.forward_tokens
+    assert short.cache.per_layer > planned.cache.per_layer
+    assert short.plan.total + short.cache.per_layer * short.cache.expert_bytes * 6 <= budget
+    ids = planned.encode(EVAL_TEXT.read_text()[:2000])[:40]
+    torch.testing.assert_close(prefill(short, ids), prefill(planned, ids), atol=1e-4, rtol=0)
+    slots, hello = planned.cache.per_layer, len(planned.encode("Hello there"))
+    planned.close()
+    short.close()
+    with pytest.raises(BadInput, match="longest_prompt=0 must be a positive number of tokens"):
+        EngineConfig(longest_prompt=0)
+    assert cli.main(["generate", "--store", "ram", "--memory-budget", "90M", "-n", "2", "--json",
+                     str(tmp_path / "g.json"), "Hello there"]) == 0
+    assert json.loads((tmp_path / "g.json").read_text())["cache_per_layer"] == Engine(
+        None, replace(config, longest_prompt=hello)).cache.per_layer > slots
+
+
 def test_kv_cache_grows_and_stays_exact(tiny):
     path, hf = tiny["mixtral"]
     ids = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(3))

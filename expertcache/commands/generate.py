@@ -166,13 +166,36 @@ def _readable_soon(stream, seconds: float = 1.0) -> bool:
         return True
 
 
+def prompt_tokens_ahead(model: str | None, text: str) -> int:
+    """The prompt's tokens by the model's own tokenizer (at most a full pass's: past that the passes are whole),
+    counted before the engine loads so that a memory budget plans its forward passes for them
+    (EngineConfig.longest_prompt; a prompt longer than this would only take more passes). A Hub id's tokenizer
+    comes with its weights, and a folder without a readable one is the engine's to report: there, a bound from the
+    text's bytes (a token holds at least one, and a tokenizer adds a few of its own: a BOS, a leading space)."""
+    from tokenizers import Tokenizer
+
+    from ..choices import BUILTIN_MODEL
+    from ..engine.budget import FORWARD_CHUNK
+    from ..engine.checkpoint import encode_prefix, is_hub_id
+    bound = len(text.encode("utf-8", "surrogatepass")) + 8
+    if model is not None and is_hub_id(model):
+        return bound
+    file = (BUILTIN_MODEL if model is None else Path(model).expanduser()) / "tokenizer.json"
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+        ids = encode_prefix(lambda t: tokenizer.encode(t, add_special_tokens=True).ids, text, FORWARD_CHUNK)
+    except Exception:  # noqa: BLE001 -- the binding raises a bare Exception; the engine names the file in one line
+        return bound
+    return max(len(ids), 1)
+
+
 def run(a) -> int:
     """Run the verb; returns the exit code."""
     from ..engine.compile_clock import compile_seconds
     from ..engine.generate import TextGeneration
     params = sampling_from_args(a)
     text = prompt_text(a)
-    engine = engine_from_args(a)
+    engine = engine_from_args(a, longest_prompt=prompt_tokens_ahead(a.model, text))
     prompt = engine.encode(text, max_tokens=engine.model.max_seq + 1)  # a piped file is not tokenized whole
     check_fits(engine, len(prompt), params.max_tokens)
     gen = TextGeneration(engine, prompt, params)

@@ -3,6 +3,7 @@ parsed so that a bad one ends in a line naming the flag."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -372,11 +373,12 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         prompt_order=getattr(a, "prompt_order", "experts"))
 
 
-def engine_from_args(a: argparse.Namespace) -> Engine:
-    """The Engine that add_engine_arguments' options describe."""
+def engine_from_args(a: argparse.Namespace, longest_prompt: int | None = None) -> Engine:
+    """The Engine that add_engine_arguments' options describe; `longest_prompt`: the most tokens a prompt of the run
+    has, where the verb knows it (EngineConfig.longest_prompt)."""
     announce_compile()
     from ..engine.engine import Engine
-    return Engine(a.model, engine_config(a))
+    return Engine(a.model, dataclasses.replace(engine_config(a), longest_prompt=longest_prompt))
 
 
 def check_before_download(a: argparse.Namespace) -> None:

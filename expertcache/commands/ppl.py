@@ -26,7 +26,7 @@ def run(a) -> int:
     from ..lab.texts import read_text
     from ..progress import progress_bar
     text = read_text(a.text)
-    engine = engine_from_args(a)
+    engine = engine_from_args(a, longest_prompt=a.context)  # a window is scored in one forward
     ids = engine.encode(text, max_tokens=a.max_tokens and a.max_tokens + 1)
     with progress_bar(total=len(ids) - 1, unit="tok", desc="ppl") as bar:
         r = perplexity(engine, ids, a.context, progress=bar.update, partial_on_interrupt=True)
