@@ -362,8 +362,8 @@ class Engine:
         left them a top-k set (110M: 13 slots a layer where 105M had 43). Slots past a top-k set before the pass
         halved a prompt's passes: 24 slots in all and passes of 67 tokens prefilled at half the speed of 12 and
         128, and decoded no faster (real shape at a tenth of the experts). A run whose prompts are known to be short
-        (`longest_prompt`) takes passes no longer than they are: at a tenth, --quota global, passes of 16 tokens
-        left 30 slots where 218 left 12, and the 0.15 rule decoded 1.47x faster."""
+        (`longest_prompt`) takes passes no longer than they are: at a tenth, --quota global, a 16-token prompt's
+        passes left 30 slots where passes of 218 tokens left 12, and the 0.15 rule decoded 1.49x faster."""
         # each size's plan once: the searches below ask for some several times, each read from the headers
         plan = functools.cache(lambda tokens: self._memory_plan(stored, dtype, held_dense, tokens))
         one, a = slot_bytes(ExpertShape.of(self.args), self.slot_format), self.args
