@@ -191,7 +191,8 @@ def run_bench(model: Path | None, cfg: BenchConfig, progress: Callable[[str], No
     engine = Engine(model, EngineConfig(device=cfg.device, store=cfg.store, cache=cache, store_dir=cfg.store_dir,
                                         store_format=cfg.store_format, read_mode=cfg.read_mode,
                                         slot_dtype=cfg.slot_dtype, dense_dtype=cfg.dense_dtype, max_seq=max_seq,
-                                        memory_budget=cfg.memory_budget, prefetch=largest))
+                                        memory_budget=cfg.memory_budget, prefetch=largest,
+                                        longest_prompt=max(cfg.prompt_tokens, cfg.context, 1)))  # or a forced window
     # the floor holds every expert: under a memory budget it would break the budget the run is measured at
     floor, no_floor = None, "it would break the budget" if cfg.memory_budget is not None else None
     try:
