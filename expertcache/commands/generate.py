@@ -172,17 +172,15 @@ def prompt_tokens_ahead(model: str | None, text: str) -> int:
     (EngineConfig.longest_prompt; a prompt longer than this would only take more passes). A Hub id's tokenizer
     comes with its weights, and a folder without a readable one is the engine's to report: there, a bound from the
     text's bytes (a token holds at least one, and a tokenizer adds a few of its own: a BOS, a leading space)."""
-    from tokenizers import Tokenizer
-
     from ..choices import BUILTIN_MODEL
     from ..engine.budget import FORWARD_CHUNK
-    from ..engine.checkpoint import encode_prefix, is_hub_id
+    from ..engine.checkpoint import encode_prefix, is_hub_id, read_tokenizer
     bound = len(text.encode("utf-8", "surrogatepass")) + 8
     if model is not None and is_hub_id(model):
         return bound
     file = (BUILTIN_MODEL if model is None else Path(model).expanduser()) / "tokenizer.json"
     try:
-        tokenizer = Tokenizer.from_file(str(file))
+        tokenizer = read_tokenizer(file)  # the engine's own, read once
         ids = encode_prefix(lambda t: tokenizer.encode(t, add_special_tokens=True).ids, text, FORWARD_CHUNK)
     except Exception:  # noqa: BLE001 -- the binding raises a bare Exception; the engine names the file in one line
         return bound

@@ -37,7 +37,8 @@ from ..policies import MissPolicy, as_policy, eviction_order, make_policy
 from .cache import CacheConfig, ExpertCache, least_slots_per_layer, slots_per_layer
 from .compile_clock import compile_seconds
 from .slots import slot_bytes, slot_format
-from .checkpoint import ROUTING_COUNTS, check_token_ids, encode_prefix, load_routing_counts, open_checkpoint
+from .checkpoint import (ROUTING_COUNTS, check_token_ids, encode_prefix, load_routing_counts, open_checkpoint,
+                         read_tokenizer)
 from . import threads
 from ..address_space import address_space_room
 from .budget import (
@@ -339,9 +340,8 @@ class Engine:
             self.set_prefetch(config.prefetch)
         self.tokenizer = None
         if ckpt.tokenizer_file is not None:
-            from tokenizers import Tokenizer
             try:
-                self.tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_file))
+                self.tokenizer = read_tokenizer(ckpt.tokenizer_file)
             except Exception as e:  # noqa: BLE001 -- the tokenizers binding raises a bare Exception
                 raise CheckpointError(f"{ckpt.tokenizer_file}: not a readable tokenizer ({e}); re-export the "
                                       "model's tokenizer.json") from None

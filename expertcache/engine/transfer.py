@@ -18,7 +18,6 @@ only for the few statements around its read and the decoding thread is not kept 
 """
 from __future__ import annotations
 
-import mmap
 import queue
 import threading
 import time
@@ -29,6 +28,7 @@ import torch
 
 from ..choices import IO_BACKENDS  # noqa: F401 (re-exported)
 from ..errors import BadInput, FetchError
+from .slots import page_aligned_zeros
 from .stores import ExpertStore
 from .uring import RingReads
 
@@ -197,12 +197,11 @@ class TransferEngine:
 
     def _ring(self, io: str) -> RingReads | None:
         """The ring for `io` (one of IO_BACKENDS, which CacheConfig checks) where the reads can take one."""
-        usable = (self.direct is not None or (self.encoded and not self.cuda)) and \
-            getattr(self.store, "read_mode", "") == "o_direct"
+        o_direct = getattr(self.store, "read_mode", "") == "o_direct"
+        usable = o_direct and (self.direct is not None or (self.encoded and not self.cuda))
         ring = RingReads.open() if usable and io != "threads" else None
         if io == "uring" and ring is None:
-            o_direct_into_cpu_floats = getattr(self.store, "read_mode", "") == "o_direct" and not self.encoded \
-                and not self.cuda
+            o_direct_into_cpu_floats = o_direct and not self.encoded and not self.cuda
             fmt = getattr(self.store, "format", None)
             if o_direct_into_cpu_floats and fmt is not None and fmt.quantized:
                 raise BadInput(f"--io uring reads a quantized store only into slots that keep its blobs as they "
@@ -303,7 +302,7 @@ class TransferEngine:
         nbytes, limit = store.blob, store.buffer_bytes(self.n_workers) // store.blob
         free = self.staging.setdefault(nbytes, [])
         if store is self.store and nbytes not in self.made and self.ring.registered is None:
-            bufs = [np.frombuffer(mmap.mmap(-1, nbytes), np.uint8) for _ in range(limit)]  # page-aligned, for O_DIRECT
+            bufs = [page_aligned_zeros((nbytes,), torch.uint8).numpy() for _ in range(limit)]  # as O_DIRECT needs
             fixed = limit
             while fixed and not self.ring.register(bufs[:fixed]):  # refused past RLIMIT_MEMLOCK: fewer
                 fixed //= 2
@@ -316,7 +315,7 @@ class TransferEngine:
             self.buffer_wait_s += time.perf_counter() - start
         if free:
             return free.pop()
-        buf = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)  # page-aligned, as O_DIRECT needs
+        buf = page_aligned_zeros((nbytes,), torch.uint8).numpy()  # as O_DIRECT needs
         made = buf, RingReads.iovec([buf]), None
         self.made.setdefault(nbytes, []).append(made)
         return made
