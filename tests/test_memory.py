@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,16 +98,19 @@ def test_a_larger_budget_never_gives_fewer_slots():
     a layer where 105M had 43, and passes of powers of two still dipped them where one doubled. Nor may slots past
     a top-k set starve a prompt's passes: the pass first takes the size that reads least for a prompt token and a
     decoded one together (64 tokens on the built-in model at 2,048 positions), the slots the rest; past every
-    expert held, the pass grows."""
-    ran = []
+    expert held, the pass grows. A decode's slots (on the CPU, the long pass's workspace too) never fewer either."""
+    ran, decode = [], []
     for mib in range(80, 170, 6):
         engine = Engine(None, EngineConfig(store="ram", memory_budget=mib * 2**20, max_seq=2048))
-        ran.append((engine.cache.per_layer, engine.forward_tokens))
+        ran.append((engine.budget()["slots_per_layer_long_pass"], engine.forward_tokens))
+        decode.append(engine.cache.per_layer)
         engine.close()
     least = engine.args.top_k
     assert ran == sorted(ran) and ran[-1] == (128, 512), ran
     assert all(tokens >= 64 or slots == least for slots, tokens in ran) and ran[0] == (least, ran[0][1]), ran
     assert [slots for slots, _ in ran if slots > least][0] < 60, ran  # slots grow with the budget from there
+    assert decode == sorted(decode) and all(d >= s for d, (s, _) in zip(decode, ran)), decode
+    assert any(d > s for d, (s, _) in zip(decode, ran)), decode
 
 
 def test_short_prompts_known_ahead_give_the_slots_what_longer_passes_would_take(tmp_path):
@@ -120,19 +124,57 @@ def test_short_prompts_known_ahead_give_the_slots_what_longer_passes_would_take(
     planned = Engine(None, config)
     short = Engine(None, replace(config, longest_prompt=16))
     assert planned.forward_tokens > 16 >= short.forward_tokens
-    assert short.cache.per_layer > planned.cache.per_layer
+    assert short.cache.active > planned.cache.active  # in a prompt's passes
     assert short.plan.total + short.cache.per_layer * short.cache.expert_bytes * 6 <= budget
     ids = planned.encode(EVAL_TEXT.read_text()[:2000])[:40]
     torch.testing.assert_close(prefill(short, ids), prefill(planned, ids), atol=1e-4, rtol=0)
-    slots, hello = planned.cache.per_layer, len(planned.encode("Hello there"))
+    slots, hello = planned.budget()["slots_per_layer_long_pass"], len(planned.encode("Hello there"))
     planned.close()
     short.close()
     with pytest.raises(BadInput, match="longest_prompt=0 must be a positive number of tokens"):
         EngineConfig(longest_prompt=0)
     assert cli.main(["generate", "--store", "ram", "--memory-budget", "90M", "-n", "2", "--json",
                      str(tmp_path / "g.json"), "Hello there"]) == 0
-    assert json.loads((tmp_path / "g.json").read_text())["cache_per_layer"] == Engine(
+    assert json.loads((tmp_path / "g.json").read_text())["budget"]["slots_per_layer_long_pass"] == Engine(
         None, replace(config, longest_prompt=hello)).cache.per_layer > slots
+
+
+@pytest.mark.parametrize("quota", ["layer", "global"])
+def test_a_decode_takes_back_a_long_pass_workspace_as_slots(quota):
+    """Under a budget on the CPU, a long prompt's passes hold a top-k set of slots beside their workspace, and a
+    decode step the slots that workspace gave back; the next long pass empties them again and gives their pages
+    back to the system. Fetch-every-miss stays exact throughout."""
+    config = EngineConfig(store="disk", max_seq=600, initial="cold", cache=CacheConfig(quota=quota))
+    plain = Engine(None, replace(config, cache=CacheConfig(fraction=1.0)))
+    lent = Engine(None, replace(config, memory_budget=40 * 2**20))
+    long, short = lent._slots_by_pass
+    assert lent.forward_tokens > 16 and short > long and lent.cache.per_layer == short
+    ids = torch.tensor(plain.encode(EVAL_TEXT.read_text()[:6000])[:lent.forward_tokens + 40])
+    L, S = lent.args.num_moe_layers, lent.cache.num_slots
+    for start in (0, 1):  # a second prompt after a decode, as a chat's next turn
+        prompt = ids[start:-8]
+        torch.testing.assert_close(lent.forward(prompt, 0), plain.forward(prompt, 0), atol=1e-4, rtol=0)
+        assert lent.cache.active == long
+        resident = lent.cache.state.owner >= 0
+        assert resident.sum() <= long * L
+        cut = np.zeros(S, bool)
+        if quota == "layer":
+            for layer in range(L):
+                cut[layer * short + long:(layer + 1) * short] = True
+        else:
+            cut[long * L:] = True
+        assert not resident[cut].any() and not np.isin(lent.cache.slot_of, np.flatnonzero(cut)).any()
+        slots = lent.cache.w13 if lent.cache.w13 is not None else lent.cache.blobs
+        if start:  # the decode's slots given back: their pages read as zeros
+            assert not slots[torch.from_numpy(cut)].any()
+        for t in range(len(prompt), len(ids)):
+            torch.testing.assert_close(lent.forward(ids[t:t + 1], t), plain.forward(ids[t:t + 1], t), atol=1e-4,
+                                       rtol=0)
+        assert lent.cache.active == short and (lent.cache.state.owner >= 0).sum() > long * L
+        assert lent.budget()["cache_bytes"] + lent.budget()["workspace_bytes"] <= \
+            lent.cache.bytes_in_use + lent.plan.workspace
+    lent.close()
+    plain.close()
 
 
 def test_kv_cache_grows_and_stays_exact(tiny):

@@ -33,14 +33,15 @@ def run(a) -> int:
     spread = f"± {r.stderr:.3f}" if r.tokens > 1 else "(one token: no standard error)"
     scored = f"{r.tokens} of {len(ids) - 1} tokens, interrupted" if r.interrupted else \
         f"{r.tokens} token{'s' * (r.tokens != 1)}"
+    slots = engine.budget()["slots_per_layer_long_pass"]  # a window's: under a budget a decode's may be more
     print(f"perplexity {r.ppl:.3f} {spread} over {scored} "
-          f"({a.store}, cache {engine.cache.per_layer}/{engine.args.num_experts} per layer, {engine.variant})")
+          f"({a.store}, cache {slots}/{engine.args.num_experts} per layer, {engine.variant})")
     print(engine.stats.line())
     # the policy as --policy spells it, every option (its repr drops them: quality-first:beta=0 read quality-first)
     write_json(a.json, {"text": str(a.text), "context": a.context, "policy": engine.variant,
                         "eviction": engine.cache.cfg.eviction, "initial": "warm" if engine.warm_start else "cold",
                         "quota": engine.cache.cfg.quota, "slot_format": engine.slot_format.tag,
-                        "store": a.store, "cache_fraction": engine.cache.per_layer / engine.args.num_experts,
+                        "store": a.store, "cache_fraction": slots / engine.args.num_experts,
                         **r.to_dict(), "budget": engine.budget()})
     engine.close()
     return 130 if r.interrupted else 0

@@ -32,6 +32,9 @@ FORWARD_CHUNK = 512  # tokens of one forward pass: Engine.forward runs a longer 
 # the passes a memory budget too small for FORWARD_CHUNK's workspace takes instead, before it is refused: a prompt
 # then runs in more passes (each reading its missing experts again) rather than not at all
 SMALLER_PASSES = (256, 128, 64, 32, 16)
+# forwards of at most this many tokens (a decode step, a server's batch of steps) get back, as expert slots on the
+# CPU, the memory that a budget's longer passes take for their workspace (Engine._fit_slots)
+DECODE_PASS = 16
 # the pages of code a run keeps executing (PyTorch's, LLVM's, Python's), which a memory cgroup must leave it: under
 # a cap of 300 MiB a run of the built-in model thrashed with 44 MiB of them, and ran at full speed with 64
 CODE_BYTES = 64 * 2**20

@@ -21,7 +21,7 @@ from ..kernel.policy import Scratch
 from ..kernel.routing import Router, Routing, route_logits
 from ..policies import MissPolicy
 from .quant import FLOAT_DTYPES, ExpertFormat
-from .slots import page_aligned_zeros, slot_bytes
+from .slots import page_aligned_zeros, release_pages, slot_bytes
 from .stores import ExpertShape, ExpertStore
 from .transfer import InstantTransfers, Transfer, TransferEngine
 
@@ -130,6 +130,9 @@ class ExpertCache:
         self.per_layer = slots_per_layer(cfg, shape, self.expert_bytes, top_k)
         S = self.per_layer * shape.num_layers
         self.num_slots = S
+        # the slots a layer may use now (`use_slots`): fewer while a long forward pass's workspace takes their
+        # memory; the rest stay allocated as untouched pages, which cost nothing
+        self.active = self.per_layer
         virtual = store is None
         floats = not (virtual or encoded)
 
@@ -186,7 +189,7 @@ class ExpertCache:
 
     def _new_state(self) -> CacheState:
         st = CacheState.make(self.shape.num_layers, self.shape.num_experts, self.per_layer, self.cfg.quota,
-                             self.cfg.eviction or "lru", self.top_k)
+                             self.cfg.eviction or "lru", self.top_k, self.active)
         st.misc[LOGGING] = 1
         return st.with_log(kernel.log_capacity(1, self.top_k, self.shape.num_experts))
 
@@ -194,6 +197,44 @@ class ExpertCache:
     def bytes(self) -> int:
         """Fast-tier bytes of all slots."""
         return self.num_slots * self.expert_bytes
+
+    @property
+    def bytes_in_use(self) -> int:
+        """Fast-tier bytes of the slots the layers may use now (`use_slots`)."""
+        return self.active * self.shape.num_layers * self.expert_bytes
+
+    @property
+    def usable(self) -> int:
+        """The slots a layer may use now: its own, or under a global quota all of them."""
+        return self.active * (self.shape.num_layers if self.cfg.quota == "global" else 1)
+
+    def use_slots(self, per_layer: int) -> None:
+        """Let each layer use `per_layer` of its slots from now on (at least a top-k set, at most those allocated),
+        between forwards. Slots taken away are emptied (their reads in flight land first) and their
+        pages given back to the system: a memory budget lends them to a long pass's workspace and back to decode."""
+        least = least_slots_per_layer(self.cfg.quota, self.top_k, self.shape.num_layers)
+        per_layer = min(max(int(per_layer), least), self.per_layer)
+        if per_layer == self.active:
+            return
+        st, L = self.state, self.shape.num_layers
+        cut = [(lo + per_layer, hi) for lo, hi in zip(st.slot_lo.tolist(), st.slot_hi.tolist())] \
+            if self.cfg.quota == "layer" else [(per_layer * L, self.active * L)]
+        if per_layer < self.active:
+            gone = [s for a, b in cut for s in range(a, b)]
+            self._wait_each([s for s in gone if s in self.pending], needed=False)
+            for s in gone:
+                if st.owner[s] >= 0:
+                    self._unmap(s, int(st.owner[s]))
+                st.owes[s], st.owed[s] = -1, 0
+            for tensor in (self.w13, self.w2, self.b13, self.b2, self.blobs):
+                if tensor is not None and tensor.device.type == "cpu":
+                    for a, b in cut:
+                        release_pages(tensor[a:b])
+        self.active = per_layer
+        if self.cfg.quota == "layer":
+            st.slot_hi[:] = st.slot_lo + per_layer
+        else:
+            st.slot_hi[:] = per_layer * L
 
     @property
     def slot_of(self) -> np.ndarray:
@@ -491,7 +532,7 @@ class ExpertCache:
 
     def warm(self, counts: np.ndarray) -> None:
         """Warm start: each layer's most-routed experts (counts [L, E]) fill its share of slots."""
-        n = self.per_layer if self.cfg.quota == "layer" else self.num_slots // self.shape.num_layers
+        n = self.active
         for layer in range(self.shape.num_layers):
             self.fill(layer, np.argsort(-counts[layer], kind="stable")[:n])
 

@@ -42,6 +42,7 @@ from .checkpoint import (ROUTING_COUNTS, check_token_ids, encode_prefix, load_ro
 from . import threads
 from ..address_space import address_space_room
 from .budget import (
+    DECODE_PASS,
     FORWARD_CHUNK,
     SMALLER_PASSES,
     MemoryPlan,
@@ -304,11 +305,23 @@ class Engine:
         self.forward_tokens = FORWARD_CHUNK  # tokens of one forward pass (a window runs in passes of this many)
         self.plan = self._memory_plan(stored, dtype, held_dense)
         cache_cfg = replace(config.cache, eviction=self._eviction())
+        # under a budget, the slots each layer uses in a long pass and in a short one (`_fit_slots`)
+        self._slots_by_pass: tuple[int, int] | None = None
+        self._short_workspace = 0  # and a short pass's workspace
+        allocated = cache_cfg
         if config.memory_budget is not None:
-            self.forward_tokens, self.plan, slots = self._budget_passes(config.memory_budget, stored, dtype,
-                                                                        held_dense)
+            self.forward_tokens, self.plan, slots, decode = self._budget_passes(config.memory_budget, stored, dtype,
+                                                                                held_dense)
             cache_cfg = replace(cache_cfg, bytes=min(self._expert_budget(config.memory_budget), slots))
-        self._check_memory(cache_cfg, stored, held_dtype(ckpt, self.args, store_dtype, config.store_format))
+            allocated = replace(cache_cfg, bytes=max(cache_cfg.bytes, decode))
+            if allocated.bytes > cache_cfg.bytes:
+                shape, one = ExpertShape.of(self.args), slot_bytes(ExpertShape.of(self.args), self.slot_format)
+                self._slots_by_pass = (slots_per_layer(cache_cfg, shape, one, self.args.top_k),
+                                       slots_per_layer(allocated, shape, one, self.args.top_k))
+                self._short_workspace = self._memory_plan(stored, dtype, held_dense, DECODE_PASS).workspace
+        # the checks count the long pass's workspace beside its slots: a short pass's slots take no more
+        self._check_memory(cache_cfg, stored, held_dtype(ckpt, self.args, store_dtype, config.store_format),
+                           allocated)
         self._check_device_memory(cache_cfg)
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, store_dtype, config.store_format,
                                 config.read_mode, config.verify)
@@ -319,7 +332,9 @@ class Engine:
         del weights
         self.small_store: ExpertStore | None = None
         self._open_small(self.policy)
-        self.cache = ExpertCache(cache_cfg, self.store, self.args.top_k, self.device, self.slot_format)
+        self.cache = ExpertCache(allocated, self.store, self.args.top_k, self.device, self.slot_format)
+        if self._slots_by_pass is not None:
+            self.cache.use_slots(self._slots_by_pass[0])  # a first forward is a prompt's, as likely as not
         self.bind_policy(self.policy)
         self.stats = RunStats()
         # forwards run over the model's KV cache: a generation continuing it checks that none ran since its own
@@ -354,16 +369,18 @@ class Engine:
         return self.config.initial in ("warm", "auto") and self.routing_counts is not None
 
     def _budget_passes(self, budget: int, stored: ExpertFormat, dtype: torch.dtype, held_dense: torch.dtype | None
-                       ) -> tuple[int, MemoryPlan, int]:
-        """The forward pass (its tokens), plan and expert slots' bytes a memory budget takes. The pass is the one
-        that reads fewest experts for a prompt token and a decoded token together (`_pass_reads`), or the largest
-        that leaves a top-k set of slots; the slots take the rest, in whole slots, up to every expert, and past
-        that the pass grows. Slots never fewer for more budget: a budget just past a full pass's workspace had
-        left them a top-k set (110M: 13 slots a layer where 105M had 43). Slots past a top-k set before the pass
-        halved a prompt's passes: 24 slots in all and passes of 67 tokens prefilled at half the speed of 12 and
-        128, and decoded no faster (real shape at a tenth of the experts). A run whose prompts are known to be short
-        (`longest_prompt`) takes passes no longer than they are: at a tenth, --quota global, a 16-token prompt's
-        passes left 30 slots where passes of 218 tokens left 12, and the 0.15 rule decoded 1.49x faster."""
+                       ) -> tuple[int, MemoryPlan, int, int]:
+        """The forward pass (its tokens), plan and expert slots' bytes a memory budget takes, and the slots' bytes
+        of a short pass (`DECODE_PASS`: a decode step), which on the CPU takes back a long one's workspace as slots
+        (`_fit_slots`). The pass is the one that reads fewest experts for a prompt token and a decoded token
+        together (`_pass_reads`), or the largest that leaves a top-k set of slots; the slots take the rest, in whole
+        slots, up to every expert, and past that the pass grows. Slots never fewer for more budget: a budget just
+        past a full pass's workspace had left them a top-k set (110M: 13 slots a layer where 105M had 43). Slots
+        past a top-k set before the pass halved a prompt's passes: 24 slots in all and passes of 67 tokens
+        prefilled at half the speed of 12 and 128 (real shape at a tenth of the experts). Nor the largest pass
+        always: teacher-forced windows of the built-in model at 90M read 18% more experts a token in passes of
+        512 beside 8 slots a layer than in the rule's beside 19. A run whose prompts are known to be short
+        (`longest_prompt`) takes passes no longer than they are."""
         # each size's plan once: the searches below ask for some several times, each read from the headers
         plan = functools.cache(lambda tokens: self._memory_plan(stored, dtype, held_dense, tokens))
         one, a = slot_bytes(ExpertShape.of(self.args), self.slot_format), self.args
@@ -374,10 +391,16 @@ class Engine:
         fits = lambda tokens, slots: plan(tokens).total + slots <= budget  # noqa: E731
         tokens = _most(smallest, target, lambda n: fits(n, least))
         whole = one * (a.num_moe_layers if self.config.cache.quota == "layer" else 1)  # what one more slot takes
-        slots = min((budget - plan(tokens).total) // whole * whole, one * a.num_moe_layers * a.num_experts)
-        slots = min(max(slots, least), max(budget - plan(smallest).total, 0))  # short of a top-k set: refused later
+        every = one * a.num_moe_layers * a.num_experts
+
+        def slots_beside(tokens: int) -> int:
+            return min((budget - plan(tokens).total) // whole * whole, every)
+        slots = min(max(slots_beside(tokens), least), max(budget - plan(smallest).total, 0))  # short of a top-k set:
+        # refused later
         tokens = _most(tokens, longest, lambda n: fits(n, slots))  # every expert held: the rest to the pass
-        return tokens, plan(tokens), slots
+        short = min(tokens, DECODE_PASS)  # on the CPU slots past the pages written cost nothing: a decode's all there
+        decode = max(slots, slots_beside(short)) if self.device.type == "cpu" and tokens > short else slots
+        return tokens, plan(tokens), slots, decode
 
     def _pass_reads(self, tokens: int, plan_bytes: int, slot: int) -> float:
         """Experts read for a prompt token and a decoded token, less a constant, where forward passes of `tokens`
@@ -408,10 +431,12 @@ class Engine:
         return MemoryPlan(dense, kv_bytes(a, c.kv_positions or c.max_seq, dtype), buffers,
                           workspace_bytes(a, c.max_seq, largest, passes), predictor)
 
-    def _check_memory(self, cache: CacheConfig, stored: ExpertFormat, store_dtype: torch.dtype) -> None:
+    def _check_memory(self, cache: CacheConfig, stored: ExpertFormat, store_dtype: torch.dtype,
+                      allocated: CacheConfig) -> None:
         """NotEnoughMemory, before any weight is read, where what the run holds in host memory (on the CPU the plan's
-        parts and the expert slots; a ram or pinned store's experts) is clearly more than the machine has free: the
-        OOM killer would end it while loading, with nothing said."""
+        parts and the expert slots in use, `cache`; a ram or pinned store's experts) is clearly more than the machine
+        has free: the OOM killer would end it while loading, with nothing said. An address-space limit counts every
+        slot mapped (`allocated`), touched or not."""
         free = available_memory()
         if free is None:
             return
@@ -432,6 +457,8 @@ class Engine:
         bound = "this machine has free"
         if (room := address_space_room()) is not None and room <= free:  # ulimit -v, not the machine, sets it
             bound, fixes = "its address-space limit leaves (ulimit -v)", ["ulimit -v unlimited", *fixes]
+            if "expert slots" in parts:
+                parts["expert slots"] = self._slots_bytes(allocated)
         refuse_unless_fits(parts, free, "", bound, f"{', '.join(fixes[:-1])} or {fixes[-1]}")
 
     def _check_device_memory(self, cache: CacheConfig) -> None:
@@ -657,6 +684,7 @@ class Engine:
         self.linear_end = -1 if linear else 0
         if not self.kv_swapped:
             del self.kv_ids[pos:]  # rewritten from here, or unknown if it fails
+        self._fit_slots(T)
         self.runner.start_forward(id(self.model.k_cache), pos, T)  # a swapped-in sequence has other keys
         self.runner.by_expert = prompt and self.config.prompt_order == "experts"
         try:
@@ -720,6 +748,15 @@ class Engine:
                 out.append(logits)
         return torch.cat(out) if len(out) > 1 else out[0]
 
+    def _fit_slots(self, tokens: int) -> None:
+        """Under a memory budget on the CPU, the slots a forward of `tokens` leaves room for: a long one's passes
+        take the workspace the budget plans for them, a short one's (at most DECODE_PASS tokens) give it back as
+        slots. A long prompt's decode then has every slot the budget holds: at a tenth of the real-shape experts,
+        --quota global, 30 slots in all where 12 are left beside 218-token passes (the 0.15 rule 1.82x faster)."""
+        if self._slots_by_pass is not None:
+            long, short = self._slots_by_pass
+            self.cache.use_slots(short if tokens <= DECODE_PASS else long)
+
     def forward_batch(self, ids: torch.Tensor, positions: list[int],
                       kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Decode B sequences one token each (Transformer.forward_batch): ids [B] at `positions`, keys and
@@ -731,6 +768,7 @@ class Engine:
 
     def _forward_batch(self, ids: torch.Tensor, positions: list[int],
                        kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        self._fit_slots(ids.shape[0])
         self.runner.decoding = True
         self.runner.start_forward(None, 0, ids.shape[0])
         try:
@@ -804,18 +842,22 @@ class Engine:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
 
     def budget(self) -> dict:
-        """Bytes of the fast tier: non-expert weights, the expert cache, the KV cache (as allocated
-        now, and at max_seq), the transfer buffers, the attached predictor; and the budget they were sized to,
-        if any."""
+        """Bytes of the fast tier: non-expert weights, the expert slots in use and the workspace of the passes
+        that use them (a long pass's, or a short one's: `_fit_slots`), the KV cache (as allocated now, and at
+        max_seq), the transfer buffers, the attached predictor; and the budget they were sized to, if any."""
         kv = self.model.kv_bytes(self.model.kv_positions)
+        long, short = self._slots_by_pass or (self.cache.per_layer,) * 2
+        lent = self._slots_by_pass is not None and self.cache.active == short  # a short pass's slots in use now
         return {"memory_budget": self.config.memory_budget, "dense_bytes": self.model.dense_bytes,
-                "cache_bytes": self.cache.bytes, "kv_bytes": kv,
+                "cache_bytes": self.cache.bytes_in_use, "kv_bytes": kv,
                 "kv_bytes_max": self.model.kv_bytes(self.model.max_seq),
-                "buffer_bytes": self.buffer_bytes(), "workspace_bytes": self.plan.workspace,
+                "buffer_bytes": self.buffer_bytes(),
+                "workspace_bytes": self._short_workspace if lent else self.plan.workspace,
                 "planned_dense_bytes": self.plan.dense,
                 "predictor_bytes": predictor_bytes(self.runner.prefetch.predictor, self.path, self.dtype)
                 if self.runner.predictor is not None else 0,
-                "slots_per_layer": self.cache.per_layer, "slot_dtype": self.slot_format.tag,
+                "slots_per_layer": self.cache.active, "slots_per_layer_long_pass": long,
+                "slots_per_layer_short_pass": short, "slot_dtype": self.slot_format.tag,
                 "expert_bytes_slow": self.store.expert_bytes,
                 "expert_bytes_fast": self.cache.expert_bytes}
 

@@ -257,7 +257,7 @@ class MoELayerRunner:
         missing = np.unique(ids[~resident])
         groups = [missing[g0:g0 + k] for g0 in range(0, len(missing), k)]
         # the next group's reads run under this group's compute, where the slots hold both
-        ahead = (cache.num_slots if cache.cfg.quota == "global" else cache.per_layer) >= 2 * k
+        ahead = cache.usable >= 2 * k
         rows, clock = np.zeros((1, cache.shape.num_experts), np.float32), self.token_base + T - 1
         for i, group in enumerate(groups):
             row = group

@@ -2,7 +2,9 @@
 page-aligned memory that holds a cache's stacked slots."""
 from __future__ import annotations
 
+import ctypes
 import mmap
+import sys
 
 import numpy as np
 import torch
@@ -49,3 +51,18 @@ def page_aligned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     are whole pages can then take O_DIRECT reads straight from the disk store."""
     n = int(np.prod(shape)) * dtype.itemsize
     return torch.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=torch.uint8)[:n].view(dtype).view(shape)
+
+
+def release_pages(rows: torch.Tensor) -> None:
+    """Give the whole pages under `rows` (a contiguous CPU slice of `page_aligned_zeros`' tensor, whose values are
+    no longer needed) back to the system: they read as zeros after, and are charged again only when written. On
+    Linux; elsewhere nothing is released. The mapping is a shared one, whose pages MADV_DONTNEED would only unmap:
+    MADV_REMOVE frees them."""
+    if sys.platform != "linux" or not rows.numel():
+        return
+    page = mmap.PAGESIZE
+    start = -(-rows.data_ptr() // page) * page
+    end = (rows.data_ptr() + rows.numel() * rows.element_size()) // page * page
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_REMOVE)

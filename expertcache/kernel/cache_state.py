@@ -46,13 +46,15 @@ class CacheState(NamedTuple):
 
     @classmethod
     def make(cls, num_layers: int, num_experts: int, per_layer: int, quota: str, eviction: str,
-             top_k: int) -> CacheState:
+             top_k: int, active: int | None = None) -> CacheState:
         """An empty state: per_layer * L free slots, each layer's own (quota 'layer') or shared
-        ('global'), ordered by `eviction`, with a small action log."""
+        ('global'), ordered by `eviction`, with a small action log; of them only `active` a layer in use (all by
+        default)."""
         L, E = num_layers, num_experts
         S = per_layer * L
+        active = per_layer if active is None else active
         lo = np.zeros(L, np.int64) if quota == "global" else np.arange(L, dtype=np.int64) * per_layer
-        hi = np.full(L, S, np.int64) if quota == "global" else lo + per_layer
+        hi = np.full(L, active * L, np.int64) if quota == "global" else lo + active
         group = np.zeros(L, np.int64) if quota == "global" else np.arange(L, dtype=np.int64)
         misc = np.zeros(8, np.int64)
         misc[EVICTION] = eviction_code(eviction)
