@@ -147,7 +147,7 @@ def test_a_decode_takes_back_a_long_pass_workspace_as_slots(quota):
     config = EngineConfig(store="disk", max_seq=600, initial="cold", cache=CacheConfig(quota=quota))
     plain = Engine(None, replace(config, cache=CacheConfig(fraction=1.0)))
     lent = Engine(None, replace(config, memory_budget=40 * 2**20))
-    long, short = lent._slots_by_pass
+    long, short = lent.budget()["slots_per_layer_long_pass"], lent.budget()["slots_per_layer_short_pass"]
     assert lent.forward_tokens > 16 and short > long and lent.cache.per_layer == short
     ids = torch.tensor(plain.encode(EVAL_TEXT.read_text()[:6000])[:lent.forward_tokens + 40])
     L, S = lent.args.num_moe_layers, lent.cache.num_slots

@@ -305,20 +305,20 @@ class Engine:
         self.forward_tokens = FORWARD_CHUNK  # tokens of one forward pass (a window runs in passes of this many)
         self.plan = self._memory_plan(stored, dtype, held_dense)
         cache_cfg = replace(config.cache, eviction=self._eviction())
-        # under a budget, the slots each layer uses in a long pass and in a short one (`_fit_slots`)
-        self._slots_by_pass: tuple[int, int] | None = None
-        self._short_workspace = 0  # and a short pass's workspace
+        # under a budget, the slots a layer uses in a long pass where a short one has more (every slot allocated:
+        # `_fit_slots`), and a short pass's workspace
+        self._long_pass_slots: int | None = None
+        self._short_workspace = self.plan.workspace
         allocated = cache_cfg
         if config.memory_budget is not None:
-            self.forward_tokens, self.plan, slots, decode = self._budget_passes(config.memory_budget, stored, dtype,
-                                                                                held_dense)
+            self.forward_tokens, self.plan, slots, decode, self._short_workspace = self._budget_passes(
+                config.memory_budget, stored, dtype, held_dense)
             cache_cfg = replace(cache_cfg, bytes=min(self._expert_budget(config.memory_budget), slots))
             allocated = replace(cache_cfg, bytes=max(cache_cfg.bytes, decode))
             if allocated.bytes > cache_cfg.bytes:
-                shape, one = ExpertShape.of(self.args), slot_bytes(ExpertShape.of(self.args), self.slot_format)
-                self._slots_by_pass = (slots_per_layer(cache_cfg, shape, one, self.args.top_k),
-                                       slots_per_layer(allocated, shape, one, self.args.top_k))
-                self._short_workspace = self._memory_plan(stored, dtype, held_dense, DECODE_PASS).workspace
+                shape = ExpertShape.of(self.args)
+                self._long_pass_slots = slots_per_layer(cache_cfg, shape, slot_bytes(shape, self.slot_format),
+                                                        self.args.top_k)
         # the checks count the long pass's workspace beside its slots: a short pass's slots take no more
         self._check_memory(cache_cfg, stored, held_dtype(ckpt, self.args, store_dtype, config.store_format),
                            allocated)
@@ -333,8 +333,8 @@ class Engine:
         self.small_store: ExpertStore | None = None
         self._open_small(self.policy)
         self.cache = ExpertCache(allocated, self.store, self.args.top_k, self.device, self.slot_format)
-        if self._slots_by_pass is not None:
-            self.cache.use_slots(self._slots_by_pass[0])  # a first forward is a prompt's, as likely as not
+        if self._long_pass_slots is not None:
+            self.cache.use_slots(self._long_pass_slots)  # a first forward is a prompt's, as likely as not
         self.bind_policy(self.policy)
         self.stats = RunStats()
         # forwards run over the model's KV cache: a generation continuing it checks that none ran since its own
@@ -369,18 +369,18 @@ class Engine:
         return self.config.initial in ("warm", "auto") and self.routing_counts is not None
 
     def _budget_passes(self, budget: int, stored: ExpertFormat, dtype: torch.dtype, held_dense: torch.dtype | None
-                       ) -> tuple[int, MemoryPlan, int, int]:
-        """The forward pass (its tokens), plan and expert slots' bytes a memory budget takes, and the slots' bytes
-        of a short pass (`DECODE_PASS`: a decode step), which on the CPU takes back a long one's workspace as slots
-        (`_fit_slots`). The pass is the one that reads fewest experts for a prompt token and a decoded token
+                       ) -> tuple[int, MemoryPlan, int, int, int]:
+        """The forward pass (its tokens), plan and expert slots' bytes a memory budget takes, and the slots' bytes and
+        workspace of a short pass (`DECODE_PASS`: a decode step), which on the CPU takes back a long one's workspace as
+        slots (`_fit_slots`). The pass is the one that reads fewest experts for a prompt token and a decoded token
         together (`_pass_reads`), or the largest that leaves a top-k set of slots; the slots take the rest, in whole
-        slots, up to every expert, and past that the pass grows. Slots never fewer for more budget: a budget just
-        past a full pass's workspace had left them a top-k set (110M: 13 slots a layer where 105M had 43). Slots
-        past a top-k set before the pass halved a prompt's passes: 24 slots in all and passes of 67 tokens
-        prefilled at half the speed of 12 and 128 (real shape at a tenth of the experts). Nor the largest pass
-        always: teacher-forced windows of the built-in model at 90M read 18% more experts a token in passes of
-        512 beside 8 slots a layer than in the rule's beside 19. A run whose prompts are known to be short
-        (`longest_prompt`) takes passes no longer than they are."""
+        slots, up to every expert, and past that the pass grows. Slots never fewer for more budget: a budget just past a
+        full pass's workspace had left them a top-k set (110M: 13 slots a layer where 105M had 43). Slots past a top-k
+        set before the pass halved a prompt's passes: 24 slots in all and passes of 67 tokens prefilled at half the
+        speed of 12 and 128 (real shape at a tenth of the experts). Nor the largest pass always: teacher-forced windows
+        of the built-in model at 90M read 18% more experts a token in passes of 512 beside 8 slots a layer than in the
+        rule's beside 19. A run whose prompts are known to be short (`longest_prompt`) takes passes no longer than they
+        are."""
         # each size's plan once: the searches below ask for some several times, each read from the headers
         plan = functools.cache(lambda tokens: self._memory_plan(stored, dtype, held_dense, tokens))
         one, a = slot_bytes(ExpertShape.of(self.args), self.slot_format), self.args
@@ -400,7 +400,7 @@ class Engine:
         tokens = _most(tokens, longest, lambda n: fits(n, slots))  # every expert held: the rest to the pass
         short = min(tokens, DECODE_PASS)  # on the CPU slots past the pages written cost nothing: a decode's all there
         decode = max(slots, slots_beside(short)) if self.device.type == "cpu" and tokens > short else slots
-        return tokens, plan(tokens), slots, decode
+        return tokens, plan(tokens), slots, decode, plan(short).workspace
 
     def _pass_reads(self, tokens: int, plan_bytes: int, slot: int) -> float:
         """Experts read for a prompt token and a decoded token, less a constant, where forward passes of `tokens`
@@ -753,9 +753,8 @@ class Engine:
         take the workspace the budget plans for them, a short one's (at most DECODE_PASS tokens) give it back as
         slots. A long prompt's decode then has every slot the budget holds: at a tenth of the real-shape experts,
         --quota global, 30 slots in all where 12 are left beside 218-token passes (the 0.15 rule 1.82x faster)."""
-        if self._slots_by_pass is not None:
-            long, short = self._slots_by_pass
-            self.cache.use_slots(short if tokens <= DECODE_PASS else long)
+        if self._long_pass_slots is not None:
+            self.cache.use_slots(self.cache.per_layer if tokens <= DECODE_PASS else self._long_pass_slots)
 
     def forward_batch(self, ids: torch.Tensor, positions: list[int],
                       kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -846,8 +845,8 @@ class Engine:
         that use them (a long pass's, or a short one's: `_fit_slots`), the KV cache (as allocated now, and at
         max_seq), the transfer buffers, the attached predictor; and the budget they were sized to, if any."""
         kv = self.model.kv_bytes(self.model.kv_positions)
-        long, short = self._slots_by_pass or (self.cache.per_layer,) * 2
-        lent = self._slots_by_pass is not None and self.cache.active == short  # a short pass's slots in use now
+        long, short = self._long_pass_slots or self.cache.per_layer, self.cache.per_layer
+        lent = self._long_pass_slots is not None and self.cache.active == short  # a short pass's slots in use now
         return {"memory_budget": self.config.memory_budget, "dense_bytes": self.model.dense_bytes,
                 "cache_bytes": self.cache.bytes_in_use, "kv_bytes": kv,
                 "kv_bytes_max": self.model.kv_bytes(self.model.max_seq),
