@@ -82,6 +82,23 @@ def test_batched_forward_with_prefetching(builtin):
         builtin.set_prefetch(None)
 
 
+def test_a_batch_past_a_budgets_pass_runs_in_passes(monkeypatch):
+    """Under a memory budget a batched step of more sequences than a pass's tokens runs in passes of that many, the
+    workspace the budget counts, and stays exact."""
+    from dataclasses import replace
+    config = EngineConfig(store="disk", max_seq=64, initial="cold", memory_budget=40 * 2**20, longest_prompt=16)
+    engine = Engine(None, config)
+    assert engine.forward_tokens == 16
+    sizes, run = [], engine.model.forward_batch
+    monkeypatch.setattr(engine.model, "forward_batch", lambda ids, *a: sizes.append(len(ids)) or run(ids, *a))
+    check_batched_logits(engine, list(range(1, 21)), steps=2)
+    assert sizes == [16, 4] * 2
+    engine.close()
+    plain = Engine(None, replace(config, memory_budget=None))
+    assert plain.forward_tokens > 20  # without a budget: one pass
+    plain.close()
+
+
 def test_batched_forward_refuses_bad_input(builtin, tiny):
     gen = TextGeneration(builtin, [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), own_kv=True)
     with pytest.raises(BadInput, match="past their prompt"):

@@ -767,6 +767,10 @@ class Engine:
 
     def _forward_batch(self, ids: torch.Tensor, positions: list[int],
                        kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        n = self.forward_tokens
+        if ids.shape[0] > n:  # more sequences than a pass's workspace holds tokens (a budget's): in passes of n
+            return torch.cat([self._forward_batch(ids[i:i + n], positions[i:i + n], kv[i:i + n])
+                              for i in range(0, ids.shape[0], n)])
         self._fit_slots(ids.shape[0])
         self.runner.decoding = True
         self.runner.start_forward(None, 0, ids.shape[0])
