@@ -3,8 +3,8 @@ same extra bytes (the dense weights and 10%, 25% or 50% of the experts, in 4 bit
 prefills the same prompt (`--prompt-tokens`, one batch) and decodes the same text token by token.
 
     sudo python benchmarks/memory_cap.py [--model build/qwen3-30b-shape] [--fractions 0.1 0.25 0.5]
-        [--policies fetch-all threshold:tau=0.15] [--quota layer] [--prompt-tokens 256] [--tokens 32] [--rounds 2]
-        [--json OUT]
+        [--policies fetch-all threshold:tau=0.15] [--quota layer] [--prompt-tokens 256] [--tokens 32]
+        [--context N] [--rounds 2] [--json OUT]
 
 The extra bytes are those of llama.cpp's Q4_0 file: its dense tensors plus the fraction of its experts (18
 bytes a block of 32 weights). llama.cpp maps the file (mmap), so that the page cache is its expert cache, with
@@ -54,6 +54,11 @@ def text_ids(model: str, n: int) -> list[int]:
     return tok.encode(EVAL_TEXT.read_text(encoding="utf-8")[:40000]).ids[:n]
 
 
+def context(a) -> int:
+    """Positions of keys and values both runtimes are made for: llama.cpp's n_ctx, the engine's max_seq."""
+    return a.context or max(a.tokens, a.prompt_tokens) + 16
+
+
 def child_engine(a) -> dict:
     import torch
 
@@ -66,7 +71,7 @@ def child_engine(a) -> dict:
     engine = Engine(a.model, EngineConfig(store="disk", cache=cache, policy=a.policy,
                                           store_format=ExpertFormat.parse("int4", 32), slot_dtype="int4",
                                           dense_dtype="int4", memory_budget=a.budget,
-                                          max_seq=max(a.tokens, a.prompt_tokens) + 16))
+                                          max_seq=context(a)))
     prompt = {}
     if a.prompt_tokens:  # the prompt, then decode from a fresh start
         start = time.perf_counter()
@@ -99,7 +104,7 @@ def child_llama(a) -> dict:
         return p
     bindings.llama_model_default_params = params
     gguf = Path(a.model).with_name(f"{Path(a.model).name}-q4_0.gguf")
-    llm = Llama(model_path=str(gguf), n_ctx=max(a.tokens, a.prompt_tokens) + 16, n_batch=max(a.prompt_tokens, 8),
+    llm = Llama(model_path=str(gguf), n_ctx=context(a), n_batch=max(a.prompt_tokens, 8),
                 n_threads=os.cpu_count(), n_threads_batch=os.cpu_count(), use_mmap=True, verbose=False)
     ids = text_ids(a.model, max(a.tokens + 8, a.prompt_tokens))
     vocab = llm.n_vocab()
@@ -148,6 +153,8 @@ def main() -> None:
     p.add_argument("--policies", nargs="+", default=["fetch-all", "threshold:tau=0.15"])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=256, help="the prompt prefilled before decode (0: none)")
+    p.add_argument("--context", type=int, default=None,
+                   help="positions each runtime holds keys and values for (default: the prompt or the decode, + 16)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--quota", default="layer", choices=["layer", "global"],
                    help="the engine's slots each layer's own, or shared by the layers (needs only top-k in all)")
@@ -169,7 +176,7 @@ def main() -> None:
     def run(child: str, limit: int | None, extra: list[str]) -> tuple[dict | None, dict]:
         drop_page_cache()
         cmd = [sys.executable, __file__, "--child", child, "--model", a.model, "--tokens", str(a.tokens),
-               "--prompt-tokens", str(a.prompt_tokens), *extra]
+               "--prompt-tokens", str(a.prompt_tokens), "--context", str(context(a)), *extra]
         r = run_capped(cmd, limit, timeout=3600)
         out = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
         info = {"peak_bytes": r.peak_bytes, "oom_killed": r.oom_killed, "returncode": r.returncode,
@@ -201,7 +208,8 @@ def main() -> None:
     print(f"\nengine slots: {slots}; "
           f"caps: each runtime's baseline (llama.cpp {base['llama.cpp'] / 2**20:.0f} MiB, engine "
           f"{base['engine'] / 2**20:.0f} MiB) + the Q4_0 dense weights and the share of Q4_0 experts; a prefill of "
-          f"{a.prompt_tokens} text tokens, then decode of {a.tokens}, medians of {a.rounds} rounds; llama.cpp at "
+          f"{a.prompt_tokens} text tokens, then decode of {a.tokens}, in a context of {context(a)} positions; medians "
+          f"of {a.rounds} rounds; llama.cpp at "
           f"read-ahead 128 KiB (the disk's was {readahead} KiB)\n")
     print("| experts in the extra | extra MiB | runtime | prefill ms/token | vs llama.cpp | ms/token | vs llama.cpp | "
           "peak MiB (cap) | OOM-killed | hit rate | MiB read from disk per token |")

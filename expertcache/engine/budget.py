@@ -106,15 +106,16 @@ def kv_bytes(args: ModelArgs, positions: int, dtype: torch.dtype) -> int:
     return kv
 
 
-def workspace_bytes(args: ModelArgs, max_seq: int, largest_dense: int, passes: int = FORWARD_CHUNK) -> int:
-    """Memory a run needs beyond weights, caches and buffers: a scored window's logits [max_seq, V]; one forward
-    pass's activations (`passes` tokens: hidden states, projections) and each attention chunk's scores; the
-    expert kernels' scratch (one pass of PASS assignments); and at load the largest dense tensor once in fp32 (a
-    conversion, or a quantized matrix's encoding)."""
+def workspace_bytes(args: ModelArgs, max_seq: int, largest_dense: int, passes: int = FORWARD_CHUNK,
+                    scored: int | None = None) -> int:
+    """Memory a run needs beyond weights, caches and buffers: a scored window's logits [scored, V] (max_seq
+    tokens unless fewer); one forward pass's activations (`passes` tokens: hidden states, projections) and each
+    attention chunk's scores; the expert kernels' scratch (one pass of PASS assignments); and at load
+    `largest_dense`, the largest dense tensor once in fp32 (a conversion, or a quantized matrix's encoding)."""
     a = args
     chunk = min(max_seq, passes)
     width = max(a.num_heads * a.head_dim * 3, a.hidden_size, 2 * (a.dense_dim or 0), 2 * (a.shared_expert_dim or 0))
-    logits = max_seq * a.vocab_size * 4
+    logits = min(max_seq, scored or max_seq) * a.vocab_size * 4
     forward = chunk * (8 * a.hidden_size + 2 * width) * 4
     scores = 3 * a.num_heads * min(chunk, ATTENTION_CHUNK) * max_seq * 4
     F, H = a.expert_dim, a.hidden_size

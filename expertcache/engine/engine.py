@@ -398,9 +398,11 @@ class Engine:
         slots = min(max(slots_beside(tokens), least), max(budget - plan(smallest).total, 0))  # short of a top-k set:
         # refused later
         tokens = _most(tokens, longest, lambda n: fits(n, slots))  # every expert held: the rest to the pass
-        short = min(tokens, DECODE_PASS)  # on the CPU slots past the pages written cost nothing: a decode's all there
-        decode = max(slots, slots_beside(short)) if self.device.type == "cpu" and tokens > short else slots
-        return tokens, plan(tokens), slots, decode, plan(short).workspace
+        # on the CPU slots past the pages written cost nothing: a short pass's all there
+        short = self._memory_plan(stored, dtype, held_dense, min(tokens, DECODE_PASS), short=True)
+        decode = max(slots, min((budget - short.total) // whole * whole, every)) if self.device.type == "cpu" \
+            else slots
+        return tokens, plan(tokens), slots, decode, short.workspace
 
     def _pass_reads(self, tokens: int, plan_bytes: int, slot: int) -> float:
         """Experts read for a prompt token and a decoded token, less a constant, where forward passes of `tokens`
@@ -414,11 +416,13 @@ class Engine:
         return E * a.num_moe_layers * (1 - (1 - k / E) ** tokens) / tokens + k * plan_bytes / (E * slot)
 
     def _memory_plan(self, stored: ExpertFormat, dtype: torch.dtype, held_dense: torch.dtype | None,
-                     passes: int = FORWARD_CHUNK) -> MemoryPlan:
+                     passes: int = FORWARD_CHUNK, short: bool = False) -> MemoryPlan:
         """The fast tier's fixed parts (engine/budget.py) for experts stored as `stored`: the dense weights as
         held, the KV cache at max_seq, the stores' staging buffers (the small copies' too where the policy
         fetches them), the workspace of forward passes of `passes` tokens and the prefetch predictor it is made
-        with."""
+        with. A `short` pass's workspace (`_fit_slots`: at most DECODE_PASS tokens) holds only those tokens' logits,
+        not a scored window's. Loading's transient stays counted: once loaded, a run holds more than the parts
+        name (at real shape ~27 MiB: the allocator's kept blocks, the engine's state), which it covers."""
         a, c = self.args, self.config
         shape = ExpertShape.of(a)
         dense, largest = dense_bytes(self.checkpoint, a, dtype, held_dense if self.device.type == "cpu" else dtype,
@@ -429,7 +433,7 @@ class Engine:
                       for f in formats)
         predictor = predictor_bytes(c.prefetch.predictor, self.path, dtype) if c.prefetch is not None else 0
         return MemoryPlan(dense, kv_bytes(a, c.kv_positions or c.max_seq, dtype), buffers,
-                          workspace_bytes(a, c.max_seq, largest, passes), predictor)
+                          workspace_bytes(a, c.max_seq, largest, passes, DECODE_PASS if short else None), predictor)
 
     def _check_memory(self, cache: CacheConfig, stored: ExpertFormat, store_dtype: torch.dtype,
                       allocated: CacheConfig) -> None:

@@ -47,20 +47,20 @@ class Transformer:
         held as `held` (None: as given) or quantized to `dense` (the CPU kernels' int8 / int4)."""
         self.args, self.moe, self.device, self.max_seq = args, moe, device, max_seq
         a = args
-        w = {k: v.to(device) for k, v in weights.items()}
+        w = weights  # each tensor read as it is converted (weights.DenseWeights), a layer's before the next layer's
         self.dtype = dtype
-        self.embed, self.norm = w["embed"], w["norm"]
+        self.embed, self.norm = w["embed"].to(device), w["norm"].to(device)
 
         self.scratch_activations = ActivationScratch()  # a window's int8 activations, shared by the matrices
         self.position: int | None = None  # the first position of the one sequence's forward running (attention_ahead)
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, bias, dense, held if device.type == "cpu" else dtype, self.scratch_activations)
-        self.lm_head = linear(w["lm_head"] if "lm_head" in w else w["embed"])  # tied: no lm_head in the checkpoint
+        self.lm_head = linear(w["lm_head"].to(device) if "lm_head" in w else self.embed)  # tied: no lm_head saved
         self.layers = []
         for i in range(a.num_layers):
             p = f"layers.{i}."
-            L = {k[len(p):]: v for k, v in w.items() if k.startswith(p)}
+            L = {k[len(p):]: w[k].to(device) for k in w if k.startswith(p)}
             if "wk" in L:  # linear-attention and latent-attention layers have no k, v (latent: wq without a q rank)
                 L["wqkv"] = torch.cat([L.pop("wq"), L.pop("wk"), L.pop("wv")])  # one matmul for q, k, v
             if a.attention_bias and "bq" in L:
