@@ -14,7 +14,7 @@ import torch
 
 from expertcache import CacheConfig, Engine, EngineConfig
 from expertcache.engine.perplexity import EVAL_TEXT
-from expertcache.errors import BadInput, CacheTooSmall
+from expertcache.errors import BadInput, CacheTooSmall, NotEnoughMemory
 
 # In a fresh process: the libraries, the compiled kernels (the predictor's too: compiled where numba's cache is
 # empty, which took ~90 MiB more than the budget), their thread pool and the tokenizer first (the baseline, by
@@ -183,6 +183,32 @@ def test_a_decode_takes_back_a_long_pass_workspace_as_slots(quota):
         assert lent.budget()["workspace_bytes"] < lent.plan.workspace - lent.args.vocab_size * 4 * 500
     lent.close()
     plain.close()
+
+
+def test_an_address_space_limit_short_of_a_decodes_slots_runs_without_lending_them(monkeypatch):
+    """Under an address-space limit (ulimit -v) every slot mapped counts, touched or not. Where the limit holds a long
+    pass's slots but not the more a decode would take back, the run keeps the long pass's slots throughout rather
+    than being refused; short of those too, it is refused in one line naming the limit."""
+    from expertcache.engine import engine as engine_module
+    config = EngineConfig(store="disk", max_seq=600, initial="cold", memory_budget=40 * 2**20)
+    lending = Engine(None, config)
+    long, short = lending.budget()["slots_per_layer_long_pass"], lending.budget()["slots_per_layer_short_pass"]
+    one, fixed = lending.cache.expert_bytes * lending.args.num_moe_layers, lending.plan.total
+    lending.close()
+    assert short > long + 1
+    monkeypatch.setattr(engine_module, "kernels_cached", lambda: True)
+    for room in (fixed + (long + short) // 2 * one, fixed // 2):
+        monkeypatch.setattr(engine_module, "available_memory", lambda: room)
+        monkeypatch.setattr(engine_module, "address_space_room", lambda: room)
+        if room > fixed + long * one:
+            engine = Engine(None, config)
+            assert engine.cache.per_layer == engine.budget()["slots_per_layer_short_pass"] == long
+            engine.forward(torch.tensor([1, 2, 3]), 0)
+            assert engine.cache.active == long
+            engine.close()
+        else:
+            with pytest.raises(NotEnoughMemory, match=r"address-space limit leaves \(ulimit -v\)"):
+                Engine(None, config)
 
 
 def test_loading_holds_one_layer_of_the_dense_matrices_it_converts(monkeypatch):

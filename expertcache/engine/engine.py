@@ -315,13 +315,19 @@ class Engine:
                 config.memory_budget, stored, dtype, held_dense)
             cache_cfg = replace(cache_cfg, bytes=min(self._expert_budget(config.memory_budget), slots))
             allocated = replace(cache_cfg, bytes=max(cache_cfg.bytes, decode))
-            if allocated.bytes > cache_cfg.bytes:
-                shape = ExpertShape.of(self.args)
-                self._long_pass_slots = slots_per_layer(cache_cfg, shape, slot_bytes(shape, self.slot_format),
-                                                        self.args.top_k)
         # the checks count the long pass's workspace beside its slots: a short pass's slots take no more
-        self._check_memory(cache_cfg, stored, held_dtype(ckpt, self.args, store_dtype, config.store_format),
-                           allocated)
+        as_held = held_dtype(ckpt, self.args, store_dtype, config.store_format)
+        try:
+            self._check_memory(cache_cfg, stored, as_held, allocated)
+        except NotEnoughMemory:
+            if allocated is cache_cfg:
+                raise
+            allocated = cache_cfg  # an address-space limit (ulimit -v) counts every slot mapped: a decode lends none
+            self._check_memory(cache_cfg, stored, as_held, allocated)
+        if allocated.bytes is not None and allocated.bytes > cache_cfg.bytes:
+            shape = ExpertShape.of(self.args)
+            self._long_pass_slots = slots_per_layer(cache_cfg, shape, slot_bytes(shape, self.slot_format),
+                                                    self.args.top_k)
         self._check_device_memory(cache_cfg)
         self.store = open_store(config.store, ckpt, self.args, config.store_dir, store_dtype, config.store_format,
                                 config.read_mode, config.verify)
