@@ -399,15 +399,14 @@ class Engine:
         whole = one * (a.num_moe_layers if self.config.cache.quota == "layer" else 1)  # what one more slot takes
         every = one * a.num_moe_layers * a.num_experts
 
-        def slots_beside(tokens: int) -> int:
-            return min((budget - plan(tokens).total) // whole * whole, every)
-        slots = min(max(slots_beside(tokens), least), max(budget - plan(smallest).total, 0))  # short of a top-k set:
-        # refused later
+        def slots_beside(parts: MemoryPlan) -> int:
+            return min((budget - parts.total) // whole * whole, every)
+        # short of a top-k set: refused later
+        slots = min(max(slots_beside(plan(tokens)), least), max(budget - plan(smallest).total, 0))
         tokens = _most(tokens, longest, lambda n: fits(n, slots))  # every expert held: the rest to the pass
         # on the CPU slots past the pages written cost nothing: a short pass's all there
         short = self._memory_plan(stored, dtype, held_dense, min(tokens, DECODE_PASS), short=True)
-        decode = max(slots, min((budget - short.total) // whole * whole, every)) if self.device.type == "cpu" \
-            else slots
+        decode = max(slots, slots_beside(short)) if self.device.type == "cpu" else slots
         return tokens, plan(tokens), slots, decode, short.workspace
 
     def _pass_reads(self, tokens: int, plan_bytes: int, slot: int) -> float:
